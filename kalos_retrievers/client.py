@@ -1,0 +1,977 @@
+"""KalosClient: talk to a sidecar through its shared-memory segment.
+
+A call borrows a slot, writes the request into it, rings the sidecar's doorbell, and waits for
+the answer: first by spinning on the slot's state word for a bounded time (a round trip then
+costs microseconds), then by blocking on the slot's semaphore, checking every few milliseconds
+that the sidecar is still alive so that a killed sidecar is noticed at once rather than at the
+deadline.
+
+Every call has a deadline (``timeout``). What can go wrong maps onto :mod:`.errors`:
+
+* the sidecar is not there, or died mid-call: :class:`SidecarUnavailable` (at once);
+* it is there but did not answer in time (paused, overloaded): :class:`SidecarTimeout`;
+* it answered with an error: :class:`RequestRejected` and subclasses;
+* you passed something wrong: ``ValueError``/``TypeError`` naming the argument, before anything
+  is sent.
+
+After a sidecar restart (a new boot epoch) the client reconnects by itself, with exponential
+backoff between attempts while the sidecar stays away. A client is thread-safe: each thread in
+flight uses a slot of its own (up to ``max_slots`` per client; beyond that, threads queue).
+After ``os.fork`` the child never touches the parent's slots: it connects again on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _ipc
+from .errors import (
+    CapacityError,
+    IncompatibleVersion,
+    KalosError,
+    PermissionDenied,
+    ProtocolError,
+    RequestRejected,
+    SidecarBusy,
+    SidecarTimeout,
+    SidecarUnavailable,
+    StoreError,
+)
+from .filters import validate_filter
+from .protocol import (
+    CTL_SIZE,
+    OP_NAMES,
+    REQUEST_OFFSET,
+    REQUEST_STRUCT,
+    Flag,
+    Header,
+    HeaderError,
+    Layout,
+    Metric,
+    Op,
+    ProtocolDecodeError,
+    RespFlag,
+    Response,
+    SidecarState,
+    SlotState,
+    Status,
+    align8,
+    check_name,
+    check_vectors,
+    decode_docs_blob,
+    decode_header,
+    decode_doc,
+    doorbell_name,
+    encode_json,
+    encode_recall_args,
+    response_sem_name,
+    segment_name,
+)
+from .results import RecallResult, Record
+
+__all__ = ["KalosClient"]
+
+_LIVENESS_TICK = 0.02  # seconds between "is the sidecar still alive?" checks while blocked
+_BACKOFF_MIN = 0.05
+_BACKOFF_MAX = 2.0
+MAX_ID_BYTES = 512
+
+_clients: weakref.WeakSet[KalosClient] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for c in list(_clients):
+        c._forget_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# --------------------------------------------------------------------------------------------
+# One connection = one boot epoch of one sidecar
+
+
+class _Slot:
+    """A claimed slot and typed views of its areas. Used by one thread at a time."""
+
+    __slots__ = ("blob", "ctl", "index", "payload", "payload_f32", "pending", "rows", "scores",
+                 "sem", "seq", "state")  # fmt: skip
+
+    def __init__(self, conn: _Conn, index: int) -> None:
+        lay = conn.layout
+        off = lay.slot_offset(index)
+        mv = memoryview(conn.seg.mm)
+        self.index = index
+        self.ctl = mv[off : off + CTL_SIZE]
+        self.state = self.ctl.cast("I")
+        self.payload = mv[off + lay.payload_offset : off + lay.rows_offset]
+        self.payload_f32 = np.frombuffer(self.payload, dtype="<f4")
+        self.rows = np.frombuffer(conn.seg.mm, "<i4", lay.max_results, off + lay.rows_offset)
+        self.scores = np.frombuffer(conn.seg.mm, "<f4", lay.max_results, off + lay.scores_offset)
+        self.blob = mv[off + lay.blob_offset : off + lay.blob_offset + lay.blob_size]
+        self.sem = _ipc.open_semaphore(response_sem_name(conn.name, index))
+        self.seq = random.getrandbits(48)
+        self.pending = 0  # seq of an abandoned request still in the sidecar's hands
+
+
+class _Conn:
+    def __init__(self, name: str, seg: _ipc.Segment, header: Header) -> None:
+        self.name = name
+        self.seg = seg
+        self.header = header
+        self.layout = header.layout
+        self.epoch = header.boot_epoch
+        self.dead = False
+        self.bell = _ipc.open_semaphore(doorbell_name(name))
+        self.owned: list[_Slot] = []
+        self.free: list[_Slot] = []
+        self._state_off = 16  # HEADER_OFFSETS["state"]; fixed by the v1 layout
+        self._hdr32 = memoryview(seg.mm)[:64].cast("I")
+
+    @classmethod
+    def connect(cls, name: str, dim: int | None) -> _Conn:
+        seg = _ipc.Segment.open(segment_name(name), name)
+        try:
+            if not _ipc.is_locked(seg.fd, _ipc.SIDECAR_LOCK_BYTE):
+                raise SidecarUnavailable(
+                    f"sidecar {name!r} is not running (its segment is stale: a sidecar died "
+                    "without cleaning up; the next `kalos-sidecar serve` removes it)"
+                )
+            try:
+                header = decode_header(seg.mm[:4096] if seg.size >= 4096 else seg.mm[:], seg.size)
+            except HeaderError as e:
+                raise _header_error(name, e) from None
+            if header.state != SidecarState.READY:
+                raise SidecarUnavailable(f"sidecar {name!r} is not ready (state {header.state})")
+            if dim is not None and dim != header.dim:
+                raise IncompatibleVersion(
+                    f"sidecar {name!r} stores dim={header.dim} vectors but this client was "
+                    f"created with dim={dim}: use an embedding model with {header.dim} "
+                    f"dimensions, or start a sidecar under another name with --dim {dim}"
+                )
+            return cls(name, seg, header)
+        except BaseException:
+            seg.close()
+            raise
+
+    def sidecar_alive(self) -> bool:
+        """Cheap check: the sidecar's lock is held and it has not announced a stop."""
+        if self.dead:
+            return False
+        if self._hdr32[4] != SidecarState.READY:  # byte 16: state
+            return False
+        return _ipc.is_locked(self.seg.fd, _ipc.SIDECAR_LOCK_BYTE)
+
+    def claim(self) -> _Slot | None:
+        n = self.layout.n_slots
+        start = (os.getpid() * 7 + len(self.owned) * 13 + random.randrange(n)) % n
+        owned = {s.index for s in self.owned}
+        for j in range(n):
+            i = (start + j) % n
+            if i in owned or not _ipc.try_lock(self.seg.fd, _ipc.slot_lock_byte(i)):
+                continue
+            state = memoryview(self.seg.mm)[self.layout.slot_offset(i) :][:8].cast("I")
+            if state[0] != SlotState.FREE:
+                # a dead owner's leftovers: the sidecar reclaims it shortly
+                del state
+                _ipc.unlock(self.seg.fd, _ipc.slot_lock_byte(i))
+                continue
+            state[1] = os.getpid() & 0xFFFFFFFF
+            state[0] = SlotState.CLAIMED
+            del state
+            try:
+                slot = _Slot(self, i)
+            except BaseException:
+                self.release_slot_lock(i)
+                raise
+            self.owned.append(slot)
+            return slot
+        return None
+
+    def release_slot_lock(self, i: int) -> None:
+        with contextlib.suppress(OSError):
+            _ipc.unlock(self.seg.fd, _ipc.slot_lock_byte(i))
+
+    def close(self) -> None:
+        """Give every slot back and unmap. Slots with an abandoned request stay non-FREE: the
+        sidecar reclaims them once it has finished with them."""
+        self.dead = True
+        for s in self.owned:
+            if not s.pending:
+                with contextlib.suppress(ValueError, TypeError):
+                    s.state[0] = SlotState.FREE
+            self.release_slot_lock(s.index)
+            _ipc.close_semaphore(s.sem)
+        self.owned.clear()
+        self.free.clear()
+        _ipc.close_semaphore(self.bell)
+        with contextlib.suppress(BufferError):
+            self._hdr32.release()
+        self.seg.close()
+
+
+def _header_error(name: str, e: HeaderError) -> KalosError:
+    if e.kind == HeaderError.INITIALIZING:
+        return SidecarUnavailable(f"sidecar {name!r} is still starting up; retry shortly")
+    if e.kind == HeaderError.VERSION:
+        return IncompatibleVersion(
+            f"sidecar {name!r}: {e}. Upgrade the older of the two (`pip install -U "
+            "kalos-retrievers` in both environments) and restart the sidecar"
+        )
+    if e.kind == HeaderError.MAGIC:
+        return ProtocolError(
+            f"/dev/shm segment of {name!r} is not a Kalos segment ({e}); another program uses "
+            "this name: pick another --name"
+        )
+    return ProtocolError(f"segment of sidecar {name!r} is unusable: {e}")
+
+
+@dataclass
+class _Reply:
+    status: int
+    n_results: int
+    resp_flags: int
+    rows: np.ndarray | None
+    scores: np.ndarray | None
+    blob: bytes
+
+
+# --------------------------------------------------------------------------------------------
+
+
+class KalosClient:
+    """A connection to the Kalos sidecar named ``name``.
+
+    Args:
+        name: the sidecar's ``--name``.
+        dim: the vector dimension you will use; checked against the sidecar's on connect.
+        timeout: default deadline of each call, in seconds.
+        spin_us: how long a call busy-waits for the answer before blocking (microseconds).
+            Spinning turns a ~12 µs semaphore wake-up into a ~1 µs memory read; it costs a
+            core while it lasts. Default 300 on x86-64, 0 elsewhere (the spin path relies on
+            x86-64's store ordering).
+        max_slots: most slots this client holds at once (= its concurrent calls).
+        lazy: don't connect now; connect on the first call. Adapters use this so that building
+            a chain never fails because the sidecar is not up yet.
+
+    Raises:
+        SidecarUnavailable: (unless ``lazy``) no sidecar of that name is running.
+        IncompatibleVersion, PermissionDenied, ProtocolError: see their docs.
+
+    Example:
+        >>> with KalosClient.spawn(dim=4) as client:                        # doctest: +SKIP
+        ...     client.upsert(["a"], [[1, 0, 0, 0]], texts=["alpha"])
+        ...     client.recall([1, 0, 0, 0], k=1)[0].text
+        'alpha'
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        dim: int | None = None,
+        timeout: float = 2.0,
+        spin_us: float | None = None,
+        max_slots: int = 8,
+        lazy: bool = False,
+    ) -> None:
+        self.name = check_name(name)
+        if dim is not None and (not isinstance(dim, int) or dim <= 0):
+            raise ValueError(f"dim={dim!r} must be a positive int")
+        _check_timeout(timeout)
+        if max_slots < 1:
+            raise ValueError(f"max_slots={max_slots} must be >= 1")
+        self._dim = dim
+        self.timeout = float(timeout)
+        if spin_us is None:
+            spin_us = 300.0 if os.uname().machine in ("x86_64", "AMD64") else 0.0
+        self.spin_ns = int(spin_us * 1000)
+        self.max_slots = max_slots
+        self._lock = threading.Condition(threading.RLock())
+        self._conn: _Conn | None = None
+        self._closed = False
+        self._pid = os.getpid()
+        self._backoff = 0.0
+        self._next_attempt = 0.0
+        self._last_error: KalosError | None = None
+        self._process: Any = None  # a Sidecar this client started (spawn), stopped on close
+        self.reconnects = 0
+        _clients.add(self)
+        if not lazy:
+            with self._lock:
+                self._connect_now()
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def spawn(cls, name: str | None = None, *, dim: int, **sidecar_options: Any) -> KalosClient:
+        """Start a sidecar process and return a client connected to it.
+
+        The sidecar stops when the client is closed (``close()`` or leaving a ``with`` block).
+        ``sidecar_options`` are :class:`kalos_retrievers.Sidecar`'s (``metric``, ``device``,
+        ``data_dir``, ``slots``, ...). Without ``name`` a unique one is made up.
+        """
+        from .spawn import Sidecar
+
+        sc = Sidecar(name, dim=dim, **sidecar_options).start()
+        try:
+            client = cls(sc.name, dim=dim)
+        except BaseException:
+            sc.stop()
+            raise
+        client._process = sc
+        return client
+
+    def close(self) -> None:
+        """Release the slots this client holds (and stop the sidecar if it spawned it)."""
+        with self._lock:
+            self._closed = True
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.close()
+            self._conn = None
+            self._lock.notify_all()
+        if self._process is not None:
+            self._process.stop()
+            self._process = None
+
+    def __enter__(self) -> KalosClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.close()
+
+    def _forget_after_fork(self) -> None:
+        # The parent's slots and locks are the parent's: drop them without writing anything,
+        # and close our copy of the descriptor so the parent's locks die with the parent.
+        self._lock = threading.Condition(threading.RLock())
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.seg.shm.close_fd()
+        self._conn = None
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ info
+    @property
+    def header(self) -> Header:
+        """The sidecar's header as read at connect time (connects if needed)."""
+        return self._ensure_conn(time.monotonic() + self.timeout).header
+
+    @property
+    def dim(self) -> int:
+        if self._dim is None:
+            self._dim = self.header.dim
+        return self._dim
+
+    @property
+    def metric(self) -> str:
+        return self.header.metric_name
+
+    @property
+    def connected(self) -> bool:
+        c = self._conn
+        return c is not None and not c.dead and c.sidecar_alive()
+
+    # ------------------------------------------------------------------ public operations
+    def ping(self, *, timeout: float | None = None) -> float:
+        """Round-trip a no-op; return the seconds it took."""
+        t0 = time.perf_counter()
+        self._call(Op.PING, timeout=timeout)
+        return time.perf_counter() - t0
+
+    def recall(
+        self,
+        query: Any,
+        k: int = 10,
+        *,
+        namespace: str = "",
+        filter: Mapping[str, Any] | None = None,  # noqa: A002 - the name every vector store uses
+        with_vectors: bool = False,
+        docs: bool = True,
+        timeout: float | None = None,
+    ) -> RecallResult:
+        """The ``k`` stored vectors most similar to ``query`` (best first).
+
+        Args:
+            query: one vector of the sidecar's dimension.
+            k: how many results; fewer come back when fewer rows match.
+            namespace: search only this namespace.
+            filter: metadata filter (see :mod:`kalos_retrievers.filters`); the result is the
+                true top-k among matching rows.
+            with_vectors: also return the stored vectors (for MMR re-ranking).
+            docs: set False to skip documents and get only rows and scores.
+            timeout: this call's deadline in seconds (default: the client's).
+
+        Raises:
+            ValueError: bad query, k, namespace or filter.
+            SidecarUnavailable, SidecarTimeout: the sidecar is gone or too slow.
+        """
+        q = check_vectors(query, self.dim, "query")
+        if q.shape[0] != 1:
+            raise ValueError(f"query has {q.shape[0]} vectors; use recall_batch for several")
+        return self.recall_batch(
+            q, k, namespace=namespace, filter=filter, with_vectors=with_vectors, docs=docs,
+            timeout=timeout,
+        )[0]  # fmt: skip
+
+    def recall_batch(
+        self,
+        queries: Any,
+        k: int = 10,
+        *,
+        namespace: str = "",
+        filter: Mapping[str, Any] | None = None,  # noqa: A002
+        with_vectors: bool = False,
+        docs: bool = True,
+        timeout: float | None = None,
+    ) -> list[RecallResult]:
+        """:meth:`recall` for many queries at once (one result per query, in order).
+
+        Large batches are split into as few requests as the slot allows; the sidecar answers a
+        request's queries with one batched search.
+        """
+        qs = check_vectors(queries, self.dim, "queries")
+        if len(qs) == 0:
+            return []
+        header = self.header
+        _check_k(k, header.max_k)
+        _check_namespace(namespace)
+        flt = validate_filter(filter)
+        args = encode_recall_args(namespace, encode_json(flt) if flt else None)
+        flags = (Flag.WITH_VECTORS if with_vectors else 0) | (0 if docs else Flag.NO_DOCS)
+        per_req = max(1, min(header.max_queries, header.max_results // k))
+        deadline = self._deadline(timeout)
+        out: list[RecallResult] = []
+        for start in range(0, len(qs), per_req):
+            chunk = qs[start : start + per_req]
+            rep = self._call(Op.RECALL, vectors=chunk, args=args, top_k=k, n_items=len(chunk),
+                             flags=flags, deadline=deadline)  # fmt: skip
+            out.extend(self._split_recall(rep, len(chunk), k, with_vectors, docs, namespace))
+        return out
+
+    def _split_recall(
+        self, rep: _Reply, nq: int, k: int, with_vectors: bool, docs: bool, namespace: str
+    ) -> list[RecallResult]:
+        kk = rep.n_results
+        if kk > k:
+            raise ProtocolError(f"sidecar returned {kk} results per query for k={k}")
+        assert rep.rows is not None and rep.scores is not None
+        rows = rep.rows.reshape(nq, k)[:, :kk]
+        scores = rep.scores.reshape(nq, k)[:, :kk]
+        doc_views: list[memoryview] | None = None
+        vectors = None
+        if docs or with_vectors:
+            try:
+                doc_views, vectors = decode_docs_blob(
+                    rep.blob, self.dim, bool(rep.resp_flags & RespFlag.HAS_VECTORS)
+                )
+            except ProtocolDecodeError as e:
+                raise ProtocolError(str(e)) from None
+            if len(doc_views) != nq * kk:
+                raise ProtocolError(f"sidecar returned {len(doc_views)} docs for {nq}x{kk} hits")
+            if with_vectors and vectors is None:
+                raise ProtocolError("sidecar did not return the vectors asked for")
+        results = []
+        for i in range(nq):
+            d = doc_views[i * kk : (i + 1) * kk] if docs and doc_views is not None else None
+            v = vectors[i * kk : (i + 1) * kk] if vectors is not None else None
+            results.append(RecallResult(rows[i], scores[i], d, v, namespace))
+        return results
+
+    def upsert(
+        self,
+        ids: Sequence[str] | None,
+        vectors: Any,
+        texts: Sequence[str] | None = None,
+        metadatas: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        namespace: str = "",
+        timeout: float | None = None,
+    ) -> list[str]:
+        """Insert or overwrite memories; return their ids.
+
+        Acknowledged (returned) only after the sidecar's store of record committed the write,
+        so with ``--data-dir`` it survives ``kill -9``. Writes larger than one slot are split
+        into chunks transparently; each chunk commits on its own.
+
+        Args:
+            ids: one id per vector (strings); None makes up UUIDs. An existing id in the
+                namespace is overwritten (its ``created_at`` is kept).
+            vectors: (n, dim) array-like.
+            texts: the text of each memory (non-empty strings), or None for vector-only rows.
+            metadatas: one JSON-serializable dict per vector (or None).
+            namespace: where to store them.
+        """
+        vecs = check_vectors(vectors, self.dim, "vectors")
+        n = len(vecs)
+        if n == 0:
+            return []
+        if self.header.metric == Metric.COSINE:
+            zero = np.flatnonzero(~np.any(vecs != 0, axis=1))
+            if len(zero):
+                raise ValueError(
+                    f"vectors[{int(zero[0])}] is all zeros: it has no direction, so its cosine "
+                    "similarity is undefined; use the 'ip' or 'l2' metric to store it"
+                )
+        id_list = _check_ids(ids, n)
+        _check_namespace(namespace)
+        text_list = _check_texts(texts, n)
+        meta_enc = _encode_metadatas(metadatas, n)
+        ns_json = encode_json(namespace)
+        id_enc = [encode_json(i) for i in id_list]
+        text_enc = [encode_json(t) for t in text_list]
+        deadline = self._deadline(timeout)
+        lay = self.header.layout
+        row_bytes = 4 * self.dim
+        fixed = len(b'{"namespace":,"ids":[],"texts":[],"metadatas":[]}') + len(ns_json)
+        start = 0
+        while start < n:
+            size, end = fixed, start
+            while end < n:
+                rec = len(id_enc[end]) + len(text_enc[end]) + len(meta_enc[end]) + 3
+                if align8((end - start + 1) * row_bytes) + size + rec > lay.payload_size:
+                    break
+                size += rec
+                end += 1
+            if end == start:
+                raise ValueError(
+                    f"texts/metadatas[{start}] is too large: one memory must fit in a slot "
+                    f"payload of {lay.payload_size} bytes with its vector; shorten it or start "
+                    "the sidecar with a larger --payload-kb"
+                )
+            args = b"".join([
+                b'{"namespace":', ns_json,
+                b',"ids":[', b",".join(id_enc[start:end]),
+                b'],"texts":[', b",".join(text_enc[start:end]),
+                b'],"metadatas":[', b",".join(meta_enc[start:end]), b"]}",
+            ])  # fmt: skip
+            self._call(Op.UPSERT, vectors=vecs[start:end], args=args, n_items=end - start,
+                       deadline=deadline)  # fmt: skip
+            start = end
+        return id_list
+
+    def get(
+        self,
+        ids: Iterable[str],
+        *,
+        namespace: str = "",
+        with_vectors: bool = False,
+        timeout: float | None = None,
+    ) -> list[Record]:
+        """The stored records of ``ids`` in that order; ids not found are skipped."""
+        id_list = _check_ids(list(ids), None)
+        _check_namespace(namespace)
+        if not id_list:
+            return []
+        return self._records(Op.GET, {"namespace": namespace, "ids": id_list}, namespace,
+                             with_vectors, self._deadline(timeout))  # fmt: skip
+
+    def scan(
+        self,
+        *,
+        namespace: str = "",
+        filter: Mapping[str, Any] | None = None,  # noqa: A002
+        limit: int = 100,
+        offset: int = 0,
+        with_vectors: bool = False,
+        timeout: float | None = None,
+    ) -> list[Record]:
+        """Records of a namespace matching ``filter``, oldest first (by ``created_at``, id)."""
+        _check_namespace(namespace)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(f"limit={limit!r} must be an int >= 0")
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"offset={offset!r} must be an int >= 0")
+        flt = validate_filter(filter)
+        args = {"namespace": namespace, "filter": flt, "limit": limit, "offset": offset}
+        return self._records(Op.SCAN, args, namespace, with_vectors, self._deadline(timeout))
+
+    def delete(
+        self,
+        ids: Iterable[str] | None = None,
+        *,
+        namespace: str = "",
+        filter: Mapping[str, Any] | None = None,  # noqa: A002
+        timeout: float | None = None,
+    ) -> int:
+        """Delete by ids and/or by filter within a namespace; return how many were deleted.
+
+        Acknowledged after the store commits. To empty a namespace use
+        :meth:`delete_namespace` (a bare ``delete()`` refuses, to protect you from yourself).
+        """
+        _check_namespace(namespace)
+        flt = validate_filter(filter)
+        if ids is None and flt is None:
+            raise ValueError("delete() needs ids or a filter; use delete_namespace() to empty one")
+        args: dict[str, Any] = {"namespace": namespace, "filter": flt}
+        if ids is not None:
+            args["ids"] = _check_ids(list(ids), None)
+        return self._call(Op.DELETE, args=encode_json(args), deadline=self._deadline(timeout)).n_results
+
+    def delete_namespace(self, namespace: str, *, timeout: float | None = None) -> int:
+        """Delete every record of ``namespace``; return how many."""
+        _check_namespace(namespace)
+        args = encode_json({"namespace": namespace, "all": True})
+        return self._call(Op.DELETE, args=args, deadline=self._deadline(timeout)).n_results
+
+    def count(
+        self,
+        namespace: str | None = None,
+        *,
+        filter: Mapping[str, Any] | None = None,  # noqa: A002
+        timeout: float | None = None,
+    ) -> int:
+        """Rows in ``namespace`` (all namespaces when None) matching ``filter``."""
+        if namespace is not None:
+            _check_namespace(namespace)
+        flt = validate_filter(filter)
+        if flt is not None and namespace is None:
+            raise ValueError("count(filter=...) needs a namespace ('' is the default one)")
+        args = encode_json({"namespace": namespace, "filter": flt})
+        rep = self._call(Op.COUNT, args=args, deadline=self._deadline(timeout))
+        return int(json.loads(rep.blob)["count"])
+
+    def namespaces(self, *, timeout: float | None = None) -> dict[str, int]:
+        """Every non-empty namespace with its row count."""
+        rep = self._call(Op.NAMESPACES, deadline=self._deadline(timeout))
+        return dict(json.loads(rep.blob))
+
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """The sidecar's counters: rows, requests by op and status, latency percentiles..."""
+        rep = self._call(Op.STATS, deadline=self._deadline(timeout))
+        out: dict[str, Any] = json.loads(rep.blob)
+        out["client"] = {"reconnects": self.reconnects}
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _records(
+        self, op: int, args: dict[str, Any], namespace: str, with_vectors: bool, deadline: float
+    ) -> list[Record]:
+        rep = self._call(op, args=encode_json(args),
+                         flags=Flag.WITH_VECTORS if with_vectors else 0, deadline=deadline)  # fmt: skip
+        try:
+            views, vecs = decode_docs_blob(rep.blob, self.dim, bool(rep.resp_flags & RespFlag.HAS_VECTORS))
+            docs = [decode_doc(v) for v in views]
+        except ProtocolDecodeError as e:
+            raise ProtocolError(str(e)) from None
+        if with_vectors and vecs is None:
+            raise ProtocolError("sidecar did not return the vectors asked for")
+        return [
+            Record.from_doc(d, namespace, None if vecs is None else vecs[i])
+            for i, d in enumerate(docs)
+        ]
+
+    def _deadline(self, timeout: float | None) -> float:
+        if timeout is None:
+            timeout = self.timeout
+        else:
+            _check_timeout(timeout)
+        return time.monotonic() + timeout
+
+    def _connect_now(self) -> _Conn:
+        """Connect (lock held). Raises what connecting raises and arms the backoff."""
+        if self._closed:
+            raise KalosError("this KalosClient is closed")
+        try:
+            conn = _Conn.connect(self.name, self._dim)
+        except (SidecarUnavailable, ProtocolError, PermissionDenied) as e:
+            self._backoff = min(max(2 * self._backoff, _BACKOFF_MIN), _BACKOFF_MAX)
+            self._next_attempt = time.monotonic() + self._backoff * random.uniform(0.8, 1.2)
+            self._last_error = e
+            raise
+        if self._dim is None:
+            self._dim = conn.header.dim
+        if self._conn is not None:
+            self.reconnects += 1
+        self._conn = conn
+        self._backoff = 0.0
+        self._last_error = None
+        return conn
+
+    def _ensure_conn(self, deadline: float) -> _Conn:
+        conn = self._conn
+        if conn is not None and not conn.dead and self._pid == os.getpid():
+            return conn
+        with self._lock:
+            if self._pid != os.getpid():
+                self._forget_after_fork()
+            conn = self._conn
+            if conn is not None and not conn.dead:
+                return conn
+            if conn is not None:
+                conn.close()
+            now = time.monotonic()
+            if now < self._next_attempt and self._last_error is not None:
+                raise type(self._last_error)(
+                    f"{self._last_error} (next reconnect attempt in "
+                    f"{1000 * (self._next_attempt - now):.0f} ms)"
+                )
+            return self._connect_now()
+
+    def _drop_conn(self, conn: _Conn) -> None:
+        with self._lock:
+            conn.dead = True
+            if self._conn is conn:
+                # Reconnect on the next call right away: a restart may already be up.
+                self._next_attempt = 0.0
+            self._lock.notify_all()
+
+    def _acquire(self, conn: _Conn, deadline: float) -> _Slot:
+        with self._lock:
+            while True:
+                if conn.dead:
+                    raise SidecarUnavailable(f"sidecar {self.name!r} went away")
+                if conn.free:
+                    return conn.free.pop()
+                if len(conn.owned) < self.max_slots:
+                    slot = conn.claim()
+                    if slot is not None:
+                        return slot
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SidecarBusy(
+                        f"no free slot on sidecar {self.name!r} before the deadline: "
+                        f"{conn.layout.n_slots} slots are all in use; start it with more --slots "
+                        f"or use fewer concurrent clients (this one holds {len(conn.owned)})"
+                    )
+                self._lock.wait(min(remaining, 0.002))
+
+    def _release(self, conn: _Conn, slot: _Slot) -> None:
+        with self._lock:
+            if slot.pending:
+                return  # stays out of circulation until the sidecar has finished with it
+            conn.free.append(slot)
+            self._lock.notify()
+
+    def _recover_pending(self, conn: _Conn) -> None:
+        for s in conn.owned:
+            if s.pending and s.state[0] in (SlotState.RESPONSE, SlotState.ERROR):
+                if Response.unpack(s.ctl).seq == s.pending:
+                    s.pending = 0
+                    s.state[0] = SlotState.CLAIMED
+                    conn.free.append(s)
+
+    def _call(
+        self,
+        op: int,
+        *,
+        vectors: np.ndarray | None = None,
+        args: bytes = b"",
+        top_k: int = 0,
+        n_items: int = 0,
+        flags: int = 0,
+        timeout: float | None = None,
+        deadline: float | None = None,
+    ) -> _Reply:
+        if deadline is None:
+            deadline = self._deadline(timeout)
+        conn = self._ensure_conn(deadline)
+        if any(s.pending for s in conn.owned):
+            with self._lock:
+                self._recover_pending(conn)
+        slot = self._acquire(conn, deadline)
+        try:
+            vec_len = 0
+            if vectors is not None:
+                vec_len = vectors.size * 4
+                slot.payload_f32[: vectors.size] = vectors.reshape(-1)
+            a = align8(vec_len)
+            if args:
+                slot.payload[a : a + len(args)] = args
+            rep = self._roundtrip(conn, slot, op, flags, top_k, n_items, vec_len, len(args), deadline)
+            if rep.status != Status.OK:
+                raise _status_error(rep.status, rep.blob, op)
+            return rep
+        finally:
+            self._release(conn, slot)
+
+    def _roundtrip(
+        self, conn: _Conn, slot: _Slot, op: int, flags: int, top_k: int, n_items: int,
+        vec_len: int, args_len: int, deadline: float,
+    ) -> _Reply:  # fmt: skip
+        chunks: list[bytes] = []
+        rows = scores = None
+        while True:
+            _ipc.drain(slot.sem)
+            slot.seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
+            seq = slot.seq
+            REQUEST_STRUCT.pack_into(slot.ctl, REQUEST_OFFSET, seq, op, flags, top_k, n_items,
+                                     vec_len, args_len, int(deadline * 1e9))  # fmt: skip
+            slot.state[0] = SlotState.REQUEST
+            _ipc.post(conn.bell)
+            resp = self._wait(conn, slot, seq, deadline)
+            if resp.resp_len > conn.layout.blob_size:
+                raise ProtocolError(f"response length {resp.resp_len} exceeds the slot")
+            if rows is None and op == Op.RECALL and resp.status == Status.OK:
+                m = n_items * top_k
+                rows, scores = slot.rows[:m].copy(), slot.scores[:m].copy()
+            chunks.append(bytes(slot.blob[: resp.resp_len]))
+            slot.state[0] = SlotState.CLAIMED
+            if not resp.resp_flags & RespFlag.MORE or resp.status != Status.OK:
+                blob = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                return _Reply(resp.status, resp.n_results, resp.resp_flags, rows, scores, blob)
+            op, flags, top_k, n_items, vec_len, args_len = Op.CONTINUE, 0, 0, 0, 0, 0
+            if len(chunks) > 1 << 16:
+                raise ProtocolError("response continues without end")
+
+    def _wait(self, conn: _Conn, slot: _Slot, seq: int, deadline: float) -> Response:
+        state = slot.state
+        done = (SlotState.RESPONSE, SlotState.ERROR)
+        if self.spin_ns:
+            spin_end = time.monotonic_ns() + self.spin_ns
+            while True:
+                if state[0] in done:
+                    return self._check_seq(slot, seq)
+                if time.monotonic_ns() > spin_end:
+                    break
+        while True:
+            remaining = deadline - time.monotonic()
+            if state[0] in done:
+                return self._check_seq(slot, seq)
+            if remaining <= 0:
+                slot.pending = seq
+                if not conn.sidecar_alive():
+                    self._drop_conn(conn)
+                    raise SidecarUnavailable(f"sidecar {self.name!r} stopped during the call")
+                raise SidecarTimeout(
+                    f"sidecar {self.name!r} did not answer {OP_NAMES.get(_op_of(slot), '?')} "
+                    "before the deadline (is it paused or overloaded? see `kalos-sidecar stats`)"
+                )
+            if not _ipc.wait(slot.sem, min(remaining, _LIVENESS_TICK)) and not conn.sidecar_alive():
+                slot.pending = seq
+                self._drop_conn(conn)
+                raise SidecarUnavailable(f"sidecar {self.name!r} stopped during the call")
+
+    @staticmethod
+    def _check_seq(slot: _Slot, seq: int) -> Response:
+        resp = Response.unpack(slot.ctl)
+        if resp.seq != seq:
+            raise ProtocolError(f"response sequence {resp.seq} does not match request {seq}")
+        return resp
+
+
+def _op_of(slot: _Slot) -> int:
+    return int(slot.state[4])  # the op word (byte 16)
+
+
+def _status_error(status: int, blob: bytes, op: int) -> KalosError:
+    msg = blob.decode(errors="replace") or f"status {status}"
+    opname = OP_NAMES.get(op, str(op))
+    if status == Status.CAPACITY:
+        return CapacityError(f"{opname}: {msg}")
+    if status == Status.STORE:
+        return StoreError(f"{opname}: {msg}")
+    if status == Status.DEADLINE:
+        return SidecarTimeout(f"{opname}: {msg}")
+    if status == Status.STOPPING:
+        return SidecarUnavailable(f"{opname}: {msg}")
+    if status == Status.INTERNAL:
+        return KalosError(f"{opname}: sidecar internal error: {msg}")
+    return RequestRejected(f"{opname}: {msg}")
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks (each names the argument it checks)
+
+
+def _check_timeout(timeout: Any) -> None:
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+
+
+def _check_k(k: Any, max_k: int) -> None:
+    if not isinstance(k, int | np.integer) or isinstance(k, bool) or not 1 <= k <= max_k:
+        raise ValueError(f"k={k!r} must be an int in [1, {max_k}] (this sidecar's --max-k)")
+
+
+def _check_namespace(namespace: Any) -> None:
+    if not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+    if len(namespace.encode("utf-8", "surrogatepass")) > 255:
+        raise ValueError("namespace is longer than 255 bytes")
+    _utf8(namespace, "namespace")
+
+
+def _utf8(s: str, argument: str) -> bytes:
+    try:
+        return s.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{argument} is not valid UTF-8 text (lone surrogate at {e.start})") from None
+
+
+def _check_ids(ids: Sequence[str] | None, n: int | None) -> list[str]:
+    if ids is None:
+        assert n is not None
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(ids, str):
+        raise TypeError("ids must be a list of strings, not one string")
+    id_list = list(ids)
+    if n is not None and len(id_list) != n:
+        raise ValueError(f"ids has {len(id_list)} entries but vectors has {n}")
+    for i, x in enumerate(id_list):
+        if not isinstance(x, str) or not x:
+            raise ValueError(f"ids[{i}]={x!r} must be a non-empty string")
+        if len(_utf8(x, f"ids[{i}]")) > MAX_ID_BYTES:
+            raise ValueError(f"ids[{i}] is longer than {MAX_ID_BYTES} bytes")
+    return id_list
+
+
+def _check_texts(texts: Sequence[str] | None, n: int) -> list[str]:
+    if texts is None:
+        return [""] * n
+    if isinstance(texts, str):
+        raise TypeError("texts must be a list of strings, not one string")
+    out = list(texts)
+    if len(out) != n:
+        raise ValueError(f"texts has {len(out)} entries but vectors has {n}")
+    for i, t in enumerate(out):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+        if not t:
+            raise ValueError(f"texts[{i}] is empty; store text, or pass texts=None for vector-only rows")
+        _utf8(t, f"texts[{i}]")
+    return out
+
+
+def _encode_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None, n: int) -> list[bytes]:
+    if metadatas is None:
+        return [b"{}"] * n
+    metas = list(metadatas)
+    if len(metas) != n:
+        raise ValueError(f"metadatas has {len(metas)} entries but vectors has {n}")
+    out = []
+    for i, m in enumerate(metas):
+        if m is None:
+            out.append(b"{}")
+            continue
+        if not isinstance(m, Mapping):
+            raise TypeError(f"metadatas[{i}] must be a dict, got {type(m).__name__}")
+        for key in m:
+            if not isinstance(key, str):
+                raise ValueError(f"metadatas[{i}] has a non-string key {key!r}")
+        try:
+            out.append(encode_json(dict(m)))
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"metadatas[{i}] is not JSON-serializable ({e}); store strings, numbers, "
+                "booleans, None, lists and dicts of those"
+            ) from None
+        except UnicodeEncodeError:
+            raise ValueError(f"metadatas[{i}] has text that is not valid UTF-8") from None
+    return out

@@ -1,0 +1,81 @@
+"""Degradation: when the sidecar is gone or slow, retrieval returns empty context.
+
+Every adapter (LangChain, LlamaIndex, the memory store) routes its calls through one
+:class:`Degrader`, so the behaviour is the same everywhere:
+
+* a *transient* error (:class:`~kalos_retrievers.errors.SidecarUnavailable`,
+  :class:`~kalos_retrievers.errors.SidecarTimeout`) becomes an empty result, unless the adapter
+  was built with ``on_error="raise"``;
+* the first failure of an *episode* (a run of consecutive failures) logs one WARNING; the rest
+  log at DEBUG; the first success afterwards logs one INFO "recovered" line;
+* ``degraded_calls`` and ``episodes`` count what happened, for dashboards and tests;
+* everything else (bad arguments, a version mismatch, a rejected request) is raised: those
+  are bugs or misconfiguration that empty context would hide.
+
+The client reconnects by itself, so recovery needs nothing from the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Literal
+
+from .errors import KalosError
+
+__all__ = ["Degrader", "OnError"]
+
+OnError = Literal["empty", "raise"]
+log = logging.getLogger("kalos_retrievers")
+
+
+class Degrader:
+    """Decides, counts and logs degradation for one adapter instance.
+
+    Args:
+        what: how log lines name the adapter, e.g. ``"KalosRetriever(name='mem')"``.
+        on_error: ``"empty"`` to degrade on transient errors, ``"raise"`` to raise them.
+    """
+
+    def __init__(self, what: str, on_error: OnError = "empty") -> None:
+        if on_error not in ("empty", "raise"):
+            raise ValueError(f"on_error={on_error!r} must be 'empty' or 'raise'")
+        self.what = what
+        self.on_error: OnError = on_error
+        self.degraded_calls = 0
+        self.episodes = 0
+        self.in_episode = False
+        self.last_error: BaseException | None = None
+        self._episode_start = 0.0
+        self._lock = threading.Lock()
+
+    def should_degrade(self, exc: BaseException) -> bool:
+        """Record a failure. True: return empty context. False: re-raise ``exc``."""
+        if not isinstance(exc, KalosError) or not exc.transient or self.on_error == "raise":
+            return False
+        with self._lock:
+            self.degraded_calls += 1
+            self.last_error = exc
+            first = not self.in_episode
+            if first:
+                self.in_episode = True
+                self.episodes += 1
+                self._episode_start = time.monotonic()
+        if first:
+            log.warning("%s: the Kalos sidecar is unavailable (%s); returning empty context until "
+                        "it is back", self.what, exc)  # fmt: skip
+        else:
+            log.debug("%s: still degraded: %s", self.what, exc)
+        return True
+
+    def succeeded(self) -> None:
+        """Record a success; ends the current episode if there is one."""
+        if not self.in_episode:
+            return
+        with self._lock:
+            if not self.in_episode:
+                return
+            self.in_episode = False
+            took = time.monotonic() - self._episode_start
+        log.info("%s: the Kalos sidecar is back after %.1f s; recall works again", self.what, took)

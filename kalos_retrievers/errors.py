@@ -1,0 +1,75 @@
+"""One error hierarchy for everything Kalos raises.
+
+The categories drive what callers do next, the way redis-py's exception classes drive its
+``Retry``: adapters degrade to empty context on :class:`SidecarUnavailable` and
+:class:`SidecarTimeout` (the sidecar is gone, restarting, paused or slow), and re-raise the
+rest, which mean the caller or the deployment must change something.
+
+Bad arguments are not ``KalosError``: they raise the built-in ``ValueError``/``TypeError`` with
+a message naming the argument, as Python code is expected to.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "IncompatibleVersion",
+    "KalosError",
+    "PermissionDenied",
+    "ProtocolError",
+    "RequestRejected",
+    "SidecarBusy",
+    "SidecarTimeout",
+    "SidecarUnavailable",
+    "StoreError",
+]
+
+
+class KalosError(Exception):
+    """Base class of every error Kalos raises on purpose."""
+
+    #: True when retrying later (or degrading to empty context now) is the right response.
+    transient: bool = False
+
+
+class SidecarUnavailable(KalosError):
+    """No sidecar is serving this name: never started, stopped, killed, or restarting.
+
+    The client reconnects by itself (with exponential backoff) on a later call.
+    """
+
+    transient = True
+
+
+class SidecarTimeout(KalosError):
+    """The sidecar did not answer before the call's deadline (paused, overloaded, slow disk)."""
+
+    transient = True
+
+
+class SidecarBusy(SidecarTimeout):
+    """Every request slot stayed taken until the deadline; start the sidecar with more ``--slots``."""
+
+
+class ProtocolError(KalosError):
+    """The shared-memory segment or a response broke the protocol (corruption or a bug)."""
+
+
+class IncompatibleVersion(ProtocolError):
+    """Client and sidecar speak different protocol versions, or disagree on the vector layout."""
+
+
+class PermissionDenied(KalosError):
+    """The segment belongs to another user, or its mode forbids this process."""
+
+
+class RequestRejected(KalosError):
+    """The sidecar validated the request and refused it; the message says why."""
+
+
+class CapacityError(RequestRejected):
+    """The index could not grow (out of host or device memory); the sidecar keeps serving."""
+
+
+class StoreError(RequestRejected):
+    """The store of record failed to commit; nothing of the write was acknowledged."""

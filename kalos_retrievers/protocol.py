@@ -1,0 +1,751 @@
+"""Shared-memory protocol v1: layout, encoding and validation. Pure: no I/O, no shared memory.
+
+Everything that crosses the process boundary is defined here, once, and both sides (the client
+and the sidecar) import it. docs/protocol.md describes the same bytes for humans; a unit test
+checks that the two agree.
+
+The segment ``/kalos-NAME`` is::
+
+    [ header: HEADER_SIZE bytes ][ slot 0 ][ slot 1 ] ... [ slot n_slots-1 ]
+
+and each slot is::
+
+    [ control words: CTL_SIZE ][ request payload ][ rows int32 ][ scores float32 ][ blob ]
+
+The request payload holds float32 vectors first (query vectors, or the vectors of an upsert
+chunk), then an args blob at ``align8(vec_len)``. The response puts the top-k row numbers and
+scores at fixed offsets, so a GPU kernel can write them straight into the slot, and documents or
+JSON into the blob. All integers are little-endian.
+
+A bad request never raises out of :func:`validate_request`: it returns an error status and a
+message that the sidecar writes back into the slot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+# --------------------------------------------------------------------------------------------
+# Versions and names
+
+MAGIC: Final = b"KALOSHM\x00"
+VERSION_MAJOR: Final = 1
+VERSION_MINOR: Final = 0
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_name(name: str) -> str:
+    """Validate a sidecar name (the part after ``/kalos-``) and return it.
+
+    Raises:
+        ValueError: the name is empty, too long, or has characters other than letters, digits,
+            ``_``, ``.`` and ``-``.
+    """
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"name={name!r} is not a valid sidecar name: use 1-64 letters, digits, '_', '.' "
+            "or '-', starting with a letter or digit"
+        )
+    return name
+
+
+def segment_name(name: str) -> str:
+    """POSIX shared-memory name of the segment (``/dev/shm/kalos-NAME`` on Linux)."""
+    return f"/kalos-{check_name(name)}"
+
+
+def doorbell_name(name: str) -> str:
+    """Semaphore the clients post after publishing a request; the dispatcher waits on it."""
+    return f"/kalos-{check_name(name)}-bell"
+
+
+def response_sem_name(name: str, slot: int) -> str:
+    """Semaphore the sidecar posts after publishing slot ``slot``'s response."""
+    return f"/kalos-{check_name(name)}-r{slot}"
+
+
+# --------------------------------------------------------------------------------------------
+# Enumerations
+
+
+class SidecarState:
+    INITIALIZING: Final = 0
+    READY: Final = 1
+    STOPPING: Final = 2
+
+
+class SlotState:
+    """Values of a slot's state word. Only the owner writes FREE->CLAIMED->REQUEST; only the
+    sidecar writes BUSY->RESPONSE/ERROR; the owner sets CLAIMED again after reading."""
+
+    FREE: Final = 0
+    CLAIMED: Final = 1
+    REQUEST: Final = 2
+    BUSY: Final = 3
+    RESPONSE: Final = 4
+    ERROR: Final = 5
+
+
+class Op:
+    PING: Final = 1
+    RECALL: Final = 2
+    UPSERT: Final = 3
+    GET: Final = 4
+    DELETE: Final = 5
+    COUNT: Final = 6
+    STATS: Final = 7
+    CONTINUE: Final = 8
+    SCAN: Final = 9
+    NAMESPACES: Final = 10
+
+
+OP_NAMES: Final = {v: k.lower() for k, v in vars(Op).items() if k.isupper()}
+
+
+class Flag:
+    """Request flags (bit set)."""
+
+    WITH_VECTORS: Final = 1  # RECALL/GET/SCAN: append the stored vectors (float32) to the blob
+    NO_DOCS: Final = 2  # RECALL: rows and scores only (no documents in the blob)
+
+
+KNOWN_FLAGS: Final = Flag.WITH_VECTORS | Flag.NO_DOCS
+
+
+class RespFlag:
+    MORE: Final = 1  # the blob continues: send Op.CONTINUE for the next chunk
+    HAS_VECTORS: Final = 2  # the blob (all chunks joined) ends with float32 vectors
+
+
+class Status:
+    OK: Final = 0
+    BAD_REQUEST: Final = 1
+    BAD_OP: Final = 2
+    DIMENSION: Final = 3
+    TOO_LARGE: Final = 4
+    DEADLINE: Final = 5
+    CAPACITY: Final = 6
+    STORE: Final = 7
+    INTERNAL: Final = 8
+    STOPPING: Final = 9
+
+
+STATUS_NAMES: Final = {v: k.lower() for k, v in vars(Status).items() if k.isupper()}
+
+
+class Metric:
+    COSINE: Final = 0
+    IP: Final = 1
+    L2: Final = 2
+
+
+METRICS: Final = {"cosine": Metric.COSINE, "ip": Metric.IP, "l2": Metric.L2}
+METRIC_NAMES: Final = {v: k for k, v in METRICS.items()}
+
+DTYPES: Final = {"float32": 0, "float16": 1, "int8": 2}
+DTYPE_NAMES: Final = {v: k for k, v in DTYPES.items()}
+
+# --------------------------------------------------------------------------------------------
+# Header
+
+HEADER_SIZE: Final = 4096
+_HEADER_FIELDS: Final = (
+    ("magic", "8s"),
+    ("version_major", "H"),
+    ("version_minor", "H"),
+    ("header_size", "I"),
+    ("state", "I"),
+    ("n_slots", "I"),
+    ("dim", "I"),
+    ("dtype", "I"),
+    ("metric", "I"),
+    ("max_k", "I"),
+    ("max_queries", "I"),
+    ("max_results", "I"),
+    ("slot_size", "Q"),
+    ("payload_size", "Q"),
+    ("blob_size", "Q"),
+    ("capacity", "Q"),
+    ("sidecar_pid", "Q"),
+    ("boot_epoch", "Q"),
+    ("heartbeat_ns", "Q"),
+    ("row_count", "Q"),
+    ("sidecar_uid", "Q"),
+    ("name", "64s"),
+    ("backend", "64s"),
+)
+HEADER_STRUCT: Final = struct.Struct("<" + "".join(f for _, f in _HEADER_FIELDS))
+
+
+def _offsets(fields: Sequence[tuple[str, str]]) -> dict[str, int]:
+    out, off = {}, 0
+    for name, fmt in fields:
+        out[name] = off
+        off += struct.calcsize("<" + fmt)
+    return out
+
+
+#: byte offset of each header field (the sidecar updates a few in place: state, heartbeat...)
+HEADER_OFFSETS: Final = _offsets(_HEADER_FIELDS)
+VERSION_OFFSET: Final = HEADER_OFFSETS["version_major"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Geometry of a segment: everything needed to find any byte of any slot."""
+
+    n_slots: int
+    dim: int
+    max_k: int = 1024
+    max_results: int = 8192
+    payload_size: int = 1 << 20
+    blob_size: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        checks = (
+            (1 <= self.n_slots <= 4096, f"slots={self.n_slots} must be in [1, 4096]"),
+            (1 <= self.dim <= 65536, f"dim={self.dim} must be in [1, 65536]"),
+            (1 <= self.max_k <= self.max_results, f"max_k={self.max_k} must be in [1, max_results]"),
+            (self.max_results <= 1 << 20, f"max_results={self.max_results} must be <= 1048576"),
+            (
+                self.payload_size % 128 == 0 and self.payload_size >= 4 * self.dim + 128,
+                f"payload_size={self.payload_size} must be a multiple of 128 holding one vector",
+            ),
+            (self.blob_size % 128 == 0 and self.blob_size >= 4096, "blob_size must be >= 4096"),
+        )
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    # offsets inside a slot -------------------------------------------------------------
+    @property
+    def payload_offset(self) -> int:
+        return CTL_SIZE
+
+    @property
+    def rows_offset(self) -> int:
+        return CTL_SIZE + self.payload_size
+
+    @property
+    def scores_offset(self) -> int:
+        return self.rows_offset + 4 * _align(self.max_results, 32)
+
+    @property
+    def blob_offset(self) -> int:
+        return self.scores_offset + 4 * _align(self.max_results, 32)
+
+    @property
+    def slot_size(self) -> int:
+        return _align(self.blob_offset + self.blob_size, 4096)
+
+    @property
+    def segment_size(self) -> int:
+        return HEADER_SIZE + self.n_slots * self.slot_size
+
+    @property
+    def max_queries(self) -> int:
+        """Most query vectors one RECALL request carries (more are split by the client)."""
+        return max(1, min(self.max_results, (self.payload_size - 4096) // (4 * self.dim)))
+
+    def slot_offset(self, slot: int) -> int:
+        return HEADER_SIZE + slot * self.slot_size
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+@dataclass(frozen=True)
+class Header:
+    """Decoded segment header. ``layout`` rebuilds the slot geometry."""
+
+    magic: bytes
+    version_major: int
+    version_minor: int
+    header_size: int
+    state: int
+    n_slots: int
+    dim: int
+    dtype: int
+    metric: int
+    max_k: int
+    max_queries: int
+    max_results: int
+    slot_size: int
+    payload_size: int
+    blob_size: int
+    capacity: int
+    sidecar_pid: int
+    boot_epoch: int
+    heartbeat_ns: int
+    row_count: int
+    sidecar_uid: int
+    name: str
+    backend: str
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(
+            n_slots=self.n_slots,
+            dim=self.dim,
+            max_k=self.max_k,
+            max_results=self.max_results,
+            payload_size=self.payload_size,
+            blob_size=self.blob_size,
+        )
+
+    @property
+    def metric_name(self) -> str:
+        return METRIC_NAMES.get(self.metric, f"unknown({self.metric})")
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES.get(self.dtype, f"unknown({self.dtype})")
+
+
+def encode_header(
+    layout: Layout,
+    *,
+    metric: int,
+    dtype: int,
+    pid: int,
+    uid: int,
+    boot_epoch: int,
+    name: str,
+    backend: str,
+    state: int = SidecarState.INITIALIZING,
+    version_major: int = VERSION_MAJOR,
+    capacity: int = 0,
+    row_count: int = 0,
+    heartbeat_ns: int = 0,
+) -> bytes:
+    """Header bytes. The sidecar writes them with version 0, then sets the version last."""
+    return HEADER_STRUCT.pack(
+        MAGIC,
+        version_major,
+        VERSION_MINOR,
+        HEADER_SIZE,
+        state,
+        layout.n_slots,
+        layout.dim,
+        dtype,
+        metric,
+        layout.max_k,
+        layout.max_queries,
+        layout.max_results,
+        layout.slot_size,
+        layout.payload_size,
+        layout.blob_size,
+        capacity,
+        pid,
+        boot_epoch,
+        heartbeat_ns,
+        row_count,
+        uid,
+        name.encode()[:64],
+        backend.encode()[:64],
+    )
+
+
+class HeaderError(Exception):
+    """Why a header cannot be used; ``kind`` is one of the class constants (pure; the client
+    maps each kind to its public error)."""
+
+    SHORT = "short"
+    MAGIC = "magic"
+    INITIALIZING = "initializing"
+    VERSION = "version"
+    CORRUPT = "corrupt"
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def decode_header(buf: bytes | memoryview, segment_size: int | None = None) -> Header:
+    """Decode and check a header.
+
+    Raises:
+        HeaderError: too short, wrong magic, still initializing (version 0), another protocol
+            major version, or a geometry that does not match ``segment_size``.
+    """
+    if len(buf) < HEADER_STRUCT.size or (segment_size is not None and segment_size < HEADER_SIZE):
+        raise HeaderError(HeaderError.SHORT, f"segment is {len(buf)} bytes, shorter than a header")
+    vals = list(HEADER_STRUCT.unpack_from(buf, 0))
+    if vals[0] != MAGIC:
+        raise HeaderError(HeaderError.MAGIC, f"bad magic {vals[0]!r}: not a Kalos segment")
+    if vals[1] == 0:
+        raise HeaderError(HeaderError.INITIALIZING, "the sidecar is still initializing")
+    if vals[1] != VERSION_MAJOR:
+        raise HeaderError(
+            HeaderError.VERSION,
+            f"segment speaks protocol v{vals[1]}.{vals[2]}, this client speaks "
+            f"v{VERSION_MAJOR}.{VERSION_MINOR}",
+        )
+    vals[-2] = vals[-2].rstrip(b"\x00").decode(errors="replace")
+    vals[-1] = vals[-1].rstrip(b"\x00").decode(errors="replace")
+    header = Header(*vals)
+    try:
+        layout = header.layout
+    except ValueError as e:
+        raise HeaderError(HeaderError.CORRUPT, f"header geometry is invalid: {e}") from None
+    if (
+        header.header_size != HEADER_SIZE
+        or layout.slot_size != header.slot_size
+        or layout.max_queries != header.max_queries
+        or (segment_size is not None and segment_size < layout.segment_size)
+    ):
+        raise HeaderError(
+            HeaderError.CORRUPT,
+            f"header geometry does not match: slot_size {header.slot_size} vs {layout.slot_size}, "
+            f"segment {segment_size} bytes vs {layout.segment_size} needed",
+        )
+    return header
+
+
+# --------------------------------------------------------------------------------------------
+# Slot control words
+
+CTL_SIZE: Final = 128
+_CTL_FIELDS: Final = (
+    ("state", "I"),
+    ("owner_pid", "I"),
+    # request: written by the owner before it sets REQUEST
+    ("seq", "Q"),
+    ("op", "I"),
+    ("flags", "I"),
+    ("top_k", "I"),
+    ("n_items", "I"),
+    ("vec_len", "Q"),
+    ("args_len", "Q"),
+    ("deadline_ns", "Q"),
+    # response: written by the sidecar before it sets RESPONSE/ERROR
+    ("resp_seq", "Q"),
+    ("status", "I"),
+    ("n_results", "I"),
+    ("resp_len", "Q"),
+    ("resp_flags", "Q"),
+    # bookkeeping
+    ("claim_ns", "Q"),
+)
+CTL_OFFSETS: Final = _offsets(_CTL_FIELDS)
+#: the request words, from ``seq`` to ``deadline_ns`` (the sidecar copies these once)
+REQUEST_STRUCT: Final = struct.Struct("<QIIIIQQQ")
+REQUEST_OFFSET: Final = CTL_OFFSETS["seq"]
+#: the response words, from ``resp_seq`` to ``resp_flags``
+RESPONSE_STRUCT: Final = struct.Struct("<QIIQQ")
+RESPONSE_OFFSET: Final = CTL_OFFSETS["resp_seq"]
+assert REQUEST_OFFSET + REQUEST_STRUCT.size == RESPONSE_OFFSET
+assert RESPONSE_OFFSET + RESPONSE_STRUCT.size == CTL_OFFSETS["claim_ns"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request's control words, as copied once out of the slot."""
+
+    seq: int
+    op: int
+    flags: int
+    top_k: int
+    n_items: int
+    vec_len: int
+    args_len: int
+    deadline_ns: int
+
+    @classmethod
+    def unpack(cls, buf: bytes | memoryview, offset: int = REQUEST_OFFSET) -> Request:
+        return cls(*REQUEST_STRUCT.unpack_from(buf, offset))
+
+    def pack(self) -> bytes:
+        return REQUEST_STRUCT.pack(
+            self.seq,
+            self.op,
+            self.flags,
+            self.top_k,
+            self.n_items,
+            self.vec_len,
+            self.args_len,
+            self.deadline_ns,
+        )
+
+
+@dataclass(frozen=True)
+class Response:
+    seq: int
+    status: int
+    n_results: int
+    resp_len: int
+    resp_flags: int
+
+    @classmethod
+    def unpack(cls, buf: bytes | memoryview, offset: int = RESPONSE_OFFSET) -> Response:
+        return cls(*RESPONSE_STRUCT.unpack_from(buf, offset))
+
+
+class Invalid(Exception):
+    """A request the sidecar must refuse: ``status`` goes back to the client with the message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+_NEEDS_ARGS: Final = {Op.UPSERT, Op.GET, Op.DELETE}
+_ALL_OPS: Final = frozenset(OP_NAMES)
+
+
+def validate_request(req: Request, layout: Layout) -> None:
+    """Check a copied request against the segment's layout. Pure and total: any 64-bit values
+    either pass or raise :class:`Invalid`; a request that passes never makes the sidecar read
+    or write outside the slot.
+
+    Raises:
+        Invalid: with the status to answer and a message saying what is wrong.
+    """
+    if req.op not in _ALL_OPS:
+        raise Invalid(Status.BAD_OP, f"unknown op {req.op}")
+    if req.flags & ~KNOWN_FLAGS:
+        raise Invalid(Status.BAD_REQUEST, f"unknown flags {req.flags:#x}")
+    if req.vec_len > layout.payload_size or req.args_len > layout.payload_size:
+        raise Invalid(Status.TOO_LARGE, "payload lengths exceed the slot")
+    if align8(req.vec_len) + req.args_len > layout.payload_size:
+        raise Invalid(Status.TOO_LARGE, "vectors plus args exceed the slot payload")
+    if req.vec_len % 4:
+        raise Invalid(Status.BAD_REQUEST, "vector bytes are not a whole number of float32")
+    row_bytes = 4 * layout.dim
+    if req.op == Op.RECALL:
+        if not 1 <= req.top_k <= layout.max_k:
+            raise Invalid(Status.BAD_REQUEST, f"k={req.top_k} must be in [1, {layout.max_k}]")
+        if not 1 <= req.n_items <= layout.max_queries:
+            raise Invalid(
+                Status.BAD_REQUEST,
+                f"{req.n_items} queries in one request; must be in [1, {layout.max_queries}]",
+            )
+        if req.n_items * req.top_k > layout.max_results:
+            raise Invalid(
+                Status.TOO_LARGE,
+                f"{req.n_items} queries x k={req.top_k} exceeds {layout.max_results} results",
+            )
+        if req.vec_len != req.n_items * row_bytes:
+            raise Invalid(
+                Status.DIMENSION,
+                f"query bytes {req.vec_len} != {req.n_items} x dim {layout.dim} x 4",
+            )
+    elif req.op == Op.UPSERT:
+        if req.n_items < 1 or req.vec_len != req.n_items * row_bytes:
+            raise Invalid(
+                Status.DIMENSION,
+                f"upsert vector bytes {req.vec_len} != {req.n_items} x dim {layout.dim} x 4",
+            )
+    elif req.vec_len:
+        raise Invalid(Status.BAD_REQUEST, f"op {OP_NAMES[req.op]} carries no vectors")
+    if req.op in _NEEDS_ARGS and req.args_len == 0:
+        raise Invalid(Status.BAD_REQUEST, f"op {OP_NAMES[req.op]} needs arguments")
+
+
+# --------------------------------------------------------------------------------------------
+# Args blobs
+
+_NS_LEN: Final = struct.Struct("<H")
+_FILTER_LEN: Final = struct.Struct("<I")
+
+
+def encode_recall_args(namespace: str, filter_json: bytes | None) -> bytes:
+    """Args of a RECALL: the namespace and an optional filter (JSON). Empty for the common case
+    (default namespace, no filter), so the hot path decodes nothing."""
+    ns = namespace.encode()
+    if not ns and not filter_json:
+        return b""
+    f = filter_json or b""
+    return _NS_LEN.pack(len(ns)) + ns + _FILTER_LEN.pack(len(f)) + f
+
+
+def decode_recall_args(buf: bytes) -> tuple[str, Any]:
+    """Inverse of :func:`encode_recall_args`. Returns (namespace, filter or None).
+
+    Raises:
+        Invalid: truncated, trailing bytes, bad UTF-8 or bad JSON.
+    """
+    if not buf:
+        return "", None
+    try:
+        (n,) = _NS_LEN.unpack_from(buf, 0)
+        ns = buf[2 : 2 + n].decode()
+        (fl,) = _FILTER_LEN.unpack_from(buf, 2 + n)
+        start = 6 + n
+        if start + fl != len(buf) or len(ns.encode()) != n:
+            raise Invalid(Status.BAD_REQUEST, "recall args have the wrong length")
+        flt = json.loads(buf[start:]) if fl else None
+    except Invalid:
+        raise
+    except (struct.error, UnicodeDecodeError, ValueError) as e:
+        raise Invalid(Status.BAD_REQUEST, f"recall args do not decode: {e}") from None
+    return ns, flt
+
+
+def encode_json(obj: Any) -> bytes:
+    """Strict JSON (no NaN/Infinity), compact, UTF-8."""
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
+
+
+def decode_json_args(buf: bytes) -> dict[str, Any]:
+    """Args of the non-hot-path ops: one JSON object.
+
+    Raises:
+        Invalid: not UTF-8, not JSON, or not an object.
+    """
+    try:
+        obj = json.loads(buf.decode(), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise Invalid(Status.BAD_REQUEST, f"args are not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise Invalid(Status.BAD_REQUEST, "args must be a JSON object")
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+# --------------------------------------------------------------------------------------------
+# Documents: pre-encoded once at upsert, copied verbatim into every response that returns them
+
+DOC_HEADER: Final = struct.Struct("<ddIII")  # created_at, updated_at, id_len, text_len, meta_len
+
+
+def encode_doc(id_: str, text: str, metadata_json: bytes, created_at: float, updated_at: float) -> bytes:
+    i, t = id_.encode(), text.encode()
+    return DOC_HEADER.pack(created_at, updated_at, len(i), len(t), len(metadata_json)) + i + t + metadata_json
+
+
+@dataclass(frozen=True)
+class Doc:
+    id: str
+    text: str
+    metadata: dict[str, Any]
+    created_at: float
+    updated_at: float
+
+
+def decode_doc(buf: bytes | memoryview) -> Doc:
+    """Decode one document record.
+
+    Raises:
+        ProtocolDecodeError: lengths that do not add up, bad UTF-8 or JSON.
+    """
+    try:
+        created, updated, il, tl, ml = DOC_HEADER.unpack_from(buf, 0)
+        o = DOC_HEADER.size
+        if o + il + tl + ml != len(buf):
+            raise ProtocolDecodeError("document record lengths do not add up")
+        b = bytes(buf)
+        meta = json.loads(b[o + il + tl :]) if ml else {}
+        return Doc(b[o : o + il].decode(), b[o + il : o + il + tl].decode(), meta, created, updated)
+    except (struct.error, UnicodeDecodeError, ValueError) as e:
+        raise ProtocolDecodeError(f"document record does not decode: {e}") from None
+
+
+def doc_id(buf: bytes | memoryview) -> str:
+    """Just the id of a document record (cheaper than :func:`decode_doc`)."""
+    try:
+        _, _, il, _, _ = DOC_HEADER.unpack_from(buf, 0)
+        return bytes(buf[DOC_HEADER.size : DOC_HEADER.size + il]).decode()
+    except (struct.error, UnicodeDecodeError) as e:
+        raise ProtocolDecodeError(f"document id does not decode: {e}") from None
+
+
+class ProtocolDecodeError(Exception):
+    """A response blob does not decode (the client turns it into ``ProtocolError``)."""
+
+
+_U32: Final = struct.Struct("<I")
+
+
+def encode_docs_blob(docs: Sequence[bytes], vectors: np.ndarray | None = None) -> bytes:
+    """``[u32 n][u32 offsets x (n+1)][docs...][pad to 4][float32 vectors n x dim]``."""
+    n = len(docs)
+    offsets = np.zeros(n + 1, dtype="<u4")
+    if n:
+        np.cumsum([len(d) for d in docs], out=offsets[1:])
+    parts = [_U32.pack(n), offsets.tobytes(), *docs]
+    if vectors is not None:
+        size = 4 + 4 * (n + 1) + int(offsets[-1])
+        parts.append(b"\x00" * (-size % 4))
+        parts.append(np.ascontiguousarray(vectors, dtype="<f4").tobytes())
+    return b"".join(parts)
+
+
+def decode_docs_blob(
+    blob: bytes, dim: int, has_vectors: bool
+) -> tuple[list[memoryview], np.ndarray | None]:
+    """Split a docs blob into per-document views (decoded later, lazily) and the vectors.
+
+    Raises:
+        ProtocolDecodeError: the blob's counts and offsets are inconsistent.
+    """
+    try:
+        (n,) = _U32.unpack_from(blob, 0)
+        if 4 + 4 * (n + 1) > len(blob):
+            raise ProtocolDecodeError("docs blob shorter than its offset table")
+        offsets = np.frombuffer(blob, dtype="<u4", count=n + 1, offset=4)
+        base = 4 + 4 * (n + 1)
+        end = base + int(offsets[-1])
+        if end > len(blob) or (n and np.any(np.diff(offsets.astype(np.int64)) < 0)):
+            raise ProtocolDecodeError("docs blob offsets are inconsistent")
+        mv = memoryview(blob)
+        docs = [mv[base + int(offsets[i]) : base + int(offsets[i + 1])] for i in range(n)]
+        vectors = None
+        if has_vectors:
+            vstart = end + (-end % 4)
+            if len(blob) - vstart != 4 * n * dim:
+                raise ProtocolDecodeError("docs blob vector section has the wrong size")
+            vectors = np.frombuffer(blob, dtype="<f4", offset=vstart).reshape(n, dim)
+        elif end != len(blob):
+            raise ProtocolDecodeError("docs blob has trailing bytes")
+        return docs, vectors
+    except struct.error as e:
+        raise ProtocolDecodeError(f"docs blob does not decode: {e}") from None
+
+
+def check_vectors(vectors: Any, dim: int, argument: str) -> np.ndarray:
+    """Validate vectors given by a user: shape (n, dim) or (dim,), finite, not all zero.
+
+    Returns a C-contiguous float32 array of shape (n, dim).
+
+    Raises:
+        ValueError: naming ``argument``, for a wrong shape or dimension, NaN/inf, or (where it
+            would make cosine undefined) a zero vector.
+    """
+    try:
+        arr = np.asarray(vectors, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{argument} must be numeric vectors: {e}") from None
+    if arr.ndim == 1:
+        arr = arr[None, :]
+    if arr.ndim != 2 or arr.shape[1] != dim:
+        raise ValueError(
+            f"{argument} has shape {tuple(np.shape(vectors))}; this sidecar stores dim={dim} "
+            f"vectors, so expected ({dim},) or (n, {dim}). Use an embedding model with {dim} "
+            "dimensions, or start another sidecar with --dim matching your model"
+        )
+    if not np.all(np.isfinite(arr)):
+        bad = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
+        raise ValueError(f"{argument}[{bad}] contains NaN or infinity")
+    return np.ascontiguousarray(arr)
+
+
+def is_finite_json_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)

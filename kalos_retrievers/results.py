@@ -1,0 +1,118 @@
+"""What the client returns: numpy scores plus documents decoded only when touched.
+
+A recall's response is copied out of the slot in one piece (so the slot can serve the next
+request at once) and kept as bytes; :class:`RecallResult` decodes a document's id, text and
+metadata the first time someone reads it. A caller that only needs ids and scores never pays
+for JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .protocol import Doc, decode_doc, doc_id
+
+__all__ = ["Hit", "RecallResult", "Record"]
+
+
+@dataclass(frozen=True)
+class Record:
+    """A stored memory: what ``get`` and ``scan`` return, and what a hit carries."""
+
+    id: str
+    text: str
+    metadata: dict[str, Any]
+    namespace: str = ""
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    vector: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_doc(cls, doc: Doc, namespace: str, vector: np.ndarray | None = None) -> Record:
+        return cls(doc.id, doc.text, doc.metadata, namespace, doc.created_at, doc.updated_at, vector)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One result of a recall: the record and its score (higher is more similar)."""
+
+    id: str
+    score: float
+    text: str
+    metadata: dict[str, Any]
+    namespace: str = ""
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    vector: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+
+class RecallResult(Sequence[Hit]):
+    """Top-k of one query, best first.
+
+    Attributes:
+        scores: float32 array of the similarities (cosine, inner product, or negated L2
+            distance), highest first.
+        rows: int32 array of the sidecar's internal row numbers (diagnostics only: rows are
+            reused after deletes).
+        vectors: the stored vectors (float32, one row per hit) when asked with
+            ``with_vectors=True``, else None.
+        ids: the ids of the hits (decoded on first access).
+    """
+
+    __slots__ = ("_docs", "_ids", "_items", "namespace", "rows", "scores", "vectors")
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        scores: np.ndarray,
+        docs: Sequence[memoryview] | None,
+        vectors: np.ndarray | None = None,
+        namespace: str = "",
+    ) -> None:
+        self.rows = rows
+        self.scores = scores
+        self.vectors = vectors
+        self.namespace = namespace
+        self._docs = docs
+        self._ids: list[str] | None = None
+        self._items: list[Hit | None] = [None] * len(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def ids(self) -> list[str]:
+        if self._ids is None:
+            if self._docs is None:
+                raise ValueError("this recall was made with docs=False: only rows and scores")
+            self._ids = [doc_id(d) for d in self._docs]
+        return self._ids
+
+    def __getitem__(self, i: int) -> Hit:  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]  # type: ignore[return-value]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        hit = self._items[i]
+        if hit is None:
+            if self._docs is None:
+                raise ValueError("this recall was made with docs=False: only rows and scores")
+            d = decode_doc(self._docs[i])
+            vec = None if self.vectors is None else self.vectors[i]
+            hit = Hit(d.id, float(self.scores[i]), d.text, d.metadata, self.namespace,
+                      d.created_at, d.updated_at, vec)  # fmt: skip
+            self._items[i] = hit
+        return hit
+
+    def __iter__(self) -> Iterator[Hit]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __repr__(self) -> str:
+        return f"RecallResult(n={len(self)}, scores={np.array2string(self.scores, precision=3)})"

@@ -1,0 +1,173 @@
+"""Start and stop a sidecar process from Python (examples, tests, notebooks).
+
+>>> with Sidecar(dim=384, device="cpu") as sc:          # doctest: +SKIP
+...     client = sc.client()
+...     client.upsert(...)
+
+The process runs ``python -m kalos_retrievers.sidecar serve`` with the same interpreter, logs
+to a file (``Sidecar.log_path``; its tail is included in any start-up error), and by default
+receives SIGTERM if the process that started it dies, so an interrupted script leaves no
+orphan sidecar behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .errors import KalosError, SidecarUnavailable
+from .protocol import check_name
+
+__all__ = ["Sidecar", "SidecarStartError"]
+
+
+class SidecarStartError(KalosError):
+    """The sidecar process exited or did not become ready; the message has its log's tail."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Sidecar:
+    """A sidecar process owned by this Python process.
+
+    Args:
+        name: sidecar name; a unique one is made up when None.
+        dim: vector dimension.
+        metric, device, dtype, data_dir, slots, max_batch, max_k, payload_kb, blob_kb, spin_us:
+            as the ``kalos-sidecar serve`` flags of the same names.
+        startup_timeout: seconds to wait for READY (loading a large store takes a while).
+        die_with_parent: send the sidecar SIGTERM when this process dies.
+        extra_args: more command-line arguments for ``serve``.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        dim: int,
+        metric: str = "cosine",
+        device: str = "auto",
+        dtype: str | None = None,
+        data_dir: str | os.PathLike[str] | None = None,
+        slots: int | None = None,
+        max_batch: int | None = None,
+        max_k: int | None = None,
+        payload_kb: int | None = None,
+        blob_kb: int | None = None,
+        spin_us: float | None = None,
+        startup_timeout: float = 120.0,
+        die_with_parent: bool = True,
+        log_level: str = "INFO",
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.name = check_name(name or f"k{uuid.uuid4().hex[:12]}")
+        self.dim = dim
+        self.data_dir = None if data_dir is None else str(data_dir)
+        self.startup_timeout = startup_timeout
+        self.die_with_parent = die_with_parent
+        self.argv = [sys.executable, "-m", "kalos_retrievers.sidecar", "serve",
+                     "--name", self.name, "--dim", str(dim), "--metric", metric,
+                     "--device", device, "--log-level", log_level]  # fmt: skip
+        opts = {"--dtype": dtype, "--data-dir": self.data_dir, "--slots": slots,
+                "--max-batch": max_batch, "--max-k": max_k, "--payload-kb": payload_kb,
+                "--blob-kb": blob_kb, "--spin-us": spin_us}  # fmt: skip
+        for flag, value in opts.items():
+            if value is not None:
+                self.argv += [flag, str(value)]
+        self.argv += list(extra_args)
+        self.proc: subprocess.Popen[bytes] | None = None
+        fd, path = tempfile.mkstemp(prefix=f"kalos-{self.name}-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(path)
+
+    def start(self) -> Sidecar:
+        """Start the process and wait until it answers a ping.
+
+        Raises:
+            SidecarStartError: it exited (bad flags, name in use, corrupt store...) or did not
+                become ready within ``startup_timeout``; the message includes its log's tail.
+        """
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,  # noqa: PLW1509
+            )  # fmt: skip
+        self.wait_ready(self.startup_timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        from .client import KalosClient
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise SidecarStartError(
+                    f"sidecar {self.name!r} exited with code {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                with KalosClient(self.name, timeout=1.0, spin_us=0) as c:
+                    c.ping()
+                return
+            except SidecarUnavailable:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SidecarStartError(
+                    f"sidecar {self.name!r} not ready after {timeout} s:\n{self.log_tail()}"
+                )
+            time.sleep(0.02)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def client(self, **kwargs: Any) -> Any:
+        """A :class:`KalosClient` connected to this sidecar."""
+        from .client import KalosClient
+
+        return KalosClient(self.name, dim=self.dim, **kwargs)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, wait, SIGKILL if needed. Returns the exit code (None if never started)."""
+        p = self.proc
+        if p is None:
+            return None
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return p.returncode
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send a signal (default SIGKILL) without waiting: for fault-injection tests."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def __enter__(self) -> Sidecar:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

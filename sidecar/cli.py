@@ -1,0 +1,199 @@
+"""``kalos-sidecar``: serve, status, stats, stop, bench.
+
+Exit codes (stable, for supervisors and readiness probes):
+
+== ==========================================================================
+0  success (``status``: up and answering)
+1  error (``status``: not running)
+2  usage error (``status``: running but not answering in time)
+3  ``serve``: a live sidecar already holds this name
+4  ``serve``: the store of record is unusable (corrupt, other dim, other release)
+5  ``serve``: the requested device is unavailable
+6  ``serve``: permission problem (a name or file owned by another user)
+7  ``serve``: the GPU reported a sticky fault; restart (the store reloads)
+== ==========================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from kalos_retrievers import _ipc
+from kalos_retrievers.errors import KalosError, SidecarTimeout, SidecarUnavailable
+from kalos_retrievers.protocol import DTYPES, METRICS, segment_name
+
+from .server import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ServeConfig, Server, StartError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kalos-sidecar", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run a sidecar in the foreground")
+    s.add_argument("--name", required=True, help="segment name: /dev/shm/kalos-NAME")
+    s.add_argument("--dim", required=True, type=int, help="vector dimension")
+    s.add_argument("--metric", default="cosine", choices=sorted(METRICS))
+    s.add_argument("--device", default="auto", help="auto (GPU if CuPy sees one), cpu, cuda, cuda:N")
+    s.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="storage type on the GPU (default float16); the CPU stores float32")
+    s.add_argument("--data-dir", default=None, help="SQLite store of record; omit for in-memory")
+    s.add_argument("--slots", type=int, default=16, help="request slots (concurrent callers)")
+    s.add_argument("--max-batch", type=int, default=64, help="most queries answered by one launch")
+    s.add_argument("--max-k", type=int, default=1024, help="largest k a recall may ask for")
+    s.add_argument("--payload-kb", type=int, default=1024, help="request area per slot (KiB)")
+    s.add_argument("--blob-kb", type=int, default=1024, help="response area per slot (KiB)")
+    s.add_argument("--spin-us", type=float, default=1000.0,
+                   help="busy-poll this long after the last request before sleeping")
+    s.add_argument("--sync", default="full", choices=["full", "normal"],
+                   help="SQLite synchronous mode: full survives power loss, normal a crash")
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus text here")
+    s.add_argument("--metrics-host", default="127.0.0.1")
+    s.add_argument("--log-level", default="INFO")
+
+    st = sub.add_parser("status", help="exit 0 if the sidecar is up and answering")
+    st.add_argument("name")
+    st.add_argument("--timeout", type=float, default=1.0)
+    st.add_argument("--quiet", "-q", action="store_true")
+
+    sx = sub.add_parser("stats", help="print the sidecar's counters")
+    sx.add_argument("name")
+    sx.add_argument("--prometheus", action="store_true", help="Prometheus text format")
+    sx.add_argument("--timeout", type=float, default=2.0)
+
+    sp = sub.add_parser("stop", help="stop a running sidecar (SIGTERM) and wait for it")
+    sp.add_argument("name")
+    sp.add_argument("--timeout", type=float, default=15.0)
+
+    b = sub.add_parser("bench", help="recall latency and throughput benchmark")
+    from .bench import add_arguments
+
+    add_arguments(b)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "status":
+        return _status(args)
+    if args.command == "stats":
+        return _stats(args)
+    if args.command == "stop":
+        return _stop(args)
+    from .bench import run as run_bench
+
+    return run_bench(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s kalos-sidecar[{args.name}] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("kalos.sidecar")
+    try:
+        cfg = ServeConfig(
+            name=args.name, dim=args.dim, metric=args.metric, device=args.device, dtype=args.dtype,
+            data_dir=args.data_dir, slots=args.slots, max_batch=args.max_batch, max_k=args.max_k,
+            payload_kb=args.payload_kb, blob_kb=args.blob_kb, spin_us=args.spin_us,
+            sync=args.sync, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        )  # fmt: skip
+    except ValueError as e:
+        log.error("%s", e)
+        return EXIT_USAGE
+    server = Server(cfg)
+    try:
+        server.start()
+    except StartError as e:
+        log.error("%s", e)
+        return e.exit_code
+    except KalosError as e:
+        log.error("%s", e)
+        return EXIT_ERROR
+    try:
+        server.serve_forever()
+    except StartError as e:  # e.g. a sticky CUDA fault while serving
+        log.error("%s", e)
+        server.close()
+        return e.exit_code
+    return EXIT_OK
+
+
+def _client(name: str, timeout: float):  # type: ignore[no-untyped-def]
+    from kalos_retrievers.client import KalosClient
+
+    return KalosClient(name, timeout=timeout, spin_us=0)
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        with _client(args.name, args.timeout) as c:
+            rtt = c.ping()
+            h = c.header
+    except SidecarTimeout as e:
+        if not args.quiet:
+            print(f"not answering: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KalosError as e:
+        if not args.quiet:
+            print(f"down: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    if not args.quiet:
+        print(json.dumps({
+            "name": h.name, "status": "ready", "pid": h.sidecar_pid, "backend": h.backend,
+            "dim": h.dim, "metric": h.metric_name, "rows": h.row_count,
+            "ping_us": round(rtt * 1e6, 1),
+        }))  # fmt: skip
+    return EXIT_OK
+
+
+def _stats(args: argparse.Namespace) -> int:
+    try:
+        with _client(args.name, args.timeout) as c:
+            s = c.stats()
+    except KalosError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.prometheus:
+        from .stats import Stats
+
+        st = Stats()
+        for key, n in s["requests"].items():
+            op, status = key.split("/")
+            st.requests[(op, status)] = n
+        print(st.prometheus(s), end="")
+    else:
+        print(json.dumps(s, indent=2))
+    return EXIT_OK
+
+
+def _stop(args: argparse.Namespace) -> int:
+    try:
+        with _client(args.name, 2.0) as c:
+            pid = c.header.sidecar_pid
+    except SidecarUnavailable as e:
+        print(f"not running: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        print(f"sidecar pid {pid} is not visible from here (another pid namespace?)", file=sys.stderr)
+        return EXIT_ERROR
+    deadline = time.monotonic() + args.timeout
+    name = segment_name(args.name)
+    while time.monotonic() < deadline:
+        if _ipc.segment_inode(name) is None:
+            print(f"stopped sidecar {args.name!r} (pid {pid})")
+            return EXIT_OK
+        time.sleep(0.02)
+    print(f"sidecar {args.name!r} (pid {pid}) did not stop within {args.timeout} s", file=sys.stderr)
+    return EXIT_ERROR

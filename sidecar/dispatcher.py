@@ -1,0 +1,242 @@
+"""The dispatcher: find REQUEST slots, answer them, batch what can be batched.
+
+One thread runs :meth:`Dispatcher.poll` in a loop. Each pass reads every slot's state word at
+once (a strided numpy view over the segment), copies each waiting request's control words
+exactly once, validates them, and answers. Recalls in the default namespace with no filter
+that wait together are answered by one batched search (dynamic batching); everything else is
+answered one request at a time.
+
+Nothing read from a slot is trusted: the copied control words are validated against the
+layout before any offset is used, args are decoded defensively, and a request that fails
+gets an error status and message in its own slot. The dispatcher writes only inside the slot
+it answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kalos_retrievers import _ipc
+from kalos_retrievers.protocol import (
+    HEADER_SIZE,
+    REQUEST_OFFSET,
+    REQUEST_STRUCT,
+    RESPONSE_OFFSET,
+    RESPONSE_STRUCT,
+    Flag,
+    Invalid,
+    Layout,
+    Op,
+    RespFlag,
+    Request,
+    SlotState,
+    Status,
+    align8,
+    decode_json_args,
+    decode_recall_args,
+    encode_docs_blob,
+    encode_json,
+    validate_request,
+)
+
+from .service import Service
+from .stats import Stats
+
+log = logging.getLogger("kalos.sidecar")
+
+
+class Dispatcher:
+    def __init__(self, mm: Any, layout: Layout, resp_sems: list[Any], service: Service,
+                 stats: Stats, *, max_batch: int = 64, describe: Callable[[], dict[str, Any]]) -> None:  # fmt: skip
+        self.mm = mm
+        self.layout = layout
+        self.sems = resp_sems
+        self.service = service
+        self.stats = stats
+        self.max_batch = max_batch
+        self.describe = describe
+        self.states = np.ndarray((layout.n_slots,), np.uint32, mm, HEADER_SIZE, (layout.slot_size,))
+        self.pending: dict[int, tuple[bytes, int, int]] = {}  # slot -> (rest, n_results, flags)
+        lay = layout
+        self._f32 = np.frombuffer(mm, dtype="<f4")
+        self._i32 = np.frombuffer(mm, dtype="<i4")
+        self._payload_f32 = [(lay.slot_offset(i) + lay.payload_offset) // 4 for i in range(lay.n_slots)]
+        self._rows_i32 = [(lay.slot_offset(i) + lay.rows_offset) // 4 for i in range(lay.n_slots)]
+        self._scores_f32 = [(lay.slot_offset(i) + lay.scores_offset) // 4 for i in range(lay.n_slots)]
+
+    # ------------------------------------------------------------------ main entry
+    def waiting(self) -> np.ndarray:
+        return np.flatnonzero(self.states == SlotState.REQUEST)
+
+    def poll(self) -> int:
+        """Answer every request waiting now; return how many."""
+        ready = self.waiting()
+        if not len(ready):
+            return 0
+        groups: dict[tuple[int, int], list[tuple[int, Request, int]]] = {}
+        for i in ready.tolist():
+            t0 = time.perf_counter_ns()
+            off = self.layout.slot_offset(i)
+            req = Request(*REQUEST_STRUCT.unpack_from(self.mm, off + REQUEST_OFFSET))  # the one copy
+            self.states[i] = SlotState.BUSY
+            try:
+                self._check(req)
+            except Invalid as e:
+                self._error(i, req, e.status, str(e), t0)
+                continue
+            if req.op == Op.RECALL and req.args_len == 0:
+                groups.setdefault((req.top_k, req.flags), []).append((i, req, t0))
+                continue
+            try:
+                self._one(i, req, t0)
+            except Invalid as e:
+                self._error(i, req, e.status, str(e), t0)
+            except Exception as e:  # a bug must not take the sidecar down
+                log.exception("internal error answering %s", req)
+                self._error(i, req, Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
+        for (k, flags), members in groups.items():
+            for j in range(0, len(members), self.max_batch):
+                part = members[j : j + self.max_batch]
+                try:
+                    self._recall_batch(part, k, flags)
+                except Invalid as e:
+                    for i, req, t0 in part:
+                        self._error(i, req, e.status, str(e), t0)
+                except Exception as e:
+                    log.exception("internal error in a batched recall")
+                    for i, req, t0 in part:
+                        self._error(i, req, Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
+        return len(ready)
+
+    def _check(self, req: Request) -> None:
+        validate_request(req, self.layout)
+        if req.deadline_ns and time.monotonic_ns() > req.deadline_ns:
+            raise Invalid(Status.DEADLINE, "the request's deadline passed before it was picked up")
+
+    # ------------------------------------------------------------------ reading a slot
+    def _queries(self, i: int, req: Request) -> np.ndarray:
+        n = req.vec_len // 4
+        start = self._payload_f32[i]
+        return self._f32[start : start + n].reshape(-1, self.layout.dim)
+
+    def _args(self, i: int, req: Request) -> bytes:
+        start = self.layout.slot_offset(i) + self.layout.payload_offset + align8(req.vec_len)
+        return bytes(self.mm[start : start + req.args_len])
+
+    # ------------------------------------------------------------------ answering
+    def _recall_batch(self, part: list[tuple[int, Request, int]], k: int, flags: int) -> None:
+        if len(part) == 1:
+            i, req, _ = part[0]
+            queries = self._queries(i, req)
+        else:
+            queries = np.concatenate([self._queries(i, req) for i, req, _ in part])
+            self.stats.batches += 1
+            self.stats.batched_queries += len(queries)
+        rows, scores = self.service.recall(queries, k, "", None)
+        at = 0
+        for i, req, t0 in part:
+            n = req.n_items
+            self._write_hits(i, req, k, flags, rows[at : at + n], scores[at : at + n], t0)
+            at += n
+
+    def _write_hits(self, i: int, req: Request, k: int, flags: int, rows: np.ndarray,
+                    scores: np.ndarray, t0: int) -> None:  # fmt: skip
+        n, kk = rows.shape
+        r0, s0 = self._rows_i32[i], self._scores_f32[i]
+        self._i32[r0 : r0 + n * k].reshape(n, k)[:, :kk] = rows
+        self._f32[s0 : s0 + n * k].reshape(n, k)[:, :kk] = scores
+        blob, rflags = b"", 0
+        if flags & Flag.WITH_VECTORS:
+            blob = encode_docs_blob(self.service.docs(rows), self.service.vectors(rows))
+            rflags = RespFlag.HAS_VECTORS
+        elif not flags & Flag.NO_DOCS:
+            blob = encode_docs_blob(self.service.docs(rows))
+        self._respond(i, req, Status.OK, kk, blob, rflags, t0)
+
+    def _one(self, i: int, req: Request, t0: int) -> None:
+        op, svc = req.op, self.service
+        if op != Op.CONTINUE:
+            self.pending.pop(i, None)
+        if op == Op.PING:
+            self._respond(i, req, Status.OK, 0, b"", 0, t0)
+        elif op == Op.RECALL:
+            ns, flt = decode_recall_args(self._args(i, req))
+            rows, scores = svc.recall(self._queries(i, req), req.top_k, ns, flt)
+            self._write_hits(i, req, req.top_k, req.flags, rows, scores, t0)
+        elif op == Op.UPSERT:
+            args = decode_json_args(self._args(i, req))
+            n = svc.upsert(args, self._queries(i, req))
+            self._respond(i, req, Status.OK, n, b"", 0, t0)
+        elif op in (Op.GET, Op.SCAN):
+            args = decode_json_args(self._args(i, req))
+            rows = svc.get(args) if op == Op.GET else svc.scan(args)
+            vecs = svc.vectors(rows) if req.flags & Flag.WITH_VECTORS else None
+            blob = encode_docs_blob(svc.docs(rows), vecs)
+            self._respond(i, req, Status.OK, len(rows), blob,
+                          RespFlag.HAS_VECTORS if vecs is not None else 0, t0)  # fmt: skip
+        elif op == Op.DELETE:
+            n = svc.delete(decode_json_args(self._args(i, req)))
+            self._respond(i, req, Status.OK, n, b"", 0, t0)
+        elif op == Op.COUNT:
+            n = svc.count(decode_json_args(self._args(i, req)))
+            self._respond(i, req, Status.OK, 0, encode_json({"count": n}), 0, t0)
+        elif op == Op.NAMESPACES:
+            self._respond(i, req, Status.OK, 0, encode_json(svc.rows.namespaces()), 0, t0)
+        elif op == Op.STATS:
+            self._respond(i, req, Status.OK, 0, encode_json(self.stats.snapshot(self.describe())), 0, t0)
+        elif op == Op.CONTINUE:
+            pend = self.pending.pop(i, None)
+            if pend is None:
+                raise Invalid(Status.BAD_REQUEST, "nothing to continue")
+            rest, n, flags = pend
+            self._respond(i, req, Status.OK, n, rest, flags, t0)
+        else:  # validate_request admits no other op
+            raise Invalid(Status.BAD_OP, f"op {op} not handled")
+
+    def _respond(self, i: int, req: Request, status: int, n_results: int, blob: bytes,
+                 flags: int, t0: int) -> None:  # fmt: skip
+        lay = self.layout
+        size = lay.blob_size
+        if len(blob) > size:
+            self.pending[i] = (blob[size:], n_results, flags)
+            blob, flags = blob[:size], flags | RespFlag.MORE
+        off = lay.slot_offset(i)
+        b0 = off + lay.blob_offset
+        self.mm[b0 : b0 + len(blob)] = blob
+        RESPONSE_STRUCT.pack_into(self.mm, off + RESPONSE_OFFSET, req.seq, status, n_results,
+                                  len(blob), flags)  # fmt: skip
+        self.states[i] = SlotState.RESPONSE if status == Status.OK else SlotState.ERROR
+        _ipc.post(self.sems[i])
+        self.stats.record(req.op, status, (time.perf_counter_ns() - t0) / 1000)
+
+    def _error(self, i: int, req: Request, status: int, message: str, t0: int) -> None:
+        self.pending.pop(i, None)
+        self._respond(i, req, status, 0, message.encode()[: self.layout.blob_size], 0, t0)
+
+    # ------------------------------------------------------------------ housekeeping
+    def reclaim(self, fd: int) -> int:
+        """Free slots whose owner is gone (its lock is free) and whose state is not FREE."""
+        n = 0
+        for i in np.flatnonzero(self.states != SlotState.FREE).tolist():
+            if self.states[i] == SlotState.REQUEST:
+                continue  # answer it first; reclaim on a later pass
+            if _ipc.try_lock(fd, _ipc.slot_lock_byte(i)):
+                try:
+                    self.pending.pop(i, None)
+                    self.states[i] = SlotState.FREE
+                    n += 1
+                finally:
+                    _ipc.unlock(fd, _ipc.slot_lock_byte(i))
+        return n
+
+    def refuse_all(self, status: int, message: str) -> None:
+        """Answer everything waiting with ``status`` (used when stopping)."""
+        for i in self.waiting().tolist():
+            off = self.layout.slot_offset(i)
+            req = Request(*REQUEST_STRUCT.unpack_from(self.mm, off + REQUEST_OFFSET))
+            self._error(i, req, status, message, time.perf_counter_ns())

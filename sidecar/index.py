@@ -1,0 +1,178 @@
+"""Vector index backends: the interface, and the CPU (numpy) implementation.
+
+An index stores one vector per *row* (rows are assigned by :class:`~.rows.RowTable`) plus the
+row's namespace id, and answers exact top-k searches. Vectors arrive already normalized for
+the cosine metric, so every backend computes inner products; L2 is derived from inner
+products and norms. Scores are similarities, higher is better: cosine, inner product, or the
+negated Euclidean distance.
+
+The GPU backend (``index_gpu.py``) implements the same interface and adds a zero-copy path that
+reads queries from, and writes results to, the shared-memory slot itself.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import numpy as np
+
+from kalos_retrievers.protocol import Metric
+
+
+class Index(abc.ABC):
+    """Exact top-k over rows [0, high). Not thread-safe: the dispatcher thread owns it."""
+
+    name: str = "?"
+    dtype: str = "float32"
+
+    def __init__(self, dim: int, metric: int) -> None:
+        self.dim = dim
+        self.metric = metric
+        self.capacity = 0
+
+    @abc.abstractmethod
+    def reserve(self, capacity: int) -> None:
+        """Make room for rows [0, capacity)."""
+
+    @abc.abstractmethod
+    def set_rows(self, rows: np.ndarray, vectors: np.ndarray, ns: np.ndarray) -> None:
+        """Store ``vectors[i]`` (float32) at ``rows[i]`` in namespace ``ns[i]``."""
+
+    @abc.abstractmethod
+    def clear_rows(self, rows: np.ndarray) -> None:
+        """Tombstone rows: they are never returned again until set."""
+
+    @abc.abstractmethod
+    def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Move rows (compaction); ``dst`` rows are empty."""
+
+    @abc.abstractmethod
+    def search(
+        self,
+        queries: np.ndarray,
+        k: int,
+        high: int,
+        ns: int,
+        candidates: np.ndarray | None,
+        dense: bool,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` rows for each query, best first.
+
+        Args:
+            queries: (q, dim) float32 (raw: the backend normalizes them for cosine).
+            k: results wanted; at most the number of eligible rows.
+            high: rows >= high are empty.
+            ns: namespace id; only rows of it are eligible.
+            candidates: if given, only these rows (ascending, all in ``ns``) are eligible.
+            dense: every row in [0, high) is in ``ns`` (lets the backend skip the check).
+
+        Returns:
+            rows (q, k) int32 and scores (q, k) float32.
+        """
+
+    @abc.abstractmethod
+    def vectors(self, rows: np.ndarray) -> np.ndarray:
+        """The stored vectors of ``rows`` as float32 (n, dim)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "dtype": self.dtype, "capacity": self.capacity}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release device resources."""
+
+
+def normalize_rows(x: np.ndarray) -> np.ndarray:
+    """Unit-length rows (float32); zero rows stay zero."""
+    n = np.linalg.norm(x, axis=1, keepdims=True)
+    return (x / np.where(n == 0, 1, n)).astype(np.float32, copy=False)
+
+
+def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``scores`` (q, n): indices and values of the k largest, largest first."""
+    n = scores.shape[1]
+    if k < n:
+        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    else:
+        part = np.broadcast_to(np.arange(n), (scores.shape[0], n))
+    vals = np.take_along_axis(scores, part, axis=1)
+    order = np.argsort(-vals, axis=1, kind="stable")
+    return np.take_along_axis(part, order, axis=1), np.take_along_axis(vals, order, axis=1)
+
+
+class CpuIndex(Index):
+    """numpy, float32. The reference implementation, and the default on machines without a GPU."""
+
+    name = "cpu"
+
+    def __init__(self, dim: int, metric: int) -> None:
+        super().__init__(dim, metric)
+        self.data = np.zeros((0, dim), np.float32)
+        self.ns = np.zeros(0, np.int32)
+        self.sqnorm = np.zeros(0, np.float32)  # for L2
+
+    def reserve(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        cap = max(capacity, 2 * self.capacity, 1024)
+        data = np.zeros((cap, self.dim), np.float32)
+        data[: self.capacity] = self.data[: self.capacity]
+        ns = np.full(cap, -1, np.int32)
+        ns[: self.capacity] = self.ns[: self.capacity]
+        sq = np.zeros(cap, np.float32)
+        sq[: self.capacity] = self.sqnorm[: self.capacity]
+        self.data, self.ns, self.sqnorm, self.capacity = data, ns, sq, cap
+
+    def set_rows(self, rows: np.ndarray, vectors: np.ndarray, ns: np.ndarray) -> None:
+        if len(rows):
+            self.reserve(int(rows.max()) + 1)
+        self.data[rows] = vectors
+        self.ns[rows] = ns
+        self.sqnorm[rows] = np.einsum("ij,ij->i", vectors, vectors)
+
+    def clear_rows(self, rows: np.ndarray) -> None:
+        self.ns[rows] = -1
+
+    def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.data[dst] = self.data[src]
+        self.ns[dst] = self.ns[src]
+        self.sqnorm[dst] = self.sqnorm[src]
+        self.ns[src] = -1
+
+    def search(
+        self,
+        queries: np.ndarray,
+        k: int,
+        high: int,
+        ns: int,
+        candidates: np.ndarray | None,
+        dense: bool,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        q = normalize_rows(queries) if self.metric == Metric.COSINE else queries
+        if candidates is not None:
+            base = self.data[candidates]
+            scores = q @ base.T
+            if self.metric == Metric.L2:
+                scores = _neg_l2(scores, q, self.sqnorm[candidates])
+            idx, vals = topk_rows(scores, k)
+            return candidates[idx].astype(np.int32), vals.astype(np.float32, copy=False)
+        scores = q @ self.data[:high].T
+        if self.metric == Metric.L2:
+            scores = _neg_l2(scores, q, self.sqnorm[:high])
+        if not dense:
+            scores[:, self.ns[:high] != ns] = -np.inf
+        idx, vals = topk_rows(scores, k)
+        return idx.astype(np.int32), vals.astype(np.float32, copy=False)
+
+    def vectors(self, rows: np.ndarray) -> np.ndarray:
+        return self.data[rows].copy()
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["host_bytes"] = int(self.data.nbytes + self.ns.nbytes + self.sqnorm.nbytes)
+        return d
+
+
+def _neg_l2(dots: np.ndarray, q: np.ndarray, sqnorm: np.ndarray) -> np.ndarray:
+    qn = np.einsum("ij,ij->i", q, q)[:, None]
+    return -np.sqrt(np.maximum(qn - 2 * dots + sqnorm[None, :], 0))

@@ -1,0 +1,197 @@
+"""Metadata columns: filters evaluated over all candidate rows at once.
+
+For each metadata key the sidecar keeps three aligned arrays over the rows: a kind code
+(missing, null, bool, number, string, list, object), a float64 (the number, the bool as 0/1, or
+a list's length) and the Python value itself. The common operators then become numpy
+comparisons over a namespace's rows (``$eq``/``$in`` on strings compare only the string rows;
+``$gt`` on numbers is one vector compare), and only the list and substring operators look at
+values one by one. The semantics are those of :func:`kalos_retrievers.filters.matches`, which
+the tests use as the reference.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any, Final
+
+import numpy as np
+
+from kalos_retrievers.filters import _MISSING, _field_match, values_equal
+
+MISSING: Final = 0
+NULL: Final = 1
+BOOL: Final = 2
+NUMBER: Final = 3
+STRING: Final = 4
+LIST: Final = 5
+OBJECT: Final = 6
+_CMP: Final = {"$gt": operator.gt, "$gte": operator.ge, "$lt": operator.lt, "$lte": operator.le}
+
+
+def _kind(v: Any) -> int:
+    if v is None:
+        return NULL
+    if isinstance(v, bool):
+        return BOOL
+    if isinstance(v, int | float):
+        return NUMBER
+    if isinstance(v, str):
+        return STRING
+    if isinstance(v, list):
+        return LIST
+    return OBJECT
+
+
+class _Column:
+    __slots__ = ("kind", "num", "obj")
+
+    def __init__(self, capacity: int) -> None:
+        self.kind = np.zeros(capacity, np.int8)
+        self.num = np.zeros(capacity, np.float64)
+        self.obj = np.empty(capacity, object)
+
+    def grow(self, capacity: int) -> None:
+        n = len(self.kind)
+        for name in self.__slots__:
+            old = getattr(self, name)
+            new = np.zeros(capacity, old.dtype) if old.dtype != object else np.empty(capacity, object)
+            new[:n] = old
+            setattr(self, name, new)
+
+
+class MetadataColumns:
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self.cols: dict[str, _Column] = {}
+        self.row_keys: list[tuple[str, ...] | None] = [None] * capacity
+
+    def grow(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        for c in self.cols.values():
+            c.grow(capacity)
+        self.row_keys.extend([None] * (capacity - self.capacity))
+        self.capacity = capacity
+
+    def set(self, row: int, metadata: Mapping[str, Any]) -> None:
+        self.clear(row)
+        for key, v in metadata.items():
+            col = self.cols.get(key)
+            if col is None:
+                col = self.cols[key] = _Column(self.capacity)
+            k = _kind(v)
+            col.kind[row] = k
+            col.num[row] = float(v) if k in (BOOL, NUMBER) else (len(v) if k == LIST else 0.0)
+            col.obj[row] = v
+        self.row_keys[row] = tuple(metadata)
+
+    def clear(self, row: int) -> None:
+        keys = self.row_keys[row]
+        if keys:
+            for key in keys:
+                col = self.cols[key]
+                col.kind[row] = MISSING
+                col.obj[row] = None
+        self.row_keys[row] = None
+
+    def move(self, src: int, dst: int) -> None:
+        keys = self.row_keys[src]
+        self.clear(dst)
+        if keys:
+            for key in keys:
+                c = self.cols[key]
+                c.kind[dst], c.num[dst], c.obj[dst] = c.kind[src], c.num[src], c.obj[src]
+                c.kind[src], c.obj[src] = MISSING, None
+        self.row_keys[dst], self.row_keys[src] = keys, None
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self, flt: Mapping[str, Any] | None, rows: np.ndarray) -> np.ndarray:
+        """Boolean mask over ``rows``: which satisfy the (normalized) filter."""
+        if not flt:
+            return np.ones(len(rows), bool)
+        mask = np.ones(len(rows), bool)
+        for key, cond in flt.items():
+            if key == "$and":
+                for f in cond:
+                    mask &= self.evaluate(f, rows)
+            elif key == "$or":
+                m = np.zeros(len(rows), bool)
+                for f in cond:
+                    m |= self.evaluate(f, rows)
+                mask &= m
+            elif key == "$not":
+                mask &= ~self.evaluate(cond, rows)
+            else:
+                for op, arg in cond.items():
+                    mask &= self._field(key, op, arg, rows)
+        return mask
+
+    def _field(self, key: str, op: str, arg: Any, rows: np.ndarray) -> np.ndarray:
+        col = self.cols.get(key)
+        if col is None:  # no row has this key: every row answers as "missing" does
+            return np.full(len(rows), _field_match(op, arg, _MISSING), bool)
+        kind = col.kind[rows]
+        if op == "$eq":
+            return self._eq(col, kind, arg, rows)
+        if op == "$ne":
+            return ~self._eq(col, kind, arg, rows)
+        if op == "$in":
+            m = np.zeros(len(rows), bool)
+            for a in arg:
+                m |= self._eq(col, kind, a, rows)
+            return m
+        if op == "$nin":
+            m = np.zeros(len(rows), bool)
+            for a in arg:
+                m |= self._eq(col, kind, a, rows)
+            return ~m
+        if op == "$exists":
+            return (kind != MISSING) == arg
+        if op in ("$gt", "$gte", "$lt", "$lte"):
+            return self._order(col, kind, op, arg, rows)
+        if op == "$empty":
+            num = col.num[rows]
+            empty = (kind == MISSING) | (kind == NULL) | ((kind == LIST) & (num == 0))
+            s = kind == STRING
+            if s.any():
+                empty[s] = col.obj[rows[s]] == ""
+            return empty == arg
+        # $like $ilike $contains $any $all: one value at a time, on the rows of the right kind
+        want = STRING if op in ("$like", "$ilike") else LIST
+        out = np.zeros(len(rows), bool)
+        sel = np.flatnonzero(kind == want)
+        if len(sel):
+            vals = col.obj[rows[sel]]
+            out[sel] = [_field_match(op, arg, v) for v in vals]
+        return out
+
+    @staticmethod
+    def _eq(col: _Column, kind: np.ndarray, arg: Any, rows: np.ndarray) -> np.ndarray:
+        if arg is None:
+            return kind == NULL
+        if isinstance(arg, bool):
+            return (kind == BOOL) & (col.num[rows] == float(arg))
+        if isinstance(arg, int | float):
+            m = (kind == NUMBER) & (col.num[rows] == float(arg))
+            if isinstance(arg, int) and abs(arg) > 2**53:  # beyond float precision: exact check
+                sel = np.flatnonzero(m)
+                m[sel] = [values_equal(v, arg) for v in col.obj[rows[sel]]]
+            return m
+        m = kind == STRING
+        sel = np.flatnonzero(m)
+        if len(sel):
+            m[sel] = col.obj[rows[sel]] == arg
+        return m
+
+    @staticmethod
+    def _order(col: _Column, kind: np.ndarray, op: str, arg: Any, rows: np.ndarray) -> np.ndarray:
+        if isinstance(arg, bool) or arg is None:
+            return np.zeros(len(rows), bool)
+        if isinstance(arg, int | float):
+            return (kind == NUMBER) & _CMP[op](col.num[rows], arg)
+        m = kind == STRING
+        sel = np.flatnonzero(m)
+        if len(sel):
+            m[sel] = _CMP[op](col.obj[rows[sel]], arg)
+        return m

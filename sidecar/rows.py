@@ -1,0 +1,129 @@
+"""Row bookkeeping on the host, shared by every index backend.
+
+The index (CPU or GPU) stores vectors by *row number*; this table knows what each row is: its
+namespace, id, pre-encoded document (the bytes a recall copies into the response) and
+metadata (as filter columns). Deleted rows go on a free list and are reused by later inserts,
+so the scanned range stays dense; the GPU backend additionally compacts the tail.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .metadata import MetadataColumns
+
+
+class RowTable:
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self.ns_of = np.full(capacity, -1, np.int32)  # -1: empty row
+        self.ids: list[str | None] = [None] * capacity
+        self.docs: list[bytes | None] = [None] * capacity
+        self.created = np.zeros(capacity, np.float64)
+        self.meta = MetadataColumns(capacity)
+        self.key_row: dict[tuple[int, str], int] = {}
+        self.ns_ids: dict[str, int] = {}
+        self.ns_names: list[str] = []
+        self.ns_count: list[int] = []
+        self.free: list[int] = []
+        self.high = 0  # rows >= high are all empty
+        self.live = 0
+
+    # ------------------------------------------------------------------ namespaces
+    def ns_id(self, name: str, create: bool = False) -> int | None:
+        i = self.ns_ids.get(name)
+        if i is None and create:
+            i = self.ns_ids[name] = len(self.ns_names)
+            self.ns_names.append(name)
+            self.ns_count.append(0)
+        return i
+
+    def namespaces(self) -> dict[str, int]:
+        return {n: c for n, c in zip(self.ns_names, self.ns_count, strict=True) if c}
+
+    # ------------------------------------------------------------------ rows
+    def lookup(self, ns: int, id_: str) -> int | None:
+        return self.key_row.get((ns, id_))
+
+    def allocate(self) -> int:
+        """A free row (the lowest one), growing the table when none is free."""
+        while self.free:
+            row = heapq.heappop(self.free)
+            if row < self.high and self.ns_of[row] < 0:
+                return row
+        if self.high == self.capacity:
+            self.grow(max(1024, 2 * self.capacity))
+        self.high += 1
+        return self.high - 1
+
+    def grow(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        extra = capacity - self.capacity
+        self.ns_of = np.concatenate([self.ns_of, np.full(extra, -1, np.int32)])
+        self.created = np.concatenate([self.created, np.zeros(extra)])
+        self.ids.extend([None] * extra)
+        self.docs.extend([None] * extra)
+        self.meta.grow(capacity)
+        self.capacity = capacity
+
+    def set(self, row: int, ns: int, id_: str, doc: bytes, metadata: Mapping[str, Any],
+            created_at: float) -> None:  # fmt: skip
+        if self.ns_of[row] < 0:
+            self.live += 1
+            self.ns_count[ns] += 1
+        elif self.ns_of[row] != ns:  # never happens: a key keeps its row
+            raise AssertionError("row reassigned across namespaces")
+        self.ns_of[row] = ns
+        self.ids[row] = id_
+        self.docs[row] = doc
+        self.created[row] = created_at
+        self.meta.set(row, metadata)
+        self.key_row[(ns, id_)] = row
+
+    def remove(self, row: int) -> None:
+        ns = int(self.ns_of[row])
+        if ns < 0:
+            return
+        id_ = self.ids[row]
+        del self.key_row[(ns, id_)]  # type: ignore[arg-type]
+        self.ns_of[row] = -1
+        self.ids[row] = None
+        self.docs[row] = None
+        self.meta.clear(row)
+        self.ns_count[ns] -= 1
+        self.live -= 1
+        if row == self.high - 1:
+            self.high -= 1
+            self._trim()
+        else:
+            heapq.heappush(self.free, row)
+
+    def _trim(self) -> None:
+        # keep `high` tight so scans skip the empty tail; free rows above it are dropped
+        # lazily by allocate()
+        while self.high > 0 and self.ns_of[self.high - 1] < 0:
+            self.high -= 1
+
+    def move(self, src: int, dst: int) -> None:
+        """Move a live row to an empty one (compaction)."""
+        ns = int(self.ns_of[src])
+        assert ns >= 0 and self.ns_of[dst] < 0
+        self.ns_of[dst], self.ns_of[src] = ns, -1
+        self.ids[dst], self.ids[src] = self.ids[src], None
+        self.docs[dst], self.docs[src] = self.docs[src], None
+        self.created[dst] = self.created[src]
+        self.meta.move(src, dst)
+        self.key_row[(ns, self.ids[dst])] = dst  # type: ignore[index]
+
+    def rows_of(self, ns: int) -> np.ndarray:
+        """Live rows of a namespace, ascending."""
+        return np.flatnonzero(self.ns_of[: self.high] == ns).astype(np.int64)
+
+    def dense(self, ns: int) -> bool:
+        """True when rows [0, high) all belong to ``ns`` (no mask needed to search it)."""
+        return self.ns_count[ns] == self.high

@@ -1,0 +1,456 @@
+"""The sidecar's lifecycle: claim the name, publish the segment, serve, clean up.
+
+Start-up order matters to clients and to a second sidecar started with the same name:
+
+1. create ``/kalos-NAME`` exclusively (mode 0600) and at once take the sidecar lock (byte 0).
+   If the name exists, its lock tells live from stale: a live owner means we refuse (exit code
+   3); a stale segment (its sidecar was killed) is removed and the name taken over. Of two
+   sidecars started at once, exactly one ends up holding the lock of the published segment.
+2. create the doorbell and per-slot semaphores (replacing stale ones);
+3. write the header with version 0 (clients read "still initializing"), load the store of
+   record into the index, then mark the header READY and write the version last.
+
+While serving, a maintenance thread refreshes the heartbeat and checks that the segment and
+semaphores are still published (systemd's ``RemoveIPC`` deletes a user's IPC objects when
+the user logs out): if they were removed, they are re-created under a new boot epoch and the
+clients reconnect by themselves. SIGTERM and SIGINT stop the loop; pending requests are
+refused with a STOPPING status, and the segment and semaphores are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import signal
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kalos_retrievers import _ipc
+from kalos_retrievers.errors import PermissionDenied
+from kalos_retrievers.protocol import (
+    DTYPES,
+    HEADER_OFFSETS,
+    METRICS,
+    VERSION_MAJOR,
+    VERSION_OFFSET,
+    Layout,
+    SidecarState,
+    Status,
+    check_name,
+    doorbell_name,
+    encode_header,
+    response_sem_name,
+    segment_name,
+)
+
+from .dispatcher import Dispatcher
+from .index import CpuIndex, Index
+from .service import Service
+from .stats import Stats
+from .store import NullStore, SqliteStore, StoreOpenError
+
+log = logging.getLogger("kalos.sidecar")
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NAME_IN_USE = 3
+EXIT_STORE = 4
+EXIT_DEVICE = 5
+EXIT_PERMISSION = 6
+EXIT_CUDA_FAULT = 7
+
+
+class StartError(Exception):
+    """The sidecar cannot start; ``exit_code`` says why (see the EXIT_* constants)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class ServeConfig:
+    name: str
+    dim: int
+    metric: str = "cosine"
+    device: str = "auto"
+    dtype: str | None = None  # backend default: float32 on CPU, float16 on GPU
+    data_dir: str | None = None
+    slots: int = 16
+    max_batch: int = 64
+    max_k: int = 1024
+    payload_kb: int = 1024
+    blob_kb: int = 1024
+    spin_us: float = 1000.0
+    sync: str = "full"
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        if self.metric not in METRICS:
+            raise ValueError(f"--metric {self.metric!r}: choose one of {', '.join(METRICS)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.sync not in ("full", "normal"):
+            raise ValueError("--sync must be 'full' or 'normal'")
+        if not 1 <= self.max_batch <= 4096:
+            raise ValueError("--max-batch must be in [1, 4096]")
+        self.layout  # noqa: B018 - validates the geometry
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(
+            n_slots=self.slots,
+            dim=self.dim,
+            max_k=self.max_k,
+            max_results=max(8192, self.max_k),
+            payload_size=self.payload_kb * 1024,
+            blob_size=self.blob_kb * 1024,
+        )
+
+
+def make_index(cfg: ServeConfig) -> Index:
+    """The index backend for ``--device`` (``auto`` takes the GPU when CuPy sees one)."""
+    metric = METRICS[cfg.metric]
+    dev = cfg.device
+    if dev == "cpu":
+        if cfg.dtype not in (None, "float32"):
+            raise StartError("the CPU backend stores float32 only; drop --dtype", EXIT_USAGE)
+        return CpuIndex(cfg.dim, metric)
+    if dev != "auto" and not (dev == "cuda" or dev.startswith("cuda:")):
+        raise StartError(f"--device {dev!r}: use auto, cpu, cuda or cuda:N", EXIT_USAGE)
+    ordinal = int(dev.split(":", 1)[1]) if ":" in dev else 0
+    try:
+        from .gpu import GpuUnavailable, open_gpu_index
+    except ImportError as e:  # pragma: no cover - the module ships with the package
+        raise StartError(f"GPU backend missing from this install: {e}", EXIT_DEVICE) from None
+    try:
+        return open_gpu_index(cfg.dim, metric, ordinal, cfg.dtype or "float16")
+    except GpuUnavailable as e:
+        if dev == "auto":
+            log.info("no usable GPU (%s); using the CPU backend", e)
+            return CpuIndex(cfg.dim, metric)
+        raise StartError(f"--device {dev}: {e}", EXIT_DEVICE) from None
+
+
+class Server:
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.layout = cfg.layout
+        self.stats = Stats()
+        self._stop = threading.Event()
+        self.seg: _ipc.Segment | None = None
+        self.bell: Any = None
+        self.resp_sems: list[Any] = []
+        self.service: Service | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.boot_epoch = 0
+        self._maint: threading.Thread | None = None
+        self._metrics: Any = None
+        self._republish = threading.Event()
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        cfg = self.cfg
+        os.umask(0o077)  # everything we create (store files, IPC objects) is ours alone
+        index = make_index(cfg)
+        log.info("backend: %s", index.describe())
+        store: SqliteStore | NullStore
+        if cfg.data_dir:
+            try:
+                store = SqliteStore(cfg.data_dir, dim=cfg.dim, metric=cfg.metric,
+                                    synchronous=cfg.sync.upper())  # fmt: skip
+            except StoreOpenError as e:
+                index.close()
+                raise StartError(str(e), EXIT_STORE) from None
+            log.info("store of record: %s (SQLite WAL, synchronous=%s)", store.path, cfg.sync)
+        else:
+            store = NullStore()
+            log.warning("no --data-dir: running in memory only; memories are lost when the "
+                        "sidecar stops")  # fmt: skip
+        self.service = Service(index, store, dim=cfg.dim, metric=METRICS[cfg.metric])
+        try:
+            self._publish()
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+        self._set_ready()
+        self._maint = threading.Thread(target=self._maintain, name="kalos-maint", daemon=True)
+        self._maint.start()
+        if cfg.metrics_port is not None:
+            from .metrics import start_metrics_server
+
+            self._metrics = start_metrics_server(self, cfg.metrics_host, cfg.metrics_port)
+
+    def _publish(self) -> None:
+        """Create the segment and semaphores (header says INITIALIZING)."""
+        cfg, lay = self.cfg, self.layout
+        name = segment_name(cfg.name)
+        for _ in range(5):
+            try:
+                seg = _ipc.Segment.create(name, lay.segment_size)
+            except FileExistsError:
+                self._clear_stale(name)
+                continue
+            except PermissionDenied as e:
+                raise StartError(str(e), EXIT_PERMISSION) from None
+            # Between our create and our lock, a rival may have judged the segment stale and
+            # unlinked it: holding the lock is not enough, the name must still be ours.
+            if not _ipc.try_lock(seg.fd, _ipc.SIDECAR_LOCK_BYTE) or _ipc.segment_inode(name) != seg.inode:
+                seg.close()
+                raise StartError(f"another sidecar named {cfg.name!r} is starting at the same "
+                                 "time; this one gives way", EXIT_NAME_IN_USE)  # fmt: skip
+            break
+        else:
+            raise StartError(f"could not claim the name {cfg.name!r}", EXIT_NAME_IN_USE)
+        self.seg = seg
+        self.boot_epoch = random.getrandbits(63) | 1
+        self._write_header(SidecarState.INITIALIZING, version=0)
+        self.bell = _ipc.create_semaphore(doorbell_name(cfg.name))
+        self.resp_sems = [_ipc.create_semaphore(response_sem_name(cfg.name, i))
+                          for i in range(lay.n_slots)]  # fmt: skip
+        assert self.service is not None
+        self.dispatcher = Dispatcher(seg.mm, lay, self.resp_sems, self.service, self.stats,
+                                     max_batch=cfg.max_batch, describe=self.describe)  # fmt: skip
+        log.info("segment %s: %d slots of %d KiB (%.1f MiB in all), dim=%d, metric=%s",
+                 name, lay.n_slots, lay.slot_size // 1024, lay.segment_size / 2**20, cfg.dim,
+                 cfg.metric)  # fmt: skip
+
+    def _clear_stale(self, name: str) -> None:
+        try:
+            old = _ipc.Segment.open(name, self.cfg.name)
+        except PermissionDenied:
+            raise StartError(
+                f"shared memory {name} exists and belongs to another user; refusing to touch "
+                "it. Pick another --name, or have its owner remove it", EXIT_PERMISSION,
+            ) from None
+        except Exception:  # vanished in between, or empty: try creating again
+            return
+        try:
+            if os.fstat(old.fd).st_uid != os.getuid():
+                raise StartError(f"shared memory {name} belongs to another user; pick another "
+                                 "--name", EXIT_PERMISSION)  # fmt: skip
+            if not _ipc.try_lock(old.fd, _ipc.SIDECAR_LOCK_BYTE):
+                pid = _read_pid(old)
+                raise StartError(
+                    f"a sidecar named {self.cfg.name!r} is already running (pid {pid}); stop it "
+                    f"with `kalos-sidecar stop {self.cfg.name}` or choose another --name",
+                    EXIT_NAME_IN_USE,
+                )
+            log.warning("removing the stale segment %s left by a sidecar that died (pid %s)",
+                        name, _read_pid(old))  # fmt: skip
+            _ipc.unlink_segment(name)
+        finally:
+            old.close()
+
+    def _write_header(self, state: int, version: int = VERSION_MAJOR) -> None:
+        assert self.seg is not None and self.service is not None
+        idx = self.service.index
+        hdr = encode_header(
+            self.layout, metric=METRICS[self.cfg.metric],
+            dtype=DTYPES.get(idx.dtype, 0), pid=os.getpid(), uid=os.getuid(),
+            boot_epoch=self.boot_epoch, name=self.cfg.name, backend=idx.name, state=state,
+            version_major=0, capacity=idx.capacity, row_count=self.service.rows.live,
+            heartbeat_ns=time.monotonic_ns(),
+        )  # fmt: skip
+        self.seg.mm[: len(hdr)] = hdr
+        if version:
+            struct.pack_into("<H", self.seg.mm, VERSION_OFFSET, version)
+
+    def _load(self) -> None:
+        assert self.service is not None
+        if not self.service.store.durable:
+            return
+        t0 = time.monotonic()
+        last = [t0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 1.0 or done == total:
+                last[0] = now
+                log.info("loading the store: %d/%d rows (%.0f%%, %.1f s)", done, total,
+                         100 * done / max(total, 1), now - t0)  # fmt: skip
+
+        try:
+            n = self.service.load(progress)
+        except StoreOpenError as e:
+            raise StartError(str(e), EXIT_STORE) from None
+        log.info("loaded %d rows from the store in %.2f s", n, time.monotonic() - t0)
+
+    def _set_ready(self) -> None:
+        self._write_header(SidecarState.READY)
+        assert self.service is not None
+        log.info("ready: sidecar %r serving %d rows on %s (pid %d)", self.cfg.name,
+                 self.service.rows.live, self.service.index.name, os.getpid())  # fmt: skip
+
+    # ------------------------------------------------------------------ serve
+    def serve_forever(self) -> None:
+        """Run the dispatcher until :meth:`stop` (or SIGTERM/SIGINT in the main thread)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        spin_ns = int(self.cfg.spin_us * 1000)
+        last_work = 0
+        next_housekeeping = 0
+        while not self._stop.is_set():
+            if self._republish.is_set():
+                self._do_republish()
+            d = self.dispatcher
+            assert d is not None and self.seg is not None
+            try:
+                if d.poll():
+                    last_work = time.monotonic_ns()
+                    continue
+            except Exception:  # pragma: no cover - poll() answers its own errors
+                log.exception("dispatcher pass failed")
+            now = time.monotonic_ns()
+            if now >= next_housekeeping:
+                next_housekeeping = now + 250_000_000
+                n = d.reclaim(self.seg.fd)
+                if n:
+                    self.stats.reclaimed_slots += n
+                    log.info("reclaimed %d slot(s) of clients that went away", n)
+                _ipc.drain(self.bell)  # bounded: posts never pile up under constant load
+            if now - last_work < spin_ns:
+                continue
+            if _ipc.wait(self.bell, 0.05):
+                _ipc.drain(self.bell)
+        self.close()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        log.info("received %s: shutting down", signal.Signals(signum).name)
+        self.stop()
+
+    def stop(self) -> None:
+        """Ask the serving loop to finish (safe from signal handlers and other threads)."""
+        self._stop.set()
+        if self.bell is not None:
+            with contextlib.suppress(Exception):
+                _ipc.post(self.bell)
+
+    def describe(self) -> dict[str, Any]:
+        assert self.service is not None
+        idx = self.service.index.describe()
+        return {
+            "name": self.cfg.name,
+            "pid": os.getpid(),
+            "boot_epoch": self.boot_epoch,
+            "rows": self.service.rows.live,
+            "namespaces": len(self.service.rows.namespaces()),
+            "dim": self.cfg.dim,
+            "metric": self.cfg.metric,
+            "durable": self.service.store.durable,
+            "data_dir": self.cfg.data_dir,
+            "slots": self.layout.n_slots,
+            "index": idx,
+            "device_bytes": idx.get("device_bytes", 0),
+        }
+
+    # ------------------------------------------------------------------ maintenance
+    def _maintain(self) -> None:
+        hb = HEADER_OFFSETS["heartbeat_ns"]
+        rc = HEADER_OFFSETS["row_count"]
+        cap = HEADER_OFFSETS["capacity"]
+        next_check = 0.0
+        while not self._stop.wait(0.1):
+            seg, svc = self.seg, self.service
+            if seg is None or svc is None:
+                continue
+            with contextlib.suppress(ValueError, TypeError):
+                struct.pack_into("<Q", seg.mm, hb, time.monotonic_ns())
+                struct.pack_into("<Q", seg.mm, rc, svc.rows.live)
+                struct.pack_into("<Q", seg.mm, cap, svc.index.capacity)
+            now = time.monotonic()
+            if now >= next_check and not self._republish.is_set():
+                next_check = now + 0.25
+                if self._removed_from_outside():
+                    log.warning("the segment or its semaphores were removed from outside "
+                                "(systemd RemoveIPC?); re-publishing")  # fmt: skip
+                    self._republish.set()
+                    self.stop_wait_nudge()
+
+    def stop_wait_nudge(self) -> None:
+        with contextlib.suppress(Exception):
+            _ipc.post(self.bell)
+
+    def _removed_from_outside(self) -> bool:
+        assert self.seg is not None
+        if _ipc.segment_inode(segment_name(self.cfg.name)) != self.seg.inode:
+            return True
+        return not os.path.exists("/dev/shm/sem." + doorbell_name(self.cfg.name).lstrip("/"))
+
+    def _do_republish(self) -> None:
+        """Re-create segment and semaphores under a new epoch; the index is untouched."""
+        self._republish.clear()
+        old_seg, old_bell, old_sems = self.seg, self.bell, self.resp_sems
+        if self.dispatcher is not None:
+            with contextlib.suppress(Exception):
+                self.dispatcher.refuse_all(Status.STOPPING, "the sidecar is re-publishing")
+        self.dispatcher = None
+        with contextlib.suppress(Exception):
+            if old_seg is not None and _ipc.segment_inode(segment_name(self.cfg.name)) == old_seg.inode:
+                _ipc.unlink_segment(segment_name(self.cfg.name))
+        self.seg = None
+        try:
+            self._publish()
+        except StartError as e:
+            log.error("could not re-publish: %s", e)
+            self._stop.set()
+            return
+        finally:
+            for s in old_sems:
+                _ipc.close_semaphore(s)
+            _ipc.close_semaphore(old_bell)
+            if old_seg is not None:
+                old_seg.close()
+        self.stats.republished += 1
+        self._set_ready()
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Refuse what is pending, remove the IPC objects, close the store. Idempotent."""
+        self._stop.set()
+        if self._metrics is not None:
+            with contextlib.suppress(Exception):
+                self._metrics.shutdown()
+            self._metrics = None
+        seg = self.seg
+        if seg is not None:
+            with contextlib.suppress(Exception):
+                struct.pack_into("<I", seg.mm, HEADER_OFFSETS["state"], SidecarState.STOPPING)
+            if self.dispatcher is not None:
+                with contextlib.suppress(Exception):
+                    self.dispatcher.refuse_all(Status.STOPPING, "the sidecar is stopping")
+            name = segment_name(self.cfg.name)
+            if _ipc.segment_inode(name) == seg.inode:
+                _ipc.unlink_segment(name)
+            if self.bell is not None:
+                _ipc.unlink_semaphore(doorbell_name(self.cfg.name))
+            for i in range(len(self.resp_sems)):
+                _ipc.unlink_semaphore(response_sem_name(self.cfg.name, i))
+            for s in self.resp_sems:
+                _ipc.close_semaphore(s)
+            _ipc.close_semaphore(self.bell)
+            self.dispatcher = None
+            seg.close()
+            self.seg = None
+        if self.service is not None:
+            self.service.store.close()
+            self.service.index.close()
+            self.service = None
+        log.info("stopped")
+
+
+def _read_pid(seg: _ipc.Segment) -> int | str:
+    try:
+        return struct.unpack_from("<Q", seg.mm, HEADER_OFFSETS["sidecar_pid"])[0]
+    except (struct.error, ValueError):
+        return "?"

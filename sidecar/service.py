@@ -1,0 +1,228 @@
+"""What each operation does, independent of how requests arrive.
+
+The dispatcher decodes a slot into arguments and calls one of these methods; the methods talk
+to the store of record first (a write is acknowledged only after its commit), then to the row
+table and the index. Argument checks here repeat the client's: the sidecar trusts nothing it
+reads from shared memory. Errors are raised as :class:`~kalos_retrievers.protocol.Invalid`
+with the status the client will see.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kalos_retrievers.filters import validate_filter
+from kalos_retrievers.protocol import Invalid, Metric, Status, encode_doc, encode_json
+
+from .index import Index, normalize_rows
+from .rows import RowTable
+from .store import NullStore, SqliteStore, StoredRow
+
+log = logging.getLogger("kalos.sidecar")
+
+MAX_ID_BYTES = 512
+
+
+class Service:
+    def __init__(self, index: Index, store: SqliteStore | NullStore, *, dim: int, metric: int) -> None:
+        self.index = index
+        self.store = store
+        self.dim = dim
+        self.metric = metric
+        self.rows = RowTable()
+        self.index.reserve(self.rows.capacity)
+
+    # ------------------------------------------------------------------ start-up
+    def load(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Rebuild the index from the store of record; return the number of rows loaded."""
+        total = self.store.count()
+        done = 0
+        for batch in self.store.load(self.dim):
+            self._apply(batch)
+            done += len(batch)
+            if progress:
+                progress(done, total)
+        return done
+
+    # ------------------------------------------------------------------ writes
+    def upsert(self, args: Mapping[str, Any], vectors: np.ndarray) -> int:
+        namespace = _namespace(args.get("namespace", ""))
+        ids, texts, metas = args.get("ids"), args.get("texts"), args.get("metadatas")
+        n = len(vectors)
+        for name, lst in (("ids", ids), ("texts", texts), ("metadatas", metas)):
+            if not isinstance(lst, list) or len(lst) != n:
+                raise Invalid(Status.BAD_REQUEST, f"{name} must be a list of {n} entries")
+        assert ids is not None and texts is not None and metas is not None
+        for i in range(n):
+            if not isinstance(ids[i], str) or not ids[i] or len(ids[i].encode()) > MAX_ID_BYTES:
+                raise Invalid(Status.BAD_REQUEST, f"ids[{i}] must be a non-empty string <= 512 bytes")
+            if not isinstance(texts[i], str):
+                raise Invalid(Status.BAD_REQUEST, f"texts[{i}] must be a string")
+            if not isinstance(metas[i], dict):
+                raise Invalid(Status.BAD_REQUEST, f"metadatas[{i}] must be an object")
+        if not np.all(np.isfinite(vectors)):
+            raise Invalid(Status.BAD_REQUEST, "vectors contain NaN or infinity")
+        vecs = np.array(vectors, dtype=np.float32)
+        if self.metric == Metric.COSINE:
+            norms = np.linalg.norm(vecs, axis=1)
+            if np.any(norms == 0):
+                raise Invalid(Status.BAD_REQUEST, f"vectors[{int(np.argmin(norms))}] is all zeros")
+            vecs = normalize_rows(vecs)
+        ns_id = self.rows.ns_id(namespace)
+        now = time.time()
+        batch = []
+        for i in range(n):
+            row = self.rows.lookup(ns_id, ids[i]) if ns_id is not None else None
+            created = float(self.rows.created[row]) if row is not None else now
+            batch.append(StoredRow(namespace, ids[i], texts[i], encode_json(metas[i]), vecs[i],
+                                   created, now))  # fmt: skip
+        self._commit(lambda: self.store.upsert(batch))
+        self._apply(batch, metas)
+        return n
+
+    def _apply(self, batch: Sequence[StoredRow], metas: Sequence[dict[str, Any]] | None = None) -> None:
+        """Put committed rows into the row table and the index."""
+        rows = np.empty(len(batch), np.int64)
+        ns = np.empty(len(batch), np.int32)
+        for i, r in enumerate(batch):
+            ns_id = self.rows.ns_id(r.namespace, create=True)
+            assert ns_id is not None
+            row = self.rows.lookup(ns_id, r.id)
+            if row is None:
+                row = self.rows.allocate()
+            meta = metas[i] if metas is not None else json.loads(r.metadata_json)
+            doc = encode_doc(r.id, r.text, r.metadata_json, r.created_at, r.updated_at)
+            self.rows.set(row, ns_id, r.id, doc, meta, r.created_at)
+            rows[i], ns[i] = row, ns_id
+        if len(batch):
+            self.index.reserve(self.rows.capacity)
+            # rows may repeat (same id twice in one batch): the last write wins in both places
+            self.index.set_rows(rows, np.stack([r.vector for r in batch]), ns)
+
+    def delete(self, args: Mapping[str, Any]) -> int:
+        namespace = _namespace(args.get("namespace", ""))
+        ns_id = self.rows.ns_id(namespace)
+        if ns_id is None:
+            return 0
+        if args.get("all") is True:
+            rows = self.rows.rows_of(ns_id)
+        else:
+            flt = _filter(args.get("filter"))
+            ids = args.get("ids")
+            if ids is None and flt is None:
+                raise Invalid(Status.BAD_REQUEST, "delete needs ids, a filter, or all=true")
+            if ids is not None:
+                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                    raise Invalid(Status.BAD_REQUEST, "ids must be a list of strings")
+                found = (self.rows.lookup(ns_id, i) for i in ids)
+                rows = np.array(sorted({r for r in found if r is not None}), np.int64)
+            else:
+                rows = self.rows.rows_of(ns_id)
+            if flt is not None and len(rows):
+                rows = rows[self.rows.meta.evaluate(flt, rows)]
+        if not len(rows):
+            return 0
+        ids_del = [self.rows.ids[r] for r in rows]
+        self._commit(lambda: self.store.delete(namespace, ids_del))  # type: ignore[arg-type]
+        self.index.clear_rows(rows)
+        for r in rows:
+            self.rows.remove(int(r))
+        return len(rows)
+
+    def _commit(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as e:
+            log.exception("store commit failed")
+            raise Invalid(Status.STORE, f"the store of record failed to commit: {e}") from None
+
+    # ------------------------------------------------------------------ reads
+    def eligible(self, namespace: str, flt: Any) -> tuple[int, np.ndarray | None, bool, int]:
+        """(ns_id, candidate rows or None, dense, how many rows are eligible) for a search."""
+        ns_id = self.rows.ns_id(namespace)
+        if ns_id is None or self.rows.ns_count[ns_id] == 0:
+            return -1, None, False, 0
+        if flt is None:
+            return ns_id, None, self.rows.dense(ns_id), self.rows.ns_count[ns_id]
+        rows = self.rows.rows_of(ns_id)
+        cands = rows[self.rows.meta.evaluate(flt, rows)]
+        return ns_id, cands, False, len(cands)
+
+    def recall(self, queries: np.ndarray, k: int, namespace: str, flt: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (q, k') and scores (q, k') with k' = min(k, eligible rows)."""
+        flt = _filter(flt)
+        ns_id, cands, dense, n = self.eligible(namespace, flt)
+        kk = min(k, n)
+        if kk == 0:
+            return np.empty((len(queries), 0), np.int32), np.empty((len(queries), 0), np.float32)
+        if not np.all(np.isfinite(queries)):
+            raise Invalid(Status.BAD_REQUEST, "queries contain NaN or infinity")
+        return self.index.search(queries, kk, self.rows.high, ns_id, cands, dense)
+
+    def docs(self, rows: np.ndarray) -> list[bytes]:
+        d = self.rows.docs
+        return [d[r] for r in rows.reshape(-1).tolist()]  # type: ignore[misc]
+
+    def get(self, args: Mapping[str, Any]) -> np.ndarray:
+        namespace = _namespace(args.get("namespace", ""))
+        ids = args.get("ids")
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise Invalid(Status.BAD_REQUEST, "ids must be a list of strings")
+        ns_id = self.rows.ns_id(namespace)
+        if ns_id is None:
+            return np.empty(0, np.int64)
+        found = [self.rows.lookup(ns_id, i) for i in ids]
+        return np.array([r for r in found if r is not None], np.int64)
+
+    def scan(self, args: Mapping[str, Any]) -> np.ndarray:
+        namespace = _namespace(args.get("namespace", ""))
+        flt = _filter(args.get("filter"))
+        limit, offset = args.get("limit", 100), args.get("offset", 0)
+        if not (isinstance(limit, int) and isinstance(offset, int) and limit >= 0 and offset >= 0):
+            raise Invalid(Status.BAD_REQUEST, "limit and offset must be ints >= 0")
+        ns_id = self.rows.ns_id(namespace)
+        if ns_id is None:
+            return np.empty(0, np.int64)
+        rows = self.rows.rows_of(ns_id)
+        if flt is not None:
+            rows = rows[self.rows.meta.evaluate(flt, rows)]
+        ids = self.rows.ids
+        order = sorted(rows.tolist(), key=lambda r: (self.rows.created[r], ids[r]))
+        return np.array(order[offset : offset + limit], np.int64)
+
+    def count(self, args: Mapping[str, Any]) -> int:
+        namespace = args.get("namespace")
+        if namespace is None:
+            return self.rows.live
+        ns_id = self.rows.ns_id(_namespace(namespace))
+        if ns_id is None:
+            return 0
+        flt = _filter(args.get("filter"))
+        if flt is None:
+            return self.rows.ns_count[ns_id]
+        rows = self.rows.rows_of(ns_id)
+        return int(self.rows.meta.evaluate(flt, rows).sum())
+
+    def vectors(self, rows: np.ndarray) -> np.ndarray:
+        if not len(rows):
+            return np.empty((0, self.dim), np.float32)
+        return self.index.vectors(rows.reshape(-1))
+
+
+def _namespace(ns: Any) -> str:
+    if not isinstance(ns, str) or len(ns.encode()) > 255:
+        raise Invalid(Status.BAD_REQUEST, "namespace must be a string of at most 255 bytes")
+    return ns
+
+
+def _filter(flt: Any) -> dict[str, Any] | None:
+    try:
+        return validate_filter(flt)
+    except (TypeError, ValueError) as e:
+        raise Invalid(Status.BAD_REQUEST, str(e)) from None

@@ -1,0 +1,127 @@
+"""Counters and latency histograms the sidecar keeps about itself.
+
+Latencies go into fixed log-spaced buckets (about 9% wide, from 1 µs to 100 s), so recording
+one costs an index computation and an increment, and percentiles are read off the buckets.
+The same numbers feed ``kalos-sidecar stats`` and the Prometheus text endpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from typing import Any, Final
+
+import numpy as np
+
+from kalos_retrievers.protocol import OP_NAMES, STATUS_NAMES
+
+_BUCKETS_PER_DECADE: Final = 27
+_DECADES: Final = 8  # 1 µs .. 100 s
+_N: Final = _BUCKETS_PER_DECADE * _DECADES + 1
+
+
+class Histogram:
+    __slots__ = ("count", "counts", "sum_us")
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(_N, np.int64)
+        self.count = 0
+        self.sum_us = 0.0
+
+    def record(self, us: float) -> None:
+        i = 0 if us <= 1 else min(_N - 1, int(math.log10(us) * _BUCKETS_PER_DECADE) + 1)
+        self.counts[i] += 1
+        self.count += 1
+        self.sum_us += us
+
+    @staticmethod
+    def bucket_upper_us(i: int) -> float:
+        return 10 ** (i / _BUCKETS_PER_DECADE)
+
+    def percentile(self, p: float) -> float:
+        if not self.count:
+            return 0.0
+        target = p / 100 * self.count
+        i = int(np.searchsorted(np.cumsum(self.counts), target))
+        return self.bucket_upper_us(min(i, _N - 1))
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "count": self.count,
+            "mean_us": round(self.sum_us / self.count, 2) if self.count else 0.0,
+            "p50_us": round(self.percentile(50), 1),
+            "p99_us": round(self.percentile(99), 1),
+            "p999_us": round(self.percentile(99.9), 1),
+        }
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.lock = threading.Lock()
+        self.requests: Counter[tuple[str, str]] = Counter()
+        self.latency: dict[str, Histogram] = {}
+        self.reclaimed_slots = 0
+        self.rejected = 0
+        self.batches = 0
+        self.batched_queries = 0
+        self.republished = 0
+
+    def record(self, op: int, status: int, us: float) -> None:
+        name = OP_NAMES.get(op, "invalid")
+        self.requests[(name, STATUS_NAMES.get(status, str(status)))] += 1
+        if status == 0:
+            h = self.latency.get(name)
+            if h is None:
+                h = self.latency[name] = Histogram()
+            h.record(us)
+        else:
+            self.rejected += 1
+
+    def snapshot(self, extra: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "uptime_s": round(time.time() - self.started, 1),
+            "requests": {f"{op}/{st}": n for (op, st), n in sorted(self.requests.items())},
+            "latency": {op: h.summary() for op, h in sorted(self.latency.items())},
+            "rejected_requests": self.rejected,
+            "reclaimed_slots": self.reclaimed_slots,
+            "batches": self.batches,
+            "batched_queries": self.batched_queries,
+            "republished": self.republished,
+            **extra,
+        }
+
+    def prometheus(self, extra: dict[str, Any]) -> str:
+        """Prometheus text exposition format (version 0.0.4)."""
+        out = [
+            "# HELP kalos_requests_total Requests answered, by op and status.",
+            "# TYPE kalos_requests_total counter",
+        ]
+        for (op, st), n in sorted(self.requests.items()):
+            out.append(f'kalos_requests_total{{op="{op}",status="{st}"}} {n}')
+        out += [
+            "# HELP kalos_request_latency_seconds Time from pickup to response, by op.",
+            "# TYPE kalos_request_latency_seconds histogram",
+        ]
+        for op, h in sorted(self.latency.items()):
+            cum = np.cumsum(h.counts)
+            for i in range(0, _N, 9):  # every 9th bucket: ~1/3 decade resolution is plenty
+                le = h.bucket_upper_us(i) / 1e6
+                out.append(f'kalos_request_latency_seconds_bucket{{op="{op}",le="{le:.6g}"}} {cum[i]}')
+            out.append(f'kalos_request_latency_seconds_bucket{{op="{op}",le="+Inf"}} {h.count}')
+            out.append(f'kalos_request_latency_seconds_sum{{op="{op}"}} {h.sum_us / 1e6:.6f}')
+            out.append(f'kalos_request_latency_seconds_count{{op="{op}"}} {h.count}')
+        gauges = {
+            "kalos_rows": ("Live rows in the index.", extra.get("rows", 0)),
+            "kalos_rejected_requests_total": ("Requests refused by validation.", self.rejected),
+            "kalos_reclaimed_slots_total": ("Slots taken back from dead clients.", self.reclaimed_slots),
+            "kalos_republished_total": ("Times the segment was re-created after removal.", self.republished),
+            "kalos_device_memory_bytes": ("Index memory on the device (0 on CPU).", extra.get("device_bytes", 0)),
+            "kalos_uptime_seconds": ("Seconds since start.", round(time.time() - self.started, 1)),
+        }
+        for name, (help_, v) in gauges.items():
+            kind = "counter" if name.endswith("_total") else "gauge"
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {v}"]
+        return "\n".join(out) + "\n"

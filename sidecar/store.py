@@ -1,0 +1,225 @@
+"""Store of record: SQLite in WAL mode. The index is a cache of it, rebuilt at start.
+
+A write is acknowledged to the client only after its transaction commits; with
+``synchronous=FULL`` (the default) the commit is on disk when acknowledged, so it survives
+``kill -9`` of the sidecar and a power cut. Each row carries a CRC-32 of its content, checked
+when the index is rebuilt: a flipped byte inside a vector is refused with a clear message
+instead of being served as a silently different memory.
+
+Without a data directory the sidecar keeps no store at all (:class:`NullStore`): the index is
+the only copy, and the sidecar says so when it starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import sqlite3
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+
+log = logging.getLogger("kalos.sidecar.store")
+
+SCHEMA_VERSION: Final = 1
+DB_FILE: Final = "kalos.sqlite3"
+LOCK_FILE: Final = "kalos.lock"
+
+
+class StoreOpenError(Exception):
+    """The store cannot be used as it is; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class StoredRow:
+    namespace: str
+    id: str
+    text: str
+    metadata_json: bytes
+    vector: np.ndarray
+    created_at: float
+    updated_at: float
+
+
+def row_crc(namespace: str, id_: str, text: str, metadata_json: bytes, vector: bytes) -> int:
+    c = zlib.crc32(namespace.encode())
+    c = zlib.crc32(b"\x00" + id_.encode(), c)
+    c = zlib.crc32(b"\x00" + text.encode(), c)
+    c = zlib.crc32(b"\x00" + metadata_json, c)
+    return zlib.crc32(b"\x00" + vector, c)
+
+
+class NullStore:
+    """No persistence: the sidecar runs in memory."""
+
+    durable = False
+    path: Path | None = None
+
+    def upsert(self, rows: Sequence[StoredRow]) -> None:
+        pass
+
+    def delete(self, namespace: str, ids: Sequence[str]) -> None:
+        pass
+
+    def load(self, dim: int, batch: int = 10000) -> Iterator[list[StoredRow]]:
+        return iter(())
+
+    def count(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class SqliteStore:
+    """SQLite store in ``data_dir``. One sidecar per directory (an exclusive lock file)."""
+
+    durable = True
+
+    def __init__(self, data_dir: str | os.PathLike[str], *, dim: int, metric: str,
+                 synchronous: str = "FULL") -> None:  # fmt: skip
+        self.dir = Path(data_dir)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = self.dir / DB_FILE
+        self._lock_fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StoreOpenError(
+                f"data dir {self.dir} is in use by another running sidecar; give each sidecar "
+                "its own --data-dir"
+            ) from None
+        try:
+            self._open(dim, metric, synchronous)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, dim: int, metric: str, synchronous: str) -> None:
+        fresh = not self.path.exists()
+        try:
+            self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute(f"PRAGMA synchronous={synchronous}")
+            self.db.execute("PRAGMA busy_timeout=5000")
+            ok = self.db.execute("PRAGMA quick_check").fetchone()[0]
+        except sqlite3.DatabaseError as e:
+            raise StoreOpenError(
+                f"{self.path} is not a readable SQLite database ({e}). The store is corrupt: "
+                "restore it from a backup, or move it away to start empty"
+            ) from None
+        if ok != "ok":
+            raise StoreOpenError(
+                f"{self.path} failed SQLite's integrity check ({ok}); the store is corrupt: "
+                "restore it from a backup, or move it away to start empty"
+            )
+        for p in self.dir.glob(DB_FILE + "*"):
+            os.chmod(p, 0o600)
+        if fresh or not self._has_table("meta"):
+            self._create(dim, metric)
+            return
+        meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
+        version = int(meta.get("schema_version", "0"))
+        if version != SCHEMA_VERSION:
+            raise StoreOpenError(
+                f"{self.path} has schema version {version}; this release reads version "
+                f"{SCHEMA_VERSION}. Open it with the release that wrote it and export the data"
+            )
+        if int(meta["dim"]) != dim or meta["metric"] != metric:
+            raise StoreOpenError(
+                f"{self.path} holds dim={meta['dim']} metric={meta['metric']} vectors, but the "
+                f"sidecar was started with --dim {dim} --metric {metric}; start it with the "
+                "stored settings, or use another --data-dir"
+            )
+
+    def _has_table(self, name: str) -> bool:
+        q = "SELECT 1 FROM sqlite_master WHERE type='table' AND name=?"
+        return self.db.execute(q, (name,)).fetchone() is not None
+
+    def _create(self, dim: int, metric: str) -> None:
+        with self._tx():
+            self.db.execute("CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            self.db.execute(
+                "CREATE TABLE memories("
+                " ns TEXT NOT NULL, id TEXT NOT NULL, text TEXT NOT NULL,"
+                " metadata BLOB NOT NULL, vector BLOB NOT NULL,"
+                " created_at REAL NOT NULL, updated_at REAL NOT NULL, crc INTEGER NOT NULL,"
+                " PRIMARY KEY (ns, id)) WITHOUT ROWID"
+            )
+            self.db.executemany(
+                "INSERT INTO meta VALUES (?, ?)",
+                [("schema_version", str(SCHEMA_VERSION)), ("dim", str(dim)), ("metric", metric)],
+            )
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[None]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def upsert(self, rows: Sequence[StoredRow]) -> None:
+        """Insert or replace rows in one transaction; returns after the commit."""
+        params = []
+        for r in rows:
+            vec = np.ascontiguousarray(r.vector, dtype="<f4").tobytes()
+            crc = row_crc(r.namespace, r.id, r.text, r.metadata_json, vec)
+            params.append((r.namespace, r.id, r.text, r.metadata_json, vec, r.created_at,
+                           r.updated_at, crc))  # fmt: skip
+        with self._tx():
+            self.db.executemany("INSERT OR REPLACE INTO memories VALUES (?,?,?,?,?,?,?,?)", params)
+
+    def delete(self, namespace: str, ids: Sequence[str]) -> None:
+        with self._tx():
+            self.db.executemany("DELETE FROM memories WHERE ns=? AND id=?",
+                                [(namespace, i) for i in ids])  # fmt: skip
+
+    def count(self) -> int:
+        return int(self.db.execute("SELECT count(*) FROM memories").fetchone()[0])
+
+    def load(self, dim: int, batch: int = 10000) -> Iterator[list[StoredRow]]:
+        """Every stored row, in batches, each checked against its CRC.
+
+        Raises:
+            StoreOpenError: a row's checksum or vector size is wrong.
+        """
+        cur = self.db.execute(
+            "SELECT ns, id, text, metadata, vector, created_at, updated_at, crc FROM memories"
+        )
+        while True:
+            chunk = cur.fetchmany(batch)
+            if not chunk:
+                return
+            out = []
+            for ns, id_, text, meta, vec, created, updated, crc in chunk:
+                meta_b = bytes(meta)
+                if len(vec) != 4 * dim or row_crc(ns, id_, text, meta_b, vec) != crc:
+                    raise StoreOpenError(
+                        f"row (namespace={ns!r}, id={id_!r}) of {self.path} fails its checksum: "
+                        "the file is corrupt. Restore it from a backup; Kalos will not serve "
+                        "data it cannot vouch for"
+                    )
+                out.append(StoredRow(ns, id_, text, meta_b, np.frombuffer(vec, dtype="<f4"),
+                                     created, updated))  # fmt: skip
+            yield out
+
+    def close(self) -> None:
+        db = getattr(self, "db", None)
+        if db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                db.close()
+            self.db = None
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = -1

@@ -1,0 +1,98 @@
+"""Fixtures shared by every tier.
+
+* Sidecar names are unique per test run (``kt<pid>x<n>``), so parallel runs never collide.
+* ``start_sidecar(**kw)`` starts a real sidecar process (CPU backend unless told otherwise)
+  and stops it after the test; ``shared_sidecar`` is one per module for read-mostly tests.
+* Tests marked ``gpu`` are skipped, with the reason, unless CuPy sees a CUDA device.
+* At the end of the session no ``/dev/shm`` object of ours may be left behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kalos_retrievers import Sidecar
+
+_counter = itertools.count()
+RUN_TAG = f"kt{os.getpid()}{uuid.uuid4().hex[:4]}"
+
+
+def unique_name(prefix: str = "") -> str:
+    return f"{RUN_TAG}{prefix}x{next(_counter)}"
+
+
+def _gpu_available() -> str | None:
+    """None when a GPU is usable, else why not."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CuPy sees no CUDA device"
+    except Exception as e:
+        return f"CUDA unavailable: {e}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any("gpu" in item.keywords for item in items):
+        return
+    why = _gpu_available()
+    if why is None:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {why}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def start_sidecar() -> Iterator[Callable[..., Sidecar]]:
+    """Factory: ``start_sidecar(dim=..., device="cpu", ...)`` -> a started :class:`Sidecar`."""
+    started: list[Sidecar] = []
+
+    def start(**kw: Any) -> Sidecar:
+        kw.setdefault("device", "cpu")
+        kw.setdefault("dim", 8)
+        kw.setdefault("name", unique_name())
+        kw.setdefault("startup_timeout", 60.0)
+        sc = Sidecar(**kw)
+        started.append(sc)
+        return sc.start()
+
+    yield start
+    for sc in started:
+        sc.stop()
+        sc.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def shared_sidecar() -> Iterator[Sidecar]:
+    """One CPU sidecar (dim 8, in memory) per test module."""
+    sc = Sidecar(unique_name("m"), dim=8, device="cpu", startup_timeout=60.0)
+    sc.start()
+    yield sc
+    sc.stop()
+    sc.log_path.unlink(missing_ok=True)
+
+
+def leftover_shm() -> list[str]:
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return []
+    return sorted(p.name for p in shm.iterdir() if RUN_TAG in p.name)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leaked_shm() -> Iterator[None]:
+    yield
+    left = leftover_shm()
+    assert not left, f"tests left shared-memory objects behind: {left}"
