@@ -96,3 +96,9 @@ def _no_leaked_shm() -> Iterator[None]:
     yield
     left = leftover_shm()
     assert not left, f"tests left shared-memory objects behind: {left}"
+
+
+@pytest.fixture
+def make_name() -> Callable[[str], str]:
+    """``make_name()`` -> a sidecar name unique to this test run."""
+    return unique_name
