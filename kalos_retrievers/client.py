@@ -58,7 +58,6 @@ from .protocol import (
     Flag,
     Header,
     HeaderError,
-    Layout,
     Metric,
     Op,
     ProtocolDecodeError,

@@ -23,13 +23,14 @@ message that the sidecar writes back into the slot.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
@@ -452,8 +453,7 @@ assert REQUEST_OFFSET + REQUEST_STRUCT.size == RESPONSE_OFFSET
 assert RESPONSE_OFFSET + RESPONSE_STRUCT.size == CTL_OFFSETS["claim_ns"]
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """A request's control words, as copied once out of the slot."""
 
     seq: int
@@ -467,23 +467,13 @@ class Request:
 
     @classmethod
     def unpack(cls, buf: bytes | memoryview, offset: int = REQUEST_OFFSET) -> Request:
-        return cls(*REQUEST_STRUCT.unpack_from(buf, offset))
+        return cls._make(REQUEST_STRUCT.unpack_from(buf, offset))
 
     def pack(self) -> bytes:
-        return REQUEST_STRUCT.pack(
-            self.seq,
-            self.op,
-            self.flags,
-            self.top_k,
-            self.n_items,
-            self.vec_len,
-            self.args_len,
-            self.deadline_ns,
-        )
+        return REQUEST_STRUCT.pack(*self)
 
 
-@dataclass(frozen=True)
-class Response:
+class Response(NamedTuple):
     seq: int
     status: int
     n_results: int
@@ -492,7 +482,7 @@ class Response:
 
     @classmethod
     def unpack(cls, buf: bytes | memoryview, offset: int = RESPONSE_OFFSET) -> Response:
-        return cls(*RESPONSE_STRUCT.unpack_from(buf, offset))
+        return cls._make(RESPONSE_STRUCT.unpack_from(buf, offset))
 
 
 class Invalid(Exception):
@@ -677,12 +667,10 @@ _U32: Final = struct.Struct("<I")
 def encode_docs_blob(docs: Sequence[bytes], vectors: np.ndarray | None = None) -> bytes:
     """``[u32 n][u32 offsets x (n+1)][docs...][pad to 4][float32 vectors n x dim]``."""
     n = len(docs)
-    offsets = np.zeros(n + 1, dtype="<u4")
-    if n:
-        np.cumsum([len(d) for d in docs], out=offsets[1:])
-    parts = [_U32.pack(n), offsets.tobytes(), *docs]
+    offsets = [0, *itertools.accumulate(map(len, docs))]
+    parts = [struct.pack(f"<{n + 2}I", n, *offsets), *docs]
     if vectors is not None:
-        size = 4 + 4 * (n + 1) + int(offsets[-1])
+        size = 4 * (n + 2) + offsets[-1]
         parts.append(b"\x00" * (-size % 4))
         parts.append(np.ascontiguousarray(vectors, dtype="<f4").tobytes())
     return b"".join(parts)

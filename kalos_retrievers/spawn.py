@@ -4,7 +4,9 @@
 ...     client = sc.client()
 ...     client.upsert(...)
 
-The process runs ``python -m kalos_retrievers.sidecar serve`` with the same interpreter, logs
+The process runs ``python -P -m kalos_retrievers.sidecar serve`` with the same interpreter
+(``-P``: the current directory is not put on ``sys.path``, so a source checkout in the current
+directory cannot shadow the installed package, whose sidecar lives elsewhere in the tree), logs
 to a file (``Sidecar.log_path``; its tail is included in any start-up error), and by default
 receives SIGTERM if the process that started it dies, so an interrupted script leaves no
 orphan sidecar behind.
@@ -78,7 +80,7 @@ class Sidecar:
         self.data_dir = None if data_dir is None else str(data_dir)
         self.startup_timeout = startup_timeout
         self.die_with_parent = die_with_parent
-        self.argv = [sys.executable, "-m", "kalos_retrievers.sidecar", "serve",
+        self.argv = [sys.executable, "-P", "-m", "kalos_retrievers.sidecar", "serve",
                      "--name", self.name, "--dim", str(dim), "--metric", metric,
                      "--device", device, "--log-level", log_level]  # fmt: skip
         opts = {"--dtype": dtype, "--data-dir": self.data_dir, "--slots": slots,

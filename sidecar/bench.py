@@ -1,7 +1,211 @@
-"""Benchmark (filled in below)."""
+"""``kalos-sidecar bench``: recall latency and throughput, next to the in-process baseline.
+
+It starts its own sidecar, loads N synthetic normalized vectors through the client (chunked
+upserts), then measures:
+
+* batch-1 recall latency from the Python client to numpy results: p50 / p99 / p99.9 over
+  ``--calls`` calls after ``--warmup`` calls, with queries drawn from a pool of random vectors;
+* aggregate throughput and p99 with ``--procs`` concurrent client processes;
+* in the same run, the in-process baseline a user would write instead: numpy ``M @ q`` plus
+  ``argpartition`` (and on a GPU, see benchmarks/gpu_recall.py for PyTorch and CuPy).
+
+It prints a table and writes everything as JSON (``--json``). Time is measured with
+``perf_counter_ns`` around each call; nothing is timed by the wall clock.
+"""
+
 from __future__ import annotations
+
 import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--calls", type=int, default=10_000)
+    p.add_argument("--warmup", type=int, default=500)
+    p.add_argument("--procs", type=int, default=4, help="client processes for the throughput run")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds of the throughput run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+
+
+# ------------------------------------------------------------------------------ data
+def normalized_chunks(n: int, dim: int, seed: int, chunk: int = 65536) -> Iterator[np.ndarray]:
+    """N random unit vectors (float32), generated chunk by chunk (1M x 768 is 3 GB)."""
+    rng = np.random.default_rng(seed)
+    for start in range(0, n, chunk):
+        x = rng.standard_normal((min(chunk, n - start), dim), dtype=np.float32)
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+        yield x
+
+
+def make_data(n: int, dim: int, seed: int) -> np.ndarray:
+    return np.concatenate(list(normalized_chunks(n, dim, seed))) if n else np.zeros((0, dim), np.float32)
+
+
+def load(client: Any, data: np.ndarray, *, chunk: int = 8192, progress: bool = True) -> float:
+    """Upsert ``data`` (ids "0".."n-1", no text) through the client; return the seconds taken."""
+    t0 = time.perf_counter()
+    n = len(data)
+    last = t0
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        client.upsert([str(i) for i in range(start, end)], data[start:end], timeout=600)
+        now = time.perf_counter()
+        if progress and (now - last > 2 or end == n):
+            last = now
+            print(f"  loaded {end}/{n} rows ({now - t0:.1f} s)", file=sys.stderr, flush=True)
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------ timing
+def percentiles(us: np.ndarray) -> dict[str, float]:
+    return {
+        "calls": len(us),
+        "mean_us": round(float(us.mean()), 2),
+        "p50_us": round(float(np.percentile(us, 50)), 2),
+        "p99_us": round(float(np.percentile(us, 99)), 2),
+        "p999_us": round(float(np.percentile(us, 99.9)), 2),
+    }
+
+
+def time_calls(fn: Callable[[int], Any], calls: int, warmup: int) -> dict[str, float]:
+    """Time ``fn(i)`` per call (perf_counter_ns); returns percentiles in microseconds."""
+    for i in range(warmup):
+        fn(i)
+    out = np.empty(calls, np.float64)
+    for i in range(calls):
+        t0 = time.perf_counter_ns()
+        fn(i)
+        out[i] = (time.perf_counter_ns() - t0) / 1000
+    return percentiles(out)
+
+
+def _throughput_worker(name: str, dim: int, k: int, seed: int, duration: float, start_at: float,
+                       out: Any) -> None:  # fmt: skip
+    from kalos_retrievers.client import KalosClient
+
+    qs = make_data(256, dim, seed)
+    lat: list[float] = []
+    with KalosClient(name, dim=dim, timeout=10) as c:
+        for i in range(20):
+            c.recall(qs[i], k)
+        while time.time() < start_at:  # all workers start together (wall clock across procs)
+            time.sleep(0.001)
+        end = time.perf_counter() + duration
+        i = 0
+        while True:
+            t0 = time.perf_counter_ns()
+            c.recall(qs[i & 255], k)
+            t1 = time.perf_counter_ns()
+            lat.append((t1 - t0) / 1000)
+            i += 1
+            if t1 / 1e9 > end:
+                break
+    out.put(np.asarray(lat, np.float64))
+
+
+def throughput(name: str, dim: int, k: int, procs: int, duration: float) -> dict[str, float]:
+    """``procs`` client processes issuing batch-1 recalls back to back for ``duration`` s."""
+    ctx = mp.get_context("spawn")
+    q: Any = ctx.Queue()
+    start_at = time.time() + 3.0 + 0.1 * procs
+    ps = [ctx.Process(target=_throughput_worker, args=(name, dim, k, 1000 + i, duration, start_at, q))
+          for i in range(procs)]  # fmt: skip
+    for p in ps:
+        p.start()
+    lats = [q.get(timeout=duration + 120) for _ in ps]
+    for p in ps:
+        p.join(30)
+    allv = np.concatenate(lats)
+    res = percentiles(allv)
+    res["procs"] = procs
+    res["recalls_per_s"] = round(len(allv) / duration, 1)
+    return res
+
+
+def numpy_baseline(data: np.ndarray, queries: np.ndarray, k: int, calls: int, warmup: int) -> dict[str, float]:
+    """In-process numpy: scores = M @ q, argpartition, sort the k (what a user would write)."""
+
+    def one(i: int) -> None:
+        s = data @ queries[i % len(queries)]
+        top = np.argpartition(-s, k)[:k]
+        top[np.argsort(-s[top])]
+
+    return time_calls(one, calls, warmup)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def table(rows: list[tuple[str, str, str, str]]) -> str:
+    head = ("figure", "target", "measured", "pass")
+    w = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+    line = lambda r: "| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (x + 2) for x in w) + "|", *map(line, rows)])
+
+
+# ------------------------------------------------------------------------------ main
 def run(args: argparse.Namespace) -> int:
-    return 1
+    from kalos_retrievers.spawn import Sidecar
+
+    print(f"bench: {args.rows} x {args.dim} rows on {args.device}; {machine()}", file=sys.stderr)
+    data = make_data(args.rows, args.dim, args.seed)
+    queries = make_data(1024, args.dim, args.seed + 1)
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "machine": machine(), "rows": args.rows,
+        "dim": args.dim, "k": args.k, "device": args.device, "command": " ".join(sys.argv),
+    }  # fmt: skip
+    with Sidecar(dim=args.dim, device=args.device, dtype=args.dtype, slots=max(16, args.procs + 4),
+                 payload_kb=4096, log_level="WARNING") as sc:  # fmt: skip
+        with sc.client(timeout=30) as c:
+            results["load_s"] = round(load(c, data), 2)
+            results["backend"] = c.header.backend
+            results["kalos"] = time_calls(lambda i: c.recall(queries[i & 1023], args.k),
+                                          args.calls, args.warmup)  # fmt: skip
+            results["kalos_ping"] = time_calls(lambda i: c.ping(), args.calls, args.warmup)
+        results["numpy"] = numpy_baseline(data, queries, args.k, min(args.calls, 2000), 50)
+        if args.procs:
+            results["throughput"] = throughput(sc.name, args.dim, args.k, args.procs, args.duration)
+    kp, npy = results["kalos"], results["numpy"]
+    added = kp["p50_us"] - npy["p50_us"]
+    rows = [
+        ("Kalos recall p50 / p99 / p99.9 (us)", "", f"{kp['p50_us']} / {kp['p99_us']} / {kp['p999_us']}", ""),
+        ("numpy M@q + argpartition p50 (us)", "", f"{npy['p50_us']}", ""),
+        ("sidecar added over numpy, p50 (us)", "<= 50 at 100k x 384", f"{added:.1f}",
+         "yes" if added <= 50 else "no"),
+        ("ping round trip p50 (us)", "", f"{results['kalos_ping']['p50_us']}", ""),
+    ]  # fmt: skip
+    if "throughput" in results:
+        t = results["throughput"]
+        rows.append((f"throughput, {t['procs']} procs (recalls/s), p99 (us)", "",
+                     f"{t['recalls_per_s']}, {t['p99_us']}", ""))  # fmt: skip
+    results["added_p50_us"] = round(added, 2)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

@@ -121,10 +121,13 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     try:
         server.serve_forever()
-    except StartError as e:  # e.g. a sticky CUDA fault while serving
+    except StartError as e:  # a sticky CUDA fault while serving
         log.error("%s", e)
         server.close()
-        return e.exit_code
+        # Leave at once: interpreter shutdown would try to free device memory through a
+        # context that is in a sticky error state.
+        logging.shutdown()
+        os._exit(e.exit_code)
     return EXIT_OK
 
 

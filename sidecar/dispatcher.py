@@ -44,6 +44,7 @@ from kalos_retrievers.protocol import (
     validate_request,
 )
 
+from .index import FatalDeviceError, SlotSpec
 from .service import Service
 from .stats import Stats
 
@@ -63,11 +64,14 @@ class Dispatcher:
         self.states = np.ndarray((layout.n_slots,), np.uint32, mm, HEADER_SIZE, (layout.slot_size,))
         self.pending: dict[int, tuple[bytes, int, int]] = {}  # slot -> (rest, n_results, flags)
         lay = layout
-        self._f32 = np.frombuffer(mm, dtype="<f4")
-        self._i32 = np.frombuffer(mm, dtype="<i4")
-        self._payload_f32 = [(lay.slot_offset(i) + lay.payload_offset) // 4 for i in range(lay.n_slots)]
-        self._rows_i32 = [(lay.slot_offset(i) + lay.rows_offset) // 4 for i in range(lay.n_slots)]
-        self._scores_f32 = [(lay.slot_offset(i) + lay.scores_offset) // 4 for i in range(lay.n_slots)]
+        base = np.frombuffer(mm, np.uint8)
+        self.base_addr = base.ctypes.data
+        self.slot_off = [lay.slot_offset(i) for i in range(lay.n_slots)]
+        self._payload = [np.frombuffer(mm, "<f4", lay.payload_size // 4, o + lay.payload_offset)
+                         for o in self.slot_off]  # fmt: skip
+        self._rows = [np.frombuffer(mm, "<i4", lay.max_results, o + lay.rows_offset) for o in self.slot_off]
+        self._scores = [np.frombuffer(mm, "<f4", lay.max_results, o + lay.scores_offset)
+                        for o in self.slot_off]  # fmt: skip
 
     # ------------------------------------------------------------------ main entry
     def waiting(self) -> np.ndarray:
@@ -81,8 +85,7 @@ class Dispatcher:
         groups: dict[tuple[int, int], list[tuple[int, Request, int]]] = {}
         for i in ready.tolist():
             t0 = time.perf_counter_ns()
-            off = self.layout.slot_offset(i)
-            req = Request(*REQUEST_STRUCT.unpack_from(self.mm, off + REQUEST_OFFSET))  # the one copy
+            req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
             self.states[i] = SlotState.BUSY
             try:
                 self._check(req)
@@ -96,6 +99,8 @@ class Dispatcher:
                 self._one(i, req, t0)
             except Invalid as e:
                 self._error(i, req, e.status, str(e), t0)
+            except FatalDeviceError:
+                raise
             except Exception as e:  # a bug must not take the sidecar down
                 log.exception("internal error answering %s", req)
                 self._error(i, req, Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
@@ -107,6 +112,8 @@ class Dispatcher:
                 except Invalid as e:
                     for i, req, t0 in part:
                         self._error(i, req, e.status, str(e), t0)
+                except FatalDeviceError:
+                    raise
                 except Exception as e:
                     log.exception("internal error in a batched recall")
                     for i, req, t0 in part:
@@ -120,37 +127,41 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ reading a slot
     def _queries(self, i: int, req: Request) -> np.ndarray:
-        n = req.vec_len // 4
-        start = self._payload_f32[i]
-        return self._f32[start : start + n].reshape(-1, self.layout.dim)
+        return self._payload[i][: req.vec_len // 4].reshape(-1, self.layout.dim)
+
+    def _spec(self, i: int, req: Request) -> SlotSpec:
+        n, k = req.n_items, req.top_k
+        off = self.base_addr + self.slot_off[i]
+        lay = self.layout
+        return SlotSpec(
+            self._queries(i, req),
+            self._rows[i][: n * k].reshape(n, k),
+            self._scores[i][: n * k].reshape(n, k),
+            off + lay.payload_offset,
+            off + lay.rows_offset,
+            off + lay.scores_offset,
+        )
 
     def _args(self, i: int, req: Request) -> bytes:
-        start = self.layout.slot_offset(i) + self.layout.payload_offset + align8(req.vec_len)
+        start = self.slot_off[i] + self.layout.payload_offset + align8(req.vec_len)
         return bytes(self.mm[start : start + req.args_len])
 
     # ------------------------------------------------------------------ answering
     def _recall_batch(self, part: list[tuple[int, Request, int]], k: int, flags: int) -> None:
-        if len(part) == 1:
-            i, req, _ = part[0]
-            queries = self._queries(i, req)
-        else:
-            queries = np.concatenate([self._queries(i, req) for i, req, _ in part])
+        specs = [self._spec(i, req) for i, req, _ in part]
+        if len(part) > 1:
             self.stats.batches += 1
-            self.stats.batched_queries += len(queries)
-        rows, scores = self.service.recall(queries, k, "", None)
-        at = 0
-        for i, req, t0 in part:
-            n = req.n_items
-            self._write_hits(i, req, k, flags, rows[at : at + n], scores[at : at + n], t0)
-            at += n
+            self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
+        kk = self.service.recall_slots(specs, k, "", None)
+        for (i, req, t0), spec in zip(part, specs, strict=True):
+            self._write_hits(i, req, spec, kk, flags, t0)
 
-    def _write_hits(self, i: int, req: Request, k: int, flags: int, rows: np.ndarray,
-                    scores: np.ndarray, t0: int) -> None:  # fmt: skip
-        n, kk = rows.shape
-        r0, s0 = self._rows_i32[i], self._scores_f32[i]
-        self._i32[r0 : r0 + n * k].reshape(n, k)[:, :kk] = rows
-        self._f32[s0 : s0 + n * k].reshape(n, k)[:, :kk] = scores
+    def _write_hits(self, i: int, req: Request, spec: SlotSpec, kk: int, flags: int, t0: int) -> None:
+        rows = spec.rows[:, :kk]
         blob, rflags = b"", 0
+        if flags & (Flag.WITH_VECTORS | Flag.NO_DOCS) != Flag.NO_DOCS and kk:
+            if rows.min() < 0 or rows.max() >= self.service.rows.high:  # trust nothing
+                raise Invalid(Status.INTERNAL, "the index returned rows out of range")
         if flags & Flag.WITH_VECTORS:
             blob = encode_docs_blob(self.service.docs(rows), self.service.vectors(rows))
             rflags = RespFlag.HAS_VECTORS
@@ -166,8 +177,9 @@ class Dispatcher:
             self._respond(i, req, Status.OK, 0, b"", 0, t0)
         elif op == Op.RECALL:
             ns, flt = decode_recall_args(self._args(i, req))
-            rows, scores = svc.recall(self._queries(i, req), req.top_k, ns, flt)
-            self._write_hits(i, req, req.top_k, req.flags, rows, scores, t0)
+            spec = self._spec(i, req)
+            kk = svc.recall_slots([spec], req.top_k, ns, flt)
+            self._write_hits(i, req, spec, kk, req.flags, t0)
         elif op == Op.UPSERT:
             args = decode_json_args(self._args(i, req))
             n = svc.upsert(args, self._queries(i, req))
@@ -205,7 +217,7 @@ class Dispatcher:
         if len(blob) > size:
             self.pending[i] = (blob[size:], n_results, flags)
             blob, flags = blob[:size], flags | RespFlag.MORE
-        off = lay.slot_offset(i)
+        off = self.slot_off[i]
         b0 = off + lay.blob_offset
         self.mm[b0 : b0 + len(blob)] = blob
         RESPONSE_STRUCT.pack_into(self.mm, off + RESPONSE_OFFSET, req.seq, status, n_results,
@@ -237,6 +249,5 @@ class Dispatcher:
     def refuse_all(self, status: int, message: str) -> None:
         """Answer everything waiting with ``status`` (used when stopping)."""
         for i in self.waiting().tolist():
-            off = self.layout.slot_offset(i)
-            req = Request(*REQUEST_STRUCT.unpack_from(self.mm, off + REQUEST_OFFSET))
+            req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
             self._error(i, req, status, message, time.perf_counter_ns())

@@ -13,11 +13,40 @@ reads queries from, and writes results to, the shared-memory slot itself.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kalos_retrievers.protocol import Metric
+
+
+class IndexCapacityError(Exception):
+    """The index cannot grow (out of host or device memory, or over its configured limit).
+    Raised before anything is committed; the sidecar keeps serving."""
+
+
+class FatalDeviceError(Exception):
+    """The device is in a sticky error state: the sidecar must exit (non-zero) and be restarted;
+    serving errors forever would be worse."""
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """Where one request's queries are and where its results go, inside the shared segment.
+
+    The views are numpy arrays over the segment (for backends that compute on the host); the
+    addresses are the same places as raw pointers (for backends that read and write them from
+    the device, after the segment was registered with it). ``rows``/``scores`` are (n, k_req):
+    query j's results start at column 0 of row j, whatever k' is finally returned.
+    """
+
+    queries: np.ndarray  # (n, dim) float32 view
+    rows: np.ndarray  # (n, k_req) int32 view
+    scores: np.ndarray  # (n, k_req) float32 view
+    q_addr: int
+    rows_addr: int
+    scores_addr: int
 
 
 class Index(abc.ABC):
@@ -74,6 +103,28 @@ class Index(abc.ABC):
     @abc.abstractmethod
     def vectors(self, rows: np.ndarray) -> np.ndarray:
         """The stored vectors of ``rows`` as float32 (n, dim)."""
+
+    def search_slots(
+        self, specs: list[SlotSpec], k: int, high: int, ns: int,
+        candidates: np.ndarray | None, dense: bool,
+    ) -> None:  # fmt: skip
+        """Answer several requests at once, reading queries from and writing results into their
+        slots. This host implementation gathers the queries and calls :meth:`search`; the GPU
+        backend overrides it with a zero-copy launch."""
+        queries = specs[0].queries if len(specs) == 1 else np.concatenate([s.queries for s in specs])
+        rows, scores = self.search(queries, k, high, ns, candidates, dense)
+        at = 0
+        for s in specs:
+            n = len(s.queries)
+            s.rows[:, :k] = rows[at : at + n]
+            s.scores[:, :k] = scores[at : at + n]
+            at += n
+
+    def attach_segment(self, mm: Any) -> None:  # noqa: B027 - optional hook
+        """Called when a segment is published (GPU: register it with the device)."""
+
+    def detach_segment(self) -> None:  # noqa: B027 - optional hook
+        """Called before a segment is unmapped."""
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "dtype": self.dtype, "capacity": self.capacity}

@@ -99,11 +99,11 @@ class RowTable:
         self.live -= 1
         if row == self.high - 1:
             self.high -= 1
-            self._trim()
+            self.trim()
         else:
             heapq.heappush(self.free, row)
 
-    def _trim(self) -> None:
+    def trim(self) -> None:
         # keep `high` tight so scans skip the empty tail; free rows above it are dropped
         # lazily by allocate()
         while self.high > 0 and self.ns_of[self.high - 1] < 0:

@@ -49,7 +49,7 @@ from kalos_retrievers.protocol import (
 )
 
 from .dispatcher import Dispatcher
-from .index import CpuIndex, Index
+from .index import CpuIndex, FatalDeviceError, Index
 from .service import Service
 from .stats import Stats
 from .store import NullStore, SqliteStore, StoreOpenError
@@ -155,6 +155,7 @@ class Server:
         self._maint: threading.Thread | None = None
         self._metrics: Any = None
         self._republish = threading.Event()
+        self._fatal = False
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -218,6 +219,10 @@ class Server:
         self.resp_sems = [_ipc.create_semaphore(response_sem_name(cfg.name, i))
                           for i in range(lay.n_slots)]  # fmt: skip
         assert self.service is not None
+        try:
+            self.service.index.attach_segment(seg.mm)
+        except FatalDeviceError as e:
+            raise StartError(str(e), EXIT_CUDA_FAULT) from None
         self.dispatcher = Dispatcher(seg.mm, lay, self.resp_sems, self.service, self.stats,
                                      max_batch=cfg.max_batch, describe=self.describe)  # fmt: skip
         log.info("segment %s: %d slots of %d KiB (%.1f MiB in all), dim=%d, metric=%s",
@@ -309,6 +314,11 @@ class Server:
                 if d.poll():
                     last_work = time.monotonic_ns()
                     continue
+            except FatalDeviceError as e:
+                log.critical("%s; exiting so that a supervisor restarts the sidecar (the index "
+                             "reloads from the store)", e)  # fmt: skip
+                self._fatal = True
+                raise StartError(str(e), EXIT_CUDA_FAULT) from None
             except Exception:  # pragma: no cover - poll() answers its own errors
                 log.exception("dispatcher pass failed")
             now = time.monotonic_ns()
@@ -319,11 +329,29 @@ class Server:
                     self.stats.reclaimed_slots += n
                     log.info("reclaimed %d slot(s) of clients that went away", n)
                 _ipc.drain(self.bell)  # bounded: posts never pile up under constant load
+                if now - last_work > 50_000_000:
+                    self._compact_if_fragmented()
             if now - last_work < spin_ns:
                 continue
             if _ipc.wait(self.bell, 0.05):
                 _ipc.drain(self.bell)
         self.close()
+
+    def _compact_if_fragmented(self) -> None:
+        """Background compaction, a bounded step at a time while idle: deletes leave holes
+        that the scan would otherwise keep reading."""
+        svc = self.service
+        assert svc is not None
+        holes = svc.fragmentation()
+        if holes > max(1024, svc.rows.high // 10):
+            try:
+                moved = svc.compact(4096)
+            except FatalDeviceError:
+                raise
+            except Exception:
+                log.exception("compaction step failed")
+                return
+            log.debug("compaction moved %d rows (%d holes left)", moved, svc.fragmentation())
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         log.info("received %s: shutting down", signal.Signals(signum).name)
@@ -395,6 +423,9 @@ class Server:
             with contextlib.suppress(Exception):
                 self.dispatcher.refuse_all(Status.STOPPING, "the sidecar is re-publishing")
         self.dispatcher = None
+        if self.service is not None:
+            with contextlib.suppress(Exception):
+                self.service.index.detach_segment()
         with contextlib.suppress(Exception):
             if old_seg is not None and _ipc.segment_inode(segment_name(self.cfg.name)) == old_seg.inode:
                 _ipc.unlink_segment(segment_name(self.cfg.name))
@@ -440,11 +471,15 @@ class Server:
                 _ipc.close_semaphore(s)
             _ipc.close_semaphore(self.bell)
             self.dispatcher = None
+            if self.service is not None and not self._fatal:
+                with contextlib.suppress(Exception):
+                    self.service.index.detach_segment()
             seg.close()
             self.seg = None
         if self.service is not None:
             self.service.store.close()
-            self.service.index.close()
+            if not self._fatal:  # a faulted context cannot be cleaned up; the exit frees it
+                self.service.index.close()
             self.service = None
         log.info("stopped")
 

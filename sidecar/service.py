@@ -9,6 +9,7 @@ with the status the client will see.
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ import numpy as np
 from kalos_retrievers.filters import validate_filter
 from kalos_retrievers.protocol import Invalid, Metric, Status, encode_doc, encode_json
 
-from .index import Index, normalize_rows
+from .index import Index, IndexCapacityError, SlotSpec, normalize_rows
 from .rows import RowTable
 from .store import NullStore, SqliteStore, StoredRow
 
@@ -75,6 +76,11 @@ class Service:
                 raise Invalid(Status.BAD_REQUEST, f"vectors[{int(np.argmin(norms))}] is all zeros")
             vecs = normalize_rows(vecs)
         ns_id = self.rows.ns_id(namespace)
+        new_keys = n if ns_id is None else sum(self.rows.lookup(ns_id, i) is None for i in ids)
+        try:  # room first: running out of memory must happen before anything is committed
+            self.index.reserve(self.rows.high + len(self.rows.free) + new_keys)
+        except IndexCapacityError as e:
+            raise Invalid(Status.CAPACITY, str(e)) from None
         now = time.time()
         batch = []
         for i in range(n):
@@ -153,6 +159,52 @@ class Service:
         rows = self.rows.rows_of(ns_id)
         cands = rows[self.rows.meta.evaluate(flt, rows)]
         return ns_id, cands, False, len(cands)
+
+    def recall_slots(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any) -> int:
+        """Answer requests in place (results written into each spec's rows/scores); returns
+        k' = min(k, eligible rows), the number of valid results per query."""
+        flt = _filter(flt)
+        ns_id, cands, dense, n = self.eligible(namespace, flt)
+        kk = min(k, n)
+        if kk:
+            for sp in specs:
+                if not np.isfinite(sp.queries).all():
+                    raise Invalid(Status.BAD_REQUEST, "queries contain NaN or infinity")
+            self.index.search_slots(specs, kk, self.rows.high, ns_id, cands, dense)
+        return kk
+
+    def compact(self, max_moves: int = 4096) -> int:
+        """Move up to ``max_moves`` live rows from the tail into holes left by deletes, so the
+        scanned range [0, high) stays dense. Returns how many rows moved."""
+        rt = self.rows
+        holes: list[int] = []
+        while rt.free and len(holes) < max_moves:
+            h = heapq.heappop(rt.free)
+            if h < rt.high and rt.ns_of[h] < 0:
+                holes.append(h)
+        src: list[int] = []
+        r = rt.high - 1
+        for h in holes:
+            while r > h and rt.ns_of[r] < 0:
+                r -= 1
+            if r <= h:
+                break
+            src.append(r)
+            r -= 1
+        dst = holes[: len(src)]
+        for h in holes[len(src) :]:
+            heapq.heappush(rt.free, h)
+        if not src:
+            return 0
+        self.index.move_rows(np.array(src, np.int64), np.array(dst, np.int64))
+        for a, b in zip(src, dst, strict=True):
+            rt.move(a, b)
+        rt.trim()
+        return len(src)
+
+    def fragmentation(self) -> int:
+        """Empty rows below the high-water mark (what a compaction could reclaim)."""
+        return self.rows.high - self.rows.live
 
     def recall(self, queries: np.ndarray, k: int, namespace: str, flt: Any) -> tuple[np.ndarray, np.ndarray]:
         """Rows (q, k') and scores (q, k') with k' = min(k, eligible rows)."""

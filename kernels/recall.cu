@@ -1,0 +1,571 @@
+// Kalos recall kernels: exact top-k over vectors resident in device memory.
+//
+// Loaded in exactly one place (sidecar/kernels.py), compiled once at sidecar start by NVRTC
+// through cupy.RawModule, with the template instantiations listed there. The file compiles on
+// its own too: CI runs `nvcc -arch=sm_90 -c kernels/recall.cu`.
+//
+// Data path of one recall (batch 1):
+//   the client writes its float32 query into its shared-memory slot, which the sidecar has
+//   registered with cudaHostRegister(mapped): the slot's host address is a device address.
+//   The host writes a small Desc (below) into another registered buffer and launches a CUDA
+//   graph of two kernels:
+//     prep_queries   one block: reads the Desc and each query from host memory (PCIe), takes
+//                    norms, normalizes for cosine, writes float queries + params to device
+//                    memory (so the scan does not read host memory from every block);
+//     scan_topk      every block streams its share of rows with 16-byte loads, scores them
+//                    against the queries held in shared memory, keeps a per-block top-k in a
+//                    threshold-filtered shared-memory buffer, writes it to scratch; the last
+//                    block to finish merges the blocks' lists and writes rows and scores
+//                    straight into the response area of the slot (host memory).
+//   No full score array, no sort of all scores, no host round trip between stages.
+//
+// Large batches take another path: one cuBLAS GEMM into a scores matrix, then topk_scores,
+// which uses the same per-block selection over precomputed scores.
+
+#include <cuda_fp16.h>
+
+#ifndef KALOS_BLOCK
+#define KALOS_BLOCK 256          // threads per block of the scan and select kernels
+#endif
+#ifndef KALOS_MAXQ
+#define KALOS_MAXQ 64            // most queries one Desc describes
+#endif
+
+#define METRIC_COSINE 0
+#define METRIC_IP 1
+#define METRIC_L2 2
+
+typedef unsigned long long u64;
+
+// Written by the host into registered (mapped) memory before each launch.
+struct Desc {
+    int n_queries;               // B
+    int k;                       // results per query (<= rows eligible)
+    int n_rows;                  // rows [0, n_rows) are scanned
+    int ns_id;                   // only rows of this namespace are eligible
+    u64 mask;                    // device pointer to uint8[n_rows] (1 = eligible), or 0
+    int out_ld;                  // elements between consecutive queries' results in out_*
+    int seq;                     // echoed into Params (debugging)
+    u64 q[KALOS_MAXQ];           // host-mapped float32[dim] of each query
+    u64 out_rows[KALOS_MAXQ];    // host-mapped int32 results of each query (out_ld apart)
+    u64 out_scores[KALOS_MAXQ];  // host-mapped float32 results of each query
+};
+
+// Device copy of what the scan needs, written by prep_queries.
+struct Params {
+    int n_queries, k, n_rows, ns_id;
+    const unsigned char* mask;
+    int out_ld, seq;
+    int* out_rows[KALOS_MAXQ];
+    float* out_scores[KALOS_MAXQ];
+    float qnorm2[KALOS_MAXQ];    // squared norms of the (normalized) queries, for L2
+};
+
+// ------------------------------------------------------------------------------------------
+// helpers
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Loads of 16 bytes hold VEC elements of the storage type.
+template <typename T> struct Vec;
+template <> struct Vec<float> {
+    static constexpr int N = 4;
+    __device__ __forceinline__ static float dot(uint4 v, const float* q) {
+        float4 a = *reinterpret_cast<const float4*>(q);
+        return __uint_as_float(v.x) * a.x + __uint_as_float(v.y) * a.y
+             + __uint_as_float(v.z) * a.z + __uint_as_float(v.w) * a.w;
+    }
+};
+template <> struct Vec<__half> {
+    static constexpr int N = 8;
+    __device__ __forceinline__ static float dot(uint4 v, const float* q) {
+        const __half2* h = reinterpret_cast<const __half2*>(&v);
+        float4 a = *reinterpret_cast<const float4*>(q);
+        float4 b = *reinterpret_cast<const float4*>(q + 4);
+        float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]);
+        float2 f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+        float acc = f0.x * a.x;
+        acc = fmaf(f0.y, a.y, acc); acc = fmaf(f1.x, a.z, acc); acc = fmaf(f1.y, a.w, acc);
+        acc = fmaf(f2.x, b.x, acc); acc = fmaf(f2.y, b.y, acc); acc = fmaf(f3.x, b.z, acc);
+        return fmaf(f3.y, b.w, acc);
+    }
+};
+template <> struct Vec<signed char> {
+    static constexpr int N = 16;
+    __device__ __forceinline__ static float dot(uint4 v, const float* q) {
+        const char4* c = reinterpret_cast<const char4*>(&v);
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float4 a = *reinterpret_cast<const float4*>(q + 4 * i);
+            acc = fmaf((float)c[i].x, a.x, acc); acc = fmaf((float)c[i].y, a.y, acc);
+            acc = fmaf((float)c[i].z, a.z, acc); acc = fmaf((float)c[i].w, a.w, acc);
+        }
+        return acc;
+    }
+};
+
+// Sort n (a power of two) (key, val) pairs in shared memory, descending by key; ties by val
+// ascending so results are deterministic. All threads of the block must call it.
+__device__ void bitonic_desc(float* key, int* val, int n) {
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int t = threadIdx.x; t < (n >> 1); t += blockDim.x) {
+                int i = 2 * stride * (t / stride) + (t % stride);
+                int j = i + stride;
+                float a = key[i], b = key[j];
+                int va = val[i], vb = val[j];
+                // "a belongs after b" in descending order
+                bool a_after_b = (a < b) || (a == b && va > vb);
+                bool up = (i & size) == 0;   // this run sorts descending
+                if (up == a_after_b) {
+                    key[i] = b; key[j] = a;
+                    val[i] = vb; val[j] = va;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+__device__ __forceinline__ int next_pow2(int x) {
+    int p = 1;
+    while (p < x) p <<= 1;
+    return p;
+}
+
+// Shrink a candidate buffer to its best k (sorted first), update the threshold.
+// cnt and thr live in shared memory; all threads call it.
+__device__ void compact(float* key, int* val, int* cnt, float* thr, int k, int buf) {
+    int n = *cnt;
+    int p = next_pow2(n < 2 ? 2 : n);
+    if (p > buf) p = buf;
+    for (int i = n + threadIdx.x; i < p; i += blockDim.x) { key[i] = neg_inf(); val[i] = 0x7fffffff; }
+    __syncthreads();
+    bitonic_desc(key, val, p);
+    if (threadIdx.x == 0) {
+        int keep = n < k ? n : k;
+        *cnt = keep;
+        // once k candidates are held, nothing at or below the k-th can enter the top-k
+        *thr = (keep == k) ? key[k - 1] : neg_inf();
+    }
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------------------------------
+// prep_queries: <<<1, 256>>>
+
+template <int METRIC>
+__global__ void __launch_bounds__(KALOS_BLOCK)
+prep_queries(const Desc* __restrict__ desc, Params* __restrict__ params,
+             float* __restrict__ qbuf, __half* __restrict__ qbuf_h, int dim, int ld) {
+    __shared__ Desc d;
+    // 1. the descriptor, in one wave of 16-byte reads of host memory
+    const uint4* src = reinterpret_cast<const uint4*>(desc);
+    uint4* dst = reinterpret_cast<uint4*>(&d);
+    for (int i = threadIdx.x; i < (int)(sizeof(Desc) / 16); i += blockDim.x) dst[i] = src[i];
+    __syncthreads();
+    const int nq = d.n_queries;
+    if (threadIdx.x == 0) {
+        params->n_queries = nq; params->k = d.k; params->n_rows = d.n_rows;
+        params->ns_id = d.ns_id; params->mask = reinterpret_cast<const unsigned char*>(d.mask);
+        params->out_ld = d.out_ld; params->seq = d.seq;
+    }
+    for (int q = threadIdx.x; q < nq; q += blockDim.x) {
+        params->out_rows[q] = reinterpret_cast<int*>(d.out_rows[q]);
+        params->out_scores[q] = reinterpret_cast<float*>(d.out_scores[q]);
+    }
+    // 2. every query, all reads of host memory issued before any is used
+    const int c4 = ld / 4;  // ld is a multiple of 4 (8 for float16, 16 for int8)
+    const int total = nq * c4;
+    for (int base = 0; base < total; base += 4 * blockDim.x) {
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int idx = base + u * blockDim.x + threadIdx.x;
+            v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (idx < total) {
+                int q = idx / c4, e = 4 * (idx % c4);
+                const float* x = reinterpret_cast<const float*>(d.q[q]) + e;
+                if (e + 3 < dim) {
+                    v[u] = *reinterpret_cast<const float4*>(x);  // slot payloads are 128-byte aligned
+                } else {
+                    if (e < dim) v[u].x = x[0];
+                    if (e + 1 < dim) v[u].y = x[1];
+                    if (e + 2 < dim) v[u].z = x[2];
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int idx = base + u * blockDim.x + threadIdx.x;
+            if (idx < total) reinterpret_cast<float4*>(qbuf)[idx] = v[u];
+        }
+    }
+    __syncthreads();
+    // 3. one warp per query: norm, normalization (cosine), float16 copy for the GEMM path
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int q = warp; q < nq; q += blockDim.x / 32) {
+        float* x = qbuf + (size_t)q * ld;
+        float s = 0.f;
+        for (int i = lane; i < ld; i += 32) s += x[i] * x[i];
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        float scale = (METRIC == METRIC_COSINE && s > 0.f) ? rsqrtf(s) : 1.f;
+        for (int i = lane; i < ld; i += 32) {
+            float v = x[i] * scale;
+            x[i] = v;
+            qbuf_h[(size_t)q * ld + i] = __float2half_rn(v);
+        }
+        if (lane == 0) params->qnorm2[q] = (METRIC == METRIC_COSINE && s > 0.f) ? 1.f : s;
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Per-block candidate buffers, shared by scan_topk and topk_scores.
+//
+// Layout of dynamic shared memory: key[QB][BUF] floats, then val[QB][BUF] ints.
+// Each query has a count and a threshold: a candidate enters only if its score beats the
+// threshold (the k-th best score held once k are held). Before a round would overflow the
+// buffer, the block compacts it to its best k. Random data makes compaction rare: after the
+// first one the threshold sits in the top fraction of a percent.
+
+template <int QB>
+struct Cands {
+    float* key; int* val; int* cnt; float* thr; int buf;
+    __device__ void offer(int q, float s, int row) {
+        if (s > thr[q]) {
+            int p = atomicAdd(&cnt[q], 1);
+            key[q * buf + p] = s;
+            val[q * buf + p] = row;
+        }
+    }
+    // call with all threads, after a __syncthreads, when up to `incoming` may arrive next round
+    __device__ void make_room(int k, int incoming) {
+        for (int q = 0; q < QB; q++)
+            if (cnt[q] > buf - incoming) compact(key + q * buf, val + q * buf, &cnt[q], &thr[q], k, buf);
+    }
+};
+
+// Write each query's best k (after a final compact) to scratch or to the outputs.
+template <int QB>
+__device__ void finish_block(Cands<QB>& c, int k, int nq, float* sk, int* sv, int stride) {
+    for (int q = 0; q < QB; q++) {
+        compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
+        if (q < nq)
+            for (int i = threadIdx.x; i < k; i += blockDim.x) {
+                bool have = i < c.cnt[q];
+                sk[q * stride + i] = have ? c.key[q * c.buf + i] : neg_inf();
+                sv[q * stride + i] = have ? c.val[q * c.buf + i] : -1;
+            }
+    }
+}
+
+// Run by the last block to finish: merge every block's list for query q, write the answer.
+template <int QB>
+__device__ void merge_lists(Cands<QB>& c, const Params* p, int q, int k, int nlists,
+                            const float* sk, const int* sv, int stride) {
+    if (threadIdx.x == 0) { c.cnt[q] = 0; c.thr[q] = neg_inf(); }
+    __syncthreads();
+    int total = nlists * k;
+    for (int base = 0; base < total; base += blockDim.x) {
+        int i = base + threadIdx.x;
+        if (i < total) {
+            int l = i / k, j = i % k;
+            float s = __ldcg(sk + (size_t)l * stride + q * k + j);
+            int r = __ldcg(sv + (size_t)l * stride + q * k + j);
+            if (r >= 0) c.offer(q, s, r);
+        }
+        __syncthreads();
+        if (c.cnt[q] > c.buf - (int)blockDim.x)
+            compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
+    }
+    compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
+    int* orow = p->out_rows[q];
+    float* oscore = p->out_scores[q];
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        bool have = i < c.cnt[q];
+        orow[i] = have ? c.val[q * c.buf + i] : -1;
+        oscore[i] = have ? c.key[q * c.buf + i] : neg_inf();
+    }
+}
+
+// Block-wide "am I the last block?" after this block's scratch writes. Resets the counter.
+__device__ bool last_block(unsigned int* counter) {
+    __shared__ bool is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int ticket = atomicAdd(counter, 1u);
+        is_last = (ticket == gridDim.x * gridDim.y - 1);
+        if (is_last) *counter = 0;  // ready for the next launch
+    }
+    __syncthreads();
+    if (is_last) __threadfence();
+    return is_last;
+}
+
+__device__ __forceinline__ void final_fence() {
+    // results went to host memory: make them visible before the stream reports completion
+    __threadfence_system();
+}
+
+// ------------------------------------------------------------------------------------------
+// scan_topk<T, TPR, QB, METRIC>: fused scan + top-k for up to QB queries.
+//   grid: (G), block: KALOS_BLOCK; dynamic shared memory: QB*ld floats + QB*buf*(4+4) bytes.
+//   TPR threads score one row together (each 16-byte chunk c of the row goes to lane c % TPR);
+//   rows are spread over blocks and groups with a grid stride.
+
+template <typename T, int TPR, int QB, int METRIC>
+__global__ void __launch_bounds__(KALOS_BLOCK)
+scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
+          const float* __restrict__ rowscale, const Params* __restrict__ p,
+          const float* __restrict__ qbuf, int ld, int buf,
+          float* __restrict__ scratch_k, int* __restrict__ scratch_v,
+          unsigned int* __restrict__ counter) {
+    extern __shared__ float smem[];
+    __shared__ int s_cnt[QB];
+    __shared__ float s_thr[QB];
+    constexpr int V = Vec<T>::N;
+    const int chunks = ld / V;                    // 16-byte chunks per row
+    float* sq = smem;                             // queries [QB][ld]
+    Cands<QB> c{sq + QB * ld, reinterpret_cast<int*>(sq + QB * ld + QB * buf), s_cnt, s_thr, buf};
+
+    const int nq = p->n_queries, k = p->k, n = p->n_rows, my_ns = p->ns_id;
+    const unsigned char* mask = p->mask;
+    for (int i = threadIdx.x; i < QB * ld; i += blockDim.x) sq[i] = (i / ld) < nq ? qbuf[i] : 0.f;
+    if (threadIdx.x < QB) { s_cnt[threadIdx.x] = 0; s_thr[threadIdx.x] = neg_inf(); }
+    __syncthreads();
+
+    const int lane = threadIdx.x % TPR;
+    const int group = threadIdx.x / TPR;
+    const int groups = KALOS_BLOCK / TPR;
+    const int stride = gridDim.x * groups;
+    const uint4* base = reinterpret_cast<const uint4*>(data);
+
+    for (int r0 = blockIdx.x * groups; r0 < n; r0 += stride) {
+        int row = r0 + group;
+        bool ok = row < n && ns[row] == my_ns && (mask == nullptr || mask[row]);
+        float acc[QB];
+#pragma unroll
+        for (int q = 0; q < QB; q++) acc[q] = 0.f;
+        if (ok) {
+            // all of a thread's loads for up to UNROLL chunks are in flight before the first use
+            constexpr int UNROLL = 8;
+            const uint4* rp = base + (size_t)row * chunks;
+            for (int ch0 = lane; ch0 < chunks; ch0 += UNROLL * TPR) {
+                uint4 v[UNROLL];
+#pragma unroll
+                for (int u = 0; u < UNROLL; u++) {
+                    int ch = ch0 + u * TPR;
+                    if (ch < chunks) v[u] = __ldg(rp + ch);
+                }
+#pragma unroll
+                for (int u = 0; u < UNROLL; u++) {
+                    int ch = ch0 + u * TPR;
+                    if (ch < chunks) {
+#pragma unroll
+                        for (int q = 0; q < QB; q++) acc[q] += Vec<T>::dot(v[u], sq + q * ld + ch * V);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < QB; q++) {
+#pragma unroll
+            for (int o = TPR / 2; o > 0; o >>= 1) acc[q] += __shfl_xor_sync(0xffffffff, acc[q], o);
+        }
+        if (ok && lane == 0) {
+#pragma unroll
+            for (int q = 0; q < QB; q++) {
+                if (q >= nq) break;
+                float s = acc[q];
+                if (rowscale != nullptr) s *= rowscale[row];
+                if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(p->qnorm2[q] + sqnorm[row] - 2.f * s, 0.f));
+                c.offer(q, s, row);
+            }
+        }
+        __syncthreads();
+        c.make_room(k, groups);
+    }
+    // this block's best k per query -> scratch[block][q][k]
+    const int sstride = QB * k;
+    finish_block(c, k, nq, scratch_k + (size_t)blockIdx.x * sstride, scratch_v + (size_t)blockIdx.x * sstride, k);
+    if (last_block(counter)) {
+        for (int q = 0; q < nq && q < QB; q++) merge_lists(c, p, q, k, gridDim.x, scratch_k, scratch_v, sstride);
+        final_fence();
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// topk_scores<QB=1>: per-query top-k over a precomputed scores matrix (the GEMM path).
+//   grid: (G, B); scores[b][row] for row < n_rows, leading dimension sld.
+
+template <int METRIC>
+__global__ void __launch_bounds__(KALOS_BLOCK)
+topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ ns,
+            const float* __restrict__ sqnorm, const float* __restrict__ rowscale,
+            const Params* __restrict__ p, int buf,
+            float* __restrict__ scratch_k, int* __restrict__ scratch_v,
+            unsigned int* __restrict__ counters) {
+    extern __shared__ float smem[];
+    __shared__ int s_cnt[1];
+    __shared__ float s_thr[1];
+    Cands<1> c{smem, reinterpret_cast<int*>(smem + buf), s_cnt, s_thr, buf};
+    const int q = blockIdx.y;
+    const int k = p->k, n = p->n_rows, my_ns = p->ns_id;
+    const unsigned char* mask = p->mask;
+    const float qn2 = p->qnorm2[q];
+    if (threadIdx.x == 0) { s_cnt[0] = 0; s_thr[0] = neg_inf(); }
+    __syncthreads();
+    const float* srow = scores + (size_t)q * sld;
+    const int stride = gridDim.x * blockDim.x;
+    for (int r0 = blockIdx.x * blockDim.x; r0 < n; r0 += stride) {
+        int row = r0 + threadIdx.x;
+        if (row < n && ns[row] == my_ns && (mask == nullptr || mask[row])) {
+            float s = srow[row];
+            if (rowscale != nullptr) s *= rowscale[row];
+            if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(qn2 + sqnorm[row] - 2.f * s, 0.f));
+            c.offer(0, s, row);
+        }
+        __syncthreads();
+        c.make_room(k, blockDim.x);
+    }
+    // scratch layout: [q][block][k]
+    float* sk = scratch_k + ((size_t)q * gridDim.x + blockIdx.x) * k;
+    int* sv = scratch_v + ((size_t)q * gridDim.x + blockIdx.x) * k;
+    finish_block(c, k, 1, sk, sv, k);
+    // last block of this query's row of blocks merges
+    __shared__ bool is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int t = atomicAdd(&counters[q], 1u);
+        is_last = (t == gridDim.x - 1);
+        if (is_last) counters[q] = 0;
+    }
+    __syncthreads();
+    if (is_last) {
+        __threadfence();
+        const Params* pp = p;
+        if (threadIdx.x == 0) { c.cnt[0] = 0; c.thr[0] = neg_inf(); }
+        __syncthreads();
+        const float* bk = scratch_k + (size_t)q * gridDim.x * k;
+        const int* bv = scratch_v + (size_t)q * gridDim.x * k;
+        int total = gridDim.x * k;
+        for (int base = 0; base < total; base += blockDim.x) {
+            int i = base + threadIdx.x;
+            if (i < total) {
+                int r = __ldcg(bv + i);
+                if (r >= 0) c.offer(0, __ldcg(bk + i), r);
+            }
+            __syncthreads();
+            if (c.cnt[0] > c.buf - (int)blockDim.x) compact(c.key, c.val, &c.cnt[0], &c.thr[0], k, c.buf);
+        }
+        compact(c.key, c.val, &c.cnt[0], &c.thr[0], k, c.buf);
+        int* orow = pp->out_rows[q];
+        float* oscore = pp->out_scores[q];
+        for (int i = threadIdx.x; i < k; i += blockDim.x) {
+            bool have = i < c.cnt[0];
+            orow[i] = have ? c.val[i] : -1;
+            oscore[i] = have ? c.key[i] : neg_inf();
+        }
+        final_fence();
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Row maintenance: writes of upserts, compaction moves, reads for MMR.
+
+// dst[rows[i]] = convert(src[i]) for n rows; src float32 [n][dim], dst T [.][ld] (pad zeroed).
+// For int8 storage, rowscale[rows[i]] receives max|x|/127 and the row is quantized with it.
+template <typename T>
+__global__ void set_rows(const float* __restrict__ src, const long long* __restrict__ rows, int n,
+                         int dim, int ld, T* __restrict__ dst, float* __restrict__ sqnorm,
+                         float* __restrict__ rowscale) {
+    int i = blockIdx.x;
+    if (i >= n) return;
+    const float* x = src + (size_t)i * dim;
+    T* y = dst + (size_t)rows[i] * ld;
+    __shared__ float red[KALOS_BLOCK / 32];
+    __shared__ float amax_s;
+    float s = 0.f, amax = 0.f;
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) { s += x[j] * x[j]; amax = fmaxf(amax, fabsf(x[j])); }
+    for (int o = 16; o > 0; o >>= 1) {
+        s += __shfl_xor_sync(0xffffffff, s, o);
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    }
+    __shared__ float redm[KALOS_BLOCK / 32];
+    if ((threadIdx.x & 31) == 0) { red[threadIdx.x >> 5] = s; redm[threadIdx.x >> 5] = amax; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.f, m = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) { t += red[w]; m = fmaxf(m, redm[w]); }
+        sqnorm[rows[i]] = t;
+        amax_s = m;
+    }
+    __syncthreads();
+    float inv = 1.f;
+    if (rowscale != nullptr) {
+        float sc = amax_s > 0.f ? amax_s / 127.f : 1.f;
+        if (threadIdx.x == 0) rowscale[rows[i]] = sc;
+        inv = 1.f / sc;
+    }
+    for (int j = threadIdx.x; j < ld; j += blockDim.x) {
+        float v = j < dim ? x[j] : 0.f;
+        if (rowscale != nullptr) {
+            float r = rintf(v * inv);
+            r = fminf(fmaxf(r, -127.f), 127.f);
+            y[j] = (T)(int)r;
+        } else {
+            y[j] = (T)v;
+        }
+    }
+}
+
+// rows dst[i] <- rows src[i] (whole rows, plus ns/sqnorm/scale); src rows become tombstones.
+template <typename T>
+__global__ void move_rows(T* __restrict__ data, int* __restrict__ ns, float* __restrict__ sqnorm,
+                          float* __restrict__ rowscale, const long long* __restrict__ src,
+                          const long long* __restrict__ dst, int n, int ld) {
+    int i = blockIdx.x;
+    if (i >= n) return;
+    const T* a = data + (size_t)src[i] * ld;
+    T* b = data + (size_t)dst[i] * ld;
+    for (int j = threadIdx.x; j < ld; j += blockDim.x) b[j] = a[j];
+    if (threadIdx.x == 0) {
+        ns[dst[i]] = ns[src[i]];
+        sqnorm[dst[i]] = sqnorm[src[i]];
+        if (rowscale != nullptr) rowscale[dst[i]] = rowscale[src[i]];
+        ns[src[i]] = -1;
+    }
+}
+
+// out[i][:dim] = float(data[rows[i]][:dim]) (times the row scale for int8).
+template <typename T>
+__global__ void get_rows(const T* __restrict__ data, const float* __restrict__ rowscale,
+                         const long long* __restrict__ rows, int n, int dim, int ld,
+                         float* __restrict__ out) {
+    int i = blockIdx.x;
+    if (i >= n) return;
+    const T* a = data + (size_t)rows[i] * ld;
+    float sc = rowscale != nullptr ? rowscale[rows[i]] : 1.f;
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) out[(size_t)i * dim + j] = (float)a[j] * sc;
+}
+
+// Fault injection for the reliability tests: an illegal address, which leaves the context in a
+// sticky error state. Launched only when the sidecar runs with KALOS_FAULT_INJECT=illegal_address.
+__global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
+
+// ------------------------------------------------------------------------------------------
+// Explicit instantiations so that `nvcc -c` (CI) compiles every kernel the sidecar uses.
+// The sidecar asks NVRTC for the same names through name_expressions.
+#ifdef KALOS_INSTANTIATE
+#define SCAN(T, TPR, QB, M) template __global__ void scan_topk<T, TPR, QB, M>(const T*, const int*, const float*, const float*, const Params*, const float*, int, int, float*, int*, unsigned int*);
+SCAN(__half, 8, 1, 0) SCAN(float, 8, 1, 0) SCAN(signed char, 4, 1, 0) SCAN(__half, 1, 8, 2)
+template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, int, int);
+template __global__ void topk_scores<0>(const float*, int, const int*, const float*, const float*, const Params*, int, float*, int*, unsigned int*);
+template __global__ void set_rows<__half>(const float*, const long long*, int, int, int, __half*, float*, float*);
+template __global__ void set_rows<signed char>(const float*, const long long*, int, int, int, signed char*, float*, float*);
+template __global__ void move_rows<float>(float*, int*, float*, float*, const long long*, const long long*, int, int);
+template __global__ void get_rows<__half>(const __half*, const float*, const long long*, int, int, int, float*);
+#endif

@@ -1,0 +1,507 @@
+"""GPU index: vectors resident in device memory, recall through fused CUDA kernels, zero copy.
+
+Storage: one ``(capacity, ld)`` array of float16 (default), float32 or int8 (plus a float32
+scale per row), ``ld`` = dim rounded up to 16 bytes so every row starts aligned for 16-byte
+loads; an int32 namespace id per row (-1: empty or deleted, never returned); float32 squared
+norms (for L2). Capacity doubles when needed: the new array is filled by a device-to-device
+copy and swapped in between two requests, so service does not stop.
+
+Recall: the shared-memory segment is registered with the device (``cudaHostRegister``,
+mapped), so the query in a request slot and the response area of that slot are addressable
+by kernels. For each recall the dispatcher writes a small descriptor (query addresses, where
+results go, k, namespace, optional filter mask) into another registered buffer and launches a
+pre-captured CUDA graph (prep_queries + scan_topk; kernels/recall.cu), then synchronizes the
+stream. The graph is keyed by (k, queries-bucket, grid size); its kernels' arguments never
+change between launches, which is what lets one graph serve every slot. Batches of more than
+``FUSED_MAX_Q`` queries go through one cuBLAS GEMM and a top-k kernel instead.
+
+int8 storage scans ``RESCORE_FACTOR * k`` candidates with the quantized rows, then re-scores
+them exactly against a float16 copy kept in host memory, so the device holds one byte per
+dimension: twice the rows per byte of float16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import struct
+from typing import Any, Final
+
+import numpy as np
+
+from kalos_retrievers.protocol import Metric
+
+from . import cuda_kernels as kernels
+from .index import FatalDeviceError, Index, IndexCapacityError, SlotSpec, normalize_rows, topk_rows
+
+log = logging.getLogger("kalos.sidecar")
+
+MAXQ: Final = 64  # KALOS_MAXQ
+FUSED_MAX_Q: Final = 8
+RESCORE_FACTOR: Final = 4
+CAND_MAX: Final = 4096  # most int8 candidates per query (RESCORE_FACTOR x max k)
+_CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
+_NPTYPE: Final = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
+_DESC_HEAD: Final = struct.Struct("<iiiiQii")  # n_queries k n_rows ns_id mask out_ld seq
+_DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
+_DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
+_DESC_SCORES: Final = _DESC_ROWS + 8 * MAXQ
+_DESC_SIZE: Final = _DESC_SCORES + 8 * MAXQ
+_PARAMS_SIZE: Final = 2048
+# cudaError codes after which the context is unusable
+_STICKY: Final = frozenset({214, 700, 701, 702, 714, 715, 716, 717, 718, 719, 720, 999})
+_CUDA_R_32F, _CUDA_R_16F = 0, 2
+
+
+def choose_tpr(chunks: int) -> int:
+    """Threads per row: enough that each thread issues about 8-16 loads per row."""
+    tpr = 1
+    while tpr < 32 and chunks // (tpr * 2) >= 8:
+        tpr *= 2
+    return tpr
+
+
+def _pow2(x: int) -> int:
+    p = 1
+    while p < x:
+        p <<= 1
+    return p
+
+
+class GpuIndex(Index):
+    zero_copy = True
+
+    def __init__(self, dim: int, metric: int, ordinal: int, dtype: str = "float16",
+                 memory_limit: int | None = None) -> None:  # fmt: skip
+        super().__init__(dim, metric)
+        import cupy as cp
+
+        self.cp = cp
+        self.dtype = dtype
+        self.ordinal = ordinal
+        self.device = cp.cuda.Device(ordinal)
+        self.device.use()
+        props = cp.cuda.runtime.getDeviceProperties(ordinal)
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.sms = int(props["multiProcessorCount"])
+        self.smem_optin = int(props.get("sharedMemPerBlockOptin", 48 * 1024))
+        self.name = f"cuda:{ordinal}"
+        self.ctype = _CTYPE[dtype]
+        self.np_dtype = _NPTYPE[dtype]
+        isz = np.dtype(self.np_dtype).itemsize
+        self.ld = -(-dim // (16 // isz)) * (16 // isz)
+        self.tpr = choose_tpr(self.ld * isz // 16)
+        self.memory_limit = memory_limit or int(os.environ.get("KALOS_GPU_MEMORY_LIMIT", "0")) or None
+        self.fault_inject = os.environ.get("KALOS_FAULT_INJECT", "")
+        self._compile()
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        with self.device:
+            self.data = cp.zeros((0, self.ld), self.np_dtype)
+            self.ns = cp.full(0, -1, cp.int32)
+            self.sqnorm = cp.zeros(0, cp.float32)
+            self.rowscale = cp.zeros(0, cp.float32) if dtype == "int8" else None
+            self.exact = np.zeros((0, self.ld), np.float16) if dtype == "int8" else None
+            self.params = cp.zeros(_PARAMS_SIZE, cp.uint8)
+            self.qbuf = cp.zeros((MAXQ, self.ld), cp.float32)
+            self.qbuf_h = cp.zeros((MAXQ, self.ld), cp.float16)
+            self.counters = cp.zeros(MAXQ, cp.uint32)
+            self.max_grid = 2 * self.sms
+            self.scratch_k = cp.empty(self.max_grid * FUSED_MAX_Q * 1024, cp.float32)
+            self.scratch_v = cp.empty(self.max_grid * FUSED_MAX_Q * 1024, cp.int32)
+        # the descriptor lives in registered host memory: written by Python, read by prep
+        self._desc_mm = mmap.mmap(-1, 4096)
+        self._desc_np = np.frombuffer(self._desc_mm, np.uint8)
+        self.desc_addr = self._desc_np.ctypes.data
+        self._check(lambda: cp.cuda.runtime.hostRegister(self.desc_addr, 4096, 3))
+        self._desc_u64 = np.frombuffer(self._desc_mm, np.uint64)
+        # int8: candidates land here (registered host memory), then get re-scored into the slot
+        self._cand_mm = mmap.mmap(-1, 2 * MAXQ * CAND_MAX * 4)
+        cand = np.frombuffer(self._cand_mm, np.int32)
+        self.cand_rows = cand[: MAXQ * CAND_MAX].reshape(MAXQ, CAND_MAX)
+        self.cand_scores = cand[MAXQ * CAND_MAX :].view(np.float32).reshape(MAXQ, CAND_MAX)
+        self.cand_addr = cand.ctypes.data
+        self._check(lambda: cp.cuda.runtime.hostRegister(self.cand_addr, len(self._cand_mm), 3))
+        self.graphs: dict[tuple[int, int, int], Any] = {}
+        self.seg_addr = 0
+        self.seg_size = 0
+        self._mm_ref: Any = None
+        self.capacity = 0
+        log.info("GPU backend: %s (%s, %d SMs), %s rows of %d (ld %d), %d threads per row",
+                 self.name, self.device_name, self.sms, dtype, dim, self.ld, self.tpr)  # fmt: skip
+
+    # ------------------------------------------------------------------ set-up
+    def _compile(self) -> None:
+        m, t = self.metric, self.ctype
+        exprs = [kernels.expression("prep_queries", m), kernels.expression("topk_scores", m),
+                 kernels.expression("set_rows", t), kernels.expression("move_rows", t),
+                 kernels.expression("get_rows", t), "fault_kernel"]  # fmt: skip
+        exprs += [kernels.expression("scan_topk", t, self.tpr, qb, m) for qb in (1, 2, 4, 8)]
+        try:
+            kernels.compile_kernels(exprs)
+        except kernels.KernelCompileError as e:
+            from .server import EXIT_DEVICE, StartError
+
+            raise StartError(str(e), EXIT_DEVICE) from None
+
+    def _check(self, fn: Any) -> Any:
+        """Run a CUDA call; map a sticky error to FatalDeviceError, OOM to IndexCapacityError."""
+        cp = self.cp
+        try:
+            return fn()
+        except cp.cuda.memory.OutOfMemoryError as e:
+            raise IndexCapacityError(f"out of device memory on {self.name}: {e}") from None
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            if getattr(e, "status", None) in _STICKY:
+                raise FatalDeviceError(f"CUDA error on {self.name}: {e}") from None
+            if getattr(e, "status", None) == 2:  # cudaErrorMemoryAllocation
+                raise IndexCapacityError(f"out of device memory on {self.name}: {e}") from None
+            raise
+
+    def attach_segment(self, mm: Any) -> None:
+        """Register the shared segment with the device (mapped): its host addresses become
+        device addresses, so kernels read queries from and write results into the slots."""
+        self.detach_segment()
+        arr = np.frombuffer(mm, np.uint8)
+        self.seg_addr, self.seg_size = arr.ctypes.data, arr.nbytes
+        self._check(lambda: self.cp.cuda.runtime.hostRegister(self.seg_addr, self.seg_size, 3))
+        self._mm_ref = arr
+
+    def detach_segment(self) -> None:
+        if self.seg_addr:
+            with contextlib.suppress(Exception):
+                self.stream.synchronize()
+                self.cp.cuda.runtime.hostUnregister(self.seg_addr)
+            self.seg_addr, self.seg_size, self._mm_ref = 0, 0, None
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        nbytes = self.data.nbytes + self.ns.nbytes + self.sqnorm.nbytes
+        if self.rowscale is not None:
+            nbytes += self.rowscale.nbytes
+        d.update(backend=self.name, device=self.device_name, device_bytes=int(nbytes),
+                 threads_per_row=self.tpr, ld=self.ld, graphs=len(self.graphs))  # fmt: skip
+        return d
+
+    # ------------------------------------------------------------------ rows
+    def reserve(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        cap = max(capacity, 2 * self.capacity, 1024)
+        isz = np.dtype(self.np_dtype).itemsize
+        need = cap * (self.ld * isz + 8 + (4 if self.rowscale is not None else 0))
+        if self.memory_limit is not None and need > self.memory_limit:
+            raise IndexCapacityError(
+                f"growing to {cap} rows needs {need / 2**30:.2f} GiB of device memory, over "
+                f"the limit of {self.memory_limit / 2**30:.2f} GiB (KALOS_GPU_MEMORY_LIMIT)"
+            )
+        cp, old = self.cp, self.capacity
+
+        def grow() -> None:
+            with self.device, self.stream:
+                data = cp.zeros((cap, self.ld), self.np_dtype)
+                ns = cp.full(cap, -1, cp.int32)
+                sq = cp.zeros(cap, cp.float32)
+                rs = cp.zeros(cap, cp.float32) if self.rowscale is not None else None
+                if old:
+                    data[:old] = self.data
+                    ns[:old] = self.ns
+                    sq[:old] = self.sqnorm
+                    if rs is not None:
+                        rs[:old] = self.rowscale
+                self.stream.synchronize()
+            self.data, self.ns, self.sqnorm, self.rowscale = data, ns, sq, rs
+
+        self._check(grow)
+        if self.exact is not None:
+            ex = np.zeros((cap, self.ld), np.float16)
+            ex[:old] = self.exact[:old]
+            self.exact = ex
+        self.capacity = cap
+        self.graphs.clear()  # they captured the old arrays' addresses
+
+    def set_rows(self, rows: np.ndarray, vectors: np.ndarray, ns: np.ndarray) -> None:
+        if not len(rows):
+            return
+        self.reserve(int(rows.max()) + 1)
+        cp = self.cp
+        # same row twice in one batch: keep the last write only (the kernel runs rows in parallel)
+        _, last = np.unique(rows[::-1], return_index=True)
+        keep = np.sort(len(rows) - 1 - last)
+        rows, vectors, ns = rows[keep], vectors[keep], ns[keep]
+
+        def run() -> None:
+            with self.device, self.stream:
+                src = cp.asarray(np.ascontiguousarray(vectors, np.float32))
+                r = cp.asarray(rows.astype(np.int64))
+                rs = self.rowscale if self.rowscale is not None else None
+                kernels.get_kernel("set_rows", self.ctype)(
+                    (len(rows),), (kernels.BLOCK,),
+                    (src, r, np.int32(len(rows)), np.int32(self.dim), np.int32(self.ld), self.data,
+                     self.sqnorm, rs if rs is not None else np.uint64(0)),
+                )  # fmt: skip
+                self.ns[r] = cp.asarray(ns.astype(np.int32))
+                self.stream.synchronize()
+
+        self._check(run)
+        if self.exact is not None:
+            self.exact[rows, : self.dim] = vectors
+
+    def clear_rows(self, rows: np.ndarray) -> None:
+        if not len(rows):
+            return
+
+        def run() -> None:
+            with self.device, self.stream:
+                self.ns[self.cp.asarray(rows.astype(np.int64))] = -1
+                self.stream.synchronize()
+
+        self._check(run)
+
+    def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        if not len(src):
+            return
+        cp = self.cp
+
+        def run() -> None:
+            with self.device, self.stream:
+                rs = self.rowscale if self.rowscale is not None else np.uint64(0)
+                kernels.get_kernel("move_rows", self.ctype)(
+                    (len(src),), (kernels.BLOCK,),
+                    (self.data, self.ns, self.sqnorm, rs, cp.asarray(src.astype(np.int64)),
+                     cp.asarray(dst.astype(np.int64)), np.int32(len(src)), np.int32(self.ld)),
+                )  # fmt: skip
+                self.stream.synchronize()
+
+        self._check(run)
+        if self.exact is not None:
+            self.exact[dst] = self.exact[src]
+
+    def vectors(self, rows: np.ndarray) -> np.ndarray:
+        if self.exact is not None:
+            return self.exact[rows, : self.dim].astype(np.float32)
+        cp = self.cp
+
+        def run() -> np.ndarray:
+            with self.device, self.stream:
+                out = cp.empty((len(rows), self.dim), cp.float32)
+                kernels.get_kernel("get_rows", self.ctype)(
+                    (len(rows),), (kernels.BLOCK,),
+                    (self.data, np.uint64(0), cp.asarray(rows.astype(np.int64)),
+                     np.int32(len(rows)), np.int32(self.dim), np.int32(self.ld), out),
+                )  # fmt: skip
+                host = cp.asnumpy(out, stream=self.stream)
+                self.stream.synchronize()
+                return host
+
+        return self._check(run)
+
+    # ------------------------------------------------------------------ search
+    def _grid(self, high: int, kp: int) -> int:
+        groups = kernels.BLOCK // self.tpr
+        g = -(-high // (2 * groups))
+        return max(1, min(self.max_grid, g, max(1, 16384 // kp)))
+
+    def _buf(self, kp: int) -> int:
+        return _pow2(kp + kernels.BLOCK)
+
+    def _smem(self, qb: int, buf: int) -> int:
+        return qb * self.ld * 4 + qb * buf * 8
+
+    def _fused_qb(self, n: int, kp: int) -> int:
+        qb = _pow2(n)
+        while qb > 1 and self._smem(qb, self._buf(kp)) > self.smem_optin:
+            qb //= 2
+        return qb
+
+    def _graph(self, k: int, qb: int, grid: int) -> Any:
+        key = (k, qb, grid)
+        g = self.graphs.get(key)
+        if g is not None:
+            return g
+        kp = _pow2(k)
+        buf = self._buf(kp)
+        smem = self._smem(qb, buf)
+        prep = kernels.get_kernel("prep_queries", self.metric)
+        scan = kernels.get_kernel("scan_topk", self.ctype, self.tpr, qb, self.metric)
+        if smem > max(48 * 1024, scan.max_dynamic_shared_size_bytes):
+            scan.max_dynamic_shared_size_bytes = smem
+        rs = self.rowscale if self.rowscale is not None else np.uint64(0)
+        s = self.stream
+        with self.device, s:
+            s.begin_capture()
+            try:
+                prep((1,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
+                                              self.qbuf_h, np.int32(self.dim), np.int32(self.ld)))  # fmt: skip
+                scan((grid,), (kernels.BLOCK,),
+                     (self.data, self.ns, self.sqnorm, rs, self.params, self.qbuf,
+                      np.int32(self.ld), np.int32(buf), self.scratch_k, self.scratch_v,
+                      self.counters), shared_mem=smem)  # fmt: skip
+            finally:
+                g = s.end_capture()
+        self.graphs[key] = g
+        return g
+
+    def _write_desc(self, k: int, high: int, ns: int, mask_addr: int, qs: list[int],
+                    rows: list[int], scores: list[int], out_ld: int) -> None:  # fmt: skip
+        n = len(qs)
+        _DESC_HEAD.pack_into(self._desc_mm, 0, n, k, high, ns, mask_addr, out_ld, 0)
+        u = self._desc_u64
+        u[_DESC_Q // 8 : _DESC_Q // 8 + n] = qs
+        u[_DESC_ROWS // 8 : _DESC_ROWS // 8 + n] = rows
+        u[_DESC_SCORES // 8 : _DESC_SCORES // 8 + n] = scores
+
+    def search_slots(
+        self, specs: list[SlotSpec], k: int, high: int, ns: int,
+        candidates: np.ndarray | None, dense: bool,
+    ) -> None:  # fmt: skip
+        if not self.seg_addr:  # no segment registered (direct use): the host path
+            super().search_slots(specs, k, high, ns, candidates, dense)
+            return
+        qs, rows, scores, out_ld = [], [], [], specs[0].rows.shape[1]
+        for s in specs:
+            n = len(s.queries)
+            qs += [s.q_addr + 4 * self.dim * j for j in range(n)]
+            rows += [s.rows_addr + 4 * s.rows.shape[1] * j for j in range(n)]
+            scores += [s.scores_addr + 4 * s.scores.shape[1] * j for j in range(n)]
+        mask_dev = None
+        if candidates is not None:
+            m = np.zeros(high, np.uint8)
+            m[candidates] = 1
+            mask_dev = self.cp.asarray(m)
+        mask_addr = 0 if mask_dev is None else mask_dev.data.ptr
+        if self.exact is None:
+            self._run(qs, rows, scores, k, high, ns, mask_addr, out_ld)
+        else:  # int8: kc candidates per query into the scratch, then exact re-scoring
+            kc = min(RESCORE_FACTOR * k, high, CAND_MAX)
+            flat = [(s, j) for s in specs for j in range(len(s.queries))]
+            for start in range(0, len(flat), MAXQ):
+                part = flat[start : start + MAXQ]
+                cr = [self.cand_addr + 4 * CAND_MAX * j for j in range(len(part))]
+                cs = [a + 4 * MAXQ * CAND_MAX for a in cr]
+                self._run(qs[start : start + MAXQ], cr, cs, kc, high, ns, mask_addr, CAND_MAX)
+                self._rescore(part, k, kc)
+        if self.fault_inject == "illegal_address":
+            self._inject_fault()
+        del mask_dev
+
+    def _run(self, qs: list[int], rows: list[int], scores: list[int], k: int, high: int,
+             ns: int, mask_addr: int, out_ld: int) -> None:  # fmt: skip
+        """Launch for every query: fused graphs of up to FUSED_MAX_Q queries, or (float types,
+        larger batches) GEMM + top-k for up to MAXQ queries per launch."""
+        kp = _pow2(k)
+        use_gemm = self.dtype != "int8" and len(qs) > FUSED_MAX_Q
+        step = MAXQ if use_gemm else self._fused_qb(FUSED_MAX_Q, kp)
+        for start in range(0, len(qs), step):
+            sl = slice(start, start + step)
+            n = len(qs[sl])
+            self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
+            if n > FUSED_MAX_Q:
+                self._check(lambda n=n: self._gemm_topk(n, k, high))
+            else:
+                graph = self._graph(k, self._fused_qb(n, kp), self._grid(high, kp))
+                self._check(lambda g=graph: (g.launch(self.stream), self.stream.synchronize()))
+
+    def _gemm_topk(self, n: int, k: int, high: int) -> None:
+        """Large batches: scores = Q @ data[:high].T by cuBLAS (tensor cores for float16), then
+        a per-query top-k kernel that writes into the slots."""
+        cp = self.cp
+        from cupy_backends.cuda.libs import cublas
+
+        kp = _pow2(k)
+        buf = self._buf(kp)
+        with self.device, self.stream:
+            kernels.get_kernel("prep_queries", self.metric)(
+                (1,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
+                                         self.qbuf_h, np.int32(self.dim), np.int32(self.ld)))  # fmt: skip
+            scores = cp.empty((n, high), cp.float32)
+            data = self.data
+            qsrc = self.qbuf_h if self.dtype == "float16" else self.qbuf
+            atype = _CUDA_R_16F if self.dtype == "float16" else _CUDA_R_32F
+            rowscale = np.uint64(0)
+            handle = cp.cuda.device.get_cublas_handle()
+            cublas.setStream(handle, self.stream.ptr)
+            one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+            # row-major scores (n, high) = column-major (high, n) = data^T(high x ld) . Q^T
+            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, high, n, self.ld,
+                          one.ctypes.data, data.data.ptr, atype, self.ld,
+                          qsrc.data.ptr, atype, self.ld,
+                          zero.ctypes.data, scores.data.ptr, _CUDA_R_32F, high,
+                          cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)  # fmt: skip
+            grid = max(1, min(self.max_grid // 2, -(-high // (4 * kernels.BLOCK)), max(1, 16384 // kp)))
+            need = n * grid * k
+            sk, sv = self.scratch_k, self.scratch_v
+            if need > sk.size:
+                sk, sv = cp.empty(need, cp.float32), cp.empty(need, cp.int32)
+            kern = kernels.get_kernel("topk_scores", self.metric)
+            smem = buf * 8
+            if smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
+                kern.max_dynamic_shared_size_bytes = smem
+            kern((grid, n), (kernels.BLOCK,),
+                 (scores, np.int32(high), self.ns, self.sqnorm, rowscale, self.params,
+                  np.int32(buf), sk, sv, self.counters), shared_mem=smem)  # fmt: skip
+            self.stream.synchronize()
+            del data, scores
+
+    def _rescore(self, part: list[tuple[SlotSpec, int]], k: int, kc: int) -> None:
+        """int8: exact scores of the kc candidates from the float16 host copy; best k first."""
+        assert self.exact is not None
+        for j, (s, qi) in enumerate(part):
+            cand = self.cand_rows[j, :kc]
+            cand = cand[cand >= 0]
+            q = s.queries[qi].astype(np.float32)
+            if self.metric == Metric.COSINE:
+                q = normalize_rows(q[None, :])[0]
+            x = self.exact[cand, : self.dim].astype(np.float32)
+            sc = x @ q
+            if self.metric == Metric.L2:
+                sc = -np.sqrt(np.maximum((q @ q) - 2 * sc + np.einsum("ij,ij->i", x, x), 0))
+            m = min(k, len(cand))
+            idx, vals = topk_rows(sc[None, :], m)
+            s.rows[qi, :m] = cand[idx[0]]
+            s.scores[qi, :m] = vals[0]
+
+    def _inject_fault(self) -> None:
+        with self.device, self.stream:
+            kernels.get_kernel("fault_kernel")((1,), (32,), (np.uint64(8),))
+        self._check(self.stream.synchronize)
+
+    def search(
+        self,
+        queries: np.ndarray,
+        k: int,
+        high: int,
+        ns: int,
+        candidates: np.ndarray | None,
+        dense: bool,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Host-array search (used without a registered segment, e.g. by tests and benches):
+        the same kernels, with queries and results in registered host buffers."""
+        nq = len(queries)
+        kk = k if self.exact is None else min(RESCORE_FACTOR * k, max(k, high))
+        buf = np.zeros(nq * (self.dim + 2 * kk) + 64, np.float32)
+        qv = buf[: nq * self.dim].reshape(nq, self.dim)
+        qv[:] = queries
+        rv = buf[nq * self.dim : nq * (self.dim + kk)].view(np.int32).reshape(nq, kk)
+        sv = buf[nq * (self.dim + kk) : nq * (self.dim + 2 * kk)].reshape(nq, kk)
+        rv.fill(0x7F7F7F7F)  # poison: an element the kernels fail to write cannot pass for a result
+        sv.fill(np.nan)
+        addr = buf.ctypes.data
+        self._check(lambda: self.cp.cuda.runtime.hostRegister(addr, buf.nbytes, 3))
+        try:
+            spec = SlotSpec(qv, rv, sv, qv.ctypes.data, rv.ctypes.data, sv.ctypes.data)
+            saved, self.seg_addr = self.seg_addr, self.seg_addr or addr
+            try:
+                self.search_slots([spec], k, high, ns, candidates, dense)
+            finally:
+                self.seg_addr = saved
+        finally:
+            self.cp.cuda.runtime.hostUnregister(addr)
+        return rv[:, :k].copy(), sv[:, :k].copy()
+
+    def close(self) -> None:
+        self.detach_segment()
+        with contextlib.suppress(Exception):
+            self.cp.cuda.runtime.hostUnregister(self.desc_addr)
+        self.graphs.clear()

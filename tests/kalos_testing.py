@@ -1,0 +1,70 @@
+"""Reference results and comparisons shared by the test tiers (importable as ``kalos_testing``).
+
+The reference is float64 numpy. Comparisons are tie-tolerant in the manner of FAISS's
+``check_ref_knn_with_draws``: scores must agree within a tolerance, and the ids must agree
+except among results whose scores tie (within that tolerance) with the k-th score, where any
+member of the tie group is acceptable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def normalize(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def reference_scores(data: np.ndarray, queries: np.ndarray, metric: str) -> np.ndarray:
+    """(q, n) float64 similarity scores, as Kalos defines them (higher is better)."""
+    d = np.asarray(data, np.float64)
+    q = np.atleast_2d(np.asarray(queries, np.float64))
+    if metric == "cosine":
+        return normalize(q) @ normalize(d).T
+    if metric == "ip":
+        return q @ d.T
+    sq = (q**2).sum(1)[:, None] + (d**2).sum(1)[None, :] - 2 * q @ d.T
+    return -np.sqrt(np.maximum(sq, 0))
+
+
+def reference_topk(
+    data: np.ndarray, queries: np.ndarray, k: int, metric: str = "cosine",
+    eligible: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Indices (into ``data``) and scores of the exact top-k, best first, among ``eligible``."""
+    s = reference_scores(data, queries, metric)
+    if eligible is not None:
+        s[:, ~eligible] = -np.inf
+        k = min(k, int(eligible.sum()))
+    k = min(k, s.shape[1])
+    idx = np.argsort(-s, axis=1, kind="stable")[:, :k]
+    return idx, np.take_along_axis(s, idx, 1)
+
+
+def assert_topk_equal(
+    got_ids: Sequence, got_scores: np.ndarray, ref_ids: Sequence, ref_scores: np.ndarray,
+    *, atol: float = 1e-4, context: str = "",
+) -> None:  # fmt: skip
+    """One query: same length, scores within ``atol``, ids equal up to ties at the boundary."""
+    got_ids, ref_ids = list(got_ids), list(ref_ids)
+    got_scores = np.asarray(got_scores, np.float64)
+    ref_scores = np.asarray(ref_scores, np.float64)
+    assert len(got_ids) == len(ref_ids), f"{context}: {len(got_ids)} results, expected {len(ref_ids)}"
+    if not ref_ids:
+        return
+    assert np.all(np.isfinite(got_scores)), f"{context}: non-finite scores {got_scores}"
+    np.testing.assert_allclose(got_scores, ref_scores, atol=atol, rtol=0, err_msg=context)
+    kth = ref_scores[-1]
+    sure_ref = {i for i, s in zip(ref_ids, ref_scores, strict=True) if s > kth + atol}
+    sure_got = {i for i, s in zip(got_ids, got_scores, strict=True) if s > kth + atol}
+    assert sure_ref == sure_got, f"{context}: ids above the tie group differ: {sure_ref ^ sure_got}"
+    assert len(set(got_ids)) == len(got_ids), f"{context}: duplicate ids {got_ids}"
+
+
+def recall_at_k(got: Sequence[Sequence], ref: Sequence[Sequence]) -> float:
+    """Mean fraction of the reference ids found (for approximate storage: float16, int8)."""
+    hits = sum(len(set(g) & set(r)) for g, r in zip(got, ref, strict=True))
+    return hits / max(1, sum(len(r) for r in ref))
