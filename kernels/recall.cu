@@ -187,8 +187,12 @@ prep_queries(const Desc* __restrict__ desc, Params* __restrict__ params,
             if (idx < total) {
                 int q = idx / c4, e = 4 * (idx % c4);
                 const float* x = reinterpret_cast<const float*>(d.q[q]) + e;
-                if (e + 3 < dim) {
-                    v[u] = *reinterpret_cast<const float4*>(x);  // slot payloads are 128-byte aligned
+                // a slot payload is 128-byte aligned, but query j of a batch starts j*dim floats
+                // later: 16-byte loads only where the address allows them
+                if (e + 3 < dim && (reinterpret_cast<u64>(x) & 15) == 0) {
+                    v[u] = *reinterpret_cast<const float4*>(x);
+                } else if (e + 3 < dim) {
+                    v[u] = make_float4(x[0], x[1], x[2], x[3]);
                 } else {
                     if (e < dim) v[u].x = x[0];
                     if (e + 1 < dim) v[u].y = x[1];
@@ -260,10 +264,31 @@ __device__ void finish_block(Cands<QB>& c, int k, int nq, float* sk, int* sv, in
     }
 }
 
+// Block-wide max of kth[l * stride] over the lists (all threads call it).
+__device__ float seed_bound(const float* kth, size_t stride, int nlists) {
+    __shared__ float red[KALOS_BLOCK / 32];
+    float m = neg_inf();
+    for (int l = threadIdx.x; l < nlists; l += blockDim.x) m = fmaxf(m, __ldcg(kth + (size_t)l * stride));
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, red[w]);
+        red[0] = m;
+    }
+    __syncthreads();
+    m = red[0];
+    __syncthreads();
+    return m;
+}
+
 // Run by the last block to finish: merge every block's list for query q, write the answer.
 template <int QB>
 __device__ void merge_lists(Cands<QB>& c, const Params* p, int q, int k, int nlists,
                             const float* sk, const int* sv, int stride) {
+    // Every list is sorted, so each list's k-th score is a lower bound of the answer's k-th
+    // score; the best of those bounds filters out almost every candidate before it is offered.
+    float bound = seed_bound(sk + q * k + (k - 1), stride, nlists);
     if (threadIdx.x == 0) { c.cnt[q] = 0; c.thr[q] = neg_inf(); }
     __syncthreads();
     int total = nlists * k;
@@ -273,7 +298,7 @@ __device__ void merge_lists(Cands<QB>& c, const Params* p, int q, int k, int nli
             int l = i / k, j = i % k;
             float s = __ldcg(sk + (size_t)l * stride + q * k + j);
             int r = __ldcg(sv + (size_t)l * stride + q * k + j);
-            if (r >= 0) c.offer(q, s, r);
+            if (r >= 0 && s >= bound) c.offer(q, s, r);
         }
         __syncthreads();
         if (c.cnt[q] > c.buf - (int)blockDim.x)
@@ -451,12 +476,14 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
         __syncthreads();
         const float* bk = scratch_k + (size_t)q * gridDim.x * k;
         const int* bv = scratch_v + (size_t)q * gridDim.x * k;
+        float bound = seed_bound(bk + (k - 1), k, gridDim.x);
         int total = gridDim.x * k;
         for (int base = 0; base < total; base += blockDim.x) {
             int i = base + threadIdx.x;
             if (i < total) {
                 int r = __ldcg(bv + i);
-                if (r >= 0) c.offer(0, __ldcg(bk + i), r);
+                float sc = __ldcg(bk + i);
+                if (r >= 0 && sc >= bound) c.offer(0, sc, r);
             }
             __syncthreads();
             if (c.cnt[0] > c.buf - (int)blockDim.x) compact(c.key, c.val, &c.cnt[0], &c.thr[0], k, c.buf);

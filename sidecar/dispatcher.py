@@ -152,7 +152,9 @@ class Dispatcher:
         if len(part) > 1:
             self.stats.batches += 1
             self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
+        ts = time.perf_counter_ns()
         kk = self.service.recall_slots(specs, k, "", None)
+        self.stats.phase("search", (time.perf_counter_ns() - ts) / 1000)
         for (i, req, t0), spec in zip(part, specs, strict=True):
             self._write_hits(i, req, spec, kk, flags, t0)
 

@@ -107,7 +107,7 @@ class GpuIndex(Index):
             self.qbuf = cp.zeros((MAXQ, self.ld), cp.float32)
             self.qbuf_h = cp.zeros((MAXQ, self.ld), cp.float16)
             self.counters = cp.zeros(MAXQ, cp.uint32)
-            self.max_grid = 2 * self.sms
+            self.max_grid = 4 * self.sms  # 4 blocks of 256 per SM: enough loads in flight (H200: 0.91 of copy bandwidth at 1M rows, against 0.78 with 2)
             self.scratch_k = cp.empty(self.max_grid * FUSED_MAX_Q * 1024, cp.float32)
             self.scratch_v = cp.empty(self.max_grid * FUSED_MAX_Q * 1024, cp.int32)
         # the descriptor lives in registered host memory: written by Python, read by prep
@@ -124,6 +124,7 @@ class GpuIndex(Index):
         self.cand_addr = cand.ctypes.data
         self._check(lambda: cp.cuda.runtime.hostRegister(self.cand_addr, len(self._cand_mm), 3))
         self.graphs: dict[tuple[int, int, int], Any] = {}
+        self._closed = False
         self.seg_addr = 0
         self.seg_size = 0
         self._mm_ref: Any = None
@@ -480,7 +481,9 @@ class GpuIndex(Index):
         the same kernels, with queries and results in registered host buffers."""
         nq = len(queries)
         kk = k if self.exact is None else min(RESCORE_FACTOR * k, max(k, high))
-        buf = np.zeros(nq * (self.dim + 2 * kk) + 64, np.float32)
+        nbytes = 4 * (nq * (self.dim + 2 * kk) + 64)
+        mm = mmap.mmap(-1, -(-nbytes // 4096) * 4096)  # page-aligned, registered for this call
+        buf = np.frombuffer(mm, np.float32)
         qv = buf[: nq * self.dim].reshape(nq, self.dim)
         qv[:] = queries
         rv = buf[nq * self.dim : nq * (self.dim + kk)].view(np.int32).reshape(nq, kk)
@@ -488,7 +491,7 @@ class GpuIndex(Index):
         rv.fill(0x7F7F7F7F)  # poison: an element the kernels fail to write cannot pass for a result
         sv.fill(np.nan)
         addr = buf.ctypes.data
-        self._check(lambda: self.cp.cuda.runtime.hostRegister(addr, buf.nbytes, 3))
+        self._check(lambda: self.cp.cuda.runtime.hostRegister(addr, len(mm), 3))
         try:
             spec = SlotSpec(qv, rv, sv, qv.ctypes.data, rv.ctypes.data, sv.ctypes.data)
             saved, self.seg_addr = self.seg_addr, self.seg_addr or addr
@@ -496,12 +499,24 @@ class GpuIndex(Index):
                 self.search_slots([spec], k, high, ns, candidates, dense)
             finally:
                 self.seg_addr = saved
+            return rv[:, :k].copy(), sv[:, :k].copy()
         finally:
             self.cp.cuda.runtime.hostUnregister(addr)
-        return rv[:, :k].copy(), sv[:, :k].copy()
+            del qv, rv, sv, buf
+            mm.close()
 
     def close(self) -> None:
+        """Unregister every host buffer (before it is unmapped: an address reused by a later
+        mapping must not still be registered)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
         self.detach_segment()
-        with contextlib.suppress(Exception):
-            self.cp.cuda.runtime.hostUnregister(self.desc_addr)
+        for addr in (self.desc_addr, self.cand_addr):
+            with contextlib.suppress(Exception):
+                self.cp.cuda.runtime.hostUnregister(addr)
         self.graphs.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -63,6 +63,7 @@ class Stats:
         self.lock = threading.Lock()
         self.requests: Counter[tuple[str, str]] = Counter()
         self.latency: dict[str, Histogram] = {}
+        self.phases: dict[str, Histogram] = {}
         self.reclaimed_slots = 0
         self.rejected = 0
         self.batches = 0
@@ -80,11 +81,19 @@ class Stats:
         else:
             self.rejected += 1
 
+    def phase(self, name: str, us: float) -> None:
+        """Time spent in one phase of a request (e.g. "search": the index's launch + sync)."""
+        h = self.phases.get(name)
+        if h is None:
+            h = self.phases[name] = Histogram()
+        h.record(us)
+
     def snapshot(self, extra: dict[str, Any]) -> dict[str, Any]:
         return {
             "uptime_s": round(time.time() - self.started, 1),
             "requests": {f"{op}/{st}": n for (op, st), n in sorted(self.requests.items())},
             "latency": {op: h.summary() for op, h in sorted(self.latency.items())},
+            "phases": {p: h.summary() for p, h in sorted(self.phases.items())},
             "rejected_requests": self.rejected,
             "reclaimed_slots": self.reclaimed_slots,
             "batches": self.batches,

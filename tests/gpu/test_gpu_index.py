@@ -16,13 +16,24 @@ from kalos_retrievers.protocol import METRICS, Invalid, Status
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 
+_open: list = []
+
+
 def make(dim: int, metric: str = "cosine", dtype: str = "float32", limit: int | None = None):
     from kalos_retrievers.sidecar.index_gpu import GpuIndex
     from kalos_retrievers.sidecar.service import Service
     from kalos_retrievers.sidecar.store import NullStore
 
     idx = GpuIndex(dim, METRICS[metric], 0, dtype, memory_limit=limit)
+    _open.append(idx)
     return Service(idx, NullStore(), dim=dim, metric=METRICS[metric])
+
+
+@pytest.fixture(autouse=True)
+def _close_indexes():
+    yield
+    while _open:
+        _open.pop().close()
 
 
 def put(svc, vecs, ids=None, ns="", metas=None):

@@ -108,7 +108,7 @@ def test_concurrent_clients_get_their_own_answers(start_sidecar) -> None:
     procs = [ctx.Process(target=_client_proc, args=(sc.name, dim, s, 500, q)) for s in range(16)]
     for p in procs:
         p.start()
-    misrouted = sum(q.get(timeout=300) for _ in procs)
+    misrouted = sum(q.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -133,7 +133,11 @@ def test_device_memory_limit_gives_capacity_error_and_keeps_serving(start_sideca
         c.upsert([str(i) for i in range(2000)], data)
         with pytest.raises(CapacityError, match="device memory"):
             c.upsert([f"x{i}" for i in range(9000)], rng.standard_normal((9000, 768)))
-        assert c.count() == 2000
+        # a write larger than one slot is chunked; chunks committed before the refusal stay
+        # (each chunk is atomic, the whole call is not: documented)
+        n = c.count()
+        assert 2000 <= n < 11000
+        assert len(c.scan(limit=20000)) == n  # store, rows and index agree
         assert c.recall(data[7], k=1).ids == ["7"]
 
 
@@ -162,7 +166,7 @@ def test_sticky_cuda_error_exits_nonzero_and_restart_reloads(start_sidecar, make
 
 
 def test_cuda_device_that_does_not_exist_fails_start_with_code_5() -> None:
-    r = subprocess.run([sys.executable, "-m", "kalos_retrievers.sidecar", "serve", "--name",
+    r = subprocess.run([sys.executable, "-P", "-m", "kalos_retrievers.sidecar", "serve", "--name",
                         f"nodev{os.getpid()}", "--dim", "8", "--device", "cuda:99"],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 5, r.stderr
