@@ -115,6 +115,33 @@ def kernel_timing(n: int, copy_tbs: float) -> dict[str, Any]:
             best = (grid, us, frac)
     assert best is not None
     out["best_grid"], out["best_us"], out["best_fraction"] = best[0], round(best[1], 1), round(best[2], 3)
+    # where the graph's time goes: prep alone (reads the descriptor and query over PCIe) and
+    # the scan kernel alone (launched directly; prep's outputs from the last run are in place)
+    from kalos_retrievers.sidecar import cuda_kernels as kern
+
+    grid = best[0]
+    prep = kern.get_kernel("prep_queries", idx.metric)
+    scan = kern.get_kernel("scan_topk", idx.ctype, idx.tpr, 1, idx.metric)
+    buf = idx._buf(16)
+
+    def timed(fn: Any) -> float:
+        ts = []
+        for i in range(40):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(idx.stream)
+            fn()
+            e1.record(idx.stream)
+            e1.synchronize()
+            if i >= 10:
+                ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1000)
+        return round(float(np.median(ts)), 1)
+
+    with idx.device, idx.stream:
+        out["prep_only_us"] = timed(lambda: prep((1,), (256,), (np.uint64(idx.desc_addr), idx.params,
+                                    idx.qbuf, idx.qbuf_h, np.int32(DIM), np.int32(idx.ld))))  # fmt: skip
+        out["scan_only_us"] = timed(lambda: scan((grid,), (256,), (idx.data, idx.ns, idx.sqnorm,
+                                    np.uint64(0), idx.params, idx.qbuf, np.int32(idx.ld), np.int32(buf),
+                                    idx.scratch_k, idx.scratch_v, idx.counters), shared_mem=idx._smem(1, buf)))  # fmt: skip
     # the answer is right
     ref = (svc.index.vectors(np.arange(n)) @ q[0]).argsort()[::-1][:K]
     out["top1_matches_reference"] = bool(rows[0, 0] == ref[0])

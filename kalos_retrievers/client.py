@@ -31,8 +31,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -238,8 +237,7 @@ def _header_error(name: str, e: HeaderError) -> KalosError:
     return ProtocolError(f"segment of sidecar {name!r} is unusable: {e}")
 
 
-@dataclass
-class _Reply:
+class _Reply(NamedTuple):
     status: int
     n_results: int
     resp_flags: int
@@ -300,6 +298,7 @@ class KalosClient:
         self.spin_ns = int(spin_us * 1000)
         self.max_slots = max_slots
         self._lock = threading.Condition(threading.RLock())
+        self._waiters = 0
         self._conn: _Conn | None = None
         self._closed = False
         self._pid = os.getpid()
@@ -424,10 +423,7 @@ class KalosClient:
         q = check_vectors(query, self.dim, "query")
         if q.shape[0] != 1:
             raise ValueError(f"query has {q.shape[0]} vectors; use recall_batch for several")
-        return self.recall_batch(
-            q, k, namespace=namespace, filter=filter, with_vectors=with_vectors, docs=docs,
-            timeout=timeout,
-        )[0]  # fmt: skip
+        return self._recall(q, k, namespace, filter, with_vectors, docs, timeout)[0]
 
     def recall_batch(
         self,
@@ -448,6 +444,12 @@ class KalosClient:
         qs = check_vectors(queries, self.dim, "queries")
         if len(qs) == 0:
             return []
+        return self._recall(qs, k, namespace, filter, with_vectors, docs, timeout)
+
+    def _recall(
+        self, qs: np.ndarray, k: int, namespace: str, filter: Mapping[str, Any] | None,  # noqa: A002
+        with_vectors: bool, docs: bool, timeout: float | None,
+    ) -> list[RecallResult]:  # fmt: skip
         header = self.header
         _check_k(k, header.max_k)
         _check_namespace(namespace)
@@ -732,6 +734,10 @@ class KalosClient:
             self._lock.notify_all()
 
     def _acquire(self, conn: _Conn, deadline: float) -> _Slot:
+        try:  # fast path: list.pop is atomic under the GIL
+            return conn.free.pop()
+        except IndexError:
+            pass
         with self._lock:
             while True:
                 if conn.dead:
@@ -749,14 +755,19 @@ class KalosClient:
                         f"{conn.layout.n_slots} slots are all in use; start it with more --slots "
                         f"or use fewer concurrent clients (this one holds {len(conn.owned)})"
                     )
-                self._lock.wait(min(remaining, 0.002))
+                self._waiters += 1
+                try:
+                    self._lock.wait(min(remaining, 0.002))
+                finally:
+                    self._waiters -= 1
 
     def _release(self, conn: _Conn, slot: _Slot) -> None:
-        with self._lock:
-            if slot.pending:
-                return  # stays out of circulation until the sidecar has finished with it
-            conn.free.append(slot)
-            self._lock.notify()
+        if slot.pending:
+            return  # stays out of circulation until the sidecar has finished with it
+        conn.free.append(slot)
+        if self._waiters:
+            with self._lock:
+                self._lock.notify()
 
     def _recover_pending(self, conn: _Conn) -> None:
         for s in conn.owned:
@@ -807,7 +818,8 @@ class KalosClient:
         chunks: list[bytes] = []
         rows = scores = None
         while True:
-            _ipc.drain(slot.sem)
+            if slot.sem.value:  # posts left by responses we saw by spinning (sem_getvalue)
+                _ipc.drain(slot.sem)
             slot.seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
             seq = slot.seq
             REQUEST_STRUCT.pack_into(slot.ctl, REQUEST_OFFSET, seq, op, flags, top_k, n_items,

@@ -386,6 +386,8 @@ def decode_header(buf: bytes | memoryview, segment_size: int | None = None) -> H
     if len(buf) < HEADER_STRUCT.size or (segment_size is not None and segment_size < HEADER_SIZE):
         raise HeaderError(HeaderError.SHORT, f"segment is {len(buf)} bytes, shorter than a header")
     vals = list(HEADER_STRUCT.unpack_from(buf, 0))
+    if vals[0] == b"\x00" * 8:  # created, header not written yet
+        raise HeaderError(HeaderError.INITIALIZING, "the sidecar is still initializing")
     if vals[0] != MAGIC:
         raise HeaderError(HeaderError.MAGIC, f"bad magic {vals[0]!r}: not a Kalos segment")
     if vals[1] == 0:
@@ -686,15 +688,15 @@ def decode_docs_blob(
     """
     try:
         (n,) = _U32.unpack_from(blob, 0)
-        if 4 + 4 * (n + 1) > len(blob):
+        base = 4 * (n + 2)
+        if base > len(blob):
             raise ProtocolDecodeError("docs blob shorter than its offset table")
-        offsets = np.frombuffer(blob, dtype="<u4", count=n + 1, offset=4)
-        base = 4 + 4 * (n + 1)
-        end = base + int(offsets[-1])
-        if end > len(blob) or (n and np.any(np.diff(offsets.astype(np.int64)) < 0)):
+        offsets = struct.unpack_from(f"<{n + 1}I", blob, 4)
+        end = base + offsets[-1]
+        if end > len(blob) or any(a > b for a, b in zip(offsets, offsets[1:], strict=False)):
             raise ProtocolDecodeError("docs blob offsets are inconsistent")
         mv = memoryview(blob)
-        docs = [mv[base + int(offsets[i]) : base + int(offsets[i + 1])] for i in range(n)]
+        docs = [mv[base + a : base + b] for a, b in zip(offsets, offsets[1:], strict=False)]
         vectors = None
         if has_vectors:
             vstart = end + (-end % 4)

@@ -63,6 +63,7 @@ class Dispatcher:
         self.describe = describe
         self.states = np.ndarray((layout.n_slots,), np.uint32, mm, HEADER_SIZE, (layout.slot_size,))
         self.pending: dict[int, tuple[bytes, int, int]] = {}  # slot -> (rest, n_results, flags)
+        self._specs: dict[tuple[int, int, int], SlotSpec] = {}
         lay = layout
         base = np.frombuffer(mm, np.uint8)
         self.base_addr = base.ctypes.data
@@ -130,6 +131,17 @@ class Dispatcher:
         return self._payload[i][: req.vec_len // 4].reshape(-1, self.layout.dim)
 
     def _spec(self, i: int, req: Request) -> SlotSpec:
+        """Views of the request's queries and result areas (cached: the same slot keeps asking
+        the same shape)."""
+        key = (i, req.n_items, req.top_k)
+        spec = self._specs.get(key)
+        if spec is None:
+            if len(self._specs) > 4 * self.layout.n_slots:
+                self._specs.clear()
+            spec = self._specs[key] = self._make_spec(i, req)
+        return spec
+
+    def _make_spec(self, i: int, req: Request) -> SlotSpec:
         n, k = req.n_items, req.top_k
         off = self.base_addr + self.slot_off[i]
         lay = self.layout
@@ -159,16 +171,19 @@ class Dispatcher:
             self._write_hits(i, req, spec, kk, flags, t0)
 
     def _write_hits(self, i: int, req: Request, spec: SlotSpec, kk: int, flags: int, t0: int) -> None:
-        rows = spec.rows[:, :kk]
         blob, rflags = b"", 0
-        if flags & (Flag.WITH_VECTORS | Flag.NO_DOCS) != Flag.NO_DOCS and kk:
-            if rows.min() < 0 or rows.max() >= self.service.rows.high:  # trust nothing
+        if flags & (Flag.WITH_VECTORS | Flag.NO_DOCS) != Flag.NO_DOCS:
+            rows = spec.rows[:, :kk]
+            flat = rows.ravel().tolist()
+            if flat and (min(flat) < 0 or max(flat) >= self.service.rows.high):  # trust nothing
                 raise Invalid(Status.INTERNAL, "the index returned rows out of range")
-        if flags & Flag.WITH_VECTORS:
-            blob = encode_docs_blob(self.service.docs(rows), self.service.vectors(rows))
-            rflags = RespFlag.HAS_VECTORS
-        elif not flags & Flag.NO_DOCS:
-            blob = encode_docs_blob(self.service.docs(rows))
+            docs = self.service.rows.docs
+            hits = [docs[r] for r in flat]
+            if flags & Flag.WITH_VECTORS:
+                blob = encode_docs_blob(hits, self.service.vectors(rows))  # type: ignore[arg-type]
+                rflags = RespFlag.HAS_VECTORS
+            else:
+                blob = encode_docs_blob(hits)  # type: ignore[arg-type]
         self._respond(i, req, Status.OK, kk, blob, rflags, t0)
 
     def _one(self, i: int, req: Request, t0: int) -> None:

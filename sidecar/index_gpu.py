@@ -189,14 +189,16 @@ class GpuIndex(Index):
     def reserve(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
+        per_row = self.ld * np.dtype(self.np_dtype).itemsize + 8 + (4 if self.rowscale is not None else 0)
         cap = max(capacity, 2 * self.capacity, 1024)
-        isz = np.dtype(self.np_dtype).itemsize
-        need = cap * (self.ld * isz + 8 + (4 if self.rowscale is not None else 0))
-        if self.memory_limit is not None and need > self.memory_limit:
-            raise IndexCapacityError(
-                f"growing to {cap} rows needs {need / 2**30:.2f} GiB of device memory, over "
-                f"the limit of {self.memory_limit / 2**30:.2f} GiB (KALOS_GPU_MEMORY_LIMIT)"
-            )
+        if self.memory_limit is not None and cap * per_row > self.memory_limit:
+            cap = capacity  # doubling would not fit: grow to exactly what is needed
+            if cap * per_row > self.memory_limit:
+                raise IndexCapacityError(
+                    f"growing to {cap} rows needs {cap * per_row / 2**30:.3f} GiB of device "
+                    f"memory, over the limit of {self.memory_limit / 2**30:.3f} GiB "
+                    "(KALOS_GPU_MEMORY_LIMIT)"
+                )
         cp, old = self.cp, self.capacity
 
         def grow() -> None:
@@ -501,9 +503,7 @@ class GpuIndex(Index):
                 self.seg_addr = saved
             return rv[:, :k].copy(), sv[:, :k].copy()
         finally:
-            self.cp.cuda.runtime.hostUnregister(addr)
-            del qv, rv, sv, buf
-            mm.close()
+            self.cp.cuda.runtime.hostUnregister(addr)  # the map itself goes with its last view
 
     def close(self) -> None:
         """Unregister every host buffer (before it is unmapped: an address reused by a later

@@ -107,7 +107,6 @@ class Service:
             self.rows.set(row, ns_id, r.id, doc, meta, r.created_at)
             rows[i], ns[i] = row, ns_id
         if len(batch):
-            self.index.reserve(self.rows.capacity)
             # rows may repeat (same id twice in one batch): the last write wins in both places
             self.index.set_rows(rows, np.stack([r.vector for r in batch]), ns)
 

@@ -9,6 +9,7 @@ member of the tie group is acceptable.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -68,3 +69,19 @@ def recall_at_k(got: Sequence[Sequence], ref: Sequence[Sequence]) -> float:
     """Mean fraction of the reference ids found (for approximate storage: float16, int8)."""
     hits = sum(len(set(g) & set(r)) for g, r in zip(got, ref, strict=True))
     return hits / max(1, sum(len(r) for r in ref))
+
+
+def recall_row_worker(name: str, dim: int, seed: int, n_calls: int, out: Any) -> None:
+    """Child process: recall stored vectors (ids "0".."4000", data seed 0) by themselves and
+    count answers that are not the query's own row (a misrouted response would be one)."""
+    from kalos_retrievers import KalosClient
+
+    rng = np.random.default_rng(seed)
+    data = np.random.default_rng(0).standard_normal((4001, dim)).astype(np.float32)
+    bad = 0
+    with KalosClient(name, dim=dim) as c:
+        for _ in range(n_calls):
+            i = int(rng.integers(len(data)))
+            r = c.recall(data[i], k=1, docs=False)
+            bad += int(r.rows[0] != i)
+    out.put(bad)

@@ -18,9 +18,9 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
-from kalos_testing import assert_topk_equal, recall_at_k, reference_topk
+from kalos_testing import assert_topk_equal, recall_at_k, recall_row_worker, reference_topk
 
-from kalos_retrievers import CapacityError, KalosClient, SidecarUnavailable
+from kalos_retrievers import CapacityError, SidecarUnavailable
 from kalos_retrievers.protocol import HEADER_SIZE, decode_header, segment_name
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -85,18 +85,6 @@ def test_float16_default_recall_and_filters(start_sidecar) -> None:
     c.close()
 
 
-def _client_proc(name: str, dim: int, seed: int, n_calls: int, out: mp.Queue) -> None:
-    rng = np.random.default_rng(seed)
-    data = np.random.default_rng(0).standard_normal((4001, dim)).astype(np.float32)
-    bad = 0
-    with KalosClient(name, dim=dim) as c:
-        for _ in range(n_calls):
-            i = int(rng.integers(len(data)))
-            r = c.recall(data[i], k=1, docs=False)
-            bad += int(r.rows[0] != i)
-    out.put(bad)
-
-
 def test_concurrent_clients_get_their_own_answers(start_sidecar) -> None:
     dim = 97
     data = np.random.default_rng(0).standard_normal((4001, dim)).astype(np.float32)
@@ -105,7 +93,7 @@ def test_concurrent_clients_get_their_own_answers(start_sidecar) -> None:
         c.upsert([str(i) for i in range(len(data))], data)
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_client_proc, args=(sc.name, dim, s, 500, q)) for s in range(16)]
+    procs = [ctx.Process(target=recall_row_worker, args=(sc.name, dim, s, 500, q)) for s in range(16)]
     for p in procs:
         p.start()
     misrouted = sum(q.get(timeout=120) for _ in procs)
