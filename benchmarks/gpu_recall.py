@@ -211,6 +211,13 @@ def main() -> int:
     print(f"GPU {res['gpu']}; {res['machine']}", file=sys.stderr, flush=True)
     rows: list[tuple[str, str, str, str]] = []
     ok = lambda b: "yes" if b else "NO"  # noqa: E731
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every section, so a run cut short still reports what it measured
+        res["table"] = rows
+        (out / "gpu_bench.json").write_text(json.dumps(res, indent=2))
+
     copy_tbs = copy_bandwidth() if "copy" in only or "kernel" in only else 0.0
     res["copy_tbs"] = round(copy_tbs, 3)
     if copy_tbs:
@@ -225,6 +232,7 @@ def main() -> int:
                      f"@ {res['kernel_100k']['best_grid']}", ""))  # fmt: skip
         rows.append(("1M scan graph time (us) / read bw fraction of copy", ">= 0.85",
                      f"{kt['best_us']} / {kt['best_fraction']}", ok(kt["best_fraction"] >= 0.85)))  # fmt: skip
+    save()
     queries = make_data(1024, DIM, 7)
     common = dict(dim=DIM, device="cuda", slots=40, max_batch=64, payload_kb=8192, log_level="WARNING")
     if "100k" in only:
@@ -245,6 +253,7 @@ def main() -> int:
             ("100k torch p50 (us) / speed-up", ">= 3.5x", f"{t100['p50_us']} / {sp:.2f}x", ok(sp >= 3.5)),
         ]  # fmt: skip
         del data
+        save()
     if "1m" in only:
         n = args.rows_1m
         data = make_data(n, DIM, 2)
@@ -280,6 +289,7 @@ def main() -> int:
             ("bulk load 1M x 768 via client, durable (s)", "report", f"{res['bulk_load_1m_durable_s']}", ""),
             ("sidecar start reloading 1M rows (s)", "report", f"{res['reload_1m_s']}", ""),
         ]  # fmt: skip
+        save()
         if "int8" in only:
             with Sidecar(dtype="int8", **common) as sc, sc.client(timeout=60) as c:
                 load(c, data)
@@ -291,10 +301,7 @@ def main() -> int:
                 ("int8 1M recall@10 vs exact", ">= 0.99", f"{r8:.4f}", ok(r8 >= 0.99)),
             ]
         del data
-    res["table"] = rows
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_bench.json").write_text(json.dumps(res, indent=2))
+    save()
     print(table(rows))
     return 0
 
