@@ -26,7 +26,7 @@ if bad:
     j = bad[0]
     lost = sorted(set(rf[j]) - set(rg[j]))
     print("query", j, "lost rows", lost, "gemm", rg[j].tolist(), sg[j].tolist())
-    grid = max(1, min(idx.max_grid // 2, -(-n // (4 * 256)), 16384 // 16))
+    grid = max(1, min(idx.max_grid // 2, -(-n // (4 * 4 * 256)), 16384 // 16))
     sk = idx.scratch_k[: 64 * grid * k].get().reshape(64, grid, k)
     sv = idx.scratch_v[: 64 * grid * k].get().reshape(64, grid, k)
     bound = sk[j, :, k - 1].max()

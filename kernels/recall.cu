@@ -31,6 +31,10 @@
 #define KALOS_MAXQ 64            // most queries one Desc describes
 #endif
 
+// Candidates each thread loads per round in the merges and in topk_scores. A candidate buffer
+// must hold k plus one round: the host sizes it as pow2(pow2(k) + MERGE_UNROLL * KALOS_BLOCK).
+#define MERGE_UNROLL 4
+
 #define METRIC_COSINE 0
 #define METRIC_IP 1
 #define METRIC_L2 2
@@ -292,16 +296,24 @@ __device__ void merge_lists(Cands<QB>& c, const Params* p, int q, int k, int nli
     if (threadIdx.x == 0) { c.cnt[q] = 0; c.thr[q] = neg_inf(); }
     __syncthreads();
     int total = nlists * k;
-    for (int base = 0; base < total; base += blockDim.x) {
-        int i = base + threadIdx.x;
-        if (i < total) {
-            int l = i / k, j = i % k;
-            float s = __ldcg(sk + (size_t)l * stride + q * k + j);
-            int r = __ldcg(sv + (size_t)l * stride + q * k + j);
-            if (r >= 0 && s >= bound) c.offer(q, s, r);
+    for (int base = 0; base < total; base += MERGE_UNROLL * blockDim.x) {
+        float s[MERGE_UNROLL];
+        int r[MERGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; u++) {  // independent loads, all in flight at once
+            int i = base + u * blockDim.x + threadIdx.x;
+            r[u] = -1;
+            if (i < total) {
+                int l = i / k, j = i % k;
+                s[u] = __ldcg(sk + (size_t)l * stride + q * k + j);
+                r[u] = __ldcg(sv + (size_t)l * stride + q * k + j);
+            }
         }
+#pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; u++)
+            if (r[u] >= 0 && s[u] >= bound) c.offer(q, s[u], r[u]);
         __syncthreads();
-        if (c.cnt[q] > c.buf - (int)blockDim.x)
+        if (c.cnt[q] > c.buf - MERGE_UNROLL * (int)blockDim.x)
             compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
     }
     compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
@@ -443,17 +455,28 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
     if (threadIdx.x == 0) { s_cnt[0] = 0; s_thr[0] = neg_inf(); }
     __syncthreads();
     const float* srow = scores + (size_t)q * sld;
-    const int stride = gridDim.x * blockDim.x;
-    for (int r0 = blockIdx.x * blockDim.x; r0 < n; r0 += stride) {
-        int row = r0 + threadIdx.x;
-        if (row < n && ns[row] == my_ns && (mask == nullptr || mask[row])) {
-            float s = srow[row];
-            if (rowscale != nullptr) s *= rowscale[row];
-            if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(qn2 + sqnorm[row] - 2.f * s, 0.f));
-            c.offer(0, s, row);
+    const int per_round = MERGE_UNROLL * blockDim.x;
+    const int stride = gridDim.x * per_round;
+    for (int r0 = blockIdx.x * per_round; r0 < n; r0 += stride) {
+        float s[MERGE_UNROLL];
+        bool ok[MERGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; u++) {
+            int row = r0 + u * blockDim.x + threadIdx.x;
+            ok[u] = row < n && ns[row] == my_ns && (mask == nullptr || mask[row]);
+            s[u] = ok[u] ? srow[row] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; u++) {
+            if (!ok[u]) continue;
+            int row = r0 + u * blockDim.x + threadIdx.x;
+            float v = s[u];
+            if (rowscale != nullptr) v *= rowscale[row];
+            if (METRIC == METRIC_L2) v = -sqrtf(fmaxf(qn2 + sqnorm[row] - 2.f * v, 0.f));
+            c.offer(0, v, row);
         }
         __syncthreads();
-        c.make_room(k, blockDim.x);
+        c.make_room(k, per_round);
     }
     // scratch layout: [q][block][k]
     float* sk = scratch_k + ((size_t)q * gridDim.x + blockIdx.x) * k;
@@ -478,15 +501,20 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
         const int* bv = scratch_v + (size_t)q * gridDim.x * k;
         float bound = seed_bound(bk + (k - 1), k, gridDim.x);
         int total = gridDim.x * k;
-        for (int base = 0; base < total; base += blockDim.x) {
-            int i = base + threadIdx.x;
-            if (i < total) {
-                int r = __ldcg(bv + i);
-                float sc = __ldcg(bk + i);
-                if (r >= 0 && sc >= bound) c.offer(0, sc, r);
+        for (int base = 0; base < total; base += MERGE_UNROLL * blockDim.x) {
+            float sc[MERGE_UNROLL];
+            int r[MERGE_UNROLL];
+#pragma unroll
+            for (int u = 0; u < MERGE_UNROLL; u++) {
+                int i = base + u * blockDim.x + threadIdx.x;
+                r[u] = i < total ? __ldcg(bv + i) : -1;
+                sc[u] = i < total ? __ldcg(bk + i) : 0.f;
             }
+#pragma unroll
+            for (int u = 0; u < MERGE_UNROLL; u++)
+                if (r[u] >= 0 && sc[u] >= bound) c.offer(0, sc[u], r[u]);
             __syncthreads();
-            if (c.cnt[0] > c.buf - (int)blockDim.x) compact(c.key, c.val, &c.cnt[0], &c.thr[0], k, c.buf);
+            if (c.cnt[0] > c.buf - MERGE_UNROLL * (int)blockDim.x) compact(c.key, c.val, &c.cnt[0], &c.thr[0], k, c.buf);
         }
         compact(c.key, c.val, &c.cnt[0], &c.thr[0], k, c.buf);
         int* orow = pp->out_rows[q];

@@ -40,6 +40,7 @@ log = logging.getLogger("kalos.sidecar")
 
 MAXQ: Final = 64  # KALOS_MAXQ
 FUSED_MAX_Q: Final = 8
+MERGE_UNROLL: Final = 4  # as in kernels/recall.cu
 RESCORE_FACTOR: Final = 4
 CAND_MAX: Final = 4096  # most int8 candidates per query (RESCORE_FACTOR x max k)
 _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
@@ -307,7 +308,7 @@ class GpuIndex(Index):
         return max(1, min(self.max_grid, g, max(1, 16384 // kp)))
 
     def _buf(self, kp: int) -> int:
-        return _pow2(kp + kernels.BLOCK)
+        return _pow2(kp + MERGE_UNROLL * kernels.BLOCK)  # k plus one round of the merge
 
     def _smem(self, qb: int, buf: int) -> int:
         return qb * self.ld * 4 + qb * buf * 8
@@ -432,7 +433,8 @@ class GpuIndex(Index):
                           qsrc.data.ptr, atype, self.ld,
                           zero.ctypes.data, scores.data.ptr, _CUDA_R_32F, high,
                           cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)  # fmt: skip
-            grid = max(1, min(self.max_grid // 2, -(-high // (4 * kernels.BLOCK)), max(1, 16384 // kp)))
+            grid = max(1, min(self.max_grid // 2, -(-high // (4 * MERGE_UNROLL * kernels.BLOCK)),
+                              max(1, 16384 // kp)))  # fmt: skip
             need = n * grid * k
             sk, sv = self.scratch_k, self.scratch_v
             if need > sk.size:
