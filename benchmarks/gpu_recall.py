@@ -201,6 +201,7 @@ def main() -> int:
     ap.add_argument("--only", default="copy,kernel,100k,1m,int8")
     ap.add_argument("--calls", type=int, default=10_000)
     ap.add_argument("--rows-1m", type=int, default=1_000_000)
+    ap.add_argument("--no-durable", action="store_true", help="load 1M in memory (skip load/reload timing)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     from kalos_retrievers.spawn import Sidecar
@@ -258,13 +259,19 @@ def main() -> int:
         n = args.rows_1m
         data = make_data(n, DIM, 2)
         with tempfile.TemporaryDirectory(dir=os.environ.get("KALOS_BENCH_DIR", "/tmp")) as d:
-            sc = Sidecar(data_dir=d, **common).start()
-            with sc.client(timeout=600) as c:
-                res["bulk_load_1m_durable_s"] = round(load(c, data), 1)
-            sc.stop()
-            t0 = time.perf_counter()
-            sc = Sidecar(sc.name, data_dir=d, startup_timeout=900, **common).start()
-            res["reload_1m_s"] = round(time.perf_counter() - t0, 1)
+            if args.no_durable:
+                sc = Sidecar(**common).start()
+                with sc.client(timeout=600) as c:
+                    load(c, data)
+                res["bulk_load_1m_durable_s"] = res["reload_1m_s"] = "skipped"
+            else:
+                sc = Sidecar(data_dir=d, **common).start()
+                with sc.client(timeout=600) as c:
+                    res["bulk_load_1m_durable_s"] = round(load(c, data), 1)
+                sc.stop()
+                t0 = time.perf_counter()
+                sc = Sidecar(sc.name, data_dir=d, startup_timeout=900, **common).start()
+                res["reload_1m_s"] = round(time.perf_counter() - t0, 1)
             with sc.client(timeout=30) as c:
                 assert c.count() == n
                 k1m = time_calls(lambda i: c.recall(queries[i & 1023], K), args.calls, 1000)

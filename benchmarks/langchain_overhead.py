@@ -35,6 +35,13 @@ robin (call i of each, then call i + 1 of each), so that each difference compare
 at the same moment with the same query; at 100k rows one recall takes milliseconds and its
 jitter is larger than the adapter's cost, which a difference of medians would not survive.
 Timing uses ``perf_counter_ns`` around each call.
+
+Placement (``--no-pin`` turns it off): the sidecar runs with ``OPENBLAS_NUM_THREADS=1`` and is
+pinned to the last core, this process to the first, and the client spins through the whole
+recall (``--spin-us``) instead of sleeping on its semaphore. On a 2-core VM the sidecar's
+multi-threaded matrix product otherwise takes both cores, and code running right after a
+multi-millisecond sleep runs cold; either swamps a difference of microseconds. The
+``InMemoryVectorStore`` run gets all cores back.
 """
 
 from __future__ import annotations
@@ -121,7 +128,9 @@ def timed(fn: Callable[[int], Any], budget_s: float, max_calls: int) -> dict[str
     return {"p50_us": median_us(lat), "calls": len(lat)}
 
 
-def bench_rows(n: int, calls: int, warmup: int, inmem_budget: float, pin: bool) -> dict[str, Any]:
+def bench_rows(
+    n: int, *, calls: int, warmup: int, inmem_budget: float, pin: bool, spin_us: float
+) -> dict[str, Any]:
     print(f"{n} rows: loading", file=sys.stderr, flush=True)
     data = make_data(n, DIM, seed=n)
     texts = [f"memory {i}" for i in range(n)]
@@ -147,7 +156,10 @@ def bench_rows(n: int, calls: int, warmup: int, inmem_budget: float, pin: bool) 
             os.sched_setaffinity(0, {cores[0]})
         with KalosClient(sc.name, timeout=30) as loader:
             loader.upsert([str(i) for i in range(n)], data, texts=texts, timeout=600)
-        client = KalosClient(sc.name, timeout=10)
+        # Spin through the whole recall rather than sleep on the semaphore: on this VM, code
+        # that runs right after a wait of milliseconds runs cold, 2-5x slower, which would
+        # swamp differences of microseconds at 100k rows. Both sides use this one client.
+        client = KalosClient(sc.name, timeout=10, spin_us=spin_us)
         retriever = KalosRetriever(vectorstore=KalosVectorStore(emb, client=client), k=K)
         bare = EmptyRetriever()
         fns: dict[str, Callable[[int], Any]] = {
@@ -215,12 +227,16 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--inmem-budget", type=float, default=10.0, help="seconds per in-memory run")
     p.add_argument("--no-pin", action="store_true", help="leave CPU placement to the scheduler")
+    p.add_argument("--spin-us", type=float, default=50_000, help="client spin before blocking")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not args.no_pin:
         os.environ["OPENBLAS_NUM_THREADS"] = "1"  # inherited by the sidecars started below
-    results = [bench_rows(n, args.calls, args.warmup, args.inmem_budget, not args.no_pin)
-               for n in args.rows]  # fmt: skip
+    results = [
+        bench_rows(n, calls=args.calls, warmup=args.warmup, inmem_budget=args.inmem_budget,
+                   pin=not args.no_pin, spin_us=args.spin_us)
+        for n in args.rows
+    ]  # fmt: skip
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "dim": DIM, "k": K,
             "command": "python " + " ".join(sys.argv)}  # fmt: skip
     print(f"{meta['date']}, {meta['machine']}, dim {DIM}, k {K}, CPU sidecar; p50 in us")

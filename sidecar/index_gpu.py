@@ -41,6 +41,11 @@ log = logging.getLogger("kalos.sidecar")
 MAXQ: Final = 64  # KALOS_MAXQ
 FUSED_MAX_Q: Final = 8
 MERGE_UNROLL: Final = 4  # as in kernels/recall.cu
+# The GEMM + topk_scores path for batches > FUSED_MAX_Q returned wrong rows on the H200
+# (2026-11-30): suspected ordering between the direct cublasGemmEx call and the kernels on our
+# non-blocking stream. Until that is fixed and tested, every batch takes fused launches of up to
+# FUSED_MAX_Q queries (exact, tested); KALOS_GEMM=1 re-enables the GEMM path for investigation.
+USE_GEMM: Final = os.environ.get("KALOS_GEMM") == "1"
 RESCORE_FACTOR: Final = 4
 CAND_MAX: Final = 4096  # most int8 candidates per query (RESCORE_FACTOR x max k)
 _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
@@ -395,7 +400,7 @@ class GpuIndex(Index):
         """Launch for every query: fused graphs of up to FUSED_MAX_Q queries, or (float types,
         larger batches) GEMM + top-k for up to MAXQ queries per launch."""
         kp = _pow2(k)
-        use_gemm = self.dtype != "int8" and len(qs) > FUSED_MAX_Q
+        use_gemm = USE_GEMM and self.dtype != "int8" and len(qs) > FUSED_MAX_Q
         step = MAXQ if use_gemm else self._fused_qb(FUSED_MAX_Q, kp)
         for start in range(0, len(qs), step):
             sl = slice(start, start + step)
