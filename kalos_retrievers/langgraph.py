@@ -1,0 +1,627 @@
+"""``KalosStore``: LangGraph's long-term memory store (``BaseStore``) on a Kalos sidecar.
+
+Needs the ``langgraph`` extra: ``pip install "kalos-retrievers[langgraph]"``.
+
+Layout in the sidecar. A LangGraph namespace ``("users", "alice", "prefs")`` is encoded as
+``users.alice.prefs`` (labels joined by ``.``; a ``.`` or ``\\`` inside a label is escaped with
+``\\``, although LangGraph itself already refuses labels containing ``.``), and its items live
+in two sidecar namespaces:
+
+* ``<prefix>/i/<encoded>``: one row per item. id: the key; metadata: the item's value (so that
+  ``filter`` runs in the sidecar); text: bookkeeping (how many vectors the item has); vector: a
+  fixed placeholder (never searched).
+* ``<prefix>/v/<encoded>``: one row per embedded text of an item (``index`` fields; a
+  ``[*]`` path gives one text per element). id: ``key + "\\x00" + n``; metadata: the value
+  again (filters apply to the search itself: the true top-k among matching items).
+
+A sidecar namespace name is limited to 255 bytes, so the encoded namespace is limited to about
+245 bytes; keys to 500 bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import json
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import numpy as np
+from langchain_core.embeddings import Embeddings
+from langgraph.store.base import (
+    BaseStore,
+    GetOp,
+    IndexConfig,
+    InvalidNamespaceError,
+    Item,
+    ListNamespacesOp,
+    MatchCondition,
+    Op,
+    PutOp,
+    Result,
+    SearchItem,
+    SearchOp,
+    ensure_embeddings,
+    get_text_at_path,
+    tokenize_path,
+)
+
+from .client import KalosClient
+from .degrade import Degrader
+from .errors import KalosError
+from .memory import Embedder, time_left
+from .results import Record
+
+__all__ = ["KalosStore", "decode_namespace", "encode_namespace"]
+
+_PAGE = 500
+_MAX_KEY_BYTES = 500
+_SIDECAR_OPS = frozenset({"$eq", "$ne", "$gt", "$gte", "$lt", "$lte"})
+_Key = tuple[tuple[str, ...], str]
+
+
+def encode_namespace(namespace: Sequence[str]) -> str:
+    """``("a", "b.c")`` -> ``a.b\\.c``: labels joined by ``.``, ``\\`` and ``.`` escaped."""
+    return ".".join(label.replace("\\", "\\\\").replace(".", "\\.") for label in namespace)
+
+
+def decode_namespace(encoded: str) -> tuple[str, ...]:
+    """Inverse of :func:`encode_namespace`."""
+    labels: list[str] = []
+    cur: list[str] = []
+    chars = iter(encoded)
+    for ch in chars:
+        if ch == "\\":
+            cur.append(next(chars, "\\"))
+        elif ch == ".":
+            labels.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    labels.append("".join(cur))
+    return tuple(labels)
+
+
+class _LlamaIndexEmbeddings(Embeddings):
+    """A LlamaIndex ``BaseEmbedding`` seen through LangChain's interface."""
+
+    def __init__(self, model: Any) -> None:
+        self._e = Embedder(model)
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return self._e.documents(texts).tolist()
+
+    def embed_query(self, text: str) -> list[float]:
+        return self._e.query(text).tolist()
+
+    async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
+        return (await self._e.adocuments(texts)).tolist()
+
+    async def aembed_query(self, text: str) -> list[float]:
+        return (await self._e.aquery(text)).tolist()
+
+
+class KalosStore(BaseStore):
+    """LangGraph ``BaseStore`` backed by Kalos: long-term memory for LangGraph agents.
+
+    Setup:
+        ``pip install "kalos-retrievers[langgraph]"`` and a sidecar whose ``--dim`` is your
+        embedding model's (``--data-dir`` to keep memories across restarts)::
+
+            kalos-sidecar serve --name agent-store --dim 384 --data-dir ./kalos-data
+
+    Instantiate:
+        .. code-block:: python
+
+            from kalos_retrievers.langgraph import KalosStore
+
+            store = KalosStore("agent-store", index={"dims": 384, "embed": embeddings,
+                                                     "fields": ["text"]})
+
+        ``index`` is LangGraph's ``IndexConfig``: ``embed`` a LangChain ``Embeddings``, an
+        embedding function (sync or async), a provider string, or a LlamaIndex
+        ``BaseEmbedding``; ``fields`` the JSON paths to embed (default ``["$"]``: the whole
+        value). Without ``index`` the store is a key-value store with filtered listing.
+
+    Put and get:
+        .. code-block:: python
+
+            store.put(("users", "alice"), "prefs", {"text": "likes window seats", "n": 3})
+            store.get(("users", "alice"), "prefs").value
+            store.put(("users", "alice"), "tmp", {"text": "scratch"}, index=False)  # no vector
+            store.delete(("users", "alice"), "tmp")
+
+    Search:
+        .. code-block:: python
+
+            store.search(("users", "alice"), query="seating", filter={"n": {"$gte": 2}}, limit=5)
+            store.search(("users",), filter={"n": 3})          # every user, no query: oldest first
+            store.list_namespaces(prefix=("users",), max_depth=2)
+
+        With a query, results are best first (``SearchItem.score``: raw similarity, the best
+        of an item's vectors); items without vectors follow with ``score=None`` when fewer
+        than ``limit`` indexed items match, as in LangGraph's ``InMemoryStore``. Filters with
+        ``$eq $ne $gt $gte $lt $lte`` or plain values run in the sidecar; equality on nested
+        objects or lists is checked in this process on the best candidates.
+
+    Use in a graph:
+        .. code-block:: python
+
+            graph = builder.compile(store=store)   # nodes receive it as `store`
+
+    Async:
+        ``aput``/``aget``/``asearch``/... (``abatch``) embed with the embedding's async API and
+        run the shared-memory calls in a worker thread.
+
+    Timeouts:
+        A search returns ``[]`` within ``timeout`` seconds while the sidecar is absent,
+        killed, paused or too slow (one warning per outage, counted in ``store.degrader``;
+        ``on_error="raise"`` raises instead). ``get``, ``put``, ``delete`` and
+        ``list_namespaces`` raise :class:`~kalos_retrievers.SidecarUnavailable` /
+        :class:`~kalos_retrievers.SidecarTimeout`: a missing item and an unreachable one are
+        different things. Ops in one ``batch`` run in order; they are not one transaction.
+
+    Args:
+        name: the sidecar's ``--name``.
+        index: LangGraph ``IndexConfig`` for semantic search (``dims``, ``embed``, ``fields``).
+        prefix: prefix of this store's sidecar namespaces (several stores can share a sidecar).
+        timeout: deadline of each sidecar call, in seconds.
+        on_error: ``"empty"`` (searches degrade) or ``"raise"``.
+        client: an existing :class:`~kalos_retrievers.KalosClient` to share.
+    """
+
+    __slots__ = ("_fields", "client", "degrader", "embeddings", "index_config", "prefix")
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        index: IndexConfig | None = None,
+        prefix: str = "langgraph",
+        timeout: float = 2.0,
+        on_error: Literal["empty", "raise"] = "empty",
+        client: KalosClient | None = None,
+    ) -> None:
+        if client is None:
+            if name is None:
+                raise ValueError("KalosStore needs the sidecar's name (or a client=)")
+            client = KalosClient(name, timeout=timeout, lazy=True)
+        if not prefix or "/" in prefix or len(prefix.encode()) > 32:
+            raise ValueError(f"prefix={prefix!r} must be 1-32 bytes without '/'")
+        self.client = client
+        self.prefix = prefix
+        self.degrader = Degrader(f"KalosStore(name={client.name!r}, prefix={prefix!r})", on_error)
+        self.index_config: dict[str, Any] | None = None
+        self.embeddings: Embeddings | None = None
+        self._fields: list[tuple[str, Any]] = []
+        if index:
+            self.index_config = dict(index)
+            embed = index.get("embed")
+            if hasattr(embed, "get_text_embedding_batch"):
+                self.embeddings = _LlamaIndexEmbeddings(embed)
+            else:
+                self.embeddings = ensure_embeddings(embed)
+            self._fields = _tokenized(index.get("fields") or ["$"])
+
+    def close(self) -> None:
+        self.client.close()
+
+    # ------------------------------------------------------------------ BaseStore
+    def batch(self, ops: Iterable[Op]) -> list[Result]:
+        """Run ``ops`` in order and return one result per op."""
+        ops = list(ops)
+        self._validate(ops)
+        docs, queries = self._texts_to_embed(ops)
+        doc_vecs, query_vecs = {}, {}
+        if self.embeddings is not None:
+            if docs:
+                doc_vecs = dict(zip(docs, self.embeddings.embed_documents(docs), strict=True))
+            query_vecs = {q: self.embeddings.embed_query(q) for q in queries}
+        return self._execute(ops, doc_vecs, query_vecs, None)
+
+    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
+        """:meth:`batch` with async embeddings; the sidecar calls run in a worker thread."""
+        ops = list(ops)
+        self._validate(ops)
+        docs, queries = self._texts_to_embed(ops)
+        doc_vecs, query_vecs = {}, {}
+        if self.embeddings is not None:
+            if docs:
+                vecs = await self.embeddings.aembed_documents(docs)
+                doc_vecs = dict(zip(docs, vecs, strict=True))
+            qv = await asyncio.gather(*(self.embeddings.aembed_query(q) for q in queries))
+            query_vecs = dict(zip(queries, qv, strict=True))
+        # Searches take their deadline now: it counts the wait for a worker thread.
+        deadline = time.monotonic() + self.client.timeout
+        return await asyncio.to_thread(self._execute, ops, doc_vecs, query_vecs, deadline)
+
+    # ------------------------------------------------------------------ planning
+    def _validate(self, ops: list[Op]) -> None:
+        # BaseStore's helpers check labels, but ops handed to batch() directly skip them.
+        for op in ops:
+            if isinstance(op, PutOp):
+                if not op.namespace:
+                    raise InvalidNamespaceError("Namespace cannot be empty.")
+                if op.namespace[0] == "langgraph":
+                    raise InvalidNamespaceError(
+                        f'Root label for namespace cannot be "langgraph". Got: {op.namespace}'
+                    )
+                _check_labels(op.namespace)
+                self._names(op.namespace)  # length check
+                if len(op.key.encode("utf-8", "surrogatepass")) > _MAX_KEY_BYTES:
+                    raise ValueError(
+                        f"key is longer than {_MAX_KEY_BYTES} bytes: {op.key[:40]!r}..."
+                    )
+            elif isinstance(op, GetOp):
+                _check_labels(op.namespace)
+            elif isinstance(op, SearchOp):
+                _check_labels(op.namespace_prefix)
+            elif isinstance(op, ListNamespacesOp):
+                for cond in op.match_conditions or ():
+                    _check_labels(cond.path)
+            else:
+                raise ValueError(f"Unknown operation type: {type(op)}")
+
+    def _paths(self, op: PutOp) -> list[tuple[str, Any]]:
+        if self.embeddings is None or op.value is None or op.index is False:
+            return []
+        return self._fields if op.index is None else _tokenized(op.index)
+
+    def _texts_of(self, op: PutOp) -> list[str]:
+        texts: list[str] = []
+        for _path, tokens in self._paths(op):
+            texts.extend(get_text_at_path(op.value, tokens))
+        return texts
+
+    def _texts_to_embed(self, ops: list[Op]) -> tuple[list[str], list[str]]:
+        docs: dict[str, None] = {}
+        queries: dict[str, None] = {}
+        for op in ops:
+            if isinstance(op, PutOp):
+                docs.update(dict.fromkeys(self._texts_of(op)))
+            elif isinstance(op, SearchOp) and op.query and self.embeddings is not None:
+                queries[op.query] = None
+        return list(docs), list(queries)
+
+    # ------------------------------------------------------------------ execution
+    def _execute(
+        self,
+        ops: list[Op],
+        doc_vecs: Mapping[str, Any],
+        query_vecs: Mapping[str, Any],
+        deadline: float | None,
+    ) -> list[Result]:
+        results: list[Result] = [None] * len(ops)
+        pending: dict[_Key, PutOp] = {}
+        for i, op in enumerate(ops):
+            if isinstance(op, PutOp):
+                pending[(op.namespace, op.key)] = op  # the last put of a key wins
+                continue
+            if pending:
+                self._apply_puts(pending, doc_vecs)
+                pending = {}
+            if isinstance(op, GetOp):
+                results[i] = self._get(op)
+            elif isinstance(op, SearchOp):
+                qvec = query_vecs.get(op.query or "")
+                results[i] = self._guarded_search(op, qvec, deadline)
+            elif isinstance(op, ListNamespacesOp):
+                results[i] = self._list_namespaces(op)
+        if pending:
+            self._apply_puts(pending, doc_vecs)
+        return results
+
+    def _names(self, namespace: tuple[str, ...]) -> tuple[str, str]:
+        enc = encode_namespace(namespace)
+        items, vecs = f"{self.prefix}/i/{enc}", f"{self.prefix}/v/{enc}"
+        if len(items.encode("utf-8", "surrogatepass")) > 255:
+            raise InvalidNamespaceError(
+                f"namespace {namespace} is too long for Kalos: its encoded form must fit in "
+                f"{255 - len(self.prefix) - 3} bytes"
+            )
+        return items, vecs
+
+    def _placeholders(self, n: int) -> np.ndarray:
+        v = np.zeros((n, self.client.dim), np.float32)
+        v[:, 0] = 1.0
+        return v
+
+    def _apply_puts(self, puts: Mapping[_Key, PutOp], doc_vecs: Mapping[str, Any]) -> None:
+        by_ns: dict[tuple[str, ...], list[PutOp]] = {}
+        for (ns, _key), op in puts.items():
+            by_ns.setdefault(ns, []).append(op)
+        for ns, ops in by_ns.items():
+            items_ns, vecs_ns = self._names(ns)
+            old = {
+                r.id: _n_vectors(r)
+                for r in self.client.get([o.key for o in ops], namespace=items_ns)
+            }
+            stale: list[str] = []
+            vec_ids: list[str] = []
+            vec_rows: list[Any] = []
+            vec_meta: list[Mapping[str, Any]] = []
+            live = [o for o in ops if o.value is not None]
+            counts: list[int] = []
+            for o in live:
+                texts = self._texts_of(o)
+                counts.append(len(texts))
+                for j, t in enumerate(texts):
+                    vec_ids.append(f"{o.key}\x00{j}")
+                    vec_rows.append(doc_vecs[t])
+                    vec_meta.append(o.value)  # type: ignore[arg-type]
+            new_counts = dict(zip([o.key for o in live], counts, strict=True))
+            for key, n_old in old.items():
+                stale.extend(f"{key}\x00{j}" for j in range(new_counts.get(key, 0), n_old))
+            if vec_rows:
+                self._check_dims(len(vec_rows[0]))
+                self.client.upsert(vec_ids, np.asarray(vec_rows, np.float32), None, vec_meta,
+                                   namespace=vecs_ns)  # fmt: skip
+            if live:
+                texts = [json.dumps({"vectors": c}) for c in counts]
+                self.client.upsert([o.key for o in live], self._placeholders(len(live)), texts,
+                                   [o.value for o in live], namespace=items_ns)  # fmt: skip
+            if stale:
+                self.client.delete(stale, namespace=vecs_ns)
+            gone = [o.key for o in ops if o.value is None and o.key in old]
+            if gone:
+                self.client.delete(gone, namespace=items_ns)
+
+    def _check_dims(self, n: int) -> None:
+        dims = (self.index_config or {}).get("dims")
+        if n != self.client.dim or (dims is not None and dims != n):
+            raise ValueError(
+                f"the embedding model returns {n}-dimensional vectors, index['dims'] is {dims} "
+                f"and sidecar {self.client.name!r} stores {self.client.dim}: they must agree"
+            )
+
+    def _get(self, op: GetOp) -> Item | None:
+        items_ns, _ = self._names(op.namespace)
+        recs = self.client.get([op.key], namespace=items_ns)
+        return _item(recs[0], op.namespace) if recs else None
+
+    # ------------------------------------------------------------------ search
+    def _guarded_search(self, op: SearchOp, qvec: Any, deadline: float | None) -> list[SearchItem]:
+        if deadline is None:
+            deadline = time.monotonic() + self.client.timeout
+        try:
+            out = self._search(op, qvec, deadline)
+        except KalosError as e:
+            if self.degrader.should_degrade(e):
+                return []
+            raise
+        self.degrader.succeeded()
+        return out
+
+    def _left(self, deadline: float) -> float:
+        return time_left(deadline, self.client.name)
+
+    def _search(self, op: SearchOp, qvec: Any, deadline: float) -> list[SearchItem]:
+        """One search; every sidecar call it makes shares ``deadline``."""
+        if op.limit <= 0 or op.offset < 0:
+            return []
+        flt, residual = _split_filter(op.filter)
+        spaces = self._matching_spaces(op.namespace_prefix, deadline)
+        want = op.offset + op.limit
+        found: list[tuple[float | None, tuple[str, ...], Record]] = []
+        if qvec is not None:
+            found = self._scored(spaces, np.asarray(qvec, np.float32), flt=flt, residual=residual,
+                                 want=want, deadline=deadline)  # fmt: skip
+        if len(found) < want:
+            # Every indexed match is already in `found`; the rest are items without vectors.
+            seen = {(ns, r.id) for _, ns, r in found}
+            for ns, rec in self._scan_items(spaces, flt, residual, deadline):
+                if (ns, rec.id) not in seen:
+                    found.append((None, ns, rec))
+                    if len(found) >= want:
+                        break
+        return [
+            SearchItem(ns, r.id, r.metadata, _dt(r.created_at), _dt(r.updated_at), score)
+            for score, ns, r in found[op.offset : want]
+        ]
+
+    def _matching_spaces(
+        self, prefix: tuple[str, ...], deadline: float
+    ) -> list[tuple[tuple[str, ...], str, str]]:
+        head = f"{self.prefix}/i/"
+        out = []
+        for name in self.client.namespaces(timeout=self._left(deadline)):
+            if name.startswith(head):
+                ns = decode_namespace(name[len(head) :])
+                if ns[: len(prefix)] == tuple(prefix):
+                    out.append((ns, name, f"{self.prefix}/v/{name[len(head) :]}"))
+        return sorted(out)
+
+    def _scored(
+        self,
+        spaces: list[tuple[tuple[str, ...], str, str]],
+        qvec: np.ndarray,
+        *,
+        flt: dict[str, Any] | None,
+        residual: dict[str, Any],
+        want: int,
+        deadline: float,
+    ) -> list[tuple[float | None, tuple[str, ...], Record]]:
+        max_k = self.client.header.max_k
+        best: list[tuple[float, tuple[str, ...], str]] = []
+        for ns, _items_ns, vecs_ns in spaces:
+            k = min(max_k, want)
+            while True:
+                res = self.client.recall(qvec, k, namespace=vecs_ns, filter=flt,
+                                         timeout=self._left(deadline))  # fmt: skip
+                keys: dict[str, float] = {}
+                for hit in res:
+                    key = hit.id.rsplit("\x00", 1)[0]
+                    if key not in keys and _matches(residual, hit.metadata):
+                        keys[key] = hit.score  # hits are best first: the first is the item's max
+                if len(keys) >= want or len(res) < k or k >= max_k:
+                    break
+                k = min(max_k, 4 * k)  # several vectors per item, or residual filtering
+            best.extend((score, ns, key) for key, score in keys.items())
+        best.sort(key=lambda t: -t[0])
+        best = best[:want]
+        # Values and timestamps come from the item rows (a vector row without one is an orphan
+        # of an interrupted write: skipped).
+        by_ns: dict[tuple[str, ...], list[str]] = {}
+        for _, ns, key in best:
+            by_ns.setdefault(ns, []).append(key)
+        recs: dict[tuple[tuple[str, ...], str], Record] = {}
+        for ns, keys_ in by_ns.items():
+            items_ns, _ = self._names(ns)
+            got = self.client.get(keys_, namespace=items_ns, timeout=self._left(deadline))
+            recs.update({(ns, r.id): r for r in got})
+        return [(s, ns, recs[(ns, key)]) for s, ns, key in best if (ns, key) in recs]
+
+    def _scan_items(
+        self,
+        spaces: list[tuple[tuple[str, ...], str, str]],
+        flt: dict[str, Any] | None,
+        residual: dict[str, Any],
+        deadline: float,
+    ) -> Iterator[tuple[tuple[str, ...], Record]]:
+        """Matching items of every space, oldest first across spaces (read page by page)."""
+
+        def one(
+            ns: tuple[str, ...], items_ns: str
+        ) -> Iterator[tuple[float, tuple[str, ...], str, Record]]:
+            offset = 0
+            while True:
+                page = self.client.scan(namespace=items_ns, filter=flt, limit=_PAGE, offset=offset,
+                                         timeout=self._left(deadline))  # fmt: skip
+                for r in page:
+                    if _matches(residual, r.metadata):
+                        yield (r.created_at, ns, r.id, r)
+                if len(page) < _PAGE:
+                    return
+                offset += _PAGE
+
+        streams = [one(ns, items_ns) for ns, items_ns, _ in spaces]
+        for _, ns, _, rec in heapq.merge(*streams, key=lambda t: t[:3]):
+            yield ns, rec
+
+    # ------------------------------------------------------------------ namespaces
+    def _list_namespaces(self, op: ListNamespacesOp) -> list[tuple[str, ...]]:
+        head = f"{self.prefix}/i/"
+        spaces = [
+            decode_namespace(n[len(head) :]) for n in self.client.namespaces() if n.startswith(head)
+        ]
+        for cond in op.match_conditions or ():
+            spaces = [ns for ns in spaces if _does_match(cond, ns)]
+        if op.max_depth is not None:
+            spaces = sorted({ns[: op.max_depth] for ns in spaces})
+        else:
+            spaces = sorted(spaces)
+        return spaces[op.offset : op.offset + op.limit]
+
+
+# --------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def _check_labels(namespace: tuple[str, ...]) -> None:
+    for label in namespace:
+        if not isinstance(label, str) or not label:
+            raise InvalidNamespaceError(f"namespace labels must be non-empty strings: {namespace}")
+        if "." in label or "\x00" in label:
+            raise InvalidNamespaceError(
+                f"namespace label {label!r} contains '.' or NUL, which LangGraph forbids"
+            )
+
+
+def _tokenized(paths: Sequence[str]) -> list[tuple[str, Any]]:
+    return [(p, p if p == "$" else tokenize_path(p)) for p in paths]
+
+
+def _n_vectors(rec: Record) -> int:
+    try:
+        return int(json.loads(rec.text)["vectors"])
+    except (ValueError, KeyError, TypeError):
+        return 0
+
+
+def _dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def _item(rec: Record, namespace: tuple[str, ...]) -> Item:
+    return Item(value=rec.metadata, key=rec.id, namespace=namespace,
+                created_at=_dt(rec.created_at), updated_at=_dt(rec.updated_at))  # fmt: skip
+
+
+def _is_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, str | int | float | bool)
+
+
+def _split_filter(flt: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(part the sidecar evaluates, part checked here). Both must hold."""
+    sidecar: dict[str, Any] = {}
+    residual: dict[str, Any] = {}
+    for key, cond in (flt or {}).items():
+        if key.startswith("$"):
+            sidecar[key] = cond  # Kalos's own logical operators, as an extension
+        elif _is_scalar(cond):
+            sidecar[key] = {"$eq": cond}
+        elif (
+            isinstance(cond, Mapping)
+            and cond
+            and all(op in _SIDECAR_OPS and _is_scalar(v) for op, v in cond.items())
+        ):
+            sidecar[key] = dict(cond)
+        else:
+            residual[key] = cond
+    return (sidecar or None), residual
+
+
+def _matches(residual: Mapping[str, Any], value: Mapping[str, Any]) -> bool:
+    return all(_compare(value.get(k), v) for k, v in residual.items())
+
+
+def _compare(item_value: Any, filter_value: Any) -> bool:
+    """LangGraph's JSONB-like comparison (as ``InMemoryStore``), for what the sidecar cannot do."""
+    if isinstance(filter_value, Mapping):
+        if any(str(k).startswith("$") for k in filter_value):
+            return all(_apply_operator(item_value, op, v) for op, v in filter_value.items())
+        if not isinstance(item_value, Mapping):
+            return False
+        return all(_compare(item_value.get(k), v) for k, v in filter_value.items())
+    if isinstance(filter_value, list | tuple):
+        return (
+            isinstance(item_value, list | tuple)
+            and len(item_value) == len(filter_value)
+            and all(_compare(a, b) for a, b in zip(item_value, filter_value, strict=True))
+        )
+    return item_value == filter_value
+
+
+def _apply_operator(value: Any, op: str, arg: Any) -> bool:
+    if op == "$eq":
+        return _compare(value, arg)
+    if op == "$ne":
+        return not _compare(value, arg)
+    try:
+        a, b = float(value), float(arg)
+    except (TypeError, ValueError):
+        return False
+    if op == "$gt":
+        return a > b
+    if op == "$gte":
+        return a >= b
+    if op == "$lt":
+        return a < b
+    if op == "$lte":
+        return a <= b
+    raise ValueError(f"Unsupported operator: {op}")
+
+
+def _does_match(cond: MatchCondition, ns: tuple[str, ...]) -> bool:
+    path = tuple(cond.path)
+    if len(ns) < len(path):
+        return False
+    if cond.match_type == "prefix":
+        pairs = zip(ns, path, strict=False)
+    elif cond.match_type == "suffix":
+        pairs = zip(reversed(ns), reversed(path), strict=False)
+    else:
+        raise ValueError(f"Unsupported match type: {cond.match_type}")
+    return all(p in ("*", a) for a, p in pairs)

@@ -1,0 +1,48 @@
+"""Maximal marginal relevance over candidates the sidecar returned with their vectors. Pure."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["mmr_select"]
+
+
+def mmr_select(
+    query: np.ndarray, candidates: np.ndarray, k: int, threshold: float = 0.5
+) -> list[int]:
+    """Indices of ``k`` candidates chosen by MMR, in the order chosen.
+
+    Each step picks the candidate maximizing
+    ``threshold * sim(query, c) - (1 - threshold) * max(sim(c, s) for s already chosen)``
+    with cosine similarity: ``threshold=1`` is plain similarity ranking, ``0`` pure diversity
+    (LlamaIndex's ``mmr_threshold``; 0.5 by default, as in LlamaIndex).
+
+    Unlike ``llama_index.core``'s helper, the penalty is the similarity to the *closest* chosen
+    candidate, not to the last one chosen, which is what MMR (Carbonell & Goldstein, 1998)
+    specifies.
+    """
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"mmr_threshold={threshold!r} must be in [0, 1]")
+    n = len(candidates)
+    if n == 0 or k <= 0:
+        return []
+    c = _unit(np.asarray(candidates, dtype=np.float64))
+    q = _unit(np.asarray(query, dtype=np.float64).reshape(1, -1))[0]
+    relevance = c @ q
+    closest = np.full(n, -np.inf)
+    chosen: list[int] = []
+    available = np.ones(n, dtype=bool)
+    for _ in range(min(k, n)):
+        penalty = np.where(np.isfinite(closest), closest, 0.0)
+        score = threshold * relevance - (1.0 - threshold) * penalty
+        score[~available] = -np.inf
+        best = int(np.argmax(score))
+        chosen.append(best)
+        available[best] = False
+        closest = np.maximum(closest, c @ c[best])
+    return chosen
+
+
+def _unit(m: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(m, axis=1, keepdims=True)
+    return m / np.where(norms == 0, 1.0, norms)

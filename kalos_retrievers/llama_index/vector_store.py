@@ -1,0 +1,380 @@
+"""``KalosVectorStore``: a LlamaIndex vector store served by a Kalos sidecar."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.schema import BaseNode
+from llama_index.core.vector_stores.types import (
+    BasePydanticVectorStore,
+    MetadataFilters,
+    VectorStoreQuery,
+    VectorStoreQueryMode,
+    VectorStoreQueryResult,
+)
+
+from ..client import KalosClient
+from ..degrade import Degrader
+from ..results import Hit, Record
+from .degradation import call_degrading, time_left
+from .filters import to_kalos_filter
+from .mmr import mmr_select
+from .nodes import node_to_row, row_to_node
+
+if TYPE_CHECKING:
+    from llama_index.core.base.embeddings.base import BaseEmbedding
+
+    from .retriever import KalosRetriever
+
+__all__ = ["KalosVectorStore"]
+
+_PAGE = 1000  # rows per scan request when listing nodes
+_MODES = (VectorStoreQueryMode.DEFAULT, VectorStoreQueryMode.MMR)
+
+
+def _empty_result() -> VectorStoreQueryResult:
+    # nodes=[] rather than None: VectorIndexRetriever rejects a result with neither nodes nor ids.
+    return VectorStoreQueryResult(nodes=[], similarities=[], ids=[])
+
+
+class KalosVectorStore(BasePydanticVectorStore):
+    """LlamaIndex vector store whose nodes live in a Kalos sidecar (GPU or CPU).
+
+    Setup:
+        Install the package and start a sidecar whose ``--dim`` is your embedding model's::
+
+            pip install kalos-retrievers
+            kalos-sidecar serve --name docs --dim 384 --data-dir ./kalos-data
+
+        (or, from Python, ``kalos_retrievers.Sidecar("docs", dim=384).start()``).
+
+    Instantiate:
+        .. code-block:: python
+
+            from kalos_retrievers.llama_index import KalosVectorStore
+
+            store = KalosVectorStore("docs")                      # the sidecar's --name
+            store = KalosVectorStore("docs", namespace="tenant-7")  # a partition of it
+
+        Building the store never fails because the sidecar is not up yet: it connects on the
+        first call, and reconnects by itself after a sidecar restart.
+
+    Add:
+        .. code-block:: python
+
+            from llama_index.core import Document, StorageContext, VectorStoreIndex
+
+            storage = StorageContext.from_defaults(vector_store=store)
+            index = VectorStoreIndex.from_documents(
+                [Document(text="Kalos serves recall from shared memory", doc_id="d1",
+                          metadata={"topic": "infra", "year": 2025})],
+                storage_context=storage, embed_model=embed_model,
+            )
+            index.delete_ref_doc("d1")     # -> store.delete("d1"): every node of that document
+
+        ``store.add(nodes)`` takes nodes that already carry an embedding; re-adding a node id
+        overwrites it. The node comes back exactly as it went in (metadata, relationships, id).
+
+    Search:
+        .. code-block:: python
+
+            from llama_index.core.vector_stores import (
+                FilterOperator, MetadataFilter, MetadataFilters, VectorStoreQuery)
+
+            result = store.query(VectorStoreQuery(
+                query_embedding=embed_model.get_query_embedding("shared memory"),
+                similarity_top_k=3,
+                filters=MetadataFilters(filters=[
+                    MetadataFilter(key="year", value=2024, operator=FilterOperator.GTE)]),
+            ))
+            result.nodes, result.similarities, result.ids
+
+        Every ``FilterOperator`` and ``AND``/``OR``/``NOT`` (nested too) runs in the sidecar, and
+        the result is the true top-k among matching nodes (see
+        :mod:`kalos_retrievers.llama_index.filters`). ``doc_ids``/``node_ids`` restrict the
+        search (an empty list means no restriction). ``mode=VectorStoreQueryMode.MMR`` re-ranks
+        ``mmr_prefetch_factor * similarity_top_k`` candidates for diversity
+        (``mmr_threshold`` in the query or as a keyword, 0.5 by default). Similarities are the
+        raw scores: cosine similarity for a cosine sidecar (higher is more similar).
+
+    Use as retriever:
+        .. code-block:: python
+
+            index = VectorStoreIndex.from_vector_store(store, embed_model=embed_model)
+            index.as_retriever(similarity_top_k=5).retrieve("what serves recall?")
+            index.as_query_engine(llm=llm).query("what serves recall?")
+
+            # or Kalos's own retriever, with its own degradation counters:
+            retriever = store.as_retriever(embed_model, similarity_top_k=5)
+
+    Async:
+        ``async_add``, ``adelete``, ``aquery``, ``aget_nodes``, ``adelete_nodes`` and ``aclear``
+        run the shared-memory call in a worker thread, so a slow or paused sidecar never blocks
+        the event loop.
+
+    Timeouts:
+        Each call has a deadline (``timeout`` seconds, 2 by default; an async call's deadline
+        includes its wait for a worker thread). When the sidecar is
+        absent, killed, paused or too slow, ``query``/``aquery`` return an empty result within
+        the deadline, log one warning per outage, count it in ``store.degrader``
+        (``degraded_calls``, ``episodes``) and emit a ``KalosDegradedEvent`` to LlamaIndex's
+        instrumentation; the first success logs "recovered". ``on_error="raise"`` raises
+        instead. Writes and deletes always raise: losing them quietly would be worse.
+
+    Args:
+        name: the sidecar's ``--name``.
+        namespace: the partition of the sidecar this store uses ('' by default).
+        timeout: deadline of each call in seconds (default: the client's, 2 s for the client
+            the store makes).
+        on_error: ``"empty"`` (degrade queries) or ``"raise"``.
+        mmr_prefetch_factor: MMR considers this many times ``similarity_top_k`` candidates.
+        client: an existing :class:`~kalos_retrievers.KalosClient` to share (``name`` is then
+            taken from it).
+    """
+
+    stores_text: bool = True
+    flat_metadata: bool = False
+    name: str
+    namespace: str = ""
+    timeout: float | None = None
+    on_error: Literal["empty", "raise"] = "empty"
+    mmr_prefetch_factor: int = 4
+
+    _client: KalosClient = PrivateAttr()
+    _degrader: Degrader = PrivateAttr()
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        namespace: str = "",
+        timeout: float | None = None,
+        on_error: Literal["empty", "raise"] = "empty",
+        mmr_prefetch_factor: int = 4,
+        client: KalosClient | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if client is None and name is None:
+            raise ValueError("KalosVectorStore needs the sidecar's name (or a client=)")
+        if client is not None:
+            name = client.name
+        if len(namespace.encode("utf-8", "surrogatepass")) > 255:
+            raise ValueError("namespace is longer than 255 bytes")
+        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+        if mmr_prefetch_factor < 1:
+            raise ValueError(f"mmr_prefetch_factor={mmr_prefetch_factor} must be >= 1")
+        super().__init__(name=name, namespace=namespace, timeout=timeout, on_error=on_error,  # type: ignore[call-arg]
+                         mmr_prefetch_factor=mmr_prefetch_factor, **kwargs)  # fmt: skip
+        self._degrader = Degrader(f"KalosVectorStore(name={name!r}, namespace={namespace!r})",
+                                  on_error)  # fmt: skip
+        if client is None:
+            client = KalosClient(name, timeout=timeout or 2.0, lazy=True)  # type: ignore[arg-type]
+        self._client = client
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KalosVectorStore"
+
+    @property
+    def client(self) -> KalosClient:
+        """The :class:`~kalos_retrievers.KalosClient` this store talks through."""
+        return self._client
+
+    @property
+    def degrader(self) -> Degrader:
+        """Counters of degraded :meth:`query` calls: ``degraded_calls``, ``episodes``..."""
+        return self._degrader
+
+    def as_retriever(
+        self, embed_model: BaseEmbedding | None = None, **kwargs: Any
+    ) -> KalosRetriever:
+        """A :class:`~kalos_retrievers.llama_index.KalosRetriever` over this store."""
+        from .retriever import KalosRetriever  # noqa: PLC0415 - it imports this module
+
+        return KalosRetriever(self, embed_model, **kwargs)
+
+    def close(self) -> None:
+        """Release the client's shared-memory slots."""
+        self._client.close()
+
+    # ------------------------------------------------------------------ writes
+    def add(self, nodes: Sequence[BaseNode], **add_kwargs: Any) -> list[str]:
+        """Store nodes (with their embeddings); return their ids. An existing id is overwritten.
+
+        Raises:
+            ValueError: a node has no embedding, or metadata that is not JSON.
+            SidecarUnavailable, SidecarTimeout: the write did not happen (never degraded).
+        """
+        rows = [node_to_row(n) for n in nodes]
+        # Last occurrence of an id wins, as it would one at a time; rows with and without text
+        # go in separate requests (a request is all-text or all vector-only).
+        latest = {r[0]: r for r in rows}
+        for has_text in (True, False):
+            group = [r for r in latest.values() if bool(r[2]) is has_text]
+            if group:
+                self._client.upsert(
+                    [r[0] for r in group], np.asarray([r[1] for r in group], dtype=np.float32),
+                    [r[2] for r in group] if has_text else None, [r[3] for r in group],
+                    namespace=self.namespace,
+                )  # fmt: skip
+        return [r[0] for r in rows]
+
+    def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
+        """Delete every node whose ``ref_doc_id`` is ``ref_doc_id``."""
+        self._client.delete(namespace=self.namespace, filter={"ref_doc_id": {"$eq": ref_doc_id}})
+
+    def delete_nodes(
+        self,
+        node_ids: list[str] | None = None,
+        filters: MetadataFilters | None = None,
+        **delete_kwargs: Any,
+    ) -> None:
+        """Delete the nodes with these ids and/or matching these filters (both: the intersection).
+
+        ``node_ids=[]`` deletes nothing. Raises ``ValueError`` when neither is given: use
+        :meth:`clear` to empty the store.
+        """
+        if node_ids is None and filters is None:
+            raise ValueError("delete_nodes() needs node_ids or filters; use clear() to delete all")
+        if node_ids is not None and len(node_ids) == 0:
+            return
+        flt = to_kalos_filter(filters)
+        if node_ids is None and flt is None:
+            raise ValueError("delete_nodes(filters=...) got no filter; use clear() to delete all")
+        self._client.delete(node_ids, namespace=self.namespace, filter=flt)
+
+    def clear(self) -> None:
+        """Delete every node of this store's namespace."""
+        self._client.delete_namespace(self.namespace)
+
+    # ------------------------------------------------------------------ reads
+    def get_nodes(
+        self,
+        node_ids: list[str] | None = None,
+        filters: MetadataFilters | None = None,
+    ) -> list[BaseNode]:
+        """Nodes by id (in that order; missing ids skipped) and/or by filter (oldest first).
+
+        With neither, every node of the namespace. ``node_ids=[]`` returns ``[]``.
+        """
+        if node_ids is not None and len(node_ids) == 0:
+            return []
+        records: list[Record]
+        if to_kalos_filter(filters) is None and node_ids is not None:
+            records = self._client.get(node_ids, namespace=self.namespace)
+            return [row_to_node(r.text, r.metadata) for r in records]
+        records = self._scan(to_kalos_filter(filters, node_ids=node_ids))
+        if node_ids is not None:
+            by_id = {r.id: r for r in records}
+            records = [by_id[i] for i in dict.fromkeys(node_ids) if i in by_id]
+        return [row_to_node(r.text, r.metadata) for r in records]
+
+    def _scan(self, flt: dict[str, Any] | None) -> list[Record]:
+        out: list[Record] = []
+        while True:
+            page = self._client.scan(
+                namespace=self.namespace, filter=flt, limit=_PAGE, offset=len(out)
+            )
+            out.extend(page)
+            if len(page) < _PAGE:
+                return out
+
+    def query(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
+        """The ``similarity_top_k`` nodes most similar to ``query.query_embedding``.
+
+        Keyword ``mmr_threshold`` (as ``VectorIndexRetriever`` passes its
+        ``vector_store_kwargs``) overrides ``query.mmr_threshold`` in MMR mode.
+
+        Returns:
+            nodes, similarities (raw scores, best first; MMR: in MMR order) and ids; an empty
+            result when the sidecar is unavailable or too slow (see *Timeouts* above).
+
+        Raises:
+            ValueError: no query embedding, an unsupported mode or filter.
+        """
+        return self._guarded_query(query, self._deadline(), kwargs)
+
+    def _guarded_query(
+        self, query: VectorStoreQuery, deadline: float, kwargs: dict[str, Any]
+    ) -> VectorStoreQueryResult:
+        return call_degrading(
+            self._degrader, lambda: self._query(query, deadline, **kwargs), _empty_result
+        )
+
+    def _deadline(self, timeout: float | None = None) -> float:
+        """The ``time.monotonic()`` deadline of a call starting now."""
+        if timeout is None:
+            timeout = self.timeout if self.timeout is not None else self._client.timeout
+        return time.monotonic() + timeout
+
+    def _query(
+        self, query: VectorStoreQuery, deadline: float, **kwargs: Any
+    ) -> VectorStoreQueryResult:
+        """:meth:`query` without degradation (raises what the client raises)."""
+        if query.mode not in _MODES:
+            raise ValueError(
+                f"KalosVectorStore supports the query modes 'default' and 'mmr', not "
+                f"{query.mode.value!r}"
+            )
+        if query.query_embedding is None:
+            raise ValueError("VectorStoreQuery.query_embedding is None; embed the query first")
+        k = query.similarity_top_k
+        if k <= 0:
+            return _empty_result()
+        flt = to_kalos_filter(query.filters, node_ids=query.node_ids, doc_ids=query.doc_ids)
+        q = np.asarray(query.query_embedding, dtype=np.float32)
+        timeout = time_left(deadline, self.name)
+        hits: list[Hit]
+        if query.mode == VectorStoreQueryMode.MMR:
+            threshold = kwargs.get("mmr_threshold", query.mmr_threshold)
+            fetch = min(self._client.header.max_k, k * self.mmr_prefetch_factor)
+            res = self._client.recall(q, fetch, namespace=self.namespace, filter=flt,
+                                      with_vectors=True, timeout=timeout)  # fmt: skip
+            assert res.vectors is not None
+            order = mmr_select(q, res.vectors, k, 0.5 if threshold is None else float(threshold))
+            hits = [res[i] for i in order]
+        else:
+            hits = list(self._client.recall(q, k, namespace=self.namespace, filter=flt,
+                                            timeout=timeout))  # fmt: skip
+        return VectorStoreQueryResult(
+            nodes=[row_to_node(h.text, h.metadata) for h in hits],
+            similarities=[h.score for h in hits],
+            ids=[h.id for h in hits],
+        )
+
+    # ------------------------------------------------------------------ async twins
+    # The client waits on shared memory and semaphores; a worker thread keeps that wait (up to
+    # the deadline, when the sidecar is paused) off the event loop.
+    async def async_add(self, nodes: Sequence[BaseNode], **kwargs: Any) -> list[str]:
+        return await asyncio.to_thread(self.add, nodes, **kwargs)
+
+    async def adelete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
+        await asyncio.to_thread(self.delete, ref_doc_id, **delete_kwargs)
+
+    async def adelete_nodes(
+        self,
+        node_ids: list[str] | None = None,
+        filters: MetadataFilters | None = None,
+        **delete_kwargs: Any,
+    ) -> None:
+        await asyncio.to_thread(self.delete_nodes, node_ids, filters, **delete_kwargs)
+
+    async def aclear(self) -> None:
+        await asyncio.to_thread(self.clear)
+
+    async def aget_nodes(
+        self,
+        node_ids: list[str] | None = None,
+        filters: MetadataFilters | None = None,
+    ) -> list[BaseNode]:
+        return await asyncio.to_thread(self.get_nodes, node_ids, filters)
+
+    async def aquery(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
+        deadline = self._deadline()  # counts the wait for a worker thread
+        return await asyncio.to_thread(self._guarded_query, query, deadline, kwargs)

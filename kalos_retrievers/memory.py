@@ -1,0 +1,669 @@
+"""``KalosMemory``: long-term memory for agents, with an API that mem0 users will recognise.
+
+Layout in the sidecar (one collection = two namespaces; document it to your operators):
+
+* ``memory/<collection>``: one row per memory. id: a UUID; text: the memory; vector: its
+  embedding; metadata: your metadata plus the scope keys ``user_id``/``agent_id``/``run_id``
+  (and ``role``/``actor_id`` for memories that came from chat messages). Those five keys are
+  reserved: metadata that uses them is refused, so nobody can file a memory under someone
+  else's scope.
+* ``memory-history/<collection>``: one row per ADD/UPDATE/DELETE event (vector-only, a fixed
+  placeholder vector; never searched by similarity). With ``--data-dir`` the history is as
+  durable as the memories.
+
+Scoping: every call that reads or writes by scope needs at least one of ``user_id``,
+``agent_id``, ``run_id``; the scope becomes equality conditions AND-ed with your ``filters`` and
+evaluated in the sidecar, so no filter can widen it: ``search(user_id="bob", filters={"$or":
+[{"user_id": "alice"}, ...]})`` still only sees bob's memories. As in mem0, a scope names only
+what it names: ``search(agent_id="planner")`` sees that agent's memories of every user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import numpy as np
+
+from .client import KalosClient
+from .degrade import Degrader
+from .errors import KalosError, SidecarTimeout
+from .results import Hit, Record
+
+__all__ = ["RESERVED_KEYS", "SCOPE_KEYS", "Embedder", "KalosMemory"]
+
+SCOPE_KEYS: tuple[str, ...] = ("user_id", "agent_id", "run_id")
+#: Metadata keys KalosMemory sets itself; user metadata may not use them.
+RESERVED_KEYS = frozenset({*SCOPE_KEYS, "role", "actor_id"})
+_PAGE = 1000
+_MEM0_OPS = {
+    "eq": "$eq", "ne": "$ne", "gt": "$gt", "gte": "$gte", "lt": "$lt", "lte": "$lte",
+    "in": "$in", "nin": "$nin", "contains": "$like", "icontains": "$ilike",
+}  # fmt: skip
+_ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
+
+
+# --------------------------------------------------------------------------------------------
+# Embeddings: LangChain or LlamaIndex, behind one small interface
+
+
+class Embedder:
+    """One interface over a LangChain ``Embeddings`` or a LlamaIndex ``BaseEmbedding``.
+
+    Args:
+        model: an object with ``embed_documents``/``embed_query`` (LangChain) or
+            ``get_text_embedding_batch``/``get_query_embedding`` (LlamaIndex).
+
+    Raises:
+        TypeError: ``model`` is neither.
+    """
+
+    model: Any
+
+    def __init__(self, model: Any) -> None:
+        if isinstance(model, Embedder):
+            model = model.model
+        if hasattr(model, "embed_documents") and hasattr(model, "embed_query"):
+            self.kind: Literal["langchain", "llama_index"] = "langchain"
+        elif hasattr(model, "get_text_embedding_batch") and hasattr(model, "get_query_embedding"):
+            self.kind = "llama_index"
+        else:
+            raise TypeError(
+                f"embedding must be a LangChain Embeddings or a LlamaIndex BaseEmbedding, got "
+                f"{type(model).__name__}"
+            )
+        self.model = model
+
+    def documents(self, texts: Sequence[str]) -> np.ndarray:
+        if not texts:
+            return np.empty((0, 0), np.float32)
+        if self.kind == "langchain":
+            out = self.model.embed_documents(list(texts))
+        else:
+            out = self.model.get_text_embedding_batch(list(texts))
+        return np.asarray(out, dtype=np.float32)
+
+    def query(self, text: str) -> np.ndarray:
+        if self.kind == "langchain":
+            return np.asarray(self.model.embed_query(text), dtype=np.float32)
+        return np.asarray(self.model.get_query_embedding(text), dtype=np.float32)
+
+    async def adocuments(self, texts: Sequence[str]) -> np.ndarray:
+        if not texts:
+            return np.empty((0, 0), np.float32)
+        if self.kind == "langchain":
+            out = await self.model.aembed_documents(list(texts))
+        else:
+            out = await self.model.aget_text_embedding_batch(list(texts))
+        return np.asarray(out, dtype=np.float32)
+
+    async def aquery(self, text: str) -> np.ndarray:
+        if self.kind == "langchain":
+            return np.asarray(await self.model.aembed_query(text), dtype=np.float32)
+        return np.asarray(await self.model.aget_query_embedding(text), dtype=np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+class KalosMemory:
+    """Agent memory on a Kalos sidecar: add, search, update, delete, with a history.
+
+    Setup:
+        A sidecar with ``--dim`` equal to your embedding model's, and ``--data-dir`` so that
+        memories and their history survive restarts::
+
+            kalos-sidecar serve --name agent-mem --dim 384 --data-dir ./kalos-data
+
+    Instantiate:
+        .. code-block:: python
+
+            from kalos_retrievers.memory import KalosMemory
+
+            memory = KalosMemory("agent-mem", embedding=embeddings)  # LangChain or LlamaIndex
+
+    Add:
+        .. code-block:: python
+
+            memory.add("Prefers window seats", user_id="alice", metadata={"topic": "travel"})
+            memory.add([{"role": "user", "content": "I'm vegetarian"},
+                        {"role": "assistant", "content": "Noted!"}], user_id="alice")
+            # -> [{"id": "...", "memory": "I'm vegetarian", "event": "ADD"}, ...]
+
+        Each message (a string, a ``{"role", "content"}`` dict, or a LangChain/LlamaIndex chat
+        message) becomes one memory; system messages and empty ones are skipped. Kalos stores
+        what you give it: to distil facts first, run your LLM and add its output.
+
+    Search:
+        .. code-block:: python
+
+            memory.search("what does alice eat?", user_id="alice", limit=3)
+            # -> [{"id", "memory", "score", "metadata", "created_at", "updated_at",
+            #      "user_id", ...}, ...]   best first; score: raw similarity
+            memory.search("trips", user_id="alice", filters={"topic": "travel"})
+            memory.search("trips", filters={"user_id": "alice", "year": {"gte": 2024}})
+
+        ``filters`` takes the Kalos filter language (``{"year": {"$gte": 2024}}``, ``$or``, ...)
+        and mem0's spelling (``{"year": {"gte": 2024}}``, ``AND``/``OR``/``NOT``,
+        ``contains``/``icontains`` for substrings, ``"*"`` for "present").
+
+    Manage:
+        ``get(id)``, ``get_all(user_id=...)``, ``update(id, "new text")``, ``delete(id)``,
+        ``delete_all(user_id=...)``, ``history(id)`` (ADD/UPDATE/DELETE events, oldest first),
+        ``reset()`` (everything, history included). ``get``/``update``/``delete`` take an
+        optional scope too: ``get(id, user_id="bob")`` is None for a memory of alice's.
+
+    Async:
+        ``aadd`` and ``asearch`` embed with the model's async API and run the shared-memory
+        call in a worker thread.
+
+    Timeouts:
+        ``search``/``asearch`` return ``[]`` within ``timeout`` seconds while the sidecar is
+        absent, killed, paused or too slow: one warning per outage, counted in
+        ``memory.degrader``; ``on_error="raise"`` raises instead. Writes and management calls
+        always raise (a memory silently not written is worse than an error).
+
+    Args:
+        name: the sidecar's ``--name``.
+        embedding: LangChain ``Embeddings`` or LlamaIndex ``BaseEmbedding``.
+        collection: which memory collection of that sidecar (several apps can share one).
+        timeout: deadline of each sidecar call, in seconds.
+        on_error: ``"empty"`` (search degrades) or ``"raise"``.
+        client: an existing :class:`~kalos_retrievers.KalosClient` to share.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        embedding: Any,
+        collection: str = "memories",
+        timeout: float = 2.0,
+        on_error: Literal["empty", "raise"] = "empty",
+        client: KalosClient | None = None,
+    ) -> None:
+        if client is None:
+            if name is None:
+                raise ValueError("KalosMemory needs the sidecar's name (or a client=)")
+            client = KalosClient(name, timeout=timeout, lazy=True)
+        if not isinstance(collection, str) or not collection:
+            raise ValueError("collection must be a non-empty string")
+        self.client = client
+        self.embedder = Embedder(embedding)
+        self.collection = collection
+        self.namespace = f"memory/{collection}"
+        self.history_namespace = f"memory-history/{collection}"
+        if len(self.history_namespace.encode("utf-8", "surrogatepass")) > 255:
+            raise ValueError("collection is too long: namespaces are limited to 255 bytes")
+        self.degrader = Degrader(f"KalosMemory(name={client.name!r}, collection={collection!r})",
+                                 on_error)  # fmt: skip
+
+    def close(self) -> None:
+        self.client.close()
+
+    # ------------------------------------------------------------------ add
+    def add(
+        self,
+        messages: Any,
+        *,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        infer: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Store each message as a memory in the given scope.
+
+        Args:
+            messages: a string, a ``{"role", "content"[, "name"]}`` dict, a chat message
+                object, or a list of those.
+            user_id, agent_id, run_id: the scope (at least one).
+            metadata: JSON-serializable dict stored with each memory (not the reserved keys).
+            infer: accepted for mem0 compatibility; only ``False`` (Kalos runs no LLM).
+
+        Returns:
+            ``[{"id", "memory", "event": "ADD"}, ...]``, one per stored memory.
+        """
+        rows = self._prepare_add(messages, _scope(user_id, agent_id, run_id), metadata, infer)
+        if not rows:
+            return []
+        vectors = self.embedder.documents([r[1] for r in rows])
+        return self._write_added(rows, vectors)
+
+    async def aadd(
+        self,
+        messages: Any,
+        *,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        infer: bool = False,
+    ) -> list[dict[str, Any]]:
+        """:meth:`add`, embedding asynchronously and writing from a worker thread."""
+        rows = self._prepare_add(messages, _scope(user_id, agent_id, run_id), metadata, infer)
+        if not rows:
+            return []
+        vectors = await self.embedder.adocuments([r[1] for r in rows])
+        return await asyncio.to_thread(self._write_added, rows, vectors)
+
+    @staticmethod
+    def _prepare_add(
+        messages: Any, scope: dict[str, str], metadata: Mapping[str, Any] | None, infer: bool
+    ) -> list[tuple[str, str, dict[str, Any]]]:
+        if infer:
+            raise ValueError(
+                "infer=True needs an LLM to extract facts, and Kalos runs none: extract them "
+                "with your LLM and add the results, or pass infer=False"
+            )
+        base = {**_user_metadata(metadata), **scope}
+        rows = []
+        items = _messages(messages)
+        for mid, (role, actor, text) in zip(_sortable_ids(len(items)), items, strict=True):
+            meta = dict(base)
+            if role is not None:
+                meta["role"] = role
+            if actor is not None:
+                meta["actor_id"] = actor
+            rows.append((mid, text, meta))
+        return rows
+
+    def _write_added(
+        self, rows: list[tuple[str, str, dict[str, Any]]], vectors: np.ndarray
+    ) -> list[dict[str, Any]]:
+        self.client.upsert([r[0] for r in rows], vectors, [r[1] for r in rows],
+                           [r[2] for r in rows], namespace=self.namespace)  # fmt: skip
+        self._record([_event(r[0], "ADD", None, r[1], r[2]) for r in rows])
+        return [{"id": r[0], "memory": r[1], "event": "ADD"} for r in rows]
+
+    # ------------------------------------------------------------------ search
+    def search(
+        self,
+        query: str,
+        *,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        filters: Mapping[str, Any] | None = None,
+        limit: int = 100,
+        threshold: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """The memories of a scope most similar to ``query``, best first.
+
+        Args:
+            query: what to look for.
+            user_id, agent_id, run_id: the scope (at least one, here or in ``filters``).
+            filters: more conditions on metadata (Kalos or mem0 spelling), AND-ed with the scope.
+            limit: most results.
+            threshold: drop results whose score is below it.
+
+        Returns:
+            ``[{"id", "memory", "score", "metadata", "created_at", "updated_at", <scope>}]``,
+            or ``[]`` while the sidecar is unavailable (see *Timeouts*).
+        """
+        flt = self._scoped_filter(user_id, agent_id, run_id, filters)
+        vec = self.embedder.query(query)
+        return self._recall(vec, flt, limit, threshold, time.monotonic() + self.client.timeout)
+
+    async def asearch(
+        self,
+        query: str,
+        *,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        filters: Mapping[str, Any] | None = None,
+        limit: int = 100,
+        threshold: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """:meth:`search`, embedding asynchronously; the sidecar call runs in a worker thread."""
+        flt = self._scoped_filter(user_id, agent_id, run_id, filters)
+        vec = await self.embedder.aquery(query)
+        deadline = time.monotonic() + self.client.timeout  # counts the wait for a thread
+        return await asyncio.to_thread(self._recall, vec, flt, limit, threshold, deadline)
+
+    def _recall(
+        self,
+        vec: np.ndarray,
+        flt: dict[str, Any],
+        limit: int,
+        threshold: float | None,
+        deadline: float,
+    ) -> list[dict[str, Any]]:
+        try:
+            left = time_left(deadline, self.client.name)
+            hits = self.client.recall(vec, limit, namespace=self.namespace, filter=flt,
+                                      timeout=left)  # fmt: skip
+        except KalosError as e:
+            if self.degrader.should_degrade(e):
+                return []
+            raise
+        self.degrader.succeeded()
+        return [_item(h, h.score) for h in hits if threshold is None or h.score >= threshold]
+
+    # ------------------------------------------------------------------ read and manage
+    def get(self, memory_id: str, **scope: str | None) -> dict[str, Any] | None:
+        """One memory by id, or None (also None when a given scope does not own it)."""
+        rec = self._get(memory_id, scope)
+        return None if rec is None else _item(rec)
+
+    def get_all(
+        self,
+        *,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        filters: Mapping[str, Any] | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        """The memories of a scope, oldest first (at most ``limit``)."""
+        flt = self._scoped_filter(user_id, agent_id, run_id, filters)
+        recs = self.client.scan(namespace=self.namespace, filter=flt, limit=limit)
+        return [_item(r) for r in recs]
+
+    def update(
+        self,
+        memory_id: str,
+        data: str,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        **scope: str | None,
+    ) -> dict[str, Any]:
+        """Replace a memory's text (re-embedded) and, if given, its metadata; record UPDATE.
+
+        Its scope and ``created_at`` are kept. Returns the updated memory.
+
+        Raises:
+            KeyError: no such memory (in the given scope).
+        """
+        if not isinstance(data, str) or not data.strip():
+            raise ValueError("data must be a non-empty string")
+        old = self._get(memory_id, scope)
+        if old is None:
+            raise KeyError(f"no memory with id {memory_id!r}{_in_scope(scope)}")
+        kept = {k: v for k, v in old.metadata.items() if k in RESERVED_KEYS}
+        user = _user_metadata(metadata) if metadata is not None else _strip(old.metadata)
+        meta = {**user, **kept}
+        vec = self.embedder.documents([data])
+        self.client.upsert([memory_id], vec, [data], [meta], namespace=self.namespace)
+        self._record([_event(memory_id, "UPDATE", old.text, data, meta)])
+        new = self._get(memory_id, {})
+        if new is None:  # deleted by someone else in between
+            raise KeyError(f"memory {memory_id!r} was deleted during the update")
+        return _item(new)
+
+    def delete(self, memory_id: str, **scope: str | None) -> None:
+        """Delete one memory; record DELETE.
+
+        Raises:
+            KeyError: no such memory (in the given scope).
+        """
+        old = self._get(memory_id, scope)
+        if old is None:
+            raise KeyError(f"no memory with id {memory_id!r}{_in_scope(scope)}")
+        self.client.delete([memory_id], namespace=self.namespace)
+        self._record([_event(memory_id, "DELETE", old.text, None, old.metadata)])
+
+    def delete_all(
+        self,
+        *,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+    ) -> int:
+        """Delete every memory of a scope (at least one id); record each; return how many."""
+        flt = self._scoped_filter(user_id, agent_id, run_id, None)
+        deleted = 0
+        while True:
+            recs = self.client.scan(namespace=self.namespace, filter=flt, limit=_PAGE)
+            if not recs:
+                return deleted
+            deleted += self.client.delete([r.id for r in recs], namespace=self.namespace)
+            self._record([_event(r.id, "DELETE", r.text, None, r.metadata) for r in recs])
+
+    def history(self, memory_id: str) -> list[dict[str, Any]]:
+        """ADD/UPDATE/DELETE events of one memory, oldest first.
+
+        Each: ``{"id", "memory_id", "event", "old_memory", "new_memory", "created_at",
+        "is_deleted", "role", "actor_id"}`` (``created_at``: when the event was recorded).
+        """
+        if not isinstance(memory_id, str) or not memory_id:
+            raise ValueError("memory_id must be a non-empty string")
+        recs: list[Record] = []
+        flt = {"memory_id": {"$eq": memory_id}}
+        while True:
+            page = self.client.scan(namespace=self.history_namespace, filter=flt, limit=_PAGE,
+                                    offset=len(recs))  # fmt: skip
+            recs.extend(page)
+            if len(page) < _PAGE:
+                break
+        recs.sort(key=lambda r: r.id)  # ids sort in the order they were made
+        return [{"id": r.id, **r.metadata, "created_at": _iso(r.created_at)} for r in recs]
+
+    def reset(self) -> None:
+        """Delete every memory of this collection, and its history."""
+        self.client.delete_namespace(self.namespace)
+        self.client.delete_namespace(self.history_namespace)
+
+    # ------------------------------------------------------------------ helpers
+    def _get(self, memory_id: str, scope: Mapping[str, str | None]) -> Record | None:
+        if not isinstance(memory_id, str) or not memory_id:
+            raise ValueError("memory_id must be a non-empty string")
+        wanted = _scope(**_scope_kwargs(scope), required=False)
+        recs = self.client.get([memory_id], namespace=self.namespace)
+        if not recs:
+            return None
+        rec = recs[0]
+        if any(rec.metadata.get(k) != v for k, v in wanted.items()):
+            return None
+        return rec
+
+    def _record(self, events: list[dict[str, Any]]) -> None:
+        if not events:
+            return
+        placeholder = np.zeros((len(events), self.client.dim), np.float32)
+        placeholder[:, 0] = 1.0  # history rows are never searched by similarity
+        ids = _sortable_ids(len(events))
+        self.client.upsert(ids, placeholder, None, events, namespace=self.history_namespace)
+
+    def _scoped_filter(
+        self,
+        user_id: str | None,
+        agent_id: str | None,
+        run_id: str | None,
+        filters: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        given = {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}
+        rest: dict[str, Any] = {}
+        for key, value in (filters or {}).items():
+            if key in SCOPE_KEYS and isinstance(value, str):
+                if given[key] is not None and given[key] != value:
+                    raise ValueError(
+                        f"{key}={given[key]!r} conflicts with filters[{key!r}]={value!r}"
+                    )
+                given[key] = value
+            else:
+                rest[key] = value
+        scope = _scope(**given)  # type: ignore[arg-type]
+        parts: list[dict[str, Any]] = [{k: {"$eq": v}} for k, v in scope.items()]
+        if rest:
+            parts.append(_translate_filter(rest))
+        return parts[0] if len(parts) == 1 else {"$and": parts}
+
+
+# --------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def time_left(deadline: float, name: str) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``) for the next call to sidecar ``name``.
+
+    Async calls take their deadline before they wait for a worker thread, so that concurrent
+    calls on a slow sidecar end near one deadline instead of queueing one after another.
+
+    Raises:
+        SidecarTimeout: the deadline has passed already.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise SidecarTimeout(
+            f"sidecar {name!r}: the deadline passed before the request was sent (every worker "
+            "thread was busy); raise the timeout or lower the concurrency"
+        )
+    return left
+
+
+_id_lock = threading.Lock()
+_last_ns = 0
+
+
+def _sortable_ids(n: int) -> list[str]:
+    """``n`` UUID-shaped ids that sort in creation order: 64 bits of time in ns (strictly
+    increasing in this process), then 64 random bits. Memories added together then list in the
+    order given, and history events in the order they happened."""
+    global _last_ns  # noqa: PLW0603 - one clock per process
+    with _id_lock:
+        start = max(time.time_ns(), _last_ns + 1)
+        _last_ns = start + n - 1
+    return [str(uuid.UUID(int=((start + i) << 64) | secrets.randbits(64))) for i in range(n)]
+
+
+def _scope(
+    user_id: str | None = None,
+    agent_id: str | None = None,
+    run_id: str | None = None,
+    *,
+    required: bool = True,
+) -> dict[str, str]:
+    scope = {}
+    for key, value in (("user_id", user_id), ("agent_id", agent_id), ("run_id", run_id)):
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{key} must be a non-empty string, got {value!r}")
+        scope[key] = value
+    if required and not scope:
+        raise ValueError("at least one of user_id, agent_id or run_id is required")
+    return scope
+
+
+def _scope_kwargs(scope: Mapping[str, str | None]) -> dict[str, str | None]:
+    unknown = set(scope) - set(SCOPE_KEYS)
+    if unknown:
+        raise TypeError(f"unexpected arguments {sorted(unknown)}; the scope is {SCOPE_KEYS}")
+    return dict(scope)
+
+
+def _in_scope(scope: Mapping[str, str | None]) -> str:
+    given = {k: v for k, v in scope.items() if v is not None}
+    return f" in scope {given}" if given else ""
+
+
+def _user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+    clash = sorted(RESERVED_KEYS & set(metadata))
+    if clash:
+        raise ValueError(
+            f"metadata uses the reserved keys {clash}; pass the scope as user_id=/agent_id=/"
+            "run_id= arguments, and rename other keys"
+        )
+    return dict(metadata)
+
+
+def _strip(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metadata.items() if k not in RESERVED_KEYS}
+
+
+def _messages(messages: Any) -> list[tuple[str | None, str | None, str]]:
+    """``(role, actor, text)`` per storable message."""
+    if isinstance(messages, str | Mapping) or not isinstance(messages, Iterable):
+        messages = [messages]
+    out = []
+    role: Any
+    actor: Any
+    content: Any
+    for i, m in enumerate(messages):
+        if isinstance(m, str):
+            role, actor, content = "user", None, m
+        elif isinstance(m, Mapping):
+            role, actor, content = m.get("role"), m.get("name"), m.get("content")
+        elif hasattr(m, "content") and (hasattr(m, "role") or hasattr(m, "type")):
+            raw = getattr(m, "role", None) or getattr(m, "type", None)
+            role = _ROLES.get(str(getattr(raw, "value", raw)), str(getattr(raw, "value", raw)))
+            actor, content = getattr(m, "name", None), m.content
+        else:
+            raise TypeError(
+                f"messages[{i}] is a {type(m).__name__}; pass strings or role/content dicts"
+            )
+        if content is None:
+            continue
+        if not isinstance(content, str):
+            raise TypeError(f"messages[{i}] content must be text, got {type(content).__name__}")
+        if role == "system" or not content.strip():
+            continue
+        out.append((_opt_str(role), _opt_str(actor), content))
+    return out
+
+
+def _opt_str(x: Any) -> str | None:
+    return None if x is None else str(x)
+
+
+def _translate_filter(flt: Mapping[str, Any]) -> dict[str, Any]:
+    """mem0's filter spelling -> Kalos's (Kalos's own spelling passes through)."""
+    out: dict[str, Any] = {}
+    for key, value in flt.items():
+        if key in ("AND", "OR", "$and", "$or"):
+            out["$" + key.lower().lstrip("$")] = [_translate_filter(v) for v in value]
+        elif key in ("NOT", "$not"):
+            subs = value if isinstance(value, list | tuple) else [value]
+            any_of = [_translate_filter(v) for v in subs]
+            out["$not"] = any_of[0] if len(any_of) == 1 else {"$or": any_of}
+        elif isinstance(value, Mapping):
+            out[key] = {_MEM0_OPS.get(op, op): arg for op, arg in value.items()}
+        elif value == "*":
+            out[key] = {"$exists": True}
+        else:
+            out[key] = value
+    return out
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+def _item(rec: Record | Hit, score: float | None = None) -> dict[str, Any]:
+    item: dict[str, Any] = {"id": rec.id, "memory": rec.text}
+    if score is not None:
+        item["score"] = score
+    item["metadata"] = _strip(rec.metadata)
+    item["created_at"] = _iso(rec.created_at)
+    item["updated_at"] = _iso(rec.updated_at)
+    for key in (*SCOPE_KEYS, "role", "actor_id"):
+        if key in rec.metadata:
+            item[key] = rec.metadata[key]
+    return item
+
+
+def _event(
+    memory_id: str, event: str, old: str | None, new: str | None, meta: Mapping[str, Any]
+) -> dict[str, Any]:
+    return {
+        "memory_id": memory_id,
+        "event": event,
+        "old_memory": old,
+        "new_memory": new,
+        "is_deleted": event == "DELETE",
+        "role": meta.get("role"),
+        "actor_id": meta.get("actor_id"),
+        **{k: meta[k] for k in SCOPE_KEYS if k in meta},
+    }

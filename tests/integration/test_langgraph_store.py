@@ -1,0 +1,369 @@
+"""KalosStore (LangGraph BaseStore) on a real sidecar (odd dim 7): put/get/delete, search with
+filter and query, list_namespaces, batch/abatch, a differential check against LangGraph's own
+InMemoryStore, use inside a compiled graph, and degradation."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from typing import Any, TypedDict
+
+import numpy as np
+import pytest
+from langchain_core.embeddings import DeterministicFakeEmbedding, Embeddings
+from langgraph.graph import END, START, StateGraph
+from langgraph.store.base import BaseStore, GetOp, ListNamespacesOp, PutOp, SearchOp
+from langgraph.store.memory import InMemoryStore
+
+from kalos_retrievers import Sidecar, SidecarTimeout, SidecarUnavailable
+from kalos_retrievers.langgraph import KalosStore
+
+VOCAB = ["python", "rust", "tea", "coffee", "paris", "rome", "dog"]
+DIM = len(VOCAB)  # 7
+
+
+class KeywordEmbeddings(Embeddings):
+    def _vec(self, text: str) -> list[float]:
+        v = np.full(DIM, 0.01)
+        for i, w in enumerate(re.findall(r"[a-z]+", text.lower())):
+            if w in VOCAB:
+                v[VOCAB.index(w)] += 1.0 + 0.01 * i  # position breaks ties between texts
+        return v.tolist()
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return [self._vec(t) for t in texts]
+
+    def embed_query(self, text: str) -> list[float]:
+        return self._vec(text)
+
+
+INDEX: Any = {"dims": DIM, "embed": KeywordEmbeddings(), "fields": ["text", "tags[*]"]}
+
+
+@pytest.fixture(scope="module")
+def sidecar() -> Iterator[Sidecar]:
+    sc = Sidecar(dim=DIM, device="cpu", startup_timeout=60.0).start()
+    yield sc
+    sc.stop()
+    sc.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def store(sidecar: Sidecar) -> Iterator[KalosStore]:
+    s = KalosStore(sidecar.name, index=INDEX, prefix=f"t{uuid.uuid4().hex[:8]}")
+    yield s
+    for ns in s.client.namespaces():
+        if ns.startswith(s.prefix + "/"):
+            s.client.delete_namespace(ns)
+    s.close()
+
+
+def keys(items: list) -> list[str]:
+    return [i.key for i in items]
+
+
+# ---------------------------------------------------------------------------------------------
+# put / get / delete
+
+
+def test_put_get_overwrite_delete(store: KalosStore) -> None:
+    ns = ("users", "alice")
+    assert store.get(ns, "prefs") is None
+    store.put(ns, "prefs", {"text": "likes tea", "n": 1, "deep": {"a": [1, {"b": None}]}})
+    item = store.get(ns, "prefs")
+    assert item is not None
+    assert (item.namespace, item.key) == (ns, "prefs")
+    assert item.value == {"text": "likes tea", "n": 1, "deep": {"a": [1, {"b": None}]}}
+    assert isinstance(item.created_at, datetime)
+    assert item.created_at.tzinfo is not None
+    time.sleep(0.01)
+    store.put(ns, "prefs", {"text": "likes coffee", "n": 2})
+    again = store.get(ns, "prefs")
+    assert again is not None
+    assert again.value == {"text": "likes coffee", "n": 2}
+    assert again.created_at == item.created_at
+    assert again.updated_at > item.updated_at
+    assert store.get(("users", "bob"), "prefs") is None
+    store.delete(ns, "prefs")
+    assert store.get(ns, "prefs") is None
+    assert store.list_namespaces() == []  # nothing left behind, vectors included
+    store.delete(ns, "never-existed")
+
+
+def test_search_with_filters_prefix_and_pages(store: KalosStore) -> None:
+    for i in range(11):
+        ns = ("docs", "team-a" if i % 2 else "team-b")
+        store.put(ns, f"d{i:02d}", {"text": f"doc {i}", "n": i, "meta": {"kind": i % 3},
+                                    "tags": ["x"] if i < 5 else ["x", "y"]})  # fmt: skip
+    store.put(("other",), "o", {"text": "elsewhere", "n": 3})
+    everything = store.search(("docs",), limit=100)
+    assert keys(everything) == [f"d{i:02d}" for i in range(11)]  # oldest first, across spaces
+    assert all(i.score is None for i in everything)
+    assert keys(store.search(("docs", "team-a"), limit=100)) == [
+        f"d{i:02d}" for i in range(1, 11, 2)
+    ]
+    assert len(store.search((), limit=100)) == 12
+    pages = [keys(store.search(("docs",), limit=3, offset=o)) for o in range(0, 12, 3)]
+    assert [k for p in pages for k in p] == [f"d{i:02d}" for i in range(11)]
+    assert keys(store.search(("docs",), filter={"n": 3})) == ["d03"]
+    assert keys(store.search(("docs",), filter={"n": {"$gte": 8}})) == ["d08", "d09", "d10"]
+    assert keys(store.search(("docs",), filter={"n": {"$gt": 2, "$lt": 5}})) == ["d03", "d04"]
+    assert len(store.search(("docs",), filter={"n": {"$ne": 3}}, limit=100)) == 10
+    # nested-object and list equality, checked in this process (the sidecar cannot)
+    assert keys(store.search(("docs",), filter={"meta": {"kind": 2}, "n": {"$lt": 6}})) == [
+        "d02", "d05"]  # fmt: skip
+    assert keys(store.search(("docs",), filter={"tags": ["x"], "n": {"$gte": 3}})) == ["d03", "d04"]
+    assert store.search(("docs",), filter={"n": 99}) == []
+    assert store.search(("nope",)) == []
+
+
+def test_search_with_query(store: KalosStore) -> None:
+    store.put(("kb",), "py", {"text": "python python", "tags": ["rust"]})
+    store.put(("kb",), "rs", {"text": "rust"})
+    store.put(("kb",), "tea", {"text": "tea and coffee"})
+    store.put(("kb",), "raw", {"text": "python"}, index=False)  # no vector: listed, not scored
+    store.put(("kb", "deep"), "cof", {"text": "coffee", "lang": "en"})
+    hits = store.search(("kb",), query="python")
+    assert keys(hits)[0] == "py"
+    scored = [h for h in hits if h.score is not None]
+    assert [h.score for h in scored] == sorted((h.score for h in scored), reverse=True)
+    assert hits[-1].key == "raw"
+    assert hits[-1].score is None
+    # an item's score is its best vector's: "py" matches "rust" through its tags[*] field
+    rust = store.search(("kb",), query="rust", limit=2)
+    assert set(keys(rust)) == {"py", "rs"}
+    assert rust[0].score == pytest.approx(rust[1].score, abs=1e-3)
+    assert keys(store.search(("kb",), query="coffee", limit=2)) == ["cof", "tea"]
+    assert keys(store.search(("kb",), query="coffee", filter={"lang": "en"})) == ["cof"]
+    assert keys(store.search(("kb", "deep"), query="python")) == ["cof"]
+    page = store.search(("kb",), query="python", limit=2, offset=1)
+    assert keys(page) == keys(hits)[1:3]
+
+
+def test_index_override_and_reindex_drops_stale_vectors(store: KalosStore) -> None:
+    store.put(("kb",), "a", {"text": "dog", "tags": ["python", "rust", "tea"]})
+    vec_ns = f"{store.prefix}/v/kb"
+    assert store.client.count(vec_ns) == 4
+    store.put(("kb",), "a", {"text": "dog", "tags": []})
+    assert store.client.count(vec_ns) == 1
+    assert store.search(("kb",), query="tea")[0].score < 0.5  # only "dog" is left to match
+    store.put(("kb",), "b", {"text": "dog", "title": "tea"}, index=["title"])
+    assert keys(store.search(("kb",), query="tea", limit=1)) == ["b"]
+    store.put(("kb",), "b", {"text": "tea"}, index=False)
+    assert store.client.count(vec_ns) == 1  # b's vector is gone with its index
+    store.delete(("kb",), "a")
+    assert store.client.count(vec_ns) == 0
+
+
+def test_repeated_texts_in_one_batch(store: KalosStore) -> None:
+    # LangGraph's InMemoryStore raises on this (see docs/memory.md); Kalos embeds each distinct
+    # text once and gives every path its vector.
+    store.batch([PutOp(("kb",), "a", {"text": "tea", "tags": ["tea", "dog"]}),
+                 PutOp(("kb",), "b", {"text": "tea"})])  # fmt: skip
+    assert store.client.count(f"{store.prefix}/v/kb") == 4
+    assert set(keys(store.search(("kb",), query="tea", limit=2))) == {"a", "b"}
+
+
+def test_list_namespaces(store: KalosStore) -> None:
+    for ns in [("a", "b", "c"), ("a", "b", "d", "e"), ("a", "b", "d", "i"), ("a", "b", "f"),
+               ("a", "c", "f"), ("x",)]:  # fmt: skip
+        store.put(ns, "k", {"text": "v"})
+    assert store.list_namespaces(prefix=("a", "b"), max_depth=3) == [
+        ("a", "b", "c"), ("a", "b", "d"), ("a", "b", "f")]  # fmt: skip
+    assert store.list_namespaces(suffix=("f",)) == [("a", "b", "f"), ("a", "c", "f")]
+    assert store.list_namespaces(prefix=("a", "*", "f")) == [("a", "b", "f"), ("a", "c", "f")]
+    assert store.list_namespaces(prefix=("a",), suffix=("*", "e")) == [("a", "b", "d", "e")]
+    assert store.list_namespaces(max_depth=1) == [("a",), ("x",)]
+    assert len(store.list_namespaces()) == 6
+    assert store.list_namespaces(limit=2, offset=1) == [("a", "b", "d", "e"), ("a", "b", "d", "i")]
+
+
+# ---------------------------------------------------------------------------------------------
+# batch / abatch, differential against InMemoryStore
+
+
+def _ops() -> list[Any]:
+    return [
+        PutOp(("u", "1"), "a", {"text": "python rust", "n": 1}),
+        PutOp(("u", "1"), "b", {"text": "tea", "n": 2}),
+        PutOp(("u", "2"), "c", {"text": "coffee paris", "n": 3, "tags": ["rome"]}),
+        GetOp(("u", "1"), "a"),
+        SearchOp(("u",), query="rome coffee", limit=5),
+        SearchOp(("u",), filter={"n": {"$gte": 2}}),
+        ListNamespacesOp(),
+        PutOp(("u", "1"), "a", None),
+        GetOp(("u", "1"), "a"),
+    ]
+
+
+def _normalize(result: Any) -> Any:
+    if isinstance(result, list) and result and hasattr(result[0], "key"):
+        return sorted((i.namespace, i.key, repr(i.value),
+                       None if getattr(i, "score", None) is None else round(i.score, 4))
+                      for i in result)  # fmt: skip
+    if hasattr(result, "key"):
+        return (result.namespace, result.key, result.value)
+    return result
+
+
+def test_batch_runs_ops_in_order(store: KalosStore) -> None:
+    results = store.batch(_ops())
+    assert results[0] is None
+    assert results[3] is not None
+    assert results[3].value == {"text": "python rust", "n": 1}  # the put before it is applied
+    assert keys(results[4])[0] == "c"
+    assert sorted(keys(results[5])) == ["b", "c"]
+    assert results[6] == [("u", "1"), ("u", "2")]
+    assert results[8] is None  # deleted by the put before it
+
+
+async def test_abatch_matches_batch(sidecar: Sidecar) -> None:
+    sync = KalosStore(sidecar.name, index=INDEX, prefix=f"s{uuid.uuid4().hex[:8]}")
+    asyn = KalosStore(sidecar.name, index=INDEX, prefix=f"a{uuid.uuid4().hex[:8]}")
+    expected = [_normalize(r) for r in sync.batch(_ops())]
+    got = [_normalize(r) for r in await asyn.abatch(_ops())]
+    assert got == expected
+    await asyn.aput(("z",), "k", {"text": "dog"})
+    assert (await asyn.aget(("z",), "k")).value == {"text": "dog"}  # type: ignore[union-attr]
+    assert keys(await asyn.asearch(("z",), query="dog")) == ["k"]
+    await asyn.adelete(("z",), "k")
+    assert await asyn.alist_namespaces(prefix=("z",)) == []
+
+
+def test_agrees_with_langgraph_in_memory_store(sidecar: Sidecar) -> None:
+    """The same operations on LangGraph's reference store and on Kalos give the same answers:
+    ranked results in the same order with the same scores, filtered listings with the same
+    items, the same namespaces and values. Every text embeds to its own random vector, so
+    there are no ties to break differently."""
+    index: Any = {"dims": DIM, "embed": DeterministicFakeEmbedding(size=DIM),
+                  "fields": ["text", "tags[*]"]}  # fmt: skip
+    ref = InMemoryStore(index=index)
+    store = KalosStore(sidecar.name, index=index, prefix=f"d{uuid.uuid4().hex[:8]}")
+    rng = np.random.default_rng(3)
+    for i in range(40):
+        ns = ("org", f"team{i % 3}", f"user{i % 5}")
+        words = " ".join(rng.choice(VOCAB, size=int(rng.integers(1, 4)), replace=False))
+        # unique texts: InMemoryStore also raises when one put has the same text twice
+        tags = [f"{w} tag{i}" for w in rng.choice(VOCAB, 2, replace=False)]
+        value = {"text": f"{words} #{i}", "n": i % 7, "tags": tags, "kind": {"k": i % 2}}
+        for s in (ref, store):
+            s.put(ns, f"item{i}", value, index=None if i % 9 else False)
+    for s in (ref, store):
+        s.delete(("org", "team1", "user1"), "item1")
+        s.put(("org", "team1", "user2"), "item2", {"text": "rewritten", "n": 2, "kind": {"k": 0}})
+    queries: list[dict[str, Any]] = [
+        {"query": "python tea", "limit": 7},
+        {"query": "rome", "limit": 5, "filter": {"n": {"$lte": 3}}},
+        {"query": "dog coffee", "limit": 4, "offset": 2},
+        {"query": "paris", "limit": 50, "filter": {"kind": {"k": 1}}},
+        {"query": "rewritten", "limit": 3},
+        {"filter": {"n": 4}, "limit": 50},
+        {"filter": {"n": {"$ne": 2}, "kind": {"k": 0}}, "limit": 50},
+    ]
+    for q in queries:
+        for prefix in [("org",), ("org", "team2"), ("org", "team0", "user0")]:
+            want, got = ref.search(prefix, **q), store.search(prefix, **q)
+            assert _normalize(got) == _normalize(want), (prefix, q)
+            if "query" in q:  # ranked part: same order, same scores
+                ranked = [(i.namespace, i.key) for i in want if i.score is not None]
+                assert [(i.namespace, i.key) for i in got if i.score is not None] == ranked
+                for g, w in zip(got, want, strict=True):
+                    assert (g.score is None) == (w.score is None)
+                    assert g.score is None or g.score == pytest.approx(w.score, abs=1e-4)
+    for kw in [{}, {"prefix": ("org", "team1")}, {"suffix": ("user3",)}, {"max_depth": 2}]:
+        assert store.list_namespaces(**kw) == ref.list_namespaces(**kw), kw
+    for i in range(40):
+        ns = ("org", f"team{i % 3}", f"user{i % 5}")
+        want_item, got_item = ref.get(ns, f"item{i}"), store.get(ns, f"item{i}")
+        assert (got_item is None) == (want_item is None)
+        assert got_item is None or got_item.value == want_item.value  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------------------
+# in a graph, errors, degradation
+
+
+class State(TypedDict):
+    user: str
+    fact: str
+    recalled: list[str]
+
+
+def test_a_compiled_graph_uses_the_store(store: KalosStore) -> None:
+    def remember(state: State, *, store: BaseStore) -> dict:
+        store.put(("memories", state["user"]), uuid.uuid4().hex, {"text": state["fact"]})
+        return {}
+
+    def recall(state: State, *, store: BaseStore) -> dict:
+        items = store.search(("memories", state["user"]), query=state["fact"], limit=3)
+        return {"recalled": [i.value["text"] for i in items]}
+
+    builder = StateGraph(State)
+    builder.add_node("remember", remember)
+    builder.add_node("recall", recall)
+    builder.add_edge(START, "remember")
+    builder.add_edge("remember", "recall")
+    builder.add_edge("recall", END)
+    graph = builder.compile(store=store)
+    graph.invoke({"user": "alice", "fact": "likes tea", "recalled": []})
+    out = graph.invoke({"user": "alice", "fact": "likes coffee", "recalled": []})
+    assert out["recalled"][0] == "likes coffee"
+    assert set(out["recalled"]) == {"likes tea", "likes coffee"}
+    bob = graph.invoke({"user": "bob", "fact": "tea", "recalled": []})
+    assert bob["recalled"] == ["tea"]  # alice's memories live in alice's namespace
+
+
+def test_dimension_mismatch_is_explained(sidecar: Sidecar) -> None:
+    bad = KalosStore(sidecar.name, index={"dims": 5, "embed": DeterministicFakeEmbedding(size=5)},
+                     prefix=f"m{uuid.uuid4().hex[:8]}")  # fmt: skip
+    with pytest.raises(ValueError, match="must agree"):
+        bad.put(("a",), "k", {"text": "x"})
+
+
+def test_search_degrades_other_ops_raise(
+    make_name: Callable[[], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kalos_retrievers")
+    store = KalosStore(make_name(), index=INDEX, timeout=0.3)
+    t0 = time.monotonic()
+    assert store.search(("a",), query="tea") == []
+    assert store.search(("a",), filter={"n": 1}) == []
+    assert time.monotonic() - t0 < 1.5
+    assert (store.degrader.degraded_calls, store.degrader.episodes) == (2, 1)
+    assert sum("KalosStore" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(SidecarUnavailable):
+        store.get(("a",), "k")
+    with pytest.raises(SidecarUnavailable):
+        store.put(("a",), "k", {"text": "tea"})
+    strict = KalosStore(make_name(), index=INDEX, on_error="raise")
+    with pytest.raises(SidecarUnavailable):  # negative control
+        strict.search(("a",), query="tea")
+
+
+async def test_paused_sidecar_searches_degrade_together_and_recover(
+    start_sidecar: Callable[..., Sidecar],
+) -> None:
+    sc = start_sidecar(dim=DIM)
+    store = KalosStore(sc.name, index=INDEX, timeout=0.3)
+    store.put(("a",), "k", {"text": "tea"})
+    sc.kill(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        many = await asyncio.gather(*(store.asearch(("a",), query="tea") for _ in range(30)))
+        assert many == [[]] * 30
+        assert time.monotonic() - t0 < 1.0  # one deadline, waiting for threads included
+        with pytest.raises(SidecarTimeout):  # a get is not degraded: not found != unreachable
+            store.get(("a",), "k")
+    finally:
+        sc.kill(signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while not store.search(("a",), query="tea"):
+        assert time.monotonic() < deadline, "search did not recover"
+        time.sleep(0.05)
+    assert not store.degrader.in_episode

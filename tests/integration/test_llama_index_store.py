@@ -1,0 +1,344 @@
+"""KalosVectorStore against a real sidecar: a LlamaIndex counterpart of LangChain's standard
+``VectorStoreIntegrationTests`` (empty store, add/query, overwrite, deletes, get_nodes, every
+filter operator, nested filters, id restrictions, MMR). Every test runs twice: through the
+sync API and through its async twin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
+from llama_index.core.vector_stores.types import (
+    FilterCondition,
+    FilterOperator,
+    MetadataFilter,
+    MetadataFilters,
+    VectorStoreQuery,
+    VectorStoreQueryMode,
+    VectorStoreQueryResult,
+)
+
+from kalos_retrievers import Sidecar
+from kalos_retrievers.llama_index import KalosVectorStore
+
+F = FilterOperator
+DIM = 8  # shared_sidecar's
+
+
+def vec(text: str, dim: int = DIM) -> list[float]:
+    """A deterministic unit vector per text: the same text always lands on the same point."""
+    seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+    v = np.random.default_rng(seed).standard_normal(dim)
+    return (v / np.linalg.norm(v)).tolist()
+
+
+def node(id_: str, text: str | None = None, *, doc: str | None = None, **metadata: Any) -> TextNode:
+    n = TextNode(id_=id_, text=text if text is not None else f"text of {id_}",
+                 embedding=vec(text if text is not None else id_), metadata=metadata)  # fmt: skip
+    if doc is not None:
+        n.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=doc)
+    return n
+
+
+def mf(*filters: Any, condition: str = "and") -> MetadataFilters:
+    return MetadataFilters(filters=list(filters), condition=FilterCondition(condition))
+
+
+class Api:
+    """The store's sync API, or its async twins, behind one awaitable interface."""
+
+    _ASYNC: ClassVar[dict[str, str]] = {
+        "add": "async_add",
+        "delete": "adelete",
+        "query": "aquery",
+        "get_nodes": "aget_nodes",
+        "delete_nodes": "adelete_nodes",
+        "clear": "aclear",
+    }
+
+    def __init__(self, store: KalosVectorStore, use_async: bool) -> None:
+        self.store = store
+        self.use_async = use_async
+
+    def __getattr__(self, name: str) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if self.use_async:
+                return await getattr(self.store, self._ASYNC[name])(*args, **kwargs)
+            return getattr(self.store, name)(*args, **kwargs)
+
+        return call
+
+    async def search(self, text: str, k: int = 10, **kw: Any) -> VectorStoreQueryResult:
+        q = VectorStoreQuery(query_embedding=vec(text), similarity_top_k=k, **kw)
+        return await self.query(q)
+
+    async def ids(self, filters: MetadataFilters | None = None, **kw: Any) -> set[str]:
+        res = await self.search("anything", 50, filters=filters, **kw)
+        assert res.ids is not None
+        return set(res.ids)
+
+
+@pytest.fixture(params=["sync", "async"])
+async def api(request: pytest.FixtureRequest, shared_sidecar: Sidecar) -> AsyncIterator[Api]:
+    store = KalosVectorStore(shared_sidecar.name, namespace=f"li-{uuid.uuid4().hex[:10]}")
+    yield Api(store, request.param == "async")
+    store.clear()
+    store.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# basics
+
+
+async def test_empty_store(api: Api) -> None:
+    res = await api.search("foo", 4)
+    assert (res.nodes, res.similarities, res.ids) == ([], [], [])
+    assert await api.get_nodes() == []
+    await api.delete("no-such-doc")  # deleting from an empty store is fine
+    await api.clear()
+
+
+async def test_add_then_query_returns_nodes_similarities_ids(api: Api) -> None:
+    ids = await api.add([node("a", "foo"), node("b", "bar"), node("c", "baz")])
+    assert ids == ["a", "b", "c"]
+    res = await api.search("foo", 2)
+    assert res.ids is not None
+    assert res.nodes is not None
+    assert res.similarities is not None
+    assert res.ids[0] == "a"
+    assert len(res.ids) == len(res.nodes) == len(res.similarities) == 2
+    assert res.nodes[0].get_content() == "foo"
+    assert res.similarities[0] == pytest.approx(1.0, abs=1e-5)  # cosine of identical vectors
+    assert res.similarities[0] >= res.similarities[1]
+    assert [n.node_id for n in res.nodes] == res.ids
+
+
+async def test_similarity_top_k_is_honoured(api: Api) -> None:
+    await api.add([node(f"n{i}") for i in range(11)])
+    for k in (1, 3, 11, 50):
+        res = await api.search("n4", k)
+        assert len(res.ids or []) == min(k, 11)
+    assert (await api.search("n4", 1)).ids == ["n4"]
+
+
+async def test_node_comes_back_unchanged(api: Api) -> None:
+    original = node("a", "foo", doc="doc-1", topic="t", year=2024, tags=["x"], deep={"k": [1]})
+    original.excluded_embed_metadata_keys = ["year"]
+    await api.add([original])
+    (got,) = await api.get_nodes(["a"])
+    assert got.node_id == "a"
+    assert got.get_content() == "foo"
+    assert got.metadata == original.metadata
+    assert got.ref_doc_id == "doc-1"
+    assert got.relationships == original.relationships
+    assert got.excluded_embed_metadata_keys == ["year"]
+    (hit,) = (await api.search("foo", 1)).nodes or []
+    assert hit.metadata == original.metadata
+
+
+async def test_nodes_without_text_are_stored(api: Api) -> None:
+    with_text, without = node("t", "has text"), node("e", "")
+    without.embedding = vec("empty")
+    await api.add([with_text, without])
+    got = {n.node_id: n.get_content() for n in await api.get_nodes()}
+    assert got == {"t": "has text", "e": ""}
+
+
+async def test_overwrite_by_id(api: Api) -> None:
+    await api.add([node("x", "old text", v=1)])
+    await api.add([node("x", "new text", v=2)])
+    nodes = await api.get_nodes()
+    assert [(n.node_id, n.get_content(), n.metadata["v"]) for n in nodes] == [("x", "new text", 2)]
+    assert await api.ids(mf(MetadataFilter(key="v", value=1))) == set()
+    # the last of duplicate ids in one call wins, as one at a time would
+    await api.add([node("y", "first"), node("y", "second")])
+    assert [n.get_content() for n in await api.get_nodes(["y"])] == ["second"]
+
+
+async def test_wrong_dimension_is_refused(api: Api) -> None:
+    bad = TextNode(id_="bad", text="x", embedding=[1.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="dim"):
+        await api.add([bad])
+
+
+# ---------------------------------------------------------------------------------------------
+# deletes and get_nodes
+
+
+async def test_delete_by_ref_doc_id(api: Api) -> None:
+    await api.add([node("a1", doc="A"), node("a2", doc="A"), node("b1", doc="B"), node("free")])
+    await api.delete("A")
+    assert await api.ids() == {"b1", "free"}
+    (b1,) = await api.get_nodes(["b1"])
+    assert b1.ref_doc_id == "B"
+    assert await api.ids(doc_ids=["B"]) == {"b1"}  # ref_doc_id is queryable
+
+
+async def test_delete_nodes(api: Api) -> None:
+    await api.add([node("a", k=1), node("b", k=2), node("c", k=2), node("d", k=3)])
+    await api.delete_nodes(["a"])
+    assert await api.ids() == {"b", "c", "d"}
+    await api.delete_nodes(filters=mf(MetadataFilter(key="k", value=3)))
+    assert await api.ids() == {"b", "c"}
+    await api.delete_nodes(["b", "c"], filters=mf(MetadataFilter(key="k", value=99)))
+    assert await api.ids() == {"b", "c"}  # ids AND filters: nothing matched both
+    await api.delete_nodes([])  # an empty list deletes nothing
+    assert await api.ids() == {"b", "c"}
+    with pytest.raises(ValueError, match="clear"):
+        await api.delete_nodes()
+    await api.delete_nodes(["c", "no-such-node"])
+    assert await api.ids() == {"b"}
+
+
+async def test_get_nodes(api: Api) -> None:
+    await api.add([node("a", k=1), node("b", k=2), node("c", k=2)])
+    assert [n.node_id for n in await api.get_nodes(["c", "missing", "a"])] == ["c", "a"]
+    assert await api.get_nodes([]) == []
+    two = mf(MetadataFilter(key="k", value=2))
+    assert {n.node_id for n in await api.get_nodes(filters=two)} == {"b", "c"}
+    assert [n.node_id for n in await api.get_nodes(["c", "a", "b"], filters=two)] == ["c", "b"]
+    assert {n.node_id for n in await api.get_nodes()} == {"a", "b", "c"}
+
+
+async def test_clear(api: Api) -> None:
+    await api.add([node(f"n{i}") for i in range(7)])
+    await api.clear()
+    assert await api.get_nodes() == []
+    assert await api.ids() == set()
+
+
+# ---------------------------------------------------------------------------------------------
+# filters: every operator, conditions, nesting, id restrictions
+
+CORPUS = [
+    node("n1", n=1, s="Alpha", tags=["x", "y"], e=""),
+    node("n2", n=2, s="beta", tags=["y"], e=None),
+    node("n3", n=3.5, s="alphabet", tags=[], e="z"),
+    node("n4", n=-1, s="gamma"),
+    node("n5", s="ALPHA", tags=["z"], e=[]),
+]
+
+
+@pytest.mark.parametrize(
+    ("flt", "expected"),
+    [
+        (MetadataFilter(key="n", value=2), {"n2"}),
+        (MetadataFilter(key="s", value="Alpha", operator=F.EQ), {"n1"}),
+        (MetadataFilter(key="n", value=2, operator=F.NE), {"n1", "n3", "n4", "n5"}),
+        (MetadataFilter(key="n", value=1, operator=F.GT), {"n2", "n3"}),
+        (MetadataFilter(key="n", value=2, operator=F.GTE), {"n2", "n3"}),
+        (MetadataFilter(key="n", value=1, operator=F.LT), {"n4"}),
+        (MetadataFilter(key="n", value=1, operator=F.LTE), {"n1", "n4"}),
+        (MetadataFilter(key="s", value="beta", operator=F.GT), {"n4"}),
+        (MetadataFilter(key="n", value=[1, 3.5], operator=F.IN), {"n1", "n3"}),
+        (MetadataFilter(key="s", value=["beta", "gamma"], operator=F.IN), {"n2", "n4"}),
+        (MetadataFilter(key="n", value=[1, 2], operator=F.NIN), {"n3", "n4", "n5"}),
+        (MetadataFilter(key="tags", value=["x", "z"], operator=F.ANY), {"n1", "n5"}),
+        (MetadataFilter(key="tags", value=["x", "y"], operator=F.ALL), {"n1"}),
+        (MetadataFilter(key="tags", value="y", operator=F.CONTAINS), {"n1", "n2"}),
+        (MetadataFilter(key="s", value="lpha", operator=F.TEXT_MATCH), {"n1", "n3"}),
+        (MetadataFilter(key="s", value="alpha", operator=F.TEXT_MATCH_INSENSITIVE),
+         {"n1", "n3", "n5"}),
+        (MetadataFilter(key="e", value=None, operator=F.IS_EMPTY), {"n1", "n2", "n4", "n5"}),
+        (MetadataFilter(key="tags", value=None, operator=F.IS_EMPTY), {"n3", "n4"}),
+        (MetadataFilter(key="ref_doc_id", value="None"), {"n1", "n2", "n3", "n4", "n5"}),
+    ],
+    ids=lambda p: f"{p.key}-{p.operator.name}" if isinstance(p, MetadataFilter) else "",
+)  # fmt: skip
+async def test_each_filter_operator(api: Api, flt: MetadataFilter, expected: set[str]) -> None:
+    await api.add(CORPUS)
+    assert await api.ids(mf(flt)) == expected
+
+
+@pytest.mark.parametrize(
+    ("filters", "expected"),
+    [
+        (mf(MetadataFilter(key="n", value=0, operator=F.GT),
+            MetadataFilter(key="tags", value="y", operator=F.CONTAINS)), {"n1", "n2"}),
+        (mf(MetadataFilter(key="n", value=3, operator=F.GT),
+            MetadataFilter(key="s", value="gamma"), condition="or"), {"n3", "n4"}),
+        (mf(MetadataFilter(key="n", value=2, operator=F.LT),
+            MetadataFilter(key="s", value="beta"), condition="not"), {"n3", "n5"}),
+        (mf(mf(MetadataFilter(key="n", value=2, operator=F.GTE),
+               MetadataFilter(key="s", value="gamma", operator=F.TEXT_MATCH_INSENSITIVE),
+               condition="or"),
+            mf(MetadataFilter(key="tags", value="y", operator=F.CONTAINS), condition="not")),
+         {"n3", "n4"}),
+        (mf(mf(MetadataFilter(key="n", value=0, operator=F.GT),
+               MetadataFilter(key="tags", value=["x"], operator=F.ANY)),
+            MetadataFilter(key="s", value="ALPHA"), condition="or"), {"n1", "n5"}),
+        (mf(), {"n1", "n2", "n3", "n4", "n5"}),
+    ],
+    ids=["and", "or", "not", "nested-and-or-not", "nested-or-and", "empty"],
+)  # fmt: skip
+async def test_conditions_and_nested_filters(
+    api: Api, filters: MetadataFilters, expected: set[str]
+) -> None:
+    await api.add(CORPUS)
+    assert await api.ids(filters) == expected
+
+
+async def test_filter_is_true_top_k_among_matching(api: Api) -> None:
+    # The 3 'rare' nodes are the least similar to the query; post-filtering a top-k would
+    # return fewer than 3 of them.
+    nodes = [node(f"common{i}", "q", grp="common") for i in range(20)]
+    nodes += [node(f"rare{i}", f"unrelated {i}", grp="rare") for i in range(3)]
+    await api.add(nodes)
+    res = await api.search("q", 3, filters=mf(MetadataFilter(key="grp", value="rare")))
+    assert set(res.ids or []) == {"rare0", "rare1", "rare2"}
+
+
+async def test_node_ids_and_doc_ids_restrict_the_search(api: Api) -> None:
+    await api.add([node("a", doc="D1"), node("b", doc="D1"), node("c", doc="D2")])
+    assert await api.ids(node_ids=["a", "c"]) == {"a", "c"}
+    assert await api.ids(node_ids=[]) == {"a", "b", "c"}  # empty list: no restriction
+    assert await api.ids(doc_ids=["D1"]) == {"a", "b"}
+    assert await api.ids(doc_ids=["D1"], node_ids=["b", "c"]) == {"b"}
+    assert await api.ids(mf(MetadataFilter(key="doc_id", value="D2"))) == {"c"}
+
+
+# ---------------------------------------------------------------------------------------------
+# MMR and errors
+
+
+def _mmr_nodes() -> list[TextNode]:
+    e = np.eye(DIM)
+    nodes = [
+        TextNode(id_="best", text="best", embedding=e[0].tolist()),
+        TextNode(id_="twin", text="twin", embedding=(e[0] + 0.02 * e[1]).tolist()),
+        TextNode(id_="other", text="other", embedding=(0.6 * e[0] + 0.8 * e[2]).tolist()),
+    ]
+    nodes += [TextNode(id_=f"far{i}", text="far", embedding=e[3 + i].tolist()) for i in range(4)]
+    return nodes
+
+
+async def test_mmr_mode_diversifies(api: Api) -> None:
+    await api.add(_mmr_nodes())
+    e = np.eye(DIM)
+    q = ((e[0] + 0.3 * e[2]) / np.linalg.norm(e[0] + 0.3 * e[2])).tolist()
+    plain = await api.query(VectorStoreQuery(query_embedding=q, similarity_top_k=2))
+    assert plain.ids == ["best", "twin"]
+    mmr = VectorStoreQuery(query_embedding=q, similarity_top_k=2, mode=VectorStoreQueryMode.MMR)
+    res = await api.query(mmr)
+    assert res.ids == ["best", "other"]
+    assert res.similarities is not None
+    assert res.similarities[1] == pytest.approx(np.dot(q, 0.6 * e[0] + 0.8 * e[2]), abs=1e-4)
+    assert (await api.query(mmr, mmr_threshold=1.0)).ids == ["best", "twin"]
+    mmr.mmr_threshold = 1.0
+    assert (await api.query(mmr)).ids == ["best", "twin"]
+
+
+async def test_query_errors_are_raised_not_degraded(api: Api) -> None:
+    with pytest.raises(ValueError, match="query_embedding"):
+        await api.query(VectorStoreQuery(query_embedding=None, similarity_top_k=1))
+    with pytest.raises(ValueError, match="query modes"):
+        await api.query(VectorStoreQuery(query_embedding=vec("q"), mode=VectorStoreQueryMode.SVM))
+    with pytest.raises(ValueError, match="list"):
+        await api.ids(mf(MetadataFilter(key="a", value=["x"], operator=F.EQ)))
+    assert api.store.degrader.degraded_calls == 0

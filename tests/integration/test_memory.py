@@ -1,0 +1,325 @@
+"""KalosMemory on a real sidecar (odd dim 11): scoping and isolation between users (with
+adversarial ids and filters), update/delete/history, persistence across a sidecar restart,
+degradation, and both embedding families."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from langchain_core.embeddings import Embeddings
+from llama_index.core.base.embeddings.base import BaseEmbedding
+
+from kalos_retrievers import Sidecar, SidecarTimeout, SidecarUnavailable
+from kalos_retrievers.memory import KalosMemory
+
+VOCAB = ["tea", "coffee", "vegetarian", "window", "seat", "flight", "paris", "rome", "dog",
+         "budget", "secret"]  # fmt: skip
+DIM = len(VOCAB)  # 11
+
+
+def _vec(text: str) -> list[float]:
+    v = np.full(DIM, 0.01)
+    for w in re.findall(r"[a-z]+", text.lower()):
+        if w in VOCAB:
+            v[VOCAB.index(w)] += 1.0
+    return v.tolist()
+
+
+class KeywordEmbeddings(Embeddings):
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return [_vec(t) for t in texts]
+
+    def embed_query(self, text: str) -> list[float]:
+        return _vec(text)
+
+
+class KeywordLlamaEmbedding(BaseEmbedding):
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return _vec(query)
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return _vec(query)
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return _vec(text)
+
+
+@pytest.fixture(scope="module")
+def sidecar() -> Iterator[Sidecar]:
+    sc = Sidecar(dim=DIM, device="cpu", startup_timeout=60.0).start()
+    yield sc
+    sc.stop()
+    sc.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def memory(sidecar: Sidecar, request: pytest.FixtureRequest) -> Iterator[KalosMemory]:
+    m = KalosMemory(sidecar.name, embedding=KeywordEmbeddings(), collection=request.node.name[:80])
+    yield m
+    m.reset()
+    m.close()
+
+
+def texts(items: list[dict]) -> set[str]:
+    return {i["memory"] for i in items}
+
+
+# ---------------------------------------------------------------------------------------------
+# add, search, scoping
+
+
+def test_add_and_search_in_scope(memory: KalosMemory) -> None:
+    added = memory.add("I drink tea every morning", user_id="alice", metadata={"topic": "food"})
+    assert [(a["memory"], a["event"]) for a in added] == [("I drink tea every morning", "ADD")]
+    memory.add("I drink coffee", user_id="bob", metadata={"topic": "food"})
+    memory.add([{"role": "user", "content": "book a window seat on my flight"},
+                {"role": "assistant", "content": "Window seat booked", "name": "travel-bot"},
+                {"role": "system", "content": "you are a travel agent"}],
+               user_id="alice", run_id="trip-1")  # fmt: skip
+    hits = memory.search("tea", user_id="alice", limit=5)
+    assert hits[0]["memory"] == "I drink tea every morning"
+    assert texts(hits) == {"I drink tea every morning", "book a window seat on my flight",
+                           "Window seat booked"}  # fmt: skip
+    assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+    top = hits[0]
+    assert top["metadata"] == {"topic": "food"}
+    assert top["user_id"] == "alice"
+    assert top["created_at"] == top["updated_at"]
+    assert set(top) >= {"id", "memory", "score", "metadata", "created_at", "updated_at"}
+    by_run = memory.get_all(run_id="trip-1")
+    assert [(m["memory"], m["role"]) for m in by_run] == [
+        ("book a window seat on my flight", "user"),
+        ("Window seat booked", "assistant"),
+    ]
+    assert by_run[1]["actor_id"] == "travel-bot"
+    assert texts(memory.search("seat", user_id="alice", filters={"topic": "food"})) == {
+        "I drink tea every morning"}  # fmt: skip
+    assert texts(memory.search("tea", user_id="alice", threshold=0.9, limit=5)) == {
+        "I drink tea every morning"}  # fmt: skip
+
+
+def test_mem0_style_filters_and_scope_in_filters(memory: KalosMemory) -> None:
+    memory.add("flight to paris", user_id="alice", metadata={"year": 2023, "city": "Paris"})
+    memory.add("flight to rome", user_id="alice", metadata={"year": 2025, "city": "Rome"})
+    got = memory.search("flight", filters={"user_id": "alice", "year": {"gte": 2024}})
+    assert texts(got) == {"flight to rome"}
+    got = memory.search("flight", filters={"user_id": "alice", "city": {"icontains": "par"}})
+    assert texts(got) == {"flight to paris"}
+    got = memory.get_all(user_id="alice", filters={"OR": [{"year": 2023}, {"city": "Rome"}]})
+    assert texts(got) == {"flight to paris", "flight to rome"}
+
+
+ADVERSARIAL_USERS = ["alice", "alice2", "Alice", "alice ", "ali", "alïce", "*", "1", "a.b/c"]
+
+
+def test_users_are_isolated_adversarially(memory: KalosMemory) -> None:
+    ids = {}
+    for u in ADVERSARIAL_USERS:
+        (added,) = memory.add(f"secret budget of {u!r}", user_id=u)
+        ids[u] = added["id"]
+    for u in ADVERSARIAL_USERS:
+        mine = {f"secret budget of {u!r}"}
+        assert texts(memory.search("secret budget", user_id=u, limit=100)) == mine, u
+        assert texts(memory.get_all(user_id=u, limit=100)) == mine, u
+        # filters AND with the scope: they narrow it, never widen it
+        for extra in ({"$or": [{"user_id": "alice"}, {"user_id": {"$ne": u}}]},
+                      {"$not": {"user_id": u}},
+                      {"OR": [{"user_id": {"in": ADVERSARIAL_USERS}}]}):  # fmt: skip
+            assert texts(memory.search("secret", user_id=u, filters=extra)) <= mine, (u, extra)
+    # by id, a scope that does not own the memory sees nothing and changes nothing
+    assert memory.get(ids["alice"], user_id="alice2") is None
+    assert memory.get(ids["alice"], user_id="alice")["memory"] == "secret budget of 'alice'"
+    with pytest.raises(KeyError):
+        memory.update(ids["alice"], "hijacked", user_id="Alice")
+    with pytest.raises(KeyError):
+        memory.delete(ids["alice"], user_id="alice ")
+    assert memory.get(ids["alice"])["memory"] == "secret budget of 'alice'"
+    # metadata cannot smuggle a memory into another scope
+    with pytest.raises(ValueError, match="reserved"):
+        memory.add("plant", user_id="mallory", metadata={"user_id": "alice"})
+    assert memory.delete_all(user_id="alice") == 1
+    for u in ADVERSARIAL_USERS[1:]:
+        assert len(memory.get_all(user_id=u)) == 1, u
+
+
+def test_scope_is_true_top_k_among_the_users_memories(memory: KalosMemory) -> None:
+    # 30 of alice's memories match the query better than bob's only one: bob must still get his.
+    memory.add([f"tea tea tea {i}" for i in range(30)], user_id="alice")
+    memory.add("a dog", user_id="bob")
+    assert texts(memory.search("tea", user_id="bob", limit=1)) == {"a dog"}
+
+
+def test_agent_and_run_scopes(memory: KalosMemory) -> None:
+    memory.add("alice likes rome", user_id="alice", agent_id="planner")
+    memory.add("bob likes paris", user_id="bob", agent_id="planner")
+    memory.add("alice drinks tea", user_id="alice", agent_id="barista")
+    # As in mem0, a scope names only what it names: the planner sees its memories of everyone.
+    assert texts(memory.search("likes", agent_id="planner")) == {"alice likes rome",
+                                                                  "bob likes paris"}  # fmt: skip
+    assert texts(memory.search("likes", user_id="alice", agent_id="planner")) == {
+        "alice likes rome"}  # fmt: skip
+    assert texts(memory.get_all(user_id="alice")) == {"alice likes rome", "alice drinks tea"}
+    assert memory.search("likes", user_id="carol") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# update, delete, history
+
+
+def test_update_delete_and_history(memory: KalosMemory) -> None:
+    (added,) = memory.add("likes tea", user_id="alice", metadata={"src": "chat"})
+    mid = added["id"]
+    first = memory.get(mid)
+    time.sleep(0.01)
+    updated = memory.update(mid, "likes coffee")
+    assert updated["memory"] == "likes coffee"
+    assert updated["metadata"] == {"src": "chat"}  # kept
+    assert updated["user_id"] == "alice"  # the scope is kept
+    assert updated["created_at"] == first["created_at"]
+    assert updated["updated_at"] > first["updated_at"]
+    assert texts(memory.search("coffee", user_id="alice", limit=1)) == {
+        "likes coffee"
+    }  # re-embedded
+    memory.update(mid, "likes coffee a lot", metadata={"src": "edit"})
+    assert memory.get(mid)["metadata"] == {"src": "edit"}
+    with pytest.raises(ValueError, match="reserved"):
+        memory.update(mid, "x", metadata={"user_id": "bob"})
+    memory.delete(mid)
+    assert memory.get(mid) is None
+    assert memory.search("coffee", user_id="alice") == []
+    with pytest.raises(KeyError):
+        memory.delete(mid)
+    with pytest.raises(KeyError):
+        memory.update(mid, "again")
+    events = memory.history(mid)
+    assert [(e["event"], e["old_memory"], e["new_memory"], e["is_deleted"]) for e in events] == [
+        ("ADD", None, "likes tea", False),
+        ("UPDATE", "likes tea", "likes coffee", False),
+        ("UPDATE", "likes coffee", "likes coffee a lot", False),
+        ("DELETE", "likes coffee a lot", None, True),
+    ]
+    assert all(e["memory_id"] == mid and e["user_id"] == "alice" for e in events)
+    assert [e["created_at"] for e in events] == sorted(e["created_at"] for e in events)
+    assert memory.history("no-such-id") == []
+
+
+def test_delete_all_records_history_and_reset_clears_only_this_collection(
+    memory: KalosMemory, sidecar: Sidecar
+) -> None:
+    ids = [a["id"] for a in memory.add(["tea", "coffee", "dog"], user_id="alice")]
+    memory.add("rome", user_id="bob")
+    assert memory.delete_all(user_id="alice") == 3
+    assert memory.get_all(user_id="alice") == []
+    assert [e["event"] for e in memory.history(ids[0])] == ["ADD", "DELETE"]
+    other = KalosMemory(sidecar.name, embedding=KeywordEmbeddings(), collection="other-app")
+    other.add("paris", user_id="bob")
+    memory.reset()
+    assert memory.get_all(user_id="bob") == []
+    assert memory.history(ids[0]) == []
+    assert texts(other.get_all(user_id="bob")) == {"paris"}
+    other.reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# persistence
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_memories_and_history_survive_a_sidecar_restart(
+    start_sidecar: Callable[..., Sidecar], tmp_path: Path, durable: bool
+) -> None:
+    data = tmp_path / "kalos" if durable else None
+    sc = start_sidecar(dim=DIM, data_dir=data)
+    memory = KalosMemory(sc.name, embedding=KeywordEmbeddings(), timeout=1.0)
+    keep = memory.add("likes tea", user_id="alice")[0]["id"]
+    memory.update(keep, "likes coffee")
+    gone = memory.add("has a dog", user_id="alice")[0]["id"]
+    memory.delete(gone)
+    sc.kill(signal.SIGKILL)  # acknowledged writes are committed: no clean shutdown needed
+    assert sc.proc is not None
+    sc.proc.wait(10)
+    start_sidecar(dim=DIM, data_dir=data, name=sc.name)
+    deadline = time.monotonic() + 10
+    while True:  # the same KalosMemory reconnects by itself
+        try:
+            found = memory.get_all(user_id="alice")
+            break
+        except SidecarUnavailable:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    if not durable:  # negative control: without --data-dir the same checks fail
+        assert found == []
+        assert memory.history(keep) == []
+        return
+    assert texts(found) == {"likes coffee"}
+    assert texts(memory.search("coffee", user_id="alice")) == {"likes coffee"}
+    assert [e["event"] for e in memory.history(keep)] == ["ADD", "UPDATE"]
+    assert [e["event"] for e in memory.history(gone)] == ["ADD", "DELETE"]
+
+
+# ---------------------------------------------------------------------------------------------
+# degradation, embeddings, async
+
+
+async def test_search_degrades_while_the_sidecar_is_down(
+    start_sidecar: Callable[..., Sidecar], make_name: Callable[[], str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="kalos_retrievers")
+    absent = KalosMemory(make_name(), embedding=KeywordEmbeddings(), timeout=0.3)
+    assert absent.search("tea", user_id="alice") == []
+    assert absent.search("tea", user_id="alice") == []
+    assert (absent.degrader.degraded_calls, absent.degrader.episodes) == (2, 1)
+    assert sum("KalosMemory" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(SidecarUnavailable):  # writes are never degraded
+        absent.add("tea", user_id="alice")
+    strict = KalosMemory(make_name(), embedding=KeywordEmbeddings(), on_error="raise")
+    with pytest.raises(SidecarUnavailable):  # negative control
+        strict.search("tea", user_id="alice")
+
+    sc = start_sidecar(dim=DIM)
+    memory = KalosMemory(sc.name, embedding=KeywordEmbeddings(), timeout=0.3)
+    strict = KalosMemory(sc.name, embedding=KeywordEmbeddings(), timeout=0.3, on_error="raise")
+    memory.add("likes tea", user_id="alice")
+    sc.kill(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert memory.search("tea", user_id="alice") == []
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(SidecarTimeout):  # negative control
+            strict.search("tea", user_id="alice")
+        # concurrent async searches share one deadline, waiting for threads included
+        t0 = time.monotonic()
+        many = await asyncio.gather(*(memory.asearch("tea", user_id="alice") for _ in range(30)))
+        assert many == [[]] * 30
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        sc.kill(signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while not memory.search("tea", user_id="alice"):
+        assert time.monotonic() < deadline, "search did not recover"
+        time.sleep(0.05)
+    assert not memory.degrader.in_episode
+
+
+def test_llama_index_embedding_model(sidecar: Sidecar) -> None:
+    memory = KalosMemory(sidecar.name, embedding=KeywordLlamaEmbedding(), collection="li-embed")
+    memory.add(["tea time", "dog walk"], user_id="u")
+    assert memory.search("tea", user_id="u", limit=1)[0]["memory"] == "tea time"
+    memory.reset()
+
+
+async def test_async_add_and_search(memory: KalosMemory) -> None:
+    added = await memory.aadd("flight to rome", user_id="alice")
+    assert added[0]["event"] == "ADD"
+    hits = await memory.asearch("rome", user_id="alice", limit=1)
+    assert texts(hits) == {"flight to rome"}
+    assert await memory.asearch("rome", user_id="bob") == []

@@ -1,0 +1,104 @@
+"""Node <-> row mapping and MMR selection: pure functions, no sidecar."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from llama_index.core.schema import (
+    Document,
+    IndexNode,
+    NodeRelationship,
+    RelatedNodeInfo,
+    TextNode,
+)
+
+from kalos_retrievers.llama_index.filters import NODE_ID_KEY
+from kalos_retrievers.llama_index.mmr import mmr_select
+from kalos_retrievers.llama_index.nodes import node_to_row, row_to_node
+
+
+def _through_json(meta: dict) -> dict:
+    return json.loads(json.dumps(meta))  # what the sidecar does to metadata
+
+
+def test_text_node_roundtrip_keeps_everything() -> None:
+    node = TextNode(
+        text="Kalos serves recall",
+        id_="n-1",
+        embedding=[0.1, 0.2, 0.3],
+        metadata={"topic": "infra", "year": 2025, "tags": ["a", "b"], "nested": {"k": [1, 2]},
+                  "doc_id": "user's own doc_id key"},
+        excluded_llm_metadata_keys=["year"],
+        relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id="doc-9"),
+                       NodeRelationship.NEXT: RelatedNodeInfo(node_id="n-2")},
+    )  # fmt: skip
+    node_id, vec, text, meta = node_to_row(node)
+    assert (node_id, vec, text) == ("n-1", [0.1, 0.2, 0.3], "Kalos serves recall")
+    assert meta[NODE_ID_KEY] == "n-1"
+    assert meta["ref_doc_id"] == "doc-9"
+    assert meta["topic"] == "infra"  # top level, so filters see it
+    back = row_to_node(text, _through_json(meta))
+    assert isinstance(back, TextNode)
+    assert back.node_id == "n-1"
+    assert back.text == node.text
+    assert back.metadata == node.metadata  # including the user's own 'doc_id' key
+    assert back.ref_doc_id == "doc-9"
+    assert back.relationships == node.relationships
+    assert back.excluded_llm_metadata_keys == ["year"]
+    assert back.embedding is None
+
+
+def test_text_is_not_stored_twice_but_empty_text_survives() -> None:
+    _, _, text, meta = node_to_row(TextNode(text="hello", id_="a", embedding=[1.0]))
+    assert "hello" not in meta["_node_content"]
+    _, _, text, meta = node_to_row(TextNode(text="", id_="b", embedding=[1.0]))
+    assert text == ""
+    assert row_to_node(text, _through_json(meta)).text == ""
+
+
+def test_index_node_and_document_keep_their_type() -> None:
+    idx = IndexNode(text="summary", index_id="sub-index", id_="i1", embedding=[1.0, 0.0])
+    back = row_to_node(*node_to_row(idx)[2:])
+    assert isinstance(back, IndexNode)
+    assert back.index_id == "sub-index"
+    doc = Document(text="doc text", doc_id="d1", embedding=[0.0, 1.0], metadata={"a": 1})
+    back = row_to_node(*node_to_row(doc)[2:])
+    assert back.node_id == "d1"
+    assert back.metadata == {"a": 1}
+    assert back.get_content() == "doc text"
+
+
+def test_node_without_embedding_is_refused() -> None:
+    with pytest.raises(ValueError, match="has no embedding"):
+        node_to_row(TextNode(text="x", id_="x"))
+
+
+def test_mmr_prefers_diversity_and_threshold_one_is_plain_ranking() -> None:
+    q = np.array([1.0, 0.0, 0.0])
+    cands = np.array([
+        [1.0, 0.05, 0.0],   # best
+        [1.0, 0.06, 0.0],   # near-duplicate of the best
+        [0.7, 0.0, 0.7],    # less similar, but different
+    ])  # fmt: skip
+    assert mmr_select(q, cands, 2, threshold=1.0) == [0, 1]
+    assert mmr_select(q, cands, 2, threshold=0.5) == [0, 2]
+    assert mmr_select(q, cands, 10, threshold=0.5) == [0, 2, 1]  # k > n: all, no repeats
+    assert mmr_select(q, cands[:0], 3) == []
+    with pytest.raises(ValueError, match="mmr_threshold"):
+        mmr_select(q, cands, 2, threshold=1.5)
+
+
+def test_mmr_penalty_is_to_the_closest_chosen_not_the_last() -> None:
+    # Picks 0, then 2; for the third pick, candidate 1 (a copy of 0) must still be penalized by
+    # its similarity to 0. A penalty by the last pick only (2, nearly orthogonal to 1) would
+    # rank 1 above 3: 0.3 - 0.7 * 0.2 = 0.16 > 0.6 * 0.16.
+    q = np.array([1.0, 0.0, 0.0, 0.0])
+    cands = np.array([
+        [1.0, 0.0, 0.0, 0.0],
+        [1.0, 0.0, 0.0, 0.0],
+        [0.2, 0.979796, 0.0, 0.0],
+        [0.6, 0.0, 0.8, 0.0],
+    ])  # fmt: skip
+    assert mmr_select(q, cands, 3, threshold=0.3) == [0, 2, 3]
