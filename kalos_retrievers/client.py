@@ -576,7 +576,7 @@ class KalosClient:
         timeout: float | None = None,
     ) -> list[Record]:
         """The stored records of ``ids`` in that order; ids not found are skipped."""
-        id_list = _check_ids(list(ids), None)
+        id_list = _check_ids(ids, None)
         _check_namespace(namespace)
         if not id_list:
             return []
@@ -622,7 +622,7 @@ class KalosClient:
             raise ValueError("delete() needs ids or a filter; use delete_namespace() to empty one")
         args: dict[str, Any] = {"namespace": namespace, "filter": flt}
         if ids is not None:
-            args["ids"] = _check_ids(list(ids), None)
+            args["ids"] = _check_ids(ids, None)
         return self._call(Op.DELETE, args=encode_json(args), deadline=self._deadline(timeout)).n_results
 
     def delete_namespace(self, namespace: str, *, timeout: float | None = None) -> int:
@@ -926,7 +926,7 @@ def _utf8(s: str, argument: str) -> bytes:
         raise ValueError(f"{argument} is not valid UTF-8 text (lone surrogate at {e.start})") from None
 
 
-def _check_ids(ids: Sequence[str] | None, n: int | None) -> list[str]:
+def _check_ids(ids: Iterable[str] | None, n: int | None) -> list[str]:
     if ids is None:
         assert n is not None
         return [uuid.uuid4().hex for _ in range(n)]

@@ -85,3 +85,32 @@ def recall_row_worker(name: str, dim: int, seed: int, n_calls: int, out: Any) ->
             r = c.recall(data[i], k=1, docs=False)
             bad += int(r.rows[0] != i)
     out.put(bad)
+
+
+def recall_id_worker(name: str, dim: int, seed: int, n_calls: int, out: Any) -> None:
+    """Child process: recall stored vectors by themselves (ids "0".., data seed 0, 4001 rows)
+    and count answers whose top id is not the query's own: a response routed to the wrong
+    caller would be one. Puts (misrouted, errors) on ``out``."""
+    from kalos_retrievers import KalosClient
+
+    rng = np.random.default_rng(seed)
+    data = np.random.default_rng(0).standard_normal((4001, dim)).astype(np.float32)
+    bad = errors = 0
+    with KalosClient(name, dim=dim, timeout=30) as c:
+        for _ in range(n_calls):
+            i = int(rng.integers(len(data)))
+            try:
+                bad += int(c.recall(data[i], k=1).ids[0] != str(i))
+            except Exception:
+                errors += 1
+    out.put((bad, errors))
+
+
+def busy_client(name: str, dim: int) -> None:
+    """Child process: recall in a loop until killed (for kill -9 tests)."""
+    from kalos_retrievers import KalosClient
+
+    q = np.ones(dim, np.float32)
+    with KalosClient(name, dim=dim, timeout=5) as c:
+        while True:
+            c.recall(q, k=3)

@@ -1,0 +1,87 @@
+"""Offline embeddings: a lexical hashing embedder that needs no model and no network.
+
+:class:`HashingEmbeddings` turns text into a fixed-size vector by hashing its words and
+word bigrams into signed buckets (the "hashing trick"), weighting each feature by a
+sublinear term frequency, and normalizing to unit length. Texts that share words get
+similar vectors; texts that share none are nearly orthogonal. It is deterministic across
+processes and machines (BLAKE2b, not Python's salted ``hash``), so vectors stored by one
+process are found by another.
+
+It is what Kalos's examples and tests use when no real model is installed: good enough to
+find "the passage that mentions the refund window" for a question about refunds, blind to
+synonyms and paraphrase. For semantic recall install a real model (the examples use
+all-MiniLM-L6-v2 from the ``embeddings`` extra) or pass any LangChain ``Embeddings``.
+
+It implements LangChain's ``Embeddings`` interface, so it also plugs into the adapters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+from langchain_core.embeddings import Embeddings
+
+__all__ = ["HashingEmbeddings"]
+
+_TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
+_STOP = frozenset(
+    "a an and are as at be by for from has have how i in is it its of on or that the this to "
+    "was were what when where which who why will with you your do does can my we our".split()
+)
+
+
+class HashingEmbeddings(Embeddings):
+    """Deterministic bag-of-words embeddings by feature hashing.
+
+    Args:
+        dim: vector size (e.g. 256 or 384). More dimensions, fewer collisions.
+        bigrams: also hash adjacent word pairs (captures "refund window" vs "window refund").
+
+    Example:
+        >>> e = HashingEmbeddings(dim=64)
+        >>> a, b = e.embed_documents(["refunds within 30 days", "the 30 day refund window"])
+        >>> round(float(np.dot(a, b)), 2) > 0.3
+        True
+    """
+
+    def __init__(self, dim: int = 256, *, bigrams: bool = True) -> None:
+        if not isinstance(dim, int) or dim < 8:
+            raise ValueError(f"dim={dim!r} must be an int >= 8")
+        self.dim = dim
+        self.bigrams = bigrams
+
+    def _features(self, text: str) -> Counter[str]:
+        words = [w for w in _TOKEN.findall(text.lower()) if w not in _STOP]
+        feats: Counter[str] = Counter(words)
+        if self.bigrams:
+            feats.update(f"{a} {b}" for a, b in zip(words, words[1:], strict=False))
+        return feats
+
+    def vector(self, text: str) -> np.ndarray:
+        """The embedding as a float32 numpy array (unit length, or zero for empty text)."""
+        v = np.zeros(self.dim, np.float32)
+        for feat, tf in self._features(text).items():
+            h = hashlib.blake2b(feat.encode(), digest_size=8).digest()
+            idx = int.from_bytes(h[:4], "little") % self.dim
+            sign = 1.0 if h[4] & 1 else -1.0
+            weight = 1.0 + math.log(tf)
+            if " " in feat:
+                weight *= 0.5  # a bigram confirms its words; it should not outweigh them
+            v[idx] += sign * weight
+        n = float(np.linalg.norm(v))
+        if n == 0:
+            # no content words: a fixed direction, so the vector stays valid for cosine
+            v[0] = 1.0
+            return v
+        return v / n
+
+    def embed_documents(self, texts: Sequence[str]) -> list[list[float]]:  # type: ignore[override]
+        return [self.vector(t).tolist() for t in texts]
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.vector(text).tolist()

@@ -1,0 +1,142 @@
+"""``kalos-sidecar`` as an operator uses it: serve, status (readiness probe), stats, stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kalos_retrievers import KalosClient, SidecarUnavailable
+from kalos_retrievers.protocol import doorbell_name, segment_name
+
+CLI = [sys.executable, "-P", "-m", "kalos_retrievers.sidecar"]
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def serve(name: str, *args: str, device: str = "cpu") -> subprocess.Popen[str]:
+    return subprocess.Popen([*CLI, "serve", "--name", name, "--device", device, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def wait_ready(name: str, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while cli("status", name, "-q").returncode != 0:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def shm_objects(name: str) -> list[str]:
+    return [p.name for p in Path("/dev/shm").iterdir() if f"kalos-{name}" in p.name]
+
+
+def test_serve_status_stats_stop(make_name, tmp_path) -> None:
+    name = make_name()
+    assert cli("status", name).returncode == 1  # not running: non-zero, as a probe needs
+    proc = serve(name, "--dim", "5", "--data-dir", str(tmp_path), "--slots", "3")
+    try:
+        wait_ready(name, proc)
+        st = cli("status", name)
+        info = json.loads(st.stdout)
+        assert st.returncode == 0 and info["status"] == "ready" and info["dim"] == 5 and info["backend"] == "cpu"
+        with KalosClient(name) as c:
+            c.upsert(["a"], [np.ones(5)], texts=["x"])
+        stats = json.loads(cli("stats", name).stdout)
+        assert stats["rows"] == 1 and stats["requests"]["upsert/ok"] == 1 and stats["durable"] is True
+        prom = cli("stats", name, "--prometheus").stdout
+        assert 'kalos_requests_total{op="upsert",status="ok"} 1' in prom and "kalos_rows 1" in prom
+        second = cli("serve", "--name", name, "--dim", "5", "--device", "cpu")
+        assert second.returncode == 3 and "already running" in second.stderr
+        stop = cli("stop", name)
+        assert stop.returncode == 0, stop.stderr
+        assert proc.wait(15) == 0
+        log = proc.stdout.read() if proc.stdout else ""
+        for line in ("segment /kalos-" + name, "backend:", "dim=5", "store of record", "ready: sidecar", "stopped"):
+            assert line in log, (line, log)
+        assert shm_objects(name) == []
+        assert cli("status", name).returncode == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_restart_loads_the_store_with_progress_and_sigterm_cleans_up(make_name, tmp_path) -> None:
+    name = make_name()
+    proc = serve(name, "--dim", "3", "--data-dir", str(tmp_path))
+    wait_ready(name, proc)
+    with KalosClient(name) as c:
+        c.upsert([str(i) for i in range(2500)], np.random.default_rng().standard_normal((2500, 3)))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0 and shm_objects(name) == []
+    proc = serve(name, "--dim", "3", "--data-dir", str(tmp_path))
+    wait_ready(name, proc)
+    with KalosClient(name) as c:
+        assert c.count() == 2500
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(15) == 0
+    log = proc.stdout.read() if proc.stdout else ""
+    assert "loading the store: 2500/2500 rows" in log and "loaded 2500 rows" in log
+    assert shm_objects(name) == []
+
+
+def test_in_memory_mode_says_so_and_kill_9_leaves_state_the_next_start_clears(make_name) -> None:
+    name = make_name()
+    proc = serve(name, "--dim", "3")
+    wait_ready(name, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    log = proc.stdout.read() if proc.stdout else ""
+    assert "running in memory only" in log
+    assert f"kalos-{name}" in shm_objects(name) and f"sem.kalos-{name}-bell" in shm_objects(name)
+    with pytest.raises(SidecarUnavailable, match="stale"):
+        KalosClient(name)
+    proc = serve(name, "--dim", "3")
+    wait_ready(name, proc)
+    proc.terminate()
+    assert proc.wait(15) == 0
+    assert "removing the stale segment" in (proc.stdout.read() if proc.stdout else "")
+    assert shm_objects(name) == []
+    assert segment_name(name) and doorbell_name(name)  # names documented in docs/protocol.md
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "match"),
+    [
+        (["--dim", "0"], 2, "dim=0"),
+        (["--dim", "4", "--metric", "euclid"], 2, "invalid choice"),
+        (["--dim", "4", "--slots", "0"], 2, "slots=0"),
+    ],
+)
+def test_bad_flags_exit_2(make_name, args: list[str], code: int, match: str) -> None:
+    r = cli("serve", "--name", make_name(), "--device", "cpu", *args)
+    assert r.returncode == code and match in r.stderr, r.stderr
+
+
+def test_cuda_without_a_gpu_exits_5(make_name) -> None:
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("a GPU is present: covered by tests/gpu")
+    except Exception:
+        pass
+    r = cli("serve", "--name", make_name(), "--dim", "4", "--device", "cuda")
+    assert r.returncode == 5 and "--device cuda" in r.stderr, r.stderr
+    auto = serve(make_name(), "--dim", "4", device="auto")  # falls back to the CPU, and says so
+    try:
+        auto_name = auto.args[auto.args.index("--name") + 1]  # type: ignore[union-attr]
+        wait_ready(auto_name, auto)
+    finally:
+        auto.terminate()
+        auto.wait(15)
+    assert "using the CPU backend" in (auto.stdout.read() if auto.stdout else "")

@@ -1,0 +1,267 @@
+"""Foundation, end to end: a real sidecar process (CPU backend) and the Python client."""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import posix_ipc
+import pytest
+from kalos_testing import assert_topk_equal, busy_client, recall_id_worker, reference_topk
+
+from kalos_retrievers import (
+    IncompatibleVersion,
+    KalosClient,
+    RequestRejected,
+    SidecarTimeout,
+    SidecarUnavailable,
+)
+from kalos_retrievers.protocol import HEADER_SIZE, SlotState, decode_header, segment_name
+
+
+def ids_of(res) -> list[str]:
+    return list(res.ids)
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_results_equal_numpy_top_k(start_sidecar, metric: str) -> None:
+    rng = np.random.default_rng()
+    dim, n = 97, 3001
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, metric=metric)
+    with sc.client() as c:
+        assert c.recall(data[0], k=5).ids == []  # empty index: no results, no error
+        c.upsert([str(i) for i in range(n)], data, metadatas=[{"m": i % 3} for i in range(n)])
+        for b in (1, 11, 77):
+            q = rng.standard_normal((b, dim)).astype(np.float32)
+            res = c.recall_batch(q, 10)
+            ref_i, ref_s = reference_topk(data, q, 10, metric)
+            for j, r in enumerate(res):
+                assert_topk_equal(ids_of(r), r.scores, [str(i) for i in ref_i[j]], ref_s[j], context=f"b={b}")
+        # filter: the true top-k among matching rows (not top-k then filter)
+        q = rng.standard_normal((3, dim)).astype(np.float32)
+        res = c.recall_batch(q, 25, filter={"m": {"$ne": 1}})
+        ref_i, ref_s = reference_topk(data, q, 25, metric, eligible=np.arange(n) % 3 != 1)
+        for j, r in enumerate(res):
+            assert_topk_equal(ids_of(r), r.scores, [str(i) for i in ref_i[j]], ref_s[j])
+        assert len(c.recall(q[0], k=1000)) == 1000
+
+
+def test_namespaces_k_above_rows_get_delete_count_scan(start_sidecar) -> None:
+    sc = start_sidecar(dim=3)
+    with sc.client() as c:
+        c.upsert(["a", "b", "c"], [[1, 0, 0], [0, 1, 0], [0, 0, 1]], texts=["A", "B", "C"],
+                 metadatas=[{"t": "x"}, {"t": "y"}, {"t": "x"}], namespace="n1")  # fmt: skip
+        c.upsert(["a"], [[1, 1, 0]], texts=["other A"], namespace="n2")
+        assert c.namespaces() == {"n1": 3, "n2": 1}
+        assert c.count() == 4 and c.count("n1") == 3 and c.count("n1", filter={"t": "x"}) == 2
+        r = c.recall([1, 0, 0], k=10, namespace="n1")  # k above the namespace's rows
+        assert r.ids[0] == "a" and len(r) == 3 and r[0].text == "A" and r[0].metadata == {"t": "x"}
+        assert c.recall([1, 0, 0], k=10, namespace="n2").ids == ["a"]
+        assert c.recall([1, 0, 0], k=3, namespace="nope").ids == []
+        got = c.get(["c", "missing", "a"], namespace="n1", with_vectors=True)
+        assert [g.id for g in got] == ["c", "a"]
+        np.testing.assert_allclose(got[1].vector, [1, 0, 0], atol=1e-6)
+        assert [rec.id for rec in c.scan(namespace="n1", limit=2)] == ["a", "b"]
+        assert [rec.id for rec in c.scan(namespace="n1", offset=2)] == ["c"]
+        assert c.delete(filter={"t": "x"}, namespace="n1") == 2
+        assert c.delete(["b", "zzz"], namespace="n1") == 1
+        assert c.count("n1") == 0 and c.delete_namespace("n2") == 1 and c.count() == 0
+        with pytest.raises(ValueError, match="delete_namespace"):
+            c.delete(namespace="n1")
+
+
+def test_upserts_larger_than_a_slot_and_responses_larger_than_the_blob(start_sidecar) -> None:
+    rng = np.random.default_rng()
+    dim, n = 97, 2003
+    sc = start_sidecar(dim=dim, payload_kb=64, blob_kb=8)  # about 150 rows per upsert chunk
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    texts = [f"memory {i} " + "x" * (i % 300) for i in range(n)]
+    with sc.client() as c:
+        c.upsert([str(i) for i in range(n)], data, texts=texts, metadatas=[{"i": i} for i in range(n)])
+        assert c.count() == n
+        recs = c.get([str(i) for i in range(0, n, 3)])  # ~230 KB of documents: many chunks
+        assert [r.text for r in recs] == texts[0::3] and [r.metadata["i"] for r in recs] == list(range(0, n, 3))
+        r = c.recall(data[5], k=500, with_vectors=True)
+        assert r.ids[0] == "5" and len(r) == 500 and r.vectors is not None and r.vectors.shape == (500, dim)
+        assert all(h.text == texts[int(h.id)] for h in r)
+        with pytest.raises(ValueError, match="too large"):
+            c.upsert(["big"], data[:1], texts=["y" * 70_000])
+        assert c.count() == n  # refused before anything was sent
+
+
+def test_sixteen_processes_never_get_each_others_answers(start_sidecar) -> None:
+    dim = 33
+    data = np.random.default_rng(0).standard_normal((4001, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, slots=20)
+    with sc.client() as c:
+        c.upsert([str(i) for i in range(len(data))], data)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=recall_id_worker, args=(sc.name, dim, s, 1000, out)) for s in range(16)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert sum(e for _, e in results) == 0
+    assert sum(b for b, _ in results) == 0  # 16,000 recalls, each answered with its own row
+
+
+def test_acknowledged_writes_survive_kill_9(start_sidecar, make_name, tmp_path) -> None:
+    name, dim = make_name(), 16
+    rng = np.random.default_rng()
+    sc = start_sidecar(name=name, dim=dim, data_dir=tmp_path)
+    acked: dict[str, np.ndarray] = {}
+    stop = threading.Event()
+
+    def writer() -> None:
+        with KalosClient(name, dim=dim, timeout=5) as c:
+            i = 0
+            while not stop.is_set():
+                ids = [f"w{i}-{j}" for j in range(7)]
+                vecs = rng.standard_normal((7, dim)).astype(np.float32)
+                try:
+                    c.upsert(ids, vecs)
+                except (SidecarUnavailable, SidecarTimeout):
+                    return
+                acked.update(zip(ids, vecs, strict=True))  # only after the ack
+                i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    time.sleep(0.3 + rng.random() * 0.5)
+    sc.kill(signal.SIGKILL)
+    t.join(10)
+    stop.set()
+    assert acked, "nothing was acknowledged before the kill"
+    again = start_sidecar(name=name, dim=dim, data_dir=tmp_path)  # also removes the stale segment
+    with again.client() as c:
+        got = {r.id: r.vector for r in c.get(list(acked), with_vectors=True)}
+        assert set(got) == set(acked), f"{len(set(acked) - set(got))} acknowledged ids lost"
+        for k, v in acked.items():
+            np.testing.assert_allclose(got[k], v / np.linalg.norm(v), atol=1e-6)
+
+
+def _slot_states(name: str) -> list[int]:
+    shm = posix_ipc.SharedMemory(segment_name(name))
+    try:
+        mm = mmap.mmap(shm.fd, shm.size)
+        lay = decode_header(mm[:HEADER_SIZE], shm.size).layout
+        states = [int.from_bytes(mm[lay.slot_offset(i) : lay.slot_offset(i) + 4], "little")
+                  for i in range(lay.n_slots)]  # fmt: skip
+        mm.close()
+        return states
+    finally:
+        shm.close_fd()
+
+
+def test_killed_client_slot_is_reclaimed_and_others_are_unaffected(start_sidecar) -> None:
+    sc = start_sidecar(dim=8, slots=5)
+    with sc.client() as c:
+        c.upsert(["a"], [np.ones(8)])
+        ctx = mp.get_context("spawn")
+        p = ctx.Process(target=busy_client, args=(sc.name, 8))
+        p.start()
+        deadline = time.monotonic() + 30
+        while _slot_states(sc.name).count(SlotState.FREE) > 3:  # ours + the child's
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.05)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        t0 = time.monotonic()
+        while _slot_states(sc.name).count(SlotState.FREE) != 4:  # all but ours
+            assert time.monotonic() - t0 < 1.0, _slot_states(sc.name)
+            time.sleep(0.01)
+        assert c.recall(np.ones(8), k=1).ids == ["a"]
+        assert c.stats()["reclaimed_slots"] >= 1
+
+
+def test_timeouts_pauses_deaths_and_recovery(start_sidecar, make_name) -> None:
+    name = make_name()
+    sc = start_sidecar(name=name, dim=8)
+    c = KalosClient(name, dim=8, timeout=0.25)
+    c.upsert(["a"], [np.ones(8)])
+    t0 = time.monotonic()
+    assert c.recall(np.ones(8), k=1).ids == ["a"]  # control: answered at once when not paused
+    assert time.monotonic() - t0 < 0.25
+    os.kill(sc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SidecarTimeout):
+            c.recall(np.ones(8), k=1)
+        took = time.monotonic() - t0
+        assert 0.24 <= took < 0.25 + 0.05, took
+    finally:
+        os.kill(sc.pid, signal.SIGCONT)
+    assert c.recall(np.ones(8), k=1, timeout=2).ids == ["a"]  # the abandoned slot is not in the way
+    sc.kill(signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(SidecarUnavailable):
+        c.recall(np.ones(8), k=1, timeout=5)
+    assert time.monotonic() - t0 < 0.5  # noticed by the lock, not at the deadline
+    again = start_sidecar(name=name, dim=8)  # new boot epoch, empty (no data dir)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            assert c.recall(np.ones(8), k=1).ids == []
+            break
+        except SidecarUnavailable:  # reconnect backoff
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert c.reconnects == 1
+    c.close()
+    again.stop()
+
+
+def test_bad_inputs_have_clear_errors_and_the_sidecar_keeps_serving(start_sidecar) -> None:
+    sc = start_sidecar(dim=4, max_k=50)
+    with sc.client() as c:
+        c.upsert(["a"], [[1, 0, 0, 0]], texts=["x"])
+        cases = [
+            (lambda: c.recall([1, 2, 3], k=1), ValueError, r"query has shape \(3,\).*dim=4"),
+            (lambda: c.recall([1, 2, np.inf, 0], k=1), ValueError, "NaN or infinity"),
+            (lambda: c.recall([1, 0, 0, 0], k=0), ValueError, r"k=0 must be an int in \[1, 50\]"),
+            (lambda: c.recall([1, 0, 0, 0], k=51), ValueError, "k=51"),
+            (lambda: c.recall([1, 0, 0, 0], filter={"a": {"$bogus": 1}}), ValueError, "unknown filter operator"),
+            (lambda: c.recall([1, 0, 0, 0], filter=lambda m: True), TypeError, "callable"),
+            (lambda: c.upsert(["a", "b"], [[1, 0, 0, 0]]), ValueError, "ids has 2 entries but vectors has 1"),
+            (lambda: c.upsert(["a"], [[1, 0, 0, 0]], texts=[""]), ValueError, r"texts\[0\] is empty"),
+            (lambda: c.upsert(["a"], [[1, 0, 0, 0]], texts=["\ud800"]), ValueError, r"texts\[0\] is not valid UTF-8"),
+            (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{"t": object()}]), ValueError, r"metadatas\[0\] is not JSON"),
+            (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{"t": float("nan")}]), ValueError, r"metadatas\[0\]"),
+            (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{1: "x"}]), ValueError, "non-string key"),
+            (lambda: c.upsert(["a"], [[0, 0, 0, 0]]), ValueError, r"vectors\[0\] is all zeros"),
+            (lambda: c.upsert([""], [[1, 0, 0, 0]]), ValueError, r"ids\[0\]"),
+            (lambda: c.get("abc"), TypeError, "not one string"),
+            (lambda: c.recall([1, 0, 0, 0], namespace=3), TypeError, "namespace"),
+            (lambda: c.recall([1, 0, 0, 0], timeout=-1), ValueError, "timeout"),
+        ]
+        for fn, err, match in cases:
+            with pytest.raises(err, match=match):
+                fn()
+        assert c.recall([1, 0, 0, 0], k=1).ids == ["a"] and c.count() == 1
+    with pytest.raises(IncompatibleVersion, match="dim=4.*dim=5"):
+        KalosClient(sc.name, dim=5)
+
+
+def test_sidecar_rejects_what_a_misbehaving_client_sends(start_sidecar) -> None:
+    """A client that skips its own checks still gets a clear rejection, not a crash."""
+    sc = start_sidecar(dim=4)
+    with sc.client() as c:
+        from kalos_retrievers.protocol import Op
+
+        with pytest.raises(RequestRejected, match="args are not valid JSON"):
+            c._call(Op.GET, args=b"\xff\xfe")
+        with pytest.raises(RequestRejected, match="unknown op"):
+            c._call(77)
+        with pytest.raises(RequestRejected, match=r"k=0 must be in"):
+            c._call(Op.RECALL, vectors=np.ones((1, 4), np.float32), top_k=0, n_items=1)
+        assert c.stats()["rejected_requests"] == 3
+        assert c.ping() < 1.0

@@ -1,0 +1,116 @@
+"""Filter language: validation messages, and the sidecar's column evaluation against the
+row-at-a-time reference on random metadata and random filters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kalos_retrievers.filters import matches, validate_filter
+from kalos_retrievers.sidecar.metadata import MetadataColumns
+
+
+def test_normal_form() -> None:
+    assert validate_filter(None) is None and validate_filter({}) is None
+    assert validate_filter({"a": 1}) == {"a": {"$eq": 1}}
+    assert validate_filter({"a": {"$in": (1, "x")}, "$or": [{"b": True}]}) == {
+        "a": {"$in": [1, "x"]},
+        "$or": [{"b": {"$eq": True}}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("flt", "err", "match"),
+    [
+        (lambda d: True, TypeError, "callable"),
+        ([("a", 1)], TypeError, "must be a dict"),
+        ({"a": {"$regex": "x"}}, ValueError, r"filter\['a'\]\['\$regex'\]: unknown filter operator"),
+        ({"$nor": []}, ValueError, "unknown logical operator"),
+        ({"$or": []}, ValueError, "non-empty list"),
+        ({"$or": [{"a": {"$in": 3}}]}, ValueError, r"filter\['\$or'\]\[0\]\['a'\]\['\$in'\] must be a list"),
+        ({"a": {"$exists": 1}}, ValueError, "true or false"),
+        ({"a": float("nan")}, ValueError, "finite"),
+        ({"a": {"$gt": [1]}}, ValueError, "must be str, int, float, bool or None"),
+        ({"": 1}, ValueError, "non-empty strings"),
+    ],
+)
+def test_errors_name_the_offending_part(flt: Any, err: type, match: str) -> None:
+    with pytest.raises(err, match=match):
+        validate_filter(flt)
+
+
+def test_semantics_spot_checks() -> None:
+    m = {"n": 3, "s": "Apple pie", "b": True, "l": ["x", 2], "z": None, "e": ""}
+    yes = [{"n": 3}, {"n": 3.0}, {"n": {"$gt": 2, "$lte": 3}}, {"s": {"$like": "pie"}},
+           {"s": {"$ilike": "APPLE"}}, {"l": {"$contains": 2}}, {"l": {"$any": ["q", "x"]}},
+           {"l": {"$all": ["x", 2]}}, {"missing": {"$ne": 1}}, {"missing": {"$nin": [1]}},
+           {"z": None}, {"e": {"$empty": True}}, {"missing": {"$empty": True}},
+           {"$not": {"n": 4}}, {"$or": [{"n": 4}, {"b": True}]}, {"s": {"$gt": "Apple"}}]  # fmt: skip
+    no = [{"n": True}, {"b": 1}, {"n": {"$gt": "2"}}, {"l": {"$all": ["x", 3]}}, {"missing": 1},
+          {"n": {"$exists": False}}, {"s": {"$contains": "pie"}}, {"l": {"$empty": True}}]  # fmt: skip
+    for f in yes:
+        assert matches(validate_filter(f), m), f
+    for f in no:
+        assert not matches(validate_filter(f), m), f
+
+
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.5, 2.0, -1.5]),
+                    st.sampled_from(["", "a", "b", "ab", "B", "ba"]))  # fmt: skip
+VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=3))
+KEYS = st.sampled_from(["k1", "k2", "k3"])
+METAS = st.dictionaries(KEYS, VALUES, max_size=3)
+
+
+def field_cond() -> st.SearchStrategy:
+    return st.one_of(
+        st.builds(lambda v: {"$eq": v}, SCALARS),
+        st.builds(lambda v: {"$ne": v}, SCALARS),
+        st.builds(lambda o, v: {o: v}, st.sampled_from(["$gt", "$gte", "$lt", "$lte"]), SCALARS),
+        st.builds(lambda o, v: {o: v}, st.sampled_from(["$in", "$nin", "$any", "$all"]),
+                  st.lists(SCALARS, max_size=3)),  # fmt: skip
+        st.builds(lambda o, v: {o: v}, st.sampled_from(["$exists", "$empty"]), st.booleans()),
+        st.builds(lambda o, v: {o: v}, st.sampled_from(["$like", "$ilike"]), st.sampled_from(["a", "B", ""])),
+        st.builds(lambda v: {"$contains": v}, SCALARS),
+    )
+
+
+FILTERS = st.recursive(
+    st.dictionaries(KEYS, field_cond(), min_size=1, max_size=2),
+    lambda inner: st.one_of(
+        st.builds(lambda fs: {"$and": fs}, st.lists(inner, min_size=1, max_size=3)),
+        st.builds(lambda fs: {"$or": fs}, st.lists(inner, min_size=1, max_size=3)),
+        st.builds(lambda f: {"$not": f}, inner),
+    ),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(METAS, min_size=1, max_size=25), FILTERS)
+def test_columns_agree_with_the_reference(metas: list[dict], flt: dict) -> None:
+    norm = validate_filter(flt)
+    cols = MetadataColumns(capacity=4)
+    cols.grow(len(metas) + 3)
+    for r, m in enumerate(metas):
+        cols.set(r + 2, m)  # rows need not start at 0
+    rows = np.arange(2, 2 + len(metas))
+    got = cols.evaluate(norm, rows)
+    want = np.array([matches(norm, m) for m in metas])
+    assert np.array_equal(got, want), (flt, metas)
+
+
+def test_columns_follow_set_clear_and_move() -> None:
+    cols = MetadataColumns(capacity=8)
+    cols.set(0, {"a": 1, "b": "x"})
+    cols.set(1, {"a": 2})
+    cols.set(0, {"b": "y"})  # overwrite drops the old "a"
+    f = validate_filter({"a": {"$exists": True}})
+    assert cols.evaluate(f, np.array([0, 1])).tolist() == [False, True]
+    cols.move(1, 5)
+    assert cols.evaluate(f, np.array([1, 5])).tolist() == [False, True]
+    cols.clear(5)
+    assert cols.evaluate(f, np.array([5])).tolist() == [False]

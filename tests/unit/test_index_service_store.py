@@ -1,0 +1,199 @@
+"""Sidecar internals without shared memory: rows, the CPU index against the float64 reference,
+the service's write/read rules, and the SQLite store of record."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kalos_testing import assert_topk_equal, reference_topk
+
+from kalos_retrievers.protocol import METRICS, Invalid, Status
+from kalos_retrievers.sidecar.index import CpuIndex
+from kalos_retrievers.sidecar.rows import RowTable
+from kalos_retrievers.sidecar.service import Service
+from kalos_retrievers.sidecar.store import NullStore, SqliteStore, StoreOpenError
+
+
+def svc_for(dim: int, metric: str = "cosine", store=None) -> Service:
+    return Service(CpuIndex(dim, METRICS[metric]), store or NullStore(), dim=dim, metric=METRICS[metric])
+
+
+def put(svc: Service, vecs, ids, ns: str = "", metas=None, texts=None) -> int:
+    n = len(ids)
+    return svc.upsert({"namespace": ns, "ids": list(ids), "texts": texts or ["t"] * n,
+                       "metadatas": metas or [{} for _ in range(n)]}, np.asarray(vecs, np.float32))  # fmt: skip
+
+
+def test_rowtable_reuses_lowest_hole_and_trims_the_tail() -> None:
+    rt = RowTable(capacity=4)
+    ns = rt.ns_id("", create=True)
+    rows = []
+    for i in range(7):  # grows past the initial capacity
+        r = rt.allocate()
+        rt.set(r, ns, str(i), b"d", {}, 0.0)
+        rows.append(r)
+    assert rows == list(range(7)) and rt.capacity >= 7 and rt.live == 7
+    rt.remove(2)
+    rt.remove(4)
+    assert rt.allocate() == 2
+    rt.set(2, ns, "2b", b"d", {}, 0.0)
+    rt.remove(6)
+    rt.remove(5)
+    assert rt.high == 4  # rows 4..6 are empty: the tail is trimmed
+    assert rt.allocate() == 4  # the next row up, whether it came from the free list or not
+    rt.set(4, ns, "4b", b"d", {}, 0.0)
+    assert rt.namespaces() == {"": 5} and rt.lookup(ns, "4b") == 4 and rt.lookup(ns, "4") is None
+
+
+@pytest.mark.parametrize("dim", [3, 97])
+@pytest.mark.parametrize("metric", ["cosine", "ip", "l2"])
+def test_cpu_index_is_exact(dim: int, metric: str) -> None:
+    rng = np.random.default_rng()
+    data = rng.standard_normal((1013, dim)).astype(np.float32)
+    svc = svc_for(dim, metric)
+    put(svc, data, [str(i) for i in range(len(data))])
+    for b, k in [(1, 1), (11, 10), (3, 1013), (2, 5000)]:
+        q = rng.standard_normal((b, dim)).astype(np.float32)
+        rows, scores = svc.recall(q, k, "", None)
+        ref_i, ref_s = reference_topk(data, q, k, metric)
+        for j in range(b):
+            assert_topk_equal([svc.rows.ids[r] for r in rows[j]], scores[j],
+                              [str(i) for i in ref_i[j]], ref_s[j], atol=1e-4, context=f"{metric} q{j}")  # fmt: skip
+
+
+def test_namespaces_filters_and_deletes_give_true_top_k() -> None:
+    rng = np.random.default_rng()
+    data = rng.standard_normal((600, 7)).astype(np.float32)
+    svc = svc_for(7)
+    put(svc, data[:400], [str(i) for i in range(400)], metas=[{"g": i % 4} for i in range(400)])
+    put(svc, data[400:], [str(i) for i in range(400, 600)], ns="other")
+    svc.delete({"namespace": "", "ids": [str(i) for i in range(0, 400, 3)]})
+    alive = np.zeros(600, bool)
+    alive[:400] = True
+    alive[0:400:3] = False
+    g = np.arange(600) % 4
+    q = rng.standard_normal((5, 7)).astype(np.float32)
+    for flt, elig in [(None, alive), ({"g": 2}, alive & (g == 2)), ({"g": {"$in": [0, 3]}}, alive & np.isin(g, [0, 3]))]:
+        rows, scores = svc.recall(q, 25, "", flt)
+        ref_i, ref_s = reference_topk(data, q, 25, eligible=elig)
+        for j in range(5):
+            assert_topk_equal([svc.rows.ids[r] for r in rows[j]], scores[j], [str(i) for i in ref_i[j]], ref_s[j])
+    rows, _ = svc.recall(q[:1], 1000, "other", None)
+    assert sorted(int(svc.rows.ids[r]) for r in rows[0]) == list(range(400, 600))
+    assert svc.recall(q[:1], 5, "nope", None)[0].shape == (1, 0)
+
+
+def test_overwrite_keeps_created_at_and_same_id_twice_in_one_call_keeps_the_last() -> None:
+    svc = svc_for(3)
+    put(svc, [[1, 0, 0]], ["a"], texts=["first"])
+    created = float(svc.rows.created[svc.rows.lookup(0, "a")])
+    time.sleep(0.01)
+    put(svc, [[0, 1, 0], [0, 0, 1]], ["a", "a"], texts=["second", "third"])
+    row = svc.rows.lookup(0, "a")
+    assert svc.rows.live == 1 and float(svc.rows.created[row]) == created
+    rows, _ = svc.recall(np.array([[0, 0, 1]], np.float32), 1, "", None)
+    assert rows[0, 0] == row and b"third" in svc.rows.docs[row]
+
+
+def test_compaction_moves_tail_rows_into_holes_without_changing_answers() -> None:
+    rng = np.random.default_rng()
+    data = rng.standard_normal((3001, 5)).astype(np.float32)
+    svc = svc_for(5)
+    put(svc, data, [str(i) for i in range(3001)])
+    gone = rng.choice(3001, 2000, replace=False)
+    svc.delete({"namespace": "", "ids": [str(i) for i in gone]})
+    q = rng.standard_normal((4, 5)).astype(np.float32)
+    before = svc.recall(q, 50, "", None)
+    ids_before = [[svc.rows.ids[r] for r in rr] for rr in before[0]]
+    assert svc.fragmentation() > 0
+    while svc.compact(256):
+        pass
+    assert svc.fragmentation() == 0 and svc.rows.high == 1001
+    after = svc.recall(q, 50, "", None)
+    assert [[svc.rows.ids[r] for r in rr] for rr in after[0]] == ids_before
+    np.testing.assert_allclose(after[1], before[1])
+
+
+@pytest.mark.parametrize(
+    ("args", "vecs", "status", "match"),
+    [
+        ({"ids": ["a"], "texts": ["t"], "metadatas": [{}]}, [[0, 0, 0]], Status.BAD_REQUEST, "all zeros"),
+        ({"ids": ["a"], "texts": ["t"], "metadatas": [{}]}, [[np.nan, 0, 1]], Status.BAD_REQUEST, "NaN"),
+        ({"ids": ["a", "b"], "texts": ["t"], "metadatas": [{}]}, [[1, 0, 0]], Status.BAD_REQUEST, "ids must be a list of 1"),
+        ({"ids": [""], "texts": ["t"], "metadatas": [{}]}, [[1, 0, 0]], Status.BAD_REQUEST, "non-empty"),
+        ({"ids": ["a"], "texts": [3], "metadatas": [{}]}, [[1, 0, 0]], Status.BAD_REQUEST, "texts"),
+        ({"ids": ["a"], "texts": ["t"], "metadatas": [[]]}, [[1, 0, 0]], Status.BAD_REQUEST, "metadatas"),
+        ({"ids": ["a"], "texts": ["t"], "metadatas": [{}], "namespace": 7}, [[1, 0, 0]], Status.BAD_REQUEST, "namespace"),
+    ],
+)
+def test_service_rechecks_what_it_reads(args, vecs, status, match) -> None:
+    svc = svc_for(3)
+    with pytest.raises(Invalid, match=match) as e:
+        svc.upsert(args, np.asarray(vecs, np.float32))
+    assert e.value.status == status and svc.rows.live == 0
+
+
+# ------------------------------------------------------------------------------ store
+
+
+def test_store_round_trip_and_rebuild(tmp_path: Path) -> None:
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    svc = svc_for(3, store=st)
+    put(svc, [[1, 0, 0], [0, 1, 0], [0, 0, 1]], ["a", "b", "c"], ns="n",
+        metas=[{"x": 1}, {"x": [1, "é"]}, {}], texts=["A", "B", "C"])  # fmt: skip
+    svc.delete({"namespace": "n", "ids": ["b"]})
+    st.close()
+    st2 = SqliteStore(tmp_path, dim=3, metric="cosine")
+    svc2 = svc_for(3, store=st2)
+    assert svc2.load() == 2
+    rows, _ = svc2.recall(np.array([[1, 0.1, 0]], np.float32), 5, "n", None)
+    assert [svc2.rows.ids[r] for r in rows[0]] == ["a", "c"]
+    assert oct((tmp_path / "kalos.sqlite3").stat().st_mode & 0o777) == "0o600"
+    st2.close()
+
+
+def test_store_refuses_a_second_sidecar_on_the_same_dir(tmp_path: Path) -> None:
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    with pytest.raises(StoreOpenError, match="in use by another running sidecar"):
+        SqliteStore(tmp_path, dim=3, metric="cosine")
+    st.close()
+    SqliteStore(tmp_path, dim=3, metric="cosine").close()  # released with the first
+
+
+def test_store_refuses_other_settings_and_other_schema(tmp_path: Path) -> None:
+    SqliteStore(tmp_path, dim=3, metric="cosine").close()
+    with pytest.raises(StoreOpenError, match="dim=3 metric=cosine.*--dim 4"):
+        SqliteStore(tmp_path, dim=4, metric="cosine")
+    db = sqlite3.connect(tmp_path / "kalos.sqlite3")
+    db.execute("UPDATE meta SET value='0' WHERE key='schema_version'")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreOpenError, match="schema version 0"):
+        SqliteStore(tmp_path, dim=3, metric="cosine")
+
+
+def test_store_detects_a_flipped_byte_in_a_vector(tmp_path: Path) -> None:
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    put(svc_for(3, store=st), [[1, 2, 3]], ["a"], texts=["hello"])
+    st.close()
+    db = sqlite3.connect(tmp_path / "kalos.sqlite3")
+    (vec,) = db.execute("SELECT vector FROM memories").fetchone()
+    bad = bytearray(vec)
+    bad[5] ^= 0x10
+    db.execute("UPDATE memories SET vector=?", (bytes(bad),))
+    db.commit()
+    db.close()
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    with pytest.raises(StoreOpenError, match="fails its checksum"):
+        svc_for(3, store=st).load()
+    st.close()
+
+
+def test_store_refuses_garbage_file(tmp_path: Path) -> None:
+    (tmp_path / "kalos.sqlite3").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreOpenError, match="not a readable SQLite database|integrity"):
+        SqliteStore(tmp_path, dim=3, metric="cosine")

@@ -1,0 +1,248 @@
+"""Protocol v1: layout, header, request validation, args and document encodings. Pure: no shm."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kalos_retrievers import protocol as P
+from kalos_retrievers.protocol import (
+    CTL_OFFSETS,
+    HEADER_OFFSETS,
+    Flag,
+    HeaderError,
+    Invalid,
+    Layout,
+    Op,
+    Request,
+    Status,
+)
+
+LAYOUTS = [
+    Layout(n_slots=1, dim=3),
+    Layout(n_slots=7, dim=97, max_k=100, max_results=333, payload_size=128 * 77, blob_size=4096),
+    Layout(n_slots=33, dim=768, payload_size=1 << 20),
+    Layout(n_slots=3, dim=1536, max_k=1024, max_results=8192, payload_size=128 * 3333, blob_size=128 * 41),
+]
+
+
+@pytest.mark.parametrize("lay", LAYOUTS)
+def test_layout_areas_are_aligned_disjoint_and_inside_the_slot(lay: Layout) -> None:
+    areas = [
+        (0, P.CTL_SIZE),
+        (lay.payload_offset, lay.rows_offset),
+        (lay.rows_offset, lay.scores_offset),
+        (lay.scores_offset, lay.blob_offset),
+        (lay.blob_offset, lay.blob_offset + lay.blob_size),
+    ]
+    for (a0, a1), (b0, _) in zip(areas, areas[1:], strict=False):
+        assert a0 < a1 <= b0
+    assert areas[-1][1] <= lay.slot_size
+    assert lay.slot_size % 4096 == 0 and lay.payload_offset % 128 == 0
+    assert lay.rows_offset - lay.payload_offset == lay.payload_size
+    assert lay.scores_offset - lay.rows_offset >= 4 * lay.max_results
+    assert lay.segment_size == P.HEADER_SIZE + lay.n_slots * lay.slot_size
+    assert 1 <= lay.max_queries and lay.max_queries * 4 * lay.dim <= lay.payload_size
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"n_slots": 0, "dim": 8},
+        {"n_slots": 5000, "dim": 8},
+        {"n_slots": 2, "dim": 0},
+        {"n_slots": 2, "dim": 8, "max_k": 0},
+        {"n_slots": 2, "dim": 8, "max_k": 100, "max_results": 99},
+        {"n_slots": 2, "dim": 8, "payload_size": 1000},
+        {"n_slots": 2, "dim": 1024, "payload_size": 4096},
+    ],
+)
+def test_layout_rejects_bad_geometry(kw: dict) -> None:
+    with pytest.raises(ValueError, match="must"):
+        Layout(**kw)
+
+
+def _header(lay: Layout, **kw: object) -> bytes:
+    args = dict(metric=P.Metric.L2, dtype=1, pid=4242, uid=1000, boot_epoch=77, name="n",
+                backend="cpu", state=P.SidecarState.READY)  # fmt: skip
+    args.update(kw)
+    return P.encode_header(lay, **args).ljust(P.HEADER_SIZE, b"\x00")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("lay", LAYOUTS)
+def test_header_round_trip(lay: Layout) -> None:
+    h = P.decode_header(_header(lay, name="mem-1", backend="cuda:0"), lay.segment_size)
+    assert h.layout == lay
+    assert (h.name, h.backend, h.sidecar_pid, h.boot_epoch) == ("mem-1", "cuda:0", 4242, 77)
+    assert h.metric_name == "l2" and h.dtype_name == "float16"
+    assert h.max_queries == lay.max_queries
+
+
+def test_header_errors_each_have_their_kind() -> None:
+    lay = LAYOUTS[1]
+    good = _header(lay)
+    cases = {
+        HeaderError.SHORT: good[:40],
+        HeaderError.MAGIC: b"NOTKALOS" + good[8:],
+        HeaderError.INITIALIZING: b"\x00" * 8 + good[8:],  # created, header not written yet
+        HeaderError.VERSION: _header(lay, version_major=2),
+    }
+    for kind, buf in cases.items():
+        with pytest.raises(HeaderError) as e:
+            P.decode_header(buf, lay.segment_size)
+        assert e.value.kind == kind, (kind, str(e.value))
+    with pytest.raises(HeaderError) as e:
+        P.decode_header(_header(lay, version_major=0), lay.segment_size)
+    assert e.value.kind == HeaderError.INITIALIZING
+    with pytest.raises(HeaderError) as e:  # the segment is smaller than the header says
+        P.decode_header(good, lay.segment_size - 1)
+    assert e.value.kind == HeaderError.CORRUPT
+    corrupt = bytearray(good)
+    struct.pack_into("<Q", corrupt, HEADER_OFFSETS["slot_size"], 12345)
+    with pytest.raises(HeaderError) as e:
+        P.decode_header(bytes(corrupt), lay.segment_size)
+    assert e.value.kind == HeaderError.CORRUPT
+
+
+def _req(**kw: int) -> Request:
+    base = dict(seq=1, op=Op.RECALL, flags=0, top_k=10, n_items=1, vec_len=4 * 97, args_len=0,
+                deadline_ns=0)  # fmt: skip
+    base.update(kw)
+    return Request(**base)
+
+
+def test_valid_requests_pass() -> None:
+    lay = LAYOUTS[1]
+    for req in [
+        _req(),
+        _req(n_items=lay.max_queries, vec_len=4 * 97 * lay.max_queries, top_k=1),
+        _req(op=Op.UPSERT, n_items=3, vec_len=3 * 4 * 97, args_len=100),
+        _req(op=Op.GET, vec_len=0, args_len=10),
+        _req(op=Op.PING, vec_len=0, top_k=0, n_items=0),
+        _req(flags=Flag.WITH_VECTORS | Flag.NO_DOCS),
+    ]:
+        P.validate_request(req, lay)
+
+
+@pytest.mark.parametrize(
+    ("kw", "status"),
+    [
+        ({"op": 99}, Status.BAD_OP),
+        ({"flags": 1 << 9}, Status.BAD_REQUEST),
+        ({"top_k": 0}, Status.BAD_REQUEST),
+        ({"top_k": 101}, Status.BAD_REQUEST),
+        ({"n_items": 0, "vec_len": 0}, Status.BAD_REQUEST),
+        ({"vec_len": 4 * 96}, Status.DIMENSION),
+        ({"vec_len": 4 * 97 + 2}, Status.BAD_REQUEST),
+        ({"args_len": 1 << 62}, Status.TOO_LARGE),
+        ({"vec_len": (1 << 64) - 4}, Status.TOO_LARGE),
+        ({"n_items": 4, "top_k": 100, "vec_len": 16 * 97}, Status.TOO_LARGE),  # 400 > 333 results
+        ({"op": Op.UPSERT, "vec_len": 0, "args_len": 5}, Status.DIMENSION),
+        ({"op": Op.UPSERT, "n_items": 2, "vec_len": 4 * 97, "args_len": 5}, Status.DIMENSION),
+        ({"op": Op.DELETE, "vec_len": 0, "args_len": 0}, Status.BAD_REQUEST),
+        ({"op": Op.GET, "vec_len": 4 * 97, "args_len": 5}, Status.BAD_REQUEST),
+    ],
+)
+def test_invalid_requests_get_their_status(kw: dict, status: int) -> None:
+    with pytest.raises(Invalid) as e:
+        P.validate_request(_req(**kw), LAYOUTS[1])
+    assert e.value.status == status and str(e.value)
+
+
+U64 = st.integers(0, 2**64 - 1)
+U32 = st.integers(0, 2**32 - 1)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(U64, st.sampled_from([*range(0, 12), 2**31, 2**32 - 1]), U32, U32, U32, U64, U64, U64)
+def test_validate_request_is_total_and_passing_requests_stay_in_the_slot(
+    seq: int, op: int, flags: int, k: int, n: int, vec_len: int, args_len: int, dl: int
+) -> None:
+    lay = LAYOUTS[1]
+    req = Request(seq, op, flags, k, n, vec_len, args_len, dl)
+    try:
+        P.validate_request(req, lay)
+    except Invalid as e:
+        assert e.status in P.STATUS_NAMES
+        return
+    assert P.align8(req.vec_len) + req.args_len <= lay.payload_size
+    if op == Op.RECALL:
+        assert req.n_items * req.top_k <= lay.max_results and req.top_k <= lay.max_k
+
+
+def test_recall_args_round_trip_and_fast_path() -> None:
+    assert P.encode_recall_args("", None) == b""
+    assert P.decode_recall_args(b"") == ("", None)
+    for ns, flt in [("ns", None), ("", b'{"a":1}'), ("naïve ☃", b'{"$or":[{"x":{"$gt":1}}]}')]:
+        ns2, flt2 = P.decode_recall_args(P.encode_recall_args(ns, flt))
+        assert ns2 == ns and (flt2 is None if flt is None else flt2 == __import__("json").loads(flt))
+
+
+@given(st.binary(max_size=64))
+def test_recall_args_decoder_only_raises_invalid(buf: bytes) -> None:
+    try:
+        P.decode_recall_args(buf)
+    except Invalid as e:
+        assert e.status == Status.BAD_REQUEST
+
+
+@pytest.mark.parametrize("buf", [b"\xff", b"[1,2]", b'{"a":NaN}', b'{"a": Infinity}', b"{", b"[" * 5000])
+def test_json_args_refuse_garbage(buf: bytes) -> None:
+    with pytest.raises(Invalid):
+        P.decode_json_args(buf)
+
+
+def test_docs_round_trip_with_and_without_vectors() -> None:
+    docs = [P.encode_doc("id-ü", "text ☃", b'{"k":[1,2]}', 1.5, 2.5), P.encode_doc("e", "", b"", 0, 0)]
+    views, vecs = P.decode_docs_blob(P.encode_docs_blob(docs), 3, False)
+    assert vecs is None
+    d0, d1 = (P.decode_doc(v) for v in views)
+    assert (d0.id, d0.text, d0.metadata, d0.created_at, d0.updated_at) == ("id-ü", "text ☃", {"k": [1, 2]}, 1.5, 2.5)
+    assert (d1.text, d1.metadata) == ("", {})
+    assert P.doc_id(views[0]) == "id-ü"
+    v = np.arange(6, dtype=np.float32).reshape(2, 3)
+    views, vecs = P.decode_docs_blob(P.encode_docs_blob(docs, v), 3, True)
+    assert vecs is not None and np.array_equal(vecs, v) and len(views) == 2
+    views, vecs = P.decode_docs_blob(P.encode_docs_blob([]), 3, False)
+    assert views == [] and vecs is None
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200), st.booleans())
+def test_docs_blob_decoder_only_raises_decode_error(blob: bytes, has_vectors: bool) -> None:
+    try:
+        views, _ = P.decode_docs_blob(blob, 3, has_vectors)
+        for v in views:
+            P.decode_doc(v)
+    except P.ProtocolDecodeError:
+        pass
+
+
+def test_check_vectors_names_the_argument() -> None:
+    assert P.check_vectors([1, 2, 3], 3, "q").shape == (1, 3)
+    with pytest.raises(ValueError, match=r"query has shape \(4,\).*dim=3"):
+        P.check_vectors([1, 2, 3, 4], 3, "query")
+    with pytest.raises(ValueError, match=r"vectors\[1\] contains NaN"):
+        P.check_vectors([[1, 2, 3], [1, np.nan, 3]], 3, "vectors")
+    with pytest.raises(ValueError, match="numeric"):
+        P.check_vectors(["a", "b", "c"], 3, "q")
+
+
+@pytest.mark.parametrize("name", ["", "-x", "a/b", "x" * 65, "sp ace", "é"])
+def test_names_are_checked(name: str) -> None:
+    with pytest.raises(ValueError, match="not a valid sidecar name"):
+        P.segment_name(name)
+
+
+def test_protocol_doc_lists_every_field_at_its_offset() -> None:
+    """docs/protocol.md is the human copy of these tables; it must not drift."""
+    doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    for table, offsets in (("header", HEADER_OFFSETS), ("slot", CTL_OFFSETS)):
+        for field, off in offsets.items():
+            assert re.search(rf"\|\s*{off}\s*\|[^|\n]*\|\s*`{field}`", doc), f"{table} field {field} @ {off}"
