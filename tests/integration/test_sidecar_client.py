@@ -265,3 +265,25 @@ def test_sidecar_rejects_what_a_misbehaving_client_sends(start_sidecar) -> None:
             c._call(Op.RECALL, vectors=np.ones((1, 4), np.float32), top_k=0, n_items=1)
         assert c.stats()["rejected_requests"] == 3
         assert c.ping() < 1.0
+
+
+def test_one_client_shared_by_many_threads(start_sidecar) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    dim = 17
+    data = np.random.default_rng(3).standard_normal((997, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, slots=6)
+    with sc.client(max_slots=4) as c:  # 12 threads on 4 slots: some queue for a slot
+        c.upsert([str(i) for i in range(len(data))], data)
+
+        def work(seed: int) -> int:
+            rng = np.random.default_rng(seed)
+            wrong = 0
+            for _ in range(150):
+                i = int(rng.integers(len(data)))
+                wrong += c.recall(data[i], k=2).ids[0] != str(i)
+            return wrong
+
+        with ThreadPoolExecutor(12) as ex:
+            assert sum(ex.map(work, range(12))) == 0
+        assert c.ping() < 1.0
