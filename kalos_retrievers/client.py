@@ -742,6 +742,8 @@ class KalosClient:
             while True:
                 if conn.dead:
                     raise SidecarUnavailable(f"sidecar {self.name!r} went away")
+                if not conn.free and any(s.pending for s in conn.owned):
+                    self._recover_pending(conn)  # answered since they were abandoned?
                 if conn.free:
                     return conn.free.pop()
                 if len(conn.owned) < self.max_slots:

@@ -1,0 +1,115 @@
+"""Document <-> row mapping, in one place.
+
+A LangChain ``Document`` is stored as one Kalos row: ``Document.id`` is the row id,
+``page_content`` the text, ``metadata`` the metadata, unchanged. Nothing is added to the
+metadata on the way in or out (no score, no internal key): scores travel beside the document,
+as LangChain's ``(Document, score)`` tuples.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+from langchain_core.documents import Document
+from langchain_core.vectorstores.utils import maximal_marginal_relevance
+
+from ..results import Hit, RecallResult, Record
+
+__all__ = ["Rows", "as_matrix", "docs_of", "mmr_of", "scored_of", "to_document", "to_rows"]
+
+
+def to_document(row: Hit | Record) -> Document:
+    """The Document a recall hit or a stored record stands for."""
+    return Document(page_content=row.text, metadata=row.metadata, id=row.id)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What one ``add_texts`` call writes: parallel lists, one entry per text."""
+
+    ids: list[str]
+    texts: list[str]
+    metadatas: list[Mapping[str, Any] | None]
+
+
+def to_rows(
+    texts: Iterable[str],
+    metadatas: Sequence[Mapping[str, Any] | None] | None,
+    ids: Sequence[str | None] | None,
+) -> Rows:
+    """Check ``add_texts`` arguments against each other and fill in missing ids.
+
+    An id that is ``None`` (``add_documents`` with some ``Document.id`` unset) gets a fresh
+    UUID, as does every row when ``ids`` is None.
+
+    Raises:
+        TypeError: ``texts`` or ``ids`` is a single string, or a text is not a string.
+        ValueError: ``metadatas`` or ``ids`` has a different length than ``texts``.
+    """
+    if isinstance(texts, str):
+        raise TypeError("texts must be a list of strings, not one string")
+    text_list = list(texts)
+    n = len(text_list)
+    for i, t in enumerate(text_list):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+    if metadatas is None:
+        metas: list[Mapping[str, Any] | None] = [None] * n
+    else:
+        metas = list(metadatas)
+        if len(metas) != n:
+            raise ValueError(f"metadatas has {len(metas)} entries but texts has {n}")
+    if ids is None:
+        id_list = [uuid.uuid4().hex for _ in range(n)]
+    else:
+        if isinstance(ids, str):
+            raise TypeError("ids must be a list of strings, not one string")
+        given = list(ids)
+        if len(given) != n:
+            raise ValueError(f"ids has {len(given)} entries but texts has {n}")
+        id_list = [uuid.uuid4().hex if x is None else x for x in given]
+    return Rows(id_list, text_list, metas)
+
+
+def as_matrix(vectors: Any, n: int, what: str) -> np.ndarray:
+    """Embedding output as an (n, d) float32 array.
+
+    Raises:
+        ValueError: the embedding model returned the wrong number of vectors or ragged ones.
+    """
+    try:
+        arr = np.asarray(vectors, dtype=np.float32)
+    except ValueError as e:
+        raise ValueError(f"{what} returned vectors of different lengths: {e}") from None
+    if n == 0:
+        return arr.reshape(0, arr.shape[-1] if arr.ndim == 2 else 0)
+    if arr.ndim != 2 or arr.shape[0] != n:
+        raise ValueError(f"{what} returned {arr.shape} for {n} texts; expected ({n}, dim)")
+    return arr
+
+
+def docs_of(res: RecallResult) -> list[Document]:
+    """The hits of a recall as Documents, best first."""
+    return [to_document(h) for h in res]
+
+
+def scored_of(res: RecallResult) -> list[tuple[Document, float]]:
+    """The hits as ``(Document, raw score)`` pairs, best first."""
+    return [(to_document(h), h.score) for h in res]
+
+
+def mmr_of(query: Any, res: RecallResult, k: int, lambda_mult: float) -> list[Document]:
+    """``k`` of the hits (recalled with their vectors) chosen by maximal marginal relevance."""
+    if not len(res):
+        return []
+    assert res.vectors is not None
+    # typed as list[list[float]], but it only ever calls np.array on it: no copy to lists
+    candidates = cast("list[list[float]]", res.vectors)
+    chosen = maximal_marginal_relevance(
+        np.asarray(query, dtype=np.float32), candidates, lambda_mult=lambda_mult, k=k
+    )
+    return [to_document(res[i]) for i in chosen]

@@ -1,0 +1,299 @@
+"""KalosRetriever: recall for LangChain chains that degrades to empty context.
+
+Two retrievers share one behaviour through :class:`~kalos_retrievers.Degrader`:
+
+* :class:`KalosRetriever`, the one to drop into a chain (similarity search with optional
+  relevance threshold, every option a field and an ``invoke`` keyword);
+* :class:`KalosVectorStoreRetriever`, what ``KalosVectorStore.as_retriever()`` returns
+  (LangChain's ``VectorStoreRetriever`` with ``similarity``, ``similarity_score_threshold``
+  and ``mmr``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForRetrieverRun,
+)
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.vectorstores import VectorStoreRetriever
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from ..degrade import Degrader
+from ..filters import validate_filter
+from ..results import RecallResult
+from ..scores import relevance_fn
+from ._convert import to_document
+from ._degraded import adegrade, degrade
+from .vectorstore import KalosVectorStore
+
+__all__ = ["KalosRetriever", "KalosVectorStoreRetriever"]
+
+_CALL_OPTIONS = frozenset({"k", "filter", "namespace", "score_threshold", "timeout"})
+
+
+class KalosRetriever(BaseRetriever):
+    """Retriever over a Kalos sidecar that never breaks the chain when the sidecar is down.
+
+    Setup:
+        ```bash
+        pip install kalos-retrievers
+        kalos-sidecar serve --name mem --dim 97 --device cpu   # --device auto uses a GPU
+        ```
+
+        or, from Python (tests, notebooks):
+
+        ```python
+        from kalos_retrievers import Sidecar
+
+        sidecar = Sidecar(dim=97, device="cpu").start()  # a made-up unique name
+        ```
+
+    Instantiate:
+        ```python
+        from langchain_core.embeddings import DeterministicFakeEmbedding
+        from kalos_retrievers.langchain import KalosRetriever
+
+        embeddings = DeterministicFakeEmbedding(size=97)  # your model, e.g. OpenAIEmbeddings()
+        # Nothing connects until the first call, so a chain can be built before the sidecar
+        # is up. KalosRetriever(vectorstore=store) reuses an existing KalosVectorStore.
+        retriever = KalosRetriever(embedding=embeddings, name=sidecar.name, k=2, timeout=0.25)
+        ```
+
+    Add:
+        ```python
+        retriever.vectorstore.add_texts(
+            ["Ada's favourite colour is teal", "Bob takes his coffee black", "Ada lives in Lisbon"],
+            metadatas=[{"user": "ada"}, {"user": "bob"}, {"user": "ada"}],
+            ids=["ada-colour", "bob-coffee", "ada-city"],
+        )
+        ```
+
+    Search:
+        ```python
+        docs = retriever.invoke("Ada lives in Lisbon", k=1)  # invoke-time options override fields
+        print(docs[0].page_content, docs[0].id)
+        docs = retriever.invoke("Bob takes his coffee black", filter={"user": {"$eq": "ada"}})
+        print(sorted(d.id for d in docs))
+        ```
+
+        ```text
+        Ada lives in Lisbon ada-city
+        ['ada-city', 'ada-colour']
+        ```
+
+    Retriever:
+        ```python
+        from langchain_core.prompts import ChatPromptTemplate
+        from langchain_core.runnables import RunnablePassthrough
+
+        def format_docs(docs):
+            return "\\n".join(d.page_content for d in docs)
+
+        prompt = ChatPromptTemplate.from_template("Context:\\n{context}\\n\\nQuestion: {question}")
+        chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt
+        print("Lisbon" in chain.invoke("Ada lives in Lisbon").to_string())
+        ```
+
+        ```text
+        True
+        ```
+
+    Async:
+        ```python
+        docs = await retriever.ainvoke("Bob takes his coffee black", k=1)
+        print(docs[0].metadata)
+        ```
+
+        ```text
+        {'user': 'bob'}
+        ```
+
+    Timeouts:
+        When the sidecar is absent, stopped, killed mid-call, or misses the deadline
+        (``timeout``; None: the store's), ``invoke``/``ainvoke`` return ``[]`` within the
+        deadline plus a few milliseconds, log one WARNING per episode (and one INFO line when
+        recall works again), count it in ``retriever.degrader`` and dispatch the callback event
+        ``kalos_degraded`` (``on_custom_event`` in a callback handler, or ``astream_events``).
+        ``on_error="raise"`` raises :class:`~kalos_retrievers.SidecarUnavailable` /
+        :class:`~kalos_retrievers.SidecarTimeout` instead. The retriever reconnects by itself
+        when the sidecar is back. Bad arguments and misconfiguration always raise.
+
+        ```python
+        sidecar.stop()
+        print(retriever.invoke("Ada lives in Lisbon"), retriever.degrader.episodes)
+        print(chain.invoke("Ada lives in Lisbon").to_string())  # the chain still answers
+        ```
+
+        ```text
+        [] 1
+        Human: Context:
+
+
+        Question: Ada lives in Lisbon
+        ```
+
+    Args:
+        vectorstore: the :class:`KalosVectorStore` to search; or pass ``embedding`` with
+            ``name`` (a sidecar's name) or ``client`` and one is made.
+        k: how many documents.
+        namespace: search this namespace (None: the store's).
+        filter: metadata filter (``$`` operators, see :mod:`kalos_retrievers.filters`).
+        score_threshold: keep documents whose relevance (in [0, 1], see
+            ``KalosVectorStore._select_relevance_score_fn``) is at least this.
+        timeout: deadline of each recall in seconds (None: the store's).
+        on_error: ``"empty"`` to degrade to ``[]`` on an unavailable or slow sidecar,
+            ``"raise"`` to raise.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    vectorstore: KalosVectorStore
+    k: int = Field(default=4, ge=1)
+    namespace: str | None = None
+    filter: Mapping[str, Any] | None = None
+    score_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    timeout: float | None = Field(default=None, gt=0.0)
+    on_error: Literal["empty", "raise"] = "empty"
+    _degrader: Degrader = PrivateAttr()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _make_store(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "vectorstore" in data:
+            return data
+        data = dict(data)
+        embedding = data.pop("embedding", None)
+        name, client = data.pop("name", None), data.pop("client", None)
+        if embedding is None:
+            raise ValueError(
+                "KalosRetriever needs vectorstore=KalosVectorStore(...), or embedding= "
+                "together with name= (a sidecar's --name) or client= (a KalosClient)"
+            )
+        data["vectorstore"] = KalosVectorStore(embedding, name=name, client=client)
+        return data
+
+    @field_validator("filter", mode="before")
+    @classmethod
+    def _check_filter(cls, value: Any) -> Any:
+        validate_filter(value)  # a callable raises TypeError with how to fix it
+        return value
+
+    def model_post_init(self, context: Any, /) -> None:
+        super().model_post_init(context)
+        self._degrader = Degrader(f"KalosRetriever(name={self.vectorstore.client.name!r})",
+                                  self.on_error)  # fmt: skip
+
+    @property
+    def degrader(self) -> Degrader:
+        """Counts of degraded calls (``degraded_calls``) and outages (``episodes``)."""
+        return self._degrader
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        k, flt, namespace, threshold, timeout = self._options(kwargs)
+        store = self.vectorstore
+        vector = store.embedding.embed_query(query)
+        try:
+            res = store._recall(vector, k, flt, namespace, store._deadline(timeout))
+        except Exception as exc:
+            if degrade(self._degrader, exc, store.client.name, run_manager):
+                return []
+            raise
+        self._degrader.succeeded()
+        return self._documents(res, threshold)
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        k, flt, namespace, threshold, timeout = self._options(kwargs)
+        store = self.vectorstore
+        vector = await store.embedding.aembed_query(query)
+        try:
+            res = await store._arecall(vector, k, flt, namespace, timeout)
+        except Exception as exc:
+            if await adegrade(self._degrader, exc, store.client.name, run_manager):
+                return []
+            raise
+        self._degrader.succeeded()
+        return self._documents(res, threshold)
+
+    def _options(
+        self, kwargs: dict[str, Any]
+    ) -> tuple[int, Any, str | None, float | None, float | None]:
+        if not kwargs:
+            return self.k, self.filter, self.namespace, self.score_threshold, self.timeout
+        extra = kwargs.keys() - _CALL_OPTIONS
+        if extra:
+            raise TypeError(
+                f"KalosRetriever.invoke() got unexpected keyword arguments {sorted(extra)}; "
+                f"it takes {sorted(_CALL_OPTIONS)}"
+            )
+        flt = kwargs.get("filter", self.filter)
+        validate_filter(flt)
+        threshold = kwargs.get("score_threshold", self.score_threshold)
+        if threshold is not None and not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"score_threshold={threshold!r} must be a relevance in [0, 1]")
+        return (kwargs.get("k", self.k), flt, kwargs.get("namespace", self.namespace), threshold,
+                kwargs.get("timeout", self.timeout))  # fmt: skip
+
+    def _documents(self, res: RecallResult, threshold: float | None) -> list[Document]:
+        if threshold is None:
+            return [to_document(h) for h in res]
+        fn = relevance_fn(self.vectorstore.client.metric)
+        return [to_document(h) for h in res if fn(h.score) >= threshold]
+
+
+class KalosVectorStoreRetriever(VectorStoreRetriever):
+    """What :meth:`KalosVectorStore.as_retriever` returns: LangChain's ``VectorStoreRetriever``
+    (``search_type`` ``"similarity"``, ``"similarity_score_threshold"`` or ``"mmr"``,
+    ``search_kwargs``) with :class:`KalosRetriever`'s degradation: an unavailable or slow
+    sidecar gives ``[]``, one warning per episode, and a ``kalos_degraded`` event, unless
+    ``on_error="raise"``.
+    """
+
+    vectorstore: KalosVectorStore
+    on_error: Literal["empty", "raise"] = "empty"
+    _degrader: Degrader = PrivateAttr()
+
+    def model_post_init(self, context: Any, /) -> None:
+        super().model_post_init(context)
+        self._degrader = Degrader(
+            f"KalosVectorStoreRetriever(name={self.vectorstore.client.name!r}, "
+            f"search_type={self.search_type!r})",
+            self.on_error,
+        )
+
+    @property
+    def degrader(self) -> Degrader:
+        """Counts of degraded calls (``degraded_calls``) and outages (``episodes``)."""
+        return self._degrader
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        try:
+            docs = super()._get_relevant_documents(query, run_manager=run_manager, **kwargs)
+        except Exception as exc:
+            if degrade(self._degrader, exc, self.vectorstore.client.name, run_manager):
+                return []
+            raise
+        self._degrader.succeeded()
+        return docs
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        try:
+            docs = await super()._aget_relevant_documents(query, run_manager=run_manager, **kwargs)
+        except Exception as exc:
+            if await adegrade(self._degrader, exc, self.vectorstore.client.name, run_manager):
+                return []
+            raise
+        self._degrader.succeeded()
+        return docs

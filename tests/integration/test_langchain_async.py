@@ -1,0 +1,171 @@
+"""The ``a*`` paths do not block the event loop, and cancelling one leaves the client usable.
+
+Responsiveness is measured by a ticker task that sleeps 1 ms at a time and records the longest
+gap between its wake-ups. The negative control runs the blocking ``invoke`` inside coroutines
+and shows that the ticker does see a blocked loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from langchain_core.embeddings import DeterministicFakeEmbedding
+
+from kalos_retrievers import Sidecar
+from kalos_retrievers.langchain import KalosRetriever, KalosVectorStore
+
+DIM = 97
+N_DOCS = 77
+EMB = DeterministicFakeEmbedding(size=DIM)
+TEXTS = [f"memory {i}" for i in range(N_DOCS)]
+
+
+async def max_loop_gap(work: Callable[[], Awaitable[Any]]) -> tuple[Any, float]:
+    """Start ``work()`` once a 1 ms ticker runs; return its result and the longest gap seen."""
+    gaps = [0.0]
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    try:
+        result = await work()
+    finally:
+        done.set()
+        await tick
+    return result, max(gaps)
+
+
+@pytest.fixture
+def retriever(start_sidecar: Callable[..., Sidecar]) -> tuple[Sidecar, KalosRetriever]:
+    sc = start_sidecar(dim=DIM)
+    store = KalosVectorStore(EMB, name=sc.name)
+    store.add_texts(TEXTS, [{"i": i} for i in range(N_DOCS)], ids=[f"m{i}" for i in range(N_DOCS)])
+    return sc, KalosRetriever(vectorstore=store, k=3)
+
+
+async def test_100_concurrent_ainvoke(retriever: tuple[Sidecar, KalosRetriever]) -> None:
+    _sc, r = retriever
+    queries = [TEXTS[(i * 7) % N_DOCS] for i in range(100)]
+    results, gap = await max_loop_gap(lambda: asyncio.gather(*(r.ainvoke(q) for q in queries)))
+    assert [res[0].page_content for res in results] == queries
+    assert all(len(res) == 3 for res in results)
+    assert gap < 0.1, gap
+
+
+async def test_100_concurrent_ainvoke_on_paused_sidecar(
+    retriever: tuple[Sidecar, KalosRetriever],
+) -> None:
+    sc, r = retriever
+    sc.kill(signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        results, gap = await max_loop_gap(
+            lambda: asyncio.gather(*(r.ainvoke(f"q{i}", timeout=0.3) for i in range(100)))
+        )
+        took = time.perf_counter() - t0
+    finally:
+        sc.kill(signal.SIGCONT)
+    assert results == [[]] * 100
+    # every call's deadline covers its wait for a worker thread, so 100 calls on a few
+    # threads still end at about one timeout, not at 100 / threads timeouts
+    assert took < 0.3 + 0.25, took
+    assert gap < 0.1, gap  # the loop kept running while 100 calls waited
+    assert r.degrader.degraded_calls == 100
+    assert r.degrader.episodes == 1
+    # the abandoned requests hold every slot until the sidecar answers them; the client takes
+    # them back while this call waits (test_abandoned_slots_reclaimed_while_waiting)
+    docs = await r.ainvoke(TEXTS[5])
+    assert docs[0].id == "m5"  # abandoned requests did not poison the client
+
+
+async def test_abandoned_slots_reclaimed_while_waiting(
+    retriever: tuple[Sidecar, KalosRetriever],
+) -> None:
+    sc, r = retriever
+    store = r.vectorstore
+    n = store.client.max_slots
+    sc.kill(signal.SIGSTOP)
+    try:
+        # every slot this client may hold gets an abandoned (timed-out) request
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(r.invoke, f"q{i}", timeout=0.2) for i in range(n)]
+            assert [f.result() for f in futures] == [[]] * n
+        conn = store.client._conn  # precondition only: all of them are held, pending
+        assert conn is not None
+        assert sum(1 for s in conn.owned if s.pending) == n
+        # a call that starts while the sidecar is still paused, which resumes 0.1 s later
+        call = asyncio.create_task(r.ainvoke(TEXTS[5], timeout=1.0))
+        await asyncio.sleep(0.1)
+    finally:
+        sc.kill(signal.SIGCONT)
+    docs = await call
+    assert [d.id for d in docs][:1] == ["m5"]
+
+
+async def test_blocking_control_is_detected(retriever: tuple[Sidecar, KalosRetriever]) -> None:
+    """Negative control: the sync path called from coroutines does block the loop, and the
+    ticker sees it; so the gap bound above would catch an ``ainvoke`` that blocked."""
+    sc, r = retriever
+
+    async def blocking(i: int) -> Any:
+        return r.invoke(f"q{i}", timeout=0.3)
+
+    sc.kill(signal.SIGSTOP)
+    try:
+        results, gap = await max_loop_gap(lambda: asyncio.gather(*(blocking(i) for i in range(3))))
+    finally:
+        sc.kill(signal.SIGCONT)
+    assert results == [[]] * 3
+    assert gap >= 0.25, gap
+
+
+@pytest.mark.parametrize("resume", [True, False])
+async def test_cancel_leaves_client_usable(
+    retriever: tuple[Sidecar, KalosRetriever], resume: bool
+) -> None:
+    """Cancel an ``ainvoke`` that waits on a paused sidecar; afterwards the same retriever,
+    store and client work. ``resume=False`` is the negative control: without SIGCONT the
+    final check sees ``[]``, so the check can fail."""
+    sc, r = retriever
+    store = r.vectorstore
+    sc.kill(signal.SIGSTOP)
+    try:
+        task = asyncio.create_task(r.ainvoke(TEXTS[9], timeout=0.3))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # also cancel one that has not reached its worker thread yet
+        early = asyncio.create_task(store.asimilarity_search(TEXTS[9], k=1))
+        early.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await early
+        await asyncio.sleep(0.4)  # the abandoned request passes its deadline in its thread
+    finally:
+        if resume:
+            sc.kill(signal.SIGCONT)
+    try:
+        docs = await r.ainvoke(TEXTS[9], timeout=0.3)
+        if resume:
+            assert [d.id for d in docs] == ["m9", *[d.id for d in docs[1:]]]
+            assert (await store.asimilarity_search(TEXTS[10], k=1))[0].id == "m10"
+            assert r.invoke(TEXTS[11])[0].id == "m11"
+        else:
+            assert docs == []
+    finally:
+        sc.kill(signal.SIGCONT)

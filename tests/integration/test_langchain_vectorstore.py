@@ -1,0 +1,318 @@
+"""KalosVectorStore against real CPU sidecars: ids, metadata, filters, namespaces, scores, MMR,
+retrievers from ``as_retriever()``, constructors, and every ``a*`` method."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from langchain_core.documents import Document
+from langchain_core.embeddings import DeterministicFakeEmbedding, Embeddings
+
+from kalos_retrievers import KalosClient, Sidecar, SidecarUnavailable
+from kalos_retrievers.langchain import KalosVectorStore, KalosVectorStoreRetriever
+
+
+class WordHashEmbedding(Embeddings):
+    """Bag of words hashed into ``dim`` buckets: texts sharing words are close. Offline."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def _one(self, text: str) -> list[float]:
+        v = np.zeros(self.dim)
+        for w in text.lower().replace("?", " ").replace(".", " ").split():
+            v[zlib.crc32(w.encode()) % self.dim] += 1.0
+        v[0] += 1e-3  # never all zeros
+        return v.tolist()
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return [self._one(t) for t in texts]
+
+    def embed_query(self, text: str) -> list[float]:
+        return self._one(text)
+
+
+TEXTS = ["apples are red", "bananas are yellow", "cherries are red", "the sky is blue",
+         "grass is green", "snow is white", "coal is black"]  # fmt: skip
+METAS: list[dict[str, Any]] = [
+    {"kind": "fruit", "colour": "red", "n": 1, "tags": ["sweet", "crisp"]},
+    {"kind": "fruit", "colour": "yellow", "n": 2, "tags": ["sweet"]},
+    {"kind": "fruit", "colour": "red", "n": 3, "tags": ["sour"]},
+    {"kind": "nature", "colour": "blue", "n": 4, "nested": {"a": [1, 2, {"b": None}]}},
+    {"kind": "nature", "colour": "green", "n": 5},
+    {"kind": "nature", "colour": "white", "n": 6},
+    {"kind": "mineral", "colour": "black", "n": 7, "unicode": "schwarz \u00e4 \u2603"},
+]
+
+
+@pytest.fixture(scope="module")
+def sidecar97(shared_sidecar: Sidecar) -> Iterator[Sidecar]:
+    """One dim-97 sidecar for the module (its name extends the run-unique shared one)."""
+    sc = Sidecar(f"{shared_sidecar.name}v97", dim=97, device="cpu", startup_timeout=60.0)
+    sc.start()
+    yield sc
+    sc.stop()
+    sc.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def store(sidecar97: Sidecar, make_name: Callable[[], str]) -> Iterator[KalosVectorStore]:
+    """The seven TEXTS in a namespace of the test's own."""
+    s = KalosVectorStore(WordHashEmbedding(97), name=sidecar97.name, namespace=make_name())
+    s.add_texts(TEXTS, METAS, ids=[f"t{i}" for i in range(len(TEXTS))])
+    yield s
+    for ns in s.client.namespaces():
+        if ns.startswith(s.namespace):
+            s.client.delete_namespace(ns)
+    s.close()
+
+
+def test_ids_given_generated_and_from_documents(store: KalosVectorStore) -> None:
+    docs = [Document("with id", metadata={"x": 1}, id="doc-a"), Document("without id")]
+    ids = store.add_documents(docs)
+    assert ids[0] == "doc-a"
+    assert isinstance(ids[1], str)
+    assert len(ids[1]) >= 16
+    assert ids[1] != "doc-a"
+    assert docs == [Document("with id", metadata={"x": 1}, id="doc-a"), Document("without id")]
+    got = store.get_by_ids(["doc-a", ids[1], "nope"])
+    assert got == [Document("with id", metadata={"x": 1}, id="doc-a"),
+                   Document("without id", metadata={}, id=ids[1])]  # fmt: skip
+    # explicit ids win over Document.id, as VectorStore.add_documents documents
+    assert store.add_documents([Document("z", id="ignored")], ids=["explicit"]) == ["explicit"]
+    assert store.get_by_ids(["ignored"]) == []
+
+
+def test_same_id_overwrites(store: KalosVectorStore) -> None:
+    store.add_texts(["apples are green now"], [{"kind": "changed"}], ids=["t0"])
+    assert store.client.count(store.namespace) == len(TEXTS)
+    (doc,) = store.get_by_ids(["t0"])
+    assert doc == Document("apples are green now", metadata={"kind": "changed"}, id="t0")
+    top = store.similarity_search("apples green now", k=1)[0]
+    assert top.id == "t0"
+
+
+def test_metadata_returned_unchanged(store: KalosVectorStore) -> None:
+    for i, text in enumerate(TEXTS):
+        for doc, _score in store.similarity_search_with_score(text, k=len(TEXTS)):
+            assert doc.metadata == METAS[int(doc.id[1:])]  # no score, no internal key
+        assert store.similarity_search(text, k=1)[0].id == f"t{i}"
+    assert store.get_by_ids(["t3"])[0].metadata == METAS[3]
+
+
+def test_empty_page_content_round_trips(store: KalosVectorStore) -> None:
+    ids = store.add_documents([Document("", metadata={"e": True}, id="empty"),
+                               Document("not empty", id="full")])  # fmt: skip
+    assert ids == ["empty", "full"]
+    assert sorted(store.get_by_ids(ids), key=lambda d: d.id or "") == [
+        Document("", metadata={"e": True}, id="empty"),
+        Document("not empty", metadata={}, id="full"),
+    ]
+
+
+def test_delete(store: KalosVectorStore) -> None:
+    assert store.delete(["t0", "t1", "missing"]) is True
+    assert store.get_by_ids(["t0", "t1", "t2"]) == [store.get_by_ids(["t2"])[0]]
+    assert store.delete(filter={"kind": "nature"}) is True
+    assert {d.id for d in store.similarity_search("is", k=10)} == {"t2", "t6"}
+    with pytest.raises(ValueError, match="delete_namespace"):
+        store.delete()
+
+
+@pytest.mark.parametrize(
+    ("flt", "expected"),
+    [
+        ({"colour": "red"}, {"t0", "t2"}),
+        ({"colour": {"$in": ["red", "blue"]}}, {"t0", "t2", "t3"}),
+        ({"n": {"$gte": 3, "$lt": 6}}, {"t2", "t3", "t4"}),
+        ({"tags": {"$contains": "sweet"}}, {"t0", "t1"}),
+        ({"$or": [{"kind": "mineral"}, {"n": {"$lte": 1}}]}, {"t0", "t6"}),
+        ({"kind": {"$ne": "fruit"}, "colour": {"$nin": ["blue"]}}, {"t4", "t5", "t6"}),
+        ({"$not": {"kind": {"$in": ["fruit", "nature"]}}}, {"t6"}),
+        ({"nested": {"$exists": True}}, {"t3"}),
+    ],
+)
+def test_filters(store: KalosVectorStore, flt: dict[str, Any], expected: set[str]) -> None:
+    # the true top-k among matching rows: k larger than the matches returns exactly them
+    docs = store.similarity_search("coal is black", k=len(TEXTS), filter=flt)
+    assert {d.id for d in docs} == expected
+    # and k=1 still finds a match even when the nearest row overall does not match
+    assert store.similarity_search("coal is black", k=1, filter=flt)[0].id in expected
+
+
+def test_callable_filter_refused(store: KalosVectorStore) -> None:
+    with pytest.raises(TypeError, match=r"callable.*pass a dict"):
+        store.similarity_search("x", filter=lambda doc: True)
+    with pytest.raises(TypeError, match="callable"):
+        store.as_retriever(search_kwargs={"filter": lambda doc: True}).invoke("x")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        store.similarity_search("x", filters={"a": 1})
+
+
+def test_namespaces(store: KalosVectorStore) -> None:
+    ns_b = f"{store.namespace}-b"
+    store.add_texts(["apples are red"], [{"tenant": "b"}], ids=["t0"], namespace=ns_b)
+    assert store.similarity_search("apples are red", k=10, namespace=ns_b) == [
+        Document("apples are red", metadata={"tenant": "b"}, id="t0")
+    ]
+    assert store.get_by_ids(["t0"])[0].metadata == METAS[0]
+    assert store.client.count(ns_b) == 1
+    b = KalosVectorStore(store.embedding, client=store.client, namespace=ns_b)
+    assert [d.id for d in b.similarity_search("anything", k=10)] == ["t0"]
+    b.delete(["t0"])
+    assert b.similarity_search("anything", k=10) == []
+    assert store.get_by_ids(["t0"])[0].metadata == METAS[0]
+    b.close()  # a store given a client= does not close it
+    assert store.similarity_search("apples", k=1)[0].id == "t0"
+
+
+def test_similarity_search_by_vector_and_scores(store: KalosVectorStore) -> None:
+    vec = store.embedding.embed_query("snow is white")
+    assert store.similarity_search_by_vector(vec, k=1)[0].id == "t5"
+    pairs = store.similarity_search_with_score("snow is white", k=3)
+    scores = [s for _, s in pairs]
+    assert scores == sorted(scores, reverse=True)
+    assert math.isclose(scores[0], 1.0, abs_tol=1e-5)  # cosine of a vector with itself
+
+
+@pytest.mark.parametrize("metric", ["cosine", "ip", "l2"])
+def test_relevance_scores_in_unit_interval(
+    start_sidecar: Callable[..., Sidecar], metric: str
+) -> None:
+    sc = start_sidecar(dim=3, metric=metric)
+    with KalosVectorStore(WordHashEmbedding(3), name=sc.name) as store:
+        store.add_texts(TEXTS, METAS)
+        raw = store.similarity_search_with_score("apples are red", k=7)
+        rel = store.similarity_search_with_relevance_scores("apples are red", k=7)
+        assert [d for d, _ in raw] == [d for d, _ in rel]
+        values = [r for _, r in rel]
+        assert all(0.0 <= r <= 1.0 for r in values)
+        assert values == sorted(values, reverse=True)  # monotone in the raw score
+        fn = store._select_relevance_score_fn()
+        assert fn(raw[0][1]) == values[0]
+        thr = store.similarity_search_with_relevance_scores(
+            "apples are red", k=7, score_threshold=values[2]
+        )
+        assert len(thr) >= 3
+        assert all(r >= values[2] for _, r in thr)
+
+
+def test_max_marginal_relevance(start_sidecar: Callable[..., Sidecar]) -> None:
+    sc = start_sidecar(dim=3)
+    with KalosVectorStore(DeterministicFakeEmbedding(size=3), name=sc.name) as store:
+        # three near-duplicates of the query direction and one different row
+        store.client.upsert(["d1", "d2", "d3", "x"],
+                            [[1, 0, 0], [0.99, 0.01, 0], [0.98, 0.02, 0], [0.5, 0.5, 0.7]],
+                            texts=["d1", "d2", "d3", "x"])  # fmt: skip
+        q = [1.0, 0.0, 0.0]
+        assert [d.id for d in store.similarity_search_by_vector(q, k=2)] == ["d1", "d2"]
+        mmr = store.max_marginal_relevance_search_by_vector(q, k=2, fetch_k=4, lambda_mult=0.1)
+        assert [d.id for d in mmr] == ["d1", "x"]
+        same = store.max_marginal_relevance_search_by_vector(q, k=2, fetch_k=4, lambda_mult=1.0)
+        assert [d.id for d in same] == ["d1", "d2"]
+        assert store.max_marginal_relevance_search("anything", k=3, fetch_k=1)  # fetch_k < k
+        assert store.max_marginal_relevance_search_by_vector(q, k=2, filter={"no": 1}) == []
+
+
+def test_as_retriever_search_types(store: KalosVectorStore) -> None:
+    sim = store.as_retriever(search_kwargs={"k": 2, "filter": {"kind": "fruit"}})
+    assert isinstance(sim, KalosVectorStoreRetriever)
+    assert [d.id for d in sim.invoke("cherries are red")] == ["t2", "t0"]
+    thr = store.as_retriever(search_type="similarity_score_threshold",
+                             search_kwargs={"score_threshold": 0.99, "k": 5})  # fmt: skip
+    assert [d.id for d in thr.invoke("grass is green")] == ["t4"]
+    mmr = store.as_retriever(search_type="mmr", search_kwargs={"k": 3, "fetch_k": 7})
+    docs = mmr.invoke("apples are red")
+    assert len(docs) == 3
+    assert docs[0].id == "t0"
+    assert [d.id for d in sim.invoke("x", k=1, namespace="nothing-here")] == []
+
+
+def test_from_texts_spawns_and_owns_the_sidecar() -> None:
+    store = KalosVectorStore.from_texts(
+        TEXTS, WordHashEmbedding(97), METAS, ids=[f"t{i}" for i in range(7)], device="cpu"
+    )
+    try:
+        assert store.client.dim == 97
+        assert store.similarity_search("snow is white", k=1)[0].id == "t5"
+        name = store.client.name
+    finally:
+        store.close()
+    with pytest.raises(SidecarUnavailable):
+        KalosClient(name)
+
+
+def test_from_documents_into_running_sidecar(start_sidecar: Callable[..., Sidecar]) -> None:
+    sc = start_sidecar(dim=97)
+    docs = [
+        Document(t, metadata=m, id=f"d{i}")
+        for i, (t, m) in enumerate(zip(TEXTS, METAS, strict=True))
+    ]
+    store = KalosVectorStore.from_documents(docs, WordHashEmbedding(97), name=sc.name,
+                                            namespace="ns")  # fmt: skip
+    assert store.get_by_ids(["d6"], namespace="ns") == [docs[6]]
+    assert store.client.namespaces() == {"ns": 7}
+    store.close()
+    assert sc.proc is not None
+    assert sc.proc.poll() is None
+    with pytest.raises(TypeError, match="only apply when from_texts starts a sidecar"):
+        KalosVectorStore.from_texts(["a"], WordHashEmbedding(97), name=sc.name, device="cpu")
+
+
+def test_dimension_mismatch_says_how_to_fix(shared_sidecar: Sidecar) -> None:
+    assert shared_sidecar.dim == 8
+    store = KalosVectorStore(DeterministicFakeEmbedding(size=6), name=shared_sidecar.name)
+    with pytest.raises(ValueError, match=r"6-dimensional .* 8-dimensional .* --dim 6"):
+        store.add_texts(["a"])
+    with pytest.raises(ValueError, match="--dim 6"):
+        store.similarity_search("a")
+
+
+def test_construction_never_needs_the_sidecar(make_name: Callable[[], str]) -> None:
+    store = KalosVectorStore(DeterministicFakeEmbedding(size=3), name=make_name())
+    retriever = store.as_retriever()
+    with pytest.raises(SidecarUnavailable, match="start one with"):
+        store.similarity_search("x")  # the store raises; its retrievers degrade
+    assert retriever.invoke("x") == []
+
+
+async def test_async_methods(start_sidecar: Callable[..., Sidecar]) -> None:
+    sc = start_sidecar(dim=97)
+    emb = WordHashEmbedding(97)
+    store = KalosVectorStore(emb, name=sc.name)
+    ids = await store.aadd_texts(TEXTS, METAS, ids=[f"t{i}" for i in range(7)], batch_size=3)
+    assert ids == [f"t{i}" for i in range(7)]
+    assert await store.aadd_documents([Document("", id="e"), Document("x y", id="f")]) == ["e", "f"]
+    assert [d.id for d in await store.aget_by_ids(["t1", "nope", "e"])] == ["t1", "e"]
+    assert (await store.asimilarity_search("snow is white", k=1))[0].id == "t5"
+    pairs = await store.asimilarity_search_with_score("snow is white", k=2)
+    assert pairs[0][0].id == "t5"
+    assert pairs[0][1] > pairs[1][1]
+    rel = await store.asimilarity_search_with_relevance_scores("snow is white", k=2)
+    assert [d for d, _ in rel] == [d for d, _ in pairs]
+    assert all(0 <= r <= 1 for _, r in rel)
+    vec = emb.embed_query("coal is black")
+    assert (await store.asimilarity_search_by_vector(vec, k=1))[0].id == "t6"
+    mmr = await store.amax_marginal_relevance_search("fruit red", k=2, filter={"kind": "fruit"})
+    assert len(mmr) == 2
+    assert all(d.metadata["kind"] == "fruit" for d in mmr)
+    mmr_v = await store.amax_marginal_relevance_search_by_vector(vec, k=1)
+    assert mmr_v[0].id == "t6"
+    assert [d.id for d in await store.asearch("grass is green", "similarity", k=1)] == ["t4"]
+    assert await store.adelete(["t4", "nope"]) is True
+    assert await store.aget_by_ids(["t4"]) == []
+    with pytest.raises(TypeError, match="callable"):
+        await store.asimilarity_search("x", filter=lambda d: True)
+    spawned = await KalosVectorStore.afrom_texts(["solo"], emb, ids=["s"], device="cpu")
+    try:
+        assert (await spawned.aget_by_ids(["s"]))[0].page_content == "solo"
+    finally:
+        spawned.close()
+    other = await KalosVectorStore.afrom_documents([Document("q", id="q")], emb, name=sc.name,
+                                                   namespace="af")  # fmt: skip
+    assert [d.id for d in await other.asimilarity_search("q", k=5)] == ["q"]

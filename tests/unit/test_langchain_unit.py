@@ -1,0 +1,148 @@
+"""LangChain adapter pieces that need no sidecar: argument checks, Document<->row mapping,
+construction without a running sidecar, the degradation event payload."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from langchain_core.documents import Document
+from langchain_core.embeddings import DeterministicFakeEmbedding
+from pydantic import ValidationError
+
+from kalos_retrievers import Degrader, Hit, KalosClient, Record, SidecarTimeout
+from kalos_retrievers.langchain import KalosRetriever, KalosVectorStore
+from kalos_retrievers.langchain._convert import as_matrix, to_document, to_rows
+from kalos_retrievers.langchain._degraded import _event_data
+
+EMB = DeterministicFakeEmbedding(size=3)
+
+
+def absent_name() -> str:
+    return f"lcunit{uuid.uuid4().hex[:10]}"
+
+
+# ------------------------------------------------------------------ mapping
+
+
+def test_to_document_keeps_metadata_unchanged() -> None:
+    meta = {"a": 1, "nested": {"b": [1, 2]}}
+    hit = Hit("id-1", 0.5, "text", meta)
+    assert to_document(hit) == Document("text", metadata={"a": 1, "nested": {"b": [1, 2]}},
+                                        id="id-1")  # fmt: skip
+    rec = Record("id-2", "", {}, "ns")
+    assert to_document(rec) == Document("", metadata={}, id="id-2")
+
+
+def test_to_rows_fills_missing_ids_only() -> None:
+    rows = to_rows(["a", "b", "c"], None, ["x", None, "z"])
+    assert rows.ids[0] == "x"
+    assert rows.ids[2] == "z"
+    assert isinstance(rows.ids[1], str)
+    assert len(rows.ids[1]) == 32
+    generated = to_rows(iter(["a", "b"]), [{"m": 1}, None], None)
+    assert len(set(generated.ids)) == 2
+    assert generated.metadatas == [{"m": 1}, None]
+    assert generated.texts == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("args", "exc", "match"),
+    [
+        ((["a", "b"], [{}], None), ValueError, "metadatas has 1 entries but texts has 2"),
+        ((["a"], None, ["x", "y"]), ValueError, "ids has 2 entries but texts has 1"),
+        (("abc", None, None), TypeError, "not one string"),
+        ((["a"], None, "x"), TypeError, "not one string"),
+        ((["a", 3], None, None), TypeError, r"texts\[1\] must be a str"),
+    ],
+)
+def test_to_rows_errors(args: tuple, exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=match):
+        to_rows(*args)
+
+
+def test_as_matrix() -> None:
+    assert as_matrix([[1, 2, 3]], 1, "e").shape == (1, 3)
+    with pytest.raises(ValueError, match="different lengths"):
+        as_matrix([[1, 2], [1, 2, 3]], 2, "embed_documents")
+    with pytest.raises(ValueError, match=r"for 2 texts"):
+        as_matrix([[1, 2, 3]], 2, "embed_documents")
+
+
+# ------------------------------------------------------------------ construction
+
+
+def test_store_construction_needs_no_sidecar() -> None:
+    store = KalosVectorStore(EMB, name=absent_name(), timeout=0.5)
+    assert store.client.timeout == 0.5
+    assert not store.client.connected
+    assert store.embeddings is EMB
+    retriever = KalosRetriever(embedding=EMB, name=absent_name())
+    assert retriever.k == 4
+    assert retriever.on_error == "empty"
+    assert store.as_retriever(search_kwargs={"k": 2}).search_kwargs == {"k": 2}
+
+
+def test_store_needs_exactly_one_of_name_and_client() -> None:
+    with pytest.raises(ValueError, match=r"exactly one of name= .* and client="):
+        KalosVectorStore(EMB)
+    client = KalosClient(absent_name(), lazy=True)
+    with pytest.raises(ValueError, match="exactly one"):
+        KalosVectorStore(EMB, name="x", client=client)
+    with pytest.raises(TypeError, match="Embeddings"):
+        KalosVectorStore(object(), name="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        KalosVectorStore(EMB, name="x", timeout=0)
+
+
+def test_retriever_field_checks() -> None:
+    name = absent_name()
+    with pytest.raises(TypeError, match=r"callable.*pass a dict"):
+        KalosRetriever(embedding=EMB, name=name, filter=lambda d: True)
+    with pytest.raises(ValidationError, match="top_k"):
+        KalosRetriever(embedding=EMB, name=name, top_k=3)
+    with pytest.raises(ValidationError, match="on_error"):
+        KalosRetriever(embedding=EMB, name=name, on_error="ignore")
+    with pytest.raises(ValidationError):
+        KalosRetriever(embedding=EMB, name=name, k=0)
+    with pytest.raises(ValidationError):
+        KalosRetriever(embedding=EMB, name=name, score_threshold=1.5)
+    with pytest.raises(ValueError, match=r"vectorstore=.*embedding="):
+        KalosRetriever(name=name)
+    with pytest.raises(ValidationError, match=r"\$bogus"):
+        KalosRetriever(embedding=EMB, name=name, filter={"a": {"$bogus": 1}})
+
+
+def test_invoke_argument_errors_raise_even_when_degrading() -> None:
+    r = KalosRetriever(embedding=EMB, name=absent_name())
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['top_k'\]"):
+        r.invoke("q", top_k=3)
+    with pytest.raises(TypeError, match="callable"):
+        r.invoke("q", filter=lambda d: True)
+    with pytest.raises(ValueError, match="score_threshold"):
+        r.invoke("q", score_threshold=2.0)
+    assert r.degrader.degraded_calls == 0
+
+
+def test_store_rejects_unknown_kwargs_and_callable_filters() -> None:
+    store = KalosVectorStore(EMB, name=absent_name())
+    with pytest.raises(TypeError, match="unexpected keyword arguments"):
+        store.similarity_search("q", fliter={"a": 1})
+    with pytest.raises(TypeError, match="callable"):
+        store.similarity_search("q", filter=lambda d: True)
+    with pytest.raises(TypeError, match="callable"):
+        store.max_marginal_relevance_search("q", filter=lambda d: True)
+    with pytest.raises(ValueError, match="needs ids or filter"):
+        store.delete()
+    with pytest.raises(ValueError, match="batch_size"):
+        store.add_texts(["a"], batch_size=0)
+
+
+def test_event_payload() -> None:
+    d = Degrader("KalosRetriever(name='m')")
+    exc = SidecarTimeout("slow")
+    assert d.should_degrade(exc)
+    data = _event_data(d, exc, "m", True)
+    assert data == {"retriever": "KalosRetriever(name='m')", "sidecar": "m",
+                    "error": "SidecarTimeout", "message": "slow", "first_in_episode": True,
+                    "episodes": 1, "degraded_calls": 1}  # fmt: skip
