@@ -16,6 +16,7 @@ The sidecar itself is ``kalos_retrievers.sidecar`` (command ``kalos-sidecar``).
 from __future__ import annotations
 
 from .client import KalosClient
+from .degrade import Degrader
 from .errors import (
     CapacityError,
     IncompatibleVersion,
@@ -28,7 +29,6 @@ from .errors import (
     SidecarUnavailable,
     StoreError,
 )
-from .degrade import Degrader
 from .results import Hit, RecallResult, Record
 from .spawn import Sidecar, SidecarStartError
 

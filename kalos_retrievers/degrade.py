@@ -22,12 +22,38 @@ import threading
 import time
 from typing import Literal
 
-from .errors import KalosError
+from .errors import KalosError, SidecarTimeout
 
-__all__ = ["Degrader", "OnError"]
+__all__ = ["Degrader", "OnError", "degradation_totals", "prometheus_text", "time_left"]
 
 OnError = Literal["empty", "raise"]
 log = logging.getLogger("kalos_retrievers")
+
+# Degradations happen in the application's process, where the sidecar cannot count them (it is
+# the thing that is away): every Degrader of the process also adds to these totals, which the
+# application exports with its own metrics (see docs/deployment.md).
+_totals_lock = threading.Lock()
+_totals = {"degraded_calls": 0, "episodes": 0}
+
+
+def degradation_totals() -> dict[str, int]:
+    """Calls answered with empty context, and episodes, summed over this process's Degraders."""
+    with _totals_lock:
+        return dict(_totals)
+
+
+def prometheus_text() -> str:
+    """This process's degradation counters in the Prometheus text format (version 0.0.4)."""
+    t = degradation_totals()
+    return (
+        "# HELP kalos_client_degraded_calls_total Calls answered with empty context because the "
+        "Kalos sidecar was unavailable or too slow.\n"
+        "# TYPE kalos_client_degraded_calls_total counter\n"
+        f"kalos_client_degraded_calls_total {t['degraded_calls']}\n"
+        "# HELP kalos_client_degradation_episodes_total Runs of consecutive degraded calls.\n"
+        "# TYPE kalos_client_degradation_episodes_total counter\n"
+        f"kalos_client_degradation_episodes_total {t['episodes']}\n"
+    )
 
 
 class Degrader:
@@ -62,6 +88,9 @@ class Degrader:
                 self.in_episode = True
                 self.episodes += 1
                 self._episode_start = time.monotonic()
+        with _totals_lock:
+            _totals["degraded_calls"] += 1
+            _totals["episodes"] += first
         if first:
             log.warning("%s: the Kalos sidecar is unavailable (%s); returning empty context until "
                         "it is back", self.what, exc)  # fmt: skip
@@ -79,3 +108,22 @@ class Degrader:
             self.in_episode = False
             took = time.monotonic() - self._episode_start
         log.info("%s: the Kalos sidecar is back after %.1f s; recall works again", self.what, took)
+
+
+def time_left(deadline: float, name: str) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``) for the next call to sidecar ``name``.
+
+    Async adapter calls take their deadline when they are made, before they wait for a worker
+    thread, so that many concurrent calls on a slow sidecar all end near one deadline instead
+    of queueing one after another.
+
+    Raises:
+        SidecarTimeout: the deadline has passed already (transient: adapters degrade).
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise SidecarTimeout(
+            f"sidecar {name!r}: the deadline passed before the request was sent (every worker "
+            "thread was busy); raise the timeout or lower the concurrency"
+        )
+    return left

@@ -1,4 +1,5 @@
-"""Offline embeddings: a lexical hashing embedder that needs no model and no network.
+"""Embeddings helpers: one interface over LangChain and LlamaIndex models (:class:`Embedder`),
+and an offline lexical hashing embedder that needs no model and no network.
 
 :class:`HashingEmbeddings` turns text into a fixed-size vector by hashing its words and
 word bigrams into signed buckets (the "hashing trick"), weighting each feature by a
@@ -22,16 +23,16 @@ import math
 import re
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any, Literal
 
 import numpy as np
 from langchain_core.embeddings import Embeddings
 
-__all__ = ["HashingEmbeddings"]
+__all__ = ["Embedder", "HashingEmbeddings"]
 
 _TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
 _STOP = frozenset(
-    "a an and are as at be by for from has have how i in is it its of on or that the this to "
-    "was were what when where which who why will with you your do does can my we our".split()
+    ["a", "an", "and", "are", "as", "at", "be", "by", "for", "from", "has", "have", "how", "i", "in", "is", "it", "its", "of", "on", "or", "that", "the", "this", "to", "was", "were", "what", "when", "where", "which", "who", "why", "will", "with", "you", "your", "do", "does", "can", "my", "we", "our"]
 )
 
 
@@ -85,3 +86,62 @@ class HashingEmbeddings(Embeddings):
 
     def embed_query(self, text: str) -> list[float]:
         return self.vector(text).tolist()
+
+
+class Embedder:
+    """One interface over a LangChain ``Embeddings`` or a LlamaIndex ``BaseEmbedding``.
+
+    Args:
+        model: an object with ``embed_documents``/``embed_query`` (LangChain) or
+            ``get_text_embedding_batch``/``get_query_embedding`` (LlamaIndex).
+
+    Raises:
+        TypeError: ``model`` is neither.
+    """
+
+    model: Any
+
+    def __init__(self, model: Any) -> None:
+        if isinstance(model, Embedder):
+            model = model.model
+        if hasattr(model, "embed_documents") and hasattr(model, "embed_query"):
+            self.kind: Literal["langchain", "llama_index"] = "langchain"
+        elif hasattr(model, "get_text_embedding_batch") and hasattr(model, "get_query_embedding"):
+            self.kind = "llama_index"
+        else:
+            raise TypeError(
+                f"embedding must be a LangChain Embeddings or a LlamaIndex BaseEmbedding, got "
+                f"{type(model).__name__}"
+            )
+        self.model = model
+
+    def documents(self, texts: Sequence[str]) -> np.ndarray:
+        if not texts:
+            return np.empty((0, 0), np.float32)
+        if self.kind == "langchain":
+            out = self.model.embed_documents(list(texts))
+        else:
+            out = self.model.get_text_embedding_batch(list(texts))
+        return np.asarray(out, dtype=np.float32)
+
+    def query(self, text: str) -> np.ndarray:
+        if self.kind == "langchain":
+            return np.asarray(self.model.embed_query(text), dtype=np.float32)
+        return np.asarray(self.model.get_query_embedding(text), dtype=np.float32)
+
+    async def adocuments(self, texts: Sequence[str]) -> np.ndarray:
+        if not texts:
+            return np.empty((0, 0), np.float32)
+        if self.kind == "langchain":
+            out = await self.model.aembed_documents(list(texts))
+        else:
+            out = await self.model.aget_text_embedding_batch(list(texts))
+        return np.asarray(out, dtype=np.float32)
+
+    async def aquery(self, text: str) -> np.ndarray:
+        if self.kind == "langchain":
+            return np.asarray(await self.model.aembed_query(text), dtype=np.float32)
+        return np.asarray(await self.model.aget_query_embedding(text), dtype=np.float32)
+
+
+# --------------------------------------------------------------------------------------------

@@ -49,9 +49,9 @@ from langgraph.store.base import (
 )
 
 from .client import KalosClient
-from .degrade import Degrader
+from .degrade import Degrader, time_left
+from .embeddings import Embedder
 from .errors import KalosError
-from .memory import Embedder, time_left
 from .results import Record
 
 __all__ = ["KalosStore", "decode_namespace", "encode_namespace"]

@@ -25,15 +25,16 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 import numpy as np
 
 from .client import KalosClient
-from .degrade import Degrader
-from .errors import KalosError, SidecarTimeout
+from .degrade import Degrader, time_left
+from .embeddings import Embedder
+from .errors import KalosError
 from .results import Hit, Record
 
 __all__ = ["RESERVED_KEYS", "SCOPE_KEYS", "Embedder", "KalosMemory"]
@@ -47,69 +48,6 @@ _MEM0_OPS = {
     "in": "$in", "nin": "$nin", "contains": "$like", "icontains": "$ilike",
 }  # fmt: skip
 _ROLES = {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}
-
-
-# --------------------------------------------------------------------------------------------
-# Embeddings: LangChain or LlamaIndex, behind one small interface
-
-
-class Embedder:
-    """One interface over a LangChain ``Embeddings`` or a LlamaIndex ``BaseEmbedding``.
-
-    Args:
-        model: an object with ``embed_documents``/``embed_query`` (LangChain) or
-            ``get_text_embedding_batch``/``get_query_embedding`` (LlamaIndex).
-
-    Raises:
-        TypeError: ``model`` is neither.
-    """
-
-    model: Any
-
-    def __init__(self, model: Any) -> None:
-        if isinstance(model, Embedder):
-            model = model.model
-        if hasattr(model, "embed_documents") and hasattr(model, "embed_query"):
-            self.kind: Literal["langchain", "llama_index"] = "langchain"
-        elif hasattr(model, "get_text_embedding_batch") and hasattr(model, "get_query_embedding"):
-            self.kind = "llama_index"
-        else:
-            raise TypeError(
-                f"embedding must be a LangChain Embeddings or a LlamaIndex BaseEmbedding, got "
-                f"{type(model).__name__}"
-            )
-        self.model = model
-
-    def documents(self, texts: Sequence[str]) -> np.ndarray:
-        if not texts:
-            return np.empty((0, 0), np.float32)
-        if self.kind == "langchain":
-            out = self.model.embed_documents(list(texts))
-        else:
-            out = self.model.get_text_embedding_batch(list(texts))
-        return np.asarray(out, dtype=np.float32)
-
-    def query(self, text: str) -> np.ndarray:
-        if self.kind == "langchain":
-            return np.asarray(self.model.embed_query(text), dtype=np.float32)
-        return np.asarray(self.model.get_query_embedding(text), dtype=np.float32)
-
-    async def adocuments(self, texts: Sequence[str]) -> np.ndarray:
-        if not texts:
-            return np.empty((0, 0), np.float32)
-        if self.kind == "langchain":
-            out = await self.model.aembed_documents(list(texts))
-        else:
-            out = await self.model.aget_text_embedding_batch(list(texts))
-        return np.asarray(out, dtype=np.float32)
-
-    async def aquery(self, text: str) -> np.ndarray:
-        if self.kind == "langchain":
-            return np.asarray(await self.model.aembed_query(text), dtype=np.float32)
-        return np.asarray(await self.model.aget_query_embedding(text), dtype=np.float32)
-
-
-# --------------------------------------------------------------------------------------------
 
 
 class KalosMemory:
@@ -499,24 +437,6 @@ class KalosMemory:
 
 # --------------------------------------------------------------------------------------------
 # Pure helpers
-
-
-def time_left(deadline: float, name: str) -> float:
-    """Seconds until ``deadline`` (``time.monotonic()``) for the next call to sidecar ``name``.
-
-    Async calls take their deadline before they wait for a worker thread, so that concurrent
-    calls on a slow sidecar end near one deadline instead of queueing one after another.
-
-    Raises:
-        SidecarTimeout: the deadline has passed already.
-    """
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise SidecarTimeout(
-            f"sidecar {name!r}: the deadline passed before the request was sent (every worker "
-            "thread was busy); raise the timeout or lower the concurrency"
-        )
-    return left
 
 
 _id_lock = threading.Lock()

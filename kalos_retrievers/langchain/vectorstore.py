@@ -13,7 +13,7 @@ from langchain_core.runnables.config import run_in_executor
 from langchain_core.vectorstores import VectorStore
 
 from ..client import KalosClient
-from ..errors import SidecarTimeout
+from ..degrade import time_left
 from ..filters import validate_filter
 from ..results import RecallResult
 from ..scores import relevance_fn
@@ -658,14 +658,7 @@ class KalosVectorStore(VectorStore):
         return time.monotonic() + timeout
 
     def _left(self, deadline: float) -> float:
-        """Seconds until ``deadline``; raises once it has passed (e.g. waiting for a thread)."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise SidecarTimeout(
-                f"sidecar {self.client.name!r}: the deadline passed before the request was sent "
-                "(all worker threads were busy); raise timeout= or lower the concurrency"
-            )
-        return left
+        return time_left(deadline, self.client.name)
 
     def _check_dim(self, got: int) -> None:
         dim = self.client.dim

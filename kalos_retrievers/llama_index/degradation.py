@@ -8,15 +8,14 @@ observability handlers (Arize, Langfuse, a custom ``BaseEventHandler``) see it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events import BaseEvent
 
-from ..degrade import Degrader
-from ..errors import KalosError, SidecarTimeout
+from ..degrade import Degrader, time_left
+from ..errors import KalosError
 
 __all__ = ["KalosDegradedEvent", "call_degrading", "time_left"]
 
@@ -40,25 +39,6 @@ class KalosDegradedEvent(BaseEvent):
     @classmethod
     def class_name(cls) -> str:
         return "KalosDegradedEvent"
-
-
-def time_left(deadline: float, name: str) -> float:
-    """Seconds until ``deadline`` (``time.monotonic()``), for the next sidecar call.
-
-    An async call takes its deadline when it is made, before it waits for a worker thread, so
-    that many concurrent calls on a slow sidecar all end near one deadline instead of queueing
-    one after another.
-
-    Raises:
-        SidecarTimeout: the deadline has passed already.
-    """
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise SidecarTimeout(
-            f"sidecar {name!r}: the deadline passed before the request was sent (every worker "
-            "thread was busy); raise timeout= or lower the concurrency"
-        )
-    return left
 
 
 def call_degrading(degrader: Degrader, fn: Callable[[], T], empty: Callable[[], T]) -> T:
