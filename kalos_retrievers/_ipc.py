@@ -172,10 +172,29 @@ def open_semaphore(name: str) -> posix_ipc.Semaphore:
 
 
 def create_semaphore(name: str) -> posix_ipc.Semaphore:
-    """Create a semaphore with value 0 and mode 0600 (replacing a stale one of that name)."""
-    unlink_semaphore(name)
-    sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX, mode=0o600, initial_value=0)
+    """Create a semaphore with value 0 and mode 0600 (replacing a stale one of that name).
+
+    Raises:
+        PermissionDenied: a semaphore of that name belongs to another user (it is left alone,
+            as a segment of another user's is), or the system refused to create it.
+    """
     path = "/dev/shm/sem." + name.lstrip("/")
+    try:
+        owner: int | None = os.stat(path).st_uid
+    except OSError:
+        owner = None
+    if owner is not None and owner != os.geteuid():
+        raise PermissionDenied(
+            f"semaphore {name} exists and belongs to another user (uid {owner}); refusing to "
+            "touch it. Pick another --name, or have its owner remove it"
+        )
+    try:
+        unlink_semaphore(name)
+        sem = posix_ipc.Semaphore(name, flags=posix_ipc.O_CREX, mode=0o600, initial_value=0)
+    except posix_ipc.PermissionsError as e:
+        raise PermissionDenied(f"cannot create semaphore {name}: {e}") from None
+    except posix_ipc.ExistentialError:
+        raise PermissionDenied(f"semaphore {name} was created by another process meanwhile") from None
     if os.path.exists(path):
         os.chmod(path, 0o600)
     return sem

@@ -82,6 +82,7 @@ def _normalize(flt: Mapping[str, Any], path: str, depth: int) -> dict[str, Any]:
         p = f"{path}[{key!r}]"
         if not isinstance(key, str) or not key:
             raise ValueError(f"{p}: field names must be non-empty strings")
+        _utf8(key, p)
         if key in ("$and", "$or"):
             if not isinstance(value, list | tuple) or not value:
                 raise ValueError(f"{p} must be a non-empty list of filters")
@@ -119,14 +120,26 @@ def _field_ops(ops: Mapping[str, Any], path: str) -> dict[str, Any]:
         elif op in ("$like", "$ilike"):
             if not isinstance(value, str):
                 raise ValueError(f"{p} must be a string")
-            out[op] = value
+            out[op] = _utf8(value, p)
         else:
             out[op] = _scalar(value, p)
     return out
 
 
+def _utf8(s: str, path: str) -> str:
+    """Lone surrogates cannot be encoded: refuse them here, naming the path, rather than as a
+    bare UnicodeEncodeError when the filter is serialized."""
+    try:
+        s.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{path} is not valid UTF-8 text (lone surrogate at {e.start})") from None
+    return s
+
+
 def _scalar(value: Any, path: str) -> Any:
-    if value is None or isinstance(value, str | bool | int):
+    if isinstance(value, str):
+        return _utf8(value, path)
+    if value is None or isinstance(value, bool | int):
         return value
     if isinstance(value, float):
         if not math.isfinite(value):

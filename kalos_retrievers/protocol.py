@@ -583,7 +583,8 @@ def decode_recall_args(buf: bytes) -> tuple[str, Any]:
         flt = json.loads(buf[start:]) if fl else None
     except Invalid:
         raise
-    except (struct.error, UnicodeDecodeError, ValueError) as e:
+    except (struct.error, UnicodeDecodeError, ValueError, RecursionError) as e:
+        # RecursionError: a deeply nested filter (json.loads gives up); a refusal, not a crash
         raise Invalid(Status.BAD_REQUEST, f"recall args do not decode: {e}") from None
     return ns, flt
 
@@ -645,8 +646,11 @@ def decode_doc(buf: bytes | memoryview) -> Doc:
             raise ProtocolDecodeError("document record lengths do not add up")
         b = bytes(buf)
         meta = json.loads(b[o + il + tl :]) if ml else {}
+        if not isinstance(meta, dict):
+            raise ProtocolDecodeError("document metadata is not a JSON object")
         return Doc(b[o : o + il].decode(), b[o + il : o + il + tl].decode(), meta, created, updated)
-    except (struct.error, UnicodeDecodeError, ValueError) as e:
+    except (struct.error, UnicodeDecodeError, ValueError, RecursionError) as e:
+        # (RecursionError: metadata nested deeper than json.loads goes)
         raise ProtocolDecodeError(f"document record does not decode: {e}") from None
 
 

@@ -122,7 +122,10 @@ class Sidecar:
             try:
                 with KalosClient(self.name, timeout=1.0, spin_us=0) as c:
                     c.ping()
-                return
+                    # Another sidecar already serving this name answers the ping too: only our
+                    # own process counts (it is about to exit with "name in use").
+                    if self.proc is None or c.header.sidecar_pid == self.proc.pid:
+                        return
             except SidecarUnavailable:
                 pass
             if time.monotonic() > deadline:

@@ -173,6 +173,11 @@ def _stats(args: argparse.Namespace) -> int:
         for key, n in s["requests"].items():
             op, status = key.split("/")
             st.requests[(op, status)] = n
+        # the counters the text reports from Stats itself (a fresh Stats would say 0)
+        st.rejected = s.get("rejected_requests", 0)
+        st.reclaimed_slots = s.get("reclaimed_slots", 0)
+        st.republished = s.get("republished", 0)
+        st.started = time.time() - s.get("uptime_s", 0.0)
         print(st.prometheus(s), end="")
     else:
         print(json.dumps(s, indent=2))

@@ -160,15 +160,39 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ answering
     def _recall_batch(self, part: list[tuple[int, Request, int]], k: int, flags: int) -> None:
+        # Members whose queries are not finite are refused one by one, not the whole batch
+        # with them (a hostile client must not fail its neighbours' recalls). A client that
+        # writes NaN after this check only spoils its own rows of the batched search.
+        keep = []
+        for i, req, t0 in part:
+            if np.isfinite(self._queries(i, req)).all():
+                keep.append((i, req, t0))
+            else:
+                self._error(i, req, Status.BAD_REQUEST, "queries contain NaN or infinity", t0)
+        part = keep
+        if not part:
+            return
         specs = [self._spec(i, req) for i, req, _ in part]
         if len(part) > 1:
             self.stats.batches += 1
             self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
         ts = time.perf_counter_ns()
-        kk = self.service.recall_slots(specs, k, "", None)
+        kk = self.service.recall_slots(specs, k, "", None, check_finite=False)
         self.stats.phase("search", (time.perf_counter_ns() - ts) / 1000)
         for (i, req, t0), spec in zip(part, specs, strict=True):
-            self._write_hits(i, req, spec, kk, flags, t0)
+            # One member's failure is that member's alone: an error here used to propagate to
+            # the caller, which re-answered the whole batch with an error, overwriting answers
+            # already given to other clients (a client rewriting its own result rows mid-answer
+            # could make its neighbours' recalls fail).
+            try:
+                self._write_hits(i, req, spec, kk, flags, t0)
+            except Invalid as e:
+                self._error(i, req, e.status, str(e), t0)
+            except FatalDeviceError:
+                raise
+            except Exception as e:
+                log.exception("internal error answering a batched recall")
+                self._error(i, req, Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
 
     def _write_hits(self, i: int, req: Request, spec: SlotSpec, kk: int, flags: int, t0: int) -> None:
         blob, rflags = b"", 0
@@ -179,6 +203,8 @@ class Dispatcher:
                 raise Invalid(Status.INTERNAL, "the index returned rows out of range")
             docs = self.service.rows.docs
             hits = [docs[r] for r in flat]
+            if any(h is None for h in hits):  # the rows were rewritten in the slot meanwhile
+                raise Invalid(Status.INTERNAL, "the index returned rows that hold no memory")
             if flags & Flag.WITH_VECTORS:
                 blob = encode_docs_blob(hits, self.service.vectors(rows))  # type: ignore[arg-type]
                 rflags = RespFlag.HAS_VECTORS

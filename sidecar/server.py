@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import random
+import re
 import signal
 import struct
 import threading
@@ -155,6 +156,11 @@ class Server:
         self._maint: threading.Thread | None = None
         self._metrics: Any = None
         self._republish = threading.Event()
+        # Held while re-publishing, and by the maintenance thread while it checks what is
+        # published: without it the check could see the half-built state of a re-publication
+        # (seg None: the assert killed the thread; or the new segment before its semaphores:
+        # a second, spurious re-publication).
+        self._publish_lock = threading.Lock()
         self._fatal = False
 
     # ------------------------------------------------------------------ start
@@ -213,11 +219,18 @@ class Server:
         else:
             raise StartError(f"could not claim the name {cfg.name!r}", EXIT_NAME_IN_USE)
         self.seg = seg
+        # The name is ours now: response semaphores beyond our slot count were left by a dead
+        # sidecar of this name that had more slots (create_semaphore below replaces the rest).
+        _remove_extra_semaphores(cfg.name, lay.n_slots)
         self.boot_epoch = random.getrandbits(63) | 1
         self._write_header(SidecarState.INITIALIZING, version=0)
-        self.bell = _ipc.create_semaphore(doorbell_name(cfg.name))
-        self.resp_sems = [_ipc.create_semaphore(response_sem_name(cfg.name, i))
-                          for i in range(lay.n_slots)]  # fmt: skip
+        try:  # one by one, so that close() removes exactly those we created
+            self.bell = _ipc.create_semaphore(doorbell_name(cfg.name))
+            self.resp_sems = []
+            for i in range(lay.n_slots):
+                self.resp_sems.append(_ipc.create_semaphore(response_sem_name(cfg.name, i)))
+        except PermissionDenied as e:  # another user's semaphore under our name
+            raise StartError(str(e), EXIT_PERMISSION) from None
         assert self.service is not None
         try:
             self.service.index.attach_segment(seg.mm)
@@ -399,7 +412,13 @@ class Server:
             now = time.monotonic()
             if now >= next_check and not self._republish.is_set():
                 next_check = now + 0.25
-                if self._removed_from_outside():
+                try:
+                    with self._publish_lock:
+                        removed = self.seg is not None and self._removed_from_outside()
+                except Exception:  # never let the check kill the maintenance thread
+                    log.exception("checking the published segment failed")
+                    removed = False
+                if removed:
                     log.warning("the segment or its semaphores were removed from outside "
                                 "(systemd RemoveIPC?); re-publishing")  # fmt: skip
                     self._republish.set()
@@ -413,9 +432,21 @@ class Server:
         assert self.seg is not None
         if _ipc.segment_inode(segment_name(self.cfg.name)) != self.seg.inode:
             return True
-        return not os.path.exists("/dev/shm/sem." + doorbell_name(self.cfg.name).lstrip("/"))
+        # Every semaphore, not only the doorbell: a client that claims a slot whose response
+        # semaphore is gone cannot use it (it would fail on that slot forever).
+        try:
+            present = set(os.listdir("/dev/shm"))
+        except OSError:
+            return False
+        names = [doorbell_name(self.cfg.name)]
+        names += [response_sem_name(self.cfg.name, i) for i in range(self.layout.n_slots)]
+        return any("sem." + n.lstrip("/") not in present for n in names)
 
     def _do_republish(self) -> None:
+        with self._publish_lock:
+            self._do_republish_locked()
+
+    def _do_republish_locked(self) -> None:
         """Re-create segment and semaphores under a new epoch; the index is untouched."""
         self._republish.clear()
         old_seg, old_bell, old_sems = self.seg, self.bell, self.resp_sems
@@ -482,6 +513,28 @@ class Server:
                 self.service.index.close()
             self.service = None
         log.info("stopped")
+
+
+def _remove_extra_semaphores(name: str, n_slots: int) -> None:
+    """Unlink ``/kalos-NAME-rN`` for every N >= ``n_slots`` (Linux lists them in /dev/shm)."""
+    pat = re.compile(rf"^sem\.kalos-{re.escape(name)}-r(\d+)$")
+    try:
+        entries = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for entry in entries:
+        m = pat.match(entry)
+        if m and int(m.group(1)) >= n_slots and _owned_by_us(f"/dev/shm/{entry}"):
+            log.info("removing the stale semaphore %s", entry)
+            with contextlib.suppress(Exception):  # e.g. another user's: leave it
+                _ipc.unlink_semaphore(response_sem_name(name, int(m.group(1))))
+
+
+def _owned_by_us(path: str) -> bool:
+    try:
+        return os.stat(path).st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def _read_pid(seg: _ipc.Segment) -> int | str:

@@ -67,11 +67,13 @@ class Service:
                 raise Invalid(Status.BAD_REQUEST, f"texts[{i}] must be a string")
             if not isinstance(metas[i], dict):
                 raise Invalid(Status.BAD_REQUEST, f"metadatas[{i}] must be an object")
-        if not np.all(np.isfinite(vectors)):
-            raise Invalid(Status.BAD_REQUEST, "vectors contain NaN or infinity")
+        # Copy out of the shared slot first, then check the copy: the client can rewrite the
+        # slot at any moment, and a check made on the slot says nothing about a later read.
         vecs = np.array(vectors, dtype=np.float32)
+        if not np.all(np.isfinite(vecs)):
+            raise Invalid(Status.BAD_REQUEST, "vectors contain NaN or infinity")
         if self.metric == Metric.COSINE:
-            norms = np.linalg.norm(vecs, axis=1)
+            norms = np.linalg.norm(vecs.astype(np.float64), axis=1)  # float32 squares under/overflow
             if np.any(norms == 0):
                 raise Invalid(Status.BAD_REQUEST, f"vectors[{int(np.argmin(norms))}] is all zeros")
             vecs = normalize_rows(vecs)
@@ -159,16 +161,21 @@ class Service:
         cands = rows[self.rows.meta.evaluate(flt, rows)]
         return ns_id, cands, False, len(cands)
 
-    def recall_slots(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any) -> int:
+    def recall_slots(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any,
+                     check_finite: bool = True) -> int:  # fmt: skip
         """Answer requests in place (results written into each spec's rows/scores); returns
-        k' = min(k, eligible rows), the number of valid results per query."""
+        k' = min(k, eligible rows), the number of valid results per query.
+
+        ``check_finite=False``: the caller checked each request's queries itself (a batch must
+        not fail as a whole because one member's queries are not finite)."""
         flt = _filter(flt)
         ns_id, cands, dense, n = self.eligible(namespace, flt)
         kk = min(k, n)
-        if kk:
+        if kk and check_finite:
             for sp in specs:
                 if not np.isfinite(sp.queries).all():
                     raise Invalid(Status.BAD_REQUEST, "queries contain NaN or infinity")
+        if kk:
             self.index.search_slots(specs, kk, self.rows.high, ns_id, cands, dense)
         return kk
 

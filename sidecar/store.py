@@ -17,11 +17,12 @@ import fcntl
 import logging
 import os
 import sqlite3
+import struct
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -47,12 +48,22 @@ class StoredRow:
     updated_at: float
 
 
-def row_crc(namespace: str, id_: str, text: str, metadata_json: bytes, vector: bytes) -> int:
+def row_crc(namespace: str, id_: str, text: str, metadata_json: bytes, vector: bytes,
+            created_at: float | None = None, updated_at: float | None = None) -> int:
+    """CRC-32 of a row's content. Rows are written with the timestamps included (they are
+    served too: a flipped byte in one must not pass); rows written before the timestamps were
+    covered carry the CRC without them, which :meth:`SqliteStore.load` still accepts."""
     c = zlib.crc32(namespace.encode())
     c = zlib.crc32(b"\x00" + id_.encode(), c)
     c = zlib.crc32(b"\x00" + text.encode(), c)
     c = zlib.crc32(b"\x00" + metadata_json, c)
-    return zlib.crc32(b"\x00" + vector, c)
+    c = zlib.crc32(b"\x00" + vector, c)
+    if created_at is None or updated_at is None:
+        return c
+    return zlib.crc32(b"\x00" + _TIMES.pack(created_at, updated_at), c)
+
+
+_TIMES: Final = struct.Struct("<dd")
 
 
 class NullStore:
@@ -110,7 +121,8 @@ class SqliteStore:
             self.db.execute(f"PRAGMA synchronous={synchronous}")
             self.db.execute("PRAGMA busy_timeout=5000")
             ok = self.db.execute("PRAGMA quick_check").fetchone()[0]
-        except sqlite3.DatabaseError as e:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
+            # (UnicodeDecodeError: SQLite's own message quotes damaged, non-UTF-8 schema text)
             raise StoreOpenError(
                 f"{self.path} is not a readable SQLite database ({e}). The store is corrupt: "
                 "restore it from a backup, or move it away to start empty"
@@ -123,16 +135,33 @@ class SqliteStore:
         for p in self.dir.glob(DB_FILE + "*"):
             os.chmod(p, 0o600)
         if fresh or not self._has_table("meta"):
+            # No meta table: a new file, unless it already holds tables (a release before the
+            # meta table, or another program's database): never build ours beside those.
+            if self.db.execute("SELECT 1 FROM sqlite_master WHERE type='table'").fetchone():
+                raise StoreOpenError(
+                    f"{self.path} holds tables but no Kalos schema version: it was written by a "
+                    "previous release or by another program. Open it with the release that "
+                    "wrote it and export the data, or use another --data-dir"
+                )
             self._create(dim, metric)
             return
-        meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
-        version = int(meta.get("schema_version", "0"))
+        try:
+            meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
+            version = int(meta.get("schema_version", "0"))
+            if version == SCHEMA_VERSION:
+                stored = (int(meta["dim"]), meta["metric"])
+        except (sqlite3.DatabaseError, KeyError, ValueError, TypeError) as e:
+            # an incomplete or damaged meta table: refuse (exit code 4), don't crash
+            raise StoreOpenError(
+                f"{self.path} has an unreadable Kalos meta table ({type(e).__name__}: {e}); "
+                "the store is corrupt or from another release: restore it from a backup"
+            ) from None
         if version != SCHEMA_VERSION:
             raise StoreOpenError(
                 f"{self.path} has schema version {version}; this release reads version "
                 f"{SCHEMA_VERSION}. Open it with the release that wrote it and export the data"
             )
-        if int(meta["dim"]) != dim or meta["metric"] != metric:
+        if stored != (dim, metric):
             raise StoreOpenError(
                 f"{self.path} holds dim={meta['dim']} metric={meta['metric']} vectors, but the "
                 f"sidecar was started with --dim {dim} --metric {metric}; start it with the "
@@ -173,7 +202,8 @@ class SqliteStore:
         params = []
         for r in rows:
             vec = np.ascontiguousarray(r.vector, dtype="<f4").tobytes()
-            crc = row_crc(r.namespace, r.id, r.text, r.metadata_json, vec)
+            crc = row_crc(r.namespace, r.id, r.text, r.metadata_json, vec, r.created_at,
+                          r.updated_at)  # fmt: skip
             params.append((r.namespace, r.id, r.text, r.metadata_json, vec, r.created_at,
                            r.updated_at, crc))  # fmt: skip
         with self._tx():
@@ -191,27 +221,44 @@ class SqliteStore:
         """Every stored row, in batches, each checked against its CRC.
 
         Raises:
-            StoreOpenError: a row's checksum or vector size is wrong.
+            StoreOpenError: a row's checksum, types or vector size are wrong, or SQLite cannot
+                read the file (a damaged page, text that is not UTF-8...).
         """
-        cur = self.db.execute(
-            "SELECT ns, id, text, metadata, vector, created_at, updated_at, crc FROM memories"
-        )
-        while True:
-            chunk = cur.fetchmany(batch)
-            if not chunk:
-                return
-            out = []
-            for ns, id_, text, meta, vec, created, updated, crc in chunk:
-                meta_b = bytes(meta)
-                if len(vec) != 4 * dim or row_crc(ns, id_, text, meta_b, vec) != crc:
-                    raise StoreOpenError(
-                        f"row (namespace={ns!r}, id={id_!r}) of {self.path} fails its checksum: "
-                        "the file is corrupt. Restore it from a backup; Kalos will not serve "
-                        "data it cannot vouch for"
-                    )
-                out.append(StoredRow(ns, id_, text, meta_b, np.frombuffer(vec, dtype="<f4"),
-                                     created, updated))  # fmt: skip
-            yield out
+        try:
+            cur = self.db.execute(
+                "SELECT ns, id, text, metadata, vector, created_at, updated_at, crc FROM memories"
+            )
+            while True:
+                chunk = cur.fetchmany(batch)
+                if not chunk:
+                    return
+                yield [self._checked(row, dim) for row in chunk]
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
+            # Raised by damage that SQLite's quick_check does not look at (e.g. a flipped byte
+            # that makes a TEXT value invalid UTF-8): refuse like any other corruption rather
+            # than crash with a traceback and a generic exit code.
+            raise StoreOpenError(
+                f"{self.path} cannot be read ({e}): the store is corrupt. Restore it from a "
+                "backup; Kalos will not serve data it cannot vouch for"
+            ) from None
+
+    def _checked(self, row: tuple[Any, ...], dim: int) -> StoredRow:
+        ns, id_, text, meta, vec, created, updated, crc = row
+        # A flipped byte can change a column's type (TEXT to BLOB, REAL to INTEGER...) as
+        # well as its value: check the types before computing anything from them.
+        ok = (
+            all(isinstance(x, str) for x in (ns, id_, text))
+            and isinstance(meta, bytes) and isinstance(vec, bytes) and len(vec) == 4 * dim
+            and isinstance(created, float) and isinstance(updated, float) and isinstance(crc, int)
+        )  # fmt: skip
+        if not ok or crc not in (row_crc(ns, id_, text, meta, vec, created, updated),
+                                 row_crc(ns, id_, text, meta, vec)):  # fmt: skip
+            raise StoreOpenError(
+                f"row (namespace={ns!r}, id={id_!r}) of {self.path} fails its checksum: "
+                "the file is corrupt. Restore it from a backup; Kalos will not serve "
+                "data it cannot vouch for"
+            )
+        return StoredRow(ns, id_, text, meta, np.frombuffer(vec, dtype="<f4"), created, updated)
 
     def close(self) -> None:
         db = getattr(self, "db", None)
