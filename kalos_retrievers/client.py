@@ -68,9 +68,9 @@ from .protocol import (
     align8,
     check_name,
     check_vectors,
+    decode_doc,
     decode_docs_blob,
     decode_header,
-    decode_doc,
     doorbell_name,
     encode_json,
     encode_recall_args,
@@ -296,6 +296,7 @@ class KalosClient:
         if spin_us is None:
             spin_us = 300.0 if os.uname().machine in ("x86_64", "AMD64") else 0.0
         self.spin_ns = int(spin_us * 1000)
+        self._typical_wait_ns = 0
         self.max_slots = max_slots
         self._lock = threading.Condition(threading.RLock())
         self._waiters = 0
@@ -399,7 +400,7 @@ class KalosClient:
         k: int = 10,
         *,
         namespace: str = "",
-        filter: Mapping[str, Any] | None = None,  # noqa: A002 - the name every vector store uses
+        filter: Mapping[str, Any] | None = None,
         with_vectors: bool = False,
         docs: bool = True,
         timeout: float | None = None,
@@ -431,7 +432,7 @@ class KalosClient:
         k: int = 10,
         *,
         namespace: str = "",
-        filter: Mapping[str, Any] | None = None,  # noqa: A002
+        filter: Mapping[str, Any] | None = None,
         with_vectors: bool = False,
         docs: bool = True,
         timeout: float | None = None,
@@ -447,7 +448,7 @@ class KalosClient:
         return self._recall(qs, k, namespace, filter, with_vectors, docs, timeout)
 
     def _recall(
-        self, qs: np.ndarray, k: int, namespace: str, filter: Mapping[str, Any] | None,  # noqa: A002
+        self, qs: np.ndarray, k: int, namespace: str, filter: Mapping[str, Any] | None,
         with_vectors: bool, docs: bool, timeout: float | None,
     ) -> list[RecallResult]:  # fmt: skip
         header = self.header
@@ -587,7 +588,7 @@ class KalosClient:
         self,
         *,
         namespace: str = "",
-        filter: Mapping[str, Any] | None = None,  # noqa: A002
+        filter: Mapping[str, Any] | None = None,
         limit: int = 100,
         offset: int = 0,
         with_vectors: bool = False,
@@ -608,7 +609,7 @@ class KalosClient:
         ids: Iterable[str] | None = None,
         *,
         namespace: str = "",
-        filter: Mapping[str, Any] | None = None,  # noqa: A002
+        filter: Mapping[str, Any] | None = None,
         timeout: float | None = None,
     ) -> int:
         """Delete by ids and/or by filter within a namespace; return how many were deleted.
@@ -635,7 +636,7 @@ class KalosClient:
         self,
         namespace: str | None = None,
         *,
-        filter: Mapping[str, Any] | None = None,  # noqa: A002
+        filter: Mapping[str, Any] | None = None,
         timeout: float | None = None,
     ) -> int:
         """Rows in ``namespace`` (all namespaces when None) matching ``filter``."""
@@ -828,7 +829,9 @@ class KalosClient:
                                      vec_len, args_len, int(deadline * 1e9))  # fmt: skip
             slot.state[0] = SlotState.REQUEST
             _ipc.post(conn.bell)
+            t_sent = time.monotonic_ns()
             resp = self._wait(conn, slot, seq, deadline)
+            self._observe_wait(time.monotonic_ns() - t_sent)
             if resp.resp_len > conn.layout.blob_size:
                 raise ProtocolError(f"response length {resp.resp_len} exceeds the slot")
             if rows is None and op == Op.RECALL and resp.status == Status.OK:
@@ -846,7 +849,9 @@ class KalosClient:
     def _wait(self, conn: _Conn, slot: _Slot, seq: int, deadline: float) -> Response:
         state = slot.state
         done = (SlotState.RESPONSE, SlotState.ERROR)
-        if self.spin_ns:
+        # Spin only while answers typically come within the spin window: when they take
+        # milliseconds (a CPU index over many rows), spinning just takes a core from the sidecar.
+        if self.spin_ns and self._typical_wait_ns < 2 * self.spin_ns:
             spin_end = time.monotonic_ns() + self.spin_ns
             while True:
                 if state[0] in done:
@@ -870,6 +875,10 @@ class KalosClient:
                 slot.pending = seq
                 self._drop_conn(conn)
                 raise SidecarUnavailable(f"sidecar {self.name!r} stopped during the call")
+
+    def _observe_wait(self, waited_ns: int) -> None:
+        # exponential moving average; a rare slow answer does not switch spinning off
+        self._typical_wait_ns += (waited_ns - self._typical_wait_ns) >> 3
 
     @staticmethod
     def _check_seq(slot: _Slot, seq: int) -> Response:

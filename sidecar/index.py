@@ -134,14 +134,24 @@ class Index(abc.ABC):
 
 
 def normalize_rows(x: np.ndarray) -> np.ndarray:
-    """Unit-length rows (float32); zero rows stay zero."""
-    n = np.linalg.norm(x, axis=1, keepdims=True)
-    return (x / np.where(n == 0, 1, n)).astype(np.float32, copy=False)
+    """Unit-length rows (float32); zero rows stay zero.
+
+    The norm is computed in float64: in float32 the squares of large finite components (above
+    ~1.8e19) overflow, the norm becomes inf and the row would silently turn into zeros (or NaN).
+    """
+    x64 = np.asarray(x, np.float64)
+    n = np.linalg.norm(x64, axis=1, keepdims=True)
+    return (x64 / np.where(n == 0, 1, n)).astype(np.float32)
 
 
 def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Per row of ``scores`` (q, n): indices and values of the k largest, largest first."""
     n = scores.shape[1]
+    if scores.shape[0] == 1:  # batch 1, the common case: 1-d operations, no take_along_axis
+        s = scores[0]
+        part = np.argpartition(-s, k - 1)[:k] if k < n else np.arange(n)
+        top = part[np.argsort(-s[part], kind="stable")]
+        return top[None, :], s[top][None, :]
     if k < n:
         part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
     else:
@@ -207,7 +217,10 @@ class CpuIndex(Index):
                 scores = _neg_l2(scores, q, self.sqnorm[candidates])
             idx, vals = topk_rows(scores, k)
             return candidates[idx].astype(np.int32), vals.astype(np.float32, copy=False)
-        scores = q @ self.data[:high].T
+        if len(q) == 1:  # a matrix-vector product over contiguous rows (gemv), as users write it
+            scores = (self.data[:high] @ q[0])[None, :]
+        else:
+            scores = q @ self.data[:high].T
         if self.metric == Metric.L2:
             scores = _neg_l2(scores, q, self.sqnorm[:high])
         if not dense:
