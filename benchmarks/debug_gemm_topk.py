@@ -4,11 +4,11 @@ for a query where they differ, show where the missing row was lost."""
 from __future__ import annotations
 
 import numpy as np
-
-from kalos_retrievers.protocol import Metric
 from kalos_retrievers.sidecar.index_gpu import GpuIndex
 from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.store import NullStore
+
+from kalos_retrievers.protocol import Metric
 
 rng = np.random.default_rng(5)
 n, dim, k = 200_003, 97, 10

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from kalos_retrievers.sidecar.bench import load, machine, make_data, table, throughput, time_calls
 
 DIM = 768
@@ -66,12 +65,12 @@ def copy_bandwidth() -> float:
 def kernel_timing(n: int, copy_tbs: float) -> dict[str, Any]:
     """Time the recall graph in process (CUDA events), several grid sizes."""
     import cupy as cp
-
-    from kalos_retrievers.protocol import Metric
     from kalos_retrievers.sidecar.index import SlotSpec
     from kalos_retrievers.sidecar.index_gpu import GpuIndex
     from kalos_retrievers.sidecar.service import Service
     from kalos_retrievers.sidecar.store import NullStore
+
+    from kalos_retrievers.protocol import Metric
 
     idx = GpuIndex(DIM, Metric.COSINE, 0, "float16")
     svc = Service(idx, NullStore(), dim=DIM, metric=Metric.COSINE)
@@ -139,9 +138,9 @@ def kernel_timing(n: int, copy_tbs: float) -> dict[str, Any]:
     with idx.device, idx.stream:
         out["prep_only_us"] = timed(lambda: prep((1,), (256,), (np.uint64(idx.desc_addr), idx.params,
                                     idx.qbuf, idx.qbuf_h, np.int32(DIM), np.int32(idx.ld))))  # fmt: skip
-        out["scan_only_us"] = timed(lambda: scan((grid,), (256,), (idx.data, idx.ns, idx.sqnorm,
-                                    np.uint64(0), idx.params, idx.qbuf, np.int32(idx.ld), np.int32(buf),
-                                    idx.scratch_k, idx.scratch_v, idx.counters), shared_mem=idx._smem(1, buf)))  # fmt: skip
+        scan_args = (idx.data, idx.ns, idx.sqnorm, np.uint64(0), idx.params, idx.qbuf, np.int32(idx.ld),
+                     np.int32(buf), idx.scratch_k, idx.scratch_v, idx.counters)  # fmt: skip
+        out["scan_only_us"] = timed(lambda: scan((grid,), (256,), scan_args, shared_mem=idx._smem(1, buf)))
     # the answer is right
     ref = (svc.index.vectors(np.arange(n)) @ q[0]).argsort()[::-1][:K]
     out["top1_matches_reference"] = bool(rows[0, 0] == ref[0])
@@ -235,7 +234,7 @@ def main() -> int:
                      f"{kt['best_us']} / {kt['best_fraction']}", ok(kt["best_fraction"] >= 0.85)))  # fmt: skip
     save()
     queries = make_data(1024, DIM, 7)
-    common = dict(dim=DIM, device="cuda", slots=40, max_batch=64, payload_kb=8192, log_level="WARNING")
+    common = {"dim": DIM, "device": "cuda", "slots": 40, "max_batch": 64, "payload_kb": 8192, "log_level": "WARNING"}
     if "100k" in only:
         data = make_data(100_000, DIM, 1)
         with Sidecar(**common) as sc, sc.client(timeout=30) as c:

@@ -19,6 +19,7 @@ posts for the client. This module is the one place where posix_ipc's exceptions 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -121,15 +122,11 @@ class Segment:
         return cls(shm, size)
 
     def close(self) -> None:
-        try:
+        # BufferError: numpy views into the map are still alive somewhere; the map goes with them
+        with contextlib.suppress(BufferError):
             self.mm.close()
-        except BufferError:
-            # numpy views into the map are still alive somewhere; the map goes with them.
-            pass
-        try:
+        with contextlib.suppress(posix_ipc.Error, OSError):
             self.shm.close_fd()
-        except (posix_ipc.Error, OSError):
-            pass
 
 
 def unlink_segment(name: str) -> bool:
@@ -237,7 +234,5 @@ def post(sem: posix_ipc.Semaphore) -> None:
 def close_semaphore(sem: posix_ipc.Semaphore | None) -> None:
     if sem is None:
         return
-    try:
+    with contextlib.suppress(posix_ipc.Error):
         sem.close()
-    except posix_ipc.Error:
-        pass

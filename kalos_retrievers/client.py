@@ -774,11 +774,11 @@ class KalosClient:
 
     def _recover_pending(self, conn: _Conn) -> None:
         for s in conn.owned:
-            if s.pending and s.state[0] in (SlotState.RESPONSE, SlotState.ERROR):
-                if Response.unpack(s.ctl).seq == s.pending:
-                    s.pending = 0
-                    s.state[0] = SlotState.CLAIMED
-                    conn.free.append(s)
+            answered = s.pending and s.state[0] in (SlotState.RESPONSE, SlotState.ERROR)
+            if answered and Response.unpack(s.ctl).seq == s.pending:
+                s.pending = 0
+                s.state[0] = SlotState.CLAIMED
+                conn.free.append(s)
 
     def _call(
         self,

@@ -19,6 +19,7 @@ It implements LangChain's ``Embeddings`` interface, so it also plugs into the ad
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import re
 from collections import Counter
@@ -32,7 +33,12 @@ __all__ = ["Embedder", "HashingEmbeddings"]
 
 _TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
 _STOP = frozenset(
-    ["a", "an", "and", "are", "as", "at", "be", "by", "for", "from", "has", "have", "how", "i", "in", "is", "it", "its", "of", "on", "or", "that", "the", "this", "to", "was", "were", "what", "when", "where", "which", "who", "why", "will", "with", "you", "your", "do", "does", "can", "my", "we", "our"]
+    {
+        "a", "an", "and", "are", "as", "at", "be", "by", "for", "from", "has", "have", "how", "i",
+        "in", "is", "it", "its", "of", "on", "or", "that", "the", "this", "to", "was", "were", "what",
+        "when", "where", "which", "who", "why", "will", "with", "you", "your", "do", "does", "can",
+        "my", "we", "our",
+    }
 )
 
 
@@ -60,7 +66,7 @@ class HashingEmbeddings(Embeddings):
         words = [w for w in _TOKEN.findall(text.lower()) if w not in _STOP]
         feats: Counter[str] = Counter(words)
         if self.bigrams:
-            feats.update(f"{a} {b}" for a, b in zip(words, words[1:], strict=False))
+            feats.update(f"{a} {b}" for a, b in itertools.pairwise(words))
         return feats
 
     def vector(self, text: str) -> np.ndarray:

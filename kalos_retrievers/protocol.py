@@ -697,10 +697,10 @@ def decode_docs_blob(
             raise ProtocolDecodeError("docs blob shorter than its offset table")
         offsets = struct.unpack_from(f"<{n + 1}I", blob, 4)
         end = base + offsets[-1]
-        if end > len(blob) or any(a > b for a, b in zip(offsets, offsets[1:], strict=False)):
+        if end > len(blob) or any(a > b for a, b in itertools.pairwise(offsets)):
             raise ProtocolDecodeError("docs blob offsets are inconsistent")
         mv = memoryview(blob)
-        docs = [mv[base + a : base + b] for a, b in zip(offsets, offsets[1:], strict=False)]
+        docs = [mv[base + a : base + b] for a, b in itertools.pairwise(offsets)]
         vectors = None
         if has_vectors:
             vstart = end + (-end % 4)

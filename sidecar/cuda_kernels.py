@@ -16,7 +16,7 @@ from typing import Any
 KERNEL_FILES = ("recall.cu",)
 BLOCK = 256  # KALOS_BLOCK in recall.cu
 
-_module: Any = None
+_modules: list[Any] = []
 _kernels: dict[str, Any] = {}
 
 
@@ -51,7 +51,6 @@ def compile_kernels(expressions: list[str]) -> None:
     Raises:
         KernelCompileError: with NVRTC's log.
     """
-    global _module
     import cupy
 
     try:
@@ -63,7 +62,7 @@ def compile_kernels(expressions: list[str]) -> None:
         kernels = {e: mod.get_function(e) for e in expressions}  # forces the compile
     except cupy.cuda.compiler.CompileException as e:
         raise KernelCompileError(f"compiling kernels/{KERNEL_FILES[0]} failed:\n{e}") from None
-    _module = mod
+    _modules[:] = [mod]  # keep the module alive for as long as its kernels are used
     _kernels.clear()
     _kernels.update(kernels)
 

@@ -644,7 +644,7 @@ class KalosVectorStore(VectorStore):
         Returns:
             A :class:`~kalos_retrievers.langchain.KalosVectorStoreRetriever`.
         """
-        from .retriever import KalosVectorStoreRetriever  # noqa: PLC0415 - retriever imports us
+        from .retriever import KalosVectorStoreRetriever
 
         tags = kwargs.pop("tags", None) or [*self._get_retriever_tags()]
         return KalosVectorStoreRetriever(vectorstore=self, tags=tags, **kwargs)

@@ -195,7 +195,7 @@ class KalosVectorStore(BasePydanticVectorStore):
         self, embed_model: BaseEmbedding | None = None, **kwargs: Any
     ) -> KalosRetriever:
         """A :class:`~kalos_retrievers.llama_index.KalosRetriever` over this store."""
-        from .retriever import KalosRetriever  # noqa: PLC0415 - it imports this module
+        from .retriever import KalosRetriever
 
         return KalosRetriever(self, embed_model, **kwargs)
 

@@ -93,7 +93,7 @@ def test_reduced_precision_recall(dtype: str) -> None:
     put(svc, data)
     q = rng.standard_normal((77, 768)).astype(np.float32)
     rows, scores = svc.recall(q, 10, "", None)
-    ref_i, ref_s = reference_topk(data, q, 10)
+    ref_i, _ref_s = reference_topk(data, q, 10)
     got = [[int(svc.rows.ids[r]) for r in rr] for rr in rows]
     r = recall_at_k(got, ref_i.tolist())
     assert r >= 0.99, f"{dtype} recall@10 = {r}"
@@ -124,8 +124,9 @@ def test_delete_reinsert_filters_growth_and_compaction() -> None:
     data = rng.standard_normal((n, dim)).astype(np.float32)
     svc = make(dim)
     for start in range(0, n, 3001):  # several batches: capacity grows under the index
-        put(svc, data[start : start + 3001], [str(i) for i in range(start, min(n, start + 3001))],
-            metas=[{"g": i % 7, "tag": "odd" if i % 2 else "even"} for i in range(start, min(n, start + 3001))])  # fmt: skip
+        span = range(start, min(n, start + 3001))
+        put(svc, data[start : start + 3001], [str(i) for i in span],
+            metas=[{"g": i % 7, "tag": "odd" if i % 2 else "even"} for i in span])  # fmt: skip
     alive = np.ones(n, bool)
     gone = rng.choice(n, n // 2, replace=False)
     svc.delete({"namespace": "", "ids": [str(i) for i in gone]})

@@ -25,5 +25,6 @@ def test_wheel_contains_kernels_and_nothing_bare(tmp_path: Path) -> None:
     for py in (ROOT / "kalos_retrievers").rglob("*.py"):  # every subpackage is listed in pyproject
         assert f"kalos_retrievers/{py.relative_to(ROOT / 'kalos_retrievers')}" in names, py
     assert "kalos_retrievers/py.typed" in names
-    entry = zipfile.ZipFile(wheel).read(f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info/entry_points.txt").decode()
+    dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"
+    entry = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
     assert "kalos-sidecar = kalos_retrievers.sidecar.cli:main" in entry

@@ -234,7 +234,8 @@ def test_bad_inputs_have_clear_errors_and_the_sidecar_keeps_serving(start_sideca
             (lambda: c.upsert(["a", "b"], [[1, 0, 0, 0]]), ValueError, "ids has 2 entries but vectors has 1"),
             (lambda: c.upsert(["a"], [[1, 0, 0, 0]], texts=[""]), ValueError, r"texts\[0\] is empty"),
             (lambda: c.upsert(["a"], [[1, 0, 0, 0]], texts=["\ud800"]), ValueError, r"texts\[0\] is not valid UTF-8"),
-            (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{"t": object()}]), ValueError, r"metadatas\[0\] is not JSON"),
+            (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{"t": object()}]), ValueError,
+             r"metadatas\[0\] is not JSON"),
             (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{"t": float("nan")}]), ValueError, r"metadatas\[0\]"),
             (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{1: "x"}]), ValueError, "non-string key"),
             (lambda: c.upsert(["a"], [[0, 0, 0, 0]]), ValueError, r"vectors\[0\] is all zeros"),
@@ -247,7 +248,7 @@ def test_bad_inputs_have_clear_errors_and_the_sidecar_keeps_serving(start_sideca
             with pytest.raises(err, match=match):
                 fn()
         assert c.recall([1, 0, 0, 0], k=1).ids == ["a"] and c.count() == 1
-    with pytest.raises(IncompatibleVersion, match="dim=4.*dim=5"):
+    with pytest.raises(IncompatibleVersion, match=r"dim=4.*dim=5"):
         KalosClient(sc.name, dim=5)
 
 

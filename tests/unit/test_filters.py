@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kalos_retrievers.sidecar.metadata import MetadataColumns
 
 from kalos_retrievers.filters import matches, validate_filter
-from kalos_retrievers.sidecar.metadata import MetadataColumns
 
 
 def test_normal_form() -> None:

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kalos_testing import assert_topk_equal, reference_topk
-
-from kalos_retrievers.protocol import METRICS, Invalid, Status
 from kalos_retrievers.sidecar.index import CpuIndex
 from kalos_retrievers.sidecar.rows import RowTable
 from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.store import NullStore, SqliteStore, StoreOpenError
+from kalos_testing import assert_topk_equal, reference_topk
+
+from kalos_retrievers.protocol import METRICS, Invalid, Status
 
 
 def svc_for(dim: int, metric: str = "cosine", store=None) -> Service:
@@ -77,7 +77,8 @@ def test_namespaces_filters_and_deletes_give_true_top_k() -> None:
     alive[0:400:3] = False
     g = np.arange(600) % 4
     q = rng.standard_normal((5, 7)).astype(np.float32)
-    for flt, elig in [(None, alive), ({"g": 2}, alive & (g == 2)), ({"g": {"$in": [0, 3]}}, alive & np.isin(g, [0, 3]))]:
+    cases = [(None, alive), ({"g": 2}, alive & (g == 2)), ({"g": {"$in": [0, 3]}}, alive & np.isin(g, [0, 3]))]
+    for flt, elig in cases:
         rows, scores = svc.recall(q, 25, "", flt)
         ref_i, ref_s = reference_topk(data, q, 25, eligible=elig)
         for j in range(5):
@@ -123,11 +124,13 @@ def test_compaction_moves_tail_rows_into_holes_without_changing_answers() -> Non
     [
         ({"ids": ["a"], "texts": ["t"], "metadatas": [{}]}, [[0, 0, 0]], Status.BAD_REQUEST, "all zeros"),
         ({"ids": ["a"], "texts": ["t"], "metadatas": [{}]}, [[np.nan, 0, 1]], Status.BAD_REQUEST, "NaN"),
-        ({"ids": ["a", "b"], "texts": ["t"], "metadatas": [{}]}, [[1, 0, 0]], Status.BAD_REQUEST, "ids must be a list of 1"),
+        ({"ids": ["a", "b"], "texts": ["t"], "metadatas": [{}]}, [[1, 0, 0]], Status.BAD_REQUEST,
+         "ids must be a list of 1"),
         ({"ids": [""], "texts": ["t"], "metadatas": [{}]}, [[1, 0, 0]], Status.BAD_REQUEST, "non-empty"),
         ({"ids": ["a"], "texts": [3], "metadatas": [{}]}, [[1, 0, 0]], Status.BAD_REQUEST, "texts"),
         ({"ids": ["a"], "texts": ["t"], "metadatas": [[]]}, [[1, 0, 0]], Status.BAD_REQUEST, "metadatas"),
-        ({"ids": ["a"], "texts": ["t"], "metadatas": [{}], "namespace": 7}, [[1, 0, 0]], Status.BAD_REQUEST, "namespace"),
+        ({"ids": ["a"], "texts": ["t"], "metadatas": [{}], "namespace": 7}, [[1, 0, 0]], Status.BAD_REQUEST,
+         "namespace"),
     ],
 )
 def test_service_rechecks_what_it_reads(args, vecs, status, match) -> None:
@@ -166,7 +169,7 @@ def test_store_refuses_a_second_sidecar_on_the_same_dir(tmp_path: Path) -> None:
 
 def test_store_refuses_other_settings_and_other_schema(tmp_path: Path) -> None:
     SqliteStore(tmp_path, dim=3, metric="cosine").close()
-    with pytest.raises(StoreOpenError, match="dim=3 metric=cosine.*--dim 4"):
+    with pytest.raises(StoreOpenError, match=r"dim=3 metric=cosine.*--dim 4"):
         SqliteStore(tmp_path, dim=4, metric="cosine")
     db = sqlite3.connect(tmp_path / "kalos.sqlite3")
     db.execute("UPDATE meta SET value='0' WHERE key='schema_version'")
@@ -195,5 +198,5 @@ def test_store_detects_a_flipped_byte_in_a_vector(tmp_path: Path) -> None:
 
 def test_store_refuses_garbage_file(tmp_path: Path) -> None:
     (tmp_path / "kalos.sqlite3").write_bytes(b"this is not a database" * 100)
-    with pytest.raises(StoreOpenError, match="not a readable SQLite database|integrity"):
+    with pytest.raises(StoreOpenError, match=r"not a readable SQLite database|integrity"):
         SqliteStore(tmp_path, dim=3, metric="cosine")

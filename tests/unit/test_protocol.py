@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import struct
 from pathlib import Path
@@ -41,14 +42,14 @@ def test_layout_areas_are_aligned_disjoint_and_inside_the_slot(lay: Layout) -> N
         (lay.scores_offset, lay.blob_offset),
         (lay.blob_offset, lay.blob_offset + lay.blob_size),
     ]
-    for (a0, a1), (b0, _) in zip(areas, areas[1:], strict=False):
+    for (a0, a1), (b0, _) in itertools.pairwise(areas):
         assert a0 < a1 <= b0
     assert areas[-1][1] <= lay.slot_size
     assert lay.slot_size % 4096 == 0 and lay.payload_offset % 128 == 0
     assert lay.rows_offset - lay.payload_offset == lay.payload_size
     assert lay.scores_offset - lay.rows_offset >= 4 * lay.max_results
     assert lay.segment_size == P.HEADER_SIZE + lay.n_slots * lay.slot_size
-    assert 1 <= lay.max_queries and lay.max_queries * 4 * lay.dim <= lay.payload_size
+    assert lay.max_queries >= 1 and lay.max_queries * 4 * lay.dim <= lay.payload_size
 
 
 @pytest.mark.parametrize(
@@ -69,8 +70,8 @@ def test_layout_rejects_bad_geometry(kw: dict) -> None:
 
 
 def _header(lay: Layout, **kw: object) -> bytes:
-    args = dict(metric=P.Metric.L2, dtype=1, pid=4242, uid=1000, boot_epoch=77, name="n",
-                backend="cpu", state=P.SidecarState.READY)  # fmt: skip
+    args = {"metric": P.Metric.L2, "dtype": 1, "pid": 4242, "uid": 1000, "boot_epoch": 77, "name": "n",
+                "backend": "cpu", "state": P.SidecarState.READY}  # fmt: skip
     args.update(kw)
     return P.encode_header(lay, **args).ljust(P.HEADER_SIZE, b"\x00")  # type: ignore[arg-type]
 
@@ -111,8 +112,8 @@ def test_header_errors_each_have_their_kind() -> None:
 
 
 def _req(**kw: int) -> Request:
-    base = dict(seq=1, op=Op.RECALL, flags=0, top_k=10, n_items=1, vec_len=4 * 97, args_len=0,
-                deadline_ns=0)  # fmt: skip
+    base = {"seq": 1, "op": Op.RECALL, "flags": 0, "top_k": 10, "n_items": 1, "vec_len": 4 * 97, "args_len": 0,
+                "deadline_ns": 0}  # fmt: skip
     base.update(kw)
     return Request(**base)
 
