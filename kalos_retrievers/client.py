@@ -831,7 +831,8 @@ class KalosClient:
             _ipc.post(conn.bell)
             t_sent = time.monotonic_ns()
             resp = self._wait(conn, slot, seq, deadline)
-            self._observe_wait(time.monotonic_ns() - t_sent)
+            if op == Op.RECALL:  # writes wait for an fsync: they say nothing about recall times
+                self._observe_wait(time.monotonic_ns() - t_sent)
             if resp.resp_len > conn.layout.blob_size:
                 raise ProtocolError(f"response length {resp.resp_len} exceeds the slot")
             if rows is None and op == Op.RECALL and resp.status == Status.OK:

@@ -152,7 +152,11 @@ class Sidecar:
         return KalosClient(self.name, dim=self.dim, **kwargs)
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM, wait, SIGKILL if needed. Returns the exit code (None if never started)."""
+        """SIGTERM, wait, SIGKILL if needed. Returns the exit code (None if never started).
+
+        The log file is removed after a clean exit (code 0) and kept otherwise, for the post
+        mortem (``log_path``).
+        """
         p = self.proc
         if p is None:
             return None
@@ -164,6 +168,8 @@ class Sidecar:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if p.returncode == 0:
+            self.log_path.unlink(missing_ok=True)
         return p.returncode
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
