@@ -594,11 +594,23 @@ def encode_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
 
 
-def decode_json_args(buf: bytes) -> dict[str, Any]:
-    """Args of the non-hot-path ops: one JSON object.
+#: The argument keys each JSON-args op accepts. A closed set: a misspelled key (say
+#: "namepsace") is refused rather than silently ignored, which would write to the default
+#: namespace.
+ARG_KEYS: Final = {
+    Op.UPSERT: frozenset({"namespace", "ids", "texts", "metadatas"}),
+    Op.GET: frozenset({"namespace", "ids"}),
+    Op.SCAN: frozenset({"namespace", "filter", "limit", "offset"}),
+    Op.DELETE: frozenset({"namespace", "ids", "filter", "all"}),
+    Op.COUNT: frozenset({"namespace", "filter"}),
+}
+
+
+def decode_json_args(buf: bytes, op: int | None = None) -> dict[str, Any]:
+    """Args of the non-hot-path ops: one JSON object (with only ``op``'s keys, if given).
 
     Raises:
-        Invalid: not UTF-8, not JSON, or not an object.
+        Invalid: not UTF-8, not JSON, not an object, or a key the op does not take.
     """
     try:
         obj = json.loads(buf.decode(), parse_constant=_reject_constant)
@@ -606,6 +618,14 @@ def decode_json_args(buf: bytes) -> dict[str, Any]:
         raise Invalid(Status.BAD_REQUEST, f"args are not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise Invalid(Status.BAD_REQUEST, "args must be a JSON object")
+    allowed = ARG_KEYS.get(op) if op is not None else None
+    if allowed is not None:
+        unknown = sorted(set(obj) - allowed)
+        if unknown:
+            raise Invalid(
+                Status.BAD_REQUEST,
+                f"{OP_NAMES[op]} does not take argument(s) {unknown}; it takes {sorted(allowed)}",
+            )
     return obj
 
 

@@ -224,21 +224,21 @@ class Dispatcher:
             kk = svc.recall_slots([spec], req.top_k, ns, flt)
             self._write_hits(i, req, spec, kk, req.flags, t0)
         elif op == Op.UPSERT:
-            args = decode_json_args(self._args(i, req))
+            args = decode_json_args(self._args(i, req), op)
             n = svc.upsert(args, self._queries(i, req))
             self._respond(i, req, Status.OK, n, b"", 0, t0)
         elif op in (Op.GET, Op.SCAN):
-            args = decode_json_args(self._args(i, req))
+            args = decode_json_args(self._args(i, req), op)
             rows = svc.get(args) if op == Op.GET else svc.scan(args)
             vecs = svc.vectors(rows) if req.flags & Flag.WITH_VECTORS else None
             blob = encode_docs_blob(svc.docs(rows), vecs)
             self._respond(i, req, Status.OK, len(rows), blob,
                           RespFlag.HAS_VECTORS if vecs is not None else 0, t0)  # fmt: skip
         elif op == Op.DELETE:
-            n = svc.delete(decode_json_args(self._args(i, req)))
+            n = svc.delete(decode_json_args(self._args(i, req), op))
             self._respond(i, req, Status.OK, n, b"", 0, t0)
         elif op == Op.COUNT:
-            n = svc.count(decode_json_args(self._args(i, req)))
+            n = svc.count(decode_json_args(self._args(i, req), op))
             self._respond(i, req, Status.OK, 0, encode_json({"count": n}), 0, t0)
         elif op == Op.NAMESPACES:
             self._respond(i, req, Status.OK, 0, encode_json(svc.rows.namespaces()), 0, t0)

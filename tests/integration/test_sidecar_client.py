@@ -288,3 +288,14 @@ def test_one_client_shared_by_many_threads(start_sidecar) -> None:
         with ThreadPoolExecutor(12) as ex:
             assert sum(ex.map(work, range(12))) == 0
         assert c.ping() < 1.0
+
+
+def test_misspelled_argument_is_refused_not_written_elsewhere(start_sidecar) -> None:
+    sc = start_sidecar(dim=4)
+    with sc.client() as c:
+        from kalos_retrievers.protocol import Op
+
+        args = b'{"namepsace":"private","ids":["x"],"texts":["t"],"metadatas":[{}]}'
+        with pytest.raises(RequestRejected, match="namepsace"):
+            c._call(Op.UPSERT, vectors=np.ones((1, 4), np.float32), args=args, n_items=1)
+        assert c.count() == 0  # nothing landed in the default namespace either

@@ -247,3 +247,12 @@ def test_protocol_doc_lists_every_field_at_its_offset() -> None:
     for table, offsets in (("header", HEADER_OFFSETS), ("slot", CTL_OFFSETS)):
         for field, off in offsets.items():
             assert re.search(rf"\|\s*{off}\s*\|[^|\n]*\|\s*`{field}`", doc), f"{table} field {field} @ {off}"
+
+
+def test_json_args_take_only_the_ops_keys() -> None:
+    assert P.decode_json_args(b'{"namespace":"n","ids":["a"]}', Op.GET) == {"namespace": "n", "ids": ["a"]}
+    with pytest.raises(Invalid, match=r"upsert does not take argument\(s\) \['namepsace'\]") as e:
+        P.decode_json_args(b'{"namepsace":"n","ids":[],"texts":[],"metadatas":[]}', Op.UPSERT)
+    assert e.value.status == Status.BAD_REQUEST
+    for op, keys in P.ARG_KEYS.items():  # every key the client sends is accepted
+        P.decode_json_args(P.encode_json(dict.fromkeys(keys)), op)
