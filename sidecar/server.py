@@ -209,9 +209,7 @@ class Server:
                 continue
             except PermissionDenied as e:
                 raise StartError(str(e), EXIT_PERMISSION) from None
-            # Between our create and our lock, a rival may have judged the segment stale and
-            # unlinked it: holding the lock is not enough, the name must still be ours.
-            if not _ipc.try_lock(seg.fd, _ipc.SIDECAR_LOCK_BYTE) or _ipc.segment_inode(name) != seg.inode:
+            if not self._holds_name(seg, name):
                 seg.close()
                 raise StartError(f"another sidecar named {cfg.name!r} is starting at the same "
                                  "time; this one gives way", EXIT_NAME_IN_USE)  # fmt: skip
@@ -241,6 +239,12 @@ class Server:
         log.info("segment %s: %d slots of %d KiB (%.1f MiB in all), dim=%d, metric=%s",
                  name, lay.n_slots, lay.slot_size // 1024, lay.segment_size / 2**20, cfg.dim,
                  cfg.metric)  # fmt: skip
+
+    def _holds_name(self, seg: _ipc.Segment, name: str) -> bool:
+        """Take the sidecar lock on a segment we just created, and check the name still points
+        at it: between our create and our lock, a rival may have judged the segment stale and
+        unlinked it, so holding the lock alone is not enough."""
+        return _ipc.try_lock(seg.fd, _ipc.SIDECAR_LOCK_BYTE) and _ipc.segment_inode(name) == seg.inode
 
     def _clear_stale(self, name: str) -> None:
         try:

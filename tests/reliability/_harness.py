@@ -384,6 +384,8 @@ PATCHES: dict[str, str] = {
         "from kalos_retrievers import _ipc\n"
         "from kalos_retrievers.sidecar.server import Server\n"
         "Server._clear_stale = lambda self, name: _ipc.unlink_segment(name)\n"
+        # nor check, after taking the lock, that the name is still ours
+        "Server._holds_name = lambda self, seg, name: (_ipc.try_lock(seg.fd, 0), True)[1]\n"
     ),
     "keep_stale": (
         "from kalos_retrievers.sidecar.server import Server\n"

@@ -175,5 +175,5 @@ def test_two_started_at_once_sharing_a_data_dir(launch: Callable[..., Sidecar], 
 
 
 def test_two_at_once_negative_control_ignoring_the_lock(launch: Callable[..., Sidecar], make_name) -> None:
-    out = run_races(launch, make_name, 1, patch="ignore_live_owner", settle=3.0)
+    out = run_races(launch, make_name, 3, patch="ignore_live_owner", settle=3.0)
     assert out["violations"], out
