@@ -84,7 +84,7 @@ async def test_100_concurrent_ainvoke(retriever: tuple[Sidecar, KalosRetriever])
     results, gap = await max_loop_gap(lambda: asyncio.gather(*(r.ainvoke(q) for q in queries)))
     assert [res[0].page_content for res in results] == queries
     assert all(len(res) == 3 for res in results)
-    assert gap < 0.1, gap
+    assert gap < 0.25, gap  # as in the paused test below; the control shows a blocked loop at >= 0.5 s
 
 
 async def test_100_concurrent_ainvoke_on_paused_sidecar(
@@ -109,7 +109,10 @@ async def test_100_concurrent_ainvoke_on_paused_sidecar(
     # every call's deadline covers its wait for a worker thread, so 100 calls on a few
     # threads still end at about one timeout, not at 100 / threads timeouts
     assert took < 0.3 + 0.25, took
-    assert gap < 0.1, gap  # the loop kept running while 100 calls waited
+    # the loop kept running while 100 calls waited: a blocking implementation stalls it for a
+    # whole timeout (0.3 s here; the control below shows the measure catching a 0.6 s stall), and
+    # 0.25 s leaves room for a loaded 2-core CI machine (0.17-0.18 s seen there)
+    assert gap < 0.25, gap
     assert r.degrader.degraded_calls == 100
     assert r.degrader.episodes == 1
     # the abandoned requests hold every slot until the sidecar answers them; the client takes
@@ -148,7 +151,7 @@ async def test_blocking_control_is_detected(retriever: tuple[Sidecar, KalosRetri
     sc, r = retriever
 
     async def blocking(i: int) -> Any:
-        return r.invoke(f"q{i}", timeout=0.3)
+        return r.invoke(f"q{i}", timeout=0.6)
 
     sc.kill(signal.SIGSTOP)
     try:  # measured as the paused test measures: gaps during the wait, before any completion
@@ -159,7 +162,7 @@ async def test_blocking_control_is_detected(retriever: tuple[Sidecar, KalosRetri
     finally:
         sc.kill(signal.SIGCONT)
     assert results == [[]] * 3
-    assert gap >= 0.25, gap
+    assert gap >= 0.5, gap  # well above the 0.25 s bound the real test is held to
 
 
 @pytest.mark.parametrize("resume", [True, False])
