@@ -129,8 +129,9 @@ def timed(fn: Callable[[int], Any], budget_s: float, max_calls: int) -> dict[str
 
 
 def bench_rows(
-    n: int, *, calls: int, warmup: int, inmem_budget: float, pin: bool, spin_us: float
-) -> dict[str, Any]:
+    n: int, *, calls: int, warmup: int, inmem_budget: float, pin: bool, spin_us: float,
+    device: str = "cpu",
+) -> dict[str, Any]:  # fmt: skip
     print(f"{n} rows: loading", file=sys.stderr, flush=True)
     data = make_data(n, DIM, seed=n)
     texts = [f"memory {i}" for i in range(n)]
@@ -145,7 +146,7 @@ def bench_rows(
     q_lists = [table[t] for t in query_texts]
     nq = len(query_texts)
 
-    with Sidecar(dim=DIM, device="cpu", log_level="WARNING") as sc:
+    with Sidecar(dim=DIM, device=device, log_level="WARNING") as sc:
         cores = sorted(os.sched_getaffinity(0))
         if pin and len(cores) >= 2 and sc.pid is not None:
             # the sidecar on one core, this process on another: neither steals the other's
@@ -229,17 +230,18 @@ def main() -> int:
     p.add_argument("--no-pin", action="store_true", help="leave CPU placement to the scheduler")
     p.add_argument("--spin-us", type=float, default=50_000, help="client spin before blocking")
     p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cpu", help="the sidecar's --device (cuda: GPU sidecar)")
     args = p.parse_args()
     if not args.no_pin:
         os.environ["OPENBLAS_NUM_THREADS"] = "1"  # inherited by the sidecars started below
     results = [
         bench_rows(n, calls=args.calls, warmup=args.warmup, inmem_budget=args.inmem_budget,
-                   pin=not args.no_pin, spin_us=args.spin_us)
+                   pin=not args.no_pin, spin_us=args.spin_us, device=args.device)
         for n in args.rows
     ]  # fmt: skip
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "dim": DIM, "k": K,
-            "command": "python " + " ".join(sys.argv)}  # fmt: skip
-    print(f"{meta['date']}, {meta['machine']}, dim {DIM}, k {K}, CPU sidecar; p50 in us")
+            "device": args.device, "command": "python " + " ".join(sys.argv)}  # fmt: skip
+    print(f"{meta['date']}, {meta['machine']}, dim {DIM}, k {K}, {args.device} sidecar; p50 in us")
     print(markdown(results))
     if args.json:
         with open(args.json, "w") as f:

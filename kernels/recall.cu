@@ -63,6 +63,7 @@ struct Params {
     int* out_rows[KALOS_MAXQ];
     float* out_scores[KALOS_MAXQ];
     float qnorm2[KALOS_MAXQ];    // squared norms of the (normalized) queries, for L2
+    float qscale[KALOS_MAXQ];    // int8 copy of each query = round(q / qscale) (int8 storage)
 };
 
 // ------------------------------------------------------------------------------------------
@@ -74,15 +75,18 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 template <typename T> struct Vec;
 template <> struct Vec<float> {
     static constexpr int N = 4;
-    __device__ __forceinline__ static float dot(uint4 v, const float* q) {
-        float4 a = *reinterpret_cast<const float4*>(q);
+    static constexpr bool INT8 = false;
+    __device__ __forceinline__ static float dot(uint4 v, const float* qrow, int ch) {
+        float4 a = *reinterpret_cast<const float4*>(qrow + ch * N);
         return __uint_as_float(v.x) * a.x + __uint_as_float(v.y) * a.y
              + __uint_as_float(v.z) * a.z + __uint_as_float(v.w) * a.w;
     }
 };
 template <> struct Vec<__half> {
     static constexpr int N = 8;
-    __device__ __forceinline__ static float dot(uint4 v, const float* q) {
+    static constexpr bool INT8 = false;
+    __device__ __forceinline__ static float dot(uint4 v, const float* qrow, int ch) {
+        const float* q = qrow + ch * N;
         const __half2* h = reinterpret_cast<const __half2*>(&v);
         float4 a = *reinterpret_cast<const float4*>(q);
         float4 b = *reinterpret_cast<const float4*>(q + 4);
@@ -94,18 +98,19 @@ template <> struct Vec<__half> {
         return fmaf(f3.y, b.w, acc);
     }
 };
+// int8 rows against the int8 copy of the query (held as bytes at the start of the query's row
+// of shared memory): four dp4a per 16 bytes instead of 16 conversions and 16 FMAs, which made
+// the int8 scan compute-bound. The product is scaled by row scale x query scale at the offer.
 template <> struct Vec<signed char> {
     static constexpr int N = 16;
-    __device__ __forceinline__ static float dot(uint4 v, const float* q) {
-        const char4* c = reinterpret_cast<const char4*>(&v);
-        float acc = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            float4 a = *reinterpret_cast<const float4*>(q + 4 * i);
-            acc = fmaf((float)c[i].x, a.x, acc); acc = fmaf((float)c[i].y, a.y, acc);
-            acc = fmaf((float)c[i].z, a.z, acc); acc = fmaf((float)c[i].w, a.w, acc);
-        }
-        return acc;
+    static constexpr bool INT8 = true;
+    __device__ __forceinline__ static float dot(uint4 v, const float* qrow, int ch) {
+        int4 a = reinterpret_cast<const int4*>(qrow)[ch];
+        int acc = __dp4a((int)v.x, a.x, 0);
+        acc = __dp4a((int)v.y, a.y, acc);
+        acc = __dp4a((int)v.z, a.z, acc);
+        acc = __dp4a((int)v.w, a.w, acc);
+        return (float)acc;
     }
 };
 
@@ -162,11 +167,60 @@ __device__ void compact(float* key, int* val, int* cnt, float* thr, int k, int b
 template <int METRIC>
 __global__ void __launch_bounds__(KALOS_BLOCK)
 prep_queries(const Desc* __restrict__ desc, Params* __restrict__ params,
-             float* __restrict__ qbuf, __half* __restrict__ qbuf_h, int dim, int ld) {
+             float* __restrict__ qbuf, __half* __restrict__ qbuf_h, signed char* __restrict__ qbuf_i8,
+             int dim, int ld, const float* q0, int* r0, float* s0) {
+    // q0 != nullptr: one query from one slot whose addresses are baked into the launch (a
+    // per-slot graph), so the descriptor's head and the query are read from host memory in the
+    // same wave: one PCIe round trip instead of two dependent ones. Otherwise every address
+    // comes from the descriptor.
     __shared__ Desc d;
-    // 1. the descriptor, in one wave of 16-byte reads of host memory
+    const int c4 = ld / 4;  // ld is a multiple of 4 (8 for float16, 16 for int8)
     const uint4* src = reinterpret_cast<const uint4*>(desc);
     uint4* dst = reinterpret_cast<uint4*>(&d);
+    if (q0 != nullptr) {
+        uint4 h = make_uint4(0u, 0u, 0u, 0u);
+        if (threadIdx.x < 2) h = src[threadIdx.x];  // the 32-byte head: counts, k, rows, mask
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int e = 4 * (u * blockDim.x + threadIdx.x);
+            v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            // a slot's payload is 128-byte aligned: 16-byte loads wherever 4 elements remain
+            if (e + 3 < dim) v[u] = *reinterpret_cast<const float4*>(q0 + e);
+            else if (e < dim) {
+                v[u].x = q0[e];
+                if (e + 1 < dim) v[u].y = q0[e + 1];
+                if (e + 2 < dim) v[u].z = q0[e + 2];
+            }
+        }
+        if (threadIdx.x < 2) dst[threadIdx.x] = h;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int idx = u * blockDim.x + threadIdx.x;
+            if (idx < c4) reinterpret_cast<float4*>(qbuf)[idx] = v[u];
+        }
+        for (int base = 4 * blockDim.x; base < c4; base += blockDim.x) {  // dims above 4096
+            int idx = base + threadIdx.x, e = 4 * idx;
+            if (idx < c4) {
+                float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (e < dim) w.x = q0[e];
+                if (e + 1 < dim) w.y = q0[e + 1];
+                if (e + 2 < dim) w.z = q0[e + 2];
+                if (e + 3 < dim) w.w = q0[e + 3];
+                reinterpret_cast<float4*>(qbuf)[idx] = w;
+            }
+        }
+        __syncthreads();
+        d.n_queries = 1;
+        if (threadIdx.x == 0) {
+            params->n_queries = 1; params->k = d.k; params->n_rows = d.n_rows;
+            params->ns_id = d.ns_id; params->mask = reinterpret_cast<const unsigned char*>(d.mask);
+            params->out_ld = d.out_ld; params->seq = d.seq;
+            params->out_rows[0] = r0; params->out_scores[0] = s0;
+        }
+        __syncthreads();
+    } else {
+    // 1. the descriptor, in one wave of 16-byte reads of host memory
     for (int i = threadIdx.x; i < (int)(sizeof(Desc) / 16); i += blockDim.x) dst[i] = src[i];
     __syncthreads();
     const int nq = d.n_queries;
@@ -180,7 +234,6 @@ prep_queries(const Desc* __restrict__ desc, Params* __restrict__ params,
         params->out_scores[q] = reinterpret_cast<float*>(d.out_scores[q]);
     }
     // 2. every query, all reads of host memory issued before any is used
-    const int c4 = ld / 4;  // ld is a multiple of 4 (8 for float16, 16 for int8)
     const int total = nq * c4;
     for (int base = 0; base < total; base += 4 * blockDim.x) {
         float4 v[4];
@@ -211,20 +264,32 @@ prep_queries(const Desc* __restrict__ desc, Params* __restrict__ params,
         }
     }
     __syncthreads();
-    // 3. one warp per query: norm, normalization (cosine), float16 copy for the GEMM path
+    }
+    const int nq = d.n_queries;
+    // 3. one warp per query: norm, normalization (cosine), float16 copy for the GEMM path,
+    //    int8 copy (scale max|q|/127) for int8 storage
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int q = warp; q < nq; q += blockDim.x / 32) {
         float* x = qbuf + (size_t)q * ld;
-        float s = 0.f;
-        for (int i = lane; i < ld; i += 32) s += x[i] * x[i];
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        float s = 0.f, amax = 0.f;
+        for (int i = lane; i < ld; i += 32) { s += x[i] * x[i]; amax = fmaxf(amax, fabsf(x[i])); }
+        for (int o = 16; o > 0; o >>= 1) {
+            s += __shfl_xor_sync(0xffffffff, s, o);
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+        }
         float scale = (METRIC == METRIC_COSINE && s > 0.f) ? rsqrtf(s) : 1.f;
+        amax *= scale;
+        float qs = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / qs;
         for (int i = lane; i < ld; i += 32) {
             float v = x[i] * scale;
             x[i] = v;
             qbuf_h[(size_t)q * ld + i] = __float2half_rn(v);
+            qbuf_i8[(size_t)q * ld + i] = (signed char)(int)fminf(fmaxf(rintf(v * inv), -127.f), 127.f);
         }
-        if (lane == 0) params->qnorm2[q] = (METRIC == METRIC_COSINE && s > 0.f) ? 1.f : s;
+        if (lane == 0) {
+            params->qnorm2[q] = (METRIC == METRIC_COSINE && s > 0.f) ? 1.f : s;
+            params->qscale[q] = qs;
+        }
     }
 }
 
@@ -286,16 +351,66 @@ __device__ float seed_bound(const float* kth, size_t stride, int nlists) {
     return m;
 }
 
-// Run by the last block to finish: merge every block's list for query q, write the answer.
+// ---- the global bound and the append lists (scan_topk) ------------------------------------
+//
+// `sync` (device memory, SYNC_WORDS ints, zero except the bounds) holds per query:
+//   ticket[q]  the blocks' "am I last?" counters ([0] here; one per query in topk_scores)
+//   bound[q]   the best k-th score any finished block has published, as an ordered int
+//   count[q]   entries appended so far to query q's list
+// A block that finishes publishes its best k in two steps: it appends every entry that is at
+// least the current bound (its list is sorted, so a prefix), then raises the bound to its own
+// k-th score. An entry below the bound cannot be in the answer: the block that set the bound
+// had appended k entries at or above it before it set it. Blocks that finish late append little,
+// and the last block merges one short list instead of every block's k (which cost several
+// dependent rounds of L2 loads). The last block resets count and bound for the next launch.
+#define SYNC_WORDS (3 * KALOS_MAXQ)
+
+__device__ __forceinline__ int f2ord(float f) {
+    int i = __float_as_int(f);
+    return i >= 0 ? i : i ^ 0x7fffffff;
+}
+__device__ __forceinline__ float ord2f(int i) { return __int_as_float(i >= 0 ? i : i ^ 0x7fffffff); }
+__device__ __forceinline__ int* sync_bound(unsigned int* sync) { return reinterpret_cast<int*>(sync) + KALOS_MAXQ; }
+__device__ __forceinline__ int* sync_count(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 2 * KALOS_MAXQ; }
+__device__ __forceinline__ float read_bound(unsigned int* sync, int q) {
+    return ord2f(*reinterpret_cast<volatile int*>(sync_bound(sync) + q));
+}
+
+// Append this block's sorted list for query q (key/val, n entries) to the global list
+// (ak/av + q * cap); publish its k-th score. All threads call it.
+__device__ void append_list(const float* key, const int* val, int n, int k, int q,
+                            unsigned int* sync, float* ak, int* av, int cap) {
+    __shared__ int s_base;
+    __shared__ float s_b;
+    if (threadIdx.x == 0) s_b = read_bound(sync, q);
+    __syncthreads();
+    const float b = s_b;
+    int m = 0;
+    for (int base = 0; base < n; base += blockDim.x) {  // the same trip count in every thread
+        int i = base + threadIdx.x;
+        m += __syncthreads_count(i < n && key[i] >= b);
+    }
+    if (threadIdx.x == 0) s_base = m ? atomicAdd(sync_count(sync) + q, m) : 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        ak[(size_t)q * cap + s_base + i] = key[i];
+        av[(size_t)q * cap + s_base + i] = val[i];
+    }
+    __threadfence();   // the entries are visible before the bound that relies on them
+    __syncthreads();
+    if (threadIdx.x == 0 && n == k) atomicMax(sync_bound(sync) + q, f2ord(key[k - 1]));
+}
+
+// The last block: merge query q's appended list, write the answer, reset q's words.
 template <int QB>
-__device__ void merge_lists(Cands<QB>& c, const Params* p, int q, int k, int nlists,
-                            const float* sk, const int* sv, int stride) {
-    // Every list is sorted, so each list's k-th score is a lower bound of the answer's k-th
-    // score; the best of those bounds filters out almost every candidate before it is offered.
-    float bound = seed_bound(sk + q * k + (k - 1), stride, nlists);
+__device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsigned int* sync,
+                               const float* ak, const int* av, int cap) {
+    const float bound = read_bound(sync, q);
+    const int total = *reinterpret_cast<volatile int*>(sync_count(sync) + q);
     if (threadIdx.x == 0) { c.cnt[q] = 0; c.thr[q] = neg_inf(); }
     __syncthreads();
-    int total = nlists * k;
+    const float* sk = ak + (size_t)q * cap;
+    const int* sv = av + (size_t)q * cap;
     for (int base = 0; base < total; base += MERGE_UNROLL * blockDim.x) {
         float s[MERGE_UNROLL];
         int r[MERGE_UNROLL];
@@ -303,11 +418,7 @@ __device__ void merge_lists(Cands<QB>& c, const Params* p, int q, int k, int nli
         for (int u = 0; u < MERGE_UNROLL; u++) {  // independent loads, all in flight at once
             int i = base + u * blockDim.x + threadIdx.x;
             r[u] = -1;
-            if (i < total) {
-                int l = i / k, j = i % k;
-                s[u] = __ldcg(sk + (size_t)l * stride + q * k + j);
-                r[u] = __ldcg(sv + (size_t)l * stride + q * k + j);
-            }
+            if (i < total) { s[u] = __ldcg(sk + i); r[u] = __ldcg(sv + i); }
         }
 #pragma unroll
         for (int u = 0; u < MERGE_UNROLL; u++)
@@ -323,6 +434,10 @@ __device__ void merge_lists(Cands<QB>& c, const Params* p, int q, int k, int nli
         bool have = i < c.cnt[q];
         orow[i] = have ? c.val[q * c.buf + i] : -1;
         oscore[i] = have ? c.key[q * c.buf + i] : neg_inf();
+    }
+    if (threadIdx.x == 0) {
+        sync_count(sync)[q] = 0;
+        sync_bound(sync)[q] = f2ord(neg_inf());
     }
 }
 
@@ -356,9 +471,9 @@ template <typename T, int TPR, int QB, int METRIC>
 __global__ void __launch_bounds__(KALOS_BLOCK)
 scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
           const float* __restrict__ rowscale, const Params* __restrict__ p,
-          const float* __restrict__ qbuf, int ld, int buf,
+          const float* __restrict__ qbuf, const signed char* __restrict__ qbuf_i8, int ld, int buf,
           float* __restrict__ scratch_k, int* __restrict__ scratch_v,
-          unsigned int* __restrict__ counter) {
+          unsigned int* __restrict__ sync) {
     extern __shared__ float smem[];
     __shared__ int s_cnt[QB];
     __shared__ float s_thr[QB];
@@ -369,7 +484,13 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
 
     const int nq = p->n_queries, k = p->k, n = p->n_rows, my_ns = p->ns_id;
     const unsigned char* mask = p->mask;
-    for (int i = threadIdx.x; i < QB * ld; i += blockDim.x) sq[i] = (i / ld) < nq ? qbuf[i] : 0.f;
+    if (Vec<T>::INT8) {  // int8 queries as bytes at the start of each query's row
+        unsigned char* sb = reinterpret_cast<unsigned char*>(sq);
+        for (int i = threadIdx.x; i < QB * ld; i += blockDim.x)
+            sb[(size_t)(i / ld) * ld * 4 + i % ld] = (i / ld) < nq ? (unsigned char)qbuf_i8[i] : 0;
+    } else {
+        for (int i = threadIdx.x; i < QB * ld; i += blockDim.x) sq[i] = (i / ld) < nq ? qbuf[i] : 0.f;
+    }
     if (threadIdx.x < QB) { s_cnt[threadIdx.x] = 0; s_thr[threadIdx.x] = neg_inf(); }
     __syncthreads();
 
@@ -387,7 +508,8 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
         for (int q = 0; q < QB; q++) acc[q] = 0.f;
         if (ok) {
             // all of a thread's loads for up to UNROLL chunks are in flight before the first use
-            constexpr int UNROLL = 8;
+            // 16: a 768-d float16 row is 96 chunks, 12 per thread at TPR 8, all in one batch
+            constexpr int UNROLL = 16;
             const uint4* rp = base + (size_t)row * chunks;
             for (int ch0 = lane; ch0 < chunks; ch0 += UNROLL * TPR) {
                 uint4 v[UNROLL];
@@ -401,7 +523,7 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
                     int ch = ch0 + u * TPR;
                     if (ch < chunks) {
 #pragma unroll
-                        for (int q = 0; q < QB; q++) acc[q] += Vec<T>::dot(v[u], sq + q * ld + ch * V);
+                        for (int q = 0; q < QB; q++) acc[q] += Vec<T>::dot(v[u], sq + q * ld, ch);
                     }
                 }
             }
@@ -416,7 +538,7 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
             for (int q = 0; q < QB; q++) {
                 if (q >= nq) break;
                 float s = acc[q];
-                if (rowscale != nullptr) s *= rowscale[row];
+                if (rowscale != nullptr) s *= rowscale[row] * p->qscale[q];
                 if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(p->qnorm2[q] + sqnorm[row] - 2.f * s, 0.f));
                 c.offer(q, s, row);
             }
@@ -424,11 +546,14 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
         __syncthreads();
         c.make_room(k, groups);
     }
-    // this block's best k per query -> scratch[block][q][k]
-    const int sstride = QB * k;
-    finish_block(c, k, nq, scratch_k + (size_t)blockIdx.x * sstride, scratch_v + (size_t)blockIdx.x * sstride, k);
-    if (last_block(counter)) {
-        for (int q = 0; q < nq && q < QB; q++) merge_lists(c, p, q, k, gridDim.x, scratch_k, scratch_v, sstride);
+    // this block's best k per query -> the appended lists; the last block merges them
+    const int cap = gridDim.x * k;
+    for (int q = 0; q < QB; q++) {
+        compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
+        if (q < nq) append_list(c.key + q * c.buf, c.val + q * c.buf, c.cnt[q], k, q, sync, scratch_k, scratch_v, cap);
+    }
+    if (last_block(sync)) {
+        for (int q = 0; q < nq && q < QB; q++) merge_appended(c, p, q, k, sync, scratch_k, scratch_v, cap);
         final_fence();
     }
 }
@@ -615,9 +740,9 @@ __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
 // Explicit instantiations so that `nvcc -c` (CI) compiles every kernel the sidecar uses.
 // The sidecar asks NVRTC for the same names through name_expressions.
 #ifdef KALOS_INSTANTIATE
-#define SCAN(T, TPR, QB, M) template __global__ void scan_topk<T, TPR, QB, M>(const T*, const int*, const float*, const float*, const Params*, const float*, int, int, float*, int*, unsigned int*);
+#define SCAN(T, TPR, QB, M) template __global__ void scan_topk<T, TPR, QB, M>(const T*, const int*, const float*, const float*, const Params*, const float*, const signed char*, int, int, float*, int*, unsigned int*);
 SCAN(__half, 8, 1, 0) SCAN(float, 8, 1, 0) SCAN(signed char, 4, 1, 0) SCAN(__half, 1, 8, 2)
-template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, int, int);
+template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, signed char*, int, int, const float*, int*, float*);
 template __global__ void topk_scores<0>(const float*, int, const int*, const float*, const float*, const Params*, int, float*, int*, unsigned int*);
 template __global__ void set_rows<__half>(const float*, const long long*, int, int, int, __half*, float*, float*);
 template __global__ void set_rows<signed char>(const float*, const long long*, int, int, int, signed char*, float*, float*);

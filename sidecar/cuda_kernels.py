@@ -53,6 +53,8 @@ def compile_kernels(expressions: list[str]) -> None:
     """
     import cupy
 
+    if all(e in _kernels for e in expressions):
+        return  # an earlier index of this process compiled them
     try:
         mod = cupy.RawModule(
             code=source(),
@@ -62,8 +64,9 @@ def compile_kernels(expressions: list[str]) -> None:
         kernels = {e: mod.get_function(e) for e in expressions}  # forces the compile
     except cupy.cuda.compiler.CompileException as e:
         raise KernelCompileError(f"compiling kernels/{KERNEL_FILES[0]} failed:\n{e}") from None
-    _modules[:] = [mod]  # keep the module alive for as long as its kernels are used
-    _kernels.clear()
+    # Keep every module alive for as long as its kernels are used; a second index in the same
+    # process (other metric or dtype) adds its instantiations instead of replacing the first's.
+    _modules.append(mod)
     _kernels.update(kernels)
 
 

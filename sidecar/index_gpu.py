@@ -11,9 +11,12 @@ mapped), so the query in a request slot and the response area of that slot are a
 by kernels. For each recall the dispatcher writes a small descriptor (query addresses, where
 results go, k, namespace, optional filter mask) into another registered buffer and launches a
 pre-captured CUDA graph (prep_queries + scan_topk; kernels/recall.cu), then synchronizes the
-stream. The graph is keyed by (k, queries-bucket, grid size); its kernels' arguments never
-change between launches, which is what lets one graph serve every slot. Batches of more than
-``FUSED_MAX_Q`` queries go through one cuBLAS GEMM and a top-k kernel instead.
+stream. A single query's graph is captured per slot, with that slot's query and result
+addresses baked into prep's arguments: prep then reads the descriptor's head and the query
+from host memory in one PCIe round trip instead of two dependent ones. Batches of more than
+one query (``KALOS_GEMM_MIN_Q``) go through one cuBLAS GEMM (tensor cores for float16) and a
+top-k kernel instead: the fused kernel for several queries at once is slower than reading the
+rows once through the GEMM.
 
 int8 storage scans ``RESCORE_FACTOR * k`` candidates with the quantized rows, then re-scores
 them exactly against a float16 copy kept in host memory, so the device holds one byte per
@@ -41,11 +44,13 @@ log = logging.getLogger("kalos.sidecar")
 MAXQ: Final = 64  # KALOS_MAXQ
 FUSED_MAX_Q: Final = 8
 MERGE_UNROLL: Final = 4  # as in kernels/recall.cu
-# The GEMM + topk_scores path for batches > FUSED_MAX_Q returned wrong rows on the H200
-# (2026-11-30): suspected ordering between the direct cublasGemmEx call and the kernels on our
-# non-blocking stream. Until that is fixed and tested, every batch takes fused launches of up to
-# FUSED_MAX_Q queries (exact, tested); KALOS_GEMM=1 re-enables the GEMM path for investigation.
-USE_GEMM: Final = os.environ.get("KALOS_GEMM") == "1"
+# Batches of at least GEMM_MIN_Q queries go through cuBLAS (tensor cores) + topk_scores;
+# KALOS_GEMM=0 sends them through fused launches of up to FUSED_MAX_Q queries instead.
+USE_GEMM: Final = os.environ.get("KALOS_GEMM", "1") != "0"
+GEMM_MIN_Q: Final = max(2, int(os.environ.get("KALOS_GEMM_MIN_Q", "2")))
+SYNC_WORDS: Final = 3 * MAXQ  # as in kernels/recall.cu: tickets, bounds, counts per query
+_NEG_INF_ORD: Final = int(np.array([-np.inf], np.float32).view(np.int32)[0]) ^ 0x7FFFFFFF
+GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, grid)
 RESCORE_FACTOR: Final = 4
 CAND_MAX: Final = 4096  # most int8 candidates per query (RESCORE_FACTOR x max k)
 _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
@@ -112,7 +117,11 @@ class GpuIndex(Index):
             self.params = cp.zeros(_PARAMS_SIZE, cp.uint8)
             self.qbuf = cp.zeros((MAXQ, self.ld), cp.float32)
             self.qbuf_h = cp.zeros((MAXQ, self.ld), cp.float16)
-            self.counters = cp.zeros(MAXQ, cp.uint32)
+            self.qbuf_i8 = cp.zeros((MAXQ, self.ld), cp.int8)
+            # tickets, the global bounds (ordered ints, -inf) and append counts of scan_topk
+            sync = np.zeros(SYNC_WORDS, np.int32)
+            sync[MAXQ : 2 * MAXQ] = _NEG_INF_ORD
+            self.sync = cp.asarray(sync)
             # 4 blocks of 256 per SM keep enough loads in flight (H200: 0.91 of copy bandwidth at
             # 1M rows, against 0.78 with 2 blocks per SM)
             self.max_grid = 4 * self.sms
@@ -131,7 +140,8 @@ class GpuIndex(Index):
         self.cand_scores = cand[MAXQ * CAND_MAX :].view(np.float32).reshape(MAXQ, CAND_MAX)
         self.cand_addr = cand.ctypes.data
         self._check(lambda: cp.cuda.runtime.hostRegister(self.cand_addr, len(self._cand_mm), 3))
-        self.graphs: dict[tuple[int, int, int], Any] = {}
+        self.graphs: dict[tuple[int, ...], Any] = {}
+        self.gemm_stream_note = ""
         self._closed = False
         self.seg_addr = 0
         self.seg_size = 0
@@ -190,7 +200,8 @@ class GpuIndex(Index):
         if self.rowscale is not None:
             nbytes += self.rowscale.nbytes
         d.update(backend=self.name, device=self.device_name, device_bytes=int(nbytes),
-                 threads_per_row=self.tpr, ld=self.ld, graphs=len(self.graphs))  # fmt: skip
+                 threads_per_row=self.tpr, ld=self.ld, graphs=len(self.graphs),
+                 gemm_path=USE_GEMM, gemm_stream=self.gemm_stream_note or "ordered")  # fmt: skip
         return d
 
     # ------------------------------------------------------------------ rows
@@ -326,11 +337,16 @@ class GpuIndex(Index):
             qb //= 2
         return qb
 
-    def _graph(self, k: int, qb: int, grid: int) -> Any:
-        key = (k, qb, grid)
+    def _graph(self, k: int, qb: int, grid: int, slot: tuple[int, int, int] = (0, 0, 0)) -> Any:
+        """The captured prep + scan graph for (k, queries bucket, grid), and for one query from
+        one slot (``slot`` = its query, rows and scores addresses, baked into the launch so
+        prep reads the descriptor and the query in one PCIe round trip)."""
+        key = (k, qb, grid, *slot)
         g = self.graphs.get(key)
         if g is not None:
             return g
+        if len(self.graphs) >= GRAPH_CACHE:
+            self.graphs.clear()
         kp = _pow2(k)
         buf = self._buf(kp)
         smem = self._smem(qb, buf)
@@ -344,11 +360,12 @@ class GpuIndex(Index):
             s.begin_capture()
             try:
                 prep((1,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
-                                              self.qbuf_h, np.int32(self.dim), np.int32(self.ld)))  # fmt: skip
+                                              self.qbuf_h, self.qbuf_i8, np.int32(self.dim),
+                                              np.int32(self.ld), *map(np.uint64, slot)))  # fmt: skip
                 scan((grid,), (kernels.BLOCK,),
-                     (self.data, self.ns, self.sqnorm, rs, self.params, self.qbuf,
+                     (self.data, self.ns, self.sqnorm, rs, self.params, self.qbuf, self.qbuf_i8,
                       np.int32(self.ld), np.int32(buf), self.scratch_k, self.scratch_v,
-                      self.counters), shared_mem=smem)  # fmt: skip
+                      self.sync), shared_mem=smem)  # fmt: skip
             finally:
                 g = s.end_capture()
         self.graphs[key] = g
@@ -399,20 +416,26 @@ class GpuIndex(Index):
 
     def _run(self, qs: list[int], rows: list[int], scores: list[int], k: int, high: int,
              ns: int, mask_addr: int, out_ld: int) -> None:  # fmt: skip
-        """Launch for every query: fused graphs of up to FUSED_MAX_Q queries, or (float types,
-        larger batches) GEMM + top-k for up to MAXQ queries per launch."""
+        """Launch for every query: the slot's fused graph for one query; for batches (float
+        types) GEMM + top-k for up to MAXQ queries per launch, else fused graphs of up to
+        FUSED_MAX_Q queries."""
         kp = _pow2(k)
-        use_gemm = USE_GEMM and self.dtype != "int8" and len(qs) > FUSED_MAX_Q
+        use_gemm = USE_GEMM and self.dtype != "int8" and len(qs) >= GEMM_MIN_Q
         step = MAXQ if use_gemm else self._fused_qb(FUSED_MAX_Q, kp)
         for start in range(0, len(qs), step):
             sl = slice(start, start + step)
             n = len(qs[sl])
-            self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
-            if n > FUSED_MAX_Q:
-                self._check(lambda n=n: self._gemm_topk(n, k, high))
-            else:
+            if n == 1:  # the hot path: the slot's addresses are baked into its own graph
+                _DESC_HEAD.pack_into(self._desc_mm, 0, 1, k, high, ns, mask_addr, out_ld, 0)
+                graph = self._graph(k, 1, self._grid(high, kp), (qs[start], rows[start], scores[start]))
+            elif not use_gemm:
+                self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
                 graph = self._graph(k, self._fused_qb(n, kp), self._grid(high, kp))
-                self._check(lambda g=graph: (g.launch(self.stream), self.stream.synchronize()))
+            else:
+                self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
+                self._check(lambda n=n: self._gemm_topk(n, k, high))
+                continue
+            self._check(lambda g=graph: (g.launch(self.stream), self.stream.synchronize()))
 
     def _gemm_topk(self, n: int, k: int, high: int) -> None:
         """Large batches: scores = Q @ data[:high].T by cuBLAS (tensor cores for float16), then
@@ -425,7 +448,9 @@ class GpuIndex(Index):
         with self.device, self.stream:
             kernels.get_kernel("prep_queries", self.metric)(
                 (1,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
-                                         self.qbuf_h, np.int32(self.dim), np.int32(self.ld)))  # fmt: skip
+                                         self.qbuf_h, self.qbuf_i8, np.int32(self.dim),
+                                         np.int32(self.ld), np.uint64(0), np.uint64(0),
+                                         np.uint64(0)))  # fmt: skip
             scores = cp.empty((n, high), cp.float32)
             data = self.data
             qsrc = self.qbuf_h if self.dtype == "float16" else self.qbuf
@@ -433,6 +458,11 @@ class GpuIndex(Index):
             rowscale = np.uint64(0)
             handle = cp.cuda.device.get_cublas_handle()
             cublas.setStream(handle, self.stream.ptr)
+            # CuPy's gemmEx wrapper may re-point the handle at what CuPy takes for the current
+            # stream (the legacy default stream, which does not wait for our non-blocking one):
+            # the cause of the wrong rows this path once returned. So: prep is complete before
+            # the GEMM starts, and if cuBLAS ran elsewhere, the whole device before the top-k.
+            self.stream.synchronize()
             one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
             # row-major scores (n, high) = column-major (high, n) = data^T(high x ld) . Q^T
             cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, high, n, self.ld,
@@ -440,8 +470,17 @@ class GpuIndex(Index):
                           qsrc.data.ptr, atype, self.ld,
                           zero.ctypes.data, scores.data.ptr, _CUDA_R_32F, high,
                           cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)  # fmt: skip
-            grid = max(1, min(self.max_grid // 2, -(-high // (4 * MERGE_UNROLL * kernels.BLOCK)),
-                              max(1, 16384 // kp)))  # fmt: skip
+            used = cublas.getStream(handle)
+            if used != self.stream.ptr:
+                if not self.gemm_stream_note:
+                    self.gemm_stream_note = f"cuBLAS ran on stream {used:#x}, not {self.stream.ptr:#x}"
+                    log.info("%s: ordering the GEMM path by device synchronization", self.gemm_stream_note)
+                cp.cuda.runtime.deviceSynchronize()
+            # blocks per query: each streams >= 16k scores, so after its first compaction its
+            # threshold filters almost every later score (blocks of 4k scores each used to pay a
+            # full 2048-entry sort: 3.4 ms for 64 queries at 1M rows); all queries together fill
+            # the device about once
+            grid = max(1, min(-(-high // 16384), max(1, self.max_grid // n), 16384 // kp))
             need = n * grid * k
             sk, sv = self.scratch_k, self.scratch_v
             if need > sk.size:
@@ -452,7 +491,7 @@ class GpuIndex(Index):
                 kern.max_dynamic_shared_size_bytes = smem
             kern((grid, n), (kernels.BLOCK,),
                  (scores, np.int32(high), self.ns, self.sqnorm, rowscale, self.params,
-                  np.int32(buf), sk, sv, self.counters), shared_mem=smem)  # fmt: skip
+                  np.int32(buf), sk, sv, self.sync), shared_mem=smem)  # fmt: skip
             self.stream.synchronize()
             del data, scores
 
