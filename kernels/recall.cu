@@ -312,10 +312,14 @@ struct Cands {
             val[q * buf + p] = row;
         }
     }
-    // call with all threads, after a __syncthreads, when up to `incoming` may arrive next round
-    __device__ void make_room(int k, int incoming) {
+    // call with all threads, after a __syncthreads, when up to `incoming` may arrive next round;
+    // compacts once more than `cap` (<= buf) would be held. A scan uses a cap well below buf (a
+    // buffer sized for the merges' rounds): with buf 2048, a block of 1.9k rows (1M rows) never
+    // compacted, so its threshold never rose, every row was offered and every block ended with
+    // a 2048-entry sort (1M-row graph 470 us instead of 400)
+    __device__ void make_room(int k, int incoming, int cap) {
         for (int q = 0; q < QB; q++)
-            if (cnt[q] > buf - incoming) compact(key + q * buf, val + q * buf, &cnt[q], &thr[q], k, buf);
+            if (cnt[q] > cap - incoming) compact(key + q * buf, val + q * buf, &cnt[q], &thr[q], k, buf);
     }
 };
 
@@ -498,6 +502,8 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
     const int group = threadIdx.x / TPR;
     const int groups = KALOS_BLOCK / TPR;
     const int stride = gridDim.x * groups;
+    int scan_cap = next_pow2(k + KALOS_BLOCK);  // k plus a block's worth of offers
+    if (scan_cap > buf) scan_cap = buf;
     const uint4* base = reinterpret_cast<const uint4*>(data);
 
     for (int r0 = blockIdx.x * groups; r0 < n; r0 += stride) {
@@ -508,8 +514,9 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
         for (int q = 0; q < QB; q++) acc[q] = 0.f;
         if (ok) {
             // all of a thread's loads for up to UNROLL chunks are in flight before the first use
-            // 16: a 768-d float16 row is 96 chunks, 12 per thread at TPR 8, all in one batch
-            constexpr int UNROLL = 16;
+            // 8, not 16: 16 loads in flight per thread cost registers, hence blocks per SM
+            // (H200, 1M rows: 482 us at 16, 399-468 us at 8)
+            constexpr int UNROLL = 8;
             const uint4* rp = base + (size_t)row * chunks;
             for (int ch0 = lane; ch0 < chunks; ch0 += UNROLL * TPR) {
                 uint4 v[UNROLL];
@@ -544,7 +551,7 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
             }
         }
         __syncthreads();
-        c.make_room(k, groups);
+        c.make_room(k, groups, scan_cap);
     }
     // this block's best k per query -> the appended lists; the last block merges them
     const int cap = gridDim.x * k;
@@ -601,7 +608,7 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
             c.offer(0, v, row);
         }
         __syncthreads();
-        c.make_room(k, per_round);
+        c.make_room(k, per_round, buf);
     }
     // scratch layout: [q][block][k]
     float* sk = scratch_k + ((size_t)q * gridDim.x + blockIdx.x) * k;

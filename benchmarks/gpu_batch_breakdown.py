@@ -1,0 +1,132 @@
+"""Where a batched recall's time goes on the GPU (issue 3): GEMM, top-k, syncs, Python.
+
+    python benchmarks/gpu_batch_breakdown.py [--rows 1000000] [--batch 64]
+
+In process, on random normalized 768-d float16 rows: times (CUDA events, median of 30) the
+cuBLAS GEMM alone, the ``topk_scores`` kernel alone on its output, the whole ``_gemm_topk``
+call (wall clock, with its synchronizations and Python), and torch's ``mm`` + ``topk`` on the
+same rows for reference. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from kalos_retrievers.sidecar.bench import make_data
+
+from kalos_retrievers.protocol import Metric
+
+
+def main() -> None:
+    import cupy as cp
+    from cupy_backends.cuda.libs import cublas
+    from kalos_retrievers.sidecar import cuda_kernels as kern
+    from kalos_retrievers.sidecar import index_gpu
+    from kalos_retrievers.sidecar.index_gpu import GpuIndex
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--batch", type=int, default=64)
+    a = ap.parse_args()
+    n, b, dim, k = a.rows, a.batch, 768, 10
+    idx = GpuIndex(dim, Metric.COSINE, 0, "float16")
+    data = make_data(n, dim, 3)
+    for s in range(0, n, 65536):
+        chunk = data[s : s + 65536]
+        idx.set_rows(np.arange(s, s + len(chunk)), chunk, np.zeros(len(chunk), np.int32))
+    q = make_data(b, dim, 4)
+    out: dict = {"rows": n, "batch": b}
+
+    def ev(fn, reps: int = 30) -> float:
+        ts = []
+        for i in range(reps + 3):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(idx.stream)
+            fn()
+            e1.record(idx.stream)
+            e1.synchronize()
+            if i >= 3:
+                ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1000)
+        return round(float(np.median(ts)), 1)
+
+    # the whole path, wall clock (includes prep, syncs, allocation, Python)
+    ts = []
+    for i in range(33):
+        t0 = time.perf_counter_ns()
+        idx.search(q, k, n, 0, None, True)
+        if i >= 3:
+            ts.append((time.perf_counter_ns() - t0) / 1000)
+    out["search_wall_us"] = round(float(np.median(ts)), 1)
+    # GEMM alone on the index's stream
+    with idx.device, idx.stream:
+        scores = cp.empty((b, n), cp.float32)
+        handle = cp.cuda.device.get_cublas_handle()
+        one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+
+        def gemm() -> None:
+            cublas.setStream(handle, idx.stream.ptr)
+            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, b, idx.ld,
+                          one.ctypes.data, idx.data.data.ptr, 2, idx.ld, idx.qbuf_h.data.ptr, 2,
+                          idx.ld, zero.ctypes.data, scores.data.ptr, 0, n,
+                          cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)  # fmt: skip
+
+        out["gemm_us"] = ev(gemm)
+        out["gemm_stream_is_ours"] = cublas.getStream(handle) == idx.stream.ptr
+        s16 = cp.empty((b, n), cp.float16)
+
+        def gemm16() -> None:
+            cublas.setStream(handle, idx.stream.ptr)
+            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, b, idx.ld,
+                          one.ctypes.data, idx.data.data.ptr, 2, idx.ld, idx.qbuf_h.data.ptr, 2,
+                          idx.ld, zero.ctypes.data, s16.data.ptr, 2, n,
+                          cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)  # fmt: skip
+
+        out["gemm_fp16_out_us"] = ev(gemm16)
+        kp = 16
+        buf = idx._buf(kp)
+        grid = max(1, min(-(-n // 16384), max(1, idx.max_grid // b), 16384 // kp))
+        kernel = kern.get_kernel("topk_scores", idx.metric)
+        sk = cp.empty(b * grid * k, cp.float32)
+        sv = cp.empty(b * grid * k, cp.int32)
+        out["topk_grid_per_query"] = grid
+        out["topk_us"] = ev(lambda: kernel((grid, b), (kern.BLOCK,),
+                                           (scores, np.int32(n), idx.ns, idx.sqnorm, np.uint64(0),
+                                            idx.params, np.int32(buf), sk, sv, idx.sync),
+                                           shared_mem=buf * 8))  # fmt: skip
+        out["copy_scores_us"] = ev(scores.copy)
+    import torch
+
+    m = torch.from_numpy(data).to("cuda", torch.float16)
+    tq = torch.from_numpy(q).to("cuda", torch.float16)
+    st = torch.cuda.Stream()
+    with torch.cuda.stream(st):
+        tt = []
+        for i in range(33):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            s = tq @ m.T
+            e1.record()
+            e1.synchronize()
+            if i >= 3:
+                tt.append(e0.elapsed_time(e1) * 1000)
+        out["torch_mm_us"] = round(float(np.median(tt)), 1)
+        tt = []
+        for i in range(33):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            torch.topk(s, k, dim=1)
+            e1.record()
+            e1.synchronize()
+            if i >= 3:
+                tt.append(e0.elapsed_time(e1) * 1000)
+        out["torch_topk_us"] = round(float(np.median(tt)), 1)
+    out["gemm_path_enabled"] = index_gpu.USE_GEMM
+    print(json.dumps(out))
+    idx.close()
+
+
+if __name__ == "__main__":
+    main()
