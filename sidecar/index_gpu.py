@@ -459,9 +459,9 @@ class GpuIndex(Index):
             handle = cp.cuda.device.get_cublas_handle()
             cublas.setStream(handle, self.stream.ptr)
             # CuPy's gemmEx wrapper may re-point the handle at what CuPy takes for the current
-            # stream (the legacy default stream, which does not wait for our non-blocking one):
-            # the cause of the wrong rows this path once returned. So: prep is complete before
-            # the GEMM starts, and if cuBLAS ran elsewhere, the whole device before the top-k.
+            # stream (the legacy default stream does not wait for our non-blocking one); this
+            # path once returned wrong rows, cause unconfirmed. So: prep is complete before the
+            # GEMM starts, and if cuBLAS ran on another stream, the whole device before top-k.
             self.stream.synchronize()
             one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
             # row-major scores (n, high) = column-major (high, n) = data^T(high x ld) . Q^T
