@@ -1,26 +1,29 @@
 // Kalos recall kernels: exact top-k over vectors resident in device memory.
 //
-// Loaded in exactly one place (sidecar/kernels.py), compiled once at sidecar start by NVRTC
+// Loaded in exactly one place (sidecar/cuda_kernels.py), compiled once at sidecar start by NVRTC
 // through cupy.RawModule, with the template instantiations listed there. The file compiles on
 // its own too: CI runs `nvcc -arch=sm_90 -c kernels/recall.cu`.
 //
 // Data path of one recall (batch 1):
 //   the client writes its float32 query into its shared-memory slot, which the sidecar has
 //   registered with cudaHostRegister(mapped): the slot's host address is a device address.
-//   The host writes a small Desc (below) into another registered buffer and launches a CUDA
-//   graph of two kernels:
-//     prep_queries   one block: reads the Desc and each query from host memory (PCIe), takes
-//                    norms, normalizes for cosine, writes float queries + params to device
-//                    memory (so the scan does not read host memory from every block);
+//   The host writes a small Desc (below) into another registered buffer and launches the
+//   slot's CUDA graph of two kernels:
+//     prep_queries   one block: reads the Desc's head and the query from host memory (PCIe;
+//                    the slot's addresses are baked into the graph), takes norms, normalizes
+//                    for cosine, writes float / half / int8 queries + params to device memory
+//                    (so the scan does not read host memory from every block);
 //     scan_topk      every block streams its share of rows with 16-byte loads, scores them
 //                    against the queries held in shared memory, keeps a per-block top-k in a
-//                    threshold-filtered shared-memory buffer, writes it to scratch; the last
-//                    block to finish merges the blocks' lists and writes rows and scores
-//                    straight into the response area of the slot (host memory).
+//                    threshold-filtered shared-memory buffer, appends what can still matter to
+//                    a global list (see "the global bound"); the last block to finish merges
+//                    that list and writes rows and scores straight into the response area of
+//                    the slot (host memory).
 //   No full score array, no sort of all scores, no host round trip between stages.
 //
-// Large batches take another path: one cuBLAS GEMM into a scores matrix, then topk_scores,
-// which uses the same per-block selection over precomputed scores.
+// Batches of several queries take another path: one cuBLAS GEMM into a scores matrix, then the
+// threshold top-k (tau_scores, filter_scores, select_cands), or topk_scores (per-block
+// selection over the scores) when the threshold's candidate lists would overflow.
 
 #include <cuda_fp16.h>
 
@@ -661,6 +664,124 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
 }
 
 // ------------------------------------------------------------------------------------------
+// The GEMM path's threshold top-k: three small kernels over the scores matrix instead of
+// per-block candidate buffers (which cost ~700 us for 64 queries x 1M rows in topk_scores).
+//
+//   tau_scores     one block per query: the k-th best eligible score among the first S
+//                  columns. No row outside the answer can beat it, so it is a safe threshold
+//                  (-inf when the sample holds fewer than k eligible rows).
+//   filter_scores  streams the matrix once; appends each eligible (score >= tau, ties kept)
+//                  to the query's candidate list (at most `cap`; the count keeps counting).
+//   select_cands   one block per query: sorts its candidates and writes the best k into the
+//                  slot. A list that overflowed sets *overflow and writes nothing: the host
+//                  then runs topk_scores for that batch.
+// Choosing S so that k * n / S is about cap / 4 leaves the expected list well inside cap.
+
+template <int METRIC>
+__device__ __forceinline__ bool score_at(const float* srow, int col, int n, const int* ns, int my_ns,
+                                         const unsigned char* mask, const float* sqnorm, float qn2,
+                                         float* out) {
+    if (col >= n || ns[col] != my_ns || (mask != nullptr && !mask[col])) return false;
+    float v = srow[col];
+    if (METRIC == METRIC_L2) v = -sqrtf(fmaxf(qn2 + sqnorm[col] - 2.f * v, 0.f));
+    *out = v;
+    return true;
+}
+
+// grid (n_queries), block KALOS_BLOCK, dynamic smem: S * 8 bytes (S a power of two)
+template <int METRIC>
+__global__ void __launch_bounds__(KALOS_BLOCK)
+tau_scores(const float* __restrict__ scores, int sld, const int* __restrict__ ns,
+           const float* __restrict__ sqnorm, const Params* __restrict__ p, int S,
+           float* __restrict__ tau) {
+    extern __shared__ float smem[];
+    float* key = smem;
+    int* val = reinterpret_cast<int*>(smem + S);
+    const int q = blockIdx.x, k = p->k, n = p->n_rows;
+    const float* srow = scores + (size_t)q * sld;
+    __shared__ int s_elig;
+    if (threadIdx.x == 0) s_elig = 0;
+    __syncthreads();
+    int mine = 0;
+    for (int i = threadIdx.x; i < S; i += blockDim.x) {
+        float v;
+        bool ok = score_at<METRIC>(srow, i, n, ns, p->ns_id, p->mask, sqnorm, p->qnorm2[q], &v);
+        key[i] = ok ? v : neg_inf();
+        val[i] = i;
+        mine += ok;
+    }
+    atomicAdd(&s_elig, mine);
+    __syncthreads();
+    bitonic_desc(key, val, S);
+    if (threadIdx.x == 0) tau[q] = s_elig >= k ? key[k - 1] : neg_inf();
+}
+
+// grid (G, n_queries), block KALOS_BLOCK
+template <int METRIC>
+__global__ void __launch_bounds__(KALOS_BLOCK)
+filter_scores(const float* __restrict__ scores, int sld, const int* __restrict__ ns,
+              const float* __restrict__ sqnorm, const Params* __restrict__ p,
+              const float* __restrict__ tau, float* __restrict__ ck, int* __restrict__ cv,
+              int* __restrict__ ccount, int cap) {
+    const int q = blockIdx.y, n = p->n_rows, my_ns = p->ns_id;
+    const unsigned char* mask = p->mask;
+    const float t = tau[q], qn2 = p->qnorm2[q];
+    const float* srow = scores + (size_t)q * sld;
+    const int per_round = MERGE_UNROLL * blockDim.x;
+    for (int c0 = blockIdx.x * per_round; c0 < n; c0 += gridDim.x * per_round) {
+        float v[MERGE_UNROLL];
+        bool ok[MERGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; u++)  // all loads in flight before any is used
+            ok[u] = score_at<METRIC>(srow, c0 + u * blockDim.x + threadIdx.x, n, ns, my_ns, mask,
+                                     sqnorm, qn2, &v[u]);
+#pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; u++) {
+            if (ok[u] && v[u] >= t) {
+                int pos = atomicAdd(&ccount[q], 1);
+                if (pos < cap) {
+                    ck[(size_t)q * cap + pos] = v[u];
+                    cv[(size_t)q * cap + pos] = c0 + u * blockDim.x + threadIdx.x;
+                }
+            }
+        }
+    }
+}
+
+// grid (n_queries), block KALOS_BLOCK, dynamic smem: cap * 8 bytes (cap a power of two)
+template <int METRIC>
+__global__ void __launch_bounds__(KALOS_BLOCK)
+select_cands(const float* __restrict__ ck, const int* __restrict__ cv, int* __restrict__ ccount,
+             int cap, const Params* __restrict__ p, int* overflow) {
+    extern __shared__ float smem[];
+    const int q = blockIdx.x, k = p->k;
+    const int m = ccount[q];
+    if (m > cap) {  // every block reads its own count; the list is not usable
+        if (threadIdx.x == 0) { *overflow = 1; ccount[q] = 0; __threadfence_system(); }
+        return;
+    }
+    const int pw = next_pow2(m < 2 ? 2 : m);
+    float* key = smem;
+    int* val = reinterpret_cast<int*>(smem + pw);
+    for (int i = threadIdx.x; i < pw; i += blockDim.x) {
+        bool have = i < m;
+        key[i] = have ? ck[(size_t)q * cap + i] : neg_inf();
+        val[i] = have ? cv[(size_t)q * cap + i] : 0x7fffffff;
+    }
+    __syncthreads();
+    bitonic_desc(key, val, pw);
+    int* orow = p->out_rows[q];
+    float* oscore = p->out_scores[q];
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        bool have = i < m;
+        orow[i] = have ? val[i] : -1;
+        oscore[i] = have ? key[i] : neg_inf();
+    }
+    if (threadIdx.x == 0) ccount[q] = 0;  // ready for the next batch
+    final_fence();
+}
+
+// ------------------------------------------------------------------------------------------
 // Row maintenance: writes of upserts, compaction moves, reads for MMR.
 
 // dst[rows[i]] = convert(src[i]) for n rows; src float32 [n][dim], dst T [.][ld] (pad zeroed).
@@ -751,6 +872,9 @@ __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
 SCAN(__half, 8, 1, 0) SCAN(float, 8, 1, 0) SCAN(signed char, 4, 1, 0) SCAN(__half, 1, 8, 2)
 template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, signed char*, int, int, const float*, int*, float*);
 template __global__ void topk_scores<0>(const float*, int, const int*, const float*, const float*, const Params*, int, float*, int*, unsigned int*);
+template __global__ void tau_scores<0>(const float*, int, const int*, const float*, const Params*, int, float*);
+template __global__ void filter_scores<0>(const float*, int, const int*, const float*, const Params*, const float*, float*, int*, int*, int);
+template __global__ void select_cands<0>(const float*, const int*, int*, int, const Params*, int*);
 template __global__ void set_rows<__half>(const float*, const long long*, int, int, int, __half*, float*, float*);
 template __global__ void set_rows<signed char>(const float*, const long long*, int, int, int, signed char*, float*, float*);
 template __global__ void move_rows<float>(float*, int*, float*, float*, const long long*, const long long*, int, int);

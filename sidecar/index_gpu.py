@@ -48,6 +48,12 @@ MERGE_UNROLL: Final = 4  # as in kernels/recall.cu
 # KALOS_GEMM=0 sends them through fused launches of up to FUSED_MAX_Q queries instead.
 USE_GEMM: Final = os.environ.get("KALOS_GEMM", "1") != "0"
 GEMM_MIN_Q: Final = max(2, int(os.environ.get("KALOS_GEMM_MIN_Q", "2")))
+# The GEMM path's threshold top-k (kernels tau_scores, filter_scores, select_cands): candidate
+# lists of CAND_CAP per query, a sample of at most TAU_SAMPLE_MAX columns for the threshold.
+# KALOS_THRESHOLD_TOPK=0 uses topk_scores (per-block buffers) for every batch.
+USE_THRESHOLD_TOPK: Final = os.environ.get("KALOS_THRESHOLD_TOPK", "1") != "0"
+CAND_CAP: Final = 8192
+TAU_SAMPLE_MAX: Final = 16384
 SYNC_WORDS: Final = 3 * MAXQ  # as in kernels/recall.cu: tickets, bounds, counts per query
 _NEG_INF_ORD: Final = int(np.array([-np.inf], np.float32).view(np.int32)[0]) ^ 0x7FFFFFFF
 GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, grid)
@@ -122,17 +128,26 @@ class GpuIndex(Index):
             sync = np.zeros(SYNC_WORDS, np.int32)
             sync[MAXQ : 2 * MAXQ] = _NEG_INF_ORD
             self.sync = cp.asarray(sync)
+            self.tau = cp.zeros(MAXQ, cp.float32)
+            self.cand_k = cp.empty(MAXQ * CAND_CAP, cp.float32)
+            self.cand_v = cp.empty(MAXQ * CAND_CAP, cp.int32)
+            self.cand_count = cp.zeros(MAXQ, cp.int32)
             # 4 blocks of 256 per SM keep enough loads in flight (H200: 0.91 of copy bandwidth at
             # 1M rows, against 0.78 with 2 blocks per SM)
             self.max_grid = 4 * self.sms
             self.scratch_k = cp.empty(self.max_grid * FUSED_MAX_Q * 1024, cp.float32)
             self.scratch_v = cp.empty(self.max_grid * FUSED_MAX_Q * 1024, cp.int32)
+        self.threshold_overflows = 0
         # the descriptor lives in registered host memory: written by Python, read by prep
         self._desc_mm = mmap.mmap(-1, 4096)
         self._desc_np = np.frombuffer(self._desc_mm, np.uint8)
         self.desc_addr = self._desc_np.ctypes.data
         self._check(lambda: cp.cuda.runtime.hostRegister(self.desc_addr, 4096, 3))
         self._desc_u64 = np.frombuffer(self._desc_mm, np.uint64)
+        # select_cands raises this flag (past the descriptor, same registered page)
+        assert _DESC_SIZE <= 4000
+        self._overflow = np.frombuffer(self._desc_mm, np.int32, 1, 4000)
+        self._overflow_addr = self.desc_addr + 4000
         # int8: candidates land here (registered host memory), then get re-scored into the slot
         self._cand_mm = mmap.mmap(-1, 2 * MAXQ * CAND_MAX * 4)
         cand = np.frombuffer(self._cand_mm, np.int32)
@@ -154,6 +169,8 @@ class GpuIndex(Index):
     def _compile(self) -> None:
         m, t = self.metric, self.ctype
         exprs = [kernels.expression("prep_queries", m), kernels.expression("topk_scores", m),
+                 kernels.expression("tau_scores", m), kernels.expression("filter_scores", m),
+                 kernels.expression("select_cands", m),
                  kernels.expression("set_rows", t), kernels.expression("move_rows", t),
                  kernels.expression("get_rows", t), "fault_kernel"]  # fmt: skip
         exprs += [kernels.expression("scan_topk", t, self.tpr, qb, m) for qb in (1, 2, 4, 8)]
@@ -201,7 +218,8 @@ class GpuIndex(Index):
             nbytes += self.rowscale.nbytes
         d.update(backend=self.name, device=self.device_name, device_bytes=int(nbytes),
                  threads_per_row=self.tpr, ld=self.ld, graphs=len(self.graphs),
-                 gemm_path=USE_GEMM, gemm_stream=self.gemm_stream_note or "ordered")  # fmt: skip
+                 gemm_path=USE_GEMM, gemm_stream=self.gemm_stream_note or "ordered",
+                 threshold_topk=USE_THRESHOLD_TOPK, threshold_overflows=self.threshold_overflows)  # fmt: skip
         return d
 
     # ------------------------------------------------------------------ rows
@@ -443,8 +461,6 @@ class GpuIndex(Index):
         cp = self.cp
         from cupy_backends.cuda.libs import cublas
 
-        kp = _pow2(k)
-        buf = self._buf(kp)
         with self.device, self.stream:
             kernels.get_kernel("prep_queries", self.metric)(
                 (1,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
@@ -455,7 +471,6 @@ class GpuIndex(Index):
             data = self.data
             qsrc = self.qbuf_h if self.dtype == "float16" else self.qbuf
             atype = _CUDA_R_16F if self.dtype == "float16" else _CUDA_R_32F
-            rowscale = np.uint64(0)
             handle = cp.cuda.device.get_cublas_handle()
             cublas.setStream(handle, self.stream.ptr)
             # CuPy's gemmEx wrapper may re-point the handle at what CuPy takes for the current
@@ -476,24 +491,65 @@ class GpuIndex(Index):
                     self.gemm_stream_note = f"cuBLAS ran on stream {used:#x}, not {self.stream.ptr:#x}"
                     log.info("%s: ordering the GEMM path by device synchronization", self.gemm_stream_note)
                 cp.cuda.runtime.deviceSynchronize()
-            # blocks per query: each streams >= 16k scores, so after its first compaction its
-            # threshold filters almost every later score (blocks of 4k scores each used to pay a
-            # full 2048-entry sort: 3.4 ms for 64 queries at 1M rows); all queries together fill
-            # the device about once
-            grid = max(1, min(-(-high // 16384), max(1, self.max_grid // n), 16384 // kp))
-            need = n * grid * k
-            sk, sv = self.scratch_k, self.scratch_v
-            if need > sk.size:
-                sk, sv = cp.empty(need, cp.float32), cp.empty(need, cp.int32)
-            kern = kernels.get_kernel("topk_scores", self.metric)
-            smem = buf * 8
-            if smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
-                kern.max_dynamic_shared_size_bytes = smem
-            kern((grid, n), (kernels.BLOCK,),
-                 (scores, np.int32(high), self.ns, self.sqnorm, rowscale, self.params,
-                  np.int32(buf), sk, sv, self.sync), shared_mem=smem)  # fmt: skip
+            if not (USE_THRESHOLD_TOPK and self._threshold_topk(scores, n, k, high)):
+                self._topk_scores(scores, n, k, high)
             self.stream.synchronize()
             del data, scores
+
+    def _threshold_topk(self, scores: Any, n: int, k: int, high: int) -> bool:
+        """Top-k of each row of ``scores`` by tau_scores + filter_scores + select_cands (see
+        kernels/recall.cu). Returns False, having written nothing usable, when k and the row
+        count need a sample too large for shared memory or a candidate list overflowed (ties,
+        adversarial data): the caller then runs topk_scores."""
+        sample = _pow2(max(2, -(-3 * k * high // CAND_CAP)))
+        if sample > TAU_SAMPLE_MAX:
+            return False
+        sample = min(sample, _pow2(high))
+        flag = self._overflow
+        flag[0] = 0
+        tau = kernels.get_kernel("tau_scores", self.metric)
+        filt = kernels.get_kernel("filter_scores", self.metric)
+        sel = kernels.get_kernel("select_cands", self.metric)
+        for kern, smem in ((tau, sample * 8), (sel, CAND_CAP * 8)):
+            if smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
+                kern.max_dynamic_shared_size_bytes = smem
+        tau((n,), (kernels.BLOCK,), (scores, np.int32(high), self.ns, self.sqnorm, self.params,
+                                     np.int32(sample), self.tau), shared_mem=sample * 8)  # fmt: skip
+        # each block streams >= 64k scores; all queries together fill the device about twice
+        gx = max(1, min(-(-high // 65536), max(1, 2 * self.max_grid // n)))
+        filt((gx, n), (kernels.BLOCK,), (scores, np.int32(high), self.ns, self.sqnorm, self.params,
+                                         self.tau, self.cand_k, self.cand_v, self.cand_count,
+                                         np.int32(CAND_CAP)))  # fmt: skip
+        sel((n,), (kernels.BLOCK,), (self.cand_k, self.cand_v, self.cand_count, np.int32(CAND_CAP),
+                                     self.params, np.uint64(self._overflow_addr)),
+            shared_mem=CAND_CAP * 8)  # fmt: skip
+        self.stream.synchronize()
+        if flag[0]:
+            self.threshold_overflows += 1
+            return False
+        return True
+
+    def _topk_scores(self, scores: Any, n: int, k: int, high: int) -> None:
+        """Top-k of each row of ``scores`` with per-block candidate buffers (any k, any data)."""
+        cp = self.cp
+        kp = _pow2(k)
+        buf = self._buf(kp)
+        # blocks per query: each streams >= 16k scores, so after its first compaction its
+        # threshold filters almost every later score (blocks of 4k scores each used to pay a
+        # full 2048-entry sort: 3.4 ms for 64 queries at 1M rows); all queries together fill
+        # the device about once
+        grid = max(1, min(-(-high // 16384), max(1, self.max_grid // n), 16384 // kp))
+        need = n * grid * k
+        sk, sv = self.scratch_k, self.scratch_v
+        if need > sk.size:
+            sk, sv = cp.empty(need, cp.float32), cp.empty(need, cp.int32)
+        kern = kernels.get_kernel("topk_scores", self.metric)
+        smem = buf * 8
+        if smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
+            kern.max_dynamic_shared_size_bytes = smem
+        kern((grid, n), (kernels.BLOCK,),
+             (scores, np.int32(high), self.ns, self.sqnorm, np.uint64(0), self.params,
+              np.int32(buf), sk, sv, self.sync), shared_mem=smem)  # fmt: skip
 
     def _rescore(self, part: list[tuple[SlotSpec, int]], k: int, kc: int) -> None:
         """int8: exact scores of the kc candidates from the float16 host copy; best k first."""

@@ -126,6 +126,26 @@ def test_gemm_and_fused_paths_agree_and_are_exact(metric: str, monkeypatch: pyte
     assert svc.index.describe()["gemm_path"] in (True, False)
 
 
+def test_threshold_topk_overflow_falls_back_exactly() -> None:
+    """The GEMM path's threshold top-k must stay exact when its candidate lists overflow: rows
+    that all score the same (every row ties with the sample's k-th), and a namespace that lives
+    only past the sample (the sample holds no eligible row, so the threshold is -inf)."""
+    rng = np.random.default_rng()
+    n, dim = 40_003, 64
+    same = np.tile(rng.standard_normal((1, dim)).astype(np.float32), (n, 1))
+    svc = make(dim)
+    put(svc, same)
+    q = rng.standard_normal((5, dim)).astype(np.float32)
+    before = svc.index.threshold_overflows
+    rows, scores = svc.recall(q, 10, "", None)
+    assert svc.index.threshold_overflows > before  # the fallback ran
+    ref = (same[0] / np.linalg.norm(same[0])) @ (q / np.linalg.norm(q, axis=1, keepdims=True)).T
+    assert np.allclose(scores, ref[:, None], atol=1e-4) and len({*rows.ravel().tolist()}) >= 10
+    tail = rng.standard_normal((20_011, dim)).astype(np.float32)
+    put(svc, tail, [f"t{i}" for i in range(len(tail))], ns="tail")
+    check(svc, tail, q, 10, ns="tail", id_of=lambda i: f"t{i}")
+
+
 def test_int8_l2_and_filter_against_exact() -> None:
     """int8 (dp4a against an int8 copy of the query, exact re-scoring) with L2 and a filter."""
     rng = np.random.default_rng()
