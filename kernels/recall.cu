@@ -860,6 +860,17 @@ __global__ void get_rows(const T* __restrict__ data, const float* __restrict__ r
     for (int j = threadIdx.x; j < dim; j += blockDim.x) out[(size_t)i * dim + j] = (float)a[j] * sc;
 }
 
+// Measurement aid (benchmarks/persistent_probe.py), the floor of a persistent kernel's
+// signalling: one thread spins on a doorbell word in host-mapped memory and answers on another.
+__global__ void doorbell_probe(volatile int* bell, volatile int* done, int rounds) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    for (int i = 1; i <= rounds; i++) {
+        while (*bell < i) { }
+        *done = i;
+        __threadfence_system();
+    }
+}
+
 // Fault injection for the reliability tests: an illegal address, which leaves the context in a
 // sticky error state. Launched only when the sidecar runs with KALOS_FAULT_INJECT=illegal_address.
 __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }

@@ -1,0 +1,82 @@
+"""The floor of a persistent-kernel design on this machine (issue 3's next step).
+
+    python -P benchmarks/persistent_probe.py [--rounds 20000]
+
+A resident kernel (``doorbell_probe`` in kernels/recall.cu) spins on a doorbell word in
+registered, mapped host memory and answers on another word; Python rings and busy-polls the
+answer, as a client would. The median round trip is what a persistent kernel costs per request
+on top of its scan, against a graph launch + stream synchronization (timed here too, for an
+empty one-kernel graph). Prints one JSON line. A kernel that never sees the doorbell is released
+after a deadline and reported, not left spinning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    import cupy as cp
+    from kalos_retrievers.sidecar import cuda_kernels as kern
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=20_000)
+    a = ap.parse_args()
+    kern.compile_kernels(["doorbell_probe", "fault_kernel"])
+    mm = mmap.mmap(-1, 4096)
+    words = np.frombuffer(mm, np.int32)
+    bell, done = words[0:1], words[16:17]
+    addr = words.ctypes.data
+    cp.cuda.runtime.hostRegister(addr, 4096, 3)
+    stream = cp.cuda.Stream(non_blocking=True)
+    out: dict = {"rounds": a.rounds}
+    with stream:
+        kern.get_kernel("doorbell_probe")((1,), (32,), (np.uint64(addr), np.uint64(addr + 64), np.int32(a.rounds)))
+    ts = []
+    deadline = time.monotonic() + 60
+    stuck = False
+    for i in range(1, a.rounds + 1):
+        t0 = time.perf_counter_ns()
+        bell[0] = i
+        while done[0] < i:
+            if time.monotonic() > deadline:
+                stuck = True
+                break
+        if stuck:
+            bell[0] = a.rounds + 1  # release the kernel
+            break
+        ts.append(time.perf_counter_ns() - t0)
+    out["stuck"] = stuck
+    if stuck:  # the kernel may never see host writes: do not wait on it, leave (the context goes)
+        print(json.dumps(out), flush=True)
+        os._exit(1)
+    stream.synchronize()
+    if ts:
+        t = np.array(ts[100:] or ts) / 1000
+        out.update(doorbell_p50_us=round(float(np.median(t)), 2), doorbell_p99_us=round(float(np.percentile(t, 99)), 2))
+    # the alternative it would replace: launch one (trivial) kernel in a graph and synchronize
+    fk = kern.get_kernel("doorbell_probe")
+    with stream:
+        stream.begin_capture()
+        fk((1,), (32,), (np.uint64(addr), np.uint64(addr + 64), np.int32(0)))
+        g = stream.end_capture()
+    ls = []
+    for i in range(3000):
+        t0 = time.perf_counter_ns()
+        g.launch(stream)
+        stream.synchronize()
+        if i >= 100:
+            ls.append(time.perf_counter_ns() - t0)
+    out["graph_launch_sync_p50_us"] = round(float(np.median(ls)) / 1000, 2)
+    cp.cuda.runtime.hostUnregister(addr)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
