@@ -8,7 +8,7 @@ for JSON.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +109,29 @@ class RecallResult(Sequence[Hit]):
                       d.created_at, d.updated_at, vec)  # fmt: skip
             self._items[i] = hit
         return hit
+
+    def id_text_metadata(
+        self, which: Iterable[int] | None = None
+    ) -> list[tuple[str, str, dict[str, Any]]]:
+        """``(id, text, metadata)`` of every hit (or of the hits at indices ``which``), in order.
+
+        For adapters that build their own objects (LangChain ``Document`` objects): hits not
+        read yet are decoded without building :class:`Hit` objects (about 1 us less per hit)
+        and are not cached, so each call returns freshly decoded metadata dicts; a hit
+        already read as a ``Hit`` gives that ``Hit``'s values.
+        """
+        docs, items = self._docs, self._items
+        if docs is None:
+            raise ValueError("this recall was made with docs=False: only rows and scores")
+        out = []
+        for i in range(len(items)) if which is None else which:
+            hit = items[i]
+            if hit is None:
+                d = decode_doc(docs[i])
+                out.append((d.id, d.text, d.metadata))
+            else:
+                out.append((hit.id, hit.text, hit.metadata))
+        return out
 
     def __iter__(self) -> Iterator[Hit]:
         for i in range(len(self)):

@@ -27,7 +27,7 @@ from ..degrade import Degrader
 from ..filters import validate_filter
 from ..results import RecallResult
 from ..scores import relevance_fn
-from ._convert import to_document
+from ._convert import docs_of, make_document
 from ._degraded import adegrade, degrade
 from .vectorstore import KalosVectorStore
 
@@ -191,21 +191,33 @@ class KalosRetriever(BaseRetriever):
     @property
     def degrader(self) -> Degrader:
         """Counts of degraded calls (``degraded_calls``) and outages (``episodes``)."""
-        return self._degrader
+        return self.__pydantic_private__["_degrader"]  # type: ignore[index,no-any-return]
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        k, flt, namespace, threshold, timeout = self._options(kwargs)
+        # Per call, on the path where nothing fails, this does only: the fields (validated at
+        # construction), the embedding, the recall, one flag test and k Documents.
+        if kwargs:
+            k, flt, namespace, threshold, timeout = self._options(kwargs)
+        else:
+            k, flt, namespace = self.k, self.filter, self.namespace
+            threshold, timeout = self.score_threshold, self.timeout
         store = self.vectorstore
         vector = store.embedding.embed_query(query)
+        # pydantic keeps private attributes here; self._degrader would go through
+        # BaseModel.__getattr__, about 1 us per access on the development VM
+        degrader: Degrader = self.__pydantic_private__["_degrader"]  # type: ignore[index]
         try:
-            res = store._recall(vector, k, flt, namespace, store._deadline(timeout))
+            res = store._recall(vector, k, flt, namespace, store._seconds(timeout))
         except Exception as exc:
-            if degrade(self._degrader, exc, store.client.name, run_manager):
+            if degrade(degrader, exc, store.client.name, run_manager):
                 return []
             raise
-        self._degrader.succeeded()
+        if degrader.in_episode:
+            degrader.succeeded()
+        if threshold is None:
+            return docs_of(res)
         return self._documents(res, threshold)
 
     async def _aget_relevant_documents(
@@ -214,13 +226,15 @@ class KalosRetriever(BaseRetriever):
         k, flt, namespace, threshold, timeout = self._options(kwargs)
         store = self.vectorstore
         vector = await store.embedding.aembed_query(query)
+        degrader: Degrader = self.__pydantic_private__["_degrader"]  # type: ignore[index]
         try:
             res = await store._arecall(vector, k, flt, namespace, timeout)
         except Exception as exc:
-            if await adegrade(self._degrader, exc, store.client.name, run_manager):
+            if await adegrade(degrader, exc, store.client.name, run_manager):
                 return []
             raise
-        self._degrader.succeeded()
+        if degrader.in_episode:
+            degrader.succeeded()
         return self._documents(res, threshold)
 
     def _options(
@@ -244,9 +258,10 @@ class KalosRetriever(BaseRetriever):
 
     def _documents(self, res: RecallResult, threshold: float | None) -> list[Document]:
         if threshold is None:
-            return [to_document(h) for h in res]
+            return docs_of(res)
         fn = relevance_fn(self.vectorstore.client.metric)
-        return [to_document(h) for h in res if fn(h.score) >= threshold]
+        keep = [i for i, score in enumerate(res.scores.tolist()) if fn(score) >= threshold]
+        return [make_document(text, meta, id_) for id_, text, meta in res.id_text_metadata(keep)]
 
 
 class KalosVectorStoreRetriever(VectorStoreRetriever):
@@ -272,28 +287,32 @@ class KalosVectorStoreRetriever(VectorStoreRetriever):
     @property
     def degrader(self) -> Degrader:
         """Counts of degraded calls (``degraded_calls``) and outages (``episodes``)."""
-        return self._degrader
+        return self.__pydantic_private__["_degrader"]  # type: ignore[index,no-any-return]
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
+        degrader: Degrader = self.__pydantic_private__["_degrader"]  # type: ignore[index]
         try:
             docs = super()._get_relevant_documents(query, run_manager=run_manager, **kwargs)
         except Exception as exc:
-            if degrade(self._degrader, exc, self.vectorstore.client.name, run_manager):
+            if degrade(degrader, exc, self.vectorstore.client.name, run_manager):
                 return []
             raise
-        self._degrader.succeeded()
+        if degrader.in_episode:
+            degrader.succeeded()
         return docs
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
+        degrader: Degrader = self.__pydantic_private__["_degrader"]  # type: ignore[index]
         try:
             docs = await super()._aget_relevant_documents(query, run_manager=run_manager, **kwargs)
         except Exception as exc:
-            if await adegrade(self._degrader, exc, self.vectorstore.client.name, run_manager):
+            if await adegrade(degrader, exc, self.vectorstore.client.name, run_manager):
                 return []
             raise
-        self._degrader.succeeded()
+        if degrader.in_episode:
+            degrader.succeeded()
         return docs

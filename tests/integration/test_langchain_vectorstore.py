@@ -233,6 +233,29 @@ def test_as_retriever_search_types(store: KalosVectorStore) -> None:
     assert [d.id for d in sim.invoke("x", k=1, namespace="nothing-here")] == []
 
 
+def test_kalos_retriever_documents_and_threshold(store: KalosVectorStore) -> None:
+    # KalosRetriever builds its Documents without the Hit objects and without pydantic's
+    # validation: they must be the same Documents the store's own searches return.
+    from kalos_retrievers.langchain import KalosRetriever
+
+    r = KalosRetriever(vectorstore=store, k=7)
+    docs = r.invoke("apples are red")
+    assert docs == store.similarity_search("apples are red", k=7)
+    assert all(type(d) is Document for d in docs)
+    assert all(d.metadata == METAS[int(d.id[1:])] for d in docs)  # unchanged, no extra keys
+    assert [d.page_content for d in docs] == [TEXTS[int(d.id[1:])] for d in docs]
+    rel = store.similarity_search_with_relevance_scores("apples are red", k=7)
+    cut = rel[2][1]
+    want = [d for d, score in rel if score >= cut]
+    assert r.invoke("apples are red", score_threshold=cut) == want
+    assert KalosRetriever(vectorstore=store, k=7, score_threshold=cut).invoke(
+        "apples are red") == want  # fmt: skip
+    assert r.invoke("apples are red", score_threshold=1.0) in ([], want[:1])
+    assert r.invoke("apples are red", k=2, filter={"kind": "fruit"}) == [
+        d for d in docs if d.metadata["kind"] == "fruit"][:2]  # fmt: skip
+    assert r.invoke("apples are red", namespace="nothing-here") == []
+
+
 def test_from_texts_spawns_and_owns_the_sidecar() -> None:
     store = KalosVectorStore.from_texts(
         TEXTS, WordHashEmbedding(97), METAS, ids=[f"t{i}" for i in range(7)], device="cpu"

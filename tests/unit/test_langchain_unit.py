@@ -34,6 +34,70 @@ def test_to_document_keeps_metadata_unchanged() -> None:
     assert to_document(rec) == Document("", metadata={}, id="id-2")
 
 
+def test_documents_built_without_validation_equal_validated_ones() -> None:
+    # to_document skips pydantic's validation (the values are known to be str/dict/str);
+    # the result must be indistinguishable from Document(...).
+    import copy
+    import pickle
+
+    from langchain_core.load import dumpd
+
+    from kalos_retrievers.langchain import _convert
+
+    assert _convert._FAST  # this langchain-core/pydantic: the fast path is in use
+    meta = {"a": 1, "nested": {"b": [1, 2]}, "none": None}
+    fast = to_document(Hit("id-1", 0.5, "text", meta))
+    want = Document("text", metadata={"a": 1, "nested": {"b": [1, 2]}, "none": None}, id="id-1")
+    assert type(fast) is Document
+    assert fast == want
+    assert fast.metadata == meta
+    assert fast.id == "id-1"
+    assert fast.page_content == "text"
+    assert fast.model_fields_set == want.model_fields_set
+    assert fast.model_dump() == want.model_dump()
+    assert repr(fast) == repr(want)
+    assert dumpd(fast) == dumpd(want)
+    assert pickle.loads(pickle.dumps(fast)) == want  # noqa: S301 (our own bytes)
+    assert copy.deepcopy(fast) == want
+    assert fast.model_copy(update={"page_content": "x"}).page_content == "x"
+    fast.metadata["added"] = True  # a normal, mutable Document
+    fast.id = "id-2"
+    assert fast.id == "id-2"
+    assert "added" in fast.metadata
+
+
+def test_to_document_falls_back_to_validation_for_other_types() -> None:
+    from kalos_retrievers.langchain._convert import make_document
+
+    doc = make_document("t", {"a": 1}, 7)  # type: ignore[arg-type]
+    assert doc.id == "7"  # Document's own coercion
+    with pytest.raises(ValidationError):
+        make_document("t", [1, 2], "x")  # type: ignore[arg-type]
+
+
+def test_recall_result_id_text_metadata() -> None:
+    import numpy as np
+
+    from kalos_retrievers.protocol import encode_doc
+    from kalos_retrievers.results import RecallResult
+
+    views = [memoryview(encode_doc(f"id-{i}", f"text {i}", b'{"i": %d}' % i if i else b"",
+                                   1.0, 2.0)) for i in range(3)]  # fmt: skip
+    res = RecallResult(np.arange(3, dtype=np.int32), np.array([0.9, 0.5, 0.1], np.float32),
+                       views)  # fmt: skip
+    first = res.id_text_metadata()
+    assert first == [("id-0", "text 0", {}), ("id-1", "text 1", {"i": 1}),
+                     ("id-2", "text 2", {"i": 2})]  # fmt: skip
+    assert res.id_text_metadata()[1][2] is not first[1][2]  # freshly decoded every time
+    assert res.id_text_metadata([2, 0]) == [first[2], first[0]]
+    hit = res[1]  # read as a Hit: its values are given
+    assert res.id_text_metadata([1])[0][2] is hit.metadata
+    assert [(h.id, h.text, h.metadata) for h in res] == first
+    assert RecallResult(np.zeros(0, np.int32), np.zeros(0, np.float32), []).id_text_metadata() == []
+    with pytest.raises(ValueError, match="docs=False"):
+        RecallResult(np.arange(1, dtype=np.int32), np.ones(1, np.float32), None).id_text_metadata()
+
+
 def test_to_rows_fills_missing_ids_only() -> None:
     rows = to_rows(["a", "b", "c"], None, ["x", None, "z"])
     assert rows.ids[0] == "x"
