@@ -156,16 +156,22 @@ def paired(fa: Callable[[int], Any], fb: Callable[[int], Any], calls: int, warmu
     for i in range(warmup):
         fa(i)
         fb(i)
-    d = np.empty(calls)
+    a = np.empty(calls)
+    b = np.empty(calls)
     for i in range(calls):
         t0 = time.perf_counter_ns()
         fa(i)
         t1 = time.perf_counter_ns()
         fb(i)
         t2 = time.perf_counter_ns()
-        d[i] = ((t1 - t0) - (t2 - t1)) / 1000
+        a[i], b[i] = (t1 - t0) / 1000, (t2 - t1) / 1000
+    d = a - b
     out = percentiles(d)
     out["iqr_us"] = round(float(np.percentile(d, 75) - np.percentile(d, 25)), 2)
+    # Each side's own median: waiting that slows the other side (a process spinning on a core
+    # the other one needs) shows here, not in the differences.
+    out["a_p50_us"] = round(float(np.median(a)), 2)
+    out["b_p50_us"] = round(float(np.median(b)), 2)
     return out
 
 

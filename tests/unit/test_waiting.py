@@ -1,0 +1,128 @@
+"""When each side spins and when it sleeps: the sidecar's Pace and the client's wait estimate.
+
+Pure logic, no shared memory: the clock is passed in (ns), and the client is built lazily.
+"""
+
+from __future__ import annotations
+
+from kalos_retrievers.sidecar.server import _IDLE_WAIT_NS, _PACE_MAX_GAP_NS, Pace
+
+from kalos_retrievers.client import KalosClient
+
+US = 1_000
+MS = 1_000_000
+
+
+def serve(pace: Pace, gap: int, n: int, t: int = 10 * MS, work: int = 100 * US) -> int:
+    """``n`` requests, each arriving ``gap`` after the previous answer and taking ``work``."""
+    for _ in range(n):
+        t += gap
+        pace.worked(t, t + work)
+        t += work
+    return t
+
+
+def test_no_spin_means_always_sleep() -> None:
+    pace = Pace(0)
+    t = serve(pace, 20 * US, 10)
+    assert pace.sleep_ns(t) == _IDLE_WAIT_NS
+
+
+def test_back_to_back_traffic_spins_for_spin_ns_after_the_last_work() -> None:
+    pace = Pace(1 * MS)
+    t = serve(pace, 20 * US, 50)
+    assert pace.gap_ns < 100 * US
+    assert pace.sleep_ns(t + 10 * US) == 0
+    assert pace.sleep_ns(t + 999 * US) == 0
+    assert pace.sleep_ns(t + 1001 * US) == _IDLE_WAIT_NS  # then it sleeps
+
+
+def test_steady_long_gaps_sleep_until_shortly_before_the_next_request_then_spin() -> None:
+    pace = Pace(1 * MS)
+    t = serve(pace, 5 * MS, 50)
+    assert abs(pace.gap_ns - 5 * MS) < 50 * US
+    margin = pace.margin_ns()
+    assert 250 * US <= margin <= 1 * MS
+    first = pace.sleep_ns(t + 10 * US)  # right after the answer: sleep most of the gap
+    assert first > 0 and abs(t + 10 * US + first - (t + pace.gap_ns - margin)) < 1 * US
+    assert pace.sleep_ns(t + pace.gap_ns - margin // 2) == 0  # spinning across the arrival
+    assert pace.sleep_ns(t + pace.gap_ns + margin // 2) == 0
+    assert pace.sleep_ns(t + pace.gap_ns + margin + 1) == _IDLE_WAIT_NS  # nobody came: sleep
+
+
+def test_spinning_per_request_is_bounded_by_two_spin_windows() -> None:
+    for gap in (2 * MS, 5 * MS, 40 * MS, 90 * MS):
+        pace = Pace(1 * MS)
+        t = serve(pace, gap, 60)
+        spinning = sum(pace.sleep_ns(t + dt) == 0 for dt in range(0, 2 * gap, 10 * US)) * 10 * US
+        assert spinning <= 2 * MS + 10 * US, (gap, spinning)
+
+
+def test_one_pause_barely_moves_the_gap_and_shorter_gaps_win_fast() -> None:
+    pace = Pace(1 * MS)
+    t = serve(pace, 5 * MS, 50)
+    before = pace.gap_ns
+    t = serve(pace, 3_000 * MS, 1, t)  # the client paused for 3 s
+    assert pace.gap_ns <= before + before // 8 + 1
+    serve(pace, 20 * US, 8, t)  # back-to-back again: spinning right after work within a few calls
+    assert pace.gap_ns <= 1 * MS
+
+
+def test_gaps_too_long_to_predict_are_treated_as_short() -> None:
+    pace = Pace(1 * MS)
+    t = serve(pace, 2 * _PACE_MAX_GAP_NS, 20)
+    assert pace.gap_ns > _PACE_MAX_GAP_NS
+    assert pace.sleep_ns(t + 10 * US) == 0
+    assert pace.sleep_ns(t + 2 * MS) == _IDLE_WAIT_NS
+
+
+def test_client_margin_is_an_eighth_of_the_wait_within_one_to_two_spin_windows() -> None:
+    c = KalosClient("kalos-unit-lazy", dim=4, spin_us=300, lazy=True)
+    try:
+        assert c._margin_ns(1 * MS) == 300 * US  # at least one spin window
+        assert c._margin_ns(4 * MS) == 500 * US  # an eighth
+        assert c._margin_ns(100 * MS) == 600 * US  # at most two
+    finally:
+        c.close()
+
+
+def test_client_wait_estimate_ignores_one_slow_answer_and_follows_faster_ones() -> None:
+    c = KalosClient("kalos-unit-lazy", dim=4, spin_us=300, lazy=True)
+    try:
+        for _ in range(100):
+            c._observe_wait(4 * MS)
+        assert abs(c._typical_wait_ns - 4 * MS) < 10 * US
+        c._observe_wait(200 * MS)  # counted as 8 ms
+        assert c._typical_wait_ns <= 4 * MS + 4 * MS // 8 + 10 * US
+        for _ in range(40):
+            c._observe_wait(50 * US)
+        assert c._typical_wait_ns < 2 * c.spin_ns  # short answers: back to plain spinning
+    finally:
+        c.close()
+
+
+def test_client_stops_spinning_when_spins_do_not_catch_answers_but_keeps_probing() -> None:
+    c = KalosClient("kalos-unit-lazy", dim=4, spin_us=300, lazy=True)
+    spins = []
+    catches = False
+
+    def spin(slot: object, until_ns: int) -> bool:
+        spins.append(until_ns)
+        return catches
+
+    c._block = lambda *a, **k: False  # type: ignore[method-assign]  # nothing answers early
+    c._spin = spin  # type: ignore[method-assign]
+
+    def call() -> bool:
+        return c._sleep_then_spin(None, None, 1, 0.0, 0, 4 * MS)  # type: ignore[arg-type]
+
+    try:
+        for _ in range(200):
+            assert not call()
+        assert c._spin_payoff < 0.5
+        assert 200 // 8 <= len(spins) <= 200 // 8 + 8  # a few misses, then one probe in eight
+        catches = True  # spins pay again: the probes notice
+        results = [call() for _ in range(8 * 8)]
+        assert all(results[-8:]) and c._spin_payoff >= 0.5
+    finally:
+        c.close()
