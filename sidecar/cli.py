@@ -50,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--payload-kb", type=int, default=1024, help="request area per slot (KiB)")
     s.add_argument("--blob-kb", type=int, default=1024, help="response area per slot (KiB)")
     s.add_argument("--spin-us", type=float, default=1000.0,
-                   help="busy-poll this long after the last request before sleeping")
+                   help="busy-poll this long after the last request before sleeping; when "
+                        "requests come at a steady pace, sleep through the gap and spin across "
+                        "the next expected request instead")
     s.add_argument("--sync", default="full", choices=["full", "normal"],
                    help="SQLite synchronous mode: full survives power loss, normal a crash")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus text here")
