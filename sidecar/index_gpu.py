@@ -44,7 +44,7 @@ log = logging.getLogger("kalos.sidecar")
 MAXQ: Final = 64  # KALOS_MAXQ
 FUSED_MAX_Q: Final = 8
 MERGE_UNROLL: Final = 4  # as in kernels/recall.cu
-# Batches of at least GEMM_MIN_Q queries go through cuBLAS (tensor cores) + topk_scores;
+# Batches of at least GEMM_MIN_Q queries go through cuBLAS (tensor cores) + a top-k kernel;
 # KALOS_GEMM=0 sends them through fused launches of up to FUSED_MAX_Q queries instead.
 USE_GEMM: Final = os.environ.get("KALOS_GEMM", "1") != "0"
 GEMM_MIN_Q: Final = max(2, int(os.environ.get("KALOS_GEMM_MIN_Q", "2")))
