@@ -144,18 +144,43 @@ def normalize_rows(x: np.ndarray) -> np.ndarray:
     return (x64 / np.where(n == 0, 1, n)).astype(np.float32)
 
 
+# A threshold top-k beats ``argpartition`` over the whole score array (at 100k scores on the dev
+# VM: 23 us against 153 us): the k-th largest of every SAMPLE_STRIDE-th score is a lower bound
+# for the k-th largest of all, so the scores at or above it contain the true top-k; only those
+# (about SAMPLE_STRIDE * k of them) are partitioned. Used when the candidates stay few.
+# Below SAMPLE_MIN_N scores its few extra numpy calls cost more than they save.
+SAMPLE_STRIDE = 32
+SAMPLE_MIN_N = 16384
+
+
+def _top1d(s: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest of the 1-d ``s`` (k < len(s)), in no particular order."""
+    n = len(s)
+    if n >= SAMPLE_MIN_N and n >= 2 * SAMPLE_STRIDE * k:
+        sample = s[::SAMPLE_STRIDE]
+        m = len(sample)
+        bound = np.partition(sample, m - k)[m - k]
+        cand = np.flatnonzero(s >= bound)  # NaN bound: nothing passes, and we fall back below
+        # At least k pass (the sample's k largest do); many pass only when scores tie or the
+        # bound is -inf (rows masked out), where the full partition is as cheap.
+        if k <= len(cand) <= n // 4:
+            sub = s[cand]
+            return cand[np.argpartition(-sub, k - 1)[:k]] if k < len(cand) else cand
+    return np.argpartition(-s, k - 1)[:k]
+
+
 def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``scores`` (q, n): indices and values of the k largest, largest first."""
+    """Per row of ``scores`` (q, n): indices and values of the k largest, largest first (ties in
+    the order the selection leaves them)."""
     n = scores.shape[1]
-    if scores.shape[0] == 1:  # batch 1, the common case: 1-d operations, no take_along_axis
-        s = scores[0]
-        part = np.argpartition(-s, k - 1)[:k] if k < n else np.arange(n)
-        top = part[np.argsort(-s[part], kind="stable")]
-        return top[None, :], s[top][None, :]
-    if k < n:
-        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-    else:
+    if k >= n:
         part = np.broadcast_to(np.arange(n), (scores.shape[0], n))
+    else:
+        part = np.stack([_top1d(s, k) for s in scores])
+    if scores.shape[0] == 1:  # batch 1, the common case: 1-d operations, no take_along_axis
+        s, p = scores[0], part[0]
+        top = p[np.argsort(-s[p], kind="stable")]
+        return top[None, :], s[top][None, :]
     vals = np.take_along_axis(scores, part, axis=1)
     order = np.argsort(-vals, axis=1, kind="stable")
     return np.take_along_axis(part, order, axis=1), np.take_along_axis(vals, order, axis=1)

@@ -200,3 +200,25 @@ def test_store_refuses_garbage_file(tmp_path: Path) -> None:
     (tmp_path / "kalos.sqlite3").write_bytes(b"this is not a database" * 100)
     with pytest.raises(StoreOpenError, match=r"not a readable SQLite database|integrity"):
         SqliteStore(tmp_path, dim=3, metric="cosine")
+
+
+@pytest.mark.parametrize("k", [1, 7, 78, 1000])
+def test_topk_rows_threshold_selection_matches_a_full_sort(k: int) -> None:
+    """The sampled-threshold top-k (index._top1d) against a full sort, including the cases that
+    must fall back: ties everywhere, most rows masked to -inf, and a bound that excludes all."""
+    from kalos_retrievers.sidecar.index import topk_rows
+
+    rng = np.random.default_rng()
+    n = 70_001  # above SAMPLE_MIN_N: the sampled path runs
+    base = rng.standard_normal((3, n)).astype(np.float32)
+    ties = np.round(base * 2) / 2  # a few distinct values: the bound ties with many scores
+    masked = base.copy()
+    masked[:, rng.random(n) < 0.999] = -np.inf  # ~70 eligible rows, the sample sees mostly -inf
+    flat = np.ones((1, n), np.float32)
+    for scores in (base, ties, masked, flat, base[:1]):
+        idx, vals = topk_rows(scores, k)
+        assert idx.shape == vals.shape == (len(scores), k)
+        want = -np.sort(-scores, axis=1)[:, :k]
+        np.testing.assert_array_equal(vals, want)  # the k largest values, best first
+        np.testing.assert_array_equal(np.take_along_axis(scores, idx, axis=1), vals)
+        assert all(len(set(r.tolist())) == k for r in idx)  # k distinct rows
