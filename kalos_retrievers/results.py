@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import Doc, decode_doc, doc_id
+from .protocol import Doc, decode_doc, decode_doc_fields, doc_id
 
 __all__ = ["Hit", "RecallResult", "Record"]
 
@@ -127,8 +127,7 @@ class RecallResult(Sequence[Hit]):
         for i in range(len(items)) if which is None else which:
             hit = items[i]
             if hit is None:
-                d = decode_doc(docs[i])
-                out.append((d.id, d.text, d.metadata))
+                out.append(decode_doc_fields(docs[i]))
             else:
                 out.append((hit.id, hit.text, hit.metadata))
         return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import struct
 from pathlib import Path
@@ -214,6 +215,21 @@ def test_docs_round_trip_with_and_without_vectors() -> None:
     assert views == [] and vecs is None
 
 
+def test_doc_views_cut_and_slice_like_a_list() -> None:
+    docs = [P.encode_doc(f"id{i}", "t" * i, b"{}", 0, 0) for i in range(7)]
+    views, _ = P.decode_docs_blob(P.encode_docs_blob(docs), 3, False)
+    as_list = [bytes(v) for v in views]
+    assert as_list == docs and len(views) == 7
+    for sl in [slice(2, 5), slice(5, 2), slice(-3, None), slice(0, 7, 2), slice(None)]:
+        assert [bytes(v) for v in views[sl]] == docs[sl]
+    sub = views[1:6]
+    assert [bytes(v) for v in sub[1:3]] == docs[2:4] and bytes(sub[-1]) == docs[5]
+    with pytest.raises(IndexError):
+        sub[5]
+    with pytest.raises(IndexError):
+        views[-8]
+
+
 @settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=200), st.booleans())
 def test_docs_blob_decoder_only_raises_decode_error(blob: bytes, has_vectors: bool) -> None:
@@ -223,6 +239,24 @@ def test_docs_blob_decoder_only_raises_decode_error(blob: bytes, has_vectors: bo
             P.decode_doc(v)
     except P.ProtocolDecodeError:
         pass
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [b"{}", b'{"k":[1,2]}', b'{"t":"\xc3\xbc \\u2603","n":-1.5e300,"big":123456789012345678901234567890}',
+     b'{"a":{"b":{"c":[null,true,false]}}}', b' { "spaced" : 1 } ', b'{"a":1}\n'],
+)  # fmt: skip
+def test_doc_fields_decode_metadata_as_json_loads_does(meta: bytes) -> None:
+    """The fast scanner path and its json.loads fallback give json.loads's result."""
+    buf = P.encode_doc("i", "t", meta, 0, 0)
+    assert P.decode_doc_fields(buf) == ("i", "t", json.loads(meta))
+    assert P.decode_doc(memoryview(buf)).metadata == json.loads(meta)
+
+
+@pytest.mark.parametrize("meta", [b"[1,2]", b'"s"', b"{", b'{"a":1}x', b'{"a":1}{}', b"\xff", b"{" * 5000, b" "])
+def test_doc_fields_refuse_what_is_not_one_json_object(meta: bytes) -> None:
+    with pytest.raises(P.ProtocolDecodeError):
+        P.decode_doc_fields(P.encode_doc("i", "t", meta, 0, 0))
 
 
 def test_check_vectors_names_the_argument() -> None:
