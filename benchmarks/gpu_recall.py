@@ -36,6 +36,12 @@ DIM = 768
 K = 10
 
 
+def sidecar_view(st: dict[str, Any]) -> dict[str, Any]:
+    """The part of ``KalosClient.stats()`` that says where the sidecar's time went."""
+    return {"recall": st["latency"].get("recall"), "phases": st.get("phases"),
+            "batches": st.get("batches"), "batched_queries": st.get("batched_queries")}  # fmt: skip
+
+
 def gpu_name() -> str:
     import cupy as cp
 
@@ -248,8 +254,7 @@ def main() -> int:
             res["load_100k_s"] = round(load(c, data), 2)
             k100 = time_calls(lambda i: c.recall(queries[i & 1023], K), args.calls, 1000)
             res["ping_100k"] = time_calls(lambda i: c.ping(), 2000, 100)
-            st = c.stats()
-            res["sidecar_100k"] = {"recall": st["latency"].get("recall"), "phases": st.get("phases")}
+            res["sidecar_100k"] = sidecar_view(c.stats())
             print(json.dumps({"ping": res["ping_100k"], **res["sidecar_100k"]}), file=sys.stderr, flush=True)
         t100 = torch_baseline(data, queries, 1, 2000)
         res["kalos_100k"], res["torch_100k"] = k100, t100
@@ -281,9 +286,14 @@ def main() -> int:
             with sc.client(timeout=30) as c:
                 assert c.count() == n
                 k1m = time_calls(lambda i: c.recall(queries[i & 1023], K), args.calls, 1000)
+                snaps = {"after_batch1": sidecar_view(c.stats())}
                 b64 = time_calls(lambda i: c.recall_batch(queries[(i % 16) * 64 : (i % 16) * 64 + 64], K),
                                  300, 30)  # fmt: skip
-            thr = throughput(sc.name, DIM, K, 32, 5.0)
+                snaps["after_batch64"] = sidecar_view(c.stats())
+                thr = throughput(sc.name, DIM, K, 32, 5.0)
+                snaps["after_32procs"] = sidecar_view(c.stats())
+            res["sidecar_1m"] = snaps  # cumulative: each snapshot includes the ones before
+            print(json.dumps(snaps), file=sys.stderr, flush=True)
             sc.stop()
         t1m = torch_baseline(data, queries, 1, 2000)
         tb64 = torch_baseline(data, queries, 64, 300)

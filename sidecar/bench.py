@@ -218,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
             results["added_over_numpy"] = paired(
                 lambda i: c.recall(queries[i & 1023], args.k),
                 lambda i: numpy_recall(data, queries[i & 1023], args.k), pairs, 50)  # fmt: skip
+            st = c.stats()  # where the sidecar's time went, over all the recalls above
+            results["sidecar"] = {"recall": st["latency"].get("recall"), "phases": st.get("phases")}
         results["numpy"] = numpy_baseline(data, queries, args.k, min(args.calls, 2000), 50)
         if args.procs:
             results["throughput"] = throughput(sc.name, args.dim, args.k, args.procs, args.duration)

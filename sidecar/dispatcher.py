@@ -178,7 +178,9 @@ class Dispatcher:
             self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
         ts = time.perf_counter_ns()
         kk = self.service.recall_slots(specs, k, "", None, check_finite=False)
-        self.stats.phase("search", (time.perf_counter_ns() - ts) / 1000)
+        te = time.perf_counter_ns()
+        self.stats.phase("pickup", (ts - part[0][2]) / 1000)
+        self.stats.phase("search", (te - ts) / 1000)
         for (i, req, t0), spec in zip(part, specs, strict=True):
             # One member's failure is that member's alone: an error here used to propagate to
             # the caller, which re-answered the whole batch with an error, overwriting answers
@@ -193,6 +195,7 @@ class Dispatcher:
             except Exception as e:
                 log.exception("internal error answering a batched recall")
                 self._error(i, req, Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
+        self.stats.phase("answer", (time.perf_counter_ns() - te) / 1000)
 
     def _write_hits(self, i: int, req: Request, spec: SlotSpec, kk: int, flags: int, t0: int) -> None:
         blob, rflags = b"", 0
@@ -203,7 +206,7 @@ class Dispatcher:
                 raise Invalid(Status.INTERNAL, "the index returned rows out of range")
             docs = self.service.rows.docs
             hits = [docs[r] for r in flat]
-            if any(h is None for h in hits):  # the rows were rewritten in the slot meanwhile
+            if None in hits:  # the rows were rewritten in the slot meanwhile
                 raise Invalid(Status.INTERNAL, "the index returned rows that hold no memory")
             if flags & Flag.WITH_VECTORS:
                 blob = encode_docs_blob(hits, self.service.vectors(rows))  # type: ignore[arg-type]

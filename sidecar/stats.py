@@ -82,7 +82,11 @@ class Stats:
             self.rejected += 1
 
     def phase(self, name: str, us: float) -> None:
-        """Time spent in one phase of a request (e.g. "search": the index's launch + sync)."""
+        """Time spent in one phase of a request. Recalls without a filter record three (per
+        search, which may answer several slots at once): "pickup", from finding the first
+        request to starting the search (decoding, checks); "search", the index's work (on a
+        GPU: launch and synchronize); "answer", from the search's end to the last response
+        posted (documents encoded and written)."""
         h = self.phases.get(name)
         if h is None:
             h = self.phases[name] = Histogram()
