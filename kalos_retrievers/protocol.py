@@ -29,7 +29,7 @@ import json.scanner
 import math
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
@@ -639,6 +639,8 @@ def _reject_constant(name: str) -> Any:
 
 DOC_HEADER: Final = struct.Struct("<ddIII")  # created_at, updated_at, id_len, text_len, meta_len
 _DOC_TIMES: Final = struct.Struct("<dd")
+_DOC_UNPACK: Final = DOC_HEADER.unpack_from
+_DOC_SIZE: Final = DOC_HEADER.size
 
 
 def encode_doc(id_: str, text: str, metadata_json: bytes, created_at: float, updated_at: float) -> bytes:
@@ -685,13 +687,14 @@ def decode_doc_fields(buf: bytes | memoryview) -> tuple[str, str, dict[str, Any]
         ProtocolDecodeError: lengths that do not add up, bad UTF-8 or JSON.
     """
     try:
-        _, _, il, tl, ml = DOC_HEADER.unpack_from(buf, 0)
-        a = DOC_HEADER.size + il
+        _, _, il, tl, ml = _DOC_UNPACK(buf, 0)
+        a = _DOC_SIZE + il
         b = a + tl
         if b + ml != len(buf):
             raise ProtocolDecodeError("document record lengths do not add up")
         raw = bytes(buf)
-        return raw[DOC_HEADER.size : a].decode(), raw[a:b].decode(), _loads_object(raw[b:]) if ml else {}
+        meta = raw[b:]
+        return raw[_DOC_SIZE:a].decode(), raw[a:b].decode(), {} if meta == b"{}" or not ml else _loads_object(meta)
     except (struct.error, UnicodeDecodeError, ValueError, RecursionError) as e:
         # (RecursionError: metadata nested deeper than json goes)
         raise ProtocolDecodeError(f"document record does not decode: {e}") from None
@@ -768,6 +771,11 @@ class DocViews(Sequence[memoryview]):
             raise IndexError(i)
         j, o, b = self._start + i, self._offsets, self._base
         return self._mv[b + o[j] : b + o[j + 1]]
+
+    def __iter__(self) -> Iterator[memoryview]:
+        mv, b, o = self._mv, self._base, self._offsets
+        for j in range(self._start, self._stop):
+            yield mv[b + o[j] : b + o[j + 1]]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Sequence) and not isinstance(other, str | bytes):

@@ -123,6 +123,8 @@ class RecallResult(Sequence[Hit]):
         docs, items = self._docs, self._items
         if docs is None:
             raise ValueError("this recall was made with docs=False: only rows and scores")
+        if which is None and items.count(None) == len(items):  # the common case: none read yet
+            return [decode_doc_fields(d) for d in docs]
         out = []
         for i in range(len(items)) if which is None else which:
             hit = items[i]
