@@ -48,7 +48,8 @@ class Sidecar:
     Args:
         name: sidecar name; a unique one is made up when None.
         dim: vector dimension.
-        metric, device, dtype, data_dir, slots, max_batch, max_k, payload_kb, blob_kb, spin_us:
+        metric, device, dtype, data_dir, slots, max_batch, max_k, payload_kb, blob_kb, spin_us,
+        threads:
             as the ``kalos-sidecar serve`` flags of the same names.
         startup_timeout: seconds to wait for READY (loading a large store takes a while).
         die_with_parent: send the sidecar SIGTERM when this process dies.
@@ -70,6 +71,7 @@ class Sidecar:
         payload_kb: int | None = None,
         blob_kb: int | None = None,
         spin_us: float | None = None,
+        threads: int | None = None,
         startup_timeout: float = 120.0,
         die_with_parent: bool = True,
         log_level: str = "INFO",
@@ -85,7 +87,7 @@ class Sidecar:
                      "--device", device, "--log-level", log_level]  # fmt: skip
         opts = {"--dtype": dtype, "--data-dir": self.data_dir, "--slots": slots,
                 "--max-batch": max_batch, "--max-k": max_k, "--payload-kb": payload_kb,
-                "--blob-kb": blob_kb, "--spin-us": spin_us}  # fmt: skip
+                "--blob-kb": blob_kb, "--spin-us": spin_us, "--threads": threads}  # fmt: skip
         for flag, value in opts.items():
             if value is not None:
                 self.argv += [flag, str(value)]

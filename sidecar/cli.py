@@ -53,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="busy-poll this long after the last request before sleeping; when "
                         "requests come at a steady pace, sleep through the gap and spin across "
                         "the next expected request instead")
+    s.add_argument("--threads", type=int, default=None,
+                   help="threads for the CPU backend's matrix products (default: numpy's BLAS "
+                        "default, one per core); a sidecar sharing a host with its application "
+                        "usually wants a few: scans are bound by memory bandwidth")
     s.add_argument("--sync", default="full", choices=["full", "normal"],
                    help="SQLite synchronous mode: full survives power loss, normal a crash")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus text here")
@@ -106,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = ServeConfig(
             name=args.name, dim=args.dim, metric=args.metric, device=args.device, dtype=args.dtype,
             data_dir=args.data_dir, slots=args.slots, max_batch=args.max_batch, max_k=args.max_k,
-            payload_kb=args.payload_kb, blob_kb=args.blob_kb, spin_us=args.spin_us,
+            payload_kb=args.payload_kb, blob_kb=args.blob_kb, spin_us=args.spin_us, threads=args.threads,
             sync=args.sync, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         )  # fmt: skip
     except ValueError as e:

@@ -49,6 +49,7 @@ from kalos_retrievers.protocol import (
     segment_name,
 )
 
+from . import blas
 from .dispatcher import Dispatcher
 from .index import CpuIndex, FatalDeviceError, Index
 from .service import Service
@@ -89,6 +90,7 @@ class ServeConfig:
     payload_kb: int = 1024
     blob_kb: int = 1024
     spin_us: float = 1000.0
+    threads: int | None = None  # BLAS threads for host matrix products (None: the library's)
     sync: str = "full"
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -103,6 +105,8 @@ class ServeConfig:
             raise ValueError("--sync must be 'full' or 'normal'")
         if not 1 <= self.max_batch <= 4096:
             raise ValueError("--max-batch must be in [1, 4096]")
+        if self.threads is not None and not 1 <= self.threads <= 1024:
+            raise ValueError("--threads must be in [1, 1024]")
         self.layout  # noqa: B018 - validates the geometry
 
     @property
@@ -167,6 +171,14 @@ class Server:
     def start(self) -> None:
         cfg = self.cfg
         os.umask(0o077)  # everything we create (store files, IPC objects) is ours alone
+        if cfg.threads is not None:
+            lib = blas.set_threads(cfg.threads)
+            if lib is None:
+                log.warning("--threads %d: numpy's BLAS is not an OpenBLAS this sidecar can "
+                            "configure; set OPENBLAS_NUM_THREADS, OMP_NUM_THREADS or "
+                            "MKL_NUM_THREADS in its environment instead", cfg.threads)  # fmt: skip
+            else:
+                log.info("BLAS threads: %d (%s)", cfg.threads, os.path.basename(lib))
         index = make_index(cfg)
         log.info("backend: %s", index.describe())
         store: SqliteStore | NullStore
@@ -397,6 +409,7 @@ class Server:
             "durable": self.service.store.durable,
             "data_dir": self.cfg.data_dir,
             "slots": self.layout.n_slots,
+            "blas_threads": blas.get_threads(),
             "index": idx,
             "device_bytes": idx.get("device_bytes", 0),
         }

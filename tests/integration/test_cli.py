@@ -116,6 +116,7 @@ def test_in_memory_mode_says_so_and_kill_9_leaves_state_the_next_start_clears(ma
         (["--dim", "0"], 2, "dim=0"),
         (["--dim", "4", "--metric", "euclid"], 2, "invalid choice"),
         (["--dim", "4", "--slots", "0"], 2, "slots=0"),
+        (["--dim", "4", "--threads", "0"], 2, "--threads must be in [1, 1024]"),
     ],
 )
 def test_bad_flags_exit_2(make_name, args: list[str], code: int, match: str) -> None:
@@ -141,3 +142,35 @@ def test_cuda_without_a_gpu_exits_5(make_name) -> None:
         auto.terminate()
         auto.wait(15)
     assert "using the CPU backend" in (auto.stdout.read() if auto.stdout else "")
+
+
+def test_threads_flag_sets_the_sidecars_blas_threads(make_name) -> None:
+    name = make_name()
+    proc = serve(name, "--dim", "7", "--threads", "1")
+    try:
+        wait_ready(name, proc)
+        stats = json.loads(cli("stats", name).stdout)
+        assert stats["blas_threads"] == 1
+        with KalosClient(name) as c:  # and it still answers
+            c.upsert(["a", "b"], [np.eye(7)[0], np.eye(7)[1]], texts=["x", "y"])
+            assert c.recall(np.eye(7)[1], 1).ids == ["b"]
+        assert cli("stop", name).returncode == 0
+        assert "BLAS threads: 1" in (proc.stdout.read() if proc.stdout else "")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_bench_prints_its_table_and_writes_json(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    r = cli("bench", "--rows", "3001", "--dim", "13", "--calls", "60", "--warmup", "5", "--procs", "2",
+            "--duration", "0.5", "--rounds", "3", "--block", "10", "--json", str(out), timeout=180)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "sidecar added over numpy" in r.stdout and "recalls/s" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["kalos"]["calls"] == 60 and res["kalos"]["p50_us"] > 0
+    add = res["added_over_numpy"]
+    assert add["rounds"] == 3 and add["block"] == 10 and add["a_p50_us"] > 0 and add["b_p50_us"] > 0
+    assert res["added_over_numpy_paired"]["calls"] == 60
+    assert res["throughput"]["procs"] == 2 and res["throughput"]["recalls_per_s"] > 0
+    assert set(res["sidecar"]["phases"]) == {"pickup", "search", "answer"}

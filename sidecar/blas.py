@@ -1,0 +1,73 @@
+"""How many threads numpy's BLAS uses for the CPU index's matrix products (``--threads``).
+
+A sidecar shares its machine with the application it serves. By default OpenBLAS starts one
+thread per core, and after each product its idle workers keep spinning for a while before they
+sleep: on a 16-core host, a CPU sidecar and an application that also calls numpy slowed each
+other's products 3-4x that way (docs/benchmarks.md). A batch-1 recall is a matrix-vector
+product, bound by memory bandwidth, which a few threads already saturate.
+
+The thread count can be fixed by ``OPENBLAS_NUM_THREADS`` before numpy is imported, but the
+sidecar's package imports numpy first; so this module finds the OpenBLAS library numpy loaded
+(``/proc/self/maps``) and calls its ``*_set_num_threads`` through ctypes, as threadpoolctl does.
+Only OpenBLAS is handled (numpy's wheels bundle it); elsewhere :func:`set_threads` returns None
+and the caller says how to set it through the environment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from functools import cache
+
+import numpy as np  # noqa: F401 - loads the BLAS library this module looks for
+
+# (setter, getter): numpy >= 2 wheels bundle scipy-openblas (64-bit ints, prefixed symbols);
+# older wheels and distribution builds export the plain names.
+_SYMBOLS = (
+    ("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
+    ("scipy_openblas_set_num_threads", "scipy_openblas_get_num_threads"),
+    ("openblas_set_num_threads64_", "openblas_get_num_threads64_"),
+    ("openblas_set_num_threads", "openblas_get_num_threads"),
+)
+
+
+@cache
+def _openblas() -> tuple[str, ctypes.CDLL, str, str] | None:
+    """(path, library, setter name, getter name) of the OpenBLAS loaded in this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted(set(re.findall(r"(/\S*openblas\S*\.so[\w.]*)", f.read())))
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for setter, getter in _SYMBOLS:
+            if hasattr(lib, setter) and hasattr(lib, getter):
+                return path, lib, setter, getter
+    return None
+
+
+def get_threads() -> int | None:
+    """OpenBLAS's current thread count, or None when numpy does not use OpenBLAS."""
+    found = _openblas()
+    if found is None:
+        return None
+    _, lib, _, getter = found
+    return int(getattr(lib, getter)())
+
+
+def set_threads(n: int) -> str | None:
+    """Use ``n`` threads for later products; returns the library's path, or None when numpy
+    does not use an OpenBLAS this module can find (set ``OPENBLAS_NUM_THREADS``, or
+    ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` for other libraries, before starting)."""
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    found = _openblas()
+    if found is None:
+        return None
+    path, lib, setter, _ = found
+    getattr(lib, setter)(ctypes.c_int(n))
+    return path
