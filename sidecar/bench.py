@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=500)
     p.add_argument("--procs", type=int, default=4, help="client processes for the throughput run")
     p.add_argument("--duration", type=float, default=5.0, help="seconds of the throughput run")
+    p.add_argument("--threads", type=int, default=None, help="the sidecar's --threads (CPU backend)")
     p.add_argument("--rounds", type=int, default=16, help="rounds of the blocked Kalos/numpy comparison")
     p.add_argument("--block", type=int, default=200, help="calls per side per round")
     p.add_argument("--seed", type=int, default=0)
@@ -247,10 +248,11 @@ def run(args: argparse.Namespace) -> int:
     queries = make_data(1024, args.dim, args.seed + 1)
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": machine(), "rows": args.rows,
-        "dim": args.dim, "k": args.k, "device": args.device, "command": " ".join(sys.argv),
+        "dim": args.dim, "k": args.k, "device": args.device, "sidecar_threads": args.threads,
+        "command": " ".join(sys.argv),
     }  # fmt: skip
     with Sidecar(dim=args.dim, device=args.device, dtype=args.dtype, slots=max(16, args.procs + 4),
-                 payload_kb=4096, log_level="WARNING") as sc:  # fmt: skip
+                 payload_kb=4096, threads=args.threads, log_level="WARNING") as sc:  # fmt: skip
         with sc.client(timeout=30) as c:
             results["load_s"] = round(load(c, data), 2)
             results["backend"] = c.header.backend
