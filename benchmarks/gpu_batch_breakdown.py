@@ -5,13 +5,17 @@
 In process, on random normalized 768-d float16 rows: times (CUDA events, median of 30) the
 cuBLAS GEMM alone (float32 and float16 scores), a device copy of the score matrix (what one
 pass over it costs), the whole search call (wall clock, with its synchronizations and Python),
-and torch's ``mm`` + ``topk`` on the same rows for reference. Prints one JSON line. (A
-``topk_scores`` step alone needs a registered output buffer to write into; not timed yet.)
+and torch's ``mm`` + ``topk`` on the same rows for reference. Then the sidecar's own path:
+``search_slots`` over a registered segment with one query per slot (``--batch`` slots answered
+together, as dynamic batching does, and 1 slot: the fused graph), with ``GpuIndex.trace`` on:
+per stage, the GPU time (CUDA events between marks) and the host time (perf_counter), medians
+over the runs. Prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from typing import Any
@@ -20,6 +24,47 @@ import numpy as np
 from kalos_retrievers.sidecar.bench import make_data
 
 from kalos_retrievers.protocol import Metric
+
+
+def slot_path(idx: Any, q: np.ndarray, nb: int, k: int, n: int, reps: int = 30) -> dict[str, Any]:
+    """``search_slots`` for ``nb`` slots of one query each, in a registered segment: wall time,
+    and the traced stages (GPU and host microseconds from the previous mark, medians)."""
+    import mmap
+
+    import cupy as cp
+    from kalos_retrievers.sidecar.index import SlotSpec
+
+    dim = q.shape[1]
+    per = 4 * dim + 8 * k
+    mm = mmap.mmap(-1, -(-nb * per // 4096) * 4096)
+    idx.attach_segment(mm)
+    base = np.frombuffer(mm, np.uint8).ctypes.data
+    specs = []
+    for j in range(nb):
+        off = j * per
+        qv = np.frombuffer(mm, np.float32, dim, off).reshape(1, dim)
+        qv[:] = q[j % len(q)]
+        rows = np.frombuffer(mm, np.int32, k, off + 4 * dim).reshape(1, k)
+        scores = np.frombuffer(mm, np.float32, k, off + 4 * dim + 4 * k).reshape(1, k)
+        specs.append(SlotSpec(qv, rows, scores, base + off, base + off + 4 * dim, base + off + 4 * dim + 4 * k))
+    walls, stages = [], {}
+    for i in range(reps + 3):
+        idx.trace = []
+        t0 = time.perf_counter_ns()
+        idx.search_slots(specs, k, n, 0, None, True)
+        t1 = time.perf_counter_ns()
+        tr, idx.trace = idx.trace, None
+        if i < 3:
+            continue
+        walls.append((t1 - t0) / 1000)
+        for (_, e0, h0), (name, e1, h1) in itertools.pairwise(tr):
+            g = stages.setdefault(name, ([], []))
+            g[0].append(cp.cuda.get_elapsed_time(e0, e1) * 1000)
+            g[1].append((h1 - h0) / 1000)
+    idx.detach_segment()
+    med = lambda v: round(float(np.median(v)), 1)  # noqa: E731
+    return {"wall_us": med(walls),
+            "stages_gpu_host_us": {name: [med(g), med(h)] for name, (g, h) in stages.items()}}  # fmt: skip
 
 
 def main() -> None:
@@ -106,6 +151,7 @@ def main() -> None:
                 tt.append(e0.elapsed_time(e1) * 1000)
         out["torch_topk_us"] = round(float(np.median(tt)), 1)
     out["gemm_path_enabled"] = index_gpu.USE_GEMM
+    out["slot_path"] = {str(nb): slot_path(idx, q, nb, k, n) for nb in sorted({1, 8, 24, b})}
     print(json.dumps(out))
     idx.close()
 

@@ -30,6 +30,7 @@ import logging
 import mmap
 import os
 import struct
+import time
 from typing import Any, Final
 
 import numpy as np
@@ -156,6 +157,9 @@ class GpuIndex(Index):
         self.cand_addr = cand.ctypes.data
         self._check(lambda: cp.cuda.runtime.hostRegister(self.cand_addr, len(self._cand_mm), 3))
         self.graphs: dict[tuple[int, ...], Any] = {}
+        # Diagnostics (benchmarks/gpu_batch_breakdown.py): a list here collects (stage, CUDA
+        # event, perf_counter_ns) at each stage of a search; None (the default) costs one test.
+        self.trace: list[tuple[str, Any, int]] | None = None
         self.gemm_stream_note = ""
         self._closed = False
         self.seg_addr = 0
@@ -453,7 +457,9 @@ class GpuIndex(Index):
                 self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
                 self._check(lambda n=n: self._gemm_topk(n, k, high))
                 continue
+            self._mark("graph start")
             self._check(lambda g=graph: (g.launch(self.stream), self.stream.synchronize()))
+            self._mark("graph end")
 
     def _gemm_topk(self, n: int, k: int, high: int) -> None:
         """Large batches: scores = Q @ data[:high].T by cuBLAS (tensor cores for float16), then
@@ -462,6 +468,7 @@ class GpuIndex(Index):
         from cupy_backends.cuda.libs import cublas
 
         with self.device, self.stream:
+            self._mark("start")
             kernels.get_kernel("prep_queries", self.metric)(
                 (1,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
                                          self.qbuf_h, self.qbuf_i8, np.int32(self.dim),
@@ -477,7 +484,9 @@ class GpuIndex(Index):
             # stream (the legacy default stream does not wait for our non-blocking one); this
             # path once returned wrong rows, cause unconfirmed. So: prep is complete before the
             # GEMM starts, and if cuBLAS ran on another stream, the whole device before top-k.
+            self._mark("prep")
             self.stream.synchronize()
+            self._mark("prep synced")
             one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
             # row-major scores (n, high) = column-major (high, n) = data^T(high x ld) . Q^T
             cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, high, n, self.ld,
@@ -485,6 +494,7 @@ class GpuIndex(Index):
                           qsrc.data.ptr, atype, self.ld,
                           zero.ctypes.data, scores.data.ptr, _CUDA_R_32F, high,
                           cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)  # fmt: skip
+            self._mark("gemm")
             used = cublas.getStream(handle)
             if used != self.stream.ptr:
                 if not self.gemm_stream_note:
@@ -493,8 +503,17 @@ class GpuIndex(Index):
                 cp.cuda.runtime.deviceSynchronize()
             if not (USE_THRESHOLD_TOPK and self._threshold_topk(scores, n, k, high)):
                 self._topk_scores(scores, n, k, high)
+                self._mark("fallback top-k")
             self.stream.synchronize()
+            self._mark("end")
             del data, scores
+
+    def _mark(self, stage: str) -> None:
+        """Record ``stage`` on the stream and the host clock when tracing (see ``trace``)."""
+        if self.trace is not None:
+            ev = self.cp.cuda.Event()
+            ev.record(self.stream)
+            self.trace.append((stage, ev, time.perf_counter_ns()))
 
     def _threshold_topk(self, scores: Any, n: int, k: int, high: int) -> bool:
         """Top-k of each row of ``scores`` by tau_scores + filter_scores + select_cands (see
@@ -515,15 +534,19 @@ class GpuIndex(Index):
                 kern.max_dynamic_shared_size_bytes = smem
         tau((n,), (kernels.BLOCK,), (scores, np.int32(high), self.ns, self.sqnorm, self.params,
                                      np.int32(sample), self.tau), shared_mem=sample * 8)  # fmt: skip
+        self._mark("tau")
         # each block streams >= 64k scores; all queries together fill the device about twice
         gx = max(1, min(-(-high // 65536), max(1, 2 * self.max_grid // n)))
         filt((gx, n), (kernels.BLOCK,), (scores, np.int32(high), self.ns, self.sqnorm, self.params,
                                          self.tau, self.cand_k, self.cand_v, self.cand_count,
                                          np.int32(CAND_CAP)))  # fmt: skip
+        self._mark("filter")
         sel((n,), (kernels.BLOCK,), (self.cand_k, self.cand_v, self.cand_count, np.int32(CAND_CAP),
                                      self.params, np.uint64(self._overflow_addr)),
             shared_mem=CAND_CAP * 8)  # fmt: skip
+        self._mark("select")
         self.stream.synchronize()
+        self._mark("select synced")
         if flag[0]:
             self.threshold_overflows += 1
             return False
