@@ -56,6 +56,7 @@ def slot_path(idx: Any, q: np.ndarray, nb: int, k: int, n: int, reps: int = 30) 
         tr, idx.trace = idx.trace, None
         if i < 3:
             continue
+        tr[-1][1].synchronize()  # the last mark may be recorded after the final sync
         walls.append((t1 - t0) / 1000)
         for (_, e0, h0), (name, e1, h1) in itertools.pairwise(tr):
             g = stages.setdefault(name, ([], []))
