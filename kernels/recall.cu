@@ -677,15 +677,67 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
 //                  then runs topk_scores for that batch.
 // Choosing S so that k * n / S is about cap / 4 leaves the expected list well inside cap.
 
+// ns_id NS_ANY (GEMM path only): every row below n is eligible (the host knows the namespace
+// covers [0, n) without holes), so the filter reads scores alone, not the namespace array too.
+#define NS_ANY (-2)
+
 template <int METRIC>
 __device__ __forceinline__ bool score_at(const float* srow, int col, int n, const int* ns, int my_ns,
                                          const unsigned char* mask, const float* sqnorm, float qn2,
                                          float* out) {
-    if (col >= n || ns[col] != my_ns || (mask != nullptr && !mask[col])) return false;
+    if (col >= n || (my_ns != NS_ANY && ns[col] != my_ns) || (mask != nullptr && !mask[col])) return false;
     float v = srow[col];
     if (METRIC == METRIC_L2) v = -sqrtf(fmaxf(qn2 + sqnorm[col] - 2.f * v, 0.f));
     *out = v;
     return true;
+}
+
+// The k-th largest (1 <= k <= n) of key[0, n) in shared memory, to every thread of the block.
+// A most-significant-digit radix select over the keys' ordered bit patterns: four passes of 8
+// bits, each one shared histogram of 256 counters and one warp finding the digit. This replaces
+// bitonic sorts of whole lists (log2(n)^2 / 2 block-wide steps: ~80 us for 4096 keys) where
+// only one rank is needed. All threads of the block must call it.
+__device__ float block_kth_largest(const float* key, int n, int k) {
+    __shared__ int hist[256];
+    __shared__ unsigned int s_digit;
+    __shared__ int s_rank;
+    unsigned int prefix = 0u, known = 0u;
+    int rank = k;  // rank still wanted among the keys that match the prefix, from the top
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            unsigned int u = (unsigned int)f2ord(key[i]) ^ 0x80000000u;  // ascending as unsigned
+            if ((u & known) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            int c[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) { c[j] = hist[255 - 8 * lane - j]; sum += c[j]; }
+            int incl = sum;  // keys with a digit in this lane's range or above
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                int y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            int above = incl - sum;
+            if (above < rank && rank <= incl) {  // exactly one lane
+                int acc = above;
+                for (int j = 0; j < 8; j++) {
+                    if (acc + c[j] >= rank) { s_digit = 255u - 8u * lane - j; s_rank = rank - acc; break; }
+                    acc += c[j];
+                }
+            }
+        }
+        __syncthreads();
+        prefix |= s_digit << shift;
+        known |= 255u << shift;
+        rank = s_rank;
+        __syncthreads();  // everyone has read s_digit and s_rank before the next pass
+    }
+    return ord2f((int)(prefix ^ 0x80000000u));
 }
 
 // grid (n_queries), block KALOS_BLOCK, dynamic smem: S * 8 bytes (S a power of two)
@@ -696,7 +748,6 @@ tau_scores(const float* __restrict__ scores, int sld, const int* __restrict__ ns
            float* __restrict__ tau) {
     extern __shared__ float smem[];
     float* key = smem;
-    int* val = reinterpret_cast<int*>(smem + S);
     const int q = blockIdx.x, k = p->k, n = p->n_rows;
     const float* srow = scores + (size_t)q * sld;
     __shared__ int s_elig;
@@ -707,13 +758,13 @@ tau_scores(const float* __restrict__ scores, int sld, const int* __restrict__ ns
         float v;
         bool ok = score_at<METRIC>(srow, i, n, ns, p->ns_id, p->mask, sqnorm, p->qnorm2[q], &v);
         key[i] = ok ? v : neg_inf();
-        val[i] = i;
         mine += ok;
     }
     atomicAdd(&s_elig, mine);
     __syncthreads();
-    bitonic_desc(key, val, S);
-    if (threadIdx.x == 0) tau[q] = s_elig >= k ? key[k - 1] : neg_inf();
+    const bool enough = s_elig >= k;  // block-uniform: every thread takes the same branch
+    float t = enough ? block_kth_largest(key, S, k) : neg_inf();
+    if (threadIdx.x == 0) tau[q] = t;
 }
 
 // grid (G, n_queries), block KALOS_BLOCK
@@ -748,12 +799,18 @@ filter_scores(const float* __restrict__ scores, int sld, const int* __restrict__
     }
 }
 
-// grid (n_queries), block KALOS_BLOCK, dynamic smem: cap * 8 bytes (cap a power of two)
+// Candidates select_cands gathers at or above the k-th (k of them, plus ties): it sorts only
+// these. More ties than this: it sorts the whole list instead.
+#define SELECT_GATHER 2048
+
+// grid (n_queries), block KALOS_BLOCK, dynamic smem: (cap + SELECT_GATHER) * 8 bytes (cap a
+// power of two)
 template <int METRIC>
 __global__ void __launch_bounds__(KALOS_BLOCK)
 select_cands(const float* __restrict__ ck, const int* __restrict__ cv, int* __restrict__ ccount,
              int cap, const Params* __restrict__ p, int* overflow) {
     extern __shared__ float smem[];
+    __shared__ int s_n;
     const int q = blockIdx.x, k = p->k;
     const int m = ccount[q];
     if (m > cap) {  // every block reads its own count; the list is not usable
@@ -763,19 +820,46 @@ select_cands(const float* __restrict__ ck, const int* __restrict__ cv, int* __re
     const int pw = next_pow2(m < 2 ? 2 : m);
     float* key = smem;
     int* val = reinterpret_cast<int*>(smem + pw);
+    float* gkey = smem + 2 * pw;  // the gathered candidates (SELECT_GATHER pairs)
+    int* gval = reinterpret_cast<int*>(gkey + SELECT_GATHER);
     for (int i = threadIdx.x; i < pw; i += blockDim.x) {
         bool have = i < m;
         key[i] = have ? ck[(size_t)q * cap + i] : neg_inf();
         val[i] = have ? cv[(size_t)q * cap + i] : 0x7fffffff;
     }
+    if (threadIdx.x == 0) s_n = 0;
     __syncthreads();
-    bitonic_desc(key, val, pw);
+    const float* okey = key;
+    const int* oval = val;
+    if (m > 2 * k && m > 64) {  // block-uniform: the k-th by radix select, then sort what is at or above it
+        const float t = block_kth_largest(key, m, k);
+        for (int i = threadIdx.x; i < m; i += blockDim.x) {
+            if (key[i] >= t) {
+                int at = atomicAdd(&s_n, 1);
+                if (at < SELECT_GATHER) { gkey[at] = key[i]; gval[at] = val[i]; }
+            }
+        }
+        __syncthreads();
+        const int g = s_n;
+        if (g <= SELECT_GATHER) {
+            const int gp = next_pow2(g < 2 ? 2 : g);
+            for (int i = g + threadIdx.x; i < gp; i += blockDim.x) { gkey[i] = neg_inf(); gval[i] = 0x7fffffff; }
+            __syncthreads();
+            bitonic_desc(gkey, gval, gp);
+            okey = gkey;
+            oval = gval;
+        } else {
+            bitonic_desc(key, val, pw);  // ties beyond the gather area: the whole list
+        }
+    } else {
+        bitonic_desc(key, val, pw);
+    }
     int* orow = p->out_rows[q];
     float* oscore = p->out_scores[q];
     for (int i = threadIdx.x; i < k; i += blockDim.x) {
         bool have = i < m;
-        orow[i] = have ? val[i] : -1;
-        oscore[i] = have ? key[i] : neg_inf();
+        orow[i] = have ? oval[i] : -1;
+        oscore[i] = have ? okey[i] : neg_inf();
     }
     if (threadIdx.x == 0) ccount[q] = 0;  // ready for the next batch
     final_fence();

@@ -55,6 +55,8 @@ GEMM_MIN_Q: Final = max(2, int(os.environ.get("KALOS_GEMM_MIN_Q", "2")))
 USE_THRESHOLD_TOPK: Final = os.environ.get("KALOS_THRESHOLD_TOPK", "1") != "0"
 CAND_CAP: Final = 8192
 TAU_SAMPLE_MAX: Final = 16384
+SELECT_GATHER: Final = 2048  # as in kernels/recall.cu
+NS_ANY: Final = -2  # as in kernels/recall.cu: the GEMM path's "every row below n is eligible"
 SYNC_WORDS: Final = 3 * MAXQ  # as in kernels/recall.cu: tickets, bounds, counts per query
 _NEG_INF_ORD: Final = int(np.array([-np.inf], np.float32).view(np.int32)[0]) ^ 0x7FFFFFFF
 GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, grid)
@@ -156,6 +158,15 @@ class GpuIndex(Index):
         self.cand_scores = cand[MAXQ * CAND_MAX :].view(np.float32).reshape(MAXQ, CAND_MAX)
         self.cand_addr = cand.ctypes.data
         self._check(lambda: cp.cuda.runtime.hostRegister(self.cand_addr, len(self._cand_mm), 3))
+        # Batches' queries are gathered here (registered host memory) and copied to the device
+        # in one DMA: prep_queries reading 24 queries from their slots through mapped memory
+        # took ~60 us (many small PCIe reads), the copy a few.
+        self._qstage_mm = mmap.mmap(-1, -(-MAXQ * self.dim * 4 // 4096) * 4096)
+        self._qstage_h = np.frombuffer(self._qstage_mm, np.float32, MAXQ * self.dim).reshape(MAXQ, self.dim)
+        self._qstage_addr = self._qstage_h.ctypes.data
+        self._check(lambda: cp.cuda.runtime.hostRegister(self._qstage_addr, len(self._qstage_mm), 3))
+        with self.device:
+            self.qstage = cp.empty((MAXQ, self.dim), cp.float32)
         self.graphs: dict[tuple[int, ...], Any] = {}
         # Diagnostics (benchmarks/gpu_batch_breakdown.py): a list here collects (stage, CUDA
         # event, perf_counter_ns) at each stage of a search; None (the default) costs one test.
@@ -422,7 +433,8 @@ class GpuIndex(Index):
             mask_dev = self.cp.asarray(m)
         mask_addr = 0 if mask_dev is None else mask_dev.data.ptr
         if self.exact is None:
-            self._run(qs, rows, scores, k, high, ns, mask_addr, out_ld)
+            qrows = [q for s in specs for q in s.queries] if len(qs) > 1 else None
+            self._run(qs, rows, scores, k, high, ns, mask_addr, out_ld, qrows, dense and mask_dev is None)
         else:  # int8: kc candidates per query into the scratch, then exact re-scoring
             kc = min(RESCORE_FACTOR * k, high, CAND_MAX)
             flat = [(s, j) for s in specs for j in range(len(s.queries))]
@@ -437,10 +449,13 @@ class GpuIndex(Index):
         del mask_dev
 
     def _run(self, qs: list[int], rows: list[int], scores: list[int], k: int, high: int,
-             ns: int, mask_addr: int, out_ld: int) -> None:  # fmt: skip
+             ns: int, mask_addr: int, out_ld: int, qrows: list[np.ndarray] | None = None,
+             dense: bool = False) -> None:  # fmt: skip
         """Launch for every query: the slot's fused graph for one query; for batches (float
         types) GEMM + top-k for up to MAXQ queries per launch, else fused graphs of up to
-        FUSED_MAX_Q queries."""
+        FUSED_MAX_Q queries. ``qrows`` (the queries, as arrays, in the order of ``qs``) lets the
+        GEMM path copy them to the device in one DMA; ``dense``: every row below ``high`` is
+        eligible (no namespace check in the top-k)."""
         kp = _pow2(k)
         use_gemm = USE_GEMM and self.dtype != "int8" and len(qs) >= GEMM_MIN_Q
         step = MAXQ if use_gemm else self._fused_qb(FUSED_MAX_Q, kp)
@@ -454,7 +469,15 @@ class GpuIndex(Index):
                 self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
                 graph = self._graph(k, self._fused_qb(n, kp), self._grid(high, kp))
             else:
-                self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
+                qsl = qs[sl]
+                if qrows is not None:  # one DMA of the gathered queries; prep reads device memory
+                    np.stack(qrows[sl], out=self._qstage_h[:n])
+                    base = self.qstage.data.ptr
+                    qsl = [base + 4 * self.dim * j for j in range(n)]
+                    self._check(lambda n=n, base=base: self.cp.cuda.runtime.memcpyAsync(
+                        base, self._qstage_addr, 4 * self.dim * n, 1, self.stream.ptr))  # fmt: skip
+                self._write_desc(k, high, NS_ANY if dense else ns, mask_addr, qsl, rows[sl],
+                                 scores[sl], out_ld)  # fmt: skip
                 self._check(lambda n=n: self._gemm_topk(n, k, high))
                 continue
             self._mark("graph start")
@@ -529,21 +552,24 @@ class GpuIndex(Index):
         tau = kernels.get_kernel("tau_scores", self.metric)
         filt = kernels.get_kernel("filter_scores", self.metric)
         sel = kernels.get_kernel("select_cands", self.metric)
-        for kern, smem in ((tau, sample * 8), (sel, CAND_CAP * 8)):
+        sel_smem = (CAND_CAP + SELECT_GATHER) * 8
+        for kern, smem in ((tau, sample * 8), (sel, sel_smem)):
             if smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
                 kern.max_dynamic_shared_size_bytes = smem
         tau((n,), (kernels.BLOCK,), (scores, np.int32(high), self.ns, self.sqnorm, self.params,
                                      np.int32(sample), self.tau), shared_mem=sample * 8)  # fmt: skip
         self._mark("tau")
-        # each block streams >= 64k scores; all queries together fill the device about twice
-        gx = max(1, min(-(-high // 65536), max(1, 2 * self.max_grid // n)))
+        # all queries together fill the device about 8 times over (each block one to a few
+        # rounds of MERGE_UNROLL x BLOCK scores): with 2x and >= 64k scores per block the pass
+        # over 24 x 1M scores took 131 us, far from the bandwidth's ~25 us
+        gx = max(1, min(-(-high // (MERGE_UNROLL * kernels.BLOCK)), max(1, 8 * self.max_grid // n)))
         filt((gx, n), (kernels.BLOCK,), (scores, np.int32(high), self.ns, self.sqnorm, self.params,
                                          self.tau, self.cand_k, self.cand_v, self.cand_count,
                                          np.int32(CAND_CAP)))  # fmt: skip
         self._mark("filter")
         sel((n,), (kernels.BLOCK,), (self.cand_k, self.cand_v, self.cand_count, np.int32(CAND_CAP),
                                      self.params, np.uint64(self._overflow_addr)),
-            shared_mem=CAND_CAP * 8)  # fmt: skip
+            shared_mem=sel_smem)  # fmt: skip
         self._mark("select")
         self.stream.synchronize()
         self._mark("select synced")
@@ -639,7 +665,7 @@ class GpuIndex(Index):
             return
         self._closed = True
         self.detach_segment()
-        for addr in (self.desc_addr, self.cand_addr):
+        for addr in (self.desc_addr, self.cand_addr, self._qstage_addr):
             with contextlib.suppress(Exception):
                 self.cp.cuda.runtime.hostUnregister(addr)
         self.graphs.clear()

@@ -146,6 +146,25 @@ def test_threshold_topk_overflow_falls_back_exactly() -> None:
     check(svc, tail, q, 10, ns="tail", id_of=lambda i: f"t{i}")
 
 
+@pytest.mark.parametrize("tied", [300, 3000])
+def test_threshold_select_is_exact_with_ties_at_the_kth(tied: int) -> None:
+    """select_cands finds the k-th candidate by radix select and sorts only what is at or above
+    it: with 300 rows tied at the top that gather fits (a small sort), with 3000 it does not
+    (the whole list is sorted). Neither may overflow into the fallback, and both stay exact."""
+    rng = np.random.default_rng()
+    n, dim = 100_003, 64
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    v = rng.standard_normal(dim).astype(np.float32)
+    data[rng.choice(n, tied, replace=False)] = v  # identical rows: identical scores
+    svc = make(dim)
+    put(svc, data)
+    q = np.stack([v, 2 * v, rng.standard_normal(dim).astype(np.float32)])
+    before = svc.index.threshold_overflows
+    for k in (10, 100):
+        check(svc, data, q, k)
+    assert svc.index.threshold_overflows == before  # the threshold path answered, not topk_scores
+
+
 def test_int8_l2_and_filter_against_exact() -> None:
     """int8 (dp4a against an int8 copy of the query, exact re-scoring) with L2 and a filter."""
     rng = np.random.default_rng()
