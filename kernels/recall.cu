@@ -42,6 +42,11 @@
 #define METRIC_IP 1
 #define METRIC_L2 2
 
+// ns_id NS_ANY (set by the host on the GEMM path): every row below n_rows is eligible (the
+// namespace covers [0, n_rows) without holes), so the top-k kernels read the scores alone, not
+// the namespace array too.
+#define NS_ANY (-2)
+
 typedef unsigned long long u64;
 
 // Written by the host into registered (mapped) memory before each launch.
@@ -511,7 +516,7 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
 
     for (int r0 = blockIdx.x * groups; r0 < n; r0 += stride) {
         int row = r0 + group;
-        bool ok = row < n && ns[row] == my_ns && (mask == nullptr || mask[row]);
+        bool ok = row < n && (my_ns == NS_ANY || ns[row] == my_ns) && (mask == nullptr || mask[row]);
         float acc[QB];
 #pragma unroll
         for (int q = 0; q < QB; q++) acc[q] = 0.f;
@@ -598,7 +603,7 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
 #pragma unroll
         for (int u = 0; u < MERGE_UNROLL; u++) {
             int row = r0 + u * blockDim.x + threadIdx.x;
-            ok[u] = row < n && ns[row] == my_ns && (mask == nullptr || mask[row]);
+            ok[u] = row < n && (my_ns == NS_ANY || ns[row] == my_ns) && (mask == nullptr || mask[row]);
             s[u] = ok[u] ? srow[row] : 0.f;
         }
 #pragma unroll
@@ -676,10 +681,6 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
 //                  slot. A list that overflowed sets *overflow and writes nothing: the host
 //                  then runs topk_scores for that batch.
 // Choosing S so that k * n / S is about cap / 4 leaves the expected list well inside cap.
-
-// ns_id NS_ANY (GEMM path only): every row below n is eligible (the host knows the namespace
-// covers [0, n) without holes), so the filter reads scores alone, not the namespace array too.
-#define NS_ANY (-2)
 
 template <int METRIC>
 __device__ __forceinline__ bool score_at(const float* srow, int col, int n, const int* ns, int my_ns,
