@@ -158,15 +158,6 @@ class GpuIndex(Index):
         self.cand_scores = cand[MAXQ * CAND_MAX :].view(np.float32).reshape(MAXQ, CAND_MAX)
         self.cand_addr = cand.ctypes.data
         self._check(lambda: cp.cuda.runtime.hostRegister(self.cand_addr, len(self._cand_mm), 3))
-        # Batches' queries are gathered here (registered host memory) and copied to the device
-        # in one DMA: prep_queries reading 24 queries from their slots through mapped memory
-        # took ~60 us (many small PCIe reads), the copy a few.
-        self._qstage_mm = mmap.mmap(-1, -(-MAXQ * self.dim * 4 // 4096) * 4096)
-        self._qstage_h = np.frombuffer(self._qstage_mm, np.float32, MAXQ * self.dim).reshape(MAXQ, self.dim)
-        self._qstage_addr = self._qstage_h.ctypes.data
-        self._check(lambda: cp.cuda.runtime.hostRegister(self._qstage_addr, len(self._qstage_mm), 3))
-        with self.device:
-            self.qstage = cp.empty((MAXQ, self.dim), cp.float32)
         self.graphs: dict[tuple[int, ...], Any] = {}
         # Diagnostics (benchmarks/gpu_batch_breakdown.py): a list here collects (stage, CUDA
         # event, perf_counter_ns) at each stage of a search; None (the default) costs one test.
@@ -433,8 +424,7 @@ class GpuIndex(Index):
             mask_dev = self.cp.asarray(m)
         mask_addr = 0 if mask_dev is None else mask_dev.data.ptr
         if self.exact is None:
-            qrows = [q for s in specs for q in s.queries] if len(qs) > 1 else None
-            self._run(qs, rows, scores, k, high, ns, mask_addr, out_ld, qrows, dense and mask_dev is None)
+            self._run(qs, rows, scores, k, high, ns, mask_addr, out_ld, dense and mask_dev is None)
         else:  # int8: kc candidates per query into the scratch, then exact re-scoring
             kc = min(RESCORE_FACTOR * k, high, CAND_MAX)
             flat = [(s, j) for s in specs for j in range(len(s.queries))]
@@ -449,13 +439,11 @@ class GpuIndex(Index):
         del mask_dev
 
     def _run(self, qs: list[int], rows: list[int], scores: list[int], k: int, high: int,
-             ns: int, mask_addr: int, out_ld: int, qrows: list[np.ndarray] | None = None,
-             dense: bool = False) -> None:  # fmt: skip
+             ns: int, mask_addr: int, out_ld: int, dense: bool = False) -> None:  # fmt: skip
         """Launch for every query: the slot's fused graph for one query; for batches (float
         types) GEMM + top-k for up to MAXQ queries per launch, else fused graphs of up to
-        FUSED_MAX_Q queries. ``qrows`` (the queries, as arrays, in the order of ``qs``) lets the
-        GEMM path copy them to the device in one DMA; ``dense``: every row below ``high`` is
-        eligible (no namespace check in the top-k)."""
+        FUSED_MAX_Q queries. ``dense``: every row below ``high`` is eligible (the GEMM path's
+        top-k then skips the namespace check)."""
         kp = _pow2(k)
         use_gemm = USE_GEMM and self.dtype != "int8" and len(qs) >= GEMM_MIN_Q
         step = MAXQ if use_gemm else self._fused_qb(FUSED_MAX_Q, kp)
@@ -469,14 +457,7 @@ class GpuIndex(Index):
                 self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
                 graph = self._graph(k, self._fused_qb(n, kp), self._grid(high, kp))
             else:
-                qsl = qs[sl]
-                if qrows is not None:  # one DMA of the gathered queries; prep reads device memory
-                    np.stack(qrows[sl], out=self._qstage_h[:n])
-                    base = self.qstage.data.ptr
-                    qsl = [base + 4 * self.dim * j for j in range(n)]
-                    self._check(lambda n=n, base=base: self.cp.cuda.runtime.memcpyAsync(
-                        base, self._qstage_addr, 4 * self.dim * n, 1, self.stream.ptr))  # fmt: skip
-                self._write_desc(k, high, NS_ANY if dense else ns, mask_addr, qsl, rows[sl],
+                self._write_desc(k, high, NS_ANY if dense else ns, mask_addr, qs[sl], rows[sl],
                                  scores[sl], out_ld)  # fmt: skip
                 self._check(lambda n=n: self._gemm_topk(n, k, high))
                 continue
@@ -665,7 +646,7 @@ class GpuIndex(Index):
             return
         self._closed = True
         self.detach_segment()
-        for addr in (self.desc_addr, self.cand_addr, self._qstage_addr):
+        for addr in (self.desc_addr, self.cand_addr):
             with contextlib.suppress(Exception):
                 self.cp.cuda.runtime.hostUnregister(addr)
         self.graphs.clear()
