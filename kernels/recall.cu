@@ -673,13 +673,14 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
 // per-block candidate buffers (which cost ~700 us for 64 queries x 1M rows in topk_scores).
 //
 //   tau_scores     one block per query: the k-th best eligible score among the first S
-//                  columns. No row outside the answer can beat it, so it is a safe threshold
-//                  (-inf when the sample holds fewer than k eligible rows).
+//                  columns (radix select). No row outside the answer can beat it, so it is a
+//                  safe threshold (-inf when the sample holds fewer than k eligible rows).
 //   filter_scores  streams the matrix once; appends each eligible (score >= tau, ties kept)
 //                  to the query's candidate list (at most `cap`; the count keeps counting).
-//   select_cands   one block per query: sorts its candidates and writes the best k into the
-//                  slot. A list that overflowed sets *overflow and writes nothing: the host
-//                  then runs topk_scores for that batch.
+//   select_cands   one block per query: finds its k-th candidate by radix select, sorts only
+//                  the candidates at or above it, and writes the best k into the slot. A
+//                  list that overflowed sets *overflow and writes nothing: the host then runs
+//                  topk_scores for that batch.
 // Choosing S so that k * n / S is about cap / 4 leaves the expected list well inside cap.
 
 template <int METRIC>
