@@ -2,9 +2,10 @@
 
 A sidecar shares its machine with the application it serves. By default OpenBLAS starts one
 thread per core, and after each product its idle workers keep spinning for a while before they
-sleep: on a 16-core host, a CPU sidecar and an application that also calls numpy slowed each
-other's products 3-4x that way (docs/benchmarks.md). A batch-1 recall is a matrix-vector
-product, bound by memory bandwidth, which a few threads already saturate.
+sleep: on a 16-core host, a CPU sidecar and an application that also calls numpy, alternating
+call by call, slowed each other's products 3-4x that way (docs/benchmarks.md). Capping the
+pool leaves cores to the application, at a cost: on that host 4 threads made a 100k x 384
+recall ~1.6x slower than 16.
 
 The thread count can be fixed by ``OPENBLAS_NUM_THREADS`` before numpy is imported, but the
 sidecar's package imports numpy first; so this module finds the OpenBLAS library numpy loaded

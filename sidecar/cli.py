@@ -55,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                         "the next expected request instead")
     s.add_argument("--threads", type=int, default=None,
                    help="threads for the CPU backend's matrix products (default: numpy's BLAS "
-                        "default, one per core); a sidecar sharing a host with its application "
-                        "usually wants a few: scans are bound by memory bandwidth")
+                        "default, one per core); fewer leave cores to the application at some "
+                        "cost in scan speed")
     s.add_argument("--sync", default="full", choices=["full", "normal"],
                    help="SQLite synchronous mode: full survives power loss, normal a crash")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus text here")
