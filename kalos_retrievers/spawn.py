@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,20 +40,6 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-# OpenBLAS's idle workers spin ~2^28 cycles after each product, competing with the sidecar's
-# own thread and its clients for the cores; 2^4 makes them sleep at once (measured in
-# kalos_retrievers/sidecar/blas.py's docstring). Read when numpy loads, so set at process start.
-BLAS_IDLE_ENV = "OPENBLAS_THREAD_TIMEOUT"
-BLAS_IDLE_DEFAULT = "4"
-
-
-def sidecar_environ(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` for a sidecar process: with ``OPENBLAS_THREAD_TIMEOUT=4`` unless it is set."""
-    env = dict(environ)
-    env.setdefault(BLAS_IDLE_ENV, BLAS_IDLE_DEFAULT)
-    return env
 
 
 class Sidecar:
@@ -122,7 +107,6 @@ class Sidecar:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=sidecar_environ(os.environ),  # set here, the CLI need not re-execute itself
                 preexec_fn=_die_with_parent if self.die_with_parent else None,  # noqa: PLW1509
             )  # fmt: skip
         self.wait_ready(self.startup_timeout)

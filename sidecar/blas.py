@@ -12,17 +12,6 @@ sidecar's package imports numpy first; so this module finds the OpenBLAS library
 (``/proc/self/maps``) and calls its ``*_set_num_threads`` through ctypes, as threadpoolctl does.
 Only OpenBLAS is handled (numpy's wheels bundle it); elsewhere :func:`set_threads` returns None
 and the caller says how to set it through the environment.
-
-Idle workers: after each product OpenBLAS's workers spin (``sched_yield`` in a loop) for about
-2^28 cycles before they sleep. In a sidecar that spin competes for the cores with the sidecar's
-own thread, which is encoding the answer right then, and with the client waiting for it: on the
-2-core development VM the answer phase of a 100k-row recall took 153 us p50 with the spin and
-46 us without workers at all. ``OPENBLAS_THREAD_TIMEOUT=4`` (2^4 cycles, OpenBLAS's minimum)
-makes them sleep at once: answer phase 60 us, and the blocked overhead over in-process numpy fell
-from 307 +- 38 to 165 +- 24 us (docs/benchmarks.md). OpenBLAS reads the variable once, when numpy
-is imported, so the sidecar must be started with it:
-:func:`kalos_retrievers.spawn.sidecar_environ` adds it unless the user set it, for ``Sidecar``
-and for the CLI, which re-executes itself with it.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from kalos_retrievers import _ipc
 from kalos_retrievers.errors import KalosError, SidecarTimeout, SidecarUnavailable
 from kalos_retrievers.protocol import DTYPES, METRICS, segment_name
-from kalos_retrievers.spawn import BLAS_IDLE_ENV, sidecar_environ
 
 from .server import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ServeConfig, Server, StartError
 
@@ -88,8 +87,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
-        if argv is None and BLAS_IDLE_ENV not in os.environ:
-            _reexec_with(sidecar_environ(os.environ))  # does not return
         return _serve(args)
     if args.command == "status":
         return _status(args)
@@ -100,14 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .bench import run as run_bench
 
     return run_bench(args)
-
-
-def _reexec_with(env: dict[str, str]) -> None:
-    """Run this command again, same pid, in ``env``: OpenBLAS reads its settings when numpy is
-    imported, which happened before the command line was parsed (see blas.py)."""
-    flags = ["-P"] if sys.flags.safe_path else []
-    cmd = [sys.executable, *flags, "-m", "kalos_retrievers.sidecar", *sys.argv[1:]]
-    os.execve(sys.executable, cmd, env)  # noqa: S606 - our own interpreter, our own arguments
 
 
 def _serve(args: argparse.Namespace) -> int:

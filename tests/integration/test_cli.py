@@ -174,34 +174,3 @@ def test_bench_prints_its_table_and_writes_json(tmp_path) -> None:
     assert res["added_over_numpy_paired"]["calls"] == 60
     assert res["throughput"]["procs"] == 2 and res["throughput"]["recalls_per_s"] > 0
     assert set(res["sidecar"]["phases"]) == {"pickup", "search", "answer"}
-
-
-@pytest.mark.parametrize("preset", [None, "7"])
-def test_serve_starts_with_openblas_workers_that_sleep_unless_told_otherwise(make_name, preset) -> None:
-    """``serve`` re-executes itself (same pid) with OPENBLAS_THREAD_TIMEOUT=4 when the variable
-    is unset, and leaves a value the user set alone."""
-    name = make_name()
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    if preset is not None:
-        env["OPENBLAS_THREAD_TIMEOUT"] = preset
-    proc = subprocess.Popen([*CLI, "serve", "--name", name, "--device", "cpu", "--dim", "3"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        wait_ready(name, proc)
-        stats = json.loads(cli("stats", name).stdout)
-        assert stats["pid"] == proc.pid  # the same process, re-executed
-        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
-        assert f"OPENBLAS_THREAD_TIMEOUT={preset or 4}".encode() in environ
-        assert cli("stop", name).returncode == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def test_spawned_sidecar_gets_the_openblas_setting_without_re_executing(monkeypatch) -> None:
-    from kalos_retrievers import Sidecar
-
-    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
-    with Sidecar(dim=3, device="cpu", log_level="WARNING") as sc:
-        environ = Path(f"/proc/{sc.pid}/environ").read_bytes().split(b"\0")
-        assert b"OPENBLAS_THREAD_TIMEOUT=4" in environ
