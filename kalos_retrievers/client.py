@@ -55,6 +55,7 @@ from .protocol import (
     OP_NAMES,
     REQUEST_OFFSET,
     REQUEST_STRUCT,
+    DocViews,
     Flag,
     Header,
     HeaderError,
@@ -483,7 +484,7 @@ class KalosClient:
         assert rep.rows is not None and rep.scores is not None
         rows = rep.rows.reshape(nq, k)[:, :kk]
         scores = rep.scores.reshape(nq, k)[:, :kk]
-        doc_views: list[memoryview] | None = None
+        doc_views: DocViews | None = None
         vectors = None
         if docs or with_vectors:
             try:

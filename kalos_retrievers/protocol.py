@@ -667,13 +667,13 @@ _scan_json: Final = json.scanner.make_scanner(json.JSONDecoder())  # type: ignor
 def _loads_object(raw: bytes) -> dict[str, Any]:
     if raw == b"{}":
         return {}
-    s = raw.decode()
     try:
+        s = raw.decode()
         obj, end = _scan_json(s, 0)
-    except (StopIteration, ValueError):
-        end = -1
+    except (StopIteration, ValueError):  # UnicodeDecodeError is a ValueError
+        s, end = "", -1
     if end != len(s):
-        obj = json.loads(s)
+        obj = json.loads(raw)  # the bytes: its encoding detection and errors, exactly
     if not isinstance(obj, dict):
         raise ProtocolDecodeError("document metadata is not a JSON object")
     return obj

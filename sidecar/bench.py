@@ -31,6 +31,16 @@ from typing import Any
 import numpy as np
 
 
+def _at_least(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=384)
@@ -42,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--procs", type=int, default=4, help="client processes for the throughput run")
     p.add_argument("--duration", type=float, default=5.0, help="seconds of the throughput run")
     p.add_argument("--threads", type=int, default=None, help="the sidecar's --threads (CPU backend)")
-    p.add_argument("--rounds", type=int, default=16, help="rounds of the blocked Kalos/numpy comparison")
-    p.add_argument("--block", type=int, default=200, help="calls per side per round")
+    p.add_argument("--rounds", type=_at_least(2), default=16, help="rounds of the blocked Kalos/numpy comparison")
+    p.add_argument("--block", type=_at_least(1), default=200, help="calls per side per round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
 

@@ -173,6 +173,8 @@ def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Per row of ``scores`` (q, n): indices and values of the k largest, largest first (ties in
     the order the selection leaves them)."""
     n = scores.shape[1]
+    if not len(scores):
+        return np.empty((0, min(k, n)), np.intp), np.empty((0, min(k, n)), scores.dtype)
     if k >= n:
         part = np.broadcast_to(np.arange(n), (scores.shape[0], n))
     elif len(scores) == 1 or (n >= SAMPLE_MIN_N and n >= 2 * SAMPLE_STRIDE * k):

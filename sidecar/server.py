@@ -178,7 +178,9 @@ class Server:
                             "configure; set OPENBLAS_NUM_THREADS, OMP_NUM_THREADS or "
                             "MKL_NUM_THREADS in its environment instead", cfg.threads)  # fmt: skip
             else:
-                log.info("BLAS threads: %d (%s)", cfg.threads, os.path.basename(lib))
+                # OpenBLAS caps the count at what it was built for: log what it took
+                log.info("BLAS threads: %s (asked %d; %s)", blas.get_threads(), cfg.threads,
+                         os.path.basename(lib))  # fmt: skip
         index = make_index(cfg)
         log.info("backend: %s", index.describe())
         store: SqliteStore | NullStore

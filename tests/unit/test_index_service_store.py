@@ -215,6 +215,20 @@ def test_topk_rows_threshold_selection_matches_a_full_sort(k: int) -> None:
     masked = base.copy()
     masked[:, rng.random(n) < 0.999] = -np.inf  # ~70 eligible rows, the sample sees mostly -inf
     flat = np.ones((1, n), np.float32)
+    sizes: list[int] = []  # what each argpartition was given: the sampled path partitions few
+    real = np.argpartition
+
+    def spy(a, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sizes.append(np.shape(a)[-1])
+        return real(a, *args, **kwargs)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(np, "argpartition", spy):
+        topk_rows(base[:1], k)
+    if k <= 78:  # random scores, ~32 k candidates: few enough that the sampled path answers
+        assert sizes and max(sizes) <= n // 4, sizes
+    assert topk_rows(base[:0], k)[0].shape == (0, k)
     for scores in (base, ties, masked, flat, base[:1]):
         idx, vals = topk_rows(scores, k)
         assert idx.shape == vals.shape == (len(scores), k)

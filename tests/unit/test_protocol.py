@@ -244,7 +244,9 @@ def test_docs_blob_decoder_only_raises_decode_error(blob: bytes, has_vectors: bo
 @pytest.mark.parametrize(
     "meta",
     [b"{}", b'{"k":[1,2]}', b'{"t":"\xc3\xbc \\u2603","n":-1.5e300,"big":123456789012345678901234567890}',
-     b'{"a":{"b":{"c":[null,true,false]}}}', b' { "spaced" : 1 } ', b'{"a":1}\n'],
+     b'{"a":{"b":{"c":[null,true,false]}}}', b' { "spaced" : 1 } ', b'{"a":1}\n',
+     b'\xef\xbb\xbf{"bom":1}', '{"utf16":1}'.encode("utf-16"), '{"le":1}'.encode("utf-16-le"),
+     b'{"s":"\xed\xa0\x80"}'],
 )  # fmt: skip
 def test_doc_fields_decode_metadata_as_json_loads_does(meta: bytes) -> None:
     """The fast scanner path and its json.loads fallback give json.loads's result."""
