@@ -31,6 +31,7 @@ import re
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -228,32 +229,32 @@ class Layout:
             if not ok:
                 raise ValueError(msg)
 
-    # offsets inside a slot -------------------------------------------------------------
-    @property
+    # offsets inside a slot (cached: the sidecar reads them for every request it answers) --
+    @cached_property
     def payload_offset(self) -> int:
         return CTL_SIZE
 
-    @property
+    @cached_property
     def rows_offset(self) -> int:
         return CTL_SIZE + self.payload_size
 
-    @property
+    @cached_property
     def scores_offset(self) -> int:
         return self.rows_offset + 4 * _align(self.max_results, 32)
 
-    @property
+    @cached_property
     def blob_offset(self) -> int:
         return self.scores_offset + 4 * _align(self.max_results, 32)
 
-    @property
+    @cached_property
     def slot_size(self) -> int:
         return _align(self.blob_offset + self.blob_size, 4096)
 
-    @property
+    @cached_property
     def segment_size(self) -> int:
         return HEADER_SIZE + self.n_slots * self.slot_size
 
-    @property
+    @cached_property
     def max_queries(self) -> int:
         """Most query vectors one RECALL request carries (more are split by the client)."""
         return max(1, min(self.max_results, (self.payload_size - 4096) // (4 * self.dim)))

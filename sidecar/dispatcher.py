@@ -85,6 +85,9 @@ class Dispatcher:
         self.slot_off = [lay.slot_offset(i) for i in range(lay.n_slots)]
         self._payload = [np.frombuffer(mm, "<f4", lay.payload_size // 4, o + lay.payload_offset)
                          for o in self.slot_off]  # fmt: skip
+        # the first query row of every slot, as one strided (n_slots, dim) view
+        self._first_query = np.ndarray((lay.n_slots, lay.dim), "<f4", mm, HEADER_SIZE + lay.payload_offset,
+                                       (lay.slot_size, 4))  # fmt: skip
         self._rows = [np.frombuffer(mm, "<i4", lay.max_results, o + lay.rows_offset) for o in self.slot_off]
         self._scores = [np.frombuffer(mm, "<f4", lay.max_results, o + lay.scores_offset)
                         for o in self.slot_off]  # fmt: skip
@@ -181,9 +184,13 @@ class Dispatcher:
         # Members whose queries are not finite are refused one by one, not the whole batch
         # with them (a hostile client must not fail its neighbours' recalls). A client that
         # writes NaN after this check only spoils its own rows of the batched search.
+        single = [i for i, req, _ in part if req.n_items == 1]
+        # every single-query member at once: one gather from the slots' first query rows
+        finite = dict(zip(single, np.isfinite(self._first_query[single]).all(axis=1).tolist(), strict=True))
         keep = []
         for i, req, t0 in part:
-            if np.isfinite(self._queries(i, req)).all():
+            ok = finite[i] if req.n_items == 1 else bool(np.isfinite(self._queries(i, req)).all())
+            if ok:
                 keep.append((i, req, t0))
             else:
                 self._error(i, req, Status.BAD_REQUEST, "queries contain NaN or infinity", t0)
