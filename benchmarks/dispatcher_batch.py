@@ -1,0 +1,92 @@
+"""The sidecar's Python per answered slot, in process (no GPU, no other process).
+
+    python -P benchmarks/dispatcher_batch.py [--slots 24] [--rounds 400] [--profile]
+
+With 32 client processes at 1M rows the H200 sidecar answered batches of ~24 recalls, each
+costing pickup 175 µs + search 925 µs + answer 362 µs (docs/benchmarks.md): the Python around
+the search, per slot, caps throughput. This measures that Python alone: a ``Dispatcher`` over
+an anonymous map (standing in for the segment) with ``--slots`` batch-1 recalls waiting at
+once, answered from a CPU index of 500 rows (dim 768, top-10, short texts, small metadata), so
+the search is small. Prints the poll time and the sidecar's pickup / search / answer phases
+(means per poll); ``--profile`` adds a cProfile of the answering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import mmap
+import pstats
+import time
+
+import numpy as np
+from kalos_retrievers.sidecar.dispatcher import Dispatcher
+from kalos_retrievers.sidecar.index import CpuIndex
+from kalos_retrievers.sidecar.service import Service
+from kalos_retrievers.sidecar.stats import Stats
+from kalos_retrievers.sidecar.store import NullStore
+
+from kalos_retrievers.protocol import HEADER_SIZE, METRICS, REQUEST_OFFSET, REQUEST_STRUCT, Layout, Op, SlotState
+
+DIM, K, ROWS = 768, 10, 500
+
+
+class _Sem:
+    """A response semaphore that counts posts (no client waits in this process)."""
+
+    def release(self) -> None:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--slots", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=400)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    n = a.slots
+    lay = Layout(n_slots=n, dim=DIM, payload_size=1 << 16, blob_size=1 << 16)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc = Service(CpuIndex(DIM, METRICS["cosine"]), NullStore(), dim=DIM, metric=METRICS["cosine"])
+    rng = np.random.default_rng(0)
+    svc.upsert({"namespace": "", "ids": [str(i) for i in range(ROWS)],
+                "texts": [f"memory {i}" for i in range(ROWS)], "metadatas": [{"i": i} for i in range(ROWS)]},
+               rng.standard_normal((ROWS, DIM)).astype(np.float32))  # fmt: skip
+    stats = Stats()
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(n)], svc, stats, max_batch=64, describe=lambda: {})
+    q = rng.standard_normal((n, DIM)).astype(np.float32)
+    states = np.ndarray((n,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+
+    def arm(seq: int) -> None:  # every slot: a batch-1 recall waiting
+        for i in range(n):
+            off = lay.slot_offset(i)
+            np.frombuffer(mm, np.float32, DIM, off + lay.payload_offset)[:] = q[i]
+            REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, 0, K, 1, 4 * DIM, 0, 0)
+        states[:] = SlotState.REQUEST
+
+    for s in range(50):
+        arm(s + 1)
+        d.poll()
+    stats.phases.clear()
+    ts = []
+    for s in range(a.rounds):
+        arm(s + 100)
+        t0 = time.perf_counter_ns()
+        answered = d.poll()
+        ts.append(time.perf_counter_ns() - t0)
+        assert answered == n and (states == SlotState.RESPONSE).all()
+    ph = {p: round(h.sum_us / h.count, 1) for p, h in stats.phases.items()}
+    p50 = float(np.median(ts)) / 1000
+    print(f"{n} slots: poll p50 {p50:.1f} us ({p50 / n:.2f} us per slot); phase means per poll (us): {ph}")
+    if a.profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for s in range(a.rounds):
+            arm(s + 10_000)
+            d.poll()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
