@@ -202,7 +202,18 @@ class Dispatcher:
             self.stats.batches += 1
             self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
         ts = time.perf_counter_ns()
-        kk = self.service.recall_slots(specs, k, "", None, check_finite=False)
+        try:
+            kk = self.service.recall_slots(specs, k, "", None, check_finite=False)
+        except FatalDeviceError:
+            raise
+        except Exception as e:  # the members still waiting get it, not those refused above
+            if not isinstance(e, Invalid):
+                log.exception("internal error in a batched recall")
+            status = e.status if isinstance(e, Invalid) else Status.INTERNAL
+            message = str(e) if isinstance(e, Invalid) else f"{type(e).__name__}: {e}"
+            for i, req, t0 in part:
+                self._error(i, req, status, message, t0)
+            return
         te = time.perf_counter_ns()
         # from finding the request, or from the end of work this pass did before it
         self.stats.phase("pickup", (ts - max(part[0][2], self._busy_until)) / 1000)

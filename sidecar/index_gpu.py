@@ -421,7 +421,10 @@ class GpuIndex(Index):
         if candidates is not None:
             m = np.zeros(high, np.uint8)
             m[candidates] = 1
-            mask_dev = self.cp.asarray(m)
+            # uploaded on our stream: on the legacy default stream (outside the context) the
+            # copy from pageable memory could still be in flight when the scan reads the mask
+            with self.device, self.stream:
+                mask_dev = self.cp.asarray(m)
         mask_addr = 0 if mask_dev is None else mask_dev.data.ptr
         if self.exact is None:
             self._run(qs, rows, scores, k, high, ns, mask_addr, out_ld, dense and mask_dev is None)

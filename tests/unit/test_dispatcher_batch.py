@@ -70,3 +70,37 @@ def test_batched_members_get_their_own_answers_and_a_nan_member_only_an_error() 
         got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset)
         want = np.argsort(-(data @ q[i]), kind="stable")[:k]
         assert sorted(got.tolist()) == sorted(want.tolist())
+
+
+def test_a_failed_batch_search_answers_each_member_once() -> None:
+    """When the batched search itself fails, the members still waiting get its error, and the
+    one already refused for NaN is not answered a second time."""
+    from kalos_retrievers.protocol import Invalid
+
+    n_slots, dim = 4, 6
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
+    svc.upsert({"namespace": "", "ids": ["a"], "texts": [""], "metadatas": [{}]}, np.ones((1, dim), np.float32))
+
+    def broken(*_a, **_k):  # type: ignore[no-untyped-def]
+        raise Invalid(Status.BAD_REQUEST, "the search refused the batch")
+
+    svc.recall_slots = broken  # type: ignore[method-assign]
+    sems = [_Sem() for _ in range(n_slots)]
+    d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {})
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    for i in range(n_slots):
+        off = lay.slot_offset(i)
+        q = np.full(dim, np.nan if i == 2 else 1.0, np.float32)
+        np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 50 + i, Op.RECALL, 0, 1, 1, 4 * dim, 0, 0)
+    states[:] = SlotState.REQUEST
+    assert d.poll() == n_slots
+    assert [s.posts for s in sems] == [1] * n_slots
+    for i in range(n_slots):
+        off = lay.slot_offset(i)
+        resp = Response.unpack(mm[off : off + CTL_SIZE])
+        blob = bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len])
+        assert states[i] == SlotState.ERROR and resp.status == Status.BAD_REQUEST
+        assert (b"NaN" if i == 2 else b"refused the batch") in blob
