@@ -131,16 +131,21 @@ class Dispatcher:
                 part = members[j : j + self.max_batch]
                 try:
                     self._recall_batch(part, k, flags)
-                except Invalid as e:
-                    for i, req, t0 in part:
-                        self._error(i, req, e.status, str(e), t0)
                 except FatalDeviceError:
                     raise
                 except Exception as e:
-                    log.exception("internal error in a batched recall")
-                    for i, req, t0 in part:
-                        self._error(i, req, Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
+                    self._fail_all(part, e)
         return len(ready)
+
+    def _fail_all(self, part: list[tuple[int, Request, int]], e: Exception) -> None:
+        """Answer every member of ``part`` with ``e`` (a bug is logged, and answered INTERNAL)."""
+        if isinstance(e, Invalid):
+            status, message = e.status, str(e)
+        else:
+            log.exception("internal error in a batched recall")
+            status, message = Status.INTERNAL, f"{type(e).__name__}: {e}"
+        for i, req, t0 in part:
+            self._error(i, req, status, message, t0)
 
     def _check(self, req: Request) -> None:
         validate_request(req, self.layout)
@@ -207,12 +212,7 @@ class Dispatcher:
         except FatalDeviceError:
             raise
         except Exception as e:  # the members still waiting get it, not those refused above
-            if not isinstance(e, Invalid):
-                log.exception("internal error in a batched recall")
-            status = e.status if isinstance(e, Invalid) else Status.INTERNAL
-            message = str(e) if isinstance(e, Invalid) else f"{type(e).__name__}: {e}"
-            for i, req, t0 in part:
-                self._error(i, req, status, message, t0)
+            self._fail_all(part, e)
             return
         te = time.perf_counter_ns()
         # from finding the request, or from the end of work this pass did before it

@@ -153,10 +153,15 @@ SAMPLE_STRIDE = 32
 SAMPLE_MIN_N = 16384
 
 
+def _sampled(n: int, k: int) -> bool:
+    """Whether the top-k of n scores goes through the sampled threshold."""
+    return n >= SAMPLE_MIN_N and n >= 2 * SAMPLE_STRIDE * k
+
+
 def _top1d(s: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest of the 1-d ``s`` (k < len(s)), in no particular order."""
     n = len(s)
-    if n >= SAMPLE_MIN_N and n >= 2 * SAMPLE_STRIDE * k:
+    if _sampled(n, k):
         sample = s[::SAMPLE_STRIDE]
         m = len(sample)
         bound = np.partition(sample, m - k)[m - k]
@@ -177,7 +182,7 @@ def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return np.empty((0, min(k, n)), np.intp), np.empty((0, min(k, n)), scores.dtype)
     if k >= n:
         part = np.broadcast_to(np.arange(n), (scores.shape[0], n))
-    elif len(scores) == 1 or (n >= SAMPLE_MIN_N and n >= 2 * SAMPLE_STRIDE * k):
+    elif len(scores) == 1 or _sampled(n, k):
         part = np.stack([_top1d(s, k) for s in scores])  # per row: the sampled threshold
     else:  # a small batch over few rows: one vectorized partition beats a loop of them
         part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
