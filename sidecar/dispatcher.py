@@ -18,6 +18,7 @@ import logging
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,18 @@ def _rows_struct(k: int) -> struct.Struct:
     return st
 
 
+@dataclass
+class _Batch:
+    """A batched search launched and not answered yet."""
+
+    part: list[tuple[int, Request, int]]  # (slot, request, picked up at)
+    specs: list[SlotSpec]
+    kk: int  # results per query
+    flags: int
+    t_launch: int  # launch started
+    t_launched: int  # launch returned (the device may still be searching)
+
+
 class Dispatcher:
     def __init__(self, mm: Any, layout: Layout, resp_sems: list[Any], service: Service,
                  stats: Stats, *, max_batch: int = 64, describe: Callable[[], dict[str, Any]]) -> None:  # fmt: skip
@@ -78,6 +91,7 @@ class Dispatcher:
         self.states = np.ndarray((layout.n_slots,), np.uint32, mm, HEADER_SIZE, (layout.slot_size,))
         self.pending: dict[int, tuple[bytes, int, int]] = {}  # slot -> (rest, n_results, flags)
         self._busy_until = 0
+        self._inflight: _Batch | None = None
         self._specs: dict[tuple[int, int, int], SlotSpec] = {}
         lay = layout
         base = np.frombuffer(mm, np.uint8)
@@ -100,7 +114,7 @@ class Dispatcher:
         """Answer every request waiting now; return how many."""
         ready = self.waiting()
         if not len(ready):
-            return 0
+            return self.settle()
         self._busy_until = 0  # end of the last answer of this pass (for the "pickup" phase)
         groups: dict[tuple[int, int], list[tuple[int, Request, int]]] = {}
         for i in ready.tolist():
@@ -115,6 +129,7 @@ class Dispatcher:
             if req.op == Op.RECALL and req.args_len == 0:
                 groups.setdefault((req.top_k, req.flags), []).append((i, req, t0))
                 continue
+            self.settle()  # nothing else runs while a search is in flight (rows could change)
             try:
                 self._one(i, req, t0)
             except Invalid as e:
@@ -128,13 +143,7 @@ class Dispatcher:
                 self._busy_until = time.perf_counter_ns()
         for (k, flags), members in groups.items():
             for j in range(0, len(members), self.max_batch):
-                part = members[j : j + self.max_batch]
-                try:
-                    self._recall_batch(part, k, flags)
-                except FatalDeviceError:
-                    raise
-                except Exception as e:
-                    self._fail_all(part, e)
+                self._pipeline(members[j : j + self.max_batch], k, flags)
         return len(ready)
 
     def _fail_all(self, part: list[tuple[int, Request, int]], e: Exception) -> None:
@@ -146,6 +155,54 @@ class Dispatcher:
             status, message = Status.INTERNAL, f"{type(e).__name__}: {e}"
         for i, req, t0 in part:
             self._error(i, req, status, message, t0)
+
+    # ------------------------------------------------------------------ batches in flight
+    def _pipeline(self, part: list[tuple[int, Request, int]], k: int, flags: int) -> None:
+        """Launch ``part``'s search, then answer the batch launched before it: the host encodes
+        and posts one batch's answers while the device searches for the next, and picks up new
+        requests while the last one runs (it stays in flight until the next :meth:`poll`).
+        With an index that searches synchronously there is nothing to overlap: each batch is
+        answered right after its search, as before."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._finish(prev)
+        try:
+            self._inflight = self._launch_batch(part, k, flags)
+        finally:  # the previous batch is answered even if this launch failed fatally
+            if prev is not None:
+                self._answer_batch(prev)
+        if not self.service.index.defers:
+            self.settle()
+
+    def settle(self) -> int:
+        """Finish and answer the batch in flight, if any; return how many requests that was.
+        Call before anything that changes rows or the segment."""
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            return 0
+        self._finish(prev)
+        self._answer_batch(prev)
+        return len(prev.part)
+
+    def _finish(self, b: _Batch) -> None:
+        """Wait for ``b``'s search. On failure its members get the error now and no answer
+        later; a fatal device error is raised after that (the sidecar exits)."""
+        t0 = time.perf_counter_ns()
+        try:
+            self.service.finish()
+        except Exception as e:
+            fatal = isinstance(e, FatalDeviceError)
+            if not fatal:
+                log.exception("internal error finishing a batched recall")
+            for i, req, t in b.part:
+                self._error(i, req, Status.INTERNAL, f"{type(e).__name__}: {e}", t)
+            b.part = []
+            if fatal:
+                raise
+        t1 = time.perf_counter_ns()
+        self._busy_until = t1  # the wait is not the next batch's pickup
+        # search: the launch plus the time the host was blocked waiting for it
+        self.stats.phase("search", ((b.t_launched - b.t_launch) + (t1 - t0)) / 1000)
 
     def _check(self, req: Request) -> None:
         validate_request(req, self.layout)
@@ -185,7 +242,7 @@ class Dispatcher:
         return bytes(self.mm[start : start + req.args_len])
 
     # ------------------------------------------------------------------ answering
-    def _recall_batch(self, part: list[tuple[int, Request, int]], k: int, flags: int) -> None:
+    def _launch_batch(self, part: list[tuple[int, Request, int]], k: int, flags: int) -> _Batch | None:
         # Members whose queries are not finite are refused one by one, not the whole batch
         # with them (a hostile client must not fail its neighbours' recalls). A client that
         # writes NaN after this check only spoils its own rows of the batched search.
@@ -201,30 +258,32 @@ class Dispatcher:
                 self._error(i, req, Status.BAD_REQUEST, "queries contain NaN or infinity", t0)
         part = keep
         if not part:
-            return
+            return None
         specs = [self._spec(i, req) for i, req, _ in part]
         if len(part) > 1:
             self.stats.batches += 1
             self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
         ts = time.perf_counter_ns()
+        # from finding the request, or from the end of work this pass did before it
+        self.stats.phase("pickup", (ts - max(part[0][2], self._busy_until)) / 1000)
         try:
-            kk = self.service.recall_slots(specs, k, "", None, check_finite=False)
+            kk = self.service.launch_recall(specs, k, "", None, check_finite=False)
         except FatalDeviceError:
             raise
         except Exception as e:  # the members still waiting get it, not those refused above
             self._fail_all(part, e)
-            return
-        te = time.perf_counter_ns()
-        # from finding the request, or from the end of work this pass did before it
-        self.stats.phase("pickup", (ts - max(part[0][2], self._busy_until)) / 1000)
-        self.stats.phase("search", (te - ts) / 1000)
-        for (i, req, t0), spec in zip(part, specs, strict=True):
+            return None
+        return _Batch(part, specs, kk, flags, ts, time.perf_counter_ns())
+
+    def _answer_batch(self, b: _Batch) -> None:
+        t_answer = time.perf_counter_ns()
+        for (i, req, t0), spec in zip(b.part, b.specs, strict=False):
             # One member's failure is that member's alone: an error here used to propagate to
             # the caller, which re-answered the whole batch with an error, overwriting answers
             # already given to other clients (a client rewriting its own result rows mid-answer
             # could make its neighbours' recalls fail).
             try:
-                self._write_hits(i, req, spec, kk, flags, t0)
+                self._write_hits(i, req, spec, b.kk, b.flags, t0)
             except Invalid as e:
                 self._error(i, req, e.status, str(e), t0)
             except FatalDeviceError:
@@ -233,7 +292,8 @@ class Dispatcher:
                 log.exception("internal error answering a batched recall")
                 self._error(i, req, Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
         self._busy_until = time.perf_counter_ns()
-        self.stats.phase("answer", (self._busy_until - te) / 1000)
+        if b.part:
+            self.stats.phase("answer", (self._busy_until - t_answer) / 1000)
 
     def _write_hits(self, i: int, req: Request, spec: SlotSpec, kk: int, flags: int, t0: int) -> None:
         blob, rflags = b"", 0
@@ -334,7 +394,12 @@ class Dispatcher:
         return n
 
     def refuse_all(self, status: int, message: str) -> None:
-        """Answer everything waiting with ``status`` (used when stopping)."""
+        """Answer everything waiting with ``status`` (used when stopping); a batch in flight
+        is answered normally first (or, if the device failed, with the error)."""
+        try:
+            self.settle()
+        except Exception:  # a fatal device error: its members were answered with it
+            log.exception("finishing the batch in flight failed")
         for i in self.waiting().tolist():
             req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
             self._error(i, req, status, message, time.perf_counter_ns())

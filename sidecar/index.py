@@ -120,6 +120,24 @@ class Index(abc.ABC):
             s.scores[:, :k] = scores[at : at + n]
             at += n
 
+    def launch_slots(
+        self, specs: list[SlotSpec], k: int, high: int, ns: int,
+        candidates: np.ndarray | None, dense: bool,
+    ) -> None:  # fmt: skip
+        """:meth:`search_slots`, leaving the wait for the results to :meth:`finish_slots` where
+        the backend can (a device search runs while the host answers the previous batch).
+        This default searches synchronously."""
+        self.search_slots(specs, k, high, ns, candidates, dense)
+
+    def finish_slots(self) -> None:  # noqa: B027 - optional hook
+        """Wait until the last :meth:`launch_slots` has written its results."""
+
+    @property
+    def defers(self) -> bool:
+        """Whether :meth:`launch_slots` of a batch returns before its search is done (so the
+        dispatcher can answer the previous batch meanwhile)."""
+        return False
+
     def attach_segment(self, mm: Any) -> None:  # noqa: B027 - optional hook
         """Called when a segment is published (GPU: register it with the device)."""
 

@@ -31,6 +31,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
@@ -159,6 +160,7 @@ class GpuIndex(Index):
         self.cand_addr = cand.ctypes.data
         self._check(lambda: cp.cuda.runtime.hostRegister(self.cand_addr, len(self._cand_mm), 3))
         self.graphs: dict[tuple[int, ...], Any] = {}
+        self._finisher: Callable[[], None] | None = None  # the wait for a launch left running
         # Diagnostics (benchmarks/gpu_batch_breakdown.py): a list here collects (stage, CUDA
         # event, perf_counter_ns) at each stage of a search; None (the default) costs one test.
         self.trace: list[tuple[str, Any, int]] | None = None
@@ -213,6 +215,9 @@ class GpuIndex(Index):
     def detach_segment(self) -> None:
         if self.seg_addr:
             with contextlib.suppress(Exception):
+                self.finish_slots()  # the search in flight writes into the segment
+            with contextlib.suppress(Exception):
+                self._finisher = None
                 self.stream.synchronize()
                 self.cp.cuda.runtime.hostUnregister(self.seg_addr)
             self.seg_addr, self.seg_size, self._mm_ref = 0, 0, None
@@ -232,6 +237,7 @@ class GpuIndex(Index):
     def reserve(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
+        self.finish_slots()  # the arrays below may be replaced
         per_row = self.ld * np.dtype(self.np_dtype).itemsize + 8 + (4 if self.rowscale is not None else 0)
         cap = max(capacity, 2 * self.capacity, 1024)
         if self.memory_limit is not None and cap * per_row > self.memory_limit:
@@ -270,6 +276,7 @@ class GpuIndex(Index):
     def set_rows(self, rows: np.ndarray, vectors: np.ndarray, ns: np.ndarray) -> None:
         if not len(rows):
             return
+        self.finish_slots()  # a search in flight answers from the rows as they were
         self.reserve(int(rows.max()) + 1)
         cp = self.cp
         # same row twice in one batch: keep the last write only (the kernel runs rows in parallel)
@@ -297,6 +304,7 @@ class GpuIndex(Index):
     def clear_rows(self, rows: np.ndarray) -> None:
         if not len(rows):
             return
+        self.finish_slots()
 
         def run() -> None:
             with self.device, self.stream:
@@ -308,6 +316,7 @@ class GpuIndex(Index):
     def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         if not len(src):
             return
+        self.finish_slots()
         cp = self.cp
 
         def run() -> None:
@@ -325,6 +334,8 @@ class GpuIndex(Index):
             self.exact[dst] = self.exact[src]
 
     def vectors(self, rows: np.ndarray) -> np.ndarray:
+        # (no finish_slots: a search in flight does not change rows, get_rows is ordered after
+        # it on the stream, and its wait belongs to the batch that launched it)
         if self.exact is not None:
             return self.exact[rows, : self.dim].astype(np.float32)
         cp = self.cp
@@ -408,6 +419,29 @@ class GpuIndex(Index):
         self, specs: list[SlotSpec], k: int, high: int, ns: int,
         candidates: np.ndarray | None, dense: bool,
     ) -> None:  # fmt: skip
+        self.launch_slots(specs, k, high, ns, candidates, dense)
+        self.finish_slots()
+
+    @property
+    def defers(self) -> bool:
+        return self.exact is None and bool(self.seg_addr)  # int8 re-scores on the host
+
+    def finish_slots(self) -> None:
+        """Wait for the search :meth:`launch_slots` left running (and run the GEMM path's
+        fallback top-k if its candidate lists overflowed)."""
+        fin, self._finisher = self._finisher, None
+        if fin is not None:
+            self._check(fin)
+
+    def launch_slots(
+        self, specs: list[SlotSpec], k: int, high: int, ns: int,
+        candidates: np.ndarray | None, dense: bool,
+    ) -> None:  # fmt: skip
+        """Start the search; its last launch (the slot's graph for one query, the GEMM path
+        for a float batch without a filter) is left running for :meth:`finish_slots`. Anything
+        launched earlier is finished first: the launches share the descriptor, the scratch
+        buffers and the overflow flag."""
+        self.finish_slots()
         if not self.seg_addr:  # no segment registered (direct use): the host path
             super().search_slots(specs, k, high, ns, candidates, dense)
             return
@@ -427,7 +461,9 @@ class GpuIndex(Index):
                 mask_dev = self.cp.asarray(m)
         mask_addr = 0 if mask_dev is None else mask_dev.data.ptr
         if self.exact is None:
-            self._run(qs, rows, scores, k, high, ns, mask_addr, out_ld, dense and mask_dev is None)
+            # with a filter mask (a device array this call owns) the search finishes here
+            self._run(qs, rows, scores, k, high, ns, mask_addr, out_ld, dense and mask_dev is None,
+                      defer=mask_dev is None)  # fmt: skip
         else:  # int8: kc candidates per query into the scratch, then exact re-scoring
             kc = min(RESCORE_FACTOR * k, high, CAND_MAX)
             flat = [(s, j) for s in specs for j in range(len(s.queries))]
@@ -442,35 +478,48 @@ class GpuIndex(Index):
         del mask_dev
 
     def _run(self, qs: list[int], rows: list[int], scores: list[int], k: int, high: int,
-             ns: int, mask_addr: int, out_ld: int, dense: bool = False) -> None:  # fmt: skip
+             ns: int, mask_addr: int, out_ld: int, dense: bool = False,
+             defer: bool = False) -> None:  # fmt: skip
         """Launch for every query: the slot's fused graph for one query; for batches (float
         types) GEMM + top-k for up to MAXQ queries per launch, else fused graphs of up to
         FUSED_MAX_Q queries. ``dense``: every row below ``high`` is eligible (the GEMM path's
-        top-k then skips the namespace check)."""
+        top-k then skips the namespace check). ``defer``: leave the last launch running and
+        its wait in ``self._finisher``."""
         kp = _pow2(k)
         use_gemm = USE_GEMM and self.dtype != "int8" and len(qs) >= GEMM_MIN_Q
         step = MAXQ if use_gemm else self._fused_qb(FUSED_MAX_Q, kp)
         for start in range(0, len(qs), step):
             sl = slice(start, start + step)
             n = len(qs[sl])
+            graph = None
             if n == 1:  # the hot path: the slot's addresses are baked into its own graph
                 _DESC_HEAD.pack_into(self._desc_mm, 0, 1, k, high, ns, mask_addr, out_ld, 0)
                 graph = self._graph(k, 1, self._grid(high, kp), (qs[start], rows[start], scores[start]))
             elif not use_gemm:
                 self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
                 graph = self._graph(k, self._fused_qb(n, kp), self._grid(high, kp))
-            else:
+            last = start + step >= len(qs)
+            if graph is None:
                 self._write_desc(k, high, NS_ANY if dense else ns, mask_addr, qs[sl], rows[sl],
                                  scores[sl], out_ld)  # fmt: skip
-                self._check(lambda n=n: self._gemm_topk(n, k, high))
-                continue
-            self._mark("graph start")
-            self._check(lambda g=graph: (g.launch(self.stream), self.stream.synchronize()))
-            self._mark("graph end")
+                fin = self._check(lambda n=n: self._gemm_topk(n, k, high))
+            else:
+                self._mark("graph start")
+                self._check(lambda g=graph: g.launch(self.stream))
+                fin = self._graph_done
+            if defer and last:
+                self._finisher = fin
+            else:
+                self._check(fin)
 
-    def _gemm_topk(self, n: int, k: int, high: int) -> None:
+    def _graph_done(self) -> None:
+        self.stream.synchronize()
+        self._mark("graph end")
+
+    def _gemm_topk(self, n: int, k: int, high: int) -> Callable[[], None]:
         """Large batches: scores = Q @ data[:high].T by cuBLAS (tensor cores for float16), then
-        a per-query top-k kernel that writes into the slots."""
+        a per-query top-k that writes into the slots. Launches everything; returns the wait
+        (which runs topk_scores if the threshold top-k's candidate lists overflowed)."""
         cp = self.cp
         from cupy_backends.cuda.libs import cublas
 
@@ -508,12 +557,23 @@ class GpuIndex(Index):
                     self.gemm_stream_note = f"cuBLAS ran on stream {used:#x}, not {self.stream.ptr:#x}"
                     log.info("%s: ordering the GEMM path by device synchronization", self.gemm_stream_note)
                 cp.cuda.runtime.deviceSynchronize()
-            if not (USE_THRESHOLD_TOPK and self._threshold_topk(scores, n, k, high)):
+            threshold = USE_THRESHOLD_TOPK and self._threshold_topk(scores, n, k, high)
+            if not threshold:
                 self._topk_scores(scores, n, k, high)
                 self._mark("fallback top-k")
-            self.stream.synchronize()
-            self._mark("end")
-            del data, scores
+            del data
+
+        def done() -> None:  # keeps ``scores`` alive until the kernels reading it are done
+            with self.device, self.stream:
+                self.stream.synchronize()
+                self._mark("select synced" if threshold else "end")
+                if threshold and self._overflow[0]:
+                    self.threshold_overflows += 1
+                    self._topk_scores(scores, n, k, high)
+                    self.stream.synchronize()
+                    self._mark("end")
+
+        return done
 
     def _mark(self, stage: str) -> None:
         """Record ``stage`` on the stream and the host clock when tracing (see ``trace``)."""
@@ -523,10 +583,11 @@ class GpuIndex(Index):
             self.trace.append((stage, ev, time.perf_counter_ns()))
 
     def _threshold_topk(self, scores: Any, n: int, k: int, high: int) -> bool:
-        """Top-k of each row of ``scores`` by tau_scores + filter_scores + select_cands (see
-        kernels/recall.cu). Returns False, having written nothing usable, when k and the row
-        count need a sample too large for shared memory or a candidate list overflowed (ties,
-        adversarial data): the caller then runs topk_scores."""
+        """Launch the top-k of each row of ``scores`` by tau_scores + filter_scores +
+        select_cands (see kernels/recall.cu). Returns False, having launched nothing, when k
+        and the row count need a sample too large for shared memory; when it returns True,
+        ``self._overflow[0]`` says after the stream's work whether a candidate list overflowed
+        (ties, adversarial data) and nothing usable was written: then topk_scores must run."""
         sample = _pow2(max(2, -(-3 * k * high // CAND_CAP)))
         if sample > TAU_SAMPLE_MAX:
             return False
@@ -555,11 +616,6 @@ class GpuIndex(Index):
                                      self.params, np.uint64(self._overflow_addr)),
             shared_mem=sel_smem)  # fmt: skip
         self._mark("select")
-        self.stream.synchronize()
-        self._mark("select synced")
-        if flag[0]:
-            self.threshold_overflows += 1
-            return False
         return True
 
     def _topk_scores(self, scores: Any, n: int, k: int, high: int) -> None:

@@ -352,6 +352,12 @@ class Server:
                 raise StartError(str(e), EXIT_CUDA_FAULT) from None
             except Exception:  # pragma: no cover - poll() answers its own errors
                 log.exception("dispatcher pass failed")
+                try:  # nothing may sleep, reclaim or compact under a batch still in flight
+                    d.settle()
+                except FatalDeviceError:
+                    raise
+                except Exception:
+                    log.exception("answering the batch in flight failed")
             now = time.monotonic_ns()
             if now >= next_housekeeping:
                 next_housekeeping = now + 250_000_000

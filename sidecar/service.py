@@ -168,6 +168,19 @@ class Service:
 
         ``check_finite=False``: the caller checked each request's queries itself (a batch must
         not fail as a whole because one member's queries are not finite)."""
+        kk = self.launch_recall(specs, k, namespace, flt, check_finite)
+        self.finish()
+        return kk
+
+    def finish(self) -> None:
+        """Wait until the search :meth:`launch_recall` started has written its results."""
+        self.index.finish_slots()
+
+    def launch_recall(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any,
+                      check_finite: bool = True) -> int:  # fmt: skip
+        """:meth:`recall_slots` without waiting: the results are in the slots after
+        :meth:`finish` (a backend that cannot search asynchronously has finished already).
+        Nothing may change rows in between."""
         flt = _filter(flt)
         ns_id, cands, dense, n = self.eligible(namespace, flt)
         kk = min(k, n)
@@ -176,7 +189,7 @@ class Service:
                 if not np.isfinite(sp.queries).all():
                     raise Invalid(Status.BAD_REQUEST, "queries contain NaN or infinity")
         if kk:
-            self.index.search_slots(specs, kk, self.rows.high, ns_id, cands, dense)
+            self.index.launch_slots(specs, kk, self.rows.high, ns_id, cands, dense)
         return kk
 
     def compact(self, max_moves: int = 4096) -> int:

@@ -411,12 +411,20 @@ PATCHES: dict[str, str] = {
     # the dispatcher's batched recall as it was before the per-member isolation fix
     "pre_fix_batch": (
         "from kalos_retrievers.sidecar.dispatcher import Dispatcher\n"
+        "from kalos_retrievers.protocol import Invalid, Status\n"
         "def _old(self, part, k, flags):\n"
-        "    specs = [self._spec(i, req) for i, req, _ in part]\n"
-        "    kk = self.service.recall_slots(specs, k, '', None)\n"
-        "    for (i, req, t0), spec in zip(part, specs):\n"
-        "        self._write_hits(i, req, spec, kk, flags, t0)\n"
-        "Dispatcher._recall_batch = _old\n"
+        "    try:\n"
+        "        specs = [self._spec(i, req) for i, req, _ in part]\n"
+        "        kk = self.service.recall_slots(specs, k, '', None)\n"
+        "        for (i, req, t0), spec in zip(part, specs):\n"
+        "            self._write_hits(i, req, spec, kk, flags, t0)\n"
+        "    except Invalid as e:\n"
+        "        for i, req, t0 in part:\n"
+        "            self._error(i, req, e.status, str(e), t0)\n"
+        "    except Exception as e:\n"
+        "        for i, req, t0 in part:\n"
+        "            self._error(i, req, Status.INTERNAL, str(e), t0)\n"
+        "Dispatcher._pipeline = _old\n"
     ),
     "crash_on_bad_request": (
         "import os\n"

@@ -65,6 +65,7 @@ from kalos_retrievers.protocol import (
     REQUEST_STRUCT,
     RESPONSE_OFFSET,
     STATUS_NAMES,
+    Invalid,
     Layout,
     Metric,
     Op,
@@ -423,30 +424,40 @@ def _batch_with_nan_member(rig: Rig) -> bool:
     bad[0, 2] = np.nan
     rig.request(1, Op.RECALL, bad, k=1, n=1)
     rig.d.poll()
+    rig.d.settle()  # a batch may stay in flight after poll()
     return rig.honest_ok(0, "3") and rig.answer(1)[:2] == (SlotState.ERROR, Status.BAD_REQUEST)
 
 
 def _batch_with_rows_rewritten(rig: Rig, monkeypatch: pytest.MonkeyPatch, value: int) -> bool:
-    real = rig.svc.recall_slots
+    def search_then_hostile_write(real: Any) -> Any:
+        def search(specs: Any, *a: Any, **kw: Any) -> int:
+            kk = real(specs, *a, **kw)
+            specs[1].rows[0, 0] = value  # the hostile rewrites its own result row mid-answer
+            return kk
 
-    def search_then_hostile_write(specs: Any, *a: Any, **kw: Any) -> int:
-        kk = real(specs, *a, **kw)
-        specs[1].rows[0, 0] = value  # the hostile rewrites its own result row mid-answer
-        return kk
+        return search
 
-    monkeypatch.setattr(rig.svc, "recall_slots", search_then_hostile_write)
+    # the pipelined dispatcher launches (the CPU index searches at once); the old one searched
+    monkeypatch.setattr(rig.svc, "launch_recall", search_then_hostile_write(rig.svc.launch_recall))
+    monkeypatch.setattr(rig.svc, "recall_slots", search_then_hostile_write(rig.svc.recall_slots))
     rig.request(0, Op.RECALL, rig.data[3:4], k=1, n=1)
     rig.request(1, Op.RECALL, rig.data[4:5], k=1, n=1)
     rig.d.poll()
+    rig.d.settle()
     return rig.honest_ok(0, "3") and rig.answer(1)[0] == SlotState.ERROR
 
 
 def _old_recall_batch(self: Dispatcher, part: Any, k: int, flags: int) -> None:
-    """The dispatcher's batch as it was before the fix (the negative control)."""
-    specs = [self._spec(i, req) for i, req, _ in part]
-    kk = self.service.recall_slots(specs, k, "", None)
-    for (i, req, t0), spec in zip(part, specs, strict=True):
-        self._write_hits(i, req, spec, kk, flags, t0)
+    """The dispatcher's batch as it was before the fix (the negative control), inside the
+    error handling its caller had: one failure answered every member with the error."""
+    try:
+        specs = [self._spec(i, req) for i, req, _ in part]
+        kk = self.service.recall_slots(specs, k, "", None)
+        for (i, req, t0), spec in zip(part, specs, strict=True):
+            self._write_hits(i, req, spec, kk, flags, t0)
+    except Invalid as e:
+        for i, req, t0 in part:
+            self._error(i, req, e.status, str(e), t0)
 
 
 def test_batched_recall_member_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -458,7 +469,7 @@ def test_batched_recall_member_fails_alone(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_batched_recall_negative_control_pre_fix_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Dispatcher, "_recall_batch", _old_recall_batch)
+    monkeypatch.setattr(Dispatcher, "_pipeline", _old_recall_batch)
     assert not _batch_with_nan_member(Rig())
     assert not _batch_with_rows_rewritten(Rig(), monkeypatch, 10**6)
 

@@ -24,6 +24,7 @@ from kalos_retrievers.protocol import (
     Response,
     SlotState,
     Status,
+    align8,
 )
 
 
@@ -56,6 +57,7 @@ def test_batched_members_get_their_own_answers_and_a_nan_member_only_an_error() 
         REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 100 + i, Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
     states[:] = SlotState.REQUEST
     assert d.poll() == n_slots
+    d.settle()  # the batch may still be in flight after poll()
     assert stats.batches == 1 and stats.batched_queries == n_slots - 1  # one search for the rest
     for i in range(n_slots):
         off = lay.slot_offset(i)
@@ -86,7 +88,7 @@ def test_a_failed_batch_search_answers_each_member_once() -> None:
     def broken(*_a, **_k):  # type: ignore[no-untyped-def]
         raise Invalid(Status.BAD_REQUEST, "the search refused the batch")
 
-    svc.recall_slots = broken  # type: ignore[method-assign]
+    svc.recall_slots = svc.launch_recall = broken  # type: ignore[method-assign]
     sems = [_Sem() for _ in range(n_slots)]
     d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {})
     states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
@@ -104,3 +106,81 @@ def test_a_failed_batch_search_answers_each_member_once() -> None:
         blob = bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len])
         assert states[i] == SlotState.ERROR and resp.status == Status.BAD_REQUEST
         assert (b"NaN" if i == 2 else b"refused the batch") in blob
+class _DeferredIndex(CpuIndex):
+    """A CPU index that behaves like an asynchronous device: launch_slots only records the
+    work; its results (and the poison before them) land in the slots at finish_slots."""
+
+    defers = True  # type: ignore[assignment]
+
+    def __init__(self, dim: int, metric: int, log: list[str]) -> None:
+        super().__init__(dim, metric)
+        self.log = log
+        self._pending: tuple | None = None
+
+    def launch_slots(self, specs, k, high, ns, candidates, dense) -> None:  # type: ignore[no-untyped-def]
+        self.finish_slots()
+        for s in specs:
+            s.rows[:, :k] = -7  # what an unfinished device search would leave: out of range
+        self.log.append(f"launch {len(specs)}")
+        self._pending = (specs, k, high, ns, candidates, dense)
+
+    def finish_slots(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.search_slots(*pending)
+            self.log.append("finish")
+
+
+def test_pipelined_batches_answer_only_finished_searches_and_settle_before_writes() -> None:
+    n_slots, dim, k, rows = 7, 5, 2, 50
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
+    mm = mmap.mmap(-1, lay.segment_size)
+    log: list[str] = []
+    svc = Service(_DeferredIndex(dim, METRICS["ip"], log), NullStore(), dim=dim, metric=METRICS["ip"])
+    rng = np.random.default_rng()
+    data = rng.standard_normal((rows, dim)).astype(np.float32)
+    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [""] * rows,
+                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=3, describe=lambda: {})
+    sem_posts = lambda: [s.posts for s in d.sems]  # noqa: E731
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    q = rng.standard_normal((n_slots, dim)).astype(np.float32)
+
+    def request(i: int, seq: int) -> None:
+        off = lay.slot_offset(i)
+        np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q[i]
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
+        states[i] = SlotState.REQUEST
+
+    def check_answered(i: int) -> None:
+        off = lay.slot_offset(i)
+        assert states[i] == SlotState.RESPONSE, (i, states[i], log)
+        got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset)
+        assert sorted(got.tolist()) == sorted(np.argsort(-(data @ q[i]))[:k].tolist())
+
+    for i in range(n_slots):
+        request(i, 10 + i)
+    assert d.poll() == n_slots  # chunks of 3, 3, 1
+    # each chunk was launched before the one before it was answered; the last stays in flight
+    assert log == ["launch 3", "finish", "launch 3", "finish", "launch 1"], log
+    for i in range(6):
+        check_answered(i)
+    assert states[6] == SlotState.BUSY and sem_posts()[6] == 0
+    assert d.settle() == 1 and log[-1] == "finish"
+    check_answered(6)
+    assert d.settle() == 0
+
+    # a write arriving while a batch is in flight: the batch is answered first
+    request(0, 30)
+    assert d.poll() == 1 and states[0] == SlotState.BUSY
+    vec = rng.standard_normal(dim).astype(np.float32)
+    args = b'{"namespace":"","ids":["new"],"texts":["t"],"metadatas":[{}]}'
+    off = lay.slot_offset(1)
+    np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = vec
+    at = off + lay.payload_offset + align8(4 * dim)  # args follow the vectors, 8-byte aligned
+    mm[at : at + len(args)] = args
+    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 31, Op.UPSERT, 0, 0, 1, 4 * dim, len(args), 0)
+    states[1] = SlotState.REQUEST
+    assert d.poll() == 1
+    check_answered(0)  # answered from the rows as they were before the upsert
+    assert states[1] == SlotState.RESPONSE and svc.rows.live == rows + 1
