@@ -38,6 +38,18 @@
 // must hold k plus one round: the host sizes it as pow2(pow2(k) + MERGE_UNROLL * KALOS_BLOCK).
 #define MERGE_UNROLL 4
 
+// Measurement knobs for benchmarks/scan_variants.py (0 in the sidecar: nothing is skipped).
+// Each bit removes one part of scan_topk so that a variant's time, against the full kernel's,
+// says what that part costs. A variant with any bit set returns wrong answers.
+#ifndef KALOS_PROBE
+#define KALOS_PROBE 0
+#endif
+#define PROBE_NO_OFFERS 1   // score every row but offer none (no atomics, no compaction)
+#define PROBE_NO_TAIL 2     // skip the block's final compact, append and the last block's merge
+#define PROBE_NO_NS 4       // do not read the namespace and mask arrays
+#define PROBE_NO_SYNC 8     // no __syncthreads per round (only meaningful with NO_OFFERS)
+#define PROBE_EMPTY 16      // return right after loading the queries (launch + set-up only)
+
 #define METRIC_COSINE 0
 #define METRIC_IP 1
 #define METRIC_L2 2
@@ -505,6 +517,7 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
     }
     if (threadIdx.x < QB) { s_cnt[threadIdx.x] = 0; s_thr[threadIdx.x] = neg_inf(); }
     __syncthreads();
+    if (KALOS_PROBE & PROBE_EMPTY) return;
 
     const int lane = threadIdx.x % TPR;
     const int group = threadIdx.x / TPR;
@@ -516,7 +529,9 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
 
     for (int r0 = blockIdx.x * groups; r0 < n; r0 += stride) {
         int row = r0 + group;
-        bool ok = row < n && (my_ns == NS_ANY || ns[row] == my_ns) && (mask == nullptr || mask[row]);
+        bool ok = (KALOS_PROBE & PROBE_NO_NS)
+                      ? row < n
+                      : row < n && (my_ns == NS_ANY || ns[row] == my_ns) && (mask == nullptr || mask[row]);
         float acc[QB];
 #pragma unroll
         for (int q = 0; q < QB; q++) acc[q] = 0.f;
@@ -555,12 +570,13 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
                 float s = acc[q];
                 if (rowscale != nullptr) s *= rowscale[row] * p->qscale[q];
                 if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(p->qnorm2[q] + sqnorm[row] - 2.f * s, 0.f));
-                c.offer(q, s, row);
+                if (!(KALOS_PROBE & PROBE_NO_OFFERS) || s > 1e30f) c.offer(q, s, row);  // keeps the loads live
             }
         }
-        __syncthreads();
-        c.make_room(k, groups, scan_cap);
+        if (!(KALOS_PROBE & PROBE_NO_SYNC)) __syncthreads();
+        if (!(KALOS_PROBE & PROBE_NO_OFFERS)) c.make_room(k, groups, scan_cap);
     }
+    if (KALOS_PROBE & PROBE_NO_TAIL) return;
     // this block's best k per query -> the appended lists; the last block merges them
     const int cap = gridDim.x * k;
     for (int q = 0; q < QB; q++) {
