@@ -30,17 +30,18 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_recall import DIM, K, enumerate_chunks, make_data  # noqa: E402
+from gpu_recall import DIM, K, enumerate_chunks, make_data
 
 PROBES = {"full": 0, "no_ns": 4, "no_tail": 2, "no_offers": 1, "stream_only": 1 | 2 | 4 | 8, "empty": 16}
 
 
 def build(n: int) -> tuple[Any, Any, Any]:
-    from kalos_retrievers.protocol import Metric
     from kalos_retrievers.sidecar.index import SlotSpec
     from kalos_retrievers.sidecar.index_gpu import GpuIndex
     from kalos_retrievers.sidecar.service import Service
     from kalos_retrievers.sidecar.store import NullStore
+
+    from kalos_retrievers.protocol import Metric
 
     idx = GpuIndex(DIM, Metric.COSINE, 0, "float16")
     svc = Service(idx, NullStore(), dim=DIM, metric=Metric.COSINE)
@@ -85,7 +86,7 @@ def main() -> int:
                  np.int32(buf), idx.scratch_k, idx.scratch_v, idx.sync)  # fmt: skip
         s = idx.stream
 
-        def timed(fn: Any, reps: int) -> float:
+        def timed(fn: Any, reps: int, s: Any = s) -> float:
             ts = []
             for i in range(30):
                 e0, e1 = cp.cuda.Event(), cp.cuda.Event()
@@ -104,10 +105,9 @@ def main() -> int:
                     row = {"rows": n, "tpr": tpr, "grid": grid, "rows_per_block": -(-n // grid)}
                     for name, fns in mods.items():
                         f = fns[tpr]
-                        if smem > f.max_dynamic_shared_size_bytes:
-                            f.max_dynamic_shared_size_bytes = smem
+                        f.max_dynamic_shared_size_bytes = max(f.max_dynamic_shared_size_bytes, smem)
 
-                        def go(f: Any = f) -> None:
+                        def go(f: Any = f, grid: int = grid, sargs: tuple = sargs, smem: int = smem) -> None:
                             f((grid,), (kern.BLOCK,), sargs, shared_mem=smem)
 
                         row[name] = timed(go, 1)
