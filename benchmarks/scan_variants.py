@@ -32,7 +32,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_recall import DIM, K, enumerate_chunks, make_data
 
-PROBES = {"full": 0, "no_ns": 4, "no_tail": 2, "no_offers": 1, "stream_only": 1 | 2 | 4 | 8, "empty": 16}
+PROBES = {"full": 0, "no_merge": 64, "no_append": 32, "no_tail": 2, "no_ns": 4, "no_offers": 1,
+          "stream_only": 1 | 2 | 4 | 8, "empty": 16}
 
 
 def build(n: int) -> tuple[Any, Any, Any]:

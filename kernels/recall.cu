@@ -49,6 +49,8 @@
 #define PROBE_NO_NS 4       // do not read the namespace and mask arrays
 #define PROBE_NO_SYNC 8     // no __syncthreads per round (only meaningful with NO_OFFERS)
 #define PROBE_EMPTY 16      // return right after loading the queries (launch + set-up only)
+#define PROBE_NO_APPEND 32  // the block's final compact, then return (no append, no merge)
+#define PROBE_NO_MERGE 64   // append and elect the last block, which skips the merge
 
 #define METRIC_COSINE 0
 #define METRIC_IP 1
@@ -140,7 +142,10 @@ __device__ void bitonic_desc(float* key, int* val, int n) {
     for (int size = 2; size <= n; size <<= 1) {
         for (int stride = size >> 1; stride > 0; stride >>= 1) {
             for (int t = threadIdx.x; t < (n >> 1); t += blockDim.x) {
-                int i = 2 * stride * (t / stride) + (t % stride);
+                // 2 * stride * (t / stride) + t % stride, by bit operations: stride is a power
+                // of two, and an integer division by a run-time divisor costs dozens of
+                // instructions per element per pass
+                int i = ((t & ~(stride - 1)) << 1) | (t & (stride - 1));
                 int j = i + stride;
                 float a = key[i], b = key[j];
                 int va = val[i], vb = val[j];
@@ -400,6 +405,58 @@ __device__ __forceinline__ float read_bound(unsigned int* sync, int q) {
     return ord2f(*reinterpret_cast<volatile int*>(sync_bound(sync) + q));
 }
 
+// The k-th largest (1 <= k <= n) of key[0, n) (shared memory, or global memory with GLOBAL), to
+// every thread of the block.
+// A most-significant-digit radix select over the keys' ordered bit patterns: four passes of 8
+// bits, each one shared histogram of 256 counters and one warp finding the digit. This replaces
+// bitonic sorts of whole lists (log2(n)^2 / 2 block-wide steps: ~80 us for 4096 keys) where
+// only one rank is needed. All threads of the block must call it.
+template <bool GLOBAL = false>  // GLOBAL: key is in global memory, written by other blocks (read from L2)
+__device__ float block_kth_largest(const float* key, int n, int k) {
+    __shared__ int hist[256];
+    __shared__ unsigned int s_digit;
+    __shared__ int s_rank;
+    unsigned int prefix = 0u, known = 0u;
+    int rank = k;  // rank still wanted among the keys that match the prefix, from the top
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            float x;
+            if constexpr (GLOBAL) x = __ldcg(key + i); else x = key[i];
+            unsigned int u = (unsigned int)f2ord(x) ^ 0x80000000u;  // ascending as unsigned
+            if ((u & known) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            int c[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) { c[j] = hist[255 - 8 * lane - j]; sum += c[j]; }
+            int incl = sum;  // keys with a digit in this lane's range or above
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                int y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            int above = incl - sum;
+            if (above < rank && rank <= incl) {  // exactly one lane
+                int acc = above;
+                for (int j = 0; j < 8; j++) {
+                    if (acc + c[j] >= rank) { s_digit = 255u - 8u * lane - j; s_rank = rank - acc; break; }
+                    acc += c[j];
+                }
+            }
+        }
+        __syncthreads();
+        prefix |= s_digit << shift;
+        known |= 255u << shift;
+        rank = s_rank;
+        __syncthreads();  // everyone has read s_digit and s_rank before the next pass
+    }
+    return ord2f((int)(prefix ^ 0x80000000u));
+}
+
 // Append this block's sorted list for query q (key/val, n entries) to the global list
 // (ak/av + q * cap); publish its k-th score. All threads call it.
 __device__ void append_list(const float* key, const int* val, int n, int k, int q,
@@ -435,7 +492,32 @@ __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsi
     __syncthreads();
     const float* sk = ak + (size_t)q * cap;
     const int* sv = av + (size_t)q * cap;
-    for (int base = 0; base < total; base += MERGE_UNROLL * blockDim.x) {
+    // A long list (blocks that finish together all append their whole k: ~5k entries at 100k
+    // rows, of which ~1k are at or above the final bound) is not sorted: its k-th entry by
+    // radix select over L2, then only the entries at or above it (k plus ties) are gathered
+    // and sorted. Sorting the ~1k survivors was most of the scan's ~45 us fixed cost.
+    int from = 0;  // where the rounds below start: the whole list unless the select took it
+    if (total > 2 * k && total > 256) {  // block-uniform
+        const float t = block_kth_largest<true>(sk, total, k);
+        float* key = c.key + q * c.buf;
+        int* val = c.val + q * c.buf;
+        for (int i = threadIdx.x; i < total; i += blockDim.x) {
+            const float s = __ldcg(sk + i);
+            if (s >= t) {
+                const int at = atomicAdd(&c.cnt[q], 1);
+                if (at < c.buf) { key[at] = s; val[at] = __ldcg(sv + i); }
+            }
+        }
+        __syncthreads();
+        if (c.cnt[q] <= c.buf) {
+            from = total;
+        } else {  // more ties at the k-th than the buffer holds: merge the whole list in rounds
+            __syncthreads();
+            if (threadIdx.x == 0) c.cnt[q] = 0;
+            __syncthreads();
+        }
+    }
+    for (int base = from; base < total; base += MERGE_UNROLL * blockDim.x) {
         float s[MERGE_UNROLL];
         int r[MERGE_UNROLL];
 #pragma unroll
@@ -581,9 +663,15 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
     const int cap = gridDim.x * k;
     for (int q = 0; q < QB; q++) {
         compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
+        if (KALOS_PROBE & PROBE_NO_APPEND) continue;
         if (q < nq) append_list(c.key + q * c.buf, c.val + q * c.buf, c.cnt[q], k, q, sync, scratch_k, scratch_v, cap);
     }
+    if (KALOS_PROBE & PROBE_NO_APPEND) return;
     if (last_block(sync)) {
+        if (KALOS_PROBE & PROBE_NO_MERGE) {
+            if (threadIdx.x < QB) { sync_count(sync)[threadIdx.x] = 0; sync_bound(sync)[threadIdx.x] = f2ord(neg_inf()); }
+            return;
+        }
         for (int q = 0; q < nq && q < QB; q++) merge_appended(c, p, q, k, sync, scratch_k, scratch_v, cap);
         final_fence();
     }
@@ -708,54 +796,6 @@ __device__ __forceinline__ bool score_at(const float* srow, int col, int n, cons
     if (METRIC == METRIC_L2) v = -sqrtf(fmaxf(qn2 + sqnorm[col] - 2.f * v, 0.f));
     *out = v;
     return true;
-}
-
-// The k-th largest (1 <= k <= n) of key[0, n) in shared memory, to every thread of the block.
-// A most-significant-digit radix select over the keys' ordered bit patterns: four passes of 8
-// bits, each one shared histogram of 256 counters and one warp finding the digit. This replaces
-// bitonic sorts of whole lists (log2(n)^2 / 2 block-wide steps: ~80 us for 4096 keys) where
-// only one rank is needed. All threads of the block must call it.
-__device__ float block_kth_largest(const float* key, int n, int k) {
-    __shared__ int hist[256];
-    __shared__ unsigned int s_digit;
-    __shared__ int s_rank;
-    unsigned int prefix = 0u, known = 0u;
-    int rank = k;  // rank still wanted among the keys that match the prefix, from the top
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-        __syncthreads();
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            unsigned int u = (unsigned int)f2ord(key[i]) ^ 0x80000000u;  // ascending as unsigned
-            if ((u & known) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
-        }
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            const int lane = threadIdx.x;
-            int c[8], sum = 0;
-#pragma unroll
-            for (int j = 0; j < 8; j++) { c[j] = hist[255 - 8 * lane - j]; sum += c[j]; }
-            int incl = sum;  // keys with a digit in this lane's range or above
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                int y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            int above = incl - sum;
-            if (above < rank && rank <= incl) {  // exactly one lane
-                int acc = above;
-                for (int j = 0; j < 8; j++) {
-                    if (acc + c[j] >= rank) { s_digit = 255u - 8u * lane - j; s_rank = rank - acc; break; }
-                    acc += c[j];
-                }
-            }
-        }
-        __syncthreads();
-        prefix |= s_digit << shift;
-        known |= 255u << shift;
-        rank = s_rank;
-        __syncthreads();  // everyone has read s_digit and s_rank before the next pass
-    }
-    return ord2f((int)(prefix ^ 0x80000000u));
 }
 
 // grid (n_queries), block KALOS_BLOCK, dynamic smem: S * 8 bytes (S a power of two)
@@ -982,7 +1022,7 @@ __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
 // The sidecar asks NVRTC for the same names through name_expressions.
 #ifdef KALOS_INSTANTIATE
 #define SCAN(T, TPR, QB, M) template __global__ void scan_topk<T, TPR, QB, M>(const T*, const int*, const float*, const float*, const Params*, const float*, const signed char*, int, int, float*, int*, unsigned int*);
-SCAN(__half, 8, 1, 0) SCAN(float, 8, 1, 0) SCAN(signed char, 4, 1, 0) SCAN(__half, 1, 8, 2)
+SCAN(__half, 4, 1, 0) SCAN(__half, 8, 1, 0) SCAN(float, 8, 1, 0) SCAN(signed char, 4, 1, 0) SCAN(__half, 1, 8, 2)
 template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, signed char*, int, int, const float*, int*, float*);
 template __global__ void topk_scores<0>(const float*, int, const int*, const float*, const float*, const Params*, int, float*, int*, unsigned int*);
 template __global__ void tau_scores<0>(const float*, int, const int*, const float*, const Params*, int, float*);

@@ -77,9 +77,12 @@ _CUDA_R_32F, _CUDA_R_16F = 0, 2
 
 
 def choose_tpr(chunks: int) -> int:
-    """Threads per row: enough that each thread issues about 8-16 loads per row."""
+    """Threads per row: few enough that each thread issues at least 16 loads per row (768-d
+    float16: 4 threads of 24 loads). Fewer threads per row means more rows per round, so fewer
+    latency-bound rounds per block: on the H200, 4 beat 8 by 0-10 us at 100k and 1M rows, and
+    16 or 32 were 5-130 us slower (benchmarks/scan_variants.py, session 4)."""
     tpr = 1
-    while tpr < 32 and chunks // (tpr * 2) >= 8:
+    while tpr < 32 and chunks // (tpr * 2) >= 16:
         tpr *= 2
     return tpr
 
@@ -482,12 +485,14 @@ class GpuIndex(Index):
              defer: bool = False) -> None:  # fmt: skip
         """Launch for every query: the slot's fused graph for one query; for batches (float
         types) GEMM + top-k for up to MAXQ queries per launch, else fused graphs of up to
-        FUSED_MAX_Q queries. ``dense``: every row below ``high`` is eligible (the GEMM path's
-        top-k then skips the namespace check). ``defer``: leave the last launch running and
+        FUSED_MAX_Q queries. ``dense``: every row below ``high`` is eligible (the kernels
+        then skip the namespace check). ``defer``: leave the last launch running and
         its wait in ``self._finisher``."""
         kp = _pow2(k)
         use_gemm = USE_GEMM and self.dtype != "int8" and len(qs) >= GEMM_MIN_Q
         step = MAXQ if use_gemm else self._fused_qb(FUSED_MAX_Q, kp)
+        if dense:  # the kernels skip reading the namespace array (10-90 us at 1M rows)
+            ns = NS_ANY
         for start in range(0, len(qs), step):
             sl = slice(start, start + step)
             n = len(qs[sl])
@@ -500,8 +505,7 @@ class GpuIndex(Index):
                 graph = self._graph(k, self._fused_qb(n, kp), self._grid(high, kp))
             last = start + step >= len(qs)
             if graph is None:
-                self._write_desc(k, high, NS_ANY if dense else ns, mask_addr, qs[sl], rows[sl],
-                                 scores[sl], out_ld)  # fmt: skip
+                self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
                 fin = self._check(lambda n=n: self._gemm_topk(n, k, high))
             else:
                 self._mark("graph start")

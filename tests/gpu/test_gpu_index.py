@@ -165,6 +165,25 @@ def test_threshold_select_is_exact_with_ties_at_the_kth(tied: int) -> None:
     assert svc.index.threshold_overflows == before  # the threshold path answered, not topk_scores
 
 
+@pytest.mark.parametrize("tied", [0, 300, 3000])
+def test_fused_merge_is_exact_with_long_lists_and_ties(tied: int) -> None:
+    """Batch 1 (the fused scan): the last block's merge finds the k-th of the appended list by
+    radix select over L2 and sorts only what is at or above it; with more ties at the top than
+    its buffer holds (3000 rows, k = 10 and 100) it merges the list in rounds instead. Lists
+    are long here (hundreds of blocks each appending k). Every regime stays exact."""
+    rng = np.random.default_rng()
+    n, dim = 200_003, 64
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    v = rng.standard_normal(dim).astype(np.float32)
+    if tied:
+        data[rng.choice(n, tied, replace=False)] = v
+    svc = make(dim)
+    put(svc, data)
+    for q in (v, rng.standard_normal(dim).astype(np.float32)):
+        for k in (10, 100, 1024):
+            check(svc, data, q[None], k)
+
+
 def test_int8_l2_and_filter_against_exact() -> None:
     """int8 (dp4a against an int8 copy of the query, exact re-scoring) with L2 and a filter."""
     rng = np.random.default_rng()
