@@ -386,12 +386,11 @@ __device__ float seed_bound(const float* kth, size_t stride, int nlists) {
 //   ticket[q]  the blocks' "am I last?" counters ([0] here; one per query in topk_scores)
 //   bound[q]   the best k-th score any finished block has published, as an ordered int
 //   count[q]   entries appended so far to query q's list
-// A block that finishes publishes its best k in two steps: it appends every entry that is at
-// least the current bound (its list is sorted, so a prefix), then raises the bound to its own
-// k-th score. An entry below the bound cannot be in the answer: the block that set the bound
-// had appended k entries at or above it before it set it. Blocks that finish late append little,
-// and the last block merges one short list instead of every block's k (which cost several
-// dependent rounds of L2 loads). The last block resets count and bound for the next launch.
+// A block that finishes publishes its k-th score (atomicMax into the bound), then appends its
+// entries that reach the bound as it then stands (its list is sorted, so a prefix); see
+// append_list for why that loses nothing. Blocks that finish late append little, and the last
+// block merges one short list instead of every block's k (which cost several dependent rounds
+// of L2 loads). The last block resets count and bound for the next launch.
 #define SYNC_WORDS (3 * KALOS_MAXQ)
 
 __device__ __forceinline__ int f2ord(float f) {
@@ -405,13 +404,11 @@ __device__ __forceinline__ float read_bound(unsigned int* sync, int q) {
     return ord2f(*reinterpret_cast<volatile int*>(sync_bound(sync) + q));
 }
 
-// The k-th largest (1 <= k <= n) of key[0, n) (shared memory, or global memory with GLOBAL), to
-// every thread of the block.
+// The k-th largest (1 <= k <= n) of key[0, n) in shared memory, to every thread of the block.
 // A most-significant-digit radix select over the keys' ordered bit patterns: four passes of 8
 // bits, each one shared histogram of 256 counters and one warp finding the digit. This replaces
 // bitonic sorts of whole lists (log2(n)^2 / 2 block-wide steps: ~80 us for 4096 keys) where
 // only one rank is needed. All threads of the block must call it.
-template <bool GLOBAL = false>  // GLOBAL: key is in global memory, written by other blocks (read from L2)
 __device__ float block_kth_largest(const float* key, int n, int k) {
     __shared__ int hist[256];
     __shared__ unsigned int s_digit;
@@ -422,9 +419,7 @@ __device__ float block_kth_largest(const float* key, int n, int k) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            float x;
-            if constexpr (GLOBAL) x = __ldcg(key + i); else x = key[i];
-            unsigned int u = (unsigned int)f2ord(x) ^ 0x80000000u;  // ascending as unsigned
+            unsigned int u = (unsigned int)f2ord(key[i]) ^ 0x80000000u;  // ascending as unsigned
             if ((u & known) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
         }
         __syncthreads();
@@ -458,12 +453,22 @@ __device__ float block_kth_largest(const float* key, int n, int k) {
 }
 
 // Append this block's sorted list for query q (key/val, n entries) to the global list
-// (ak/av + q * cap); publish its k-th score. All threads call it.
+// (ak/av + q * cap), keeping only what can still be in the answer. All threads call it.
+//
+// Why dropping entries below the bound is safe: a block's k-th score is at most the true k-th
+// score T (the block alone holds k rows at or above it), so the bound, the best of those, is
+// never above T either, and no entry at or above T is ever dropped; the top-k of the list is
+// the answer. The block publishes its own k-th first and then appends what reaches the bound
+// as it stands: blocks that finish together see each other's k-th, so the list stays short.
 __device__ void append_list(const float* key, const int* val, int n, int k, int q,
                             unsigned int* sync, float* ak, int* av, int cap) {
     __shared__ int s_base;
     __shared__ float s_b;
-    if (threadIdx.x == 0) s_b = read_bound(sync, q);
+    if (threadIdx.x == 0) {
+        const int mine = n == k ? f2ord(key[k - 1]) : f2ord(neg_inf());
+        const int old = atomicMax(sync_bound(sync) + q, mine);
+        s_b = ord2f(old > mine ? old : mine);
+    }
     __syncthreads();
     const float b = s_b;
     int m = 0;
@@ -477,9 +482,6 @@ __device__ void append_list(const float* key, const int* val, int n, int k, int 
         ak[(size_t)q * cap + s_base + i] = key[i];
         av[(size_t)q * cap + s_base + i] = val[i];
     }
-    __threadfence();   // the entries are visible before the bound that relies on them
-    __syncthreads();
-    if (threadIdx.x == 0 && n == k) atomicMax(sync_bound(sync) + q, f2ord(key[k - 1]));
 }
 
 // The last block: merge query q's appended list, write the answer, reset q's words.
@@ -492,26 +494,58 @@ __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsi
     __syncthreads();
     const float* sk = ak + (size_t)q * cap;
     const int* sv = av + (size_t)q * cap;
-    // A long list (blocks that finish together all append their whole k: ~5k entries at 100k
-    // rows, of which ~1k are at or above the final bound) is not sorted: its k-th entry by
-    // radix select over L2, then only the entries at or above it (k plus ties) are gathered
-    // and sorted. Sorting the ~1k survivors was most of the scan's ~45 us fixed cost.
-    int from = 0;  // where the rounds below start: the whole list unless the select took it
-    if (total > 2 * k && total > 256) {  // block-uniform
-        const float t = block_kth_largest<true>(sk, total, k);
-        float* key = c.key + q * c.buf;
-        int* val = c.val + q * c.buf;
-        for (int i = threadIdx.x; i < total; i += blockDim.x) {
-            const float s = __ldcg(sk + i);
-            if (s >= t) {
-                const int at = atomicAdd(&c.cnt[q], 1);
-                if (at < c.buf) { key[at] = s; val[at] = __ldcg(sv + i); }
+    // Not a sort of the whole list: (1) what reaches the final bound goes to shared memory, in
+    // rounds of independent L2 loads; (2) if that is still long, its k-th by radix select in
+    // shared memory; (3) what reaches the k-th (k plus ties) goes back out through the list's
+    // own storage, already read, and returns as the only entries to sort. Sorting every
+    // survivor of (1) (a 1-2k entry bitonic sort) was most of the scan's fixed cost at 100k.
+    // More survivors than the buffer holds: the rounds below, which compact as they go.
+    float* key = c.key + q * c.buf;
+    int* val = c.val + q * c.buf;
+    int from = 0;  // where the rounds below start: past the end once (1) took the list
+    if (total > 2 * k) {  // block-uniform
+        for (int base = 0; base < total; base += MERGE_UNROLL * blockDim.x) {
+            float s[MERGE_UNROLL];
+            int r[MERGE_UNROLL];
+#pragma unroll
+            for (int u = 0; u < MERGE_UNROLL; u++) {  // independent loads, all in flight at once
+                int i = base + u * blockDim.x + threadIdx.x;
+                r[u] = -1;
+                if (i < total) { s[u] = __ldcg(sk + i); r[u] = __ldcg(sv + i); }
+            }
+#pragma unroll
+            for (int u = 0; u < MERGE_UNROLL; u++) {
+                if (r[u] >= 0 && s[u] >= bound) {
+                    const int at = atomicAdd(&c.cnt[q], 1);
+                    if (at < c.buf) { key[at] = s[u]; val[at] = r[u]; }
+                }
             }
         }
         __syncthreads();
-        if (c.cnt[q] <= c.buf) {
+        const int m = c.cnt[q];
+        if (m <= c.buf) {
             from = total;
-        } else {  // more ties at the k-th than the buffer holds: merge the whole list in rounds
+            if (m > 2 * k && m > 64) {
+                const float t = block_kth_largest(key, m, k);
+                __shared__ int s_g;
+                if (threadIdx.x == 0) s_g = 0;
+                __syncthreads();
+                float* gk = const_cast<float*>(sk);  // the list, read in full above
+                int* gv = const_cast<int*>(sv);
+                for (int i = threadIdx.x; i < m; i += blockDim.x) {
+                    if (key[i] >= t) {
+                        const int at = atomicAdd(&s_g, 1);
+                        gk[at] = key[i];
+                        gv[at] = val[i];
+                    }
+                }
+                __syncthreads();  // the block's global writes are visible to the block after it
+                const int g = s_g;
+                for (int i = threadIdx.x; i < g; i += blockDim.x) { key[i] = __ldcg(gk + i); val[i] = __ldcg(gv + i); }
+                if (threadIdx.x == 0) c.cnt[q] = g;
+                __syncthreads();
+            }
+        } else {
             __syncthreads();
             if (threadIdx.x == 0) c.cnt[q] = 0;
             __syncthreads();
