@@ -116,6 +116,7 @@ class _DeferredIndex(CpuIndex):
         super().__init__(dim, metric)
         self.log = log
         self._pending: tuple | None = None
+        self.during_search: list = []  # callables run while the "device" searches (once each)
 
     def launch_slots(self, specs, k, high, ns, candidates, dense) -> None:  # type: ignore[no-untyped-def]
         self.finish_slots()
@@ -127,6 +128,8 @@ class _DeferredIndex(CpuIndex):
     def finish_slots(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            while self.during_search:
+                self.during_search.pop(0)()
             self.search_slots(*pending)
             self.log.append("finish")
 
@@ -184,3 +187,44 @@ def test_pipelined_batches_answer_only_finished_searches_and_settle_before_write
     assert d.poll() == 1
     check_answered(0)  # answered from the rows as they were before the upsert
     assert states[1] == SlotState.RESPONSE and svc.rows.live == rows + 1
+
+
+def test_requests_arriving_during_a_search_join_the_next_batch() -> None:
+    """With a batch in flight, the dispatcher waits for it before picking up, so requests that
+    arrive while the device searches are launched together with those that were already
+    waiting: one pass over the rows for all of them, not one for each wave."""
+    n_slots, dim, k, rows = 6, 5, 2, 40
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
+    mm = mmap.mmap(-1, lay.segment_size)
+    log: list[str] = []
+    index = _DeferredIndex(dim, METRICS["ip"], log)
+    svc = Service(index, NullStore(), dim=dim, metric=METRICS["ip"])
+    rng = np.random.default_rng()
+    data = rng.standard_normal((rows, dim)).astype(np.float32)
+    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [""] * rows,
+                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    q = rng.standard_normal((n_slots, dim)).astype(np.float32)
+
+    def request(i: int) -> None:
+        off = lay.slot_offset(i)
+        np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q[i]
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 70 + i, Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
+        states[i] = SlotState.REQUEST
+
+    request(0)
+    assert d.poll() == 1 and log == ["launch 1"]
+    request(1)
+    request(2)
+    index.during_search += [lambda: request(3), lambda: request(4)]  # while slot 0's search runs
+    assert d.poll() == 4
+    assert log == ["launch 1", "finish", "launch 4"], log  # 1-4 in one batch, not 1-2 then 3-4
+    assert states[0] == SlotState.RESPONSE
+    assert all(states[i] == SlotState.BUSY for i in range(1, 5))
+    assert d.settle() == 4
+    for i in range(5):
+        off = lay.slot_offset(i)
+        assert states[i] == SlotState.RESPONSE
+        got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset)
+        assert sorted(got.tolist()) == sorted(np.argsort(-(data @ q[i]))[:k].tolist())
