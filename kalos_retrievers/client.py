@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import random
 import threading
@@ -32,11 +33,13 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
+import posix_ipc
 
 from . import _ipc
+from .arena import ArenaView, arena_name
 from .errors import (
     CapacityError,
     IncompatibleVersion,
@@ -84,6 +87,9 @@ from .results import RecallResult, Record
 __all__ = ["KalosClient"]
 
 _LIVENESS_TICK = 0.02  # seconds between "is the sidecar still alive?" checks while blocked
+_X86: Final = os.uname().machine in ("x86_64", "AMD64")  # the spin and arena paths rely on TSO
+_ARENA_VERSION_WORD = 62  # header u32 index of arena_version (offset 248, two words)
+_DOORBELL_K_WORD = 64  # header u32 index of doorbell_k (offset 256)
 _MAX_MARGIN_SPINS = 2  # a long wait's spin around the expected answer: at most 2 x 2 spin windows
 _SPIN_PROBE_EVERY = 8  # while long-wait spins do not pay, still try one call in this many
 _BACKOFF_MIN = 0.05
@@ -141,7 +147,46 @@ class _Conn:
         self.owned: list[_Slot] = []
         self.free: list[_Slot] = []
         self._state_off = 16  # HEADER_OFFSETS["state"]; fixed by the v1 layout
-        self._hdr32 = memoryview(seg.mm)[:64].cast("I")
+        self._hdr32 = memoryview(seg.mm)[:264].cast("I")
+        self._arena: ArenaView | None = None
+        self._arena_mm: mmap.mmap | None = None
+
+    def doorbell_k(self) -> int:
+        """Largest k the GPU's resident kernel answers now (0: no kernel)."""
+        return self._hdr32[_DOORBELL_K_WORD]
+
+    def arena(self) -> ArenaView | None:
+        """The sidecar's current document arena, mapped read-only (None: it has none, or the
+        version just named is already gone: the call then asks for documents inline)."""
+        h = self._hdr32
+        version = h[_ARENA_VERSION_WORD] | h[_ARENA_VERSION_WORD + 1] << 32
+        a = self._arena
+        if a is not None and a.version == version:
+            return a
+        if not version:
+            return None
+        try:
+            shm = posix_ipc.SharedMemory(arena_name(self.name, version), flags=0, read_only=True)
+        except (posix_ipc.Error, OSError):
+            return None
+        try:
+            mm = mmap.mmap(shm.fd, os.fstat(shm.fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+            view = ArenaView(mm, version)
+        except (OSError, ValueError):
+            return None
+        finally:
+            shm.close_fd()
+        self._drop_arena()
+        self._arena, self._arena_mm = view, mm
+        return view
+
+    def _drop_arena(self) -> None:
+        if self._arena is not None:
+            self._arena.release()
+        if self._arena_mm is not None:
+            with contextlib.suppress(BufferError):
+                self._arena_mm.close()
+        self._arena = self._arena_mm = None
 
     @classmethod
     def connect(cls, name: str, dim: int | None) -> _Conn:
@@ -220,6 +265,7 @@ class _Conn:
         self.owned.clear()
         self.free.clear()
         _ipc.close_semaphore(self.bell)
+        self._drop_arena()
         with contextlib.suppress(BufferError):
             self._hdr32.release()
         self.seg.close()
@@ -290,6 +336,7 @@ class KalosClient:
         spin_us: float | None = None,
         max_slots: int = 8,
         lazy: bool = False,
+        arena_docs: bool | None = None,
     ) -> None:
         self.name = check_name(name)
         if dim is not None and (not isinstance(dim, int) or dim <= 0):
@@ -306,6 +353,10 @@ class KalosClient:
         self._spin_payoff = 1.0  # share of recent long-wait spins that caught their answer
         self._long_waits = 0
         self.max_slots = max_slots
+        if arena_docs not in (None, True, False):
+            raise ValueError(f"arena_docs={arena_docs!r} must be None (auto), True or False")
+        self.arena_docs = arena_docs
+        self.arena_retries = 0  # recalls asked again because a hit's row changed meanwhile
         self._lock = threading.Condition(threading.RLock())
         self._waiters = 0
         self._conn: _Conn | None = None
@@ -470,23 +521,57 @@ class KalosClient:
         out: list[RecallResult] = []
         for start in range(0, len(qs), per_req):
             chunk = qs[start : start + per_req]
+            arena = self._arena() if docs and not with_vectors else None
+            f = flags | (Flag.ARENA_DOCS if arena is not None else 0)
             rep = self._call(Op.RECALL, vectors=chunk, args=args, top_k=k, n_items=len(chunk),
-                             flags=flags, deadline=deadline)  # fmt: skip
-            out.extend(self._split_recall(rep, len(chunk), k, with_vectors, docs, namespace))
+                             flags=f, deadline=deadline)  # fmt: skip
+            res = self._split_recall(rep, len(chunk), k, with_vectors, docs, namespace, arena)
+            if res is None:  # a hit's row was rewritten after the search: ask for it inline
+                self.arena_retries += 1
+                rep = self._call(Op.RECALL, vectors=chunk, args=args, top_k=k, n_items=len(chunk),
+                                 flags=flags, deadline=deadline)  # fmt: skip
+                res = self._split_recall(rep, len(chunk), k, with_vectors, docs, namespace, None)
+                assert res is not None
+            out.extend(res)
         return out
 
+    def _arena(self) -> ArenaView | None:
+        """The arena to read this recall's documents from, if this client uses one: with
+        ``arena_docs=None`` when the sidecar has a resident GPU kernel (whose answers carry no
+        documents), with True whenever the sidecar has an arena; x86-64 only (the reads rely
+        on its store ordering)."""
+        if self.arena_docs is False or not _X86:
+            return None
+        conn = self._conn
+        if conn is None or conn.dead or (self.arena_docs is None and not conn.doorbell_k()):
+            return None
+        return conn.arena()
+
     def _split_recall(
-        self, rep: _Reply, nq: int, k: int, with_vectors: bool, docs: bool, namespace: str
-    ) -> list[RecallResult]:
+        self, rep: _Reply, nq: int, k: int, with_vectors: bool, docs: bool, namespace: str,
+        arena: ArenaView | None,
+    ) -> list[RecallResult] | None:  # fmt: skip
+        """The results of one RECALL reply; None when its documents are in the arena and one
+        of them no longer is (its row changed since the search answered)."""
         kk = rep.n_results
         if kk > k:
             raise ProtocolError(f"sidecar returned {kk} results per query for k={k}")
         assert rep.rows is not None and rep.scores is not None
         rows = rep.rows.reshape(nq, k)[:, :kk]
         scores = rep.scores.reshape(nq, k)[:, :kk]
-        doc_views: DocViews | None = None
+        doc_views: DocViews | list[bytes] | None = None
         vectors = None
-        if docs or with_vectors:
+        if rep.resp_flags & RespFlag.ARENA_DOCS:
+            if arena is None or len(rep.blob) != 4 * nq * kk:
+                raise ProtocolError(f"sidecar returned arena generations ({len(rep.blob)} bytes) "
+                                    f"for {nq}x{kk} hits not asked for")  # fmt: skip
+            doc_views = []
+            for r, g in zip(rows.ravel().tolist(), np.frombuffer(rep.blob, "<u4").tolist(), strict=True):
+                d = arena.get(r, g)
+                if d is None:
+                    return None
+                doc_views.append(bytes(d))
+        elif docs or with_vectors:
             try:
                 doc_views, vectors = decode_docs_blob(
                     rep.blob, self.dim, bool(rep.resp_flags & RespFlag.HAS_VECTORS)
@@ -835,10 +920,17 @@ class KalosClient:
             seq = slot.seq
             REQUEST_STRUCT.pack_into(slot.ctl, REQUEST_OFFSET, seq, op, flags, top_k, n_items,
                                      vec_len, args_len, int(deadline * 1e9))  # fmt: skip
-            slot.state[0] = SlotState.REQUEST
-            _ipc.post(conn.bell)
+            # the GPU's resident kernel takes batch-1 recalls of the default namespace whose
+            # documents come from the arena; it polls the state word (no semaphore)
+            bell = (op == Op.RECALL and flags == Flag.ARENA_DOCS and n_items == 1 and not args_len
+                    and top_k <= conn.doorbell_k())  # fmt: skip
+            if bell:
+                slot.state[0] = SlotState.DOORBELL
+            else:
+                slot.state[0] = SlotState.REQUEST
+                _ipc.post(conn.bell)
             t_sent = time.monotonic_ns()
-            resp = self._wait(conn, slot, seq, deadline, recall=op == Op.RECALL)
+            resp = self._wait(conn, slot, seq, deadline, recall=op == Op.RECALL, doorbell=bell)
             if op == Op.RECALL:  # writes wait for an fsync: they say nothing about recall times
                 self._observe_wait(time.monotonic_ns() - t_sent)
             if resp.resp_len > conn.layout.blob_size:
@@ -855,7 +947,8 @@ class KalosClient:
             if len(chunks) > 1 << 16:
                 raise ProtocolError("response continues without end")
 
-    def _wait(self, conn: _Conn, slot: _Slot, seq: int, deadline: float, *, recall: bool) -> Response:
+    def _wait(self, conn: _Conn, slot: _Slot, seq: int, deadline: float, *, recall: bool,
+              doorbell: bool = False) -> Response:  # fmt: skip
         """Wait for the answer to ``seq``, in up to three phases.
 
         * Answers that typically come within two spin windows (a ping, a GPU index): spin on
@@ -877,7 +970,9 @@ class KalosClient:
         """
         t_sent = time.monotonic_ns()
         typical = self._typical_wait_ns
-        if self.spin_ns and typical < 2 * self.spin_ns:
+        if doorbell:
+            answered = self._spin_doorbell(conn, slot, deadline)
+        elif self.spin_ns and typical < 2 * self.spin_ns:
             answered = self._spin(slot, t_sent + self._short_spin_ns(typical))
         elif self.spin_ns and recall:
             answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical)
@@ -924,6 +1019,24 @@ class KalosClient:
         ``_MAX_MARGIN_SPINS`` spin windows: a slow answer is waited for by blocking.
         """
         return min(max(typical_ns >> 3, self.spin_ns), _MAX_MARGIN_SPINS * self.spin_ns)
+
+    def _spin_doorbell(self, conn: _Conn, slot: _Slot, deadline: float) -> bool:
+        """Wait for the GPU kernel's answer to a DOORBELL request by spinning (it posts no
+        semaphore), checking the sidecar every millisecond. False: the answer is not there yet
+        and the caller blocks for it: the deadline passed, the sidecar is gone, or the request
+        came back as a REQUEST (the kernel stopped, or declined it), which the sidecar answers
+        and posts for (we post its doorbell, since we did not)."""
+        state = slot.state
+        done = (SlotState.RESPONSE, SlotState.ERROR)
+        end = int(deadline * 1e9)
+        while True:
+            if self._spin(slot, min(time.monotonic_ns() + 1_000_000, end)):
+                return True
+            if state[0] == SlotState.REQUEST:
+                _ipc.post(conn.bell)
+                return False
+            if time.monotonic_ns() >= end or not conn.sidecar_alive():
+                return state[0] in done
 
     @staticmethod
     def _spin(slot: _Slot, until_ns: int) -> bool:

@@ -41,7 +41,7 @@ import numpy as np
 
 MAGIC: Final = b"KALOSHM\x00"
 VERSION_MAJOR: Final = 1
-VERSION_MINOR: Final = 0
+VERSION_MINOR: Final = 1
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -96,6 +96,7 @@ class SlotState:
     BUSY: Final = 3
     RESPONSE: Final = 4
     ERROR: Final = 5
+    DOORBELL: Final = 6  # a batch-1 recall for the GPU's resident kernel (see docs/protocol.md)
 
 
 class Op:
@@ -119,14 +120,16 @@ class Flag:
 
     WITH_VECTORS: Final = 1  # RECALL/GET/SCAN: append the stored vectors (float32) to the blob
     NO_DOCS: Final = 2  # RECALL: rows and scores only (no documents in the blob)
+    ARENA_DOCS: Final = 4  # RECALL: each hit's row generation, not its document (see arena.py)
 
 
-KNOWN_FLAGS: Final = Flag.WITH_VECTORS | Flag.NO_DOCS
+KNOWN_FLAGS: Final = Flag.WITH_VECTORS | Flag.NO_DOCS | Flag.ARENA_DOCS
 
 
 class RespFlag:
     MORE: Final = 1  # the blob continues: send Op.CONTINUE for the next chunk
     HAS_VECTORS: Final = 2  # the blob (all chunks joined) ends with float32 vectors
+    ARENA_DOCS: Final = 4  # the blob is one uint32 generation per hit; documents are in the arena
 
 
 class Status:
@@ -185,6 +188,9 @@ _HEADER_FIELDS: Final = (
     ("sidecar_uid", "Q"),
     ("name", "64s"),
     ("backend", "64s"),
+    ("arena_version", "Q"),
+    ("doorbell_k", "I"),
+    ("reserved", "I"),
 )
 HEADER_STRUCT: Final = struct.Struct("<" + "".join(f for _, f in _HEADER_FIELDS))
 
@@ -199,6 +205,7 @@ def _offsets(fields: Sequence[tuple[str, str]]) -> dict[str, int]:
 
 #: byte offset of each header field (the sidecar updates a few in place: state, heartbeat...)
 HEADER_OFFSETS: Final = _offsets(_HEADER_FIELDS)
+_FIELD_INDEX: Final = {name: i for i, (name, _) in enumerate(_HEADER_FIELDS)}
 VERSION_OFFSET: Final = HEADER_OFFSETS["version_major"]
 
 
@@ -298,6 +305,9 @@ class Header:
     sidecar_uid: int
     name: str
     backend: str
+    arena_version: int = 0
+    doorbell_k: int = 0
+    reserved: int = 0
 
     @property
     def layout(self) -> Layout:
@@ -334,6 +344,7 @@ def encode_header(
     capacity: int = 0,
     row_count: int = 0,
     heartbeat_ns: int = 0,
+    arena_version: int = 0,
 ) -> bytes:
     """Header bytes. The sidecar writes them with version 0, then sets the version last."""
     return HEADER_STRUCT.pack(
@@ -360,6 +371,9 @@ def encode_header(
         uid,
         name.encode()[:64],
         backend.encode()[:64],
+        arena_version,
+        0,
+        0,
     )
 
 
@@ -400,8 +414,8 @@ def decode_header(buf: bytes | memoryview, segment_size: int | None = None) -> H
             f"segment speaks protocol v{vals[1]}.{vals[2]}, this client speaks "
             f"v{VERSION_MAJOR}.{VERSION_MINOR}",
         )
-    vals[-2] = vals[-2].rstrip(b"\x00").decode(errors="replace")
-    vals[-1] = vals[-1].rstrip(b"\x00").decode(errors="replace")
+    for f in ("name", "backend"):
+        vals[_FIELD_INDEX[f]] = vals[_FIELD_INDEX[f]].rstrip(b"\x00").decode(errors="replace")
     header = Header(*vals)
     try:
         layout = header.layout

@@ -315,12 +315,18 @@ class Dispatcher:
                 flat = list(_rows_struct(kk).unpack_from(self.mm, spec.rows_addr - self.base_addr))
             else:
                 flat = spec.rows[:, :kk].ravel().tolist()
-            if flat and (min(flat) < 0 or max(flat) >= self.service.rows.high):  # trust nothing
+            rows = self.service.rows
+            if flat and (min(flat) < 0 or max(flat) >= rows.high):  # trust nothing
                 raise Invalid(Status.INTERNAL, "the index returned rows out of range")
-            docs = self.service.rows.docs
+            docs = rows.docs
             hits = [docs[r] for r in flat]
             if None in hits:  # the rows were rewritten in the slot meanwhile
                 raise Invalid(Status.INTERNAL, "the index returned rows that hold no memory")
+            arena = rows.arena
+            if flags & Flag.ARENA_DOCS and arena is not None and not flags & Flag.WITH_VECTORS:
+                # the client reads the documents from the arena: it gets their generations
+                self._respond(i, req, Status.OK, kk, arena.gens(flat).tobytes(), RespFlag.ARENA_DOCS, t0)
+                return
             if flags & Flag.WITH_VECTORS:
                 # the rows checked above, not the slot again (its owner may rewrite it)
                 blob = encode_docs_blob(hits, self.service.vectors(np.array(flat, np.int64)))  # type: ignore[arg-type]

@@ -141,6 +141,9 @@ class Index(abc.ABC):
     def attach_segment(self, mm: Any) -> None:  # noqa: B027 - optional hook
         """Called when a segment is published (GPU: register it with the device)."""
 
+    def arena_moved(self, arena: Any) -> None:  # noqa: B027 - optional hook
+        """The document arena moved to a new version (``arena``; None: it was dropped)."""
+
     def detach_segment(self) -> None:  # noqa: B027 - optional hook
         """Called before a segment is unmapped."""
 

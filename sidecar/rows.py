@@ -9,12 +9,17 @@ so the scanned range stays dense; the GPU backend additionally compacts the tail
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from kalos_retrievers.arena import ArenaWriter
+
 from .metadata import MetadataColumns
+
+log = logging.getLogger("kalos.sidecar")
 
 
 class RowTable:
@@ -32,6 +37,10 @@ class RowTable:
         self.free: list[int] = []
         self.high = 0  # rows >= high are all empty
         self.live = 0
+        # the document arena clients read (kalos_retrievers.arena), kept in step with `docs`;
+        # on_arena_moved(version) runs when it moved to a new version
+        self.arena: ArenaWriter | None = None
+        self.on_arena_moved: Callable[[int], None] = lambda version: None
 
     # ------------------------------------------------------------------ namespaces
     def ns_id(self, name: str, create: bool = False) -> int | None:
@@ -81,9 +90,28 @@ class RowTable:
         self.ns_of[row] = ns
         self.ids[row] = id_
         self.docs[row] = doc
+        if self.arena is not None:
+            self._in_arena(self.arena.put, row, doc)
         self.created[row] = created_at
         self.meta.set(row, metadata)
         self.key_row[(ns, id_)] = row
+
+    def _in_arena(self, change: Callable[..., bool | None], *args: Any) -> None:
+        """Apply one change to the arena. The arena is a copy for clients: if it cannot follow
+        (no room left in /dev/shm for a larger version), it is dropped, never the row table's
+        own change; recalls then carry their documents in the response again."""
+        arena = self.arena
+        assert arena is not None
+        try:
+            moved = change(*args)
+        except Exception:
+            log.exception("the document arena cannot follow the row table; dropping it")
+            self.arena = None
+            arena.close()
+            self.on_arena_moved(0)
+            return
+        if moved:
+            self.on_arena_moved(arena.version)
 
     def remove(self, row: int) -> None:
         ns = int(self.ns_of[row])
@@ -94,6 +122,8 @@ class RowTable:
         self.ns_of[row] = -1
         self.ids[row] = None
         self.docs[row] = None
+        if self.arena is not None:
+            self._in_arena(self.arena.clear, row)
         self.meta.clear(row)
         self.ns_count[ns] -= 1
         self.live -= 1
@@ -116,6 +146,8 @@ class RowTable:
         self.ns_of[dst], self.ns_of[src] = ns, -1
         self.ids[dst], self.ids[src] = self.ids[src], None
         self.docs[dst], self.docs[src] = self.docs[src], None
+        if self.arena is not None:
+            self._in_arena(self.arena.move, src, dst)
         self.created[dst] = self.created[src]
         self.meta.move(src, dst)
         self.key_row[(ns, self.ids[dst])] = dst  # type: ignore[index]

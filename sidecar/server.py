@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kalos_retrievers import _ipc
+from kalos_retrievers.arena import ArenaWriter, arena_name
 from kalos_retrievers.errors import PermissionDenied
 from kalos_retrievers.protocol import (
     DTYPES,
@@ -166,6 +167,8 @@ class Server:
         # a second, spurious re-publication).
         self._publish_lock = threading.Lock()
         self._fatal = False
+        self.arena: ArenaWriter | None = None
+        self._arena_segs: dict[int, _ipc.Segment] = {}
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -232,8 +235,10 @@ class Server:
             raise StartError(f"could not claim the name {cfg.name!r}", EXIT_NAME_IN_USE)
         self.seg = seg
         # The name is ours now: response semaphores beyond our slot count were left by a dead
-        # sidecar of this name that had more slots (create_semaphore below replaces the rest).
+        # sidecar of this name that had more slots (create_semaphore below replaces the rest),
+        # and document arenas by a dead sidecar of this name.
         _remove_extra_semaphores(cfg.name, lay.n_slots)
+        _remove_stale_arenas(cfg.name)
         self.boot_epoch = random.getrandbits(63) | 1
         self._write_header(SidecarState.INITIALIZING, version=0)
         try:  # one by one, so that close() removes exactly those we created
@@ -244,6 +249,8 @@ class Server:
         except PermissionDenied as e:  # another user's semaphore under our name
             raise StartError(str(e), EXIT_PERMISSION) from None
         assert self.service is not None
+        if self.arena is None:  # a re-publication keeps the arena it has
+            self._open_arena()
         try:
             self.service.index.attach_segment(seg.mm)
         except FatalDeviceError as e:
@@ -253,6 +260,40 @@ class Server:
         log.info("segment %s: %d slots of %d KiB (%.1f MiB in all), dim=%d, metric=%s",
                  name, lay.n_slots, lay.slot_size // 1024, lay.segment_size / 2**20, cfg.dim,
                  cfg.metric)  # fmt: skip
+
+    def _open_arena(self) -> None:
+        """Create the document arena and keep the row table's documents in it."""
+        name = self.cfg.name
+
+        def open_segment(version: int, size: int) -> Any:
+            try:
+                seg = _ipc.Segment.create(arena_name(name, version), size)
+            except (FileExistsError, PermissionDenied) as e:
+                raise StartError(f"cannot create the document arena {arena_name(name, version)}: {e}",
+                                 EXIT_PERMISSION) from None  # fmt: skip
+            self._arena_segs[version] = seg
+            return seg.mm
+
+        def unlink(version: int) -> None:
+            _ipc.unlink_segment(arena_name(name, version))
+            seg = self._arena_segs.pop(version, None)
+            if seg is not None:
+                seg.close()
+
+        assert self.service is not None
+        self.arena = ArenaWriter(open_segment, unlink)
+        rows = self.service.rows
+        rows.arena = self.arena
+        rows.on_arena_moved = self._arena_moved
+        self._arena_moved(self.arena.version)
+
+    def _arena_moved(self, version: int) -> None:
+        if version == 0:  # dropped (see RowTable._in_arena)
+            self.arena = None
+        if self.seg is not None:
+            struct.pack_into("<Q", self.seg.mm, HEADER_OFFSETS["arena_version"], version)
+        if self.service is not None:
+            self.service.index.arena_moved(self.arena)
 
     def _holds_name(self, seg: _ipc.Segment, name: str) -> bool:
         """Take the sidecar lock on a segment we just created, and check the name still points
@@ -295,7 +336,7 @@ class Server:
             dtype=DTYPES.get(idx.dtype, 0), pid=os.getpid(), uid=os.getuid(),
             boot_epoch=self.boot_epoch, name=self.cfg.name, backend=idx.name, state=state,
             version_major=0, capacity=idx.capacity, row_count=self.service.rows.live,
-            heartbeat_ns=time.monotonic_ns(),
+            heartbeat_ns=time.monotonic_ns(), arena_version=self.arena.version if self.arena else 0,
         )  # fmt: skip
         self.seg.mm[: len(hdr)] = hdr
         if version:
@@ -539,6 +580,12 @@ class Server:
             if not self._fatal:  # a faulted context cannot be cleaned up; the exit frees it
                 self.service.index.close()
             self.service = None
+        if self.arena is not None:
+            self.arena.close()  # unlinks the current version
+            self.arena = None
+        for seg in self._arena_segs.values():
+            seg.close()
+        self._arena_segs.clear()
         log.info("stopped")
 
 
@@ -621,6 +668,21 @@ def _remove_extra_semaphores(name: str, n_slots: int) -> None:
             log.info("removing the stale semaphore %s", entry)
             with contextlib.suppress(Exception):  # e.g. another user's: leave it
                 _ipc.unlink_semaphore(response_sem_name(name, int(m.group(1))))
+
+
+def _remove_stale_arenas(name: str) -> None:
+    """Unlink ``/kalos-NAME-docs.V`` left by a dead sidecar of this name (ours only)."""
+    pat = re.compile(rf"^kalos-{re.escape(name)}-docs\.(\d+)$")
+    try:
+        entries = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for entry in entries:
+        m = pat.match(entry)
+        if m and _owned_by_us(f"/dev/shm/{entry}"):
+            log.info("removing the stale document arena %s", entry)
+            with contextlib.suppress(Exception):
+                _ipc.unlink_segment(arena_name(name, int(m.group(1))))
 
 
 def _owned_by_us(path: str) -> bool:

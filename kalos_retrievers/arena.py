@@ -1,0 +1,226 @@
+"""The document arena: every row's encoded document in shared memory, readable by clients.
+
+A recall answered by the GPU's resident kernel (see ``docs/gpu-notes.md``) has no sidecar
+Python on its path, so nobody copies the hits' documents into the response. Instead the
+sidecar keeps each row's document (the same bytes a response blob carries: id, text,
+metadata) in a second segment, ``/kalos-NAME-docs.V``, and the response carries, next to each
+hit's row, the row's *generation*. The client reads the document itself and checks the
+generation: a row rewritten after the search answered shows another generation, and the
+client asks again through the sidecar instead of returning a document the search never saw.
+
+Layout (all little-endian)::
+
+    [ header 64 B ][ row table: rows_cap x 16 B ][ heap: heap_size B ]
+
+    header   magic "KALOSDOC", u32 version (= ARENA_VERSION), u32 pad, u64 rows_cap,
+             u64 heap_size, u64 heap_used, u64 live_bytes, 16 B reserved
+    entry    u64 offset (into the heap), u32 length, u32 gen
+
+An entry is a seqlock: the writer makes ``gen`` odd, writes offset and length, then makes it
+even again; a reader takes the entry only if it read the same even ``gen`` before and after,
+and that ``gen`` is the one the response named. Document bytes are appended to the heap and
+never rewritten in place, so bytes an entry points to never change. When the heap or the table
+is full the sidecar writes a larger arena (live documents only) under the next version ``V+1``,
+publishes ``V+1`` in the main segment's header and unlinks the old name; clients map the new
+one when they see the version change (an old mapping stays readable, and its generations no
+longer match rows rewritten since, so nothing stale is returned).
+
+x86-64 store ordering makes the seqlock safe without fences in Python; elsewhere the client
+does not use the arena (it asks for documents in the response instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import struct
+from typing import Final
+
+import numpy as np
+
+ARENA_MAGIC: Final = b"KALOSDOC"
+ARENA_VERSION: Final = 1
+ARENA_HEADER: Final = struct.Struct("<8sIIQQQQ16x")  # magic version pad rows_cap heap_size heap_used live_bytes
+ARENA_HEADER_SIZE: Final = 64
+ENTRY: Final = struct.Struct("<QII")  # offset length gen
+ENTRY_SIZE: Final = 16
+ENTRY_DTYPE: Final = np.dtype([("off", "<u8"), ("len", "<u4"), ("gen", "<u4")])
+_GEN: Final = struct.Struct("<I")
+_GEN_AT: Final = 12  # byte offset of gen inside an entry
+
+
+def arena_name(name: str, version: int) -> str:
+    """The shared-memory name of version ``version`` of sidecar ``name``'s arena."""
+    return f"/kalos-{name}-docs.{version}"
+
+
+def arena_size(rows_cap: int, heap_size: int) -> int:
+    return ARENA_HEADER_SIZE + ENTRY_SIZE * rows_cap + heap_size
+
+
+def heap_offset(rows_cap: int) -> int:
+    return ARENA_HEADER_SIZE + ENTRY_SIZE * rows_cap
+
+
+class ArenaView:
+    """Reads documents from a mapped arena (the client's side). Pure: it is given the bytes."""
+
+    __slots__ = ("_buf", "_heap", "rows_cap", "version")
+
+    def __init__(self, buf: mmap.mmap | memoryview | bytearray, version: int) -> None:
+        magic, v, _, rows_cap, heap_size, _, _ = ARENA_HEADER.unpack_from(buf, 0)
+        if magic != ARENA_MAGIC or v != ARENA_VERSION:
+            raise ValueError(f"not a Kalos document arena (magic {magic!r}, version {v})")
+        if len(buf) < arena_size(rows_cap, heap_size):
+            raise ValueError("document arena is shorter than its header says")
+        self._buf = memoryview(buf)
+        self._heap = heap_offset(rows_cap)
+        self.rows_cap = rows_cap
+        self.version = version
+
+    def get(self, row: int, gen: int) -> memoryview | None:
+        """Row ``row``'s document if its generation is ``gen`` (and no write is under way);
+        else None: the row changed since the answer named it, or is being written."""
+        if not 0 <= row < self.rows_cap:
+            return None
+        at = ARENA_HEADER_SIZE + ENTRY_SIZE * row
+        buf = self._buf
+        off, length, g1 = ENTRY.unpack_from(buf, at)
+        if g1 != gen or g1 & 1 or not length:
+            return None
+        doc = buf[self._heap + off : self._heap + off + length]
+        if _GEN.unpack_from(buf, at + _GEN_AT)[0] != g1:  # rewritten while we read the entry
+            return None
+        return doc
+
+    def release(self) -> None:
+        self._buf.release()
+
+
+class ArenaWriter:
+    """Keeps the arena (the sidecar's side): one writer, any number of readers.
+
+    ``open_segment(version, size)`` creates the segment of that version and returns a writable
+    buffer over it (the sidecar's makes ``/kalos-NAME-docs.V``, mode 0600); ``unlink(version)``
+    removes an old one. Tests pass bytearrays.
+    """
+
+    def __init__(self, open_segment, unlink, rows_cap: int = 1024, heap_size: int = 1 << 20) -> None:  # type: ignore[no-untyped-def]
+        self._open, self._unlink = open_segment, unlink
+        self.version = 0
+        self.buf: mmap.mmap | bytearray | None = None
+        self.rows_cap = 0
+        self.heap_size = 0
+        self.heap_used = 0
+        self.live_bytes = 0
+        self._off = self._len = self._gen = np.zeros(0, np.uint32)
+        self._remap(max(16, rows_cap), max(4096, heap_size))
+
+    # ------------------------------------------------------------------ reading back
+    def gens(self, rows: np.ndarray | list[int]) -> np.ndarray:
+        """The current generation of each row (uint32)."""
+        return self._gen[np.asarray(rows, np.int64)]
+
+    def get(self, row: int) -> bytes | None:
+        """Row ``row``'s document as stored (None: no document)."""
+        if row >= self.rows_cap or not self._len[row]:
+            return None
+        h = heap_offset(self.rows_cap) + int(self._off[row])
+        return bytes(self.buf[h : h + int(self._len[row])])  # type: ignore[index]
+
+    # ------------------------------------------------------------------ writing
+    def put(self, row: int, doc: bytes) -> bool:
+        """Store row ``row``'s document; True when that moved the arena to a new version."""
+        moved = self._fit(row, len(doc))
+        off = self.heap_used
+        h = heap_offset(self.rows_cap) + off
+        self.buf[h : h + len(doc)] = doc  # type: ignore[index]
+        self.heap_used += len(doc)
+        self.live_bytes += len(doc) - int(self._len[row])
+        self._entry(row, off, len(doc))
+        self._sync_header()
+        return moved
+
+    def clear(self, row: int) -> None:
+        if row >= self.rows_cap or not self._len[row]:
+            return
+        self.live_bytes -= int(self._len[row])
+        self._entry(row, 0, 0)
+        self._sync_header()
+
+    def move(self, src: int, dst: int) -> bool:
+        """Row ``src``'s document now belongs to row ``dst`` (compaction); True when the arena
+        moved to a new version."""
+        moved = self._fit(max(src, dst), 0)
+        off, length = int(self._off[src]), int(self._len[src])
+        self.live_bytes -= int(self._len[dst])
+        self._entry(dst, off, length)
+        self._entry(src, 0, 0)
+        self._sync_header()
+        return moved
+
+    def close(self, unlink: bool = True) -> None:
+        self._off = self._len = self._gen = np.zeros(0, np.uint32)
+        _close(self.buf)
+        self.buf = None
+        if unlink and self.version:
+            self._unlink(self.version)
+            self.version = 0
+
+    # ------------------------------------------------------------------ internals
+    def _entry(self, row: int, off: int, length: int) -> None:
+        """Rewrite one entry under its seqlock (odd generation while the words change)."""
+        g = int(self._gen[row]) + 1
+        self._gen[row] = g
+        self._off[row] = off
+        self._len[row] = length
+        self._gen[row] = g + 1
+
+    def _sync_header(self) -> None:
+        ARENA_HEADER.pack_into(self.buf, 0, ARENA_MAGIC, ARENA_VERSION, 0, self.rows_cap,  # type: ignore[arg-type]
+                               self.heap_size, self.heap_used, self.live_bytes)  # fmt: skip
+
+    def _fit(self, row: int, nbytes: int) -> bool:
+        rows_cap, heap = self.rows_cap, self.heap_size
+        if row < rows_cap and self.heap_used + nbytes <= heap:
+            return False
+        while row >= rows_cap:
+            rows_cap *= 2
+        while heap < 2 * (self.live_bytes + nbytes):  # written compacted: room for as much again
+            heap *= 2
+        self._remap(rows_cap, heap)
+        return True
+
+    def _remap(self, rows_cap: int, heap_size: int) -> None:
+        """Write version V+1 with the live documents packed, publish it, drop version V."""
+        old_buf, old_version, old_cap = self.buf, self.version, self.rows_cap
+        version = self.version + 1
+        buf = self._open(version, arena_size(rows_cap, heap_size))
+        table = np.ndarray((rows_cap,), ENTRY_DTYPE, buf, ARENA_HEADER_SIZE)
+        table[:] = 0
+        off, length, gen = table["off"], table["len"], table["gen"]
+        # generations carry over: a reader holding an answer's generations finds the same
+        # documents in the new version
+        gen[:old_cap] = self._gen
+        used = 0
+        if old_buf is not None:
+            h, oh = heap_offset(rows_cap), heap_offset(old_cap)
+            for row in np.flatnonzero(self._len).tolist():
+                o, n = int(self._off[row]), int(self._len[row])
+                buf[h + used : h + used + n] = old_buf[oh + o : oh + o + n]
+                off[row], length[row] = used, n
+                used += n
+        self._off, self._len, self._gen = off, length, gen
+        self.buf, self.version = buf, version
+        self.rows_cap, self.heap_size, self.heap_used = rows_cap, heap_size, used
+        self._sync_header()
+        _close(old_buf)
+        if old_version:
+            self._unlink(old_version)
+
+
+def _close(buf: object) -> None:
+    """Close a mapping (bytearrays have nothing to close; a view still held keeps it open)."""
+    if buf is not None and hasattr(buf, "close"):
+        with contextlib.suppress(BufferError):
+            buf.close()

@@ -1,0 +1,108 @@
+"""The document arena: what a reader may take, and what survives the arena moving to a new
+version (pure: bytearrays stand in for the segments)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE, ArenaView, ArenaWriter
+
+
+class _Segments:
+    """Named versions as bytearrays; unlink drops the name (a reader's reference stays)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, bytearray] = {}
+
+    def open(self, version: int, size: int) -> bytearray:
+        assert version not in self.live
+        self.live[version] = buf = bytearray(size)
+        return buf
+
+    def unlink(self, version: int) -> None:
+        del self.live[version]
+
+
+def writer(rows_cap: int = 16, heap: int = 4096) -> tuple[ArenaWriter, _Segments]:
+    segs = _Segments()
+    return ArenaWriter(segs.open, segs.unlink, rows_cap, heap), segs
+
+
+def view(w: ArenaWriter) -> ArenaView:
+    assert w.buf is not None
+    return ArenaView(w.buf, w.version)  # type: ignore[arg-type]
+
+
+def test_a_reader_takes_a_document_only_at_the_generation_it_was_given() -> None:
+    w, _ = writer()
+    w.put(3, b"three")
+    g = int(w.gens([3])[0])
+    v = view(w)
+    assert bytes(v.get(3, g)) == b"three"  # type: ignore[arg-type]
+    assert v.get(3, g + 2) is None and v.get(3, g - 2) is None
+    w.put(3, b"THREE, rewritten")
+    g2 = int(w.gens([3])[0])
+    assert g2 > g
+    assert v.get(3, g) is None  # the answer named the old document: not returned
+    assert bytes(v.get(3, g2)) == b"THREE, rewritten"  # type: ignore[arg-type]
+    w.clear(3)
+    assert v.get(3, g2) is None and v.get(3, int(w.gens([3])[0])) is None  # no document
+    assert v.get(99, 0) is None and v.get(-1, 0) is None  # outside the table
+
+
+def test_an_entry_being_written_is_not_read() -> None:
+    w, _ = writer()
+    w.put(5, b"five")
+    g = int(w.gens([5])[0])
+    v = view(w)
+    at = ARENA_HEADER_SIZE + ENTRY_SIZE * 5 + 12
+    w.buf[at : at + 4] = (g + 1).to_bytes(4, "little")  # type: ignore[index]  # the writer's odd mark
+    assert v.get(5, g) is None and v.get(5, g + 1) is None
+    w.buf[at : at + 4] = g.to_bytes(4, "little")  # type: ignore[index]
+    assert bytes(v.get(5, g)) == b"five"  # type: ignore[arg-type]
+
+
+def test_growth_moves_to_a_new_version_keeping_documents_and_generations() -> None:
+    w, segs = writer(rows_cap=16, heap=4096)
+    rng = np.random.default_rng()
+    want: dict[int, bytes] = {}
+    old_view = view(w)
+    moved = 0
+    for i in range(2000):
+        row = int(rng.integers(0, 700))
+        doc = bytes(rng.integers(0, 256, int(rng.integers(1, 97)), dtype=np.uint8))
+        moved += w.put(row, doc)
+        want[row] = doc
+        if i % 7 == 0:
+            gone = int(rng.integers(0, 700))
+            w.clear(gone)
+            want.pop(gone, None)
+    assert moved >= 3 and w.version == moved + 1 and list(segs.live) == [w.version]  # old names unlinked
+    v = view(w)
+    gens = w.gens(list(want))
+    for (row, doc), g in zip(want.items(), gens, strict=True):
+        assert bytes(v.get(row, int(g))) == doc  # type: ignore[arg-type]
+    assert w.live_bytes == sum(map(len, want.values()))
+    # a reader still holding version 1 reads only what is unchanged since, never a wrong doc
+    for row, doc in want.items():
+        got = old_view.get(row, int(w.gens([row])[0]))
+        assert got is None or bytes(got) == doc
+
+
+def test_move_hands_the_document_to_the_new_row() -> None:
+    w, _ = writer()
+    w.put(9, b"nine")
+    w.put(2, b"two")
+    g9 = int(w.gens([9])[0])
+    w.clear(2)
+    w.move(9, 2)
+    v = view(w)
+    assert v.get(9, g9) is None and v.get(9, int(w.gens([9])[0])) is None
+    assert bytes(v.get(2, int(w.gens([2])[0]))) == b"nine"  # type: ignore[arg-type]
+    assert w.get(2) == b"nine" and w.get(9) is None
+
+
+def test_a_buffer_that_is_not_an_arena_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a Kalos document arena"):
+        ArenaView(bytearray(4096), 1)
