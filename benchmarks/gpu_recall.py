@@ -38,8 +38,10 @@ K = 10
 
 def sidecar_view(st: dict[str, Any]) -> dict[str, Any]:
     """The part of ``KalosClient.stats()`` that says where the sidecar's time went."""
+    idx = st.get("index", {})
     return {"recall": st["latency"].get("recall"), "phases": st.get("phases"),
-            "batches": st.get("batches"), "batched_queries": st.get("batched_queries")}  # fmt: skip
+            "batches": st.get("batches"), "batched_queries": st.get("batched_queries"),
+            "doorbell_served": idx.get("doorbell_served"), "doorbell_launches": idx.get("doorbell_launches")}  # fmt: skip
 
 
 def gpu_name() -> str:

@@ -55,7 +55,8 @@ def arena_name(name: str, version: int) -> str:
 
 
 def arena_size(rows_cap: int, heap_size: int) -> int:
-    return ARENA_HEADER_SIZE + ENTRY_SIZE * rows_cap + heap_size
+    """Bytes of an arena segment: whole pages (the GPU backend registers its row table)."""
+    return -(-(ARENA_HEADER_SIZE + ENTRY_SIZE * rows_cap + heap_size) // 4096) * 4096
 
 
 def heap_offset(rows_cap: int) -> int:

@@ -607,14 +607,15 @@ __device__ __forceinline__ void final_fence() {
 //   TPR threads score one row together (each 16-byte chunk c of the row goes to lane c % TPR);
 //   rows are spread over blocks and groups with a grid stride.
 
+// The body, shared with doorbell_topk (which runs it once per request): returns, in the last
+// block only (after it wrote the answer), how many results query 0 has; -1 elsewhere. The
+// queries are read through L2 (__ldcg): the resident kernel rewrites them between requests.
 template <typename T, int TPR, int QB, int METRIC>
-__global__ void __launch_bounds__(KALOS_BLOCK)
-scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
-          const float* __restrict__ rowscale, const Params* __restrict__ p,
-          const float* __restrict__ qbuf, const signed char* __restrict__ qbuf_i8, int ld, int buf,
-          float* __restrict__ scratch_k, int* __restrict__ scratch_v,
-          unsigned int* __restrict__ sync) {
-    extern __shared__ float smem[];
+__device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
+                         const float* __restrict__ rowscale, const Params* p,
+                         const float* qbuf, const signed char* qbuf_i8, int ld, int buf,
+                         float* __restrict__ scratch_k, int* __restrict__ scratch_v,
+                         unsigned int* __restrict__ sync, float* smem) {
     __shared__ int s_cnt[QB];
     __shared__ float s_thr[QB];
     constexpr int V = Vec<T>::N;
@@ -629,11 +630,11 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
         for (int i = threadIdx.x; i < QB * ld; i += blockDim.x)
             sb[(size_t)(i / ld) * ld * 4 + i % ld] = (i / ld) < nq ? (unsigned char)qbuf_i8[i] : 0;
     } else {
-        for (int i = threadIdx.x; i < QB * ld; i += blockDim.x) sq[i] = (i / ld) < nq ? qbuf[i] : 0.f;
+        for (int i = threadIdx.x; i < QB * ld; i += blockDim.x) sq[i] = (i / ld) < nq ? __ldcg(qbuf + i) : 0.f;
     }
     if (threadIdx.x < QB) { s_cnt[threadIdx.x] = 0; s_thr[threadIdx.x] = neg_inf(); }
     __syncthreads();
-    if (KALOS_PROBE & PROBE_EMPTY) return;
+    if (KALOS_PROBE & PROBE_EMPTY) return -1;
 
     const int lane = threadIdx.x % TPR;
     const int group = threadIdx.x / TPR;
@@ -692,7 +693,7 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
         if (!(KALOS_PROBE & PROBE_NO_SYNC)) __syncthreads();
         if (!(KALOS_PROBE & PROBE_NO_OFFERS)) c.make_room(k, groups, scan_cap);
     }
-    if (KALOS_PROBE & PROBE_NO_TAIL) return;
+    if (KALOS_PROBE & PROBE_NO_TAIL) return -1;
     // this block's best k per query -> the appended lists; the last block merges them
     const int cap = gridDim.x * k;
     for (int q = 0; q < QB; q++) {
@@ -700,14 +701,252 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
         if (KALOS_PROBE & PROBE_NO_APPEND) continue;
         if (q < nq) append_list(c.key + q * c.buf, c.val + q * c.buf, c.cnt[q], k, q, sync, scratch_k, scratch_v, cap);
     }
-    if (KALOS_PROBE & PROBE_NO_APPEND) return;
-    if (last_block(sync)) {
-        if (KALOS_PROBE & PROBE_NO_MERGE) {
-            if (threadIdx.x < QB) { sync_count(sync)[threadIdx.x] = 0; sync_bound(sync)[threadIdx.x] = f2ord(neg_inf()); }
-            return;
-        }
-        for (int q = 0; q < nq && q < QB; q++) merge_appended(c, p, q, k, sync, scratch_k, scratch_v, cap);
+    if (KALOS_PROBE & PROBE_NO_APPEND) return -1;
+    if (!last_block(sync)) return -1;
+    if (KALOS_PROBE & PROBE_NO_MERGE) {
+        if (threadIdx.x < QB) { sync_count(sync)[threadIdx.x] = 0; sync_bound(sync)[threadIdx.x] = f2ord(neg_inf()); }
+        return -1;
+    }
+    for (int q = 0; q < nq && q < QB; q++) merge_appended(c, p, q, k, sync, scratch_k, scratch_v, cap);
+    return c.cnt[0];
+}
+
+template <typename T, int TPR, int QB, int METRIC>
+__global__ void __launch_bounds__(KALOS_BLOCK)
+scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
+          const float* __restrict__ rowscale, const Params* __restrict__ p,
+          const float* __restrict__ qbuf, const signed char* __restrict__ qbuf_i8, int ld, int buf,
+          float* __restrict__ scratch_k, int* __restrict__ scratch_v,
+          unsigned int* __restrict__ sync) {
+    extern __shared__ float smem[];
+    if (scan_body<T, TPR, QB, METRIC>(data, ns, sqnorm, rowscale, p, qbuf, qbuf_i8, ld, buf, scratch_k,
+                                      scratch_v, sync, smem) >= 0)
         final_fence();
+}
+
+// ------------------------------------------------------------------------------------------
+// doorbell_topk<T, TPR, METRIC>: the resident kernel. Launched once and left running, it answers
+// batch-1 recalls that clients hand it through the mapped segment, with no host work at all:
+//
+//   block 0, warp 0   polls the slots' state words (host memory, over PCIe) for DOORBELL;
+//   block 0           checks the request, marks the slot BUSY, reads the query from the slot,
+//                     normalizes it into qbuf, writes params, and bumps the generation `gen`;
+//   every block       (waiting on gen in L2) runs scan_body: the fused scan, the appended
+//                     lists, the last block's merge, which writes rows and scores to the slot;
+//   the last block    writes each hit's arena generation into the blob, the response words,
+//                     then state = RESPONSE, and marks the request done.
+//
+// Block 0 takes the next request only after `done` says every block finished the last one
+// (params, qbuf and the merge's scratch are reused). A request it does not take as it stands
+// (another op, a filter, a namespace, vectors asked, k above max_k) goes back to the sidecar as
+// REQUEST; so do all of them when several wait at once: the sidecar's batched path answers a
+// crowd with one pass over the rows, the resident kernel would make one pass each. The host
+// stops the kernel (ctl->stop) before it changes rows or launches other work; a request in
+// hand is answered first. Host memory is read with volatile loads (never cached), params and
+// qbuf through L2.
+
+#define ST_REQUEST 2
+#define ST_BUSY 3
+#define ST_RESPONSE 4
+#define ST_DOORBELL 6
+#define OP_RECALL 2
+#define FLAG_ARENA_DOCS 4
+#define RESP_ARENA_DOCS 4
+
+// Written by the host (registered, mapped memory) while the kernel is stopped.
+struct BellCtl {
+    int stop;                    // the host sets 1: the kernel returns (after the request in hand)
+    int n_rows;                  // rows [0, n_rows) are scanned
+    int ns_id;                   // the default namespace's id, NS_ANY when dense, -3 when absent
+    int n_slots;
+    u64 seg;                     // device address of the mapped segment
+    u64 slot0;                   // byte offset of slot 0
+    u64 slot_size;
+    int payload_off, rows_off, scores_off, blob_off;
+    int dim, max_k;
+    u64 arena;                   // device address of the mapped arena's row table (16-byte entries)
+    int arena_rows, pad;
+    u64 served;                  // recalls this kernel answered (it counts; the host reads)
+};
+
+// Device words (zeroed by the host before each launch): [0] gen, [1] done, [2] stop seen,
+// [3] the slot in hand, [4..5] its seq, [6] requests answered since the launch.
+#define BELL_WORDS 8
+
+__device__ __forceinline__ unsigned int vload(const unsigned int* p) {
+    return *reinterpret_cast<const volatile unsigned int*>(p);
+}
+
+template <typename T, int TPR, int METRIC>
+__global__ void __launch_bounds__(KALOS_BLOCK)
+doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
+              Params* params, float* qbuf, int ld, int buf, float* __restrict__ scratch_k,
+              int* __restrict__ scratch_v, unsigned int* __restrict__ sync, BellCtl* ctl_,
+              unsigned int* bell) {
+    extern __shared__ float smem[];
+    __shared__ Params sp;        // this request's params (a copy: the scan reads them often)
+    __shared__ int s_go;         // block 0: the slot taken (-1 none yet, -2 stop); others: 1 go, -2 stop
+    __shared__ float s_red[KALOS_BLOCK / 32];
+    volatile BellCtl* ctl = ctl_;
+    const int n_slots = ctl->n_slots, dim = ctl->dim, max_k = ctl->max_k;
+    const u64 seg = ctl->seg, slot0 = ctl->slot0, slot_size = ctl->slot_size;
+    const int payload_off = ctl->payload_off, rows_off = ctl->rows_off;
+    const int scores_off = ctl->scores_off, blob_off = ctl->blob_off;
+    const u64 arena = ctl->arena;
+    const int arena_rows = ctl->arena_rows;
+    unsigned int seen = 0;       // requests this block has taken part in
+    unsigned int rot = 0;        // where the poll starts (fairness between slots)
+    for (;;) {
+        if (blockIdx.x == 0) {
+            if (threadIdx.x == 0) {
+                while (vload(bell + 1) != seen) __nanosleep(64);  // every block done with the last
+                s_go = -1;
+            }
+            __syncthreads();
+            if (threadIdx.x < 32) {
+                const int lane = threadIdx.x;
+                for (;;) {
+                    int stop = lane == 0 ? ctl->stop : 0;
+                    if (__shfl_sync(0xffffffffu, stop, 0)) { if (lane == 0) s_go = -2; break; }
+                    // one state word per lane per round, all reads in flight together
+                    int mine = -1, count = 0;
+                    for (int b = 0; b < n_slots; b += 32) {
+                        int i = b + ((lane + rot) & 31);
+                        unsigned int st = 0;
+                        if (i < n_slots) st = *reinterpret_cast<volatile unsigned int*>(seg + slot0 + (u64)i * slot_size);
+                        unsigned int hit = __ballot_sync(0xffffffffu, st == ST_DOORBELL);
+                        if (st == ST_DOORBELL && mine < 0) mine = i;
+                        count += __popc(hit);
+                    }
+                    if (count == 0) { __nanosleep(128); continue; }
+                    rot += 7;
+                    if (count > 1) {  // a crowd: the sidecar's batched path serves it better
+                        for (int b = 0; b < n_slots; b += 32) {
+                            int i = b + lane;
+                            if (i < n_slots) {
+                                volatile unsigned int* w = reinterpret_cast<volatile unsigned int*>(seg + slot0 + (u64)i * slot_size);
+                                if (*w == ST_DOORBELL) *w = ST_REQUEST;
+                            }
+                        }
+                        __threadfence_system();
+                        continue;
+                    }
+                    unsigned int who = __ballot_sync(0xffffffffu, mine >= 0);
+                    int src = __ffs(who) - 1;
+                    int slot = __shfl_sync(0xffffffffu, mine, src);
+                    if (lane == 0) s_go = slot;
+                    break;
+                }
+            }
+            __syncthreads();
+            const int slot = s_go;
+            if (slot == -2) {
+                if (threadIdx.x == 0) { bell[2] = 1; __threadfence(); }
+                return;
+            }
+            const u64 sb = seg + slot0 + (u64)slot * slot_size;
+            // the request's control words (host memory)
+            const volatile unsigned int* w = reinterpret_cast<const volatile unsigned int*>(sb);
+            const unsigned int op = w[4], flags = w[5], top_k = w[6], n_items = w[7];
+            const u64 vec_len = (u64)w[8] | ((u64)w[9] << 32), args_len = (u64)w[10] | ((u64)w[11] << 32);
+            const u64 seq = (u64)w[2] | ((u64)w[3] << 32);
+            const bool ok = op == OP_RECALL && flags == FLAG_ARENA_DOCS && n_items == 1 && args_len == 0 &&
+                            vec_len == 4ull * dim && top_k >= 1 && (int)top_k <= max_k && ctl->ns_id != -3;
+            __syncthreads();  // everyone has read the words before thread 0 changes the state
+            if (!ok) {
+                if (threadIdx.x == 0) {
+                    *reinterpret_cast<volatile unsigned int*>(sb) = ST_REQUEST;
+                    __threadfence_system();
+                }
+                continue;  // the sidecar answers it (the client posts its doorbell on seeing REQUEST)
+            }
+            if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned int*>(sb) = ST_BUSY;
+            // the query: volatile loads of host memory, then its norm
+            const volatile float* q = reinterpret_cast<const volatile float*>(sb + payload_off);
+            float part = 0.f;
+            for (int i = threadIdx.x; i < ld; i += blockDim.x) {
+                float v = i < dim ? q[i] : 0.f;
+                qbuf[i] = v;
+                part += v * v;
+            }
+            for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+            if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = part;
+            __syncthreads();
+            float ssq = 0.f;
+            for (int i = 0; i < KALOS_BLOCK / 32; i++) ssq += s_red[i];
+            const float scale = (METRIC == METRIC_COSINE && ssq > 0.f) ? rsqrtf(ssq) : 1.f;
+            if (METRIC == METRIC_COSINE)
+                for (int i = threadIdx.x; i < ld; i += blockDim.x) qbuf[i] *= scale;
+            if (threadIdx.x == 0) {
+                params->n_queries = 1;
+                params->k = (int)top_k;
+                params->n_rows = ctl->n_rows;
+                params->ns_id = ctl->ns_id;
+                params->mask = nullptr;
+                params->out_ld = (int)top_k;
+                params->seq = 0;
+                params->out_rows[0] = reinterpret_cast<int*>(sb + rows_off);
+                params->out_scores[0] = reinterpret_cast<float*>(sb + scores_off);
+                params->qnorm2[0] = (METRIC == METRIC_COSINE && ssq > 0.f) ? 1.f : ssq;
+                params->qscale[0] = 1.f;
+                bell[3] = (unsigned int)slot;
+                bell[4] = (unsigned int)seq;
+                bell[5] = (unsigned int)(seq >> 32);
+            }
+            __threadfence();  // qbuf and params before gen
+            __syncthreads();
+            if (threadIdx.x == 0) atomicAdd(bell, 1u);
+        } else {
+            if (threadIdx.x == 0) {
+                for (;;) {
+                    if (vload(bell) != seen) { s_go = 1; break; }
+                    if (vload(bell + 2)) { s_go = -2; break; }
+                    __nanosleep(100);
+                }
+            }
+            __syncthreads();
+            if (s_go == -2) return;
+        }
+        seen++;
+        __threadfence();
+        // this request's params into shared memory, through L2
+        {
+            const unsigned int* src = reinterpret_cast<const unsigned int*>(params);
+            unsigned int* dst = reinterpret_cast<unsigned int*>(&sp);
+            for (int i = threadIdx.x; i < (int)(sizeof(Params) / 4); i += blockDim.x) dst[i] = __ldcg(src + i);
+        }
+        __syncthreads();
+        const int kk = scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, nullptr, &sp, qbuf, nullptr, ld, buf,
+                                                    scratch_k, scratch_v, sync, smem);
+        if (kk >= 0) {  // the last block: the rows are in its candidate buffer, sorted
+            const int* vals = reinterpret_cast<const int*>(smem + ld + buf);
+            const u64 sb = seg + slot0 + (u64)__ldcg(bell + 3) * slot_size;
+            unsigned int* gens = reinterpret_cast<unsigned int*>(sb + blob_off);
+            for (int i = threadIdx.x; i < kk; i += blockDim.x) {
+                int r = vals[i];
+                unsigned int g = 0;  // no such entry: a generation no row has (the client asks again)
+                if (r >= 0 && r < arena_rows)
+                    g = *reinterpret_cast<const volatile unsigned int*>(arena + 16ull * r + 12);
+                gens[i] = g;
+            }
+            __threadfence_system();
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                volatile unsigned int* w = reinterpret_cast<volatile unsigned int*>(sb);
+                w[14] = __ldcg(bell + 4);   // resp_seq (56)
+                w[15] = __ldcg(bell + 5);
+                w[16] = 0;                  // status OK (64)
+                w[17] = (unsigned int)kk;   // n_results (68)
+                w[18] = 4u * kk;            // resp_len (72)
+                w[19] = 0;
+                w[20] = RESP_ARENA_DOCS;    // resp_flags (80)
+                w[21] = 0;
+                __threadfence_system();
+                w[0] = ST_RESPONSE;         // last
+                ctl->served = atomicAdd(bell + 6, 1u) + 1u;  // a posted write: no PCIe read
+                atomicExch(bell + 1, seen);  // done: block 0 may take the next request
+            }
+        }
     }
 }
 
@@ -1057,6 +1296,7 @@ __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
 #ifdef KALOS_INSTANTIATE
 #define SCAN(T, TPR, QB, M) template __global__ void scan_topk<T, TPR, QB, M>(const T*, const int*, const float*, const float*, const Params*, const float*, const signed char*, int, int, float*, int*, unsigned int*);
 SCAN(__half, 4, 1, 0) SCAN(__half, 8, 1, 0) SCAN(float, 8, 1, 0) SCAN(signed char, 4, 1, 0) SCAN(__half, 1, 8, 2)
+template __global__ void doorbell_topk<__half, 4, 0>(const __half*, const int*, const float*, Params*, float*, int, int, float*, int*, unsigned int*, BellCtl*, unsigned int*);
 template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, signed char*, int, int, const float*, int*, float*);
 template __global__ void topk_scores<0>(const float*, int, const int*, const float*, const float*, const Params*, int, float*, int*, unsigned int*);
 template __global__ void tau_scores<0>(const float*, int, const int*, const float*, const Params*, int, float*);

@@ -109,13 +109,24 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ main entry
     def waiting(self) -> np.ndarray:
-        return np.flatnonzero(self.states == SlotState.REQUEST)
+        """Slots with a request for us: REQUEST, and DOORBELL while no resident kernel runs."""
+        st = self.states
+        if self.service.index.doorbell_running:
+            return np.flatnonzero(st == SlotState.REQUEST)
+        return np.flatnonzero((st == SlotState.REQUEST) | (st == SlotState.DOORBELL))
 
     def poll(self) -> int:
-        """Answer every request waiting now; return how many."""
+        """Answer every request waiting now; return how many. The index's resident kernel (if
+        any) is stopped while this works and started again once nothing is left."""
         ready = self.waiting()
         if not len(ready):
-            return self.settle()
+            n = self.settle()
+            if self._inflight is None:
+                self.service.resume_doorbell()
+            return n
+        if self.service.index.doorbell_running:
+            self.service.index.pause_doorbell()
+            ready = self.waiting()  # the DOORBELL slots are ours now too
         if self._inflight is not None and not self._inflight.finished:
             # Wait for the batch in flight before picking up, then pick up again: requests that
             # arrive during its search join the next batch, which one pass over the rows serves
@@ -400,9 +411,11 @@ class Dispatcher:
     def reclaim(self, fd: int) -> int:
         """Free slots whose owner is gone (its lock is free) and whose state is not FREE."""
         n = 0
+        kernel = self.service.index.doorbell_running
         for i in np.flatnonzero(self.states != SlotState.FREE).tolist():
-            if self.states[i] == SlotState.REQUEST:
-                continue  # answer it first; reclaim on a later pass
+            st = self.states[i]
+            if st in (SlotState.REQUEST, SlotState.DOORBELL) or (st == SlotState.BUSY and kernel):
+                continue  # answer it first (the resident kernel may hold it); reclaim later
             if _ipc.try_lock(fd, _ipc.slot_lock_byte(i)):
                 try:
                     self.pending.pop(i, None)

@@ -144,6 +144,20 @@ class Index(abc.ABC):
     def arena_moved(self, arena: Any) -> None:  # noqa: B027 - optional hook
         """The document arena moved to a new version (``arena``; None: it was dropped)."""
 
+    # A resident device kernel that answers batch-1 recalls itself (the GPU backend's
+    # doorbell_topk); the CPU backend has none. doorbell_k: the largest k it answers (0: none).
+    doorbell_k = 0
+    doorbell_running = False
+
+    def enable_doorbell(self, layout: Any, arena: Any) -> int:
+        return 0
+
+    def pause_doorbell(self) -> None:  # noqa: B027 - optional hook
+        """Stop the resident kernel before the host works on the device or the rows."""
+
+    def resume_doorbell(self, high: int, ns: int) -> None:  # noqa: B027 - optional hook
+        """Start the resident kernel again over rows [0, high) of namespace id ``ns``."""
+
     def detach_segment(self) -> None:  # noqa: B027 - optional hook
         """Called before a segment is unmapped."""
 
@@ -152,6 +166,10 @@ class Index(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release device resources."""
+
+
+NS_ANY = -2  # namespace id meaning "every row below high" (NS_ANY in kernels/recall.cu)
+NS_NONE = -3  # namespace id matching no row (the resident kernel's empty default namespace)
 
 
 def normalize_rows(x: np.ndarray) -> np.ndarray:

@@ -36,10 +36,19 @@ from typing import Any, Final
 
 import numpy as np
 
+from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE
 from kalos_retrievers.protocol import Metric
 
 from . import cuda_kernels as kernels
-from .index import FatalDeviceError, Index, IndexCapacityError, SlotSpec, normalize_rows, topk_rows
+from .index import (
+    NS_ANY,
+    FatalDeviceError,
+    Index,
+    IndexCapacityError,
+    SlotSpec,
+    normalize_rows,
+    topk_rows,
+)
 
 log = logging.getLogger("kalos.sidecar")
 
@@ -57,7 +66,6 @@ USE_THRESHOLD_TOPK: Final = os.environ.get("KALOS_THRESHOLD_TOPK", "1") != "0"
 CAND_CAP: Final = 8192
 TAU_SAMPLE_MAX: Final = 16384
 SELECT_GATHER: Final = 2048  # as in kernels/recall.cu
-NS_ANY: Final = -2  # as in kernels/recall.cu: the GEMM path's "every row below n is eligible"
 SYNC_WORDS: Final = 3 * MAXQ  # as in kernels/recall.cu: tickets, bounds, counts per query
 _NEG_INF_ORD: Final = int(np.array([-np.inf], np.float32).view(np.int32)[0]) ^ 0x7FFFFFFF
 GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, grid)
@@ -66,6 +74,13 @@ CAND_MAX: Final = 4096  # most int8 candidates per query (RESCORE_FACTOR x max k
 _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
 _NPTYPE: Final = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 _DESC_HEAD: Final = struct.Struct("<iiiiQii")  # n_queries k n_rows ns_id mask out_ld seq
+# struct BellCtl in kernels/recall.cu: stop n_rows ns_id n_slots seg slot0 slot_size
+# payload_off rows_off scores_off blob_off dim max_k arena arena_rows pad served
+_BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQiiQ")
+_BELL_WORDS: Final = 8  # BELL_WORDS in kernels/recall.cu
+DOORBELL_MAX_K: Final = 1024
+USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") != "0"
+_DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then is a fault
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
 _DESC_SCORES: Final = _DESC_ROWS + 8 * MAXQ
@@ -164,6 +179,20 @@ class GpuIndex(Index):
         self._check(lambda: cp.cuda.runtime.hostRegister(self.cand_addr, len(self._cand_mm), 3))
         self.graphs: dict[tuple[int, ...], Any] = {}
         self._finisher: Callable[[], None] | None = None  # the wait for a launch left running
+        # the resident kernel (doorbell_topk): its control block in registered host memory,
+        # its device words, its own stream; enabled by enable_doorbell()
+        self._bell_mm = mmap.mmap(-1, 4096)
+        self._bell_addr = np.frombuffer(self._bell_mm, np.uint8).ctypes.data
+        self._check(lambda: cp.cuda.runtime.hostRegister(self._bell_addr, 4096, 3))
+        with self.device:
+            self.bell_words = cp.zeros(_BELL_WORDS, cp.uint32)
+        self.bstream = cp.cuda.Stream(non_blocking=True)
+        self.doorbell_k = 0  # > 0 once enabled: the largest k the resident kernel answers
+        self.doorbell_running = False
+        self.doorbell_launches = 0
+        self._served_before = 0  # answered by earlier launches of the resident kernel
+        self._bell_layout: Any = None
+        self._arena_table = (0, 0, 0)  # registered address, bytes, rows of the arena's row table
         # Diagnostics (benchmarks/gpu_batch_breakdown.py): a list here collects (stage, CUDA
         # event, perf_counter_ns) at each stage of a search; None (the default) costs one test.
         self.trace: list[tuple[str, Any, int]] | None = None
@@ -185,6 +214,8 @@ class GpuIndex(Index):
                  kernels.expression("set_rows", t), kernels.expression("move_rows", t),
                  kernels.expression("get_rows", t), "fault_kernel"]  # fmt: skip
         exprs += [kernels.expression("scan_topk", t, self.tpr, qb, m) for qb in (1, 2, 4, 8)]
+        if self.dtype != "int8":
+            exprs.append(kernels.expression("doorbell_topk", t, self.tpr, m))
         try:
             kernels.compile_kernels(exprs)
         except kernels.KernelCompileError as e:
@@ -215,7 +246,93 @@ class GpuIndex(Index):
         self._check(lambda: self.cp.cuda.runtime.hostRegister(self.seg_addr, self.seg_size, 3))
         self._mm_ref = arr
 
+    # ------------------------------------------------------------------ the resident kernel
+    def enable_doorbell(self, layout: Any, arena: Any) -> int:
+        """Let the resident kernel answer batch-1 recalls from the registered segment (whose
+        ``layout`` it is) with documents from ``arena``; returns the largest k it answers (0:
+        not available: int8 storage, no arena, or ``KALOS_DOORBELL=0``). It starts at the
+        first :meth:`resume_doorbell`."""
+        if not USE_DOORBELL or self.dtype == "int8" or arena is None or not self.seg_addr:
+            self.doorbell_k = 0
+            return 0
+        self._bell_layout = layout
+        self.arena_moved(arena)
+        self.doorbell_k = min(DOORBELL_MAX_K, layout.max_k)
+        return self.doorbell_k
+
+    def arena_moved(self, arena: Any) -> None:
+        """Register the arena's new row table for the resident kernel (which stops first)."""
+        self.pause_doorbell()
+        old, nbytes, _ = self._arena_table
+        if old:
+            with contextlib.suppress(Exception):
+                self.cp.cuda.runtime.hostUnregister(old)
+            self._arena_table = (0, 0, 0)
+        if arena is None or arena.buf is None:
+            self.doorbell_k = 0  # dropped: documents go inline again
+            return
+        addr = np.frombuffer(arena.buf, np.uint8).ctypes.data
+        nbytes = -(-(ARENA_HEADER_SIZE + ENTRY_SIZE * arena.rows_cap) // 4096) * 4096
+        nbytes = min(nbytes, len(arena.buf))
+        self._check(lambda: self.cp.cuda.runtime.hostRegister(addr, nbytes, 3))
+        self._arena_table = (addr, nbytes, arena.rows_cap)
+
+    def pause_doorbell(self) -> None:
+        """Stop the resident kernel (it answers the request in hand first) and wait for it."""
+        if not self.doorbell_running:
+            return
+        struct.pack_into("<i", self._bell_mm, 0, 1)
+        t_end = time.monotonic() + _DOORBELL_STOP_S
+        while not self._check(lambda: self.bstream.done):
+            if time.monotonic() > t_end:
+                raise FatalDeviceError(f"the resident kernel on {self.name} did not stop within "
+                                       f"{_DOORBELL_STOP_S:.0f} s")  # fmt: skip
+            time.sleep(0)
+        self._check(self.bstream.synchronize)  # raises the kernel's error, if it faulted
+        self.doorbell_running = False
+        self._served_before += struct.unpack_from("<Q", self._bell_mm, _BELL_CTL.size - 8)[0]
+
+    def resume_doorbell(self, high: int, ns: int) -> None:
+        """(Re)start the resident kernel over rows [0, ``high``) of namespace id ``ns`` (NS_ANY:
+        all of them; NS_NONE: the default namespace is empty)."""
+        if self.doorbell_running or not self.doorbell_k or not self.seg_addr or self._closed:
+            return
+        self.finish_slots()
+        lay = self._bell_layout
+        table, _, arena_rows = self._arena_table
+        _BELL_CTL.pack_into(self._bell_mm, 0, 0, high, ns, lay.n_slots, self.seg_addr, lay.slot_offset(0),
+                            lay.slot_size, lay.payload_offset, lay.rows_offset, lay.scores_offset,
+                            lay.blob_offset, self.dim, self.doorbell_k, table + ARENA_HEADER_SIZE,
+                            arena_rows, 0, 0)  # fmt: skip
+        kp = _pow2(self.doorbell_k)
+        buf = self._buf(kp)
+        smem = self._smem(1, buf)
+        kern = kernels.get_kernel("doorbell_topk", self.ctype, self.tpr, self.metric)
+        if smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
+            kern.max_dynamic_shared_size_bytes = smem
+        grid = min(self.max_grid, 2 * self.sms)  # 2 blocks per SM: as fast as 4 at 100k-1M rows
+
+        def launch() -> None:
+            with self.device, self.bstream:
+                self.bell_words.fill(0)
+                kern((grid,), (kernels.BLOCK,),
+                     (self.data, self.ns, self.sqnorm, self.params, self.qbuf, np.int32(self.ld),
+                      np.int32(buf), self.scratch_k, self.scratch_v, self.sync,
+                      np.uint64(self._bell_addr), self.bell_words), shared_mem=smem)  # fmt: skip
+
+        self.stream.synchronize()  # nothing of ours still running on the other stream
+        self._check(launch)
+        self.doorbell_running = True
+        self.doorbell_launches += 1
+
+    def doorbell_served(self) -> int:
+        """Recalls the resident kernel answered (all launches)."""
+        now = struct.unpack_from("<Q", self._bell_mm, _BELL_CTL.size - 8)[0] if self.doorbell_running else 0
+        return self._served_before + now
+
     def detach_segment(self) -> None:
+        with contextlib.suppress(Exception):
+            self.pause_doorbell()
         if self.seg_addr:
             with contextlib.suppress(Exception):
                 self.finish_slots()  # the search in flight writes into the segment
@@ -233,7 +350,9 @@ class GpuIndex(Index):
         d.update(backend=self.name, device=self.device_name, device_bytes=int(nbytes),
                  threads_per_row=self.tpr, ld=self.ld, graphs=len(self.graphs),
                  gemm_path=USE_GEMM, gemm_stream=self.gemm_stream_note or "ordered",
-                 threshold_topk=USE_THRESHOLD_TOPK, threshold_overflows=self.threshold_overflows)  # fmt: skip
+                 threshold_topk=USE_THRESHOLD_TOPK, threshold_overflows=self.threshold_overflows,
+                 doorbell_k=self.doorbell_k, doorbell_running=self.doorbell_running,
+                 doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served())  # fmt: skip
         return d
 
     # ------------------------------------------------------------------ rows
@@ -707,9 +826,11 @@ class GpuIndex(Index):
         mapping must not still be registered)."""
         if getattr(self, "_closed", True):
             return
-        self._closed = True
         self.detach_segment()
-        for addr in (self.desc_addr, self.cand_addr):
+        self._closed = True
+        for addr in (self.desc_addr, self.cand_addr, self._bell_addr, self._arena_table[0]):
+            if not addr:
+                continue
             with contextlib.suppress(Exception):
                 self.cp.cuda.runtime.hostUnregister(addr)
         self.graphs.clear()

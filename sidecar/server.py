@@ -253,8 +253,13 @@ class Server:
             self._open_arena()
         try:
             self.service.index.attach_segment(seg.mm)
+            k = self.service.index.enable_doorbell(lay, self.arena)
         except FatalDeviceError as e:
             raise StartError(str(e), EXIT_CUDA_FAULT) from None
+        self._publish_doorbell()
+        if k:
+            log.info("resident kernel: batch-1 recalls of the default namespace with k <= %d are "
+                     "answered on the GPU without the sidecar's Python (KALOS_DOORBELL=0 turns it off)", k)  # fmt: skip
         self.dispatcher = Dispatcher(seg.mm, lay, self.resp_sems, self.service, self.stats,
                                      max_batch=cfg.max_batch, describe=self.describe)  # fmt: skip
         log.info("segment %s: %d slots of %d KiB (%.1f MiB in all), dim=%d, metric=%s",
@@ -294,6 +299,12 @@ class Server:
             struct.pack_into("<Q", self.seg.mm, HEADER_OFFSETS["arena_version"], version)
         if self.service is not None:
             self.service.index.arena_moved(self.arena)
+        self._publish_doorbell()
+
+    def _publish_doorbell(self) -> None:
+        """Tell clients whether the resident kernel takes DOORBELL requests (and up to which k)."""
+        if self.seg is not None and self.service is not None:
+            struct.pack_into("<I", self.seg.mm, HEADER_OFFSETS["doorbell_k"], self.service.index.doorbell_k)
 
     def _holds_name(self, seg: _ipc.Segment, name: str) -> bool:
         """Take the sidecar lock on a segment we just created, and check the name still points
@@ -339,6 +350,7 @@ class Server:
             heartbeat_ns=time.monotonic_ns(), arena_version=self.arena.version if self.arena else 0,
         )  # fmt: skip
         self.seg.mm[: len(hdr)] = hdr
+        self._publish_doorbell()
         if version:
             struct.pack_into("<H", self.seg.mm, VERSION_OFFSET, version)
 
@@ -425,6 +437,7 @@ class Server:
         holes = svc.fragmentation()
         if holes > max(1024, svc.rows.high // 10):
             try:
+                svc.index.pause_doorbell()  # rows move: the resident kernel must not scan them
                 moved = svc.compact(4096)
             except FatalDeviceError:
                 raise

@@ -21,7 +21,7 @@ import numpy as np
 from kalos_retrievers.filters import validate_filter
 from kalos_retrievers.protocol import Invalid, Metric, Status, encode_doc, encode_json
 
-from .index import Index, IndexCapacityError, SlotSpec, normalize_rows
+from .index import NS_ANY, NS_NONE, Index, IndexCapacityError, SlotSpec, normalize_rows
 from .rows import RowTable
 from .store import NullStore, SqliteStore, StoredRow
 
@@ -191,6 +191,21 @@ class Service:
         if kk:
             self.index.launch_slots(specs, kk, self.rows.high, ns_id, cands, dense)
         return kk
+
+    def resume_doorbell(self) -> None:
+        """Restart the index's resident kernel, if it has one, over the default namespace as
+        the rows are now (the kernel is stopped whenever they change)."""
+        idx = self.index
+        if not idx.doorbell_k or idx.doorbell_running:
+            return
+        ns = self.rows.ns_id("")
+        if ns is None or not self.rows.ns_count[ns]:
+            ns_arg = NS_NONE
+        elif self.rows.dense(ns):
+            ns_arg = NS_ANY
+        else:
+            ns_arg = ns
+        idx.resume_doorbell(self.rows.high, ns_arg)
 
     def compact(self, max_moves: int = 4096) -> int:
         """Move up to ``max_moves`` live rows from the tail into holes left by deletes, so the

@@ -118,3 +118,26 @@ def busy_client(name: str, dim: int) -> None:
     with KalosClient(name, dim=dim, timeout=5) as c:
         while True:
             c.recall(q, k=3)
+
+
+def poison(name: str) -> None:
+    """Fill every slot's rows with 0x7f7f7f7f and scores with NaN, directly in the segment:
+    a result element the sidecar (or the GPU) does not write reaches the caller as poison."""
+    import mmap
+
+    import posix_ipc
+
+    from kalos_retrievers.protocol import HEADER_SIZE, decode_header, segment_name
+
+    shm = posix_ipc.SharedMemory(segment_name(name))
+    try:
+        mm = mmap.mmap(shm.fd, shm.size)
+        lay = decode_header(mm[:HEADER_SIZE], shm.size).layout
+        for i in range(lay.n_slots):
+            o = lay.slot_offset(i)
+            np.frombuffer(mm, np.int32, lay.max_results, o + lay.rows_offset)[:] = 0x7F7F7F7F
+            np.frombuffer(mm, np.float32, lay.max_results, o + lay.scores_offset)[:] = np.nan
+        del lay
+        mm.close()
+    finally:
+        shm.close_fd()

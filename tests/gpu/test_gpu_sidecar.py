@@ -8,7 +8,6 @@ element the kernels fail to write reaches the test as poison.
 
 from __future__ import annotations
 
-import mmap
 import multiprocessing as mp
 import os
 import subprocess
@@ -16,29 +15,12 @@ import sys
 import time
 
 import numpy as np
-import posix_ipc
 import pytest
-from kalos_testing import assert_topk_equal, recall_at_k, recall_row_worker, reference_topk
+from kalos_testing import assert_topk_equal, poison, recall_at_k, recall_row_worker, reference_topk
 
 from kalos_retrievers import CapacityError, SidecarUnavailable
-from kalos_retrievers.protocol import HEADER_SIZE, decode_header, segment_name
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
-
-
-def poison(name: str) -> None:
-    shm = posix_ipc.SharedMemory(segment_name(name))
-    try:
-        mm = mmap.mmap(shm.fd, shm.size)
-        lay = decode_header(mm[:HEADER_SIZE], shm.size).layout
-        for i in range(lay.n_slots):
-            o = lay.slot_offset(i)
-            np.frombuffer(mm, np.int32, lay.max_results, o + lay.rows_offset)[:] = 0x7F7F7F7F
-            np.frombuffer(mm, np.float32, lay.max_results, o + lay.scores_offset)[:] = np.nan
-        del lay
-        mm.close()
-    finally:
-        shm.close_fd()
 
 
 def test_zero_copy_recall_matches_reference(start_sidecar) -> None:

@@ -202,8 +202,10 @@ def expected_ipc_objects(name: str, slots: int) -> set[str]:
 
 
 def cleanup_ipc(name: str) -> set[str]:
-    """Unlink whatever a killed sidecar left under ``name``; returns what was removed."""
-    gone = ipc_objects(name)
+    """Unlink whatever a killed sidecar left under ``name`` (its document arenas too); returns
+    what was removed."""
+    arena = re.compile(rf"^kalos-{re.escape(name)}-docs\.\d+$")
+    gone = ipc_objects(name) | {p for p in os.listdir("/dev/shm") if arena.match(p)}
     for p in gone:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm/{p}")

@@ -1,0 +1,149 @@
+"""The resident kernel (doorbell_topk): batch-1 recalls answered on the GPU with no sidecar
+Python, documents read by the client from the arena.
+
+Each test starts a real sidecar with ``--device cuda``. The sidecar's ``stats`` say how many
+recalls the resident kernel answered (``doorbell_served``): every test checks that the path it
+means to test is the one that answered, and a client with ``arena_docs=False`` (documents in
+the response, so never a DOORBELL request) is the negative control. Response areas are
+poisoned before calls (see test_gpu_sidecar.poison).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import numpy as np
+import pytest
+from kalos_testing import assert_topk_equal, poison, recall_id_worker, reference_topk
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
+
+
+def served(c) -> int:  # type: ignore[no-untyped-def]
+    return int(c.stats()["index"]["doorbell_served"])
+
+
+def test_doorbell_recalls_are_exact_with_their_documents(start_sidecar) -> None:
+    rng = np.random.default_rng()
+    n, dim = 20_011, 97
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    assert c._conn.doorbell_k() == 1024  # type: ignore[union-attr]  # the header says: resident kernel on
+    c.upsert([str(i) for i in range(n)], data, texts=[f"text {i}" for i in range(n)],
+             metadatas=[{"i": i, "odd": i % 2 == 1} for i in range(n)])  # fmt: skip
+    before = served(c)
+    for k in (1, 10, 100, 1024):
+        for _ in range(3):
+            q = rng.standard_normal(dim).astype(np.float32)
+            poison(sc.name)
+            r = c.recall(q, k)
+            ref_i, ref_s = reference_topk(data, q[None], k)
+            assert_topk_equal(r.ids, r.scores, [str(i) for i in ref_i[0]], ref_s[0], context=f"k={k}")
+            for hit in r:
+                assert hit.text == f"text {hit.id}" and hit.metadata == {"i": int(hit.id), "odd": int(hit.id) % 2 == 1}
+    assert served(c) - before == 12  # every one of them answered by the resident kernel
+    # negative control: documents inline means the sidecar's Python answers
+    with sc.client(arena_docs=False) as inline:
+        b2 = served(c)
+        r2 = inline.recall(data[7], 5)
+        assert r2.ids[0] == "7" and served(c) == b2
+    c.close()
+
+
+def test_doorbell_sees_every_write_and_never_returns_a_stale_document(start_sidecar) -> None:
+    """Writes stop the resident kernel; each recall after a write reflects it, and a document
+    read from the arena is the one the search scored (generations)."""
+    rng = np.random.default_rng()
+    n, dim = 5_003, 64
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    c.upsert([str(i) for i in range(n)], data, texts=[f"v0 {i}" for i in range(n)])
+    before = served(c)
+    for round_ in range(1, 30):
+        i = int(rng.integers(n))
+        c.upsert([str(i)], data[i : i + 1], texts=[f"v{round_} {i}"])  # overwrite the text
+        r = c.recall(data[i], 1)
+        assert r.ids == [str(i)] and r[0].text == f"v{round_} {i}"
+        gone = int(rng.integers(n))
+        if gone != i:
+            c.delete([str(gone)])
+            r = c.recall(data[gone], 3)
+            assert str(gone) not in r.ids
+    assert served(c) - before >= 40
+    c.close()
+
+
+def test_other_recalls_still_go_through_the_sidecar(start_sidecar) -> None:
+    """Namespaces, filters, vectors and batches are the sidecar's, and stay exact."""
+    rng = np.random.default_rng()
+    n, dim = 4_001, 33
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    c.upsert([str(i) for i in range(n)], data, metadatas=[{"g": i % 3} for i in range(n)])
+    c.upsert([f"x{i}" for i in range(50)], data[:50], namespace="other")
+    before = served(c)
+    q = rng.standard_normal(dim).astype(np.float32)
+    r = c.recall(q, 10, filter={"g": 1})
+    ref_i, ref_s = reference_topk(data, q[None], 10, eligible=np.arange(n) % 3 == 1)
+    assert_topk_equal(r.ids, r.scores, [str(i) for i in ref_i[0]], ref_s[0])
+    assert c.recall(data[3], 1, namespace="other").ids == ["x3"]
+    assert c.recall(data[3], 1, with_vectors=True).vectors is not None
+    assert len(c.recall_batch(data[:5], 2)) == 5
+    assert served(c) == before  # none of these was the kernel's
+    assert c.recall(data[3], 1).ids == ["3"] and served(c) == before + 1  # this one was
+    c.close()
+
+
+def test_a_crowd_is_handed_to_the_batched_path_and_everyone_gets_their_answer(start_sidecar) -> None:
+    dim = 97
+    data = np.random.default_rng(0).standard_normal((4001, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32", slots=24)
+    with sc.client() as c:
+        c.upsert([str(i) for i in range(len(data))], data)
+        before = served(c)
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=recall_id_worker, args=(sc.name, dim, s, 400, q)) for s in range(12)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert sum(m for m, _ in results) == 0 and sum(e for _, e in results) == 0
+    with sc.client() as c:
+        st = c.stats()
+        assert st["batches"] > 0  # some were answered together by the sidecar
+        assert int(st["index"]["doorbell_served"]) > before  # and some by the kernel
+
+
+def test_threads_of_one_client_and_a_stop_while_the_kernel_runs(start_sidecar) -> None:
+    dim = 64
+    data = np.random.default_rng(1).standard_normal((3001, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda")
+    c = sc.client()
+    c.upsert([str(i) for i in range(len(data))], data)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(200):
+                i = int(rng.integers(len(data)))
+                assert c.recall(data[i], 1).ids == [str(i)]
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert served(c) > 0
+    c.close()
+    assert sc.stop() == 0  # the resident kernel is running: the sidecar stops it, exits cleanly

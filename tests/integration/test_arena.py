@@ -1,0 +1,102 @@
+"""The document arena with a real (CPU) sidecar: recalls whose documents the client reads from
+``/kalos-NAME-docs.V`` (``arena_docs=True``) give what documents in the response give, follow
+the arena to new versions, fall back when a row changed, and leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kalos_retrievers.arena import ArenaView
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def arenas(name: str) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"kalos-{name}-docs.*"))
+
+
+def test_arena_documents_equal_inline_documents_across_versions(start_sidecar) -> None:
+    rng = np.random.default_rng()
+    dim = 11
+    sc = start_sidecar(dim=dim)
+    inline = sc.client(arena_docs=False)
+    arena = sc.client(arena_docs=True)
+    first = arenas(sc.name)
+    assert len(first) == 1
+    ids: list[str] = []
+    for batch in range(6):  # long texts: the arena's heap fills and moves to new versions
+        n = 301
+        vecs = rng.standard_normal((n, dim)).astype(np.float32)
+        new = [f"b{batch}-{i}" for i in range(n)]
+        arena.upsert(new, vecs, texts=[f"{j} " + "x" * int(rng.integers(1, 900)) for j in new],
+                     metadatas=[{"batch": batch, "i": i} for i in range(n)])  # fmt: skip
+        ids += new
+        q = rng.standard_normal((7, dim)).astype(np.float32)
+        for a, b in zip(arena.recall_batch(q, 13), inline.recall_batch(q, 13), strict=True):
+            assert a.ids == b.ids and np.array_equal(a.scores, b.scores)
+            assert [(h.text, h.metadata, h.created_at) for h in a] == [(h.text, h.metadata, h.created_at) for h in b]
+        r = arena.recall(q[0], 5)
+        assert [h.text.split(" ")[0] for h in r] == r.ids
+    now = arenas(sc.name)
+    assert len(now) == 1 and now != first  # moved on, the old versions unlinked
+    assert arena.arena_retries == 0
+    inline.close()
+    arena.close()
+
+
+def test_a_row_changed_after_the_answer_is_asked_for_again(start_sidecar, monkeypatch) -> None:
+    """The client takes a document from the arena only at the generation the answer named;
+    on a mismatch (simulated: the view reports the row changed) it repeats the recall with
+    the documents inline, and the result is still right."""
+    dim = 6
+    sc = start_sidecar(dim=dim)
+    c = sc.client(arena_docs=True)
+    data = np.eye(dim, dtype=np.float32)
+    c.upsert([f"r{i}" for i in range(dim)], data, texts=[f"t{i}" for i in range(dim)])
+    assert c.recall(data[2], 1)[0].text == "t2" and c.arena_retries == 0
+    calls = []
+    real_get = ArenaView.get
+
+    def changed_once(self, row, gen):  # type: ignore[no-untyped-def]
+        calls.append(row)
+        return None if len(calls) == 1 else real_get(self, row, gen)
+
+    monkeypatch.setattr(ArenaView, "get", changed_once)
+    r = c.recall(data[4], 2)
+    assert r.ids[0] == "r4" and r[0].text == "t4"
+    assert c.arena_retries == 1 and len(calls) == 1  # the retry carried its documents inline
+    monkeypatch.undo()
+    # a real rewrite: the generation moves on, an old answer's generation no longer matches
+    view = c._conn.arena()  # type: ignore[union-attr]
+    r = c.recall(data[1], 1)
+    row = int(r.rows[0])
+    g_old = int(np.frombuffer(bytes(view._buf[64 + 16 * row + 12 : 64 + 16 * row + 16]), "<u4")[0])
+    assert view.get(row, g_old) is not None  # readable at its generation
+    c.upsert(["r1"], data[1:2], texts=["rewritten"])
+    assert view.get(row, g_old) is None
+    assert c.recall(data[1], 1)[0].text == "rewritten"
+    c.close()
+
+
+def test_a_killed_sidecars_arena_is_removed_by_the_next_one(start_sidecar, make_name) -> None:
+    name = make_name()
+    sc = start_sidecar(name=name, dim=4)
+    with sc.client() as c:
+        c.upsert(["a"], np.ones((1, 4), np.float32), texts=["alpha"])
+    assert len(arenas(name)) == 1
+    os.kill(sc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    sc.proc.wait(10)  # type: ignore[union-attr]
+    assert len(arenas(name)) == 1  # left behind by the dead sidecar
+    sc2 = start_sidecar(name=name, dim=4)
+    with sc2.client(arena_docs=True) as c:
+        c.upsert(["b"], np.ones((1, 4), np.float32), texts=["beta"])
+        assert c.recall(np.ones(4, np.float32), 1)[0].text == "beta"
+    left = arenas(name)
+    assert len(left) == 1 and left[0].endswith(".1")  # the stale one is gone, ours is new
+    assert sc2.stop() == 0
+    assert arenas(name) == []  # a clean stop unlinks it
