@@ -41,7 +41,8 @@ def sidecar_view(st: dict[str, Any]) -> dict[str, Any]:
     idx = st.get("index", {})
     return {"recall": st["latency"].get("recall"), "phases": st.get("phases"),
             "batches": st.get("batches"), "batched_queries": st.get("batched_queries"),
-            "doorbell_served": idx.get("doorbell_served"), "doorbell_launches": idx.get("doorbell_launches")}  # fmt: skip
+            "doorbell_served": idx.get("doorbell_served"),
+            "doorbell_launches": idx.get("doorbell_launches")}  # fmt: skip
 
 
 def gpu_name() -> str:

@@ -767,7 +767,15 @@ struct BellCtl {
     u64 arena;                   // device address of the mapped arena's row table (16-byte entries)
     int arena_rows, pad;
     u64 served;                  // recalls this kernel answered (it counts; the host reads)
+    u64 stamp[4];                // %globaltimer (ns) of the last request: taken, launched to the
+                                 // blocks, merged (response begins), answered (diagnostics)
 };
+
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
 
 // Device words (zeroed by the host before each launch): [0] gen, [1] done, [2] stop seen,
 // [3] the slot in hand, [4..5] its seq, [6] requests answered since the launch.
@@ -860,7 +868,10 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 }
                 continue;  // the sidecar answers it (the client posts its doorbell on seeing REQUEST)
             }
-            if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned int*>(sb) = ST_BUSY;
+            if (threadIdx.x == 0) {
+                *reinterpret_cast<volatile unsigned int*>(sb) = ST_BUSY;
+                ctl->stamp[0] = global_ns();
+            }
             // the query: volatile loads of host memory, then its norm
             const volatile float* q = reinterpret_cast<const volatile float*>(sb + payload_off);
             float part = 0.f;
@@ -895,7 +906,10 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             }
             __threadfence();  // qbuf and params before gen
             __syncthreads();
-            if (threadIdx.x == 0) atomicAdd(bell, 1u);
+            if (threadIdx.x == 0) {
+                atomicAdd(bell, 1u);
+                ctl->stamp[1] = global_ns();
+            }
         } else {
             if (threadIdx.x == 0) {
                 for (;;) {
@@ -919,6 +933,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
         const int kk = scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, nullptr, &sp, qbuf, nullptr, ld, buf,
                                                     scratch_k, scratch_v, sync, smem);
         if (kk >= 0) {  // the last block: the rows are in its candidate buffer, sorted
+            if (threadIdx.x == 0) ctl->stamp[2] = global_ns();
             const int* vals = reinterpret_cast<const int*>(smem + ld + buf);
             const u64 sb = seg + slot0 + (u64)__ldcg(bell + 3) * slot_size;
             unsigned int* gens = reinterpret_cast<unsigned int*>(sb + blob_off);
@@ -943,6 +958,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 w[21] = 0;
                 __threadfence_system();
                 w[0] = ST_RESPONSE;         // last
+                ctl->stamp[3] = global_ns();
                 ctl->served = atomicAdd(bell + 6, 1u) + 1u;  // a posted write: no PCIe read
                 atomicExch(bell + 1, seen);  // done: block 0 may take the next request
             }

@@ -19,7 +19,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from .service import Service
 from .stats import Stats
 
 log = logging.getLogger("kalos.sidecar")
+
+# ops answered from host state alone: they run beside the index's resident kernel
+_HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CONTINUE})
 
 # The answer path writes state words and reads result rows with struct, not numpy: right after
 # a scan that evicted the caches, each numpy call's dispatch code runs cold (on a 16-core host
@@ -117,16 +120,12 @@ class Dispatcher:
 
     def poll(self) -> int:
         """Answer every request waiting now; return how many. The index's resident kernel (if
-        any) is stopped while this works and started again once nothing is left."""
+        any) is stopped before a request that uses the device or the rows (the serve loop
+        starts it again before it sleeps); DOORBELL slots it left are answered by the next
+        poll."""
         ready = self.waiting()
         if not len(ready):
-            n = self.settle()
-            if self._inflight is None:
-                self.service.resume_doorbell()
-            return n
-        if self.service.index.doorbell_running:
-            self.service.index.pause_doorbell()
-            ready = self.waiting()  # the DOORBELL slots are ours now too
+            return self.settle()
         if self._inflight is not None and not self._inflight.finished:
             # Wait for the batch in flight before picking up, then pick up again: requests that
             # arrive during its search join the next batch, which one pass over the rows serves
@@ -151,6 +150,8 @@ class Dispatcher:
                 continue
             self.settle()  # nothing else runs while a search is in flight (rows could change)
             try:
+                if req.op not in _HOST_ONLY:
+                    self.service.index.pause_doorbell()
                 self._one(i, req, t0)
             except Invalid as e:
                 self._error(i, req, e.status, str(e), t0)
@@ -291,6 +292,7 @@ class Dispatcher:
         # from finding the request, or from the end of work this pass did before it
         self.stats.phase("pickup", (ts - max(part[0][2], self._busy_until)) / 1000)
         try:
+            self.service.index.pause_doorbell()
             kk = self.service.launch_recall(specs, k, "", None, check_finite=False)
         except FatalDeviceError:
             raise

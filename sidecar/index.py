@@ -158,6 +158,9 @@ class Index(abc.ABC):
     def resume_doorbell(self, high: int, ns: int) -> None:  # noqa: B027 - optional hook
         """Start the resident kernel again over rows [0, high) of namespace id ``ns``."""
 
+    def check_doorbell(self) -> None:  # noqa: B027 - optional hook
+        """Raise the resident kernel's error if it ended without being stopped."""
+
     def detach_segment(self) -> None:  # noqa: B027 - optional hook
         """Called before a segment is unmapped."""
 

@@ -75,8 +75,11 @@ _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
 _NPTYPE: Final = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 _DESC_HEAD: Final = struct.Struct("<iiiiQii")  # n_queries k n_rows ns_id mask out_ld seq
 # struct BellCtl in kernels/recall.cu: stop n_rows ns_id n_slots seg slot0 slot_size
-# payload_off rows_off scores_off blob_off dim max_k arena arena_rows pad served
+# payload_off rows_off scores_off blob_off dim max_k arena arena_rows pad served (then 4 u64
+# stamps, written by the kernel only)
 _BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQiiQ")
+_BELL_SERVED: Final = _BELL_CTL.size - 8
+_BELL_STAMPS: Final = struct.Struct("<4Q")  # at _BELL_CTL.size
 _BELL_WORDS: Final = 8  # BELL_WORDS in kernels/recall.cu
 DOORBELL_MAX_K: Final = 1024
 USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") != "0"
@@ -290,7 +293,13 @@ class GpuIndex(Index):
             time.sleep(0)
         self._check(self.bstream.synchronize)  # raises the kernel's error, if it faulted
         self.doorbell_running = False
-        self._served_before += struct.unpack_from("<Q", self._bell_mm, _BELL_CTL.size - 8)[0]
+        self._served_before += struct.unpack_from("<Q", self._bell_mm, _BELL_SERVED)[0]
+
+    def check_doorbell(self) -> None:
+        """Housekeeping: a resident kernel that ended without being stopped faulted; raise its
+        error (FatalDeviceError: the sidecar exits and its supervisor restarts it)."""
+        if self.doorbell_running and self._check(lambda: self.bstream.done):
+            self.pause_doorbell()
 
     def resume_doorbell(self, high: int, ns: int) -> None:
         """(Re)start the resident kernel over rows [0, ``high``) of namespace id ``ns`` (NS_ANY:
@@ -325,9 +334,14 @@ class GpuIndex(Index):
         self.doorbell_running = True
         self.doorbell_launches += 1
 
+    def doorbell_stamps(self) -> tuple[int, int, int, int]:
+        """The resident kernel's GPU clock (ns) at four points of its last answer: request
+        taken, blocks started, merge done, answered (benchmarks/doorbell_probe.py)."""
+        return _BELL_STAMPS.unpack_from(self._bell_mm, _BELL_CTL.size)  # type: ignore[return-value]
+
     def doorbell_served(self) -> int:
         """Recalls the resident kernel answered (all launches)."""
-        now = struct.unpack_from("<Q", self._bell_mm, _BELL_CTL.size - 8)[0] if self.doorbell_running else 0
+        now = struct.unpack_from("<Q", self._bell_mm, _BELL_SERVED)[0] if self.doorbell_running else 0
         return self._served_before + now
 
     def detach_segment(self) -> None:

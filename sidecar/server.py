@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from kalos_retrievers import _ipc
 from kalos_retrievers.arena import ArenaWriter, arena_name
@@ -399,10 +399,7 @@ class Server:
                     pace.worked(t_poll, time.monotonic_ns())
                     continue
             except FatalDeviceError as e:
-                log.critical("%s; exiting so that a supervisor restarts the sidecar (the index "
-                             "reloads from the store)", e)  # fmt: skip
-                self._fatal = True
-                raise StartError(str(e), EXIT_CUDA_FAULT) from None
+                self._fatal_device(e)
             except Exception:  # pragma: no cover - poll() answers its own errors
                 log.exception("dispatcher pass failed")
                 try:  # nothing may sleep, reclaim or compact under a batch still in flight
@@ -414,6 +411,10 @@ class Server:
             now = time.monotonic_ns()
             if now >= next_housekeeping:
                 next_housekeeping = now + 250_000_000
+                try:
+                    self.service.index.check_doorbell()  # type: ignore[union-attr]
+                except FatalDeviceError as e:
+                    self._fatal_device(e)
                 n = d.reclaim(self.seg.fd)
                 if n:
                     self.stats.reclaimed_slots += n
@@ -425,9 +426,26 @@ class Server:
             sleep_ns = pace.sleep_ns(now)
             if not sleep_ns:
                 continue
+            # Before sleeping, (re)start the index's resident kernel: DOORBELL requests ring no
+            # semaphore, so while we sleep it must be running to take them. (While we spin,
+            # waiting() hands them to us.) Not sooner: a run of writes would stop and start it
+            # around each one.
+            try:
+                if d.settle() == 0 and d.waiting().size == 0:
+                    self.service.resume_doorbell()  # type: ignore[union-attr]
+                else:
+                    continue
+            except FatalDeviceError as e:
+                self._fatal_device(e)
             if _ipc.wait(self.bell, min(sleep_ns, _IDLE_WAIT_NS) / 1e9):
                 _ipc.drain(self.bell)
         self.close()
+
+    def _fatal_device(self, e: FatalDeviceError) -> NoReturn:
+        log.critical("%s; exiting so that a supervisor restarts the sidecar (the index "
+                     "reloads from the store)", e)  # fmt: skip
+        self._fatal = True
+        raise StartError(str(e), EXIT_CUDA_FAULT) from None
 
     def _compact_if_fragmented(self) -> None:
         """Background compaction, a bounded step at a time while idle: deletes leave holes

@@ -120,7 +120,9 @@ def test_sticky_cuda_error_exits_nonzero_and_restart_reloads(start_sidecar, make
     sc.stop()
     monkeypatch.setenv("KALOS_FAULT_INJECT", "illegal_address")
     faulty = start_sidecar(name=name, dim=64, device="cuda", data_dir=tmp_path)
-    with faulty.client(timeout=5.0) as c, pytest.raises(SidecarUnavailable):
+    # documents inline: the sidecar launches this search (where the fault is injected), not
+    # the resident kernel
+    with faulty.client(timeout=5.0, arena_docs=False) as c, pytest.raises(SidecarUnavailable):
         c.recall(data[0], k=1)
     t0 = time.monotonic()
     assert faulty.proc is not None

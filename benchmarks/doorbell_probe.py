@@ -1,0 +1,154 @@
+"""Where a resident-kernel recall's time goes, in process: no client library, no sidecar.
+
+    python -P benchmarks/doorbell_probe.py --rows 1000,100000 [--calls 2000]
+
+For each row count: a GpuIndex (768-d float16, cosine) with a document arena, an anonymous map
+standing in for the segment (4 slots), the resident kernel enabled. Measured:
+
+* ``pause_us`` / ``resume_us``: stopping the resident kernel and starting it again (what every
+  write, and every request the sidecar's Python serves, adds);
+* ``roundtrip``: Python writes a query and a DOORBELL request into slot 0 as a client would
+  and spins on the state word until RESPONSE; percentiles over ``--calls`` calls;
+* ``kernel``: the kernel's own clock (%globaltimer) per call: request taken -> blocks started
+  (prep), -> merge done (scan + merge), -> answered (response); the rest of the round trip is
+  the poll's detection and the host's writes and reads;
+* ``graph``: the same search through the sidecar's batch-1 path (the slot's CUDA graph,
+  launched and synchronized from Python), for comparison.
+
+Top-1 of each call is checked against the stored row the query was copied from. One JSON line
+per row count; results also in ``DIR/doorbell_probe.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DIM, K = 768, 10
+
+
+def pct(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs)
+    return {"p50": round(float(np.percentile(a, 50)), 1), "p99": round(float(np.percentile(a, 99)), 1),
+            "mean": round(float(a.mean()), 1)}  # fmt: skip
+
+
+def probe(n: int, calls: int) -> dict[str, Any]:
+    from kalos_retrievers.sidecar.bench import normalized_chunks
+    from kalos_retrievers.sidecar.index import SlotSpec
+    from kalos_retrievers.sidecar.index_gpu import GpuIndex
+    from kalos_retrievers.sidecar.service import Service
+    from kalos_retrievers.sidecar.store import NullStore
+
+    from kalos_retrievers.arena import ArenaWriter
+    from kalos_retrievers.protocol import REQUEST_OFFSET, REQUEST_STRUCT, Flag, Layout, Metric, Op, SlotState
+
+    idx = GpuIndex(DIM, Metric.COSINE, 0, "float16")
+    svc = Service(idx, NullStore(), dim=DIM, metric=Metric.COSINE)
+    maps: dict[int, mmap.mmap] = {}
+
+    def open_segment(version: int, size: int) -> mmap.mmap:
+        maps[version] = mmap.mmap(-1, size)
+        return maps[version]
+
+    arena = ArenaWriter(open_segment, lambda v: maps.pop(v, None))
+    svc.rows.arena = arena
+    svc.rows.on_arena_moved = lambda v: idx.arena_moved(arena)
+    keep = []
+    start = 0
+    for chunk in normalized_chunks(n, DIM, 0, 65536):
+        m = len(chunk)
+        svc.upsert({"namespace": "", "ids": [str(i) for i in range(start, start + m)],
+                    "texts": [f"memory {i}" for i in range(start, start + m)],
+                    "metadatas": [{}] * m}, chunk)  # fmt: skip
+        if start == 0:
+            keep = chunk[:1024].copy()
+        start += m
+    lay = Layout(n_slots=4, dim=DIM, payload_size=1 << 16, blob_size=1 << 16)
+    seg = mmap.mmap(-1, lay.segment_size)
+    idx.attach_segment(seg)
+    assert idx.enable_doorbell(lay, arena) > 0
+    out: dict[str, Any] = {"rows": n}
+    ps, rs = [], []
+    for _ in range(20):
+        t0 = time.perf_counter_ns()
+        svc.resume_doorbell()
+        t1 = time.perf_counter_ns()
+        time.sleep(0.002)
+        idx.pause_doorbell()
+        t2 = time.perf_counter_ns()
+        rs.append((t1 - t0) / 1000)
+        ps.append((t2 - t1) / 1000 - 2000)
+    out["resume_us"], out["pause_us"] = pct(rs), pct(ps)
+    svc.resume_doorbell()
+    off = lay.slot_offset(0)
+    state = np.ndarray((1,), np.uint32, seg, off)
+    q = np.ndarray((DIM,), np.float32, seg, off + lay.payload_offset)
+    rows = np.ndarray((K,), np.int32, seg, off + lay.rows_offset)
+    ts, parts, wrong = [], {"prep": [], "scan_merge": [], "respond": [], "outside": []}, 0
+    deadline = time.monotonic() + 60
+    for c in range(calls):
+        j = c % len(keep)
+        t0 = time.perf_counter_ns()
+        q[:] = keep[j]
+        REQUEST_STRUCT.pack_into(seg, off + REQUEST_OFFSET, c + 1, Op.RECALL, Flag.ARENA_DOCS, K, 1, 4 * DIM, 0, 0)
+        state[0] = SlotState.DOORBELL
+        while state[0] != SlotState.RESPONSE:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no answer from the resident kernel (state {state[0]})")
+        t1 = time.perf_counter_ns()
+        state[0] = SlotState.CLAIMED
+        wrong += int(rows[0] != j)
+        if c >= 100:
+            ts.append((t1 - t0) / 1000)
+            a, b, m, e = idx.doorbell_stamps()
+            parts["prep"].append((b - a) / 1000)
+            parts["scan_merge"].append((m - b) / 1000)
+            parts["respond"].append((e - m) / 1000)
+            parts["outside"].append((t1 - t0) / 1000 - (e - a) / 1000)
+    out["roundtrip_us"] = pct(ts)
+    out["kernel_us"] = {k: pct(v) for k, v in parts.items()}
+    out["top1_wrong"] = wrong
+    idx.pause_doorbell()
+    # the sidecar's batch-1 path on slot 1: graph launch + synchronize from Python
+    off1 = lay.slot_offset(1)
+    q1 = np.ndarray((1, DIM), np.float32, seg, off1 + lay.payload_offset)
+    r1 = np.ndarray((1, K), np.int32, seg, off1 + lay.rows_offset)
+    s1 = np.ndarray((1, K), np.float32, seg, off1 + lay.scores_offset)
+    spec = SlotSpec(q1, r1, s1, q1.ctypes.data, r1.ctypes.data, s1.ctypes.data)
+    gs = []
+    for c in range(calls):
+        q1[0] = keep[c % len(keep)]
+        t0 = time.perf_counter_ns()
+        idx.search_slots([spec], K, svc.rows.high, 0, None, True)
+        if c >= 100:
+            gs.append((time.perf_counter_ns() - t0) / 1000)
+    out["graph_search_slots_us"] = pct(gs)
+    idx.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1000,100000")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    res = []
+    for n in (int(x) for x in a.rows.split(",")):
+        r = probe(n, a.calls)
+        print(json.dumps(r), flush=True)
+        res.append(r)
+    Path(a.out, "doorbell_probe.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
