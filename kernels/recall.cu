@@ -807,7 +807,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
     for (;;) {
         if (blockIdx.x == 0) {
             if (threadIdx.x == 0) {
-                while (vload(bell + 1) != seen) __nanosleep(64);  // every block done with the last
+                while (vload(bell + 1) != seen) { }  // every block done with the last
                 s_go = -1;
             }
             __syncthreads();
@@ -826,7 +826,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                         if (st == ST_DOORBELL && mine < 0) mine = i;
                         count += __popc(hit);
                     }
-                    if (count == 0) { __nanosleep(128); continue; }
+                    if (count == 0) continue;  // no sleep: __nanosleep here measured ~80 us detection, ~14 ms to stop
                     rot += 7;
                     if (count > 1) {  // a crowd: the sidecar's batched path serves it better
                         for (int b = 0; b < n_slots; b += 32) {
@@ -915,7 +915,6 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 for (;;) {
                     if (vload(bell) != seen) { s_go = 1; break; }
                     if (vload(bell + 2)) { s_go = -2; break; }
-                    __nanosleep(100);
                 }
             }
             __syncthreads();

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +25,16 @@ def served(c) -> int:  # type: ignore[no-untyped-def]
     return int(c.stats()["index"]["doorbell_served"])
 
 
+def kernel_back(c) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the sidecar has restarted its resident kernel: after a write it answers
+    DOORBELL requests itself while it stays awake, and restarts the kernel before it sleeps
+    (``stats`` is answered from host state, beside the kernel)."""
+    deadline = time.monotonic() + 5
+    while not c.stats()["index"]["doorbell_running"]:
+        assert time.monotonic() < deadline, "the resident kernel was not restarted"
+        time.sleep(0.001)
+
+
 def test_doorbell_recalls_are_exact_with_their_documents(start_sidecar) -> None:
     rng = np.random.default_rng()
     n, dim = 20_011, 97
@@ -33,6 +44,7 @@ def test_doorbell_recalls_are_exact_with_their_documents(start_sidecar) -> None:
     assert c._conn.doorbell_k() == 1024  # type: ignore[union-attr]  # the header says: resident kernel on
     c.upsert([str(i) for i in range(n)], data, texts=[f"text {i}" for i in range(n)],
              metadatas=[{"i": i, "odd": i % 2 == 1} for i in range(n)])  # fmt: skip
+    kernel_back(c)
     before = served(c)
     for k in (1, 10, 100, 1024):
         for _ in range(3):
@@ -61,18 +73,22 @@ def test_doorbell_sees_every_write_and_never_returns_a_stale_document(start_side
     sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
     c = sc.client()
     c.upsert([str(i) for i in range(n)], data, texts=[f"v0 {i}" for i in range(n)])
-    before = served(c)
     for round_ in range(1, 30):
         i = int(rng.integers(n))
         c.upsert([str(i)], data[i : i + 1], texts=[f"v{round_} {i}"])  # overwrite the text
-        r = c.recall(data[i], 1)
+        r = c.recall(data[i], 1)  # likely the sidecar's (awake after the write)
         assert r.ids == [str(i)] and r[0].text == f"v{round_} {i}"
+        kernel_back(c)
+        before = served(c)
+        r = c.recall(data[i], 1)  # the resident kernel's, restarted after the write
+        assert r.ids == [str(i)] and r[0].text == f"v{round_} {i}" and served(c) == before + 1
         gone = int(rng.integers(n))
         if gone != i:
             c.delete([str(gone)])
+            kernel_back(c)
+            before = served(c)
             r = c.recall(data[gone], 3)
-            assert str(gone) not in r.ids
-    assert served(c) - before >= 40
+            assert str(gone) not in r.ids and served(c) == before + 1
     c.close()
 
 
@@ -94,6 +110,7 @@ def test_other_recalls_still_go_through_the_sidecar(start_sidecar) -> None:
     assert c.recall(data[3], 1, with_vectors=True).vectors is not None
     assert len(c.recall_batch(data[:5], 2)) == 5
     assert served(c) == before  # none of these was the kernel's
+    kernel_back(c)
     assert c.recall(data[3], 1).ids == ["3"] and served(c) == before + 1  # this one was
     c.close()
 
