@@ -82,7 +82,11 @@ _BELL_SERVED: Final = _BELL_CTL.size - 8
 _BELL_STAMPS: Final = struct.Struct("<4Q")  # at _BELL_CTL.size
 _BELL_WORDS: Final = 8  # BELL_WORDS in kernels/recall.cu
 DOORBELL_MAX_K: Final = 1024
-USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") != "0"
+# Experimental, off by default: on the H200 machine the resident kernel noticed a request
+# ~80 us after the client wrote it and took ~14 ms to stop (benchmarks/doorbell_probe.py,
+# docs/gpu-notes.md), so it was no faster than the sidecar's graph launch, and every write
+# after an idle spell paid the stop. KALOS_DOORBELL=1 turns it on.
+USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "0") == "1"
 _DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then is a fault
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
@@ -253,8 +257,8 @@ class GpuIndex(Index):
     def enable_doorbell(self, layout: Any, arena: Any) -> int:
         """Let the resident kernel answer batch-1 recalls from the registered segment (whose
         ``layout`` it is) with documents from ``arena``; returns the largest k it answers (0:
-        not available: int8 storage, no arena, or ``KALOS_DOORBELL=0``). It starts at the
-        first :meth:`resume_doorbell`."""
+        not available: not asked for with ``KALOS_DOORBELL=1``, int8 storage, or no arena).
+        It starts at the first :meth:`resume_doorbell`."""
         if not USE_DOORBELL or self.dtype == "int8" or arena is None or not self.seg_addr:
             self.doorbell_k = 0
             return 0

@@ -258,8 +258,8 @@ class Server:
             raise StartError(str(e), EXIT_CUDA_FAULT) from None
         self._publish_doorbell()
         if k:
-            log.info("resident kernel: batch-1 recalls of the default namespace with k <= %d are "
-                     "answered on the GPU without the sidecar's Python (KALOS_DOORBELL=0 turns it off)", k)  # fmt: skip
+            log.info("resident kernel (experimental, KALOS_DOORBELL=1): batch-1 recalls of the default "
+                     "namespace with k <= %d are answered on the GPU without the sidecar's Python", k)  # fmt: skip
         self.dispatcher = Dispatcher(seg.mm, lay, self.resp_sems, self.service, self.stats,
                                      max_batch=cfg.max_batch, describe=self.describe)  # fmt: skip
         log.info("segment %s: %d slots of %d KiB (%.1f MiB in all), dim=%d, metric=%s",

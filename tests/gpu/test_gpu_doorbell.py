@@ -1,5 +1,5 @@
-"""The resident kernel (doorbell_topk): batch-1 recalls answered on the GPU with no sidecar
-Python, documents read by the client from the arena.
+"""The resident kernel (doorbell_topk, experimental: ``KALOS_DOORBELL=1``): batch-1 recalls
+answered on the GPU with no sidecar Python, documents read by the client from the arena.
 
 Each test starts a real sidecar with ``--device cuda``. The sidecar's ``stats`` say how many
 recalls the resident kernel answered (``doorbell_served``): every test checks that the path it
@@ -19,6 +19,12 @@ import pytest
 from kalos_testing import assert_topk_equal, poison, recall_id_worker, reference_topk
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(autouse=True)
+def _doorbell_on(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The resident kernel is experimental and off by default: these sidecars turn it on."""
+    monkeypatch.setenv("KALOS_DOORBELL", "1")
 
 
 def served(c) -> int:  # type: ignore[no-untyped-def]
