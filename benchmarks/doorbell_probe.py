@@ -2,6 +2,9 @@
 
     python -P benchmarks/doorbell_probe.py --rows 1000,100000 [--calls 2000]
 
+(The resident kernel is experimental and off in the sidecar unless ``KALOS_DOORBELL=1``; this
+script turns it on for its in-process index.)
+
 For each row count: a GpuIndex (768-d float16, cosine) with a document arena, an anonymous map
 standing in for the segment (4 slots), the resident kernel enabled. Measured:
 
@@ -41,6 +44,7 @@ def pct(xs: list[float]) -> dict[str, float]:
 
 
 def probe(n: int, calls: int) -> dict[str, Any]:
+    os.environ["KALOS_DOORBELL"] = "1"  # experimental, off by default: read at import below
     from kalos_retrievers.sidecar.bench import normalized_chunks
     from kalos_retrievers.sidecar.index import SlotSpec
     from kalos_retrievers.sidecar.index_gpu import GpuIndex
