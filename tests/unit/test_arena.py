@@ -106,3 +106,31 @@ def test_move_hands_the_document_to_the_new_row() -> None:
 def test_a_buffer_that_is_not_an_arena_is_refused() -> None:
     with pytest.raises(ValueError, match="not a Kalos document arena"):
         ArenaView(bytearray(4096), 1)
+
+
+def test_a_failing_arena_is_dropped_and_the_row_table_keeps_its_change() -> None:
+    """The arena is a copy for clients: if it cannot follow (no room for a larger version),
+    the row table drops it and says so (version 0), and its own write still happens."""
+    from kalos_retrievers.sidecar.rows import RowTable
+
+    segs = _Segments()
+    w = ArenaWriter(segs.open, segs.unlink, rows_cap=16, heap_size=4096)
+    rows = RowTable()
+    moved: list[int] = []
+    rows.arena, rows.on_arena_moved = w, moved.append
+    ns = rows.ns_id("", create=True)
+    assert ns is not None
+    rows.set(rows.allocate(), ns, "a", b"doc a", {}, 0.0)
+    assert w.get(0) == b"doc a" and moved == []
+
+    def no_room(version: int, size: int) -> bytearray:
+        raise OSError("no space left in /dev/shm")
+
+    w._open = no_room  # the next version cannot be created
+    row = rows.allocate()
+    rows.set(row, ns, "b", b"x" * 10_000, {}, 0.0)  # needs a larger heap
+    assert rows.arena is None and moved == [0]  # dropped, and the sidecar is told
+    assert rows.docs[row] == b"x" * 10_000 and rows.lookup(ns, "b") == row  # the write stands
+    assert segs.live == {}  # its segment was removed
+    rows.remove(row)  # and later changes do not touch it
+    assert rows.live == 1

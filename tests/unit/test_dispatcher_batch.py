@@ -228,3 +228,46 @@ def test_requests_arriving_during_a_search_join_the_next_batch() -> None:
         assert states[i] == SlotState.RESPONSE
         got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset)
         assert sorted(got.tolist()) == sorted(np.argsort(-(data @ q[i]))[:k].tolist())
+
+
+def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
+    """A DOORBELL request (meant for a GPU's resident kernel) is answered by the dispatcher
+    when no kernel runs, with the hits' arena generations (ARENA_DOCS), and left alone while
+    one runs."""
+    from kalos_retrievers.arena import ArenaView, ArenaWriter
+    from kalos_retrievers.protocol import Flag, RespFlag
+
+    n_slots, dim, k, rows = 3, 5, 4, 60
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
+    mm = mmap.mmap(-1, lay.segment_size)
+    index = CpuIndex(dim, METRICS["ip"])
+    svc = Service(index, NullStore(), dim=dim, metric=METRICS["ip"])
+    bufs: dict[int, bytearray] = {}
+    arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), lambda v: bufs.pop(v))
+    svc.rows.arena = arena
+    rng = np.random.default_rng()
+    data = rng.standard_normal((rows, dim)).astype(np.float32)
+    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [f"t{i}" for i in range(rows)],
+                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    q = rng.standard_normal(dim).astype(np.float32)
+    off = lay.slot_offset(0)
+    np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q
+    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 9, Op.RECALL, Flag.ARENA_DOCS, k, 1, 4 * dim, 0, 0)
+    states[0] = SlotState.DOORBELL
+
+    index.doorbell_running = True  # type: ignore[misc]  # a resident kernel has it
+    assert d.poll() == 0 and states[0] == SlotState.DOORBELL
+    index.doorbell_running = False  # type: ignore[misc]
+    assert d.poll() == 1
+    d.settle()
+    resp = Response.unpack(mm[off : off + CTL_SIZE])
+    assert states[0] == SlotState.RESPONSE and resp.status == Status.OK and resp.n_results == k
+    assert resp.resp_flags & RespFlag.ARENA_DOCS and resp.resp_len == 4 * k
+    got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset).tolist()
+    assert sorted(got) == sorted(np.argsort(-(data @ q))[:k].tolist())
+    gens = np.frombuffer(mm, "<u4", k, off + lay.blob_offset).tolist()
+    view = ArenaView(arena.buf, arena.version)  # type: ignore[arg-type]
+    for r, g in zip(got, gens, strict=True):
+        assert bytes(view.get(r, g)).endswith(f"t{r}{{}}".encode())  # type: ignore[arg-type]
