@@ -115,6 +115,7 @@ class ArenaWriter:
         self.heap_used = 0
         self.live_bytes = 0
         self._off = self._len = self._gen = np.zeros(0, np.uint32)
+        self._retired: mmap.mmap | bytearray | None = None  # the last version, still mapped
         self._remap(max(16, rows_cap), max(4096, heap_size))
 
     # ------------------------------------------------------------------ reading back
@@ -163,7 +164,8 @@ class ArenaWriter:
     def close(self, unlink: bool = True) -> None:
         self._off = self._len = self._gen = np.zeros(0, np.uint32)
         _close(self.buf)
-        self.buf = None
+        _close(self._retired)
+        self.buf = self._retired = None
         if unlink and self.version:
             self._unlink(self.version)
             self.version = 0
@@ -193,8 +195,12 @@ class ArenaWriter:
         return True
 
     def _remap(self, rows_cap: int, heap_size: int) -> None:
-        """Write version V+1 with the live documents packed, publish it, drop version V."""
+        """Write version V+1 with the live documents packed, publish it, unlink version V.
+        V stays mapped until the next move: whoever registered it with a device (the GPU
+        backend's resident kernel reads the row table) unregisters it first."""
         old_buf, old_version, old_cap = self.buf, self.version, self.rows_cap
+        _close(self._retired)
+        self._retired = None
         version = self.version + 1
         buf = self._open(version, arena_size(rows_cap, heap_size))
         table = np.ndarray((rows_cap,), ENTRY_DTYPE, buf, ARENA_HEADER_SIZE)
@@ -215,7 +221,7 @@ class ArenaWriter:
         self.buf, self.version = buf, version
         self.rows_cap, self.heap_size, self.heap_used = rows_cap, heap_size, used
         self._sync_header()
-        _close(old_buf)
+        self._retired = old_buf
         if old_version:
             self._unlink(old_version)
 

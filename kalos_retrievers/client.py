@@ -181,11 +181,8 @@ class _Conn:
         return view
 
     def _drop_arena(self) -> None:
-        if self._arena is not None:
-            self._arena.release()
-        if self._arena_mm is not None:
-            with contextlib.suppress(BufferError):
-                self._arena_mm.close()
+        """Forget the mapped arena. Not released or closed here: another thread may be reading
+        through it; the map goes when the last reference does."""
         self._arena = self._arena_mm = None
 
     @classmethod
@@ -521,10 +518,13 @@ class KalosClient:
         out: list[RecallResult] = []
         for start in range(0, len(qs), per_req):
             chunk = qs[start : start + per_req]
+            conn = self._conn
             arena = self._arena() if docs and not with_vectors else None
             f = flags | (Flag.ARENA_DOCS if arena is not None else 0)
             rep = self._call(Op.RECALL, vectors=chunk, args=args, top_k=k, n_items=len(chunk),
                              flags=f, deadline=deadline)  # fmt: skip
+            if arena is not None and self._conn is not conn:  # answered by a restarted sidecar:
+                arena = None  # whose generations our old arena cannot vouch for
             res = self._split_recall(rep, len(chunk), k, with_vectors, docs, namespace, arena)
             if res is None:  # a hit's row was rewritten after the search: ask for it inline
                 self.arena_retries += 1
@@ -562,9 +562,11 @@ class KalosClient:
         doc_views: DocViews | list[bytes] | None = None
         vectors = None
         if rep.resp_flags & RespFlag.ARENA_DOCS:
-            if arena is None or len(rep.blob) != 4 * nq * kk:
-                raise ProtocolError(f"sidecar returned arena generations ({len(rep.blob)} bytes) "
-                                    f"for {nq}x{kk} hits not asked for")  # fmt: skip
+            if len(rep.blob) != 4 * nq * kk:
+                raise ProtocolError(f"sidecar returned {len(rep.blob)} bytes of arena generations "
+                                    f"for {nq}x{kk} hits")  # fmt: skip
+            if arena is None:  # the arena asked with is not the answering sidecar's
+                return None
             doc_views = []
             for r, g in zip(rows.ravel().tolist(), np.frombuffer(rep.blob, "<u4").tolist(), strict=True):
                 d = arena.get(r, g)
@@ -1022,21 +1024,27 @@ class KalosClient:
 
     def _spin_doorbell(self, conn: _Conn, slot: _Slot, deadline: float) -> bool:
         """Wait for the GPU kernel's answer to a DOORBELL request by spinning (it posts no
-        semaphore), checking the sidecar every millisecond. False: the answer is not there yet
-        and the caller blocks for it: the deadline passed, the sidecar is gone, or the request
-        came back as a REQUEST (the kernel stopped, or declined it), which the sidecar answers
-        and posts for (we post its doorbell, since we did not)."""
+        semaphore). False: the answer is not there yet and the caller blocks for it: the
+        deadline passed, the sidecar is gone (checked every millisecond), or the request came
+        back as a REQUEST (checked every 50 µs: the kernel stopped, or declined it), which the
+        sidecar answers and posts for (we post its doorbell, since we did not)."""
         state = slot.state
         done = (SlotState.RESPONSE, SlotState.ERROR)
         end = int(deadline * 1e9)
+        next_check = time.monotonic_ns() + 1_000_000
         while True:
-            if self._spin(slot, min(time.monotonic_ns() + 1_000_000, end)):
+            if self._spin(slot, min(time.monotonic_ns() + 50_000, end)):
                 return True
             if state[0] == SlotState.REQUEST:
                 _ipc.post(conn.bell)
                 return False
-            if time.monotonic_ns() >= end or not conn.sidecar_alive():
+            now = time.monotonic_ns()
+            if now >= end:
                 return state[0] in done
+            if now >= next_check:
+                if not conn.sidecar_alive():
+                    return state[0] in done
+                next_check = now + 1_000_000
 
     @staticmethod
     def _spin(slot: _Slot, until_ns: int) -> bool:

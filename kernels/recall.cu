@@ -853,15 +853,23 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 return;
             }
             const u64 sb = seg + slot0 + (u64)slot * slot_size;
-            // the request's control words (host memory)
-            const volatile unsigned int* w = reinterpret_cast<const volatile unsigned int*>(sb);
-            const unsigned int op = w[4], flags = w[5], top_k = w[6], n_items = w[7];
-            const u64 vec_len = (u64)w[8] | ((u64)w[9] << 32), args_len = (u64)w[10] | ((u64)w[11] << 32);
-            const u64 seq = (u64)w[2] | ((u64)w[3] << 32);
-            const bool ok = op == OP_RECALL && flags == FLAG_ARENA_DOCS && n_items == 1 && args_len == 0 &&
-                            vec_len == 4ull * dim && top_k >= 1 && (int)top_k <= max_k && ctl->ns_id != -3;
-            __syncthreads();  // everyone has read the words before thread 0 changes the state
-            if (!ok) {
+            // the request's control words (host memory), read once, by one thread: a client
+            // rewriting them meanwhile must not split the block's decision
+            __shared__ unsigned int s_w[12];
+            __shared__ int s_ok;
+            if (threadIdx.x == 0) {
+                __threadfence_system();  // the words after the state word that announced them
+                const volatile unsigned int* w = reinterpret_cast<const volatile unsigned int*>(sb);
+                for (int i = 0; i < 12; i++) s_w[i] = w[i];
+                const u64 vec_len = (u64)s_w[8] | ((u64)s_w[9] << 32);
+                const u64 args_len = (u64)s_w[10] | ((u64)s_w[11] << 32);
+                s_ok = s_w[4] == OP_RECALL && s_w[5] == FLAG_ARENA_DOCS && s_w[7] == 1 && args_len == 0 &&
+                       vec_len == 4ull * dim && s_w[6] >= 1 && (int)s_w[6] <= max_k && ctl->ns_id != -3;
+            }
+            __syncthreads();
+            const unsigned int top_k = s_w[6];
+            const u64 seq = (u64)s_w[2] | ((u64)s_w[3] << 32);
+            if (!s_ok) {
                 if (threadIdx.x == 0) {
                     *reinterpret_cast<volatile unsigned int*>(sb) = ST_REQUEST;
                     __threadfence_system();

@@ -14,6 +14,7 @@ it answers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import time
@@ -336,7 +337,8 @@ class Dispatcher:
             if None in hits:  # the rows were rewritten in the slot meanwhile
                 raise Invalid(Status.INTERNAL, "the index returned rows that hold no memory")
             arena = rows.arena
-            if flags & Flag.ARENA_DOCS and arena is not None and not flags & Flag.WITH_VECTORS:
+            if (flags & Flag.ARENA_DOCS and arena is not None and not flags & Flag.WITH_VECTORS
+                    and (not flat or max(flat) < arena.rows_cap)):  # fmt: skip
                 # the client reads the documents from the arena: it gets their generations
                 self._respond(i, req, Status.OK, kk, arena.gens(flat).tobytes(), RespFlag.ARENA_DOCS, t0)
                 return
@@ -430,6 +432,8 @@ class Dispatcher:
     def refuse_all(self, status: int, message: str) -> None:
         """Answer everything waiting with ``status`` (used when stopping); a batch in flight
         is answered normally first (or, if the device failed, with the error)."""
+        with contextlib.suppress(Exception):  # DOORBELL slots are ours to refuse, too
+            self.service.index.pause_doorbell()
         try:
             self.settle()
         except Exception:  # a fatal device error: its members were answered with it

@@ -152,6 +152,10 @@ class Index(abc.ABC):
     def enable_doorbell(self, layout: Any, arena: Any) -> int:
         return 0
 
+    def wants_arena(self) -> bool:
+        """Whether this index will answer recalls whose documents clients read from the arena."""
+        return False
+
     def pause_doorbell(self) -> None:  # noqa: B027 - optional hook
         """Stop the resident kernel before the host works on the device or the rows."""
 

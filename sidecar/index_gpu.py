@@ -267,8 +267,15 @@ class GpuIndex(Index):
         self.doorbell_k = min(DOORBELL_MAX_K, layout.max_k)
         return self.doorbell_k
 
+    def wants_arena(self) -> bool:
+        return USE_DOORBELL and self.dtype != "int8"
+
     def arena_moved(self, arena: Any) -> None:
-        """Register the arena's new row table for the resident kernel (which stops first)."""
+        """Register the arena's new row table for the resident kernel (which stops first).
+        The old table is still mapped here (the arena keeps a retired version mapped until
+        the next move), so it is unregistered before it goes."""
+        if not self.wants_arena():
+            return
         self.pause_doorbell()
         old, nbytes, _ = self._arena_table
         if old:
@@ -323,7 +330,15 @@ class GpuIndex(Index):
         kern = kernels.get_kernel("doorbell_topk", self.ctype, self.tpr, self.metric)
         if smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
             kern.max_dynamic_shared_size_bytes = smem
-        grid = min(self.max_grid, 2 * self.sms)  # 2 blocks per SM: as fast as 4 at 100k-1M rows
+        # 2 blocks per SM (as fast as 4 at 100k-1M rows), and never more than can be resident
+        # at once: a block that waits for SM room behind blocks that never end would hang it
+        regs = int(getattr(kern, "num_regs", 0) or 255)
+        per_sm = min(2, 65536 // (regs * kernels.BLOCK), (228 * 1024) // (smem + 4096))
+        if per_sm < 1:
+            log.warning("the resident kernel does not fit on an SM (%d registers); serving without it", regs)
+            self.doorbell_k = 0
+            return
+        grid = min(self.max_grid, per_sm * self.sms)
 
         def launch() -> None:
             with self.device, self.bstream:

@@ -103,15 +103,16 @@ class RowTable:
         arena = self.arena
         assert arena is not None
         try:
-            moved = change(*args)
+            if change(*args):
+                self.on_arena_moved(arena.version)
         except Exception:
             log.exception("the document arena cannot follow the row table; dropping it")
             self.arena = None
             arena.close()
-            self.on_arena_moved(0)
-            return
-        if moved:
-            self.on_arena_moved(arena.version)
+            try:
+                self.on_arena_moved(0)
+            except Exception:
+                log.exception("dropping the document arena")
 
     def remove(self, row: int) -> None:
         ns = int(self.ns_of[row])

@@ -169,6 +169,7 @@ class Server:
         self._fatal = False
         self.arena: ArenaWriter | None = None
         self._arena_segs: dict[int, _ipc.Segment] = {}
+        self._arena_tried = False
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -238,7 +239,9 @@ class Server:
         # sidecar of this name that had more slots (create_semaphore below replaces the rest),
         # and document arenas by a dead sidecar of this name.
         _remove_extra_semaphores(cfg.name, lay.n_slots)
-        _remove_stale_arenas(cfg.name)
+        first = not self._arena_tried  # a re-publication keeps the arena it has (or had)
+        if first:
+            _remove_stale_arenas(cfg.name)
         self.boot_epoch = random.getrandbits(63) | 1
         self._write_header(SidecarState.INITIALIZING, version=0)
         try:  # one by one, so that close() removes exactly those we created
@@ -249,7 +252,8 @@ class Server:
         except PermissionDenied as e:  # another user's semaphore under our name
             raise StartError(str(e), EXIT_PERMISSION) from None
         assert self.service is not None
-        if self.arena is None:  # a re-publication keeps the arena it has
+        if first:
+            self._arena_tried = True
             self._open_arena()
         try:
             self.service.index.attach_segment(seg.mm)
@@ -267,15 +271,26 @@ class Server:
                  cfg.metric)  # fmt: skip
 
     def _open_arena(self) -> None:
-        """Create the document arena and keep the row table's documents in it."""
+        """Create the document arena and keep the row table's documents in it, if anything
+        will read it: the GPU's resident kernel (``KALOS_DOORBELL=1``) and its clients, or
+        ``KALOS_ARENA=1``. Without room for it in /dev/shm the sidecar runs without one."""
+        assert self.service is not None
+        if not (self.service.index.wants_arena() or os.environ.get("KALOS_ARENA") == "1"):
+            return
         name = self.cfg.name
 
         def open_segment(version: int, size: int) -> Any:
             try:
                 seg = _ipc.Segment.create(arena_name(name, version), size)
             except (FileExistsError, PermissionDenied) as e:
-                raise StartError(f"cannot create the document arena {arena_name(name, version)}: {e}",
-                                 EXIT_PERMISSION) from None  # fmt: skip
+                raise OSError(f"cannot create the document arena {arena_name(name, version)}: {e}") from None
+            try:
+                # reserve its pages now: a full /dev/shm is an error here, not a SIGBUS on a write
+                os.posix_fallocate(seg.fd, 0, size)
+            except OSError:
+                seg.close()
+                _ipc.unlink_segment(arena_name(name, version))
+                raise
             self._arena_segs[version] = seg
             return seg.mm
 
@@ -285,8 +300,11 @@ class Server:
             if seg is not None:
                 seg.close()
 
-        assert self.service is not None
-        self.arena = ArenaWriter(open_segment, unlink)
+        try:
+            self.arena = ArenaWriter(open_segment, unlink)
+        except OSError as e:
+            log.warning("no document arena (%s): recalls carry their documents", e)
+            return
         rows = self.service.rows
         rows.arena = self.arena
         rows.on_arena_moved = self._arena_moved
@@ -415,6 +433,8 @@ class Server:
                     self.service.index.check_doorbell()  # type: ignore[union-attr]
                 except FatalDeviceError as e:
                     self._fatal_device(e)
+                except Exception:
+                    self._doorbell_failed()
                 n = d.reclaim(self.seg.fd)
                 if n:
                     self.stats.reclaimed_slots += n
@@ -433,13 +453,26 @@ class Server:
             try:
                 if d.settle() == 0 and d.waiting().size == 0:
                     self.service.resume_doorbell()  # type: ignore[union-attr]
+                    self._publish_doorbell()  # (0 if it could not start)
                 else:
                     continue
             except FatalDeviceError as e:
                 self._fatal_device(e)
+            except Exception:
+                self._doorbell_failed()
             if _ipc.wait(self.bell, min(sleep_ns, _IDLE_WAIT_NS) / 1e9):
                 _ipc.drain(self.bell)
         self.close()
+
+    def _doorbell_failed(self) -> None:
+        """The resident kernel could not be started or checked (not a sticky fault): serve
+        without it."""
+        log.exception("the resident kernel failed; serving without it")
+        assert self.service is not None
+        with contextlib.suppress(Exception):
+            self.service.index.pause_doorbell()
+        self.service.index.doorbell_k = 0
+        self._publish_doorbell()
 
     def _fatal_device(self, e: FatalDeviceError) -> NoReturn:
         log.critical("%s; exiting so that a supervisor restarts the sidecar (the index "

@@ -1,6 +1,7 @@
-"""The document arena with a real (CPU) sidecar: recalls whose documents the client reads from
-``/kalos-NAME-docs.V`` (``arena_docs=True``) give what documents in the response give, follow
-the arena to new versions, fall back when a row changed, and leave nothing behind."""
+"""The document arena with a real (CPU) sidecar, kept because ``KALOS_ARENA=1``: recalls whose
+documents the client reads from ``/kalos-NAME-docs.V`` (``arena_docs=True``) give what
+documents in the response give, follow the arena to new versions, fall back when a row
+changed, and leave nothing behind."""
 
 from __future__ import annotations
 
@@ -14,6 +15,25 @@ import pytest
 from kalos_retrievers.arena import ArenaView
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _arena_on(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A sidecar keeps an arena only when something will read it (the GPU's resident kernel)
+    or when asked: these CPU sidecars are asked."""
+    monkeypatch.setenv("KALOS_ARENA", "1")
+
+
+def test_without_a_reader_there_is_no_arena(start_sidecar, monkeypatch) -> None:
+    """Negative control: by default a CPU sidecar creates none, and ``arena_docs=True``
+    clients get their documents inline."""
+    monkeypatch.delenv("KALOS_ARENA")
+    sc = start_sidecar(dim=4)
+    assert arenas(sc.name) == []
+    with sc.client(arena_docs=True) as c:
+        c.upsert(["a"], np.ones((1, 4), np.float32), texts=["alpha"])
+        assert c.recall(np.ones(4, np.float32), 1)[0].text == "alpha"
+        assert c._conn.arena() is None  # type: ignore[union-attr]
 
 
 def arenas(name: str) -> list[str]:

@@ -243,7 +243,7 @@ def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
     index = CpuIndex(dim, METRICS["ip"])
     svc = Service(index, NullStore(), dim=dim, metric=METRICS["ip"])
     bufs: dict[int, bytearray] = {}
-    arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), lambda v: bufs.pop(v))
+    arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), bufs.pop)
     svc.rows.arena = arena
     rng = np.random.default_rng()
     data = rng.standard_normal((rows, dim)).astype(np.float32)
