@@ -27,8 +27,11 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=20_000)
+    ap.add_argument("--variants", action="store_true",
+                    help="also the ping-pong beside 263 other blocks (returning, spinning, sleeping), "
+                         "with a request's 12 words read per round, and the time to stop each")  # fmt: skip
     a = ap.parse_args()
-    kern.compile_kernels(["doorbell_probe", "fault_kernel"])
+    kern.compile_kernels(["doorbell_probe", "fault_kernel", "doorbell_probe_blocks"])
     mm = mmap.mmap(-1, 4096)
     words = np.frombuffer(mm, np.int32)
     bell, done = words[0:1], words[16:17]
@@ -74,8 +77,61 @@ def main() -> None:
         if i >= 100:
             ls.append(time.perf_counter_ns() - t0)
     out["graph_launch_sync_p50_us"] = round(float(np.median(ls)) / 1000, 2)
+    if a.variants:
+        out["variants"] = variants(cp, kern, words, addr, stream, min(a.rounds, 5000))
     cp.cuda.runtime.hostUnregister(addr)
     print(json.dumps(out))
+
+
+def variants(cp, kern, words: np.ndarray, addr: int, stream, rounds: int) -> list[dict]:  # type: ignore[no-untyped-def]
+    """doorbell_topk saw requests ~80 us late and took ~14 ms to stop (docs/gpu-notes.md,
+    session 4), where the one-block probe above answers in ~2 us. Each variant changes one
+    thing toward doorbell_topk: the number of blocks, what the other blocks do while they
+    wait, the 12 request words block 0 reads per round, 256 threads per block."""
+    k = kern.get_kernel("doorbell_probe_blocks")
+    bell, done, stop = words[0:1], words[16:17], words[32:33]  # stop on its own 128-byte line
+    req = addr + 2048  # 12 words standing for a request's control words
+    with cp.cuda.Device():
+        dev = cp.zeros(4, cp.uint32)
+    res = []
+    sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    for name, grid, block, mode, nwords in [
+        ("1 block", 1, 32, 0, 0),
+        ("2/SM, others return", 2 * sms, 32, 0, 0),
+        ("2/SM, others spin on L2", 2 * sms, 32, 1, 0),
+        ("2/SM, others nanosleep", 2 * sms, 32, 2, 0),
+        ("1 block, 12 request words", 1, 32, 0, 12),
+        ("as doorbell_topk: 2/SM x 256, spin, 12 words", 2 * sms, 256, 1, 12),
+    ]:
+        bell[0] = done[0] = stop[0] = 0
+        dev.fill(0)
+        stream.synchronize()
+        with stream:
+            k((grid,), (block,), (np.uint64(addr), np.uint64(addr + 64), np.uint64(addr + 128),
+                                  np.uint64(req), np.int32(nwords), np.int32(rounds), np.int32(mode), dev))  # fmt: skip
+        ts, deadline, stuck = [], time.monotonic() + 30, False
+        for i in range(1, rounds + 1):
+            t0 = time.perf_counter_ns()
+            bell[0] = i
+            while done[0] < i:
+                if time.monotonic() > deadline:
+                    stuck = True
+                    break
+            if stuck:
+                break
+            ts.append(time.perf_counter_ns() - t0)
+        t0 = time.perf_counter_ns()
+        stop[0] = 1
+        while not stream.done:
+            if time.monotonic() > deadline + 30:
+                break
+        t_stop = (time.perf_counter_ns() - t0) / 1000
+        t = np.array(ts[100:] or ts or [0]) / 1000
+        r = {"variant": name, "p50_us": round(float(np.median(t)), 2), "p99_us": round(float(np.percentile(t, 99)), 2),
+             "stop_us": round(t_stop, 1), "stuck": stuck}  # fmt: skip
+        print(json.dumps(r), flush=True)
+        res.append(r)
+    return res
 
 
 if __name__ == "__main__":

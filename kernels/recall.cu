@@ -1309,6 +1309,38 @@ __global__ void doorbell_probe(volatile int* bell, volatile int* done, int round
     }
 }
 
+// doorbell_probe_blocks: the same ping-pong from block 0, thread 0, while the other blocks do
+// what doorbell_topk's waiting blocks do, to find what makes the resident kernel see requests
+// late (benchmarks/persistent_probe.py --variants). mode 0: the others return at once; 1: they
+// spin on a device word; 2: they spin with __nanosleep(100). Each round block 0 also reads
+// `nwords` host words (a request's control words). It returns when the host sets *stop (or
+// after `rounds`), releasing the others through dev[0].
+__global__ void doorbell_probe_blocks(volatile int* bell, volatile int* done, volatile int* stop,
+                                      const volatile unsigned int* words, int nwords, int rounds,
+                                      int mode, unsigned int* dev) {
+    if (blockIdx.x != 0) {
+        if (mode == 0 || threadIdx.x != 0) return;
+        while (*reinterpret_cast<volatile unsigned int*>(dev) == 0) {
+            if (mode == 2) __nanosleep(100);
+        }
+        return;
+    }
+    if (threadIdx.x != 0) return;
+    unsigned int sink = 0;
+    for (int i = 1; i <= rounds; i++) {
+        bool stopped = false;
+        while (*bell < i) {
+            if (*stop) { stopped = true; break; }
+        }
+        if (stopped) break;
+        for (int w = 0; w < nwords; w++) sink += words[w];
+        *done = i;
+        __threadfence_system();
+    }
+    dev[1] = sink;
+    *reinterpret_cast<volatile unsigned int*>(dev) = 1;
+}
+
 // Fault injection for the reliability tests: an illegal address, which leaves the context in a
 // sticky error state. Launched only when the sidecar runs with KALOS_FAULT_INJECT=illegal_address.
 __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
