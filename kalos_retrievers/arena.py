@@ -203,6 +203,21 @@ class ArenaWriter:
         self._retired = None
         version = self.version + 1
         buf = self._open(version, arena_size(rows_cap, heap_size))
+        try:
+            self._fill(buf, rows_cap, heap_size, old_buf, old_cap)
+        except BaseException:  # the new version is not published: remove it
+            _close(buf)
+            self._unlink(version)
+            raise
+        self.buf, self.version = buf, version
+        self.rows_cap, self.heap_size = rows_cap, heap_size
+        self._sync_header()
+        self._retired = old_buf
+        if old_version:
+            self._unlink(old_version)
+
+    def _fill(self, buf, rows_cap: int, heap_size: int, old_buf, old_cap: int) -> None:  # type: ignore[no-untyped-def]
+        """Write the live documents of the current version into ``buf``, packed."""
         table = np.ndarray((rows_cap,), ENTRY_DTYPE, buf, ARENA_HEADER_SIZE)
         table[:] = 0
         off, length, gen = table["off"], table["len"], table["gen"]
@@ -218,12 +233,7 @@ class ArenaWriter:
                 off[row], length[row] = used, n
                 used += n
         self._off, self._len, self._gen = off, length, gen
-        self.buf, self.version = buf, version
-        self.rows_cap, self.heap_size, self.heap_used = rows_cap, heap_size, used
-        self._sync_header()
-        self._retired = old_buf
-        if old_version:
-            self._unlink(old_version)
+        self.heap_used = used
 
 
 def _close(buf: object) -> None:

@@ -134,3 +134,18 @@ def test_a_failing_arena_is_dropped_and_the_row_table_keeps_its_change() -> None
     assert segs.live == {}  # its segment was removed
     rows.remove(row)  # and later changes do not touch it
     assert rows.live == 1
+
+
+def test_a_version_that_fails_half_written_is_removed_and_the_old_one_stays() -> None:
+    w, segs = writer(rows_cap=16, heap=4096)
+    w.put(1, b"one")
+    g = int(w.gens([1])[0])
+
+    def broken(*_a, **_k):  # type: ignore[no-untyped-def]
+        raise MemoryError("while copying")
+
+    w._fill = broken  # type: ignore[method-assign]
+    with pytest.raises(MemoryError):
+        w.put(2, b"y" * 10_000)  # needs version 2
+    assert list(segs.live) == [1] and w.version == 1  # version 2 is gone, 1 is still current
+    assert bytes(view(w).get(1, g)) == b"one"  # type: ignore[arg-type]
