@@ -954,8 +954,8 @@ class KalosClient:
         """Wait for the answer to ``seq``, in up to three phases.
 
         * Answers that typically come within two spin windows (a ping, a GPU index): spin on
-          the state word for ``spin_ns`` or across the expected answer, whichever is longer,
-          then block.
+          the state word for ``spin_ns`` (for a GPU sidecar's recalls: or across the expected
+          answer, whichever is longer), then block.
         * Recalls that typically take longer (a CPU index over many rows: milliseconds):
           spinning through the whole wait would take a core from the sidecar, and blocking
           through it costs a wake-up when the answer comes (on a small VM ~0.1 ms p50, over
@@ -975,7 +975,10 @@ class KalosClient:
         if doorbell:
             answered = self._spin_doorbell(conn, slot, deadline)
         elif self.spin_ns and typical < 2 * self.spin_ns:
-            answered = self._spin(slot, t_sent + self._short_spin_ns(typical))
+            # across the expected answer only when the search does not need our core: a CPU
+            # sidecar's search runs on the cores a spinning client would take
+            extend = recall and conn.header.backend != "cpu"
+            answered = self._spin(slot, t_sent + self._short_spin_ns(typical, extend))
         elif self.spin_ns and recall:
             answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical)
         else:
@@ -984,11 +987,15 @@ class KalosClient:
             self._block(conn, slot, seq, deadline)
         return self._check_seq(slot, seq)
 
-    def _short_spin_ns(self, typical_ns: int) -> int:
-        """How long to spin for an answer expected within two spin windows: one window, or
-        the expected wait plus an eighth when that is longer. (Spinning one window only, an
-        answer expected at 1.7 windows, a 1M-row GPU recall, was always caught by the blocking
-        wait's wake-up instead: ~100 us late on the H200 host.)"""
+    def _short_spin_ns(self, typical_ns: int, extend: bool) -> int:
+        """How long to spin for an answer expected within two spin windows: one window, or,
+        with ``extend``, the expected wait plus an eighth when that is longer. (Spinning one
+        window only, an answer expected at 1.7 windows, a 1M-row GPU recall, was always
+        caught by the blocking wait's wake-up instead: ~75-100 µs late on the H200 host. Not
+        for a CPU sidecar: on the 2-core dev VM the longer spin took a core from its search,
+        and 1k-row recalls went from 430 to 750 µs.)"""
+        if not extend:
+            return self.spin_ns
         return max(self.spin_ns, typical_ns + (typical_ns >> 3))
 
     def _sleep_then_spin(self, conn: _Conn, slot: _Slot, seq: int, deadline: float,

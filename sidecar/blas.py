@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import re
 from functools import cache
+from typing import Final
 
 import numpy as np  # noqa: F401 - loads the BLAS library this module looks for
 
@@ -71,4 +72,37 @@ def set_threads(n: int) -> str | None:
         return None
     path, lib, setter, _ = found
     getattr(lib, setter)(ctypes.c_int(n))
+    _threads.pool = _threads.current = n
     return path
+
+
+# Products smaller than this many elements (rows x dim x queries) run on one thread. OpenBLAS
+# spreads even a 1k-row product over all its threads, and its idle workers then spin for a
+# while: on the 2-core dev VM the client, the sidecar's main thread and a spinning worker
+# shared two cores, and a recall over 1k rows of 768 took 430 µs instead of 90 (3k rows: 460
+# against 153 µs); from ~10k rows the pool pays for itself (663 against 913 µs). See
+# docs/benchmarks.md, session 4.
+SMALL_PRODUCT: Final = 4_000_000
+
+
+class _Threads:
+    pool: int | None = None  # the pool size products above SMALL_PRODUCT use
+    current: int | None = None  # what OpenBLAS is set to now
+
+
+_threads = _Threads()
+
+
+def threads_for(elements: int) -> None:
+    """Before a product over ``elements`` elements: one thread if it is small, else the pool."""
+    found = _openblas()
+    if found is None:
+        return
+    _, lib, setter, getter = found
+    t = _threads
+    if t.pool is None:
+        t.pool = t.current = int(getattr(lib, getter)())
+    want = 1 if elements < SMALL_PRODUCT else t.pool
+    if want != t.current:
+        getattr(lib, setter)(ctypes.c_int(want))
+        t.current = want

@@ -97,6 +97,7 @@ class Dispatcher:
         self.pending: dict[int, tuple[bytes, int, int]] = {}  # slot -> (rest, n_results, flags)
         self._busy_until = 0
         self._inflight: _Batch | None = None
+        self._bells = False  # the index has offered a resident kernel (clients may ring it)
         self._specs: dict[tuple[int, int, int], SlotSpec] = {}
         lay = layout
         base = np.frombuffer(mm, np.uint8)
@@ -113,9 +114,13 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ main entry
     def waiting(self) -> np.ndarray:
-        """Slots with a request for us: REQUEST, and DOORBELL while no resident kernel runs."""
+        """Slots with a request for us: REQUEST, and DOORBELL while no resident kernel runs
+        (once the index has ever offered one: clients send DOORBELL only then)."""
         st = self.states
-        if self.service.index.doorbell_running:
+        idx = self.service.index
+        if idx.doorbell_k:
+            self._bells = True
+        if idx.doorbell_running or not self._bells:
             return np.flatnonzero(st == SlotState.REQUEST)
         return np.flatnonzero((st == SlotState.REQUEST) | (st == SlotState.DOORBELL))
 

@@ -20,6 +20,8 @@ import numpy as np
 
 from kalos_retrievers.protocol import Metric
 
+from . import blas
+
 
 class IndexCapacityError(Exception):
     """The index cannot grow (out of host or device memory, or over its configured limit).
@@ -290,6 +292,8 @@ class CpuIndex(Index):
         dense: bool,
     ) -> tuple[np.ndarray, np.ndarray]:
         q = normalize_rows(queries) if self.metric == Metric.COSINE else queries
+        rows = high if candidates is None else len(candidates)
+        blas.threads_for(rows * self.dim * len(q))
         if candidates is not None:
             base = self.data[candidates]
             scores = q @ base.T

@@ -28,3 +28,41 @@ def test_set_threads_changes_what_openblas_uses_and_products_stay_right() -> Non
 def test_set_threads_refuses_zero() -> None:
     with pytest.raises(ValueError, match=">= 1"):
         blas.set_threads(0)
+
+
+def test_small_products_run_on_one_thread_and_large_ones_on_the_pool() -> None:
+    """A CPU index's search over few rows must not wake OpenBLAS's workers (they then spin and
+    take the cores the client and the sidecar need); a large one uses the whole pool."""
+    before = blas.get_threads()
+    assert before is not None, "numpy's OpenBLAS was not found in /proc/self/maps"
+    try:
+        blas.set_threads(2)
+        blas.threads_for(1000 * 768)
+        assert blas.get_threads() == 1
+        blas.threads_for(100_000 * 384)
+        assert blas.get_threads() == 2  # the pool as configured
+        blas.threads_for(blas.SMALL_PRODUCT - 1)
+        assert blas.get_threads() == 1
+    finally:
+        blas.set_threads(before)
+
+
+def test_the_cpu_index_searches_a_small_table_on_one_thread() -> None:
+    from kalos_retrievers.sidecar.index import CpuIndex
+
+    from kalos_retrievers.protocol import Metric
+
+    before = blas.get_threads()
+    assert before is not None, "numpy's OpenBLAS was not found in /proc/self/maps"
+    try:
+        blas.set_threads(2)
+        idx = CpuIndex(16, Metric.IP)
+        rng = np.random.default_rng()
+        data = rng.standard_normal((301, 16)).astype(np.float32)
+        idx.set_rows(np.arange(301), data, np.zeros(301, np.int32))
+        q = rng.standard_normal((1, 16)).astype(np.float32)
+        rows, _ = idx.search(q, 5, 301, 0, None, True)
+        assert blas.get_threads() == 1
+        assert sorted(rows[0].tolist()) == sorted(np.argsort(-(data @ q[0]))[:5].tolist())
+    finally:
+        blas.set_threads(before)

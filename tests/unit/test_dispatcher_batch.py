@@ -257,9 +257,10 @@ def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
     REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 9, Op.RECALL, Flag.ARENA_DOCS, k, 1, 4 * dim, 0, 0)
     states[0] = SlotState.DOORBELL
 
-    index.doorbell_running = True  # type: ignore[misc]  # a resident kernel has it
+    index.doorbell_k = 16  # type: ignore[misc]  # the index offers a resident kernel,
+    index.doorbell_running = True  # type: ignore[misc]  # which has it
     assert d.poll() == 0 and states[0] == SlotState.DOORBELL
-    index.doorbell_running = False  # type: ignore[misc]
+    index.doorbell_running = False  # type: ignore[misc]  # stopped: the slot is ours
     assert d.poll() == 1
     d.settle()
     resp = Response.unpack(mm[off : off + CTL_SIZE])
