@@ -719,34 +719,31 @@ class Pace:
         return _IDLE_WAIT_NS
 
 
-def _remove_extra_semaphores(name: str, n_slots: int) -> None:
-    """Unlink ``/kalos-NAME-rN`` for every N >= ``n_slots`` (Linux lists them in /dev/shm)."""
-    pat = re.compile(rf"^sem\.kalos-{re.escape(name)}-r(\d+)$")
+def _ours_in_dev_shm(pattern: str) -> list[tuple[str, int]]:
+    """(entry, N) for each /dev/shm entry of ours matching ``pattern`` (one group: N)."""
+    pat = re.compile(pattern)
     try:
         entries = os.listdir("/dev/shm")
     except OSError:
-        return
-    for entry in entries:
-        m = pat.match(entry)
-        if m and int(m.group(1)) >= n_slots and _owned_by_us(f"/dev/shm/{entry}"):
+        return []
+    return [(e, int(m.group(1))) for e in entries if (m := pat.match(e)) and _owned_by_us(f"/dev/shm/{e}")]
+
+
+def _remove_extra_semaphores(name: str, n_slots: int) -> None:
+    """Unlink ``/kalos-NAME-rN`` for every N >= ``n_slots`` (Linux lists them in /dev/shm)."""
+    for entry, n in _ours_in_dev_shm(rf"^sem\.kalos-{re.escape(name)}-r(\d+)$"):
+        if n >= n_slots:
             log.info("removing the stale semaphore %s", entry)
             with contextlib.suppress(Exception):  # e.g. another user's: leave it
-                _ipc.unlink_semaphore(response_sem_name(name, int(m.group(1))))
+                _ipc.unlink_semaphore(response_sem_name(name, n))
 
 
 def _remove_stale_arenas(name: str) -> None:
     """Unlink ``/kalos-NAME-docs.V`` left by a dead sidecar of this name (ours only)."""
-    pat = re.compile(rf"^kalos-{re.escape(name)}-docs\.(\d+)$")
-    try:
-        entries = os.listdir("/dev/shm")
-    except OSError:
-        return
-    for entry in entries:
-        m = pat.match(entry)
-        if m and _owned_by_us(f"/dev/shm/{entry}"):
-            log.info("removing the stale document arena %s", entry)
-            with contextlib.suppress(Exception):
-                _ipc.unlink_segment(arena_name(name, int(m.group(1))))
+    for entry, version in _ours_in_dev_shm(rf"^kalos-{re.escape(name)}-docs\.(\d+)$"):
+        log.info("removing the stale document arena %s", entry)
+        with contextlib.suppress(Exception):
+            _ipc.unlink_segment(arena_name(name, version))
 
 
 def _owned_by_us(path: str) -> bool:
