@@ -312,6 +312,12 @@ class KalosClient:
         max_slots: most slots this client holds at once (= its concurrent calls).
         lazy: don't connect now; connect on the first call. Adapters use this so that building
             a chain never fails because the sidecar is not up yet.
+        arena_docs: read recalled documents from the sidecar's document arena instead of
+            receiving them in the response (docs/protocol.md). None (default): when the sidecar
+            runs the GPU's resident kernel (whose answers carry no documents). True: whenever
+            the sidecar keeps an arena. False: never. A document whose row changed after the
+            search answered is never returned: the call asks again with documents inline
+            (counted in ``arena_retries``). x86-64 only; elsewhere documents come inline.
 
     Raises:
         SidecarUnavailable: (unless ``lazy``) no sidecar of that name is running.
