@@ -9,7 +9,8 @@ For each row count: a GpuIndex (768-d float16, cosine) with a document arena, an
 standing in for the segment (4 slots), the resident kernel enabled. Measured:
 
 * ``pause_us`` / ``resume_us``: stopping the resident kernel and starting it again (what every
-  write, and every request the sidecar's Python serves, adds);
+  write, and every request the sidecar's Python serves, adds); ``stop_poll``: the kernel's own
+  record of the polls before it saw the stop (2 ms after it started);
 * ``roundtrip``: Python writes a query and a DOORBELL request into slot 0 as a client would
   and spins on the state word until RESPONSE; percentiles over ``--calls`` calls;
 * ``kernel``: the kernel's own clock (%globaltimer) per call: request taken -> blocks started
@@ -18,8 +19,9 @@ standing in for the segment (4 slots), the resident kernel enabled. Measured:
 * ``graph``: the same search through the sidecar's batch-1 path (the slot's CUDA graph,
   launched and synchronized from Python), for comparison.
 
-Top-1 of each call is checked against the stored row the query was copied from. One JSON line
-per row count; results also in ``DIR/doorbell_probe.json``.
+Each of ``--modes`` (how the kernel loads and stores host memory: BELL_* in kernels/recall.cu)
+is measured on the same index. Top-1 of each call is checked against the stored row the query
+was copied from. One JSON line per row count and mode; all results in ``DIR/doorbell_probe.json``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,66 @@ def pct(xs: list[float]) -> dict[str, float]:
             "mean": round(float(a.mean()), 1)}  # fmt: skip
 
 
-def probe(n: int, calls: int) -> dict[str, Any]:
+def one_mode(idx: Any, svc: Any, seg: mmap.mmap, lay: Any, keep: np.ndarray, calls: int) -> dict[str, Any]:
+    """Stop/start costs and the ping-pong through slot 0 with the kernel in ``idx.doorbell_mode``."""
+    from kalos_retrievers.protocol import REQUEST_OFFSET, REQUEST_STRUCT, Flag, Op, SlotState
+
+    out: dict[str, Any] = {}
+    ps, rs, seen, polls = [], [], [], []
+    for _ in range(20):
+        t0 = time.perf_counter_ns()
+        svc.resume_doorbell()
+        t1 = time.perf_counter_ns()
+        time.sleep(0.002)
+        idx.pause_doorbell()
+        t2 = time.perf_counter_ns()
+        rs.append((t1 - t0) / 1000)
+        ps.append((t2 - t1) / 1000 - 2000)
+        st = idx.doorbell_stamps()
+        seen.append((st[6] - st[4]) / 1000)  # polling began -> stop seen (includes the 2 ms)
+        polls.append(st[7])
+    out["resume_us"], out["pause_us"] = pct(rs), pct(ps)
+    out["stop_poll"] = {"us": pct(seen), "polls": pct(polls),
+                        "us_per_poll": round(float(np.median(np.array(seen) / np.maximum(polls, 1))), 3)}  # fmt: skip
+    svc.resume_doorbell()
+    off = lay.slot_offset(0)
+    state = np.ndarray((1,), np.uint32, seg, off)
+    q = np.ndarray((DIM,), np.float32, seg, off + lay.payload_offset)
+    rows = np.ndarray((K,), np.int32, seg, off + lay.rows_offset)
+    ts, wrong = [], 0
+    parts: dict[str, list[float]] = {"prep": [], "scan_merge": [], "respond": [], "outside": [], "polling": [],
+                                     "polls": []}  # fmt: skip
+    deadline = time.monotonic() + 60
+    for c in range(calls):
+        j = c % len(keep)
+        t0 = time.perf_counter_ns()
+        q[:] = keep[j]
+        REQUEST_STRUCT.pack_into(seg, off + REQUEST_OFFSET, c + 1, Op.RECALL, Flag.ARENA_DOCS, K, 1, 4 * DIM, 0, 0)
+        state[0] = SlotState.DOORBELL
+        while state[0] != SlotState.RESPONSE:
+            if time.monotonic() > deadline:
+                idx.pause_doorbell()
+                return {**out, "stuck": True, "state": int(state[0]), "calls_done": c}
+        t1 = time.perf_counter_ns()
+        state[0] = SlotState.CLAIMED
+        wrong += int(rows[0] != j)
+        if c >= 100:
+            ts.append((t1 - t0) / 1000)
+            a, b, m, e, p0, npoll = idx.doorbell_stamps()[:6]
+            parts["prep"].append((b - a) / 1000)
+            parts["scan_merge"].append((m - b) / 1000)
+            parts["respond"].append((e - m) / 1000)
+            parts["outside"].append((t1 - t0) / 1000 - (e - a) / 1000)
+            parts["polling"].append((a - p0) / 1000)  # polling began (after the last answer) -> taken
+            parts["polls"].append(npoll)
+    out["roundtrip_us"] = pct(ts)
+    out["kernel_us"] = {k: pct(v) for k, v in parts.items()}
+    out["top1_wrong"] = wrong
+    idx.pause_doorbell()
+    return out
+
+
+def probe(n: int, calls: int, modes: list[int]) -> dict[str, Any]:
     os.environ["KALOS_DOORBELL"] = "1"  # experimental, off by default: read at import below
     from kalos_retrievers.sidecar.bench import normalized_chunks
     from kalos_retrievers.sidecar.index import SlotSpec
@@ -52,7 +113,7 @@ def probe(n: int, calls: int) -> dict[str, Any]:
     from kalos_retrievers.sidecar.store import NullStore
 
     from kalos_retrievers.arena import ArenaWriter
-    from kalos_retrievers.protocol import REQUEST_OFFSET, REQUEST_STRUCT, Flag, Layout, Metric, Op, SlotState
+    from kalos_retrievers.protocol import Layout, Metric
 
     idx = GpuIndex(DIM, Metric.COSINE, 0, "float16")
     svc = Service(idx, NullStore(), dim=DIM, metric=Metric.COSINE)
@@ -79,48 +140,11 @@ def probe(n: int, calls: int) -> dict[str, Any]:
     seg = mmap.mmap(-1, lay.segment_size)
     idx.attach_segment(seg)
     assert idx.enable_doorbell(lay, arena) > 0
-    out: dict[str, Any] = {"rows": n}
-    ps, rs = [], []
-    for _ in range(20):
-        t0 = time.perf_counter_ns()
-        svc.resume_doorbell()
-        t1 = time.perf_counter_ns()
-        time.sleep(0.002)
-        idx.pause_doorbell()
-        t2 = time.perf_counter_ns()
-        rs.append((t1 - t0) / 1000)
-        ps.append((t2 - t1) / 1000 - 2000)
-    out["resume_us"], out["pause_us"] = pct(rs), pct(ps)
-    svc.resume_doorbell()
-    off = lay.slot_offset(0)
-    state = np.ndarray((1,), np.uint32, seg, off)
-    q = np.ndarray((DIM,), np.float32, seg, off + lay.payload_offset)
-    rows = np.ndarray((K,), np.int32, seg, off + lay.rows_offset)
-    ts, parts, wrong = [], {"prep": [], "scan_merge": [], "respond": [], "outside": []}, 0
-    deadline = time.monotonic() + 60
-    for c in range(calls):
-        j = c % len(keep)
-        t0 = time.perf_counter_ns()
-        q[:] = keep[j]
-        REQUEST_STRUCT.pack_into(seg, off + REQUEST_OFFSET, c + 1, Op.RECALL, Flag.ARENA_DOCS, K, 1, 4 * DIM, 0, 0)
-        state[0] = SlotState.DOORBELL
-        while state[0] != SlotState.RESPONSE:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"no answer from the resident kernel (state {state[0]})")
-        t1 = time.perf_counter_ns()
-        state[0] = SlotState.CLAIMED
-        wrong += int(rows[0] != j)
-        if c >= 100:
-            ts.append((t1 - t0) / 1000)
-            a, b, m, e = idx.doorbell_stamps()
-            parts["prep"].append((b - a) / 1000)
-            parts["scan_merge"].append((m - b) / 1000)
-            parts["respond"].append((e - m) / 1000)
-            parts["outside"].append((t1 - t0) / 1000 - (e - a) / 1000)
-    out["roundtrip_us"] = pct(ts)
-    out["kernel_us"] = {k: pct(v) for k, v in parts.items()}
-    out["top1_wrong"] = wrong
-    idx.pause_doorbell()
+    out: dict[str, Any] = {"rows": n, "modes": {}}
+    for mode in modes:
+        idx.doorbell_mode = mode
+        out["modes"][mode] = r = one_mode(idx, svc, seg, lay, keep, calls)
+        print(json.dumps({"rows": n, "mode": mode, **r}), flush=True)
     # the sidecar's batch-1 path on slot 1: graph launch + synchronize from Python
     off1 = lay.slot_offset(1)
     q1 = np.ndarray((1, DIM), np.float32, seg, off1 + lay.payload_offset)
@@ -143,11 +167,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1000,100000")
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--modes", default="0,7", help="BellCtl::mode values to compare (BELL_* bits in kernels/recall.cu)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     res = []
     for n in (int(x) for x in a.rows.split(",")):
-        r = probe(n, a.calls)
+        r = probe(n, a.calls, [int(m) for m in a.modes.split(",")])
         print(json.dumps(r), flush=True)
         res.append(r)
     Path(a.out, "doorbell_probe.json").write_text(json.dumps(res, indent=1))

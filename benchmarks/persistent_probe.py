@@ -83,11 +83,16 @@ def main() -> None:
     print(json.dumps(out))
 
 
+LDCV, STWT, FENCE, SAME, NEAR = 1, 2, 4, 8, 16  # BELL_* and PROBE_* in kernels/recall.cu
+
+
 def variants(cp, kern, words: np.ndarray, addr: int, stream, rounds: int) -> list[dict]:  # type: ignore[no-untyped-def]
     """doorbell_topk saw requests ~80 us late and took ~14 ms to stop (docs/gpu-notes.md,
     session 4), where the one-block probe above answers in ~2 us. Each variant changes one
-    thing toward doorbell_topk: the number of blocks, what the other blocks do while they
-    wait, the 12 request words block 0 reads per round, 256 threads per block."""
+    thing toward doorbell_topk: the number of blocks and what the others do while they wait,
+    the 12 request words block 0 reads per round, the answer written into the polled word
+    itself (as the slot's state word), no system fence after it, a GPU write on the stop
+    word's line; and the fixes: loads with ld.global.cv, stores with st.global.wt, the fence."""
     k = kern.get_kernel("doorbell_probe_blocks")
     bell, done, stop = words[0:1], words[16:17], words[32:33]  # stop on its own 128-byte line
     req = addr + 2048  # 12 words standing for a request's control words
@@ -95,42 +100,61 @@ def variants(cp, kern, words: np.ndarray, addr: int, stream, rounds: int) -> lis
         dev = cp.zeros(4, cp.uint32)
     res = []
     sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
-    for name, grid, block, mode, nwords in [
-        ("1 block", 1, 32, 0, 0),
-        ("2/SM, others return", 2 * sms, 32, 0, 0),
-        ("2/SM, others spin on L2", 2 * sms, 32, 1, 0),
-        ("2/SM, others nanosleep", 2 * sms, 32, 2, 0),
-        ("1 block, 12 request words", 1, 32, 0, 12),
-        ("as doorbell_topk: 2/SM x 256, spin, 12 words", 2 * sms, 256, 1, 12),
+    for name, grid, block, mode, nwords, flags in [
+        ("1 block", 1, 32, 0, 0, FENCE),
+        ("1 block, no fence", 1, 32, 0, 0, 0),
+        ("1 block, answer in the polled word", 1, 32, 0, 0, SAME | FENCE),
+        ("1 block, answer in the polled word, no fence (S4)", 1, 32, 0, 0, SAME),
+        ("  + ldcv", 1, 32, 0, 0, SAME | LDCV),
+        ("  + ldcv + stwt", 1, 32, 0, 0, SAME | LDCV | STWT),
+        ("  + ldcv + stwt + fence", 1, 32, 0, 0, SAME | LDCV | STWT | FENCE),
+        ("1 block, GPU writes on the stop's line", 1, 32, 0, 0, NEAR | FENCE),
+        ("  + ldcv", 1, 32, 0, 0, NEAR | FENCE | LDCV),
+        ("2/SM, others return", 2 * sms, 32, 0, 0, FENCE),
+        ("2/SM, others spin on L2", 2 * sms, 32, 1, 0, FENCE),
+        ("2/SM, others nanosleep", 2 * sms, 32, 2, 0, FENCE),
+        ("1 block, 12 request words", 1, 32, 0, 12, FENCE),
+        ("as doorbell_topk in S4: 2/SM x 256, spin, 12 words, polled word, no fence", 2 * sms, 256, 1, 12, SAME),
+        ("  + ldcv + stwt + fence", 2 * sms, 256, 1, 12, SAME | LDCV | STWT | FENCE),
     ]:
         bell[0] = done[0] = stop[0] = 0
+        words[40] = 0  # the word PROBE_STOP_NEAR writes (stop + 8)
         dev.fill(0)
         stream.synchronize()
         with stream:
-            k((grid,), (block,), (np.uint64(addr), np.uint64(addr + 64), np.uint64(addr + 128),
-                                  np.uint64(req), np.int32(nwords), np.int32(rounds), np.int32(mode), dev))  # fmt: skip
-        ts, deadline, stuck = [], time.monotonic() + 30, False
+            ptrs = [np.uint64(a) for a in (addr, addr + 64, addr + 128, req)]
+            k((grid,), (block,), (*ptrs, np.int32(nwords), np.int32(rounds), np.int32(mode), np.int32(flags), dev))
+        ts, deadline, stuck = [], time.monotonic() + 10, False
         for i in range(1, rounds + 1):
             t0 = time.perf_counter_ns()
             bell[0] = i
-            while done[0] < i:
-                if time.monotonic() > deadline:
-                    stuck = True
-                    break
+            if flags & SAME:
+                while bell[0] != -i:
+                    if time.monotonic() > deadline:
+                        stuck = True
+                        break
+            else:
+                while done[0] < i:
+                    if time.monotonic() > deadline:
+                        stuck = True
+                        break
             if stuck:
                 break
             ts.append(time.perf_counter_ns() - t0)
+        time.sleep(0.002)
         t0 = time.perf_counter_ns()
         stop[0] = 1
         while not stream.done:
-            if time.monotonic() > deadline + 30:
+            if time.monotonic() > deadline + 10:
                 break
         t_stop = (time.perf_counter_ns() - t0) / 1000
         t = np.array(ts[100:] or ts or [0]) / 1000
         r = {"variant": name, "p50_us": round(float(np.median(t)), 2), "p99_us": round(float(np.percentile(t, 99)), 2),
-             "stop_us": round(t_stop, 1), "stuck": stuck}  # fmt: skip
+             "stop_us": round(t_stop, 1), "stuck": stuck, "stopped": bool(stream.done)}  # fmt: skip
         print(json.dumps(r), flush=True)
         res.append(r)
+        if not stream.done:  # the kernel never saw the stop: nothing more can run on this context
+            break
     return res
 
 

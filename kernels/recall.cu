@@ -753,7 +753,10 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
 #define FLAG_ARENA_DOCS 4
 #define RESP_ARENA_DOCS 4
 
-// Written by the host (registered, mapped memory) while the kernel is stopped.
+// Written by the host (registered, mapped memory) while the kernel is stopped. The host's
+// fields fill the first 128-byte line, which the kernel only reads; what the kernel writes lives
+// on the next line (a GPU write can bring a line of host memory into L2, where later loads of
+// that line would find it instead of the host's newer words).
 struct BellCtl {
     int stop;                    // the host sets 1: the kernel returns (after the request in hand)
     int n_rows;                  // rows [0, n_rows) are scanned
@@ -765,11 +768,34 @@ struct BellCtl {
     int payload_off, rows_off, scores_off, blob_off;
     int dim, max_k;
     u64 arena;                   // device address of the mapped arena's row table (16-byte entries)
-    int arena_rows, pad;
-    u64 served;                  // recalls this kernel answered (it counts; the host reads)
-    u64 stamp[4];                // %globaltimer (ns) of the last request: taken, launched to the
-                                 // blocks, merged (response begins), answered (diagnostics)
+    int arena_rows;
+    int mode;                    // BELL_* bits: how host memory is read and written
+    u64 host_pad[6];             // to 128 bytes
+    u64 served;                  // (offset 128) recalls this kernel answered (it counts; the host reads)
+    u64 stamp[8];                // %globaltimer (ns) of the last request: [0] taken, [1] launched to
+                                 // the blocks, [2] merged (response begins), [3] answered, [4] polling
+                                 // began; [5] polls until taken; at a stop: [6] stop seen, [7] polls
+                                 // (diagnostics: benchmarks/doorbell_probe.py)
 };
+
+// How the kernel touches host memory (BellCtl::mode), so one build can compare them
+// (benchmarks/doorbell_probe.py --modes). Plain volatile accesses (mode 0) are what session 4
+// measured: requests seen ~80 us late, ~14 ms to stop.
+#define BELL_LDCV 1              // loads with ld.global.cv: a line of host memory held in L2 is
+                                 // considered stale and fetched again
+#define BELL_STWT 2              // stores with st.global.wt: written through L2 to host memory
+#define BELL_FENCE 4             // a system fence after the RESPONSE word, pushing it out at once
+
+template <typename T>
+__device__ __forceinline__ T hload(const T* p, int mode) {
+    return (mode & BELL_LDCV) ? __ldcv(p) : *reinterpret_cast<const volatile T*>(p);
+}
+
+template <typename T>
+__device__ __forceinline__ void hstore(T* p, T v, int mode) {
+    if (mode & BELL_STWT) __stwt(p, v);
+    else *reinterpret_cast<volatile T*>(p) = v;
+}
 
 __device__ __forceinline__ u64 global_ns() {
     u64 t;
@@ -795,13 +821,16 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
     __shared__ Params sp;        // this request's params (a copy: the scan reads them often)
     __shared__ int s_go;         // block 0: the slot taken (-1 none yet, -2 stop); others: 1 go, -2 stop
     __shared__ float s_red[KALOS_BLOCK / 32];
-    volatile BellCtl* ctl = ctl_;
-    const int n_slots = ctl->n_slots, dim = ctl->dim, max_k = ctl->max_k;
-    const u64 seg = ctl->seg, slot0 = ctl->slot0, slot_size = ctl->slot_size;
-    const int payload_off = ctl->payload_off, rows_off = ctl->rows_off;
-    const int scores_off = ctl->scores_off, blob_off = ctl->blob_off;
-    const u64 arena = ctl->arena;
-    const int arena_rows = ctl->arena_rows;
+    // the host's settings, read once (fetched again from host memory, never an L2 copy)
+    const BellCtl* ctl = ctl_;
+    const int mode = __ldcv(&ctl->mode);
+    const int n_slots = __ldcv(&ctl->n_slots), dim = __ldcv(&ctl->dim), max_k = __ldcv(&ctl->max_k);
+    const u64 seg = __ldcv(&ctl->seg), slot0 = __ldcv(&ctl->slot0), slot_size = __ldcv(&ctl->slot_size);
+    const int payload_off = __ldcv(&ctl->payload_off), rows_off = __ldcv(&ctl->rows_off);
+    const int scores_off = __ldcv(&ctl->scores_off), blob_off = __ldcv(&ctl->blob_off);
+    const u64 arena = __ldcv(&ctl->arena);
+    const int arena_rows = __ldcv(&ctl->arena_rows);
+    const int c_rows = __ldcv(&ctl->n_rows), c_ns = __ldcv(&ctl->ns_id);
     unsigned int seen = 0;       // requests this block has taken part in
     unsigned int rot = 0;        // where the poll starts (fairness between slots)
     for (;;) {
@@ -813,27 +842,37 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             __syncthreads();
             if (threadIdx.x < 32) {
                 const int lane = threadIdx.x;
-                for (;;) {
-                    int stop = lane == 0 ? ctl->stop : 0;
-                    if (__shfl_sync(0xffffffffu, stop, 0)) { if (lane == 0) s_go = -2; break; }
+                const u64 t_poll = global_ns();
+                u64 polls = 0;
+                for (;; polls++) {
+                    int stop = lane == 0 ? hload(&ctl_->stop, mode) : 0;
+                    if (__shfl_sync(0xffffffffu, stop, 0)) {
+                        if (lane == 0) {
+                            s_go = -2;
+                            hstore(&ctl_->stamp[4], t_poll, mode);
+                            hstore(&ctl_->stamp[6], global_ns(), mode);
+                            hstore(&ctl_->stamp[7], polls, mode);
+                        }
+                        break;
+                    }
                     // one state word per lane per round, all reads in flight together
                     int mine = -1, count = 0;
                     for (int b = 0; b < n_slots; b += 32) {
                         int i = b + ((lane + rot) & 31);
                         unsigned int st = 0;
-                        if (i < n_slots) st = *reinterpret_cast<volatile unsigned int*>(seg + slot0 + (u64)i * slot_size);
+                        if (i < n_slots) st = hload(reinterpret_cast<const unsigned int*>(seg + slot0 + (u64)i * slot_size), mode);
                         unsigned int hit = __ballot_sync(0xffffffffu, st == ST_DOORBELL);
                         if (st == ST_DOORBELL && mine < 0) mine = i;
                         count += __popc(hit);
                     }
-                    if (count == 0) continue;  // no sleep: __nanosleep here measured ~80 us detection, ~14 ms to stop
+                    if (count == 0) continue;  // no sleep: __nanosleep was not the ~80 us (S4-7)
                     rot += 7;
                     if (count > 1) {  // a crowd: the sidecar's batched path serves it better
                         for (int b = 0; b < n_slots; b += 32) {
                             int i = b + lane;
                             if (i < n_slots) {
-                                volatile unsigned int* w = reinterpret_cast<volatile unsigned int*>(seg + slot0 + (u64)i * slot_size);
-                                if (*w == ST_DOORBELL) *w = ST_REQUEST;
+                                unsigned int* w = reinterpret_cast<unsigned int*>(seg + slot0 + (u64)i * slot_size);
+                                if (hload(w, mode) == ST_DOORBELL) hstore(w, (unsigned int)ST_REQUEST, mode);
                             }
                         }
                         __threadfence_system();
@@ -842,7 +881,11 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                     unsigned int who = __ballot_sync(0xffffffffu, mine >= 0);
                     int src = __ffs(who) - 1;
                     int slot = __shfl_sync(0xffffffffu, mine, src);
-                    if (lane == 0) s_go = slot;
+                    if (lane == 0) {
+                        s_go = slot;
+                        hstore(&ctl_->stamp[4], t_poll, mode);
+                        hstore(&ctl_->stamp[5], polls, mode);
+                    }
                     break;
                 }
             }
@@ -859,32 +902,32 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             __shared__ int s_ok;
             if (threadIdx.x == 0) {
                 __threadfence_system();  // the words after the state word that announced them
-                const volatile unsigned int* w = reinterpret_cast<const volatile unsigned int*>(sb);
-                for (int i = 0; i < 12; i++) s_w[i] = w[i];
+                const unsigned int* w = reinterpret_cast<const unsigned int*>(sb);
+                for (int i = 0; i < 12; i++) s_w[i] = hload(w + i, mode);
                 const u64 vec_len = (u64)s_w[8] | ((u64)s_w[9] << 32);
                 const u64 args_len = (u64)s_w[10] | ((u64)s_w[11] << 32);
                 s_ok = s_w[4] == OP_RECALL && s_w[5] == FLAG_ARENA_DOCS && s_w[7] == 1 && args_len == 0 &&
-                       vec_len == 4ull * dim && s_w[6] >= 1 && (int)s_w[6] <= max_k && ctl->ns_id != -3;
+                       vec_len == 4ull * dim && s_w[6] >= 1 && (int)s_w[6] <= max_k && c_ns != -3;
             }
             __syncthreads();
             const unsigned int top_k = s_w[6];
             const u64 seq = (u64)s_w[2] | ((u64)s_w[3] << 32);
             if (!s_ok) {
                 if (threadIdx.x == 0) {
-                    *reinterpret_cast<volatile unsigned int*>(sb) = ST_REQUEST;
+                    hstore(reinterpret_cast<unsigned int*>(sb), (unsigned int)ST_REQUEST, mode);
                     __threadfence_system();
                 }
                 continue;  // the sidecar answers it (the client posts its doorbell on seeing REQUEST)
             }
             if (threadIdx.x == 0) {
-                *reinterpret_cast<volatile unsigned int*>(sb) = ST_BUSY;
-                ctl->stamp[0] = global_ns();
+                hstore(reinterpret_cast<unsigned int*>(sb), (unsigned int)ST_BUSY, mode);
+                hstore(&ctl_->stamp[0], global_ns(), mode);
             }
-            // the query: volatile loads of host memory, then its norm
-            const volatile float* q = reinterpret_cast<const volatile float*>(sb + payload_off);
+            // the query: loads of host memory, then its norm
+            const float* q = reinterpret_cast<const float*>(sb + payload_off);
             float part = 0.f;
             for (int i = threadIdx.x; i < ld; i += blockDim.x) {
-                float v = i < dim ? q[i] : 0.f;
+                float v = i < dim ? hload(q + i, mode) : 0.f;
                 qbuf[i] = v;
                 part += v * v;
             }
@@ -899,8 +942,8 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             if (threadIdx.x == 0) {
                 params->n_queries = 1;
                 params->k = (int)top_k;
-                params->n_rows = ctl->n_rows;
-                params->ns_id = ctl->ns_id;
+                params->n_rows = c_rows;
+                params->ns_id = c_ns;
                 params->mask = nullptr;
                 params->out_ld = (int)top_k;
                 params->seq = 0;
@@ -916,7 +959,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             __syncthreads();
             if (threadIdx.x == 0) {
                 atomicAdd(bell, 1u);
-                ctl->stamp[1] = global_ns();
+                hstore(&ctl_->stamp[1], global_ns(), mode);
             }
         } else {
             if (threadIdx.x == 0) {
@@ -940,33 +983,33 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
         const int kk = scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, nullptr, &sp, qbuf, nullptr, ld, buf,
                                                     scratch_k, scratch_v, sync, smem);
         if (kk >= 0) {  // the last block: the rows are in its candidate buffer, sorted
-            if (threadIdx.x == 0) ctl->stamp[2] = global_ns();
+            if (threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
             const int* vals = reinterpret_cast<const int*>(smem + ld + buf);
             const u64 sb = seg + slot0 + (u64)__ldcg(bell + 3) * slot_size;
             unsigned int* gens = reinterpret_cast<unsigned int*>(sb + blob_off);
             for (int i = threadIdx.x; i < kk; i += blockDim.x) {
                 int r = vals[i];
                 unsigned int g = 0;  // no such entry: a generation no row has (the client asks again)
-                if (r >= 0 && r < arena_rows)
-                    g = *reinterpret_cast<const volatile unsigned int*>(arena + 16ull * r + 12);
-                gens[i] = g;
+                if (r >= 0 && r < arena_rows) g = hload(reinterpret_cast<const unsigned int*>(arena + 16ull * r + 12), mode);
+                hstore(gens + i, g, mode);
             }
             __threadfence_system();
             __syncthreads();
             if (threadIdx.x == 0) {
-                volatile unsigned int* w = reinterpret_cast<volatile unsigned int*>(sb);
-                w[14] = __ldcg(bell + 4);   // resp_seq (56)
-                w[15] = __ldcg(bell + 5);
-                w[16] = 0;                  // status OK (64)
-                w[17] = (unsigned int)kk;   // n_results (68)
-                w[18] = 4u * kk;            // resp_len (72)
-                w[19] = 0;
-                w[20] = RESP_ARENA_DOCS;    // resp_flags (80)
-                w[21] = 0;
+                unsigned int* w = reinterpret_cast<unsigned int*>(sb);
+                hstore(w + 14, __ldcg(bell + 4), mode);   // resp_seq (56)
+                hstore(w + 15, __ldcg(bell + 5), mode);
+                hstore(w + 16, 0u, mode);                 // status OK (64)
+                hstore(w + 17, (unsigned int)kk, mode);   // n_results (68)
+                hstore(w + 18, 4u * kk, mode);            // resp_len (72)
+                hstore(w + 19, 0u, mode);
+                hstore(w + 20, (unsigned int)RESP_ARENA_DOCS, mode);  // resp_flags (80)
+                hstore(w + 21, 0u, mode);
                 __threadfence_system();
-                w[0] = ST_RESPONSE;         // last
-                ctl->stamp[3] = global_ns();
-                ctl->served = atomicAdd(bell + 6, 1u) + 1u;  // a posted write: no PCIe read
+                hstore(w, (unsigned int)ST_RESPONSE, mode);  // last
+                if (mode & BELL_FENCE) __threadfence_system();
+                hstore(&ctl_->stamp[3], global_ns(), mode);
+                hstore(&ctl_->served, (u64)(atomicAdd(bell + 6, 1u) + 1u), mode);  // posted: no PCIe read
                 atomicExch(bell + 1, seen);  // done: block 0 may take the next request
             }
         }
@@ -1310,14 +1353,19 @@ __global__ void doorbell_probe(volatile int* bell, volatile int* done, int round
 }
 
 // doorbell_probe_blocks: the same ping-pong from block 0, thread 0, while the other blocks do
-// what doorbell_topk's waiting blocks do, to find what makes the resident kernel see requests
+// what doorbell_topk's waiting blocks do, to find what made the resident kernel see requests
 // late (benchmarks/persistent_probe.py --variants). mode 0: the others return at once; 1: they
 // spin on a device word; 2: they spin with __nanosleep(100). Each round block 0 also reads
-// `nwords` host words (a request's control words). It returns when the host sets *stop (or
-// after `rounds`), releasing the others through dev[0].
-__global__ void doorbell_probe_blocks(volatile int* bell, volatile int* done, volatile int* stop,
-                                      const volatile unsigned int* words, int nwords, int rounds,
-                                      int mode, unsigned int* dev) {
+// `nwords` host words (a request's control words). flags: the BELL_* bits (how host memory is
+// loaded and stored; BELL_FENCE: a system fence after the answer), PROBE_SAME_WORD (the answer
+// goes into the polled word itself, as -i after a 0, as doorbell_topk's state word does) and
+// PROBE_STOP_NEAR (each round also writes a word on the stop word's line, as doorbell_topk's
+// stamps did). It returns when the host sets *stop (or after `rounds`), releasing the others
+// through dev[0].
+#define PROBE_SAME_WORD 8
+#define PROBE_STOP_NEAR 16
+__global__ void doorbell_probe_blocks(int* bell, int* done, int* stop, const unsigned int* words, int nwords,
+                                      int rounds, int mode, int flags, unsigned int* dev) {
     if (blockIdx.x != 0) {
         if (mode == 0 || threadIdx.x != 0) return;
         while (*reinterpret_cast<volatile unsigned int*>(dev) == 0) {
@@ -1329,13 +1377,19 @@ __global__ void doorbell_probe_blocks(volatile int* bell, volatile int* done, vo
     unsigned int sink = 0;
     for (int i = 1; i <= rounds; i++) {
         bool stopped = false;
-        while (*bell < i) {
-            if (*stop) { stopped = true; break; }
+        while (hload(bell, flags) != i) {
+            if (hload(stop, flags)) { stopped = true; break; }
         }
         if (stopped) break;
-        for (int w = 0; w < nwords; w++) sink += words[w];
-        *done = i;
-        __threadfence_system();
+        for (int w = 0; w < nwords; w++) sink += hload(words + w, flags);
+        if (flags & PROBE_SAME_WORD) {
+            hstore(bell, 0, flags);
+            hstore(bell, -i, flags);
+        } else {
+            hstore(done, i, flags);
+        }
+        if (flags & PROBE_STOP_NEAR) hstore(stop + 8, i, flags);
+        if (flags & BELL_FENCE) __threadfence_system();
     }
     dev[1] = sink;
     *reinterpret_cast<volatile unsigned int*>(dev) = 1;

@@ -74,12 +74,16 @@ CAND_MAX: Final = 4096  # most int8 candidates per query (RESCORE_FACTOR x max k
 _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
 _NPTYPE: Final = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 _DESC_HEAD: Final = struct.Struct("<iiiiQii")  # n_queries k n_rows ns_id mask out_ld seq
-# struct BellCtl in kernels/recall.cu: stop n_rows ns_id n_slots seg slot0 slot_size
-# payload_off rows_off scores_off blob_off dim max_k arena arena_rows pad served (then 4 u64
-# stamps, written by the kernel only)
-_BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQiiQ")
-_BELL_SERVED: Final = _BELL_CTL.size - 8
-_BELL_STAMPS: Final = struct.Struct("<4Q")  # at _BELL_CTL.size
+# struct BellCtl in kernels/recall.cu: the host's line (stop n_rows ns_id n_slots seg slot0
+# slot_size payload_off rows_off scores_off blob_off dim max_k arena arena_rows mode), then from
+# offset 128 what the kernel writes: served and 8 u64 stamps
+_BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQii")
+_BELL_SERVED: Final = 128
+_BELL_STAMPS: Final = struct.Struct("<8Q")  # at _BELL_SERVED + 8
+# BellCtl::mode, the BELL_* bits: loads from host memory with ld.global.cv (1), stores with
+# st.global.wt (2), a system fence after the RESPONSE word (4). KALOS_DOORBELL_MODE picks them
+# (benchmarks/doorbell_probe.py --modes compares them).
+DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7"))
 _BELL_WORDS: Final = 8  # BELL_WORDS in kernels/recall.cu
 DOORBELL_MAX_K: Final = 1024
 # Experimental, off by default: on the H200 machine the resident kernel noticed a request
@@ -197,6 +201,7 @@ class GpuIndex(Index):
         self.doorbell_k = 0  # > 0 once enabled: the largest k the resident kernel answers
         self.doorbell_running = False
         self.doorbell_launches = 0
+        self.doorbell_mode = DOORBELL_MODE
         self._served_before = 0  # answered by earlier launches of the resident kernel
         self._bell_layout: Any = None
         self._arena_table = (0, 0, 0)  # registered address, bytes, rows of the arena's row table
@@ -323,7 +328,8 @@ class GpuIndex(Index):
         _BELL_CTL.pack_into(self._bell_mm, 0, 0, high, ns, lay.n_slots, self.seg_addr, lay.slot_offset(0),
                             lay.slot_size, lay.payload_offset, lay.rows_offset, lay.scores_offset,
                             lay.blob_offset, self.dim, self.doorbell_k, table + ARENA_HEADER_SIZE,
-                            arena_rows, 0, 0)  # fmt: skip
+                            arena_rows, self.doorbell_mode)  # fmt: skip
+        self._bell_mm[_BELL_SERVED:_BELL_SERVED + 8 + _BELL_STAMPS.size] = bytes(8 + _BELL_STAMPS.size)
         kp = _pow2(self.doorbell_k)
         buf = self._buf(kp)
         smem = self._smem(1, buf)
@@ -353,10 +359,12 @@ class GpuIndex(Index):
         self.doorbell_running = True
         self.doorbell_launches += 1
 
-    def doorbell_stamps(self) -> tuple[int, int, int, int]:
-        """The resident kernel's GPU clock (ns) at four points of its last answer: request
-        taken, blocks started, merge done, answered (benchmarks/doorbell_probe.py)."""
-        return _BELL_STAMPS.unpack_from(self._bell_mm, _BELL_CTL.size)  # type: ignore[return-value]
+    def doorbell_stamps(self) -> tuple[int, ...]:
+        """The resident kernel's diagnostics (benchmarks/doorbell_probe.py): GPU clock (ns) of
+        its last answer's request taken, blocks started, merge done, answered; when polling for
+        it began and how many polls it took; when it saw its last stop and after how many polls
+        (BellCtl::stamp in kernels/recall.cu)."""
+        return _BELL_STAMPS.unpack_from(self._bell_mm, _BELL_SERVED + 8)
 
     def doorbell_served(self) -> int:
         """Recalls the resident kernel answered (all launches)."""
