@@ -8,9 +8,11 @@ script turns it on for its in-process index.)
 For each row count: a GpuIndex (768-d float16, cosine) with a document arena, an anonymous map
 standing in for the segment (4 slots), the resident kernel enabled. Measured:
 
-* ``pause_us`` / ``resume_us``: stopping the resident kernel and starting it again (what every
-  write, and every request the sidecar's Python serves, adds); ``stop_poll``: the kernel's own
-  record of the polls before it saw the stop (2 ms after it started);
+* ``cycle_2ms`` / ``cycle_20ms``: start the resident kernel, leave it idle 2 or 20 ms, stop it:
+  the host's ``resume_us`` and ``pause_us`` (what every write, and every request the sidecar's
+  Python serves, adds), and the kernel's own clock: from block 0's start to the stop seen (the
+  idle time, if it started at once), from the stop seen to the last block's return, and its
+  polls before the stop;
 * ``roundtrip``: Python writes a query and a DOORBELL request into slot 0 as a client would
   and spins on the state word until RESPONSE; percentiles over ``--calls`` calls;
 * ``kernel``: the kernel's own clock (%globaltimer) per call: request taken -> blocks started
@@ -50,51 +52,69 @@ def one_mode(idx: Any, svc: Any, seg: mmap.mmap, lay: Any, keep: np.ndarray, cal
     from kalos_retrievers.protocol import REQUEST_OFFSET, REQUEST_STRUCT, Flag, Op, SlotState
 
     out: dict[str, Any] = {}
-    ps, rs, seen, polls = [], [], [], []
-    for _ in range(20):
-        t0 = time.perf_counter_ns()
-        svc.resume_doorbell()
-        t1 = time.perf_counter_ns()
-        time.sleep(0.002)
-        idx.pause_doorbell()
-        t2 = time.perf_counter_ns()
-        rs.append((t1 - t0) / 1000)
-        ps.append((t2 - t1) / 1000 - 2000)
-        st = idx.doorbell_stamps()
-        seen.append((st[6] - st[4]) / 1000)  # polling began -> stop seen (includes the 2 ms)
-        polls.append(st[7])
-    out["resume_us"], out["pause_us"] = pct(rs), pct(ps)
-    out["stop_poll"] = {"us": pct(seen), "polls": pct(polls),
-                        "us_per_poll": round(float(np.median(np.array(seen) / np.maximum(polls, 1))), 3)}  # fmt: skip
-    svc.resume_doorbell()
+    for gap_ms in (2, 20):  # the kernel left idle this long before the stop
+        rs, ps, entry_seen, seen_exit, polls = [], [], [], [], []
+        for _ in range(10):
+            t0 = time.perf_counter_ns()
+            svc.resume_doorbell()
+            t1 = time.perf_counter_ns()
+            time.sleep(gap_ms / 1000)
+            t2 = time.perf_counter_ns()
+            idx.pause_doorbell()
+            t3 = time.perf_counter_ns()
+            rs.append((t1 - t0) / 1000)
+            ps.append((t3 - t2) / 1000)
+            st = idx.doorbell_stamps()
+            entry_seen.append((st[6] - st[8]) / 1000)  # ~gap_ms if the kernel began at once
+            seen_exit.append((st[9] - st[6]) / 1000)  # the stop seen -> the last block returned
+            polls.append(st[7])
+        out[f"cycle_{gap_ms}ms"] = {"resume_us": pct(rs), "pause_us": pct(ps),
+                                    "gpu_began_to_stop_seen_us": pct(entry_seen),
+                                    "gpu_stop_seen_to_exit_us": pct(seen_exit), "polls": pct(polls)}  # fmt: skip
     off = lay.slot_offset(0)
     state = np.ndarray((1,), np.uint32, seg, off)
     q = np.ndarray((DIM,), np.float32, seg, off + lay.payload_offset)
     rows = np.ndarray((K,), np.int32, seg, off + lay.rows_offset)
-    ts, wrong = [], 0
-    parts: dict[str, list[float]] = {"prep": [], "scan_merge": [], "respond": [], "outside": [], "polling": [],
-                                     "polls": []}  # fmt: skip
     deadline = time.monotonic() + 60
-    for c in range(calls):
-        j = c % len(keep)
+
+    def ping(c: int) -> float | None:
+        """One recall through slot 0, as a client would: its round trip in us (None: no answer)."""
         t0 = time.perf_counter_ns()
-        q[:] = keep[j]
+        q[:] = keep[c % len(keep)]
         REQUEST_STRUCT.pack_into(seg, off + REQUEST_OFFSET, c + 1, Op.RECALL, Flag.ARENA_DOCS, K, 1, 4 * DIM, 0, 0)
         state[0] = SlotState.DOORBELL
         while state[0] != SlotState.RESPONSE:
             if time.monotonic() > deadline:
-                idx.pause_doorbell()
-                return {**out, "stuck": True, "state": int(state[0]), "calls_done": c}
+                return None
         t1 = time.perf_counter_ns()
         state[0] = SlotState.CLAIMED
-        wrong += int(rows[0] != j)
+        return (t1 - t0) / 1000
+
+    firsts = []  # the first recall right after a start: does the kernel begin at once?
+    for c in range(10):
+        svc.resume_doorbell()
+        firsts.append(ping(c))
+        idx.pause_doorbell()
+    if None in firsts:
+        return {**out, "stuck": True, "state": int(state[0])}
+    out["first_after_start_us"] = pct(firsts)  # type: ignore[arg-type]
+    svc.resume_doorbell()
+    ts, wrong = [], 0
+    parts: dict[str, list[float]] = {"prep": [], "scan_merge": [], "respond": [], "outside": [], "polling": [],
+                                     "polls": []}  # fmt: skip
+    for c in range(calls):
+        rt = ping(c)
+        if rt is None:
+            idx.pause_doorbell()
+            return {**out, "stuck": True, "state": int(state[0]), "calls_done": c}
+        wrong += int(rows[0] != c % len(keep))
         if c >= 100:
-            ts.append((t1 - t0) / 1000)
+            ts.append(rt)
             a, b, m, e, p0, npoll = idx.doorbell_stamps()[:6]
             parts["prep"].append((b - a) / 1000)
             parts["scan_merge"].append((m - b) / 1000)
             parts["respond"].append((e - m) / 1000)
-            parts["outside"].append((t1 - t0) / 1000 - (e - a) / 1000)
+            parts["outside"].append(rt - (e - a) / 1000)
             parts["polling"].append((a - p0) / 1000)  # polling began (after the last answer) -> taken
             parts["polls"].append(npoll)
     out["roundtrip_us"] = pct(ts)

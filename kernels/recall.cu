@@ -772,29 +772,55 @@ struct BellCtl {
     int mode;                    // BELL_* bits: how host memory is read and written
     u64 host_pad[6];             // to 128 bytes
     u64 served;                  // (offset 128) recalls this kernel answered (it counts; the host reads)
-    u64 stamp[8];                // %globaltimer (ns) of the last request: [0] taken, [1] launched to
+    u64 stamp[12];               // %globaltimer (ns) of the last request: [0] taken, [1] launched to
                                  // the blocks, [2] merged (response begins), [3] answered, [4] polling
-                                 // began; [5] polls until taken; at a stop: [6] stop seen, [7] polls
+                                 // began; [5] polls until taken; at a stop: [6] stop seen, [7] polls;
+                                 // [8] block 0 began, [9] the last block returned
                                  // (diagnostics: benchmarks/doorbell_probe.py)
 };
 
 // How the kernel touches host memory (BellCtl::mode), so one build can compare them
 // (benchmarks/doorbell_probe.py --modes). Plain volatile accesses (mode 0) are what session 4
-// measured: requests seen ~80 us late, ~14 ms to stop.
+// measured. Every access is an `asm volatile`: a plain `asm` (as CUDA's __ldcv is) may be
+// hoisted out of a polling loop, which then never sees the host's write (S5-1: stuck).
 #define BELL_LDCV 1              // loads with ld.global.cv: a line of host memory held in L2 is
                                  // considered stale and fetched again
 #define BELL_STWT 2              // stores with st.global.wt: written through L2 to host memory
 #define BELL_FENCE 4             // a system fence after the RESPONSE word, pushing it out at once
+#define BELL_SYS 8               // loads / stores not otherwise chosen: ld/st.relaxed.sys (the
+                                 // memory model's own way to share words with the host)
 
-template <typename T>
-__device__ __forceinline__ T hload(const T* p, int mode) {
-    return (mode & BELL_LDCV) ? __ldcv(p) : *reinterpret_cast<const volatile T*>(p);
+__device__ __forceinline__ unsigned int hload32(const void* p, int mode) {
+    unsigned int v;
+    if (mode & BELL_LDCV) asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    else if (mode & BELL_SYS) asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    else v = *reinterpret_cast<const volatile unsigned int*>(p);
+    return v;
 }
 
 template <typename T>
-__device__ __forceinline__ void hstore(T* p, T v, int mode) {
-    if (mode & BELL_STWT) __stwt(p, v);
-    else *reinterpret_cast<volatile T*>(p) = v;
+__device__ __forceinline__ T hload(const T* p, int mode) {
+    static_assert(sizeof(T) == 4, "32-bit words");
+    unsigned int v = hload32(p, mode);
+    T out;
+    memcpy(&out, &v, 4);
+    return out;
+}
+
+__device__ __forceinline__ void hstore(unsigned int* p, unsigned int v, int mode) {
+    if (mode & BELL_STWT) asm volatile("st.global.wt.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+    else if (mode & BELL_SYS) asm volatile("st.relaxed.sys.global.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+    else *reinterpret_cast<volatile unsigned int*>(p) = v;
+}
+
+__device__ __forceinline__ void hstore(int* p, int v, int mode) {
+    hstore(reinterpret_cast<unsigned int*>(p), (unsigned int)v, mode);
+}
+
+__device__ __forceinline__ void hstore(u64* p, u64 v, int mode) {
+    if (mode & BELL_STWT) asm volatile("st.global.wt.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+    else if (mode & BELL_SYS) asm volatile("st.relaxed.sys.global.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+    else *reinterpret_cast<volatile u64*>(p) = v;
 }
 
 __device__ __forceinline__ u64 global_ns() {
@@ -804,7 +830,7 @@ __device__ __forceinline__ u64 global_ns() {
 }
 
 // Device words (zeroed by the host before each launch): [0] gen, [1] done, [2] stop seen,
-// [3] the slot in hand, [4..5] its seq, [6] requests answered since the launch.
+// [3] the slot in hand, [4..5] its seq, [6] requests answered since the launch, [7] blocks returned.
 #define BELL_WORDS 8
 
 __device__ __forceinline__ unsigned int vload(const unsigned int* p) {
@@ -831,6 +857,14 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
     const u64 arena = __ldcv(&ctl->arena);
     const int arena_rows = __ldcv(&ctl->arena_rows);
     const int c_rows = __ldcv(&ctl->n_rows), c_ns = __ldcv(&ctl->ns_id);
+    if (blockIdx.x == 0 && threadIdx.x == 0) hstore(&ctl_->stamp[8], global_ns(), mode);
+    // the last block to return stamps it (how long a stop takes on the GPU's side)
+    auto leave = [&]() {
+        if (threadIdx.x == 0 && atomicAdd(bell + 7, 1u) == gridDim.x - 1) {
+            hstore(&ctl_->stamp[9], global_ns(), mode);
+            __threadfence_system();
+        }
+    };
     unsigned int seen = 0;       // requests this block has taken part in
     unsigned int rot = 0;        // where the poll starts (fairness between slots)
     for (;;) {
@@ -893,6 +927,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             const int slot = s_go;
             if (slot == -2) {
                 if (threadIdx.x == 0) { bell[2] = 1; __threadfence(); }
+                leave();
                 return;
             }
             const u64 sb = seg + slot0 + (u64)slot * slot_size;
@@ -969,7 +1004,10 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 }
             }
             __syncthreads();
-            if (s_go == -2) return;
+            if (s_go == -2) {
+                leave();
+                return;
+            }
         }
         seen++;
         __threadfence();
@@ -1358,12 +1396,10 @@ __global__ void doorbell_probe(volatile int* bell, volatile int* done, int round
 // spin on a device word; 2: they spin with __nanosleep(100). Each round block 0 also reads
 // `nwords` host words (a request's control words). flags: the BELL_* bits (how host memory is
 // loaded and stored; BELL_FENCE: a system fence after the answer), PROBE_SAME_WORD (the answer
-// goes into the polled word itself, as -i after a 0, as doorbell_topk's state word does) and
-// PROBE_STOP_NEAR (each round also writes a word on the stop word's line, as doorbell_topk's
-// stamps did). It returns when the host sets *stop (or after `rounds`), releasing the others
+// goes into the polled word itself, as -i after a 0, as doorbell_topk's state word does). It
+// returns when the host sets *stop (or after `rounds`), releasing the others
 // through dev[0].
-#define PROBE_SAME_WORD 8
-#define PROBE_STOP_NEAR 16
+#define PROBE_SAME_WORD 16
 __global__ void doorbell_probe_blocks(int* bell, int* done, int* stop, const unsigned int* words, int nwords,
                                       int rounds, int mode, int flags, unsigned int* dev) {
     if (blockIdx.x != 0) {
@@ -1388,7 +1424,6 @@ __global__ void doorbell_probe_blocks(int* bell, int* done, int* stop, const uns
         } else {
             hstore(done, i, flags);
         }
-        if (flags & PROBE_STOP_NEAR) hstore(stop + 8, i, flags);
         if (flags & BELL_FENCE) __threadfence_system();
     }
     dev[1] = sink;

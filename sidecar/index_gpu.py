@@ -76,13 +76,13 @@ _NPTYPE: Final = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 _DESC_HEAD: Final = struct.Struct("<iiiiQii")  # n_queries k n_rows ns_id mask out_ld seq
 # struct BellCtl in kernels/recall.cu: the host's line (stop n_rows ns_id n_slots seg slot0
 # slot_size payload_off rows_off scores_off blob_off dim max_k arena arena_rows mode), then from
-# offset 128 what the kernel writes: served and 8 u64 stamps
+# offset 128 what the kernel writes: served and 12 u64 stamps
 _BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQii")
 _BELL_SERVED: Final = 128
-_BELL_STAMPS: Final = struct.Struct("<8Q")  # at _BELL_SERVED + 8
+_BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # BellCtl::mode, the BELL_* bits: loads from host memory with ld.global.cv (1), stores with
-# st.global.wt (2), a system fence after the RESPONSE word (4). KALOS_DOORBELL_MODE picks them
-# (benchmarks/doorbell_probe.py --modes compares them).
+# st.global.wt (2), a system fence after the RESPONSE word (4), ld/st.relaxed.sys otherwise (8).
+# KALOS_DOORBELL_MODE picks them (benchmarks/doorbell_probe.py --modes compares them).
 DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7"))
 _BELL_WORDS: Final = 8  # BELL_WORDS in kernels/recall.cu
 DOORBELL_MAX_K: Final = 1024
@@ -362,8 +362,8 @@ class GpuIndex(Index):
     def doorbell_stamps(self) -> tuple[int, ...]:
         """The resident kernel's diagnostics (benchmarks/doorbell_probe.py): GPU clock (ns) of
         its last answer's request taken, blocks started, merge done, answered; when polling for
-        it began and how many polls it took; when it saw its last stop and after how many polls
-        (BellCtl::stamp in kernels/recall.cu)."""
+        it began and how many polls it took; when it saw its last stop and after how many polls;
+        when block 0 began and when the last block returned (BellCtl::stamp in kernels/recall.cu)."""
         return _BELL_STAMPS.unpack_from(self._bell_mm, _BELL_SERVED + 8)
 
     def doorbell_served(self) -> int:
