@@ -753,10 +753,10 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
 #define FLAG_ARENA_DOCS 4
 #define RESP_ARENA_DOCS 4
 
-// Written by the host (registered, mapped memory) while the kernel is stopped. The host's
-// fields fill the first 128-byte line, which the kernel only reads; what the kernel writes lives
-// on the next line (a GPU write can bring a line of host memory into L2, where later loads of
-// that line would find it instead of the host's newer words).
+// In registered, mapped host memory. The host writes the first 128-byte line while the kernel
+// is stopped and copies it to the device before each launch (the kernel reads its settings
+// from that copy); while it runs, only `stop` is written (by the host, polled by the kernel).
+// What the kernel writes lives on the next line.
 struct BellCtl {
     int stop;                    // the host sets 1: the kernel returns (after the request in hand)
     int n_rows;                  // rows [0, n_rows) are scanned
@@ -795,6 +795,18 @@ __device__ __forceinline__ unsigned int hload32(const void* p, int mode) {
     if (mode & BELL_LDCV) asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     else if (mode & BELL_SYS) asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     else v = *reinterpret_cast<const volatile unsigned int*>(p);
+    return v;
+}
+
+// 16 bytes in one load (the query: each thread's loads would otherwise be round trips in turn)
+__device__ __forceinline__ uint4 hload4(const void* p, int mode) {
+    uint4 v;
+    if (mode & BELL_LDCV)
+        asm volatile("ld.global.cv.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    else if (mode & BELL_SYS)
+        asm volatile("ld.relaxed.sys.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    else
+        asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
     return v;
 }
 
@@ -842,21 +854,22 @@ __global__ void __launch_bounds__(KALOS_BLOCK)
 doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
               Params* params, float* qbuf, int ld, int buf, float* __restrict__ scratch_k,
               int* __restrict__ scratch_v, unsigned int* __restrict__ sync, BellCtl* ctl_,
-              unsigned int* bell) {
+              const BellCtl* __restrict__ cfg, unsigned int* bell) {
     extern __shared__ float smem[];
     __shared__ Params sp;        // this request's params (a copy: the scan reads them often)
     __shared__ int s_go;         // block 0: the slot taken (-1 none yet, -2 stop); others: 1 go, -2 stop
     __shared__ float s_red[KALOS_BLOCK / 32];
-    // the host's settings, read once (fetched again from host memory, never an L2 copy)
-    const BellCtl* ctl = ctl_;
-    const int mode = __ldcv(&ctl->mode);
-    const int n_slots = __ldcv(&ctl->n_slots), dim = __ldcv(&ctl->dim), max_k = __ldcv(&ctl->max_k);
-    const u64 seg = __ldcv(&ctl->seg), slot0 = __ldcv(&ctl->slot0), slot_size = __ldcv(&ctl->slot_size);
-    const int payload_off = __ldcv(&ctl->payload_off), rows_off = __ldcv(&ctl->rows_off);
-    const int scores_off = __ldcv(&ctl->scores_off), blob_off = __ldcv(&ctl->blob_off);
-    const u64 arena = __ldcv(&ctl->arena);
-    const int arena_rows = __ldcv(&ctl->arena_rows);
-    const int c_rows = __ldcv(&ctl->n_rows), c_ns = __ldcv(&ctl->ns_id);
+    // The host's settings, from the device copy `cfg` the host makes before each launch: read
+    // from host memory by every thread of every block, they were ~23k PCIe reads that held the
+    // kernel's start back ~10 ms (S5-2). Only `stop` is read from host memory (ctl_).
+    const int mode = cfg->mode;
+    const int n_slots = cfg->n_slots, dim = cfg->dim, max_k = cfg->max_k;
+    const u64 seg = cfg->seg, slot0 = cfg->slot0, slot_size = cfg->slot_size;
+    const int payload_off = cfg->payload_off, rows_off = cfg->rows_off;
+    const int scores_off = cfg->scores_off, blob_off = cfg->blob_off;
+    const u64 arena = cfg->arena;
+    const int arena_rows = cfg->arena_rows;
+    const int c_rows = cfg->n_rows, c_ns = cfg->ns_id;
     if (blockIdx.x == 0 && threadIdx.x == 0) hstore(&ctl_->stamp[8], global_ns(), mode);
     // the last block to return stamps it (how long a stop takes on the GPU's side)
     auto leave = [&]() {
@@ -931,14 +944,18 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 return;
             }
             const u64 sb = seg + slot0 + (u64)slot * slot_size;
-            // the request's control words (host memory), read once, by one thread: a client
-            // rewriting them meanwhile must not split the block's decision
+            // the request's control words (host memory), read once, into shared memory: a
+            // client rewriting them meanwhile must not split the block's decision. One load
+            // per lane of warp 0, in flight together: read one after another, 12 words cost
+            // ~14 us (S5-1, persistent_probe.py), each a PCIe round trip.
             __shared__ unsigned int s_w[12];
             __shared__ int s_ok;
-            if (threadIdx.x == 0) {
+            if (threadIdx.x < 32) {
                 __threadfence_system();  // the words after the state word that announced them
-                const unsigned int* w = reinterpret_cast<const unsigned int*>(sb);
-                for (int i = 0; i < 12; i++) s_w[i] = hload(w + i, mode);
+                if (threadIdx.x < 12) s_w[threadIdx.x] = hload(reinterpret_cast<const unsigned int*>(sb) + threadIdx.x, mode);
+                __syncwarp();
+            }
+            if (threadIdx.x == 0) {
                 const u64 vec_len = (u64)s_w[8] | ((u64)s_w[9] << 32);
                 const u64 args_len = (u64)s_w[10] | ((u64)s_w[11] << 32);
                 s_ok = s_w[4] == OP_RECALL && s_w[5] == FLAG_ARENA_DOCS && s_w[7] == 1 && args_len == 0 &&
@@ -959,12 +976,25 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 hstore(&ctl_->stamp[0], global_ns(), mode);
             }
             // the query: loads of host memory, then its norm
+            // (16 bytes per thread where the payload allows: one round trip, not one per word)
             const float* q = reinterpret_cast<const float*>(sb + payload_off);
+            const bool q16 = ((sb + payload_off) & 15) == 0;
             float part = 0.f;
-            for (int i = threadIdx.x; i < ld; i += blockDim.x) {
-                float v = i < dim ? hload(q + i, mode) : 0.f;
-                qbuf[i] = v;
-                part += v * v;
+            for (int i = 4 * threadIdx.x; i < ld; i += 4 * blockDim.x) {
+                float v[4];
+                if (q16 && i + 3 < dim) {
+                    uint4 u = hload4(q + i, mode);
+                    v[0] = __uint_as_float(u.x); v[1] = __uint_as_float(u.y);
+                    v[2] = __uint_as_float(u.z); v[3] = __uint_as_float(u.w);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; j++) v[j] = i + j < dim ? hload(q + i + j, mode) : 0.f;
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    if (i + j < ld) qbuf[i + j] = v[j];
+                    part += v[j] * v[j];
+                }
             }
             for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
             if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = part;
@@ -1440,7 +1470,7 @@ __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
 #ifdef KALOS_INSTANTIATE
 #define SCAN(T, TPR, QB, M) template __global__ void scan_topk<T, TPR, QB, M>(const T*, const int*, const float*, const float*, const Params*, const float*, const signed char*, int, int, float*, int*, unsigned int*);
 SCAN(__half, 4, 1, 0) SCAN(__half, 8, 1, 0) SCAN(float, 8, 1, 0) SCAN(signed char, 4, 1, 0) SCAN(__half, 1, 8, 2)
-template __global__ void doorbell_topk<__half, 4, 0>(const __half*, const int*, const float*, Params*, float*, int, int, float*, int*, unsigned int*, BellCtl*, unsigned int*);
+template __global__ void doorbell_topk<__half, 4, 0>(const __half*, const int*, const float*, Params*, float*, int, int, float*, int*, unsigned int*, BellCtl*, const BellCtl*, unsigned int*);
 template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, signed char*, int, int, const float*, int*, float*);
 template __global__ void topk_scores<0>(const float*, int, const int*, const float*, const float*, const Params*, int, float*, int*, unsigned int*);
 template __global__ void tau_scores<0>(const float*, int, const int*, const float*, const Params*, int, float*);

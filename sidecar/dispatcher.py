@@ -98,6 +98,9 @@ class Dispatcher:
         self._busy_until = 0
         self._inflight: _Batch | None = None
         self._bells = False  # the index has offered a resident kernel (clients may ring it)
+        # we answered a DOORBELL request while the resident kernel was stopped: a client wants
+        # it, so the serve loop restarts it as soon as we are idle (not only before sleeping)
+        self.rang = False
         self._specs: dict[tuple[int, int, int], SlotSpec] = {}
         lay = layout
         base = np.frombuffer(mm, np.uint8)
@@ -132,6 +135,8 @@ class Dispatcher:
         ready = self.waiting()
         if not len(ready):
             return self.settle()
+        if self._bells and not self.rang:
+            self.rang = bool((self.states[ready] == SlotState.DOORBELL).any())
         if self._inflight is not None and not self._inflight.finished:
             # Wait for the batch in flight before picking up, then pick up again: requests that
             # arrive during its search join the next batch, which one pass over the rows serves

@@ -197,6 +197,7 @@ class GpuIndex(Index):
         self._check(lambda: cp.cuda.runtime.hostRegister(self._bell_addr, 4096, 3))
         with self.device:
             self.bell_words = cp.zeros(_BELL_WORDS, cp.uint32)
+            self.bell_cfg = cp.zeros(_BELL_SERVED, cp.uint8)  # the kernel's copy of the host's line
         self.bstream = cp.cuda.Stream(non_blocking=True)
         self.doorbell_k = 0  # > 0 once enabled: the largest k the resident kernel answers
         self.doorbell_running = False
@@ -330,6 +331,7 @@ class GpuIndex(Index):
                             lay.blob_offset, self.dim, self.doorbell_k, table + ARENA_HEADER_SIZE,
                             arena_rows, self.doorbell_mode)  # fmt: skip
         self._bell_mm[_BELL_SERVED:_BELL_SERVED + 8 + _BELL_STAMPS.size] = bytes(8 + _BELL_STAMPS.size)
+        cfg = np.frombuffer(self._bell_mm, np.uint8, _BELL_SERVED).copy()
         kp = _pow2(self.doorbell_k)
         buf = self._buf(kp)
         smem = self._smem(1, buf)
@@ -349,10 +351,11 @@ class GpuIndex(Index):
         def launch() -> None:
             with self.device, self.bstream:
                 self.bell_words.fill(0)
+                self.bell_cfg.set(cfg, stream=self.bstream)
                 kern((grid,), (kernels.BLOCK,),
                      (self.data, self.ns, self.sqnorm, self.params, self.qbuf, np.int32(self.ld),
                       np.int32(buf), self.scratch_k, self.scratch_v, self.sync,
-                      np.uint64(self._bell_addr), self.bell_words), shared_mem=smem)  # fmt: skip
+                      np.uint64(self._bell_addr), self.bell_cfg, self.bell_words), shared_mem=smem)  # fmt: skip
 
         self.stream.synchronize()  # nothing of ours still running on the other stream
         self._check(launch)

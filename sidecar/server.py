@@ -415,6 +415,8 @@ class Server:
                 t_poll = time.monotonic_ns()
                 if d.poll():
                     pace.worked(t_poll, time.monotonic_ns())
+                    if d.rang:  # a client rang the stopped kernel: start it once we are idle
+                        self._resume_doorbell_if_idle()
                     continue
             except FatalDeviceError as e:
                 self._fatal_device(e)
@@ -450,19 +452,28 @@ class Server:
             # semaphore, so while we sleep it must be running to take them. (While we spin,
             # waiting() hands them to us.) Not sooner: a run of writes would stop and start it
             # around each one.
-            try:
-                if d.settle() == 0 and d.waiting().size == 0:
-                    self.service.resume_doorbell()  # type: ignore[union-attr]
-                    self._publish_doorbell()  # (0 if it could not start)
-                else:
-                    continue
-            except FatalDeviceError as e:
-                self._fatal_device(e)
-            except Exception:
-                self._doorbell_failed()
+            if not self._resume_doorbell_if_idle():
+                continue
             if _ipc.wait(self.bell, min(sleep_ns, _IDLE_WAIT_NS) / 1e9):
                 _ipc.drain(self.bell)
         self.close()
+
+    def _resume_doorbell_if_idle(self) -> bool:
+        """(Re)start the index's resident kernel if nothing is in flight or waiting; False
+        when something is (the caller polls again)."""
+        d = self.dispatcher
+        assert d is not None
+        try:
+            if d.settle() or d.waiting().size:
+                return False
+            d.rang = False
+            self.service.resume_doorbell()  # type: ignore[union-attr]
+            self._publish_doorbell()  # (0 if it could not start)
+        except FatalDeviceError as e:
+            self._fatal_device(e)
+        except Exception:
+            self._doorbell_failed()
+        return True
 
     def _doorbell_failed(self) -> None:
         """The resident kernel could not be started or checked (not a sticky fault): serve

@@ -260,8 +260,16 @@ def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
     index.doorbell_k = 16  # type: ignore[misc]  # the index offers a resident kernel,
     index.doorbell_running = True  # type: ignore[misc]  # which has it
     assert d.poll() == 0 and states[0] == SlotState.DOORBELL
+    # negative control: a plain REQUEST (ours even while the kernel runs) does not ask the
+    # serve loop to restart the kernel
+    np.frombuffer(mm, np.float32, dim, lay.slot_offset(1) + lay.payload_offset)[:] = q
+    REQUEST_STRUCT.pack_into(mm, lay.slot_offset(1) + REQUEST_OFFSET, 3, Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
+    states[1] = SlotState.REQUEST
+    assert d.poll() == 1 and not d.rang and states[0] == SlotState.DOORBELL
+    d.settle()
     index.doorbell_running = False  # type: ignore[misc]  # stopped: the slot is ours
     assert d.poll() == 1
+    assert d.rang  # a client rang the stopped kernel: the serve loop restarts it when idle
     d.settle()
     resp = Response.unpack(mm[off : off + CTL_SIZE])
     assert states[0] == SlotState.RESPONSE and resp.status == Status.OK and resp.n_results == k
