@@ -98,8 +98,10 @@ class Dispatcher:
         self._busy_until = 0
         self._inflight: _Batch | None = None
         self._bells = False  # the index has offered a resident kernel (clients may ring it)
-        # we answered a DOORBELL request while the resident kernel was stopped: a client wants
-        # it, so the serve loop restarts it as soon as we are idle (not only before sleeping)
+        # the last pass found one request, a DOORBELL for the stopped resident kernel: a client
+        # recalling alone wants it, so the serve loop restarts it as soon as we are idle, not
+        # only before sleeping (under steady load we never sleep). Not after a crowd: the kernel
+        # would hand the next crowd back (a stop, ~70 us) and scan once per member meanwhile.
         self.rang = False
         self._specs: dict[tuple[int, int, int], SlotSpec] = {}
         lay = layout
@@ -135,8 +137,8 @@ class Dispatcher:
         ready = self.waiting()
         if not len(ready):
             return self.settle()
-        if self._bells and not self.rang:
-            self.rang = bool((self.states[ready] == SlotState.DOORBELL).any())
+        if self._bells:
+            self.rang = len(ready) == 1 and self.states[ready[0]] == SlotState.DOORBELL
         if self._inflight is not None and not self._inflight.finished:
             # Wait for the batch in flight before picking up, then pick up again: requests that
             # arrive during its search join the next batch, which one pass over the rows serves

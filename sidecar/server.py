@@ -459,12 +459,13 @@ class Server:
         self.close()
 
     def _resume_doorbell_if_idle(self) -> bool:
-        """(Re)start the index's resident kernel if nothing is in flight or waiting; False
-        when something is (the caller polls again)."""
+        """(Re)start the index's resident kernel once the batch in flight is answered, unless
+        a request waits; False when one does (the caller polls again)."""
         d = self.dispatcher
         assert d is not None
         try:
-            if d.settle() or d.waiting().size:
+            d.settle()
+            if d.waiting().size:
                 return False
             d.rang = False
             self.service.resume_doorbell()  # type: ignore[union-attr]

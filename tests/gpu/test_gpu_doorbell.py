@@ -98,6 +98,27 @@ def test_doorbell_sees_every_write_and_never_returns_a_stale_document(start_side
     c.close()
 
 
+def test_back_to_back_recalls_after_a_write_go_to_the_kernel(start_sidecar) -> None:
+    """A write stops the kernel and leaves the sidecar awake (spinning), answering DOORBELL
+    requests itself; under a steady stream of recalls it never sleeps, so it must restart the
+    kernel as soon as it is idle after answering one (S5-3: before that, a benchmark's 6000
+    back-to-back recalls were all the sidecar's)."""
+    rng = np.random.default_rng()
+    n, dim = 3_001, 64
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    c.upsert([str(i) for i in range(n)], data)
+    for _ in range(3):
+        c.upsert(["0"], data[:1])  # the kernel stops; the sidecar is awake
+        before = served(c)
+        for _ in range(300):
+            i = int(rng.integers(n))
+            assert c.recall(data[i], 1).ids == [str(i)]
+        assert served(c) - before >= 290, served(c) - before
+    c.close()
+
+
 def test_other_recalls_still_go_through_the_sidecar(start_sidecar) -> None:
     """Namespaces, filters, vectors and batches are the sidecar's, and stay exact."""
     rng = np.random.default_rng()

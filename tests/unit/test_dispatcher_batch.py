@@ -280,3 +280,12 @@ def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
     view = ArenaView(arena.buf, arena.version)  # type: ignore[arg-type]
     for r, g in zip(got, gens, strict=True):
         assert bytes(view.get(r, g)).endswith(f"t{r}{{}}".encode())  # type: ignore[arg-type]
+    # a crowd of DOORBELL requests is not a client recalling alone: no prompt restart
+    for i in (0, 2):
+        np.frombuffer(mm, np.float32, dim, lay.slot_offset(i) + lay.payload_offset)[:] = q
+        REQUEST_STRUCT.pack_into(mm, lay.slot_offset(i) + REQUEST_OFFSET, 20 + i, Op.RECALL, Flag.ARENA_DOCS, k, 1,
+                                 4 * dim, 0, 0)  # fmt: skip
+        states[i] = SlotState.DOORBELL
+    assert d.poll() == 2 and not d.rang
+    d.settle()
+    assert states[0] == states[2] == SlotState.RESPONSE
