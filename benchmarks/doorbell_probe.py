@@ -2,8 +2,8 @@
 
     python -P benchmarks/doorbell_probe.py --rows 1000,100000 [--calls 2000]
 
-(The resident kernel is experimental and off in the sidecar unless ``KALOS_DOORBELL=1``; this
-script turns it on for its in-process index.)
+(The sidecar runs the resident kernel unless ``KALOS_DOORBELL=0``; this script turns it on for
+its in-process index whatever the environment says.)
 
 For each row count: a GpuIndex (768-d float16, cosine) with a document arena, an anonymous map
 standing in for the segment (4 slots), the resident kernel enabled. Measured:
@@ -125,7 +125,7 @@ def one_mode(idx: Any, svc: Any, seg: mmap.mmap, lay: Any, keep: np.ndarray, cal
 
 
 def probe(n: int, calls: int, modes: list[int]) -> dict[str, Any]:
-    os.environ["KALOS_DOORBELL"] = "1"  # experimental, off by default: read at import below
+    os.environ["KALOS_DOORBELL"] = "1"  # read at import below
     from kalos_retrievers.sidecar.bench import normalized_chunks
     from kalos_retrievers.sidecar.index import SlotSpec
     from kalos_retrievers.sidecar.index_gpu import GpuIndex

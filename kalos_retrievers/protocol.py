@@ -41,7 +41,7 @@ import numpy as np
 
 MAGIC: Final = b"KALOSHM\x00"
 VERSION_MAJOR: Final = 1
-VERSION_MINOR: Final = 1
+VERSION_MINOR: Final = 2
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -190,7 +190,7 @@ _HEADER_FIELDS: Final = (
     ("backend", "64s"),
     ("arena_version", "Q"),
     ("doorbell_k", "I"),
-    ("reserved", "I"),
+    ("doorbell_on", "I"),
 )
 HEADER_STRUCT: Final = struct.Struct("<" + "".join(f for _, f in _HEADER_FIELDS))
 
@@ -307,7 +307,7 @@ class Header:
     backend: str
     arena_version: int = 0
     doorbell_k: int = 0
-    reserved: int = 0
+    doorbell_on: int = 0
 
     @property
     def layout(self) -> Layout:

@@ -98,11 +98,12 @@ class Dispatcher:
         self._busy_until = 0
         self._inflight: _Batch | None = None
         self._bells = False  # the index has offered a resident kernel (clients may ring it)
-        # the last pass found one request, a DOORBELL for the stopped resident kernel: a client
-        # recalling alone wants it, so the serve loop restarts it as soon as we are idle, not
-        # only before sleeping (under steady load we never sleep). Not after a crowd: the kernel
-        # would hand the next crowd back (a stop, ~70 us) and scan once per member meanwhile.
-        self.rang = False
+        # How many passes in a row found one request, a batch-1 recall the resident kernel
+        # (stopped) could have answered: a client recalling alone. The serve loop restarts the
+        # kernel after a few (LONE_RECALLS); a crowd or any other request resets it, so batches,
+        # writes and many processes keep the kernel stopped instead of stopping it for each
+        # (S5-4: stopped and restarted around every request, 32 processes went 19.6k -> 5.8k/s).
+        self.lone = 0
         self._specs: dict[tuple[int, int, int], SlotSpec] = {}
         lay = layout
         base = np.frombuffer(mm, np.uint8)
@@ -129,6 +130,23 @@ class Dispatcher:
             return np.flatnonzero(st == SlotState.REQUEST)
         return np.flatnonzero((st == SlotState.REQUEST) | (st == SlotState.DOORBELL))
 
+    def _lone_after(self, ready: np.ndarray) -> int:
+        """``lone`` after a pass that found ``ready``: one more for a single request the
+        resident kernel would take (a DOORBELL, or the same recall sent as a REQUEST because
+        the kernel was stopped: batch 1, default namespace, documents from the arena; a client
+        that asks for documents inline never counts); unchanged for a single host-only request
+        (stats, ping, ...: served beside the kernel); 0 for anything else, or a crowd."""
+        if len(ready) != 1:
+            return 0
+        i = int(ready[0])
+        if self.states[i] == SlotState.DOORBELL:
+            return self.lone + 1
+        req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
+        if (req.op == Op.RECALL and req.n_items == 1 and req.args_len == 0 and req.flags == Flag.ARENA_DOCS
+                and 0 < req.top_k <= self.service.index.doorbell_k):  # fmt: skip
+            return self.lone + 1
+        return self.lone if req.op in _HOST_ONLY else 0
+
     def poll(self) -> int:
         """Answer every request waiting now; return how many. The index's resident kernel (if
         any) is stopped before a request that uses the device or the rows (the serve loop
@@ -138,7 +156,7 @@ class Dispatcher:
         if not len(ready):
             return self.settle()
         if self._bells:
-            self.rang = len(ready) == 1 and self.states[ready[0]] == SlotState.DOORBELL
+            self.lone = self._lone_after(ready)
         if self._inflight is not None and not self._inflight.finished:
             # Wait for the batch in flight before picking up, then pick up again: requests that
             # arrive during its search join the next batch, which one pass over the rows serves

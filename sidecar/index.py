@@ -13,6 +13,7 @@ reads queries from, and writes results to, the shared-memory slot itself.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +151,9 @@ class Index(abc.ABC):
     # doorbell_topk); the CPU backend has none. doorbell_k: the largest k it answers (0: none).
     doorbell_k = 0
     doorbell_running = False
+    # called with True when the kernel has started and with False before it stops (the
+    # server publishes it in the header: clients ring the kernel only while it runs)
+    on_doorbell: Callable[[bool], None] | None = None
 
     def enable_doorbell(self, layout: Any, arena: Any) -> int:
         return 0
@@ -163,6 +167,10 @@ class Index(abc.ABC):
 
     def resume_doorbell(self, high: int, ns: int) -> None:  # noqa: B027 - optional hook
         """Start the resident kernel again over rows [0, high) of namespace id ``ns``."""
+
+    def doorbell_served(self) -> int:
+        """Recalls the resident kernel has answered, all launches together."""
+        return 0
 
     def check_doorbell(self) -> None:  # noqa: B027 - optional hook
         """Raise the resident kernel's error if it ended without being stopped."""

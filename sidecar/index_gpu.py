@@ -86,11 +86,12 @@ _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7"))
 _BELL_WORDS: Final = 8  # BELL_WORDS in kernels/recall.cu
 DOORBELL_MAX_K: Final = 1024
-# Experimental, off by default: on the H200 machine the resident kernel noticed a request
-# ~80 us after the client wrote it and took ~14 ms to stop (benchmarks/doorbell_probe.py,
-# docs/gpu-notes.md), so it was no faster than the sidecar's graph launch, and every write
-# after an idle spell paid the stop. KALOS_DOORBELL=1 turns it on.
-USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "0") == "1"
+# On by default since session 5 (docs/gpu-notes.md): a 100k recall through the resident kernel
+# takes ~70 us in process (the graph path ~80 us plus the sidecar's Python), starting it ~0.1
+# ms of host time and stopping it ~30-80 us. (Session 4's kernel saw requests ~80 us late and
+# took ~14 ms to stop: every thread read its settings and the request words over PCIe.)
+# KALOS_DOORBELL=0 turns it off.
+USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") == "1"
 _DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then is a fault
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
@@ -263,7 +264,7 @@ class GpuIndex(Index):
     def enable_doorbell(self, layout: Any, arena: Any) -> int:
         """Let the resident kernel answer batch-1 recalls from the registered segment (whose
         ``layout`` it is) with documents from ``arena``; returns the largest k it answers (0:
-        not available: not asked for with ``KALOS_DOORBELL=1``, int8 storage, or no arena).
+        not available: turned off with ``KALOS_DOORBELL=0``, int8 storage, or no arena).
         It starts at the first :meth:`resume_doorbell`."""
         if not USE_DOORBELL or self.dtype == "int8" or arena is None or not self.seg_addr:
             self.doorbell_k = 0
@@ -301,6 +302,8 @@ class GpuIndex(Index):
         """Stop the resident kernel (it answers the request in hand first) and wait for it."""
         if not self.doorbell_running:
             return
+        if self.on_doorbell is not None:
+            self.on_doorbell(False)  # clients stop ringing first; a request rung meanwhile is ours
         struct.pack_into("<i", self._bell_mm, 0, 1)
         t_end = time.monotonic() + _DOORBELL_STOP_S
         while not self._check(lambda: self.bstream.done):
@@ -361,6 +364,8 @@ class GpuIndex(Index):
         self._check(launch)
         self.doorbell_running = True
         self.doorbell_launches += 1
+        if self.on_doorbell is not None:
+            self.on_doorbell(True)
 
     def doorbell_stamps(self) -> tuple[int, ...]:
         """The resident kernel's diagnostics (benchmarks/doorbell_probe.py): GPU clock (ns) of

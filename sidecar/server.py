@@ -170,6 +170,7 @@ class Server:
         self.arena: ArenaWriter | None = None
         self._arena_segs: dict[int, _ipc.Segment] = {}
         self._arena_tried = False
+        self._bell_idle = (0, 0)  # the resident kernel's served count, and since when unchanged
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -258,12 +259,14 @@ class Server:
         try:
             self.service.index.attach_segment(seg.mm)
             k = self.service.index.enable_doorbell(lay, self.arena)
+            self.service.index.on_doorbell = self._publish_doorbell
         except FatalDeviceError as e:
             raise StartError(str(e), EXIT_CUDA_FAULT) from None
         self._publish_doorbell()
         if k:
-            log.info("resident kernel (experimental, KALOS_DOORBELL=1): batch-1 recalls of the default "
-                     "namespace with k <= %d are answered on the GPU without the sidecar's Python", k)  # fmt: skip
+            log.info("resident kernel (KALOS_DOORBELL=0 turns it off): once a client recalls alone, batch-1 "
+                     "recalls of the default namespace with k <= %d are answered on the GPU without the "
+                     "sidecar's Python", k)  # fmt: skip
         self.dispatcher = Dispatcher(seg.mm, lay, self.resp_sems, self.service, self.stats,
                                      max_batch=cfg.max_batch, describe=self.describe)  # fmt: skip
         log.info("segment %s: %d slots of %d KiB (%.1f MiB in all), dim=%d, metric=%s",
@@ -272,7 +275,7 @@ class Server:
 
     def _open_arena(self) -> None:
         """Create the document arena and keep the row table's documents in it, if anything
-        will read it: the GPU's resident kernel (``KALOS_DOORBELL=1``) and its clients, or
+        will read it: the GPU's resident kernel (on unless ``KALOS_DOORBELL=0``) and its clients, or
         ``KALOS_ARENA=1``. Without room for it in /dev/shm the sidecar runs without one."""
         assert self.service is not None
         if not (self.service.index.wants_arena() or os.environ.get("KALOS_ARENA") == "1"):
@@ -319,10 +322,17 @@ class Server:
             self.service.index.arena_moved(self.arena)
         self._publish_doorbell()
 
-    def _publish_doorbell(self) -> None:
-        """Tell clients whether the resident kernel takes DOORBELL requests (and up to which k)."""
+    def _publish_doorbell(self, running: bool | None = None) -> None:
+        """Tell clients whether the index has a resident kernel and up to which k it answers
+        (``doorbell_k``), and whether it runs now, taking DOORBELL requests (``doorbell_on``:
+        ``running``, or else as the index says). The index calls this (``on_doorbell``) after
+        the kernel starts and before it stops."""
         if self.seg is not None and self.service is not None:
-            struct.pack_into("<I", self.seg.mm, HEADER_OFFSETS["doorbell_k"], self.service.index.doorbell_k)
+            idx = self.service.index
+            if running is None:
+                running = idx.doorbell_running
+            on = int(bool(running) and idx.doorbell_k > 0)
+            struct.pack_into("<II", self.seg.mm, HEADER_OFFSETS["doorbell_k"], idx.doorbell_k, on)
 
     def _holds_name(self, seg: _ipc.Segment, name: str) -> bool:
         """Take the sidecar lock on a segment we just created, and check the name still points
@@ -415,7 +425,7 @@ class Server:
                 t_poll = time.monotonic_ns()
                 if d.poll():
                     pace.worked(t_poll, time.monotonic_ns())
-                    if d.rang:  # a client rang the stopped kernel: start it once we are idle
+                    if d.lone >= LONE_RECALLS:  # a client recalling alone: start the kernel
                         self._resume_doorbell_if_idle()
                     continue
             except FatalDeviceError as e:
@@ -433,6 +443,7 @@ class Server:
                 next_housekeeping = now + 250_000_000
                 try:
                     self.service.index.check_doorbell()  # type: ignore[union-attr]
+                    self._stop_idle_doorbell(now)
                 except FatalDeviceError as e:
                     self._fatal_device(e)
                 except Exception:
@@ -448,33 +459,42 @@ class Server:
             sleep_ns = pace.sleep_ns(now)
             if not sleep_ns:
                 continue
-            # Before sleeping, (re)start the index's resident kernel: DOORBELL requests ring no
-            # semaphore, so while we sleep it must be running to take them. (While we spin,
-            # waiting() hands them to us.) Not sooner: a run of writes would stop and start it
-            # around each one.
-            if not self._resume_doorbell_if_idle():
+            # (The resident kernel need not run while we sleep: while it is stopped the header
+            # says so, and clients send REQUEST and post the doorbell.)
+            if d.settle() or d.waiting().size:
                 continue
             if _ipc.wait(self.bell, min(sleep_ns, _IDLE_WAIT_NS) / 1e9):
                 _ipc.drain(self.bell)
         self.close()
 
-    def _resume_doorbell_if_idle(self) -> bool:
+    def _resume_doorbell_if_idle(self) -> None:
         """(Re)start the index's resident kernel once the batch in flight is answered, unless
-        a request waits; False when one does (the caller polls again)."""
+        a request waits (the next pass serves it, and may count it as lone, too)."""
         d = self.dispatcher
         assert d is not None
         try:
             d.settle()
             if d.waiting().size:
-                return False
-            d.rang = False
+                return
+            d.lone = 0
             self.service.resume_doorbell()  # type: ignore[union-attr]
-            self._publish_doorbell()  # (0 if it could not start)
+            self._bell_idle = (self.service.index.doorbell_served(), time.monotonic_ns())
         except FatalDeviceError as e:
             self._fatal_device(e)
         except Exception:
             self._doorbell_failed()
-        return True
+
+    def _stop_idle_doorbell(self, now: int) -> None:
+        """Housekeeping: stop a resident kernel that has answered nothing for
+        DOORBELL_IDLE_S (it keeps every SM busy polling; the next lone recalls start it again)."""
+        idx = self.service.index  # type: ignore[union-attr]
+        if not idx.doorbell_running:
+            return
+        served = idx.doorbell_served()
+        if served != self._bell_idle[0]:
+            self._bell_idle = (served, now)
+        elif now - self._bell_idle[1] > DOORBELL_IDLE_S * 1e9:
+            idx.pause_doorbell()
 
     def _doorbell_failed(self) -> None:
         """The resident kernel could not be started or checked (not a sticky fault): serve
@@ -666,6 +686,8 @@ class Server:
 
 
 _IDLE_WAIT_NS = 50_000_000  # longest doorbell wait: housekeeping and stop run between waits
+LONE_RECALLS = 4  # lone batch-1 recalls in a row after which the resident kernel is started
+DOORBELL_IDLE_S = float(os.environ.get("KALOS_DOORBELL_IDLE_S", "5"))  # stopped after this idle
 _PACE_MIN_MARGIN_NS = 250_000  # a timed wait oversleeps by ~0.1 ms on a small VM
 _PACE_MAX_GAP_NS = 100_000_000  # longer gaps are not predicted: the sidecar just sleeps
 

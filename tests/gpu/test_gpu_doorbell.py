@@ -1,4 +1,4 @@
-"""The resident kernel (doorbell_topk, experimental: ``KALOS_DOORBELL=1``): batch-1 recalls
+"""The resident kernel (doorbell_topk; ``KALOS_DOORBELL=0`` turns it off): batch-1 recalls
 answered on the GPU with no sidecar Python, documents read by the client from the arena.
 
 Each test starts a real sidecar with ``--device cuda``. The sidecar's ``stats`` say how many
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
 
 @pytest.fixture(autouse=True)
 def _doorbell_on(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The resident kernel is experimental and off by default: these sidecars turn it on."""
+    """On by default; set anyway, so that these tests test it whatever the default."""
     monkeypatch.setenv("KALOS_DOORBELL", "1")
 
 
@@ -31,14 +31,20 @@ def served(c) -> int:  # type: ignore[no-untyped-def]
     return int(c.stats()["index"]["doorbell_served"])
 
 
-def kernel_back(c) -> None:  # type: ignore[no-untyped-def]
-    """Wait until the sidecar has restarted its resident kernel: after a write it answers
-    DOORBELL requests itself while it stays awake, and restarts the kernel before it sleeps
-    (``stats`` is answered from host state, beside the kernel)."""
-    deadline = time.monotonic() + 5
-    while not c.stats()["index"]["doorbell_running"]:
-        assert time.monotonic() < deadline, "the resident kernel was not restarted"
-        time.sleep(0.001)
+def running(c) -> bool:  # type: ignore[no-untyped-def]
+    return bool(c.stats()["index"]["doorbell_running"])
+
+
+def kernel_back(c, q) -> None:  # type: ignore[no-untyped-def]
+    """Start the resident kernel the way clients do: a write stops it, and the sidecar starts
+    it again after a few lone batch-1 recalls (``stats`` is answered beside the kernel and
+    does not count)."""
+    for _ in range(20):
+        if running(c):
+            assert c._conn.doorbell_on()  # the header says so: clients ring it
+            return
+        c.recall(q, 1)
+    raise AssertionError("the resident kernel was not started by lone recalls")
 
 
 def test_doorbell_recalls_are_exact_with_their_documents(start_sidecar) -> None:
@@ -50,7 +56,8 @@ def test_doorbell_recalls_are_exact_with_their_documents(start_sidecar) -> None:
     assert c._conn.doorbell_k() == 1024  # type: ignore[union-attr]  # the header says: resident kernel on
     c.upsert([str(i) for i in range(n)], data, texts=[f"text {i}" for i in range(n)],
              metadatas=[{"i": i, "odd": i % 2 == 1} for i in range(n)])  # fmt: skip
-    kernel_back(c)
+    assert not running(c) and not c._conn.doorbell_on()  # the write stopped it
+    kernel_back(c, data[0])
     before = served(c)
     for k in (1, 10, 100, 1024):
         for _ in range(3):
@@ -84,14 +91,14 @@ def test_doorbell_sees_every_write_and_never_returns_a_stale_document(start_side
         c.upsert([str(i)], data[i : i + 1], texts=[f"v{round_} {i}"])  # overwrite the text
         r = c.recall(data[i], 1)  # likely the sidecar's (awake after the write)
         assert r.ids == [str(i)] and r[0].text == f"v{round_} {i}"
-        kernel_back(c)
+        kernel_back(c, data[i])
         before = served(c)
         r = c.recall(data[i], 1)  # the resident kernel's, restarted after the write
         assert r.ids == [str(i)] and r[0].text == f"v{round_} {i}" and served(c) == before + 1
         gone = int(rng.integers(n))
         if gone != i:
             c.delete([str(gone)])
-            kernel_back(c)
+            kernel_back(c, data[gone])
             before = served(c)
             r = c.recall(data[gone], 3)
             assert str(gone) not in r.ids and served(c) == before + 1
@@ -119,6 +126,30 @@ def test_back_to_back_recalls_after_a_write_go_to_the_kernel(start_sidecar) -> N
     c.close()
 
 
+def test_an_idle_kernel_is_stopped_and_recalls_go_on(start_sidecar, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A resident kernel that answers nothing for KALOS_DOORBELL_IDLE_S is stopped (it keeps
+    every SM polling); the header says so, clients send REQUEST again, and lone recalls start
+    it again."""
+    monkeypatch.setenv("KALOS_DOORBELL_IDLE_S", "0.3")
+    rng = np.random.default_rng()
+    n, dim = 2_003, 48
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    c.upsert([str(i) for i in range(n)], data)
+    kernel_back(c, data[1])
+    deadline = time.monotonic() + 5
+    while running(c):  # housekeeping every 250 ms
+        assert time.monotonic() < deadline, "the idle resident kernel was not stopped"
+        time.sleep(0.05)
+    assert not c._conn.doorbell_on()
+    before = served(c)
+    assert c.recall(data[5], 1).ids == ["5"] and served(c) == before  # the sidecar's
+    kernel_back(c, data[6])
+    assert c.recall(data[7], 1).ids == ["7"] and served(c) == before + 1  # the kernel's
+    c.close()
+
+
 def test_other_recalls_still_go_through_the_sidecar(start_sidecar) -> None:
     """Namespaces, filters, vectors and batches are the sidecar's, and stay exact."""
     rng = np.random.default_rng()
@@ -137,7 +168,8 @@ def test_other_recalls_still_go_through_the_sidecar(start_sidecar) -> None:
     assert c.recall(data[3], 1, with_vectors=True).vectors is not None
     assert len(c.recall_batch(data[:5], 2)) == 5
     assert served(c) == before  # none of these was the kernel's
-    kernel_back(c)
+    kernel_back(c, data[3])
+    before = served(c)
     assert c.recall(data[3], 1).ids == ["3"] and served(c) == before + 1  # this one was
     c.close()
 
@@ -148,6 +180,7 @@ def test_a_crowd_is_handed_to_the_batched_path_and_everyone_gets_their_answer(st
     sc = start_sidecar(dim=dim, device="cuda", dtype="float32", slots=24)
     with sc.client() as c:
         c.upsert([str(i) for i in range(len(data))], data)
+        kernel_back(c, data[0])  # the crowd finds it running
         before = served(c)
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
@@ -171,6 +204,7 @@ def test_threads_of_one_client_and_a_stop_while_the_kernel_runs(start_sidecar) -
     sc = start_sidecar(dim=dim, device="cuda")
     c = sc.client()
     c.upsert([str(i) for i in range(len(data))], data)
+    kernel_back(c, data[0])
     errors: list[BaseException] = []
 
     def worker(seed: int) -> None:

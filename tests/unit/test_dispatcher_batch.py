@@ -260,16 +260,22 @@ def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
     index.doorbell_k = 16  # type: ignore[misc]  # the index offers a resident kernel,
     index.doorbell_running = True  # type: ignore[misc]  # which has it
     assert d.poll() == 0 and states[0] == SlotState.DOORBELL
-    # negative control: a plain REQUEST (ours even while the kernel runs) does not ask the
-    # serve loop to restart the kernel
     np.frombuffer(mm, np.float32, dim, lay.slot_offset(1) + lay.payload_offset)[:] = q
-    REQUEST_STRUCT.pack_into(mm, lay.slot_offset(1) + REQUEST_OFFSET, 3, Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
-    states[1] = SlotState.REQUEST
-    assert d.poll() == 1 and not d.rang and states[0] == SlotState.DOORBELL
-    d.settle()
+
+    def request(flags: int) -> None:  # slot 1: the same recall as a REQUEST
+        REQUEST_STRUCT.pack_into(mm, lay.slot_offset(1) + REQUEST_OFFSET, 3, Op.RECALL, flags, k, 1, 4 * dim, 0, 0)
+        states[1] = SlotState.REQUEST
+        assert d.poll() == 1
+        d.settle()
+
+    request(Flag.ARENA_DOCS)  # ours even while the kernel runs; one the kernel could take
+    assert d.lone == 1 and states[0] == SlotState.DOORBELL
+    request(0)  # documents inline: never the kernel's, so not a reason to start it
+    assert d.lone == 0
+    request(Flag.ARENA_DOCS)
     index.doorbell_running = False  # type: ignore[misc]  # stopped: the slot is ours
     assert d.poll() == 1
-    assert d.rang  # a client rang the stopped kernel: the serve loop restarts it when idle
+    assert d.lone == 2  # lone recalls in a row: the serve loop starts the kernel after a few
     d.settle()
     resp = Response.unpack(mm[off : off + CTL_SIZE])
     assert states[0] == SlotState.RESPONSE and resp.status == Status.OK and resp.n_results == k
@@ -286,6 +292,6 @@ def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
         REQUEST_STRUCT.pack_into(mm, lay.slot_offset(i) + REQUEST_OFFSET, 20 + i, Op.RECALL, Flag.ARENA_DOCS, k, 1,
                                  4 * dim, 0, 0)  # fmt: skip
         states[i] = SlotState.DOORBELL
-    assert d.poll() == 2 and not d.rang
+    assert d.poll() == 2 and d.lone == 0
     d.settle()
     assert states[0] == states[2] == SlotState.RESPONSE
