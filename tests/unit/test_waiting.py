@@ -139,3 +139,41 @@ def test_a_short_wait_spins_across_the_expected_answer() -> None:
     assert c._short_spin_ns(599 * US, True) > 599 * US
     # a CPU sidecar's search needs the cores: one window, then block
     assert c._short_spin_ns(500 * US, False) == 300 * US
+
+
+class _Conn:
+    """What KalosClient._arena asks of a connection."""
+
+    dead = False
+
+    def __init__(self, doorbell_k: int) -> None:
+        self.k = doorbell_k
+        self.view = object()
+
+    def doorbell_k(self) -> int:
+        return self.k
+
+    def arena(self) -> object:
+        return self.view
+
+
+def test_auto_arena_docs_only_for_recalls_the_resident_kernel_takes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """arena_docs=None reads documents from the arena only for a recall the GPU's resident
+    kernel could answer (one query, default namespace), and only if the sidecar has one; a
+    batch reads them faster inline. True: always; False: never."""
+    import kalos_retrievers.client as client_mod
+
+    monkeypatch.setattr(client_mod, "_X86", True)
+    auto = KalosClient("nobody-here", lazy=True)
+    auto._conn = _Conn(doorbell_k=1024)  # type: ignore[assignment]
+    view = auto._conn.view  # type: ignore[union-attr]
+    assert auto._arena(True) is view
+    assert auto._arena(False) is None  # a batch, a namespace or a filter: inline
+    auto._conn = _Conn(doorbell_k=0)  # type: ignore[assignment]  # no resident kernel
+    assert auto._arena(True) is None
+    always = KalosClient("nobody-here", lazy=True, arena_docs=True)
+    always._conn = _Conn(doorbell_k=0)  # type: ignore[assignment]
+    assert always._arena(False) is always._conn.view  # type: ignore[union-attr]
+    never = KalosClient("nobody-here", lazy=True, arena_docs=False)
+    never._conn = _Conn(doorbell_k=1024)  # type: ignore[assignment]
+    assert never._arena(True) is None
