@@ -1,0 +1,103 @@
+"""When the sidecar starts its resident GPU kernel, and what the header tells clients meanwhile.
+
+In process, with stand-ins: a segment header in an anonymous map, a dispatcher that records
+what it was asked, an index that records its starts (the kernel itself is tested on the GPU,
+tests/gpu/test_gpu_doorbell.py).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from typing import Any
+
+import numpy as np
+from kalos_retrievers.sidecar.server import Server
+
+from kalos_retrievers.protocol import HEADER_OFFSETS
+
+ON = HEADER_OFFSETS["doorbell_on"]
+
+
+class _Index:
+    doorbell_k = 1024
+
+    def __init__(self, fail: bool = False) -> None:
+        self.doorbell_running = False
+        self.fail = fail
+
+    def doorbell_served(self) -> int:
+        return 0
+
+    def pause_doorbell(self) -> None:
+        self.doorbell_running = False
+
+
+class _Service:
+    def __init__(self, index: _Index) -> None:
+        self.index = index
+
+    def resume_doorbell(self) -> None:
+        if self.index.fail:
+            raise RuntimeError("launch failed")
+        self.index.doorbell_running = True
+
+
+class _Dispatcher:
+    def __init__(self, mm: mmap.mmap, waiting: int = 0) -> None:
+        self.mm, self.n_waiting, self.lone = mm, waiting, 5
+        self.header_at_settle: int | None = None
+
+    def waiting(self) -> np.ndarray:
+        return np.zeros(self.n_waiting, np.intp)
+
+    def settle(self) -> int:
+        self.header_at_settle = struct.unpack_from("<I", self.mm, ON)[0]
+        return 1
+
+
+class _Seg:
+    def __init__(self, mm: mmap.mmap) -> None:
+        self.mm = mm
+
+
+def server(index: _Index, waiting: int = 0) -> tuple[Any, _Dispatcher, mmap.mmap]:
+    mm = mmap.mmap(-1, 4096)
+    srv: Any = Server.__new__(Server)  # only what _resume_doorbell_if_idle touches
+    srv.seg, srv.service = _Seg(mm), _Service(index)
+    srv.dispatcher = d = _Dispatcher(mm, waiting)
+    srv._bell_idle = (0, 0)
+    return srv, d, mm
+
+
+def on(mm: mmap.mmap) -> int:
+    return int(struct.unpack_from("<I", mm, ON)[0])
+
+
+def test_clients_are_told_it_runs_before_the_last_lone_recall_is_answered() -> None:
+    """That client's next recall comes ~20 us after its answer: it must find the kernel
+    announced, or it sends a REQUEST, whose service stops the kernel again."""
+    index = _Index()
+    srv, d, mm = server(index)
+    srv._resume_doorbell_if_idle()
+    assert d.header_at_settle == 1  # announced before the answer went out
+    assert index.doorbell_running and on(mm) == 1 and d.lone == 0
+
+
+def test_no_start_while_a_request_waits() -> None:
+    """Negative control: a request waiting is served first (it may stop the kernel anyway)."""
+    index = _Index()
+    srv, d, mm = server(index, waiting=1)
+    srv._resume_doorbell_if_idle()
+    assert d.header_at_settle is None and not index.doorbell_running and on(mm) == 0
+
+
+def test_a_failed_start_is_announced_as_stopped() -> None:
+    """Clients told it runs must be told it does not when the launch fails: one waiting on a
+    DOORBELL then posts the sidecar's doorbell instead of spinning to its deadline."""
+    index = _Index(fail=True)
+    srv, d, mm = server(index)
+    failed: list[bool] = []
+    srv._doorbell_failed = lambda: failed.append(True)
+    srv._resume_doorbell_if_idle()
+    assert failed and d.header_at_settle == 1 and not index.doorbell_running and on(mm) == 0
