@@ -90,7 +90,7 @@ _LIVENESS_TICK = 0.02  # seconds between "is the sidecar still alive?" checks wh
 _X86: Final = os.uname().machine in ("x86_64", "AMD64")  # the spin and arena paths rely on TSO
 _ARENA_VERSION_WORD = 62  # header u32 index of arena_version (offset 248, two words)
 _DOORBELL_K_WORD = 64  # header u32 index of doorbell_k (offset 256)
-_DOORBELL_ON_WORD = 65  # header u32 index of doorbell_on (offset 260)
+_DOORBELL_CAP_WORD = 65  # header u32 index of doorbell_cap (offset 260)
 _MAX_MARGIN_SPINS = 2  # a long wait's spin around the expected answer: at most 2 x 2 spin windows
 _SPIN_PROBE_EVERY = 8  # while long-wait spins do not pay, still try one call in this many
 _BACKOFF_MIN = 0.05
@@ -153,12 +153,13 @@ class _Conn:
         self._arena_mm: mmap.mmap | None = None
 
     def doorbell_k(self) -> int:
-        """Largest k the GPU's resident kernel answers (0: the sidecar has none)."""
+        """Largest k the GPU's resident kernel answers now (0: it is stopped, or there is none):
+        DOORBELL requests only while nonzero."""
         return self._hdr32[_DOORBELL_K_WORD]
 
-    def doorbell_on(self) -> bool:
-        """Whether the resident kernel runs now (and takes DOORBELL requests)."""
-        return bool(self._hdr32[_DOORBELL_ON_WORD])
+    def doorbell_cap(self) -> int:
+        """Largest k of the sidecar's resident kernel, running or not (0: it has none)."""
+        return self._hdr32[_DOORBELL_CAP_WORD]
 
     def arena(self) -> ArenaView | None:
         """The sidecar's current document arena, mapped read-only (None: it has none, or the
@@ -557,7 +558,7 @@ class KalosClient:
         if self.arena_docs is False or not _X86:
             return None
         conn = self._conn
-        if conn is None or conn.dead or (self.arena_docs is None and not (kernel_could and conn.doorbell_k())):
+        if conn is None or conn.dead or (self.arena_docs is None and not (kernel_could and conn.doorbell_cap())):
             return None
         return conn.arena()
 
@@ -939,7 +940,7 @@ class KalosClient:
             # the GPU's resident kernel takes batch-1 recalls of the default namespace whose
             # documents come from the arena; it polls the state word (no semaphore)
             bell = (op == Op.RECALL and flags == Flag.ARENA_DOCS and n_items == 1 and not args_len
-                    and top_k <= conn.doorbell_k() and conn.doorbell_on())  # fmt: skip
+                    and top_k <= conn.doorbell_k())  # fmt: skip
             if bell:
                 slot.state[0] = SlotState.DOORBELL
             else:
@@ -1050,8 +1051,9 @@ class KalosClient:
         back as a REQUEST (checked every 50 µs: the kernel declined it), which the sidecar
         answers and posts for (we post its doorbell, since we did not). If the header says the
         kernel stopped while our request still waits for it, the sidecar answers it instead:
-        we post its doorbell (it may be asleep) and spin ~2 ms more before blocking (the kernel
-        may still have taken it as it stopped, and the kernel posts nothing)."""
+        we post its doorbell (it may be asleep), and block only if nobody has taken it ~2 ms
+        later (while it is BUSY we spin on: the kernel may have taken it as it stopped, and
+        the kernel posts nothing)."""
         state = slot.state
         done = (SlotState.RESPONSE, SlotState.ERROR)
         end = int(deadline * 1e9)
@@ -1063,11 +1065,11 @@ class KalosClient:
             if state[0] == SlotState.REQUEST:
                 _ipc.post(conn.bell)
                 return False
-            if not posted and state[0] == SlotState.DOORBELL and not conn.doorbell_on():
+            if not posted and state[0] == SlotState.DOORBELL and not conn.doorbell_k():
                 _ipc.post(conn.bell)
                 posted = time.monotonic_ns()
             now = time.monotonic_ns()
-            if posted and now - posted > 2_000_000:
+            if posted and now - posted > 2_000_000 and state[0] == SlotState.DOORBELL:
                 return False
             if now >= end:
                 return state[0] in done

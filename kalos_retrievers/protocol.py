@@ -190,7 +190,7 @@ _HEADER_FIELDS: Final = (
     ("backend", "64s"),
     ("arena_version", "Q"),
     ("doorbell_k", "I"),
-    ("doorbell_on", "I"),
+    ("doorbell_cap", "I"),
 )
 HEADER_STRUCT: Final = struct.Struct("<" + "".join(f for _, f in _HEADER_FIELDS))
 
@@ -307,7 +307,7 @@ class Header:
     backend: str
     arena_version: int = 0
     doorbell_k: int = 0
-    doorbell_on: int = 0
+    doorbell_cap: int = 0
 
     @property
     def layout(self) -> Layout:

@@ -366,9 +366,9 @@ class GpuIndex(Index):
         # and serving that means stopping the kernel again (S5-5: 20 of 300 back-to-back
         # recalls went round that loop). If the launch fails, clients are told at once.
         self.doorbell_running = True
-        if self.on_doorbell is not None:
-            self.on_doorbell(True)
         try:
+            if self.on_doorbell is not None:
+                self.on_doorbell(True)
             self._check(launch)
         except BaseException:
             self.doorbell_running = False

@@ -323,16 +323,17 @@ class Server:
         self._publish_doorbell()
 
     def _publish_doorbell(self, running: bool | None = None) -> None:
-        """Tell clients whether the index has a resident kernel and up to which k it answers
-        (``doorbell_k``), and whether it runs now, taking DOORBELL requests (``doorbell_on``:
-        ``running``, or else as the index says). The index calls this (``on_doorbell``) after
-        the kernel starts and before it stops."""
+        """Tell clients up to which k the index's resident kernel answers now (``doorbell_k``:
+        0 while it is stopped: ``running``, or else as the index says) and whether it has one
+        (``doorbell_cap``). The index calls this (``on_doorbell``) after the kernel starts and
+        before it stops. (A v1.1 client reads only ``doorbell_k``: it rings the kernel only
+        while it runs, too.)"""
         if self.seg is not None and self.service is not None:
             idx = self.service.index
             if running is None:
                 running = idx.doorbell_running
-            on = int(bool(running) and idx.doorbell_k > 0)
-            struct.pack_into("<II", self.seg.mm, HEADER_OFFSETS["doorbell_k"], idx.doorbell_k, on)
+            k = idx.doorbell_k if running else 0
+            struct.pack_into("<II", self.seg.mm, HEADER_OFFSETS["doorbell_k"], k, idx.doorbell_k)
 
     def _holds_name(self, seg: _ipc.Segment, name: str) -> bool:
         """Take the sidecar lock on a segment we just created, and check the name still points
@@ -421,13 +422,12 @@ class Server:
                 self._do_republish()
             d = self.dispatcher
             assert d is not None and self.seg is not None
+            worked = 0
             try:
                 t_poll = time.monotonic_ns()
-                if d.poll():
+                worked = d.poll()
+                if worked:
                     pace.worked(t_poll, time.monotonic_ns())
-                    if d.lone >= LONE_RECALLS:  # a client recalling alone: start the kernel
-                        self._resume_doorbell_if_idle()
-                    continue
             except FatalDeviceError as e:
                 self._fatal_device(e)
             except Exception:  # pragma: no cover - poll() answers its own errors
@@ -438,6 +438,11 @@ class Server:
                     raise
                 except Exception:
                     log.exception("answering the batch in flight failed")
+            if worked:
+                # (outside the try above: a fatal device error here must end the loop)
+                if d.lone >= LONE_RECALLS:  # a client recalling alone: start the kernel
+                    self._resume_doorbell_if_idle()
+                continue
             now = time.monotonic_ns()
             if now >= next_housekeeping:
                 next_housekeeping = now + 250_000_000
@@ -478,7 +483,7 @@ class Server:
         by the kernel in one run, 268-296 in others)."""
         d = self.dispatcher
         assert d is not None and self.service is not None
-        if d.waiting().size:
+        if d.waiting().size or not self.service.doorbell_useful():
             return
         try:
             self._publish_doorbell(True)  # a DOORBELL rung from now is taken once it starts

@@ -192,6 +192,16 @@ class Service:
             self.index.launch_slots(specs, kk, self.rows.high, ns_id, cands, dense)
         return kk
 
+    def doorbell_useful(self) -> bool:
+        """Whether starting the index's resident kernel now could answer anything: it has one,
+        it is stopped, and the default namespace has rows (it declines every recall of an
+        empty one, each a round trip back to the sidecar)."""
+        idx = self.index
+        if not idx.doorbell_k or idx.doorbell_running:
+            return False
+        ns = self.rows.ns_id("")
+        return ns is not None and bool(self.rows.ns_count[ns])
+
     def resume_doorbell(self) -> None:
         """Restart the index's resident kernel, if it has one, over the default namespace as
         the rows are now (the kernel is stopped whenever they change)."""

@@ -16,7 +16,7 @@ from kalos_retrievers.sidecar.server import Server
 
 from kalos_retrievers.protocol import HEADER_OFFSETS
 
-ON = HEADER_OFFSETS["doorbell_on"]
+K = HEADER_OFFSETS["doorbell_k"]  # nonzero only while the kernel runs (or is about to)
 
 
 class _Index:
@@ -34,8 +34,11 @@ class _Index:
 
 
 class _Service:
-    def __init__(self, index: _Index) -> None:
-        self.index = index
+    def __init__(self, index: _Index, rows: bool = True) -> None:
+        self.index, self.rows = index, rows
+
+    def doorbell_useful(self) -> bool:
+        return self.rows and not self.index.doorbell_running
 
     def resume_doorbell(self) -> None:
         if self.index.fail:
@@ -52,7 +55,7 @@ class _Dispatcher:
         return np.zeros(self.n_waiting, np.intp)
 
     def settle(self) -> int:
-        self.header_at_settle = struct.unpack_from("<I", self.mm, ON)[0]
+        self.header_at_settle = struct.unpack_from("<I", self.mm, K)[0]
         return 1
 
 
@@ -61,17 +64,20 @@ class _Seg:
         self.mm = mm
 
 
-def server(index: _Index, waiting: int = 0) -> tuple[Any, _Dispatcher, mmap.mmap]:
+def server(index: _Index, waiting: int = 0, rows: bool = True) -> tuple[Any, _Dispatcher, mmap.mmap]:
     mm = mmap.mmap(-1, 4096)
     srv: Any = Server.__new__(Server)  # only what _resume_doorbell_if_idle touches
-    srv.seg, srv.service = _Seg(mm), _Service(index)
+    srv.seg, srv.service = _Seg(mm), _Service(index, rows)
     srv.dispatcher = d = _Dispatcher(mm, waiting)
     srv._bell_idle = (0, 0)
     return srv, d, mm
 
 
 def on(mm: mmap.mmap) -> int:
-    return int(struct.unpack_from("<I", mm, ON)[0])
+    """The header's doorbell_k (what clients read to ring the kernel), and doorbell_cap."""
+    k, cap = struct.unpack_from("<II", mm, K)
+    assert cap == _Index.doorbell_k  # the sidecar has a kernel, running or not
+    return int(k)
 
 
 def test_clients_are_told_it_runs_before_the_last_lone_recall_is_answered() -> None:
@@ -80,8 +86,8 @@ def test_clients_are_told_it_runs_before_the_last_lone_recall_is_answered() -> N
     index = _Index()
     srv, d, mm = server(index)
     srv._resume_doorbell_if_idle()
-    assert d.header_at_settle == 1  # announced before the answer went out
-    assert index.doorbell_running and on(mm) == 1 and d.lone == 0
+    assert d.header_at_settle == 1024  # announced before the answer went out
+    assert index.doorbell_running and on(mm) == 1024 and d.lone == 0
 
 
 def test_no_start_while_a_request_waits() -> None:
@@ -89,15 +95,24 @@ def test_no_start_while_a_request_waits() -> None:
     index = _Index()
     srv, d, mm = server(index, waiting=1)
     srv._resume_doorbell_if_idle()
-    assert d.header_at_settle is None and not index.doorbell_running and on(mm) == 0
+    assert d.header_at_settle is None and not index.doorbell_running
+    assert struct.unpack_from("<II", mm, K) == (0, 0)  # nothing published at all
+
+
+def test_no_start_over_an_empty_default_namespace() -> None:
+    """The kernel would hand every recall back (a round trip each): not started."""
+    index = _Index()
+    srv, d, _ = server(index, rows=False)
+    srv._resume_doorbell_if_idle()
+    assert d.header_at_settle is None and not index.doorbell_running
 
 
 def test_a_failed_start_is_announced_as_stopped() -> None:
-    """Clients told it runs must be told it does not when the launch fails: one waiting on a
-    DOORBELL then posts the sidecar's doorbell instead of spinning to its deadline."""
+    """Clients told it runs must be told it does not when the launch fails (a client waiting
+    on a DOORBELL posts the sidecar's doorbell when it reads 0: test_waiting.py)."""
     index = _Index(fail=True)
     srv, d, mm = server(index)
     failed: list[bool] = []
     srv._doorbell_failed = lambda: failed.append(True)
     srv._resume_doorbell_if_idle()
-    assert failed and d.header_at_settle == 1 and not index.doorbell_running and on(mm) == 0
+    assert failed and d.header_at_settle == 1024 and not index.doorbell_running and on(mm) == 0

@@ -5,9 +5,15 @@ Pure logic, no shared memory: the clock is passed in (ns), and the client is bui
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
+
+import numpy as np
 from kalos_retrievers.sidecar.server import _IDLE_WAIT_NS, _PACE_MAX_GAP_NS, Pace
 
 from kalos_retrievers.client import KalosClient
+from kalos_retrievers.protocol import SlotState
 
 US = 1_000
 MS = 1_000_000
@@ -141,17 +147,37 @@ def test_a_short_wait_spins_across_the_expected_answer() -> None:
     assert c._short_spin_ns(500 * US, False) == 300 * US
 
 
+class _Bell:
+    def __init__(self) -> None:
+        self.posts = 0
+
+    def release(self) -> None:
+        self.posts += 1
+
+
+class _Slot:
+    def __init__(self, state: int) -> None:
+        self.state = np.array([state], np.uint32)
+
+
 class _Conn:
-    """What KalosClient._arena asks of a connection."""
+    """What KalosClient._arena and _spin_doorbell ask of a connection."""
 
     dead = False
 
-    def __init__(self, doorbell_k: int) -> None:
-        self.k = doorbell_k
+    def __init__(self, doorbell_cap: int, running: bool = False) -> None:
+        self.cap, self.running = doorbell_cap, running
         self.view = object()
+        self.bell = _Bell()
+
+    def doorbell_cap(self) -> int:
+        return self.cap
 
     def doorbell_k(self) -> int:
-        return self.k
+        return self.cap if self.running else 0
+
+    def sidecar_alive(self) -> bool:
+        return True
 
     def arena(self) -> object:
         return self.view
@@ -165,15 +191,57 @@ def test_auto_arena_docs_only_for_recalls_the_resident_kernel_takes(monkeypatch)
 
     monkeypatch.setattr(client_mod, "_X86", True)
     auto = KalosClient("nobody-here", lazy=True)
-    auto._conn = _Conn(doorbell_k=1024)  # type: ignore[assignment]
+    auto._conn = _Conn(doorbell_cap=1024)  # type: ignore[assignment]
     view = auto._conn.view  # type: ignore[union-attr]
     assert auto._arena(True) is view
     assert auto._arena(False) is None  # a batch, a namespace or a filter: inline
-    auto._conn = _Conn(doorbell_k=0)  # type: ignore[assignment]  # no resident kernel
+    auto._conn = _Conn(doorbell_cap=0)  # type: ignore[assignment]  # no resident kernel
     assert auto._arena(True) is None
     always = KalosClient("nobody-here", lazy=True, arena_docs=True)
-    always._conn = _Conn(doorbell_k=0)  # type: ignore[assignment]
+    always._conn = _Conn(doorbell_cap=0)  # type: ignore[assignment]
     assert always._arena(False) is always._conn.view  # type: ignore[union-attr]
     never = KalosClient("nobody-here", lazy=True, arena_docs=False)
-    never._conn = _Conn(doorbell_k=1024)  # type: ignore[assignment]
+    never._conn = _Conn(doorbell_cap=1024)  # type: ignore[assignment]
     assert never._arena(True) is None
+
+
+def test_a_doorbell_whose_kernel_stops_is_handed_to_the_sidecar() -> None:
+    """A client waiting on a DOORBELL that reads "stopped" (doorbell_k == 0) posts the
+    sidecar's doorbell once, spins on while the request is taken (BUSY), and blocks only if
+    nobody took it ~2 ms later."""
+    c = KalosClient("nobody-here", lazy=True)
+    conn = _Conn(doorbell_cap=1024, running=False)
+    slot = _Slot(SlotState.DOORBELL)
+    t0 = time.monotonic()
+    assert not c._spin_doorbell(conn, slot, time.monotonic() + 5)  # type: ignore[arg-type]
+    assert conn.bell.posts == 1 and 0.002 <= time.monotonic() - t0 < 1
+
+    # taken (BUSY), answered 20 ms later: spun through, no block
+    slot = _Slot(SlotState.DOORBELL)
+    conn = _Conn(doorbell_cap=1024, running=False)
+
+    def take_then_answer() -> None:
+        time.sleep(0.001)
+        slot.state[0] = SlotState.BUSY
+        time.sleep(0.02)
+        slot.state[0] = SlotState.RESPONSE
+
+    t = threading.Thread(target=take_then_answer)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # the spinning client holds the GIL: let the other thread in
+    try:
+        t.start()
+        assert c._spin_doorbell(conn, slot, time.monotonic() + 5)  # type: ignore[arg-type]
+        t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert conn.bell.posts == 1
+
+
+def test_a_doorbell_to_a_running_kernel_posts_nothing() -> None:
+    """Negative control: while the header says the kernel runs, the client only spins."""
+    c = KalosClient("nobody-here", lazy=True)
+    conn = _Conn(doorbell_cap=1024, running=True)
+    slot = _Slot(SlotState.DOORBELL)
+    assert not c._spin_doorbell(conn, slot, time.monotonic() + 0.01)  # type: ignore[arg-type]
+    assert conn.bell.posts == 0
