@@ -1,4 +1,4 @@
-"""Where a batched recall's time goes on the GPU (issue 3): GEMM, top-k, syncs, Python.
+"""Where a batched recall's time goes on the GPU (issue 3): mma_filter or GEMM, top-k, syncs.
 
     python benchmarks/gpu_batch_breakdown.py [--rows 1000000] [--batch 64]
 
@@ -9,7 +9,9 @@ and torch's ``mm`` + ``topk`` on the same rows for reference. Then the sidecar's
 ``search_slots`` over a registered segment with one query per slot (``--batch`` slots answered
 together, as dynamic batching does, and 1 slot: the fused graph), with ``GpuIndex.trace`` on:
 per stage, the GPU time (CUDA events between marks) and the host time (perf_counter), medians
-over the runs. Prints one JSON line.
+over the runs; float16 batches take mma_filter (one stage, "mma end"), so the slot path runs
+again with cuBLAS (``slot_path_cublas``), and both paths' rows for the batch are compared.
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -152,7 +154,20 @@ def main() -> None:
                 tt.append(e0.elapsed_time(e1) * 1000)
         out["torch_topk_us"] = round(float(np.median(tt)), 1)
     out["gemm_path_enabled"] = index_gpu.USE_GEMM
-    out["slot_path"] = {str(nb): slot_path(idx, q, nb, k, n) for nb in sorted({1, 8, 24, b})}
+    sizes = sorted({1, 8, 16, 24, b})
+    out["slot_path"] = {str(nb): slot_path(idx, q, nb, k, n) for nb in sizes}
+    out["mma_batches"], out["threshold_overflows"] = idx.mma_batches, idx.threshold_overflows
+    # the same slots through cuBLAS (KALOS_MMA=0), and whether both paths found the same rows
+    mma_rows, mma_scores = idx.search(q, k, n, 0, None, True)
+    index_gpu.USE_MMA = False
+    out["slot_path_cublas"] = {str(nb): slot_path(idx, q, nb, k, n) for nb in sizes if nb > 1}
+    blas_rows, blas_scores = idx.search(q, k, n, 0, None, True)
+    index_gpu.USE_MMA = True
+    out["mma_vs_cublas"] = {
+        "row_sets_differ": int(sum(set(a) != set(c) for a, c in zip(mma_rows.tolist(), blas_rows.tolist(),
+                                                                     strict=True))),
+        "max_score_diff": float(np.abs(mma_scores - blas_scores).max()),
+    }
     print(json.dumps(out))
     idx.close()
 

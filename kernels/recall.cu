@@ -1331,6 +1331,149 @@ select_cands(const float* __restrict__ ck, const int* __restrict__ cv, int* __re
 }
 
 // ------------------------------------------------------------------------------------------
+// mma_filter<NT, METRIC>: the batched path's fused scan for float16 rows. Tensor cores
+// (mma.sync m16n8k16, float32 accumulation) score each row against up to 8 * NT queries, and
+// each score is compared at once with its query's threshold tau[q] (tau_scores); what reaches
+// it is appended to the query's candidate list, as filter_scores does from a score matrix, for
+// select_cands. The rows are read once and no score matrix is written (the cuBLAS path wrote
+// 4 bytes per row and query, read them back in filter_scores, and paid host gaps around the
+// GEMM).
+//   grid (G), block KALOS_BLOCK; dynamic shared memory: 8 * NT * lds halves (the queries).
+//
+// nrows < 0: rows [0, p->n_rows) (prep's count, so one captured graph serves any count). With
+// dump != nullptr it scores rows [0, nrows) and writes the raw dot products to
+// dump[q * dump_ld + row] instead: the sample tau_scores takes the thresholds from.
+//
+// Layout. Each warp takes tiles of 16 * MT rows in a grid stride. Lane (g = lane / 4,
+// t = lane % 4) loads 16 bytes (8 halves) of rows g, g+8 (and g+16, g+24) at column
+// kc = k0 + 8t, so a warp's load covers 64 contiguous bytes of 8 rows. A dot product sums over k in any order, so these
+// 8 halves feed two k16 mma steps with the k positions of A (rows) and B (queries) permuted
+// the same way: step s uses halves 4s, 4s+1 where the instruction expects k = 2t, 2t+1 and
+// halves 4s+2, 4s+3 where it expects 2t+8, 2t+9. The lane holding B's column g of n-tile j
+// loads the same 8 halves of query 8j + g from shared memory; lds (ld padded to 32 mod 64
+// halves) puts the 8 lanes of each 128-byte phase on distinct banks. Accumulator (m-tile, j):
+// c0, c1 = row g, queries 8j + 2t, +1; c2, c3 = row g + 8 (PTX ISA, m16n8k16 f32 layout).
+__device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int NT, int METRIC>
+__global__ void __launch_bounds__(KALOS_BLOCK, 2)
+mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const int* __restrict__ ns,
+           const float* __restrict__ sqnorm, const Params* __restrict__ p, const __half* __restrict__ qh,
+           const float* __restrict__ tau, float* __restrict__ ck, int* __restrict__ cv,
+           int* __restrict__ ccount, int cap, float* __restrict__ dump, int dump_ld) {
+    extern __shared__ uint4 mma_smem[];
+    __half* qs = reinterpret_cast<__half*>(mma_smem);
+    __shared__ float s_tau[8 * NT], s_qn2[8 * NT];
+    const int nq = p->n_queries, my_ns = p->ns_id;
+    if (nrows < 0) nrows = p->n_rows;
+    const unsigned char* mask = p->mask;
+    const int cpr = ld / 8;  // 16-byte chunks per row (ld is a multiple of 8)
+    for (int i = threadIdx.x; i < 8 * NT * cpr; i += blockDim.x) {
+        const int q = i / cpr, c = i - q * cpr;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (q < nq) v = *reinterpret_cast<const uint4*>(qh + (size_t)q * ld + 8 * c);
+        *reinterpret_cast<uint4*>(qs + (size_t)q * lds + 8 * c) = v;
+    }
+    if (threadIdx.x < 8 * NT) {
+        const int q = threadIdx.x;
+        s_tau[q] = (dump == nullptr && q < nq) ? tau[q] : 0.f;
+        s_qn2[q] = q < nq ? p->qnorm2[q] : 0.f;
+    }
+    __syncthreads();
+
+    // m16 tiles per warp tile: two (32 rows) share each query fragment loaded from shared
+    // memory
+    constexpr int MT = 2, H = 2 * MT;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int wpb = blockDim.x / 32;
+    const int tiles = (nrows + 16 * MT - 1) / (16 * MT);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const uint4* rows16 = reinterpret_cast<const uint4*>(data);
+    for (int tile = blockIdx.x * wpb + warp; tile < tiles; tile += gridDim.x * wpb) {
+        const int r0 = tile * 16 * MT;
+        bool rok[H];
+#pragma unroll
+        for (int h = 0; h < H; h++) rok[h] = r0 + g + 8 * h < nrows;
+        const uint4* rp = rows16 + (size_t)(r0 + g) * cpr;  // row g of the tile; row g + 8h at + 8h * cpr
+        float acc[MT][NT][4];
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[m][j][e] = 0.f;
+        // Rounds of S steps of 32 halves: every load of a round is issued before its first
+        // mma. Measured on one H200 at 1M rows (docs/gpu-notes.md, S6-3 ... S6-5), the whole
+        // batched graph for 8 / 24 / 64 queries took 428 / 475 / 728 us this way, against
+        // 543 / 597 / 829 us with a software pipeline that keeps one step's loads in flight
+        // while the previous step computes; rounds of 4 steps for up to 16 queries took 502 us
+        // for 8.
+        constexpr int S = 2;
+        for (int k0 = 0; k0 < ld; k0 += 32 * S) {  // warp-uniform
+            uint4 a[S][H];
+#pragma unroll
+            for (int u = 0; u < S; u++) {
+                const int kc = k0 + 32 * u + 8 * t;
+#pragma unroll
+                for (int h = 0; h < H; h++) a[u][h] = (kc < ld && rok[h]) ? __ldg(rp + (size_t)8 * h * cpr + kc / 8) : zero;
+            }
+#pragma unroll
+            for (int u = 0; u < S; u++) {
+                if (k0 + 32 * u >= ld) break;  // warp-uniform
+                const int kc = k0 + 32 * u + 8 * t;
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    const uint4 b = kc < ld ? *reinterpret_cast<const uint4*>(qs + (size_t)(8 * j + g) * lds + kc) : zero;
+#pragma unroll
+                    for (int m = 0; m < MT; m++)
+                        mma16816(acc[m][j], a[u][2 * m].x, a[u][2 * m + 1].x, a[u][2 * m].y, a[u][2 * m + 1].y, b.x, b.y);
+#pragma unroll
+                    for (int m = 0; m < MT; m++)
+                        mma16816(acc[m][j], a[u][2 * m].z, a[u][2 * m + 1].z, a[u][2 * m].w, a[u][2 * m + 1].w, b.z, b.w);
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < H; h++) {
+            const int row = r0 + g + 8 * h;
+            if (!rok[h]) continue;
+            if (dump != nullptr) {
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int q = 8 * j + 2 * t + e;
+                        if (q < nq) dump[(size_t)q * dump_ld + row] = acc[h >> 1][j][2 * (h & 1) + e];
+                    }
+                continue;
+            }
+            if ((my_ns != NS_ANY && ns[row] != my_ns) || (mask != nullptr && !mask[row])) continue;
+            const float sqn = METRIC == METRIC_L2 ? sqnorm[row] : 0.f;
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int q = 8 * j + 2 * t + e;
+                    float s = acc[h >> 1][j][2 * (h & 1) + e];
+                    if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(s_qn2[q] + sqn - 2.f * s, 0.f));
+                    if (q < nq && s >= s_tau[q]) {
+                        const int pos = atomicAdd(&ccount[q], 1);
+                        if (pos < cap) {
+                            ck[(size_t)q * cap + pos] = s;
+                            cv[(size_t)q * cap + pos] = row;
+                        }
+                    }
+                }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
 // Row maintenance: writes of upserts, compaction moves, reads for MMR.
 
 // dst[rows[i]] = convert(src[i]) for n rows; src float32 [n][dim], dst T [.][ld] (pad zeroed).
@@ -1476,6 +1619,8 @@ template __global__ void topk_scores<0>(const float*, int, const int*, const flo
 template __global__ void tau_scores<0>(const float*, int, const int*, const float*, const Params*, int, float*);
 template __global__ void filter_scores<0>(const float*, int, const int*, const float*, const Params*, const float*, float*, int*, int*, int);
 template __global__ void select_cands<0>(const float*, const int*, int*, int, const Params*, int*);
+#define MMA(NT, M) template __global__ void mma_filter<NT, M>(const __half*, int, int, int, const int*, const float*, const Params*, const __half*, const float*, float*, int*, int*, int, float*, int);
+MMA(2, 0) MMA(4, 1) MMA(8, 2)
 template __global__ void set_rows<__half>(const float*, const long long*, int, int, int, __half*, float*, float*);
 template __global__ void set_rows<signed char>(const float*, const long long*, int, int, int, signed char*, float*, float*);
 template __global__ void move_rows<float>(float*, int*, float*, float*, const long long*, const long long*, int, int);

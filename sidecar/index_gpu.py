@@ -14,9 +14,11 @@ pre-captured CUDA graph (prep_queries + scan_topk; kernels/recall.cu), then sync
 stream. A single query's graph is captured per slot, with that slot's query and result
 addresses baked into prep's arguments: prep then reads the descriptor's head and the query
 from host memory in one PCIe round trip instead of two dependent ones. Batches of more than
-one query (``KALOS_GEMM_MIN_Q``) go through one cuBLAS GEMM (tensor cores for float16) and a
-top-k kernel instead: the fused kernel for several queries at once is slower than reading the
-rows once through the GEMM.
+one query (``KALOS_GEMM_MIN_Q``) read the rows once for all their queries with tensor cores:
+float16 rows through ``mma_filter`` (one captured graph: a threshold per query from a sample of
+rows, then every row scored and filtered against it in registers, then the candidates' top-k),
+float32 rows through one cuBLAS GEMM and a top-k kernel. The fused CUDA-core kernel for several
+queries at once is slower than either.
 
 int8 storage scans ``RESCORE_FACTOR * k`` candidates with the quantized rows, then re-scores
 them exactly against a float16 copy kept in host memory, so the device holds one byte per
@@ -59,6 +61,11 @@ MERGE_UNROLL: Final = 4  # as in kernels/recall.cu
 # KALOS_GEMM=0 sends them through fused launches of up to FUSED_MAX_Q queries instead.
 USE_GEMM: Final = os.environ.get("KALOS_GEMM", "1") != "0"
 GEMM_MIN_Q: Final = max(2, int(os.environ.get("KALOS_GEMM_MIN_Q", "2")))
+# Float16 batches of at least GEMM_MIN_Q queries go through mma_filter (tensor cores, the rows
+# read once, candidates filtered against a threshold as they are scored) when it applies: the
+# threshold's sample fits, and the queries fit in shared memory. KALOS_MMA=0 sends them through
+# cuBLAS instead (as float32 storage always does: its exact scores need float32 products).
+USE_MMA: Final = os.environ.get("KALOS_MMA", "1") != "0"
 # The GEMM path's threshold top-k (kernels tau_scores, filter_scores, select_cands): candidate
 # lists of CAND_CAP per query, a sample of at most TAU_SAMPLE_MAX columns for the threshold.
 # KALOS_THRESHOLD_TOPK=0 uses topk_scores (per-block buffers) for every batch.
@@ -101,6 +108,7 @@ _PARAMS_SIZE: Final = 2048
 # cudaError codes after which the context is unusable
 _STICKY: Final = frozenset({214, 700, 701, 702, 714, 715, 716, 717, 718, 719, 720, 999})
 _CUDA_R_32F, _CUDA_R_16F = 0, 2
+_MMA_NT: Final = (2, 4, 8)  # mma_filter instantiations: n-tiles of 8 queries (16, 32, 64)
 
 
 def choose_tpr(chunks: int) -> int:
@@ -172,6 +180,11 @@ class GpuIndex(Index):
             self.scratch_k = cp.empty(self.max_grid * FUSED_MAX_Q * 1024, cp.float32)
             self.scratch_v = cp.empty(self.max_grid * FUSED_MAX_Q * 1024, cp.int32)
         self.threshold_overflows = 0
+        self.mma_batches = 0  # batches answered by mma_filter (diagnostics and tests)
+        # mma_filter's shared-memory row stride for the queries: ld padded to 32 mod 64 halves
+        self.lds = self.ld + (32 - self.ld % 64) % 64
+        self.smem_per_sm = int(props.get("sharedMemPerMultiprocessor", self.smem_optin))
+        self._sample_buf: Any = None  # mma_filter's sample scores (MAXQ x TAU_SAMPLE_MAX)
         # the descriptor lives in registered host memory: written by Python, read by prep
         self._desc_mm = mmap.mmap(-1, 4096)
         self._desc_np = np.frombuffer(self._desc_mm, np.uint8)
@@ -230,6 +243,8 @@ class GpuIndex(Index):
         exprs += [kernels.expression("scan_topk", t, self.tpr, qb, m) for qb in (1, 2, 4, 8)]
         if self.dtype != "int8":
             exprs.append(kernels.expression("doorbell_topk", t, self.tpr, m))
+        if self.dtype == "float16":
+            exprs += [kernels.expression("mma_filter", nt, m) for nt in _MMA_NT]
         try:
             kernels.compile_kernels(exprs)
         except kernels.KernelCompileError as e:
@@ -684,7 +699,7 @@ class GpuIndex(Index):
             last = start + step >= len(qs)
             if graph is None:
                 self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
-                fin = self._check(lambda n=n: self._gemm_topk(n, k, high))
+                fin = self._check(lambda n=n: self._batch_topk(n, k, high))
             else:
                 self._mark("graph start")
                 self._check(lambda g=graph: g.launch(self.stream))
@@ -698,10 +713,118 @@ class GpuIndex(Index):
         self.stream.synchronize()
         self._mark("graph end")
 
-    def _gemm_topk(self, n: int, k: int, high: int) -> Callable[[], None]:
+    def _batch_topk(self, n: int, k: int, high: int) -> Callable[[], None]:
+        """A batch of ``n`` queries (described in the descriptor): mma_filter where it applies,
+        else cuBLAS. Launches everything; returns the wait."""
+        if USE_MMA and self.dtype == "float16":
+            fin = self._mma_topk(n, k, high)
+            if fin is not None:
+                return fin
+        return self._gemm_topk(n, k, high)
+
+    def _tau_sample(self, k: int, high: int) -> int | None:
+        """Rows (a power of two, from row 0) whose scores give the threshold top-k its
+        thresholds: about cap / 3 candidates expected per query. None: too many for the
+        shared memory of tau_scores (large k on many rows)."""
+        sample = _pow2(max(2, -(-3 * k * high // CAND_CAP)))
+        if sample > TAU_SAMPLE_MAX:
+            return None
+        return min(sample, _pow2(high))
+
+    def _mma_topk(self, n: int, k: int, high: int) -> Callable[[], None] | None:
+        """Float16 batches: the captured graph of prep_queries, mma_filter over a sample
+        (scores to a buffer), tau_scores, mma_filter over every row (candidates reaching tau)
+        and select_cands. None, having launched nothing, where it does not apply. The wait
+        runs the cuBLAS path with topk_scores if a candidate list overflowed (ties,
+        adversarial data: then tau let through more than CAND_CAP rows)."""
+        sample = self._tau_sample(k, high)
+        if sample is None:
+            return None
+        graph = self._mma_graph(n, k, sample)
+        if graph is None:
+            return None
+        self._overflow[0] = 0
+        self._mark("start")
+        graph.launch(self.stream)
+        self.mma_batches += 1
+
+        def done() -> None:
+            with self.device, self.stream:
+                self.stream.synchronize()
+                self._mark("mma end")
+                if self._overflow[0]:
+                    self.threshold_overflows += 1
+                    self._gemm_topk(n, k, high, threshold=False)()
+
+        return done
+
+    def _mma_graph(self, n: int, k: int, sample: int) -> Any:
+        """The captured mma path for ``n`` queries, ``k`` and a ``sample`` of rows (None when
+        the queries would not fit in shared memory). Row counts are read from the parameters
+        prep writes, so the graph serves any number of rows."""
+        key = (-1, n, k, sample)
+        g = self.graphs.get(key)
+        if g is not None:
+            return g
+        nt = next(t for t in _MMA_NT if 8 * t >= n)
+        smem = 8 * nt * self.lds * 2
+        if smem > self.smem_optin:
+            return None
+        if len(self.graphs) >= GRAPH_CACHE:
+            self.graphs.clear()
+        cp = self.cp
+        if self._sample_buf is None:
+            with self.device:
+                self._sample_buf = cp.empty(MAXQ * TAU_SAMPLE_MAX, cp.float32)
+        prep = kernels.get_kernel("prep_queries", self.metric)
+        mma = kernels.get_kernel("mma_filter", nt, self.metric)
+        tau = kernels.get_kernel("tau_scores", self.metric)
+        sel = kernels.get_kernel("select_cands", self.metric)
+        sel_smem = (CAND_CAP + SELECT_GATHER) * 8
+        for kern, need in ((mma, smem), (tau, sample * 8), (sel, sel_smem)):
+            if need > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
+                kern.max_dynamic_shared_size_bytes = need
+        # blocks resident per SM (registers, shared memory), every SM filled once: each warp
+        # then streams tiles of 32 rows to the end
+        by_regs = 65536 // (max(1, mma.num_regs) * kernels.BLOCK)
+        by_smem = self.smem_per_sm // (smem + 1024 + 1024)
+        grid = max(1, min(by_regs, by_smem, 8)) * self.sms
+        warps = kernels.BLOCK // 32
+        dump_rows = min(sample, self.capacity)
+        dump_grid = max(1, -(-dump_rows // (32 * warps)))
+        common = (self.data, np.int32(self.ld), np.int32(self.lds))
+        rest = (self.ns, self.sqnorm, self.params, self.qbuf_h, self.tau, self.cand_k, self.cand_v,
+                self.cand_count, np.int32(CAND_CAP))  # fmt: skip
+        s = self.stream
+        with self.device, s:
+            s.begin_capture()
+            try:
+                prep((1,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
+                                              self.qbuf_h, self.qbuf_i8, np.int32(self.dim),
+                                              np.int32(self.ld), np.uint64(0), np.uint64(0),
+                                              np.uint64(0)))  # fmt: skip
+                mma((dump_grid,), (kernels.BLOCK,), (*common, np.int32(dump_rows), *rest,
+                                                     self._sample_buf, np.int32(sample)),
+                    shared_mem=smem)  # fmt: skip
+                tau((n,), (kernels.BLOCK,), (self._sample_buf, np.int32(sample), self.ns, self.sqnorm,
+                                             self.params, np.int32(sample), self.tau),
+                    shared_mem=sample * 8)  # fmt: skip
+                mma((grid,), (kernels.BLOCK,), (*common, np.int32(-1), *rest, np.uint64(0), np.int32(0)),
+                    shared_mem=smem)  # fmt: skip
+                sel((n,), (kernels.BLOCK,), (self.cand_k, self.cand_v, self.cand_count,
+                                             np.int32(CAND_CAP), self.params,
+                                             np.uint64(self._overflow_addr)),
+                    shared_mem=sel_smem)  # fmt: skip
+            finally:
+                g = s.end_capture()
+        self.graphs[key] = g
+        return g
+
+    def _gemm_topk(self, n: int, k: int, high: int, threshold: bool = True) -> Callable[[], None]:
         """Large batches: scores = Q @ data[:high].T by cuBLAS (tensor cores for float16), then
         a per-query top-k that writes into the slots. Launches everything; returns the wait
-        (which runs topk_scores if the threshold top-k's candidate lists overflowed)."""
+        (which runs topk_scores if the threshold top-k's candidate lists overflowed).
+        ``threshold=False``: topk_scores at once (the mma path's lists overflowed)."""
         cp = self.cp
         from cupy_backends.cuda.libs import cublas
 
@@ -739,7 +862,7 @@ class GpuIndex(Index):
                     self.gemm_stream_note = f"cuBLAS ran on stream {used:#x}, not {self.stream.ptr:#x}"
                     log.info("%s: ordering the GEMM path by device synchronization", self.gemm_stream_note)
                 cp.cuda.runtime.deviceSynchronize()
-            threshold = USE_THRESHOLD_TOPK and self._threshold_topk(scores, n, k, high)
+            threshold = threshold and USE_THRESHOLD_TOPK and self._threshold_topk(scores, n, k, high)
             if not threshold:
                 self._topk_scores(scores, n, k, high)
                 self._mark("fallback top-k")
@@ -770,10 +893,9 @@ class GpuIndex(Index):
         and the row count need a sample too large for shared memory; when it returns True,
         ``self._overflow[0]`` says after the stream's work whether a candidate list overflowed
         (ties, adversarial data) and nothing usable was written: then topk_scores must run."""
-        sample = _pow2(max(2, -(-3 * k * high // CAND_CAP)))
-        if sample > TAU_SAMPLE_MAX:
+        sample = self._tau_sample(k, high)
+        if sample is None:
             return False
-        sample = min(sample, _pow2(high))
         flag = self._overflow
         flag[0] = 0
         tau = kernels.get_kernel("tau_scores", self.metric)

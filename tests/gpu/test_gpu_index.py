@@ -126,24 +126,85 @@ def test_gemm_and_fused_paths_agree_and_are_exact(metric: str, monkeypatch: pyte
     assert svc.index.describe()["gemm_path"] in (True, False)
 
 
-def test_threshold_topk_overflow_falls_back_exactly() -> None:
-    """The GEMM path's threshold top-k must stay exact when its candidate lists overflow: rows
-    that all score the same (every row ties with the sample's k-th), and a namespace that lives
-    only past the sample (the sample holds no eligible row, so the threshold is -inf)."""
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_threshold_topk_overflow_falls_back_exactly(dtype: str) -> None:
+    """The threshold top-k (cuBLAS for float32, mma_filter for float16) must stay exact when
+    its candidate lists overflow: rows that all score the same (every row ties with the
+    sample's k-th), and a namespace that lives only past the sample (the sample holds no
+    eligible row, so the threshold is -inf)."""
     rng = np.random.default_rng()
     n, dim = 40_003, 64
     same = np.tile(rng.standard_normal((1, dim)).astype(np.float32), (n, 1))
-    svc = make(dim)
+    svc = make(dim, dtype=dtype)
     put(svc, same)
     q = rng.standard_normal((5, dim)).astype(np.float32)
-    before = svc.index.threshold_overflows
+    before, mma = svc.index.threshold_overflows, svc.index.mma_batches
     rows, scores = svc.recall(q, 10, "", None)
     assert svc.index.threshold_overflows > before  # the fallback ran
+    assert svc.index.mma_batches == mma + (dtype == "float16")
+    atol = 1e-4 if dtype == "float32" else 2e-3
     ref = (same[0] / np.linalg.norm(same[0])) @ (q / np.linalg.norm(q, axis=1, keepdims=True)).T
-    assert np.allclose(scores, ref[:, None], atol=1e-4) and len({*rows.ravel().tolist()}) >= 10
+    assert np.allclose(scores, ref[:, None], atol=atol) and len({*rows.ravel().tolist()}) >= 10
     tail = rng.standard_normal((20_011, dim)).astype(np.float32)
     put(svc, tail, [f"t{i}" for i in range(len(tail))], ns="tail")
-    check(svc, tail, q, 10, ns="tail", id_of=lambda i: f"t{i}")
+    check(svc, tail, q, 10, ns="tail", id_of=lambda i: f"t{i}", atol=atol)
+
+
+def _as_stored(x: np.ndarray, metric: str) -> np.ndarray:
+    """Vectors as the float16 batched path scores them: normalized first for cosine, then
+    rounded to float16 (rows when stored, queries by prep_queries)."""
+    x = np.asarray(x, np.float64)
+    if metric == "cosine":
+        x = x / np.linalg.norm(x, axis=1, keepdims=True)
+    return x.astype(np.float16).astype(np.float64)
+
+
+@pytest.mark.parametrize(("metric", "dim"), [("cosine", 768), ("ip", 97), ("l2", 768), ("cosine", 3)])
+def test_mma_path_is_exact_at_float16_precision(metric: str, dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float16 batches go through mma_filter (tensor cores, the threshold applied as rows are
+    scored). Against a float64 reference over the float16-rounded rows and queries it must
+    be exact (ties tolerated) for every query-tile count (16 / 32 / 64 queries per launch,
+    and a 77-query batch split in two), k from 1 to 1024, a namespace and a filter; and agree
+    with the cuBLAS path (KALOS_MMA=0) on the same batch."""
+    from kalos_retrievers.sidecar import index_gpu
+
+    rng = np.random.default_rng()
+    n = 20_011
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    svc = make(dim, metric, dtype="float16")
+    put(svc, data, metas=[{"g": i % 3} for i in range(n)])
+    other = rng.standard_normal((3001, dim)).astype(np.float32)
+    put(svc, other, [f"o{i}" for i in range(len(other))], ns="other")
+    ref_metric = "l2" if metric == "l2" else "ip"
+    atol = 5e-3 if metric == "l2" else 1e-3
+    stored = _as_stored(data, metric)
+
+    def run(b: int, k: int, ns: str = "", flt=None, eligible=None, rows=stored, id_of=None) -> None:
+        q = rng.standard_normal((b, dim)).astype(np.float32)
+        before = svc.index.mma_batches
+        got_rows, got_scores = svc.recall(q, k, ns, flt)
+        assert svc.index.mma_batches > before, "the batch did not take the mma path"
+        ref_i, ref_s = reference_topk(rows, _as_stored(q, metric), k, ref_metric, eligible)
+        assert got_rows.shape == ref_i.shape
+        for j in range(b):
+            got = [svc.rows.ids[r] for r in got_rows[j]]  # raises on an unwritten (poisoned) row
+            want = [id_of(i) if id_of else str(i) for i in ref_i[j]]
+            assert_topk_equal(got, got_scores[j], want, ref_s[j], atol=atol, context=f"b={b} q{j} k={k}")
+
+    for b, k in ((2, 10), (16, 1), (17, 100), (33, 10), (64, 10), (77, 37), (5, 1024)):
+        run(b, k)
+    run(11, 10, flt={"g": 1}, eligible=np.arange(n) % 3 == 1)
+    run(9, 10, ns="other", rows=_as_stored(other, metric), id_of=lambda i: f"o{i}")
+    # the cuBLAS path on the same batch: the same rows, to rounding
+    q = rng.standard_normal((21, dim)).astype(np.float32)
+    a_rows, a_scores = svc.recall(q, 10, "", None)
+    monkeypatch.setattr(index_gpu, "USE_MMA", False)
+    before = svc.index.mma_batches
+    b_rows, b_scores = svc.recall(q, 10, "", None)
+    assert svc.index.mma_batches == before
+    for j in range(len(q)):
+        assert_topk_equal([svc.rows.ids[r] for r in a_rows[j]], a_scores[j],
+                          [svc.rows.ids[r] for r in b_rows[j]], b_scores[j], atol=atol)  # fmt: skip
 
 
 @pytest.mark.parametrize("tied", [300, 3000])
