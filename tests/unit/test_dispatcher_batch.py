@@ -74,6 +74,43 @@ def test_batched_members_get_their_own_answers_and_a_nan_member_only_an_error() 
         assert sorted(got.tolist()) == sorted(want.tolist())
 
 
+class _Watch(_Sem):
+    """A semaphore that notes, at each post, which slots already hold their answer."""
+
+    def __init__(self, states: np.ndarray, seen: list[int]) -> None:
+        super().__init__()
+        self.states, self.seen = states, seen
+
+    def release(self) -> None:
+        super().release()
+        self.seen.append(int((self.states == SlotState.RESPONSE).sum()))
+
+
+def test_a_batch_is_answered_whole_before_the_first_wake_up() -> None:
+    """Every member's answer is written before any member's semaphore is posted (a post can
+    hand the core to the woken client; the rest of the batch must not wait behind it). With
+    posts as each answer is written, the first post would see one answer, not all."""
+    n_slots, dim, k = 9, 5, 2
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 12, blob_size=1 << 12)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
+    rng = np.random.default_rng()
+    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(31)], "texts": [""] * 31,
+                "metadatas": [{} for _ in range(31)]}, rng.standard_normal((31, dim)).astype(np.float32))  # fmt: skip
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    seen: list[int] = []
+    sems = [_Watch(states, seen) for _ in range(n_slots)]
+    d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {})
+    for i in range(n_slots):
+        off = lay.slot_offset(i)
+        np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = rng.standard_normal(dim)
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 7 + i, Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
+    states[:] = SlotState.REQUEST
+    assert d.poll() == n_slots
+    d.settle()
+    assert seen == [n_slots] * n_slots
+
+
 def test_a_failed_batch_search_answers_each_member_once() -> None:
     """When the batched search itself fails, the members still waiting get its error, and the
     one already refused for NaN is not answered a second time."""
