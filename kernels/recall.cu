@@ -21,9 +21,11 @@
 //                    the slot (host memory).
 //   No full score array, no sort of all scores, no host round trip between stages.
 //
-// Batches of several queries take another path: one cuBLAS GEMM into a scores matrix, then the
-// threshold top-k (tau_scores, filter_scores, select_cands), or topk_scores (per-block
-// selection over the scores) when the threshold's candidate lists would overflow.
+// Batches of several queries take another path, a threshold top-k: each query's threshold from a
+// sample of rows (tau_scores), every score that reaches it appended to a candidate list, the
+// list's top-k (select_cands). Float16 rows are scored and filtered in one pass by tensor cores
+// (mma_filter, sm_80 and later); float32 rows by one cuBLAS GEMM into a scores matrix, then
+// filter_scores; topk_scores (per-block selection over the matrix) when a list would overflow.
 
 #include <cuda_fp16.h>
 
@@ -1353,11 +1355,17 @@ select_cands(const float* __restrict__ ck, const int* __restrict__ cv, int* __re
 // loads the same 8 halves of query 8j + g from shared memory; lds (ld padded to 32 mod 64
 // halves) puts the 8 lanes of each 128-byte phase on distinct banks. Accumulator (m-tile, j):
 // c0, c1 = row g, queries 8j + 2t, +1; c2, c3 = row g + 8 (PTX ISA, m16n8k16 f32 layout).
+// m16n8k16 needs sm_80: on older devices the module still compiles (the host never launches
+// mma_filter there, see GpuIndex.mma_ok) and the kernel traps if it ever runs.
 __device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
 }
 
 template <int NT, int METRIC>

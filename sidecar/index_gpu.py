@@ -62,9 +62,10 @@ MERGE_UNROLL: Final = 4  # as in kernels/recall.cu
 USE_GEMM: Final = os.environ.get("KALOS_GEMM", "1") != "0"
 GEMM_MIN_Q: Final = max(2, int(os.environ.get("KALOS_GEMM_MIN_Q", "2")))
 # Float16 batches of at least GEMM_MIN_Q queries go through mma_filter (tensor cores, the rows
-# read once, candidates filtered against a threshold as they are scored) when it applies: the
-# threshold's sample fits, and the queries fit in shared memory. KALOS_MMA=0 sends them through
-# cuBLAS instead (as float32 storage always does: its exact scores need float32 products).
+# read once, candidates filtered against a threshold as they are scored) when it applies: a
+# device of compute capability 8.0 or later, the threshold's sample fits, and the queries fit in
+# shared memory. KALOS_MMA=0 sends them through cuBLAS instead (as float32 storage always does:
+# its exact scores need float32 products).
 USE_MMA: Final = os.environ.get("KALOS_MMA", "1") != "0"
 # The GEMM path's threshold top-k (kernels tau_scores, filter_scores, select_cands): candidate
 # lists of CAND_CAP per query, a sample of at most TAU_SAMPLE_MAX columns for the threshold.
@@ -184,6 +185,9 @@ class GpuIndex(Index):
         # mma_filter's shared-memory row stride for the queries: ld padded to 32 mod 64 halves
         self.lds = self.ld + (32 - self.ld % 64) % 64
         self.smem_per_sm = int(props.get("sharedMemPerMultiprocessor", self.smem_optin))
+        # mma_filter can take float16 batches: tensor-core m16n8k16 needs compute capability
+        # 8.0 (KALOS_MMA=0, or KALOS_THRESHOLD_TOPK=0 for topk_scores everywhere, turn it off)
+        self.mma_ok = dtype == "float16" and int(props.get("major", 0)) >= 8
         self._sample_buf: Any = None  # mma_filter's sample scores (MAXQ x TAU_SAMPLE_MAX)
         # the descriptor lives in registered host memory: written by Python, read by prep
         self._desc_mm = mmap.mmap(-1, 4096)
@@ -423,7 +427,8 @@ class GpuIndex(Index):
             nbytes += self.rowscale.nbytes
         d.update(backend=self.name, device=self.device_name, device_bytes=int(nbytes),
                  threads_per_row=self.tpr, ld=self.ld, graphs=len(self.graphs),
-                 gemm_path=USE_GEMM, gemm_stream=self.gemm_stream_note or "ordered",
+                 gemm_path=USE_GEMM, mma_path=USE_MMA and USE_THRESHOLD_TOPK and self.mma_ok,
+                 gemm_stream=self.gemm_stream_note or "ordered",
                  threshold_topk=USE_THRESHOLD_TOPK, threshold_overflows=self.threshold_overflows,
                  doorbell_k=self.doorbell_k, doorbell_running=self.doorbell_running,
                  doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served())  # fmt: skip
@@ -716,7 +721,7 @@ class GpuIndex(Index):
     def _batch_topk(self, n: int, k: int, high: int) -> Callable[[], None]:
         """A batch of ``n`` queries (described in the descriptor): mma_filter where it applies,
         else cuBLAS. Launches everything; returns the wait."""
-        if USE_MMA and self.dtype == "float16":
+        if USE_MMA and USE_THRESHOLD_TOPK and self.mma_ok:
             fin = self._mma_topk(n, k, high)
             if fin is not None:
                 return fin
@@ -767,8 +772,9 @@ class GpuIndex(Index):
         if g is not None:
             return g
         nt = next(t for t in _MMA_NT if 8 * t >= n)
+        mma = kernels.get_kernel("mma_filter", nt, self.metric)
         smem = 8 * nt * self.lds * 2
-        if smem > self.smem_optin:
+        if smem + mma.shared_size_bytes > self.smem_optin:  # dynamic plus its static arrays
             return None
         if len(self.graphs) >= GRAPH_CACHE:
             self.graphs.clear()
@@ -777,7 +783,6 @@ class GpuIndex(Index):
             with self.device:
                 self._sample_buf = cp.empty(MAXQ * TAU_SAMPLE_MAX, cp.float32)
         prep = kernels.get_kernel("prep_queries", self.metric)
-        mma = kernels.get_kernel("mma_filter", nt, self.metric)
         tau = kernels.get_kernel("tau_scores", self.metric)
         sel = kernels.get_kernel("select_cands", self.metric)
         sel_smem = (CAND_CAP + SELECT_GATHER) * 8

@@ -151,8 +151,9 @@ def test_threshold_topk_overflow_falls_back_exactly(dtype: str) -> None:
 
 
 def _as_stored(x: np.ndarray, metric: str) -> np.ndarray:
-    """Vectors as the float16 batched path scores them: normalized first for cosine, then
-    rounded to float16 (rows when stored, queries by prep_queries)."""
+    """Vectors as the float16 batched path multiplies them: normalized first for cosine, then
+    rounded to float16 (rows when stored, queries by prep_queries). For L2 the kernel takes
+    the squared norms from the float32 vectors, not these (~1e-4 apart: inside the tolerance)."""
     x = np.asarray(x, np.float64)
     if metric == "cosine":
         x = x / np.linalg.norm(x, axis=1, keepdims=True)
@@ -181,9 +182,11 @@ def test_mma_path_is_exact_at_float16_precision(metric: str, dim: int, monkeypat
 
     def run(b: int, k: int, ns: str = "", flt=None, eligible=None, rows=stored, id_of=None) -> None:
         q = rng.standard_normal((b, dim)).astype(np.float32)
-        before = svc.index.mma_batches
+        before, overflows = svc.index.mma_batches, svc.index.threshold_overflows
         got_rows, got_scores = svc.recall(q, k, ns, flt)
         assert svc.index.mma_batches > before, "the batch did not take the mma path"
+        # answered by it, not by the cuBLAS fallback after an overflow
+        assert svc.index.threshold_overflows == overflows, "the mma path's candidate lists overflowed"
         ref_i, ref_s = reference_topk(rows, _as_stored(q, metric), k, ref_metric, eligible)
         assert got_rows.shape == ref_i.shape
         for j in range(b):
