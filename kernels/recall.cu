@@ -1357,9 +1357,28 @@ select_cands(const float* __restrict__ ck, const int* __restrict__ cv, int* __re
 // c0, c1 = row g, queries 8j + 2t, +1; c2, c3 = row g + 8 (PTX ISA, m16n8k16 f32 layout).
 // m16n8k16 needs sm_80: on older devices the module still compiles (the host never launches
 // mma_filter there, see GpuIndex.mma_ok) and the kernel traps if it ever runs.
+//
+// Variants for benchmarks/mma_variants.py (defaults: what the sidecar runs): KALOS_MMA_STEPS
+// (32-half steps per round of loads), KALOS_MMA_MT (m16 tiles per warp tile), KALOS_MMA_MINB
+// (blocks per SM the compiler must fit: the register cap), KALOS_MMA_PROBE (1: no mma, the
+// loads feed a cheap sum; 2: no loads, the mma run on register values; both give wrong answers).
+#ifndef KALOS_MMA_STEPS
+#define KALOS_MMA_STEPS 2
+#endif
+#ifndef KALOS_MMA_MT
+#define KALOS_MMA_MT 2
+#endif
+#ifndef KALOS_MMA_MINB
+#define KALOS_MMA_MINB 2
+#endif
+#ifndef KALOS_MMA_PROBE
+#define KALOS_MMA_PROBE 0
+#endif
 __device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#if KALOS_MMA_PROBE & 1
+    c[0] += __uint_as_float((a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1) & 0x3f800000u);
+#elif !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -1369,7 +1388,7 @@ __device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, uns
 }
 
 template <int NT, int METRIC>
-__global__ void __launch_bounds__(KALOS_BLOCK, 2)
+__global__ void __launch_bounds__(KALOS_BLOCK, KALOS_MMA_MINB)
 mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const int* __restrict__ ns,
            const float* __restrict__ sqnorm, const Params* __restrict__ p, const __half* __restrict__ qh,
            const float* __restrict__ tau, float* __restrict__ ck, int* __restrict__ cv,
@@ -1396,7 +1415,7 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 
     // m16 tiles per warp tile: two (32 rows) share each query fragment loaded from shared
     // memory
-    constexpr int MT = 2, H = 2 * MT;
+    constexpr int MT = KALOS_MMA_MT, H = 2 * MT;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int wpb = blockDim.x / 32;
     const int tiles = (nrows + 16 * MT - 1) / (16 * MT);
@@ -1421,14 +1440,16 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
         // 543 / 597 / 829 us with a software pipeline that keeps one step's loads in flight
         // while the previous step computes; rounds of 4 steps for up to 16 queries took 502 us
         // for 8.
-        constexpr int S = 2;
+        constexpr int S = KALOS_MMA_STEPS;
         for (int k0 = 0; k0 < ld; k0 += 32 * S) {  // warp-uniform
             uint4 a[S][H];
 #pragma unroll
             for (int u = 0; u < S; u++) {
                 const int kc = k0 + 32 * u + 8 * t;
 #pragma unroll
-                for (int h = 0; h < H; h++) a[u][h] = (kc < ld && rok[h]) ? __ldg(rp + (size_t)8 * h * cpr + kc / 8) : zero;
+                for (int h = 0; h < H; h++)
+                    a[u][h] = (KALOS_MMA_PROBE & 2) ? make_uint4(kc, h, t, g)
+                                                    : (kc < ld && rok[h]) ? __ldg(rp + (size_t)8 * h * cpr + kc / 8) : zero;
             }
 #pragma unroll
             for (int u = 0; u < S; u++) {
