@@ -6,8 +6,9 @@ The batch-1 graph at 100k rows takes ~88 us against a ~36 us streaming floor, an
 (floor ~364 us): a fixed cost of ~50 us that does not scale with the rows. This script compiles
 ``kernels/recall.cu`` once per ``KALOS_PROBE`` value (bits defined there: no offers, no tail, no
 namespace read, no per-round sync, empty), for several threads-per-row and grid sizes, and
-times each scan launched on its own against an in-process GpuIndex's rows (768-d float16,
-cosine, k = 10) with CUDA events:
+times each scan launched on its own against an in-process GpuIndex's rows (768-d float16, or
+``--dtype int8``: the int8 scan, which takes 4k candidates for exact re-scoring; cosine, k =
+10) with CUDA events:
 
 * ``single``: one launch between two events, synchronized each time (the hot path's shape:
   launch latency + the kernel);
@@ -36,7 +37,7 @@ PROBES = {"full": 0, "no_merge": 64, "no_append": 32, "no_tail": 2, "no_ns": 4, 
           "stream_only": 1 | 2 | 4 | 8, "empty": 16}
 
 
-def build(n: int) -> tuple[Any, Any, Any]:
+def build(n: int, dtype: str = "float16") -> tuple[Any, Any, Any]:
     from kalos_retrievers.sidecar.index import SlotSpec
     from kalos_retrievers.sidecar.index_gpu import GpuIndex
     from kalos_retrievers.sidecar.service import Service
@@ -44,7 +45,7 @@ def build(n: int) -> tuple[Any, Any, Any]:
 
     from kalos_retrievers.protocol import Metric
 
-    idx = GpuIndex(DIM, Metric.COSINE, 0, "float16")
+    idx = GpuIndex(DIM, Metric.COSINE, 0, dtype)
     svc = Service(idx, NullStore(), dim=DIM, metric=Metric.COSINE)
     for start, chunk in enumerate_chunks(n):
         svc.upsert({"namespace": "", "ids": [str(i) for i in range(start, start + len(chunk))],
@@ -66,24 +67,28 @@ def main() -> int:
     ap.add_argument("--rows", default="100000,1000000")
     ap.add_argument("--tpr", default="4,8,16,32")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--dtype", default="float16", choices=["float16", "int8"])
     args = ap.parse_args()
     import cupy as cp
     from kalos_retrievers.sidecar import cuda_kernels as kern
+    from kalos_retrievers.sidecar import index_gpu
 
     src = kern.source()
     tprs = [int(t) for t in args.tpr.split(",")]
     mods = {}
     for name, bits in PROBES.items():
-        exprs = [kern.expression("scan_topk", "__half", t, 1, 0) for t in tprs]
+        exprs = [kern.expression("scan_topk", index_gpu._CTYPE[args.dtype], t, 1, 0) for t in tprs]
         mod = cp.RawModule(code=src, options=("-std=c++17", f"-DKALOS_BLOCK={kern.BLOCK}", f"-DKALOS_PROBE={bits}"),
                            name_expressions=exprs)  # fmt: skip
         mods[name] = {t: mod.get_function(e) for t, e in zip(tprs, exprs, strict=True)}
     results: list[dict[str, Any]] = []
     for n in [int(x) for x in args.rows.split(",")]:
-        idx, svc, keep = build(n)
-        buf = idx._buf(16)
+        idx, svc, keep = build(n, args.dtype)
+        int8 = args.dtype == "int8"  # k = 10 hits, 40 candidates for re-scoring (RESCORE_FACTOR)
+        buf = idx._buf(64 if int8 else 16)
         smem = idx._smem(1, buf)
-        sargs = (idx.data, idx.ns, idx.sqnorm, np.uint64(0), idx.params, idx.qbuf, idx.qbuf_i8, np.int32(idx.ld),
+        rs = idx.rowscale if int8 else np.uint64(0)
+        sargs = (idx.data, idx.ns, idx.sqnorm, rs, idx.params, idx.qbuf, idx.qbuf_i8, np.int32(idx.ld),
                  np.int32(buf), idx.scratch_k, idx.scratch_v, idx.sync)  # fmt: skip
         s = idx.stream
 
@@ -103,7 +108,7 @@ def main() -> int:
         with idx.device, s:
             for tpr in tprs:
                 for grid in sorted({idx.sms, 2 * idx.sms, 4 * idx.sms, 8 * idx.sms}):
-                    row = {"rows": n, "tpr": tpr, "grid": grid, "rows_per_block": -(-n // grid)}
+                    row = {"dtype": args.dtype, "rows": n, "tpr": tpr, "grid": grid, "rows_per_block": -(-n // grid)}
                     for name, fns in mods.items():
                         f = fns[tpr]
                         f.max_dynamic_shared_size_bytes = max(f.max_dynamic_shared_size_bytes, smem)
