@@ -227,7 +227,9 @@ def test_topk_rows_threshold_selection_matches_a_full_sort(k: int) -> None:
     with unittest.mock.patch.object(np, "argpartition", spy):
         topk_rows(base[:1], k)
     if k <= 78:  # random scores, ~32 k candidates: few enough that the sampled path answers
-        assert sizes and max(sizes) <= n // 4, sizes
+        # (with exactly k candidates it partitions nothing: for k = 1, whenever the sample
+        # holds the largest score; a full partition would show here as n)
+        assert max(sizes, default=0) <= n // 4, sizes
     assert topk_rows(base[:0], k)[0].shape == (0, k)
     for scores in (base, ties, masked, flat, base[:1]):
         idx, vals = topk_rows(scores, k)
