@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import struct
+from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
@@ -93,6 +94,27 @@ class ArenaView:
         if _GEN.unpack_from(buf, at + _GEN_AT)[0] != g1:  # rewritten while we read the entry
             return None
         return doc
+
+    def docs(self, rows: Sequence[int], gens: Sequence[int]) -> list[bytes] | None:
+        """Copies of the documents of ``rows`` at generations ``gens`` (a recall's hits), or
+        None if any one of them changed since (see :meth:`get`). Each is copied before its
+        generation is read again, so a copy that passes is the one the answer named. (The
+        client's per-recall path: one call instead of a :meth:`get` and a copy per hit.)"""
+        buf, heap, cap = self._buf, self._heap, self.rows_cap
+        entry, gen_of = ENTRY.unpack_from, _GEN.unpack_from
+        out = []
+        for row, gen in zip(rows, gens, strict=True):
+            if not 0 <= row < cap:
+                return None
+            at = ARENA_HEADER_SIZE + ENTRY_SIZE * row
+            off, length, g1 = entry(buf, at)
+            if g1 != gen or g1 & 1 or not length:
+                return None
+            doc = bytes(buf[heap + off : heap + off + length])
+            if gen_of(buf, at + _GEN_AT)[0] != g1:  # rewritten while we read it
+                return None
+            out.append(doc)
+        return out
 
     def release(self) -> None:
         self._buf.release()

@@ -582,12 +582,9 @@ class KalosClient:
                                     f"for {nq}x{kk} hits")  # fmt: skip
             if arena is None:  # the arena asked with is not the answering sidecar's
                 return None
-            doc_views = []
-            for r, g in zip(rows.ravel().tolist(), np.frombuffer(rep.blob, "<u4").tolist(), strict=True):
-                d = arena.get(r, g)
-                if d is None:
-                    return None
-                doc_views.append(bytes(d))
+            doc_views = arena.docs(rows.ravel().tolist(), np.frombuffer(rep.blob, "<u4").tolist())
+            if doc_views is None:
+                return None
         elif docs or with_vectors:
             try:
                 doc_views, vectors = decode_docs_blob(

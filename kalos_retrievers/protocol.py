@@ -833,13 +833,13 @@ def decode_docs_blob(blob: bytes, dim: int, has_vectors: bool) -> tuple[DocViews
 
 
 def check_vectors(vectors: Any, dim: int, argument: str) -> np.ndarray:
-    """Validate vectors given by a user: shape (n, dim) or (dim,), finite, not all zero.
+    """Validate vectors given by a user: shape (n, dim) or (dim,), finite. (All-zero vectors
+    pass here; upserts under cosine refuse them, see ``KalosClient.upsert``.)
 
     Returns a C-contiguous float32 array of shape (n, dim).
 
     Raises:
-        ValueError: naming ``argument``, for a wrong shape or dimension, NaN/inf, or (where it
-            would make cosine undefined) a zero vector.
+        ValueError: naming ``argument``, for a wrong shape or dimension, or NaN/inf.
     """
     try:
         arr = np.asarray(vectors, dtype=np.float32)

@@ -80,13 +80,13 @@ def test_a_row_changed_after_the_answer_is_asked_for_again(start_sidecar, monkey
     c.upsert([f"r{i}" for i in range(dim)], data, texts=[f"t{i}" for i in range(dim)])
     assert c.recall(data[2], 1)[0].text == "t2" and c.arena_retries == 0
     calls = []
-    real_get = ArenaView.get
+    real_docs = ArenaView.docs
 
-    def changed_once(self, row, gen):  # type: ignore[no-untyped-def]
-        calls.append(row)
-        return None if len(calls) == 1 else real_get(self, row, gen)
+    def changed_once(self, rows, gens):  # type: ignore[no-untyped-def]
+        calls.append(rows)
+        return None if len(calls) == 1 else real_docs(self, rows, gens)
 
-    monkeypatch.setattr(ArenaView, "get", changed_once)
+    monkeypatch.setattr(ArenaView, "docs", changed_once)
     r = c.recall(data[4], 2)
     assert r.ids[0] == "r4" and r[0].text == "t4"
     assert c.arena_retries == 1 and len(calls) == 1  # the retry carried its documents inline

@@ -51,6 +51,26 @@ def test_a_reader_takes_a_document_only_at_the_generation_it_was_given() -> None
     assert v.get(99, 0) is None and v.get(-1, 0) is None  # outside the table
 
 
+def test_a_recalls_documents_come_whole_or_not_at_all() -> None:
+    """``docs``: every hit's document copied at the generation the answer named, or None if any
+    one changed (the client then asks for them inline); copies do not follow later writes."""
+    w, _ = writer()
+    for r, doc in ((1, b"one"), (4, b"four"), (7, b"seven")):
+        w.put(r, doc)
+    v = view(w)
+    gens = [int(x) for x in w.gens([7, 1, 4])]
+    got = v.docs([7, 1, 4], gens)
+    assert got == [b"seven", b"one", b"four"] and all(type(d) is bytes for d in got)
+    assert v.docs([], []) == []
+    w.put(1, b"one, rewritten")
+    assert v.docs([7, 1, 4], gens) is None  # one hit changed: none are returned
+    assert got[1] == b"one"  # the copy taken before stays as it was
+    assert v.docs([7, 99], [gens[0], 0]) is None and v.docs([-1], [0]) is None  # outside the table
+    at = ARENA_HEADER_SIZE + ENTRY_SIZE * 4 + 12
+    w.buf[at : at + 4] = (gens[2] + 1).to_bytes(4, "little")  # type: ignore[index]  # being written
+    assert v.docs([4], [gens[2]]) is None
+
+
 def test_an_entry_being_written_is_not_read() -> None:
     w, _ = writer()
     w.put(5, b"five")
