@@ -12,10 +12,11 @@ thresholds), then times ``mma_filter`` alone, launched on its own between CUDA e
 of 25, the candidate counters zeroed before each launch), compiled once per variant of the
 macros in kernels/recall.cu:
 
-* ``prod``: what the sidecar runs (2 steps of 32 halves per round of loads, two m16 tiles per
-  warp, 2 blocks per SM for the register cap);
+* ``prod``: what the sidecar runs (2 steps of 32 halves per round of loads, m16 tiles per warp
+  by batch size: two for 17-32 queries, else one; 2 blocks per SM for the register cap);
 * ``steps1`` / ``steps4``: 1 or 4 steps per round (bytes in flight per warp);
-* ``mt1``: one m16 tile per warp (fewer registers, the query fragments loaded twice as often);
+* ``mt1`` / ``mt2``: one or two m16 tiles per warp at every batch size (one: fewer registers,
+  the query fragments loaded twice as often);
 * ``minb1`` / ``minb3``: the compiler's register cap for 1 or 3 blocks per SM;
 * ``no_mma``: the loads feed a cheap sum instead of the tensor cores (memory alone);
 * ``no_loads``: the tensor cores run on register values (compute and shared memory alone).
@@ -46,6 +47,7 @@ VARIANTS = {
     "steps1": ("-DKALOS_MMA_STEPS=1",),
     "steps4": ("-DKALOS_MMA_STEPS=4",),
     "mt1": ("-DKALOS_MMA_MT=1",),
+    "mt2": ("-DKALOS_MMA_MT=2",),
     "minb1": ("-DKALOS_MMA_MINB=1",),
     "minb3": ("-DKALOS_MMA_MINB=3",),
     "no_mma": ("-DKALOS_MMA_PROBE=1",),

@@ -9,7 +9,7 @@
 //   registered with cudaHostRegister(mapped): the slot's host address is a device address.
 //   The host writes a small Desc (below) into another registered buffer and launches the
 //   slot's CUDA graph of two kernels:
-//     prep_queries   one block: reads the Desc's head and the query from host memory (PCIe;
+//     prep_queries   one block (batches: one per query): reads the Desc's head and the query from host memory (PCIe;
 //                    the slot's addresses are baked into the graph), takes norms, normalizes
 //                    for cosine, writes float / half / int8 queries + params to device memory
 //                    (so the scan does not read host memory from every block);
@@ -189,7 +189,8 @@ __device__ void compact(float* key, int* val, int* cnt, float* thr, int k, int b
 }
 
 // ------------------------------------------------------------------------------------------
-// prep_queries: <<<1, 256>>>
+// prep_queries: <<<1, 256>>> for one query from a slot (q0 != nullptr), <<<queries, 256>>> for
+// a batch described by the Desc
 
 template <int METRIC>
 __global__ void __launch_bounds__(KALOS_BLOCK)
@@ -247,21 +248,25 @@ prep_queries(const Desc* __restrict__ desc, Params* __restrict__ params,
         }
         __syncthreads();
     } else {
+    // Batches: block b prepares queries b, b + gridDim.x, ... (the host launches one block per
+    // query, so that no block loops over 64 queries' PCIe reads and norms: one block took 25 us
+    // for 8 queries and 64 us for 64 on the H200). Every block reads the descriptor; block 0
+    // writes the fields of Params that are not per query.
     // 1. the descriptor, in one wave of 16-byte reads of host memory
     for (int i = threadIdx.x; i < (int)(sizeof(Desc) / 16); i += blockDim.x) dst[i] = src[i];
     __syncthreads();
-    const int nq = d.n_queries;
-    if (threadIdx.x == 0) {
+    const int nq = d.n_queries, nb = gridDim.x, b = blockIdx.x;
+    if (b == 0 && threadIdx.x == 0) {
         params->n_queries = nq; params->k = d.k; params->n_rows = d.n_rows;
         params->ns_id = d.ns_id; params->mask = reinterpret_cast<const unsigned char*>(d.mask);
         params->out_ld = d.out_ld; params->seq = d.seq;
     }
-    for (int q = threadIdx.x; q < nq; q += blockDim.x) {
+    for (int q = b + nb * threadIdx.x; q < nq; q += nb * blockDim.x) {
         params->out_rows[q] = reinterpret_cast<int*>(d.out_rows[q]);
         params->out_scores[q] = reinterpret_cast<float*>(d.out_scores[q]);
     }
-    // 2. every query, all reads of host memory issued before any is used
-    const int total = nq * c4;
+    // 2. this block's queries, all reads of host memory issued before any is used
+    const int total = (b < nq ? (nq - b + nb - 1) / nb : 0) * c4;
     for (int base = 0; base < total; base += 4 * blockDim.x) {
         float4 v[4];
 #pragma unroll
@@ -269,7 +274,7 @@ prep_queries(const Desc* __restrict__ desc, Params* __restrict__ params,
             int idx = base + u * blockDim.x + threadIdx.x;
             v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (idx < total) {
-                int q = idx / c4, e = 4 * (idx % c4);
+                int q = b + nb * (idx / c4), e = 4 * (idx % c4);
                 const float* x = reinterpret_cast<const float*>(d.q[q]) + e;
                 // a slot payload is 128-byte aligned, but query j of a batch starts j*dim floats
                 // later: 16-byte loads only where the address allows them
@@ -287,7 +292,7 @@ prep_queries(const Desc* __restrict__ desc, Params* __restrict__ params,
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             int idx = base + u * blockDim.x + threadIdx.x;
-            if (idx < total) reinterpret_cast<float4*>(qbuf)[idx] = v[u];
+            if (idx < total) reinterpret_cast<float4*>(qbuf)[(size_t)(b + nb * (idx / c4)) * c4 + idx % c4] = v[u];
         }
     }
     __syncthreads();
@@ -296,7 +301,7 @@ prep_queries(const Desc* __restrict__ desc, Params* __restrict__ params,
     // 3. one warp per query: norm, normalization (cosine), float16 copy for the GEMM path,
     //    int8 copy (scale max|q|/127) for int8 storage
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int q = warp; q < nq; q += blockDim.x / 32) {
+    for (int q = blockIdx.x + gridDim.x * warp; q < nq; q += gridDim.x * (blockDim.x / 32)) {
         float* x = qbuf + (size_t)q * ld;
         float s = 0.f, amax = 0.f;
         for (int i = lane; i < ld; i += 32) { s += x[i] * x[i]; amax = fmaxf(amax, fabsf(x[i])); }
@@ -1366,7 +1371,7 @@ select_cands(const float* __restrict__ ck, const int* __restrict__ cv, int* __re
 #define KALOS_MMA_STEPS 2
 #endif
 #ifndef KALOS_MMA_MT
-#define KALOS_MMA_MT 2
+#define KALOS_MMA_MT 0  // 0: per NT, as below
 #endif
 #ifndef KALOS_MMA_MINB
 #define KALOS_MMA_MINB 2
@@ -1413,9 +1418,12 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
     }
     __syncthreads();
 
-    // m16 tiles per warp tile: two (32 rows) share each query fragment loaded from shared
-    // memory
-    constexpr int MT = KALOS_MMA_MT, H = 2 * MT;
+    // m16 tiles per warp tile: with two (32 rows), each query fragment loaded from shared
+    // memory serves both. Measured alone at 1M rows on the H200 (benchmarks/mma_variants.py,
+    // S7-1), two tiles won only for 17-32 queries (NT 4: 422 / 430 us for 24 / 32 queries
+    // against 551 / 562 with one); one tile won for 8 / 16 queries (381 / 390 against 391 /
+    // 403 us) and for 64 (590 against 632).
+    constexpr int MT = KALOS_MMA_MT ? KALOS_MMA_MT : (NT == 4 ? 2 : 1), H = 2 * MT;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int wpb = blockDim.x / 32;
     const int tiles = (nrows + 16 * MT - 1) / (16 * MT);

@@ -595,9 +595,10 @@ class GpuIndex(Index):
         with self.device, s:
             s.begin_capture()
             try:
-                prep((1,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
-                                              self.qbuf_h, self.qbuf_i8, np.int32(self.dim),
-                                              np.int32(self.ld), *map(np.uint64, slot)))  # fmt: skip
+                # a query baked in: one block; a batch: one per query (kernels/recall.cu)
+                prep((1 if any(slot) else qb,), (kernels.BLOCK,),
+                     (np.uint64(self.desc_addr), self.params, self.qbuf, self.qbuf_h,
+                      self.qbuf_i8, np.int32(self.dim), np.int32(self.ld), *map(np.uint64, slot)))  # fmt: skip
                 scan((grid,), (kernels.BLOCK,),
                      (self.data, self.ns, self.sqnorm, rs, self.params, self.qbuf, self.qbuf_i8,
                       np.int32(self.ld), np.int32(buf), self.scratch_k, self.scratch_v,
@@ -796,7 +797,7 @@ class GpuIndex(Index):
         grid = max(1, min(by_regs, by_smem, 8)) * self.sms
         warps = kernels.BLOCK // 32
         dump_rows = min(sample, self.capacity)
-        dump_grid = max(1, -(-dump_rows // (32 * warps)))
+        dump_grid = max(1, -(-dump_rows // (16 * warps)))  # warp tiles of 16 or 32 rows
         common = (self.data, np.int32(self.ld), np.int32(self.lds))
         rest = (self.ns, self.sqnorm, self.params, self.qbuf_h, self.tau, self.cand_k, self.cand_v,
                 self.cand_count, np.int32(CAND_CAP))  # fmt: skip
@@ -804,7 +805,7 @@ class GpuIndex(Index):
         with self.device, s:
             s.begin_capture()
             try:
-                prep((1,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
+                prep((n,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
                                               self.qbuf_h, self.qbuf_i8, np.int32(self.dim),
                                               np.int32(self.ld), np.uint64(0), np.uint64(0),
                                               np.uint64(0)))  # fmt: skip
@@ -836,7 +837,7 @@ class GpuIndex(Index):
         with self.device, self.stream:
             self._mark("start")
             kernels.get_kernel("prep_queries", self.metric)(
-                (1,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
+                (n,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
                                          self.qbuf_h, self.qbuf_i8, np.int32(self.dim),
                                          np.int32(self.ld), np.uint64(0), np.uint64(0),
                                          np.uint64(0)))  # fmt: skip
