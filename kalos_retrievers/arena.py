@@ -39,6 +39,8 @@ from typing import Final
 
 import numpy as np
 
+from .protocol import DocViews
+
 ARENA_MAGIC: Final = b"KALOSDOC"
 ARENA_VERSION: Final = 1
 ARENA_HEADER: Final = struct.Struct("<8sIIQQQQ16x")  # magic version pad rows_cap heap_size heap_used live_bytes
@@ -48,6 +50,7 @@ ENTRY_SIZE: Final = 16
 ENTRY_DTYPE: Final = np.dtype([("off", "<u8"), ("len", "<u4"), ("gen", "<u4")])
 _GEN: Final = struct.Struct("<I")
 _GEN_AT: Final = 12  # byte offset of gen inside an entry
+SMALL_READ: Final = 32  # a recall's hits up to this many are checked one by one (ArenaView.docs)
 
 
 def arena_name(name: str, version: int) -> str:
@@ -64,10 +67,14 @@ def heap_offset(rows_cap: int) -> int:
     return ARENA_HEADER_SIZE + ENTRY_SIZE * rows_cap
 
 
+def _ints(xs: np.ndarray | Sequence[int]) -> list[int]:
+    return xs.tolist() if isinstance(xs, np.ndarray) else [int(x) for x in xs]
+
+
 class ArenaView:
     """Reads documents from a mapped arena (the client's side). Pure: it is given the bytes."""
 
-    __slots__ = ("_buf", "_heap", "rows_cap", "version")
+    __slots__ = ("_buf", "_heap", "_table", "rows_cap", "version")
 
     def __init__(self, buf: mmap.mmap | memoryview | bytearray, version: int) -> None:
         magic, v, _, rows_cap, heap_size, _, _ = ARENA_HEADER.unpack_from(buf, 0)
@@ -77,6 +84,7 @@ class ArenaView:
             raise ValueError("document arena is shorter than its header says")
         self._buf = memoryview(buf)
         self._heap = heap_offset(rows_cap)
+        self._table = np.frombuffer(self._buf, ENTRY_DTYPE, count=rows_cap, offset=ARENA_HEADER_SIZE)
         self.rows_cap = rows_cap
         self.version = version
 
@@ -95,26 +103,49 @@ class ArenaView:
             return None
         return doc
 
-    def docs(self, rows: Sequence[int], gens: Sequence[int]) -> list[bytes] | None:
-        """Copies of the documents of ``rows`` at generations ``gens`` (a recall's hits), or
-        None if any one of them changed since (see :meth:`get`). Each is copied before its
-        generation is read again, so a copy that passes is the one the answer named. (The
-        client's per-recall path: one call instead of a :meth:`get` and a copy per hit.)"""
+    def docs(self, rows: np.ndarray | Sequence[int], gens: np.ndarray | Sequence[int]) -> DocViews | None:
+        """The documents of ``rows`` at generations ``gens`` (a recall's hits, in order), as
+        views into the arena, or None if any one of them changed since (see :meth:`get`).
+
+        Nothing is copied: the bytes an entry points to never change (the heap is append-only,
+        and a new version is a new segment), so once an entry has been read between two equal
+        even reads of its generation, the view is the document the answer named, for as long
+        as it is referenced (the views keep the mapping alive after the client maps a newer
+        version). Up to ``SMALL_READ`` hits are checked one by one; more, in three vectorized
+        passes (every generation, every offset and length, every generation again), which
+        keep the seqlock's order row by row: 24 us instead of 190 for 640 hits on the
+        development VM, and 3.7 against 8.4 us the other way round for 10.
+        """
+        if len(rows) != len(gens):
+            raise ValueError(f"{len(rows)} rows but {len(gens)} generations")
+        if len(rows) <= SMALL_READ:
+            return self._docs_one_by_one(_ints(rows), _ints(gens))
+        r = np.asarray(rows, np.int64)
+        if int(r.min()) < 0 or int(r.max()) >= self.rows_cap:
+            return None
+        gen = self._table["gen"]
+        g1 = gen[r]  # the three passes in this order: see the seqlock in the module docstring
+        off, length = self._table["off"][r], self._table["len"][r]
+        g2 = gen[r]
+        if not (np.array_equal(g1, gens) and np.array_equal(g2, g1)) or (g1 & 1).any() or not length.all():
+            return None
+        starts = off + np.uint64(self._heap)
+        return DocViews(self._buf, starts.tolist(), (starts + length).tolist())
+
+    def _docs_one_by_one(self, rows: list[int], gens: list[int]) -> DocViews | None:
         buf, heap, cap = self._buf, self._heap, self.rows_cap
         entry, gen_of = ENTRY.unpack_from, _GEN.unpack_from
-        out = []
+        starts, ends = [], []
         for row, gen in zip(rows, gens, strict=True):
             if not 0 <= row < cap:
                 return None
             at = ARENA_HEADER_SIZE + ENTRY_SIZE * row
             off, length, g1 = entry(buf, at)
-            if g1 != gen or g1 & 1 or not length:
+            if g1 != gen or g1 & 1 or not length or gen_of(buf, at + _GEN_AT)[0] != g1:
                 return None
-            doc = bytes(buf[heap + off : heap + off + length])
-            if gen_of(buf, at + _GEN_AT)[0] != g1:  # rewritten while we read it
-                return None
-            out.append(doc)
-        return out
+            starts.append(heap + off)
+            ends.append(heap + off + length)
+        return DocViews(buf, starts, ends)
 
     def release(self) -> None:
         self._buf.release()
@@ -144,6 +175,10 @@ class ArenaWriter:
     def gens(self, rows: np.ndarray | list[int]) -> np.ndarray:
         """The current generation of each row (uint32)."""
         return self._gen[np.asarray(rows, np.int64)]
+
+    def held(self, rows: np.ndarray) -> bool:
+        """Whether every one of ``rows`` (all below ``rows_cap``) holds a document."""
+        return bool(self._len[rows].all())
 
     def get(self, row: int) -> bytes | None:
         """Row ``row``'s document as stored (None: no document)."""

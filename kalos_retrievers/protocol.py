@@ -755,20 +755,22 @@ def encode_docs_blob(docs: Sequence[bytes], vectors: np.ndarray | None = None) -
 
 
 class DocViews(Sequence[memoryview]):
-    """The documents of a docs blob as a sequence of memoryviews, cut on access.
+    """Documents in a buffer as a sequence of memoryviews, cut on access: document ``j`` is
+    ``mv[starts[j] : ends[j]]``.
 
-    A recall of 64 queries returns 640 documents; cutting all of them up front took ~50 us on
-    the development VM, and most callers read only some. Slicing gives another ``DocViews``
-    over the same blob (a query's share of a batch)."""
+    The buffer is a response's docs blob (:func:`decode_docs_blob`) or the sidecar's document
+    arena (:meth:`kalos_retrievers.arena.ArenaView.docs`). A recall of 64 queries returns 640
+    documents; cutting all of them up front took ~50 us on the development VM, and most callers
+    read only some. Slicing gives another ``DocViews`` over the same buffer (a query's share
+    of a batch)."""
 
-    __slots__ = ("_base", "_mv", "_offsets", "_start", "_stop")
+    __slots__ = ("_ends", "_mv", "_start", "_starts", "_stop")
 
-    def __init__(self, mv: memoryview, base: int, offsets: Sequence[int], start: int = 0,
+    def __init__(self, mv: memoryview, starts: Sequence[int], ends: Sequence[int], start: int = 0,
                  stop: int | None = None) -> None:  # fmt: skip
-        # document j is mv[base + offsets[j] : base + offsets[j + 1]]
-        self._mv, self._base, self._offsets = mv, base, offsets
+        self._mv, self._starts, self._ends = mv, starts, ends
         self._start = start
-        self._stop = len(offsets) - 1 if stop is None else stop
+        self._stop = len(starts) if stop is None else stop
 
     def __len__(self) -> int:
         return self._stop - self._start
@@ -778,19 +780,27 @@ class DocViews(Sequence[memoryview]):
             a, b, step = i.indices(len(self))
             if step != 1:
                 return [self[j] for j in range(a, b, step)]
-            return DocViews(self._mv, self._base, self._offsets, self._start + a, self._start + max(a, b))
+            return DocViews(self._mv, self._starts, self._ends, self._start + a, self._start + max(a, b))
         n = len(self)
         if i < 0:
             i += n
         if not 0 <= i < n:
             raise IndexError(i)
-        j, o, b = self._start + i, self._offsets, self._base
-        return self._mv[b + o[j] : b + o[j + 1]]
+        j = self._start + i
+        return self._mv[self._starts[j] : self._ends[j]]
+
+    def split(self, n: int) -> list[DocViews]:
+        """``n`` consecutive equal parts (one per query of a batch), without slice objects."""
+        per = len(self) // n
+        if per * n != len(self):
+            raise ValueError(f"{len(self)} documents do not split into {n} equal parts")
+        mv, s, e, a = self._mv, self._starts, self._ends, self._start
+        return [DocViews(mv, s, e, a + per * i, a + per * (i + 1)) for i in range(n)]
 
     def __iter__(self) -> Iterator[memoryview]:
-        mv, b, o = self._mv, self._base, self._offsets
+        mv, s, e = self._mv, self._starts, self._ends
         for j in range(self._start, self._stop):
-            yield mv[b + o[j] : b + o[j + 1]]
+            yield mv[s[j] : e[j]]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Sequence) and not isinstance(other, str | bytes):
@@ -818,7 +828,7 @@ def decode_docs_blob(blob: bytes, dim: int, has_vectors: bool) -> tuple[DocViews
         end = base + offsets[-1]
         if end > len(blob) or offsets[0] != 0 or list(offsets) != sorted(offsets):
             raise ProtocolDecodeError("docs blob offsets are inconsistent")
-        docs = DocViews(memoryview(blob), base, offsets)
+        docs = DocViews(memoryview(blob)[base:], offsets[:-1], offsets[1:])
         vectors = None
         if has_vectors:
             vstart = end + (-end % 4)

@@ -371,6 +371,20 @@ class Dispatcher:
 
     def _write_hits(self, i: int, req: Request, spec: SlotSpec, kk: int, flags: int, t0: int) -> None:
         blob, rflags = b"", 0
+        arena = self.service.rows.arena
+        if (len(spec.rows) > 1 and flags & Flag.ARENA_DOCS and arena is not None
+                and not flags & (Flag.WITH_VECTORS | Flag.NO_DOCS)):  # fmt: skip
+            # a batch whose client reads the documents from the arena: its rows checked and
+            # their generations gathered by numpy (640 hits as Python lists took ~55 us on
+            # the development VM, 140-280 on the H200 host)
+            r = np.array(spec.rows[:, :kk], np.int64).ravel()  # a copy: the slot's owner may rewrite it
+            if r.size and (int(r.min()) < 0 or int(r.max()) >= self.service.rows.high):  # trust nothing
+                raise Invalid(Status.INTERNAL, "the index returned rows out of range")
+            if not r.size or int(r.max()) < arena.rows_cap:
+                if not arena.held(r):  # (the arena holds every row's document: rows.py)
+                    raise Invalid(Status.INTERNAL, "the index returned rows that hold no memory")
+                self._respond(i, req, Status.OK, kk, arena.gens(r).tobytes(), RespFlag.ARENA_DOCS, t0)
+                return
         if flags & (Flag.WITH_VECTORS | Flag.NO_DOCS) != Flag.NO_DOCS:
             if len(spec.rows) == 1:  # batch 1: its kk rows, straight from the segment
                 flat = list(_rows_struct(kk).unpack_from(self.mm, spec.rows_addr - self.base_addr))
@@ -383,7 +397,6 @@ class Dispatcher:
             hits = [docs[r] for r in flat]
             if None in hits:  # the rows were rewritten in the slot meanwhile
                 raise Invalid(Status.INTERNAL, "the index returned rows that hold no memory")
-            arena = rows.arena
             if (flags & Flag.ARENA_DOCS and arena is not None and not flags & Flag.WITH_VECTORS
                     and (not flat or max(flat) < arena.rows_cap)):  # fmt: skip
                 # the client reads the documents from the arena: it gets their generations

@@ -40,7 +40,9 @@ def arenas(name: str) -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob(f"kalos-{name}-docs.*"))
 
 
-def test_arena_documents_equal_inline_documents_across_versions(start_sidecar) -> None:
+def test_arena_documents_equal_inline_documents_across_versions(start_sidecar, monkeypatch) -> None:
+    """Batches too (their hits checked in vectorized passes); results read lazily keep
+    reading the version they were answered from after the arena has moved on."""
     rng = np.random.default_rng()
     dim = 11
     sc = start_sidecar(dim=dim)
@@ -49,6 +51,15 @@ def test_arena_documents_equal_inline_documents_across_versions(start_sidecar) -
     first = arenas(sc.name)
     assert len(first) == 1
     ids: list[str] = []
+    read: list[int] = []
+    real_docs = ArenaView.docs
+
+    def counted(self, rows, gens):  # type: ignore[no-untyped-def]
+        read.append(len(rows))
+        return real_docs(self, rows, gens)
+
+    monkeypatch.setattr(ArenaView, "docs", counted)
+    early = None
     for batch in range(6):  # long texts: the arena's heap fills and moves to new versions
         n = 301
         vecs = rng.standard_normal((n, dim)).astype(np.float32)
@@ -57,13 +68,20 @@ def test_arena_documents_equal_inline_documents_across_versions(start_sidecar) -
                      metadatas=[{"batch": batch, "i": i} for i in range(n)])  # fmt: skip
         ids += new
         q = rng.standard_normal((7, dim)).astype(np.float32)
-        for a, b in zip(arena.recall_batch(q, 13), inline.recall_batch(q, 13), strict=True):
+        got = arena.recall_batch(q, 13)
+        assert read[-1] == 7 * 13  # the batch's documents came from the arena
+        for a, b in zip(got, inline.recall_batch(q, 13), strict=True):
             assert a.ids == b.ids and np.array_equal(a.scores, b.scores)
             assert [(h.text, h.metadata, h.created_at) for h in a] == [(h.text, h.metadata, h.created_at) for h in b]
         r = arena.recall(q[0], 5)
-        assert [h.text.split(" ")[0] for h in r] == r.ids
+        assert read[-1] == 5 and [h.text.split(" ")[0] for h in r] == r.ids
+        if early is None:  # not read yet: read below, after the versions it came from are gone
+            early = (arena.recall_batch(q, 13), inline.recall_batch(q, 13))
     now = arenas(sc.name)
     assert len(now) == 1 and now != first  # moved on, the old versions unlinked
+    assert early is not None
+    for a, b in zip(*early, strict=True):
+        assert [(h.id, h.text, h.metadata) for h in a] == [(h.id, h.text, h.metadata) for h in b]
     assert arena.arena_retries == 0
     inline.close()
     arena.close()

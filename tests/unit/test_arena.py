@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE, ArenaView, ArenaWriter
+from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE, SMALL_READ, ArenaView, ArenaWriter
 
 
 class _Segments:
@@ -51,24 +51,54 @@ def test_a_reader_takes_a_document_only_at_the_generation_it_was_given() -> None
     assert v.get(99, 0) is None and v.get(-1, 0) is None  # outside the table
 
 
-def test_a_recalls_documents_come_whole_or_not_at_all() -> None:
-    """``docs``: every hit's document copied at the generation the answer named, or None if any
-    one changed (the client then asks for them inline); copies do not follow later writes."""
-    w, _ = writer()
+@pytest.mark.parametrize("many", [False, True], ids=["one-by-one", "vectorized"])
+def test_a_recalls_documents_come_whole_or_not_at_all(many: bool) -> None:
+    """``docs``: views of every hit's document at the generation the answer named, or None if
+    any one changed (the client then asks for them inline). Views taken before a rewrite keep
+    the old bytes (the heap is append-only). ``many``: more hits than SMALL_READ, which are
+    checked in vectorized passes instead of one by one."""
+    w, _ = writer(rows_cap=128, heap=1 << 16)
     for r, doc in ((1, b"one"), (4, b"four"), (7, b"seven")):
         w.put(r, doc)
+    filler = list(range(20, 20 + SMALL_READ)) if many else []
+    for r in filler:
+        w.put(r, f"filler {r}".encode())
+    rows = [7, 1, 4, *filler]
+    want = [b"seven", b"one", b"four", *(f"filler {r}".encode() for r in filler)]
     v = view(w)
-    gens = [int(x) for x in w.gens([7, 1, 4])]
-    got = v.docs([7, 1, 4], gens)
-    assert got == [b"seven", b"one", b"four"] and all(type(d) is bytes for d in got)
+    gens = [int(x) for x in w.gens(rows)]
+    for rs, gs in ((rows, gens), (np.array(rows, np.int32), np.array(gens, np.uint32))):
+        got = v.docs(rs, gs)
+        assert got is not None and got == want and all(type(d) is memoryview for d in got)
+        assert [bytes(d) for d in got[1:3]] == want[1:3] and len(got) == len(rows)
     assert v.docs([], []) == []
     w.put(1, b"one, rewritten")
-    assert v.docs([7, 1, 4], gens) is None  # one hit changed: none are returned
-    assert got[1] == b"one"  # the copy taken before stays as it was
-    assert v.docs([7, 99], [gens[0], 0]) is None and v.docs([-1], [0]) is None  # outside the table
+    assert v.docs(rows, gens) is None  # one hit changed: none are returned
+    assert got[1] == b"one"  # a view taken before still reads what it named
+    bad = [*rows[:-1], 99] if many else [7, 99]
+    assert v.docs(bad, gens[: len(bad)]) is None and v.docs([-1], [0]) is None  # outside the table
+    assert v.docs([*rows[:-1], -1], gens) is None
+    gens[1] = int(w.gens([1])[0])
+    assert v.docs(rows, gens) == [want[0], b"one, rewritten", *want[2:]]
     at = ARENA_HEADER_SIZE + ENTRY_SIZE * 4 + 12
     w.buf[at : at + 4] = (gens[2] + 1).to_bytes(4, "little")  # type: ignore[index]  # being written
-    assert v.docs([4], [gens[2]]) is None
+    assert v.docs(rows, gens) is None and v.docs([4], [gens[2]]) is None
+    w.clear(7)  # no document: refused even at the generation it now has
+    gens[0] = int(w.gens([7])[0])
+    w.buf[at : at + 4] = gens[2].to_bytes(4, "little")  # type: ignore[index]
+    assert v.docs(rows, gens) is None
+    with pytest.raises(ValueError, match="generations"):
+        v.docs(rows, gens[:-1])
+
+
+def test_the_writer_says_whether_rows_hold_documents() -> None:
+    w, _ = writer()
+    w.put(2, b"two")
+    w.put(5, b"five")
+    assert w.held(np.array([2, 5])) and w.held(np.array([], np.int64))
+    assert not w.held(np.array([2, 3]))
+    w.clear(5)
+    assert not w.held(np.array([5]))
 
 
 def test_an_entry_being_written_is_not_read() -> None:

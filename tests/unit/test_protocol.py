@@ -230,6 +230,17 @@ def test_doc_views_cut_and_slice_like_a_list() -> None:
         views[-8]
 
 
+def test_doc_views_split_into_equal_parts_per_query() -> None:
+    docs = [P.encode_doc(f"id{i}", "t" * i, b"{}", 0, 0) for i in range(12)]
+    views, _ = P.decode_docs_blob(P.encode_docs_blob(docs), 3, False)
+    parts = views.split(4)
+    assert [[bytes(v) for v in p] for p in parts] == [docs[3 * i : 3 * i + 3] for i in range(4)]
+    assert [bytes(v) for v in views[2:10].split(2)[1]] == docs[6:10]
+    assert views[0:0].split(5) == [[]] * 5  # no hits: an empty part per query
+    with pytest.raises(ValueError, match="equal parts"):
+        views.split(5)
+
+
 @settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=200), st.booleans())
 def test_docs_blob_decoder_only_raises_decode_error(blob: bytes, has_vectors: bool) -> None:

@@ -183,26 +183,27 @@ class _Conn:
         return self.view
 
 
-def test_auto_arena_docs_only_for_recalls_the_resident_kernel_takes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """arena_docs=None reads documents from the arena only for a recall the GPU's resident
-    kernel could answer (one query, default namespace), and only if the sidecar has one; a
-    batch reads them faster inline. True: always; False: never."""
+def test_auto_arena_docs_when_the_sidecar_has_a_resident_kernel(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """arena_docs=None reads documents from the arena when the sidecar runs a resident GPU
+    kernel (which keeps one), for batches and filtered recalls too; True: whenever the
+    sidecar keeps an arena; False: never; and never off x86-64."""
     import kalos_retrievers.client as client_mod
 
     monkeypatch.setattr(client_mod, "_X86", True)
     auto = KalosClient("nobody-here", lazy=True)
     auto._conn = _Conn(doorbell_cap=1024)  # type: ignore[assignment]
     view = auto._conn.view  # type: ignore[union-attr]
-    assert auto._arena(True) is view
-    assert auto._arena(False) is None  # a batch, a namespace or a filter: inline
+    assert auto._arena() is view
     auto._conn = _Conn(doorbell_cap=0)  # type: ignore[assignment]  # no resident kernel
-    assert auto._arena(True) is None
+    assert auto._arena() is None
     always = KalosClient("nobody-here", lazy=True, arena_docs=True)
     always._conn = _Conn(doorbell_cap=0)  # type: ignore[assignment]
-    assert always._arena(False) is always._conn.view  # type: ignore[union-attr]
+    assert always._arena() is always._conn.view  # type: ignore[union-attr]
     never = KalosClient("nobody-here", lazy=True, arena_docs=False)
     never._conn = _Conn(doorbell_cap=1024)  # type: ignore[assignment]
-    assert never._arena(True) is None
+    assert never._arena() is None
+    monkeypatch.setattr(client_mod, "_X86", False)
+    assert auto._arena() is None and always._arena() is None
 
 
 def test_a_doorbell_whose_kernel_stops_is_handed_to_the_sidecar() -> None:
