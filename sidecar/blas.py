@@ -17,7 +17,9 @@ and the caller says how to set it through the environment.
 from __future__ import annotations
 
 import ctypes
+import os
 import re
+from collections.abc import Mapping
 from functools import cache
 from typing import Final
 
@@ -74,6 +76,34 @@ def set_threads(n: int) -> str | None:
     getattr(lib, setter)(ctypes.c_int(n))
     _threads.pool = _threads.current = n
     return path
+
+
+# On a host of at least this many cores, a sidecar started without --threads (and without a
+# thread count in its environment) leaves a quarter of them to its clients: see default_threads.
+MANY_CORES: Final = 8
+_THREAD_ENV: Final = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def default_threads(cores: int | None = None, environ: Mapping[str, str] | None = None) -> int | None:
+    """The BLAS pool a sidecar takes when not told (None: leave the library's default).
+
+    OpenBLAS starts one thread per core, and its idle workers spin for a while after each
+    product; the sidecar's own thread and the clients that wait for the answer (they spin
+    across the expected answer) then compete with them for the cores. On the 16-core H200
+    host, 100k x 384 recalls with 12 threads had p99 2.2 ms against 6.4 ms with 16, and two
+    client processes made 1,312 recalls/s against 818 (S7-2, docs/benchmarks.md); the product
+    of those rows is bound by memory bandwidth, which 12 threads still fill. On smaller hosts
+    every thread is needed for the scan (on 2 cores one thread doubled it), so below
+    MANY_CORES the default stays. A count set in the environment is respected.
+    """
+    env = os.environ if environ is None else environ
+    if any(env.get(v) for v in _THREAD_ENV):
+        return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0))
+    if cores < MANY_CORES:
+        return None
+    return cores - cores // 4
 
 
 # Products smaller than this many elements (rows x dim x queries) run on one thread. OpenBLAS

@@ -54,9 +54,10 @@ def _parser() -> argparse.ArgumentParser:
                         "requests come at a steady pace, sleep through the gap and spin across "
                         "the next expected request instead")
     s.add_argument("--threads", type=int, default=None,
-                   help="threads for the CPU backend's matrix products (default: numpy's BLAS "
-                        "default, one per core); fewer leave cores to the application at some "
-                        "cost in scan speed")
+                   help="threads for the CPU backend's matrix products (default: three "
+                        "quarters of the cores on hosts of 8 or more, else numpy's BLAS default, "
+                        "one per core; OPENBLAS_NUM_THREADS etc. in the environment are "
+                        "respected); fewer leave cores to the application")
     s.add_argument("--sync", default="full", choices=["full", "normal"],
                    help="SQLite synchronous mode: full survives power loss, normal a crash")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus text here")

@@ -176,15 +176,17 @@ class Server:
     def start(self) -> None:
         cfg = self.cfg
         os.umask(0o077)  # everything we create (store files, IPC objects) is ours alone
-        if cfg.threads is not None:
-            lib = blas.set_threads(cfg.threads)
-            if lib is None:
+        threads = cfg.threads if cfg.threads is not None else blas.default_threads()
+        if threads is not None:
+            lib = blas.set_threads(threads)
+            if lib is None and cfg.threads is not None:
                 log.warning("--threads %d: numpy's BLAS is not an OpenBLAS this sidecar can "
                             "configure; set OPENBLAS_NUM_THREADS, OMP_NUM_THREADS or "
                             "MKL_NUM_THREADS in its environment instead", cfg.threads)  # fmt: skip
-            else:
+            elif lib is not None:
                 # OpenBLAS caps the count at what it was built for: log what it took
-                log.info("BLAS threads: %s (asked %d; %s)", blas.get_threads(), cfg.threads,
+                why = "asked" if cfg.threads is not None else "default: a quarter of the cores left to clients,"
+                log.info("BLAS threads: %s (%s %d; %s)", blas.get_threads(), why, threads,
                          os.path.basename(lib))  # fmt: skip
         index = make_index(cfg)
         log.info("backend: %s", index.describe())

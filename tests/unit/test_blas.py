@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from kalos_retrievers.sidecar import blas
@@ -66,3 +68,15 @@ def test_the_cpu_index_searches_a_small_table_on_one_thread() -> None:
         assert sorted(rows[0].tolist()) == sorted(np.argsort(-(data @ q[0]))[:5].tolist())
     finally:
         blas.set_threads(before)
+
+
+def test_a_sidecar_leaves_a_quarter_of_a_large_hosts_cores_to_its_clients() -> None:
+    assert blas.default_threads(16, {}) == 12
+    assert blas.default_threads(8, {}) == 6
+    assert blas.default_threads(7, {}) is None  # small hosts: the library's default (all)
+    assert blas.default_threads(2, {}) is None
+    assert blas.default_threads(64, {"OPENBLAS_NUM_THREADS": "3"}) is None  # the environment wins
+    assert blas.default_threads(64, {"OMP_NUM_THREADS": "5"}) is None
+    assert blas.default_threads(64, {"OPENBLAS_NUM_THREADS": ""}) == 48
+    n = len(os.sched_getaffinity(0))  # this machine's, by default
+    assert blas.default_threads(None, {}) == (n - n // 4 if n >= 8 else None)
