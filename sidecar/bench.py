@@ -189,7 +189,8 @@ def paired(fa: Callable[[int], Any], fb: Callable[[int], Any], calls: int, warmu
     return out
 
 
-def blocked(fa: Callable[[int], Any], fb: Callable[[int], Any], rounds: int, block: int) -> dict[str, float]:
+def blocked(fa: Callable[[int], Any], fb: Callable[[int], Any], rounds: int, block: int,
+            settle_s: float = 0.25) -> dict[str, float]:  # fmt: skip
     """Alternate *blocks* of ``block`` calls of ``fa`` and of ``fb`` for ``rounds`` rounds; per
     round, the difference of the two blocks' medians (a - b). Returns their mean, its standard
     error, and the spread.
@@ -200,14 +201,20 @@ def blocked(fa: Callable[[int], Any], fb: Callable[[int], Any], rounds: int, blo
     product starts: measured on a 16-core host, numpy's own p50 went from 1.19 ms alone to
     4.0 ms in the call-by-call alternation, so the paired difference mostly measured two
     thread pools fighting. Blocks let each side run as it would in an application that uses
-    it, while rounds still spread drift over both sides.
+    it, while rounds still spread drift over both sides. Before each block the benchmark
+    sleeps ``settle_s`` (0.25 s since session 7; before, it only made ``block // 10`` warm-up
+    calls, ~20 ms, while the other side's workers were still spinning).
     """
     diffs, a_med, b_med = [], [], []
     for r in range(rounds):
         order = (fa, fb) if r % 2 == 0 else (fb, fa)  # neither side always goes first
         meds = {}
         for fn in order:
-            for i in range(block // 10):  # settle: the other side's pool winds down
+            # settle: the other side's BLAS workers spin for ~0.1 s after its last product
+            # (OpenBLAS's default thread timeout) on cores this side's product wants; wait
+            # them out, then warm this side up
+            time.sleep(settle_s)
+            for i in range(block // 10):
                 fn(i)
             t = np.empty(block)
             for i in range(block):
