@@ -90,9 +90,10 @@ def default_threads(cores: int | None = None, environ: Mapping[str, str] | None 
     OpenBLAS starts one thread per core, and its idle workers spin for a while after each
     product; the sidecar's own thread and the clients that wait for the answer (they spin
     across the expected answer) then compete with them for the cores. On the 16-core H200
-    host, 100k x 384 recalls with 12 threads had p99 2.2 ms against 6.4 ms with 16, and two
-    client processes made 1,312 recalls/s against 818 (S7-2, docs/benchmarks.md); the product
-    of those rows is bound by memory bandwidth, which 12 threads still fill. On smaller hosts
+    host, 100k x 384 recalls (S7-1 ... S7-4, docs/benchmarks.md): one client's p99 1.0-2.3 ms
+    with 12 threads against 2.7-2.9 ms with 16, and two client processes 858-1,312 recalls/s
+    (p99 2.2-2.7 ms) against 568-818 (p99 6.4-6.6 ms); the product of those rows is bound by
+    memory bandwidth, which 12 threads still fill. On smaller hosts
     every thread is needed for the scan (on 2 cores one thread doubled it), so below
     MANY_CORES the default stays. A count set in the environment is respected.
     """
