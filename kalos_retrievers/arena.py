@@ -103,18 +103,21 @@ class ArenaView:
             return None
         return doc
 
-    def docs(self, rows: np.ndarray | Sequence[int], gens: np.ndarray | Sequence[int]) -> DocViews | None:
-        """The documents of ``rows`` at generations ``gens`` (a recall's hits, in order), as
-        views into the arena, or None if any one of them changed since (see :meth:`get`).
+    def docs(
+        self, rows: np.ndarray | Sequence[int], gens: np.ndarray | Sequence[int]
+    ) -> DocViews | list[bytes] | None:
+        """The documents of ``rows`` at generations ``gens`` (a recall's hits, in order), or
+        None if any one of them changed since (see :meth:`get`).
 
-        Nothing is copied: the bytes an entry points to never change (the heap is append-only,
-        and a new version is a new segment), so once an entry has been read between two equal
-        even reads of its generation, the view is the document the answer named, for as long
-        as it is referenced (the views keep the mapping alive after the client maps a newer
-        version). Up to ``SMALL_READ`` hits are checked one by one; more, in three vectorized
-        passes (every generation, every offset and length, every generation again), which
-        keep the seqlock's order row by row: 24 us instead of 190 for 640 hits on the
-        development VM, and 3.7 against 8.4 us the other way round for 10.
+        The bytes an entry points to never change (the heap is append-only, and a new version
+        is a new segment), so once an entry has been read between two equal even reads of its
+        generation, its bytes are the document the answer named, at any later time. Up to
+        ``SMALL_READ`` hits (a batch-1 recall) are checked one by one and copied (a list of
+        bytes), so that the result holds no reference to the arena. More are checked in three
+        vectorized passes (every generation, every offset and length, every generation again,
+        which keeps the seqlock's order row by row) and returned as views into the arena: 24 us
+        instead of 190 for 640 hits on the development VM. Such a result keeps its arena
+        version mapped until it is dropped, after the sidecar has moved to a newer one.
         """
         if len(rows) != len(gens):
             raise ValueError(f"{len(rows)} rows but {len(gens)} generations")
@@ -132,10 +135,10 @@ class ArenaView:
         starts = off + np.uint64(self._heap)
         return DocViews(self._buf, starts.tolist(), (starts + length).tolist())
 
-    def _docs_one_by_one(self, rows: list[int], gens: list[int]) -> DocViews | None:
+    def _docs_one_by_one(self, rows: list[int], gens: list[int]) -> list[bytes] | None:
         buf, heap, cap = self._buf, self._heap, self.rows_cap
         entry, gen_of = ENTRY.unpack_from, _GEN.unpack_from
-        starts, ends = [], []
+        out = []
         for row, gen in zip(rows, gens, strict=True):
             if not 0 <= row < cap:
                 return None
@@ -143,12 +146,8 @@ class ArenaView:
             off, length, g1 = entry(buf, at)
             if g1 != gen or g1 & 1 or not length or gen_of(buf, at + _GEN_AT)[0] != g1:
                 return None
-            starts.append(heap + off)
-            ends.append(heap + off + length)
-        return DocViews(buf, starts, ends)
-
-    def release(self) -> None:
-        self._buf.release()
+            out.append(bytes(buf[heap + off : heap + off + length]))
+        return out
 
 
 class ArenaWriter:

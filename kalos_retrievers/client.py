@@ -81,6 +81,7 @@ from .protocol import (
     encode_recall_args,
     response_sem_name,
     segment_name,
+    split_docs,
 )
 from .results import RecallResult, Record
 
@@ -188,7 +189,8 @@ class _Conn:
 
     def _drop_arena(self) -> None:
         """Forget the mapped arena. Not released or closed here: another thread may be reading
-        through it; the map goes when the last reference does."""
+        through it, and the results of batches keep views into it (their documents, decoded
+        on access); the map goes when the last reference does."""
         self._arena = self._arena_mm = None
 
     @classmethod
@@ -574,7 +576,7 @@ class KalosClient:
         assert rep.rows is not None and rep.scores is not None
         rows = rep.rows.reshape(nq, k)[:, :kk]
         scores = rep.scores.reshape(nq, k)[:, :kk]
-        doc_views: DocViews | None = None
+        doc_views: DocViews | list[bytes] | None = None
         vectors = None
         if rep.resp_flags & RespFlag.ARENA_DOCS:
             if len(rep.blob) != 4 * nq * kk:
@@ -596,8 +598,8 @@ class KalosClient:
                 raise ProtocolError(f"sidecar returned {len(doc_views)} docs for {nq}x{kk} hits")
             if with_vectors and vectors is None:
                 raise ProtocolError("sidecar did not return the vectors asked for")
-        parts: list[DocViews] | list[None] = (
-            doc_views.split(nq) if docs and doc_views is not None else [None] * nq
+        parts: list[DocViews] | list[list[bytes]] | list[None] = (
+            split_docs(doc_views, nq) if docs and doc_views is not None else [None] * nq
         )
         if vectors is None:
             return [RecallResult(r, s, d, None, namespace) for r, s, d in zip(rows, scores, parts, strict=True)]

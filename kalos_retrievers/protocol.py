@@ -791,8 +791,8 @@ class DocViews(Sequence[memoryview]):
 
     def split(self, n: int) -> list[DocViews]:
         """``n`` consecutive equal parts (one per query of a batch), without slice objects."""
-        per = len(self) // n
-        if per * n != len(self):
+        per = len(self) // n if n > 0 else -1
+        if per * n != len(self) or n <= 0:
             raise ValueError(f"{len(self)} documents do not split into {n} equal parts")
         mv, s, e, a = self._mv, self._starts, self._ends, self._start
         return [DocViews(mv, s, e, a + per * i, a + per * (i + 1)) for i in range(n)]
@@ -811,6 +811,16 @@ class DocViews(Sequence[memoryview]):
 
     def __repr__(self) -> str:
         return f"DocViews(n={len(self)})"
+
+
+def split_docs(docs: DocViews | list[bytes], n: int) -> list[DocViews] | list[list[bytes]]:
+    """``docs`` in ``n`` consecutive equal parts (one per query of a batch)."""
+    if isinstance(docs, DocViews):
+        return docs.split(n)
+    if n <= 0 or len(docs) % n:
+        raise ValueError(f"{len(docs)} documents do not split into {n} equal parts")
+    per = len(docs) // n
+    return [docs[per * i : per * (i + 1)] for i in range(n)]
 
 
 def decode_docs_blob(blob: bytes, dim: int, has_vectors: bool) -> tuple[DocViews, np.ndarray | None]:

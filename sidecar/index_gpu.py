@@ -791,7 +791,7 @@ class GpuIndex(Index):
             if need > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
                 kern.max_dynamic_shared_size_bytes = need
         # blocks resident per SM (registers, shared memory), every SM filled once: each warp
-        # then streams tiles of 32 rows to the end
+        # then streams tiles of 16 or 32 rows (one or two m16 tiles, by batch size) to the end
         by_regs = 65536 // (max(1, mma.num_regs) * kernels.BLOCK)
         by_smem = self.smem_per_sm // (smem + 1024 + 1024)
         grid = max(1, min(by_regs, by_smem, 8)) * self.sms

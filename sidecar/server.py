@@ -176,7 +176,12 @@ class Server:
     def start(self) -> None:
         cfg = self.cfg
         os.umask(0o077)  # everything we create (store files, IPC objects) is ours alone
-        threads = cfg.threads if cfg.threads is not None else blas.default_threads()
+        index = make_index(cfg)
+        # the CPU backend's products run on BLAS: unless told, it leaves a quarter of a large
+        # host's cores to the clients (blas.default_threads); a GPU backend's pool is left alone
+        threads = cfg.threads
+        if threads is None and isinstance(index, CpuIndex):
+            threads = blas.default_threads()
         if threads is not None:
             lib = blas.set_threads(threads)
             if lib is None and cfg.threads is not None:
@@ -188,7 +193,6 @@ class Server:
                 why = "asked" if cfg.threads is not None else "default: a quarter of the cores left to clients,"
                 log.info("BLAS threads: %s (%s %d; %s)", blas.get_threads(), why, threads,
                          os.path.basename(lib))  # fmt: skip
-        index = make_index(cfg)
         log.info("backend: %s", index.describe())
         store: SqliteStore | NullStore
         if cfg.data_dir:

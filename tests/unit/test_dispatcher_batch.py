@@ -332,3 +332,73 @@ def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
     assert d.poll() == 2 and d.lone == 0
     d.settle()
     assert states[0] == states[2] == SlotState.RESPONSE
+
+
+def test_a_batchs_documents_come_as_arena_generations_checked_in_numpy() -> None:
+    """A multi-query recall asking for arena documents is answered with one generation per hit
+    (no documents in the blob), for the rows the search returned; inline it gets documents.
+    Rows the index should never return (out of range, or holding no document) are refused
+    with INTERNAL instead of naming garbage."""
+    from kalos_retrievers.sidecar.dispatcher import Invalid
+
+    from kalos_retrievers.arena import ArenaView, ArenaWriter
+    from kalos_retrievers.protocol import Flag, Request, RespFlag, decode_docs_blob
+
+    n_slots, dim, k, rows, nq = 2, 7, 3, 47, 5
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
+    bufs: dict[int, bytearray] = {}
+    arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), bufs.pop)
+    svc.rows.arena = arena
+    rng = np.random.default_rng()
+    data = rng.standard_normal((rows, dim)).astype(np.float32)
+    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [f"t{i}" for i in range(rows)],
+                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    off = lay.slot_offset(0)
+    qs = rng.standard_normal((nq, dim)).astype(np.float32)
+    np.frombuffer(mm, np.float32, nq * dim, off + lay.payload_offset)[:] = qs.ravel()
+    want = np.argsort(-(qs @ data.T), axis=1)[:, :k]
+
+    def ask(flags: int, seq: int) -> tuple[Response, np.ndarray, bytes]:
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, flags, k, nq, 4 * nq * dim, 0, 0)
+        states[0] = SlotState.REQUEST
+        assert d.poll() == 1
+        d.settle()
+        resp = Response.unpack(mm[off : off + CTL_SIZE])
+        assert states[0] == SlotState.RESPONSE and resp.status == Status.OK and resp.n_results == k
+        got = np.frombuffer(mm, np.int32, nq * k, off + lay.rows_offset).copy()
+        return resp, got, bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len])
+
+    resp, got, blob = ask(Flag.ARENA_DOCS, 5)
+    assert np.array_equal(np.sort(got.reshape(nq, k), axis=1), np.sort(want, axis=1))
+    assert resp.resp_flags & RespFlag.ARENA_DOCS and len(blob) == 4 * nq * k
+    gens = np.frombuffer(blob, "<u4")
+    assert np.array_equal(gens, arena.gens(got))
+    docs = ArenaView(arena.buf, arena.version).docs(got, gens)  # type: ignore[arg-type]
+    assert docs is not None and [bytes(x)[-len(f"t{r}{{}}") :] for x, r in zip(docs, got, strict=True)] == [
+        f"t{r}{{}}".encode() for r in got
+    ]
+    resp, got_inline, blob = ask(0, 6)  # inline: the documents themselves
+    assert not resp.resp_flags & RespFlag.ARENA_DOCS and np.array_equal(got_inline, got)
+    views, _ = decode_docs_blob(blob, dim, False)
+    assert [bytes(v) for v in views] == [arena.get(int(r)) for r in got]
+
+    # what the index must never return: the numpy path refuses it
+    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 7, Op.RECALL, Flag.ARENA_DOCS, k, nq, 4 * nq * dim, 0, 0)
+    req = Request.unpack(mm, off + REQUEST_OFFSET)
+    spec = d._spec(0, req)
+    for bad, why in ((rows, "out of range"), (-1, "out of range"), (None, "hold no memory")):
+        spec.rows[:] = got.reshape(nq, k)
+        if bad is None:
+            svc.rows.arena.clear(int(got[4]))  # type: ignore[union-attr]  # (the table and arena part ways)
+        else:
+            spec.rows[2, 1] = bad
+        try:
+            d._write_hits(0, req, spec, k, Flag.ARENA_DOCS, 0)
+        except Invalid as e:
+            assert e.status == Status.INTERNAL and why in str(e)
+        else:
+            raise AssertionError(f"row {bad} was answered")

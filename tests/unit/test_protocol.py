@@ -239,6 +239,13 @@ def test_doc_views_split_into_equal_parts_per_query() -> None:
     assert views[0:0].split(5) == [[]] * 5  # no hits: an empty part per query
     with pytest.raises(ValueError, match="equal parts"):
         views.split(5)
+    with pytest.raises(ValueError, match="equal parts"):
+        views.split(0)
+    as_bytes = [bytes(v) for v in views]  # the arena's copies of a batch-1 recall's hits
+    assert P.split_docs(as_bytes, 3) == [docs[0:4], docs[4:8], docs[8:12]]
+    assert [[bytes(v) for v in p] for p in P.split_docs(views, 2)] == [docs[:6], docs[6:]]
+    with pytest.raises(ValueError, match="equal parts"):
+        P.split_docs(as_bytes, 5)
 
 
 @settings(max_examples=500, deadline=None)
