@@ -1,6 +1,6 @@
 """The sidecar's Python per answered slot, in process (no GPU, no other process).
 
-    python -P benchmarks/dispatcher_batch.py [--slots 24] [--rounds 400] [--profile]
+    python -P benchmarks/dispatcher_batch.py [--slots 24] [--rounds 400] [--arena] [--profile]
 
 With 32 client processes at 1M rows the H200 sidecar answered batches of ~24 recalls, each
 costing pickup 175 µs + search 925 µs + answer 362 µs (docs/benchmarks.md): the Python around
@@ -8,7 +8,9 @@ the search, per slot, caps throughput. This measures that Python alone: a ``Disp
 an anonymous map (standing in for the segment) with ``--slots`` batch-1 recalls waiting at
 once, answered from a CPU index of 500 rows (dim 768, top-10, short texts, small metadata), so
 the search is small. Prints the poll time and the sidecar's pickup / search / answer phases
-(means per poll); ``--profile`` adds a cProfile of the answering.
+(means per poll); ``--arena`` gives the service a document arena and the recalls its flag
+(ARENA_DOCS: answers carry generations, as for clients of a GPU sidecar); ``--profile`` adds
+a cProfile of the answering.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.stats import Stats
 from kalos_retrievers.sidecar.store import NullStore
 
-from kalos_retrievers.protocol import HEADER_SIZE, METRICS, REQUEST_OFFSET, REQUEST_STRUCT, Layout, Op, SlotState
+from kalos_retrievers.arena import ArenaWriter
+from kalos_retrievers.protocol import HEADER_SIZE, METRICS, REQUEST_OFFSET, REQUEST_STRUCT, Flag, Layout, Op, SlotState
 
 DIM, K, ROWS = 768, 10, 500
 
@@ -42,12 +45,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--slots", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=400)
+    ap.add_argument("--arena", action="store_true")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     n = a.slots
     lay = Layout(n_slots=n, dim=DIM, payload_size=1 << 16, blob_size=1 << 16)
     mm = mmap.mmap(-1, lay.segment_size)
     svc = Service(CpuIndex(DIM, METRICS["cosine"]), NullStore(), dim=DIM, metric=METRICS["cosine"])
+    flags = 0
+    if a.arena:
+        bufs: dict[int, bytearray] = {}
+        svc.rows.arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), bufs.pop)
+        flags = Flag.ARENA_DOCS
     rng = np.random.default_rng(0)
     svc.upsert({"namespace": "", "ids": [str(i) for i in range(ROWS)],
                 "texts": [f"memory {i}" for i in range(ROWS)], "metadatas": [{"i": i} for i in range(ROWS)]},
@@ -61,7 +70,7 @@ def main() -> None:
         for i in range(n):
             off = lay.slot_offset(i)
             np.frombuffer(mm, np.float32, DIM, off + lay.payload_offset)[:] = q[i]
-            REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, 0, K, 1, 4 * DIM, 0, 0)
+            REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, flags, K, 1, 4 * DIM, 0, 0)
         states[:] = SlotState.REQUEST
 
     for s in range(50):
