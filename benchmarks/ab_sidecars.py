@@ -1,0 +1,112 @@
+"""Two sidecar packages, interleaved on one machine: which dispatcher is faster (issue 3).
+
+    python -P benchmarks/ab_sidecars.py --a /tmp/site_main --b /tmp/site_branch [--rows 1000000]
+        [--rounds 6] [--procs 32] [--duration 3] [--device cuda] --out DIR
+
+A and B are directories that hold an installed ``kalos_retrievers`` (``pip install --no-deps
+--target DIR``); each sidecar process runs with its directory first on ``PYTHONPATH``, while
+the clients (this process and the throughput workers) run whatever package this process
+imported: the comparison is of the sidecars alone. Both sidecars hold the same rows (random
+unit vectors, 768-d float16, cosine) at once, and the rounds alternate between them (A B, B A,
+A B ...), each round timing ``recall_batch(64)`` (200 calls after 20) and ``--procs`` client
+processes issuing batch-1 recalls for ``--duration`` seconds. Session 7 compared main and a
+branch in separate runs, main always first, and could not tell the order from the branch.
+
+Both sidecars run with ``KALOS_DOORBELL=0``: a resident kernel left running by one sidecar
+would hold every SM while the other one searched. The figures are therefore those of the
+batched path (which is what 32 processes and batches use anyway). Prints per-side medians and
+the mean per-round difference B - A with its standard error; writes ``DIR/ab_sidecars.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from kalos_retrievers.sidecar.bench import load, machine, make_data, throughput, time_calls
+
+from kalos_retrievers import Sidecar
+
+DIM, K, BATCH = 768, 10, 64
+
+
+def start(path: str, device: str, rows: np.ndarray) -> Sidecar:
+    """A sidecar whose process imports the package under ``path``, loaded with ``rows``."""
+    saved = {v: os.environ.get(v) for v in ("PYTHONPATH", "KALOS_DOORBELL")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(path).resolve()), saved["PYTHONPATH"]) if p)
+    os.environ["KALOS_DOORBELL"] = "0"
+    try:
+        sc = Sidecar(dim=DIM, device=device, slots=40, max_batch=64, payload_kb=8192,
+                     log_level="WARNING", startup_timeout=300).start()  # fmt: skip
+    finally:
+        for v, value in saved.items():
+            if value is None:
+                os.environ.pop(v, None)
+            else:
+                os.environ[v] = value
+    assert sc.proc is not None
+    env = Path(f"/proc/{sc.proc.pid}/environ").read_bytes().split(b"\0")
+    got = next((e.decode().split("=", 1)[1] for e in env if e.startswith(b"PYTHONPATH=")), "")
+    assert got.startswith(str(Path(path).resolve())), got  # the sidecar runs package ``path``
+    with sc.client(timeout=600) as c:
+        load(c, rows, progress=False)
+        assert c.count() == len(rows)
+    return sc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--a", required=True, help="directory holding package A (e.g. main)")
+    ap.add_argument("--b", required=True, help="directory holding package B (e.g. a branch)")
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--procs", type=int, default=32)
+    ap.add_argument("--duration", type=float, default=3.0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    rows = make_data(args.rows, DIM, 2)
+    queries = make_data(16 * BATCH, DIM, 3)
+    res: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "a": args.a, "b": args.b,
+                           "rows": args.rows, "procs": args.procs, "rounds": []}  # fmt: skip
+    with ExitStack() as stack:
+        sides = {}
+        for label, path in (("a", args.a), ("b", args.b)):
+            sc = start(path, args.device, rows)
+            stack.callback(sc.stop)
+            sides[label] = sc
+        for r in range(args.rounds):
+            rnd: dict[str, Any] = {}
+            for label in ("a", "b") if r % 2 == 0 else ("b", "a"):
+                sc = sides[label]
+                with sc.client(timeout=30) as c:
+                    b64 = time_calls(lambda i: c.recall_batch(queries[(i % 16) * BATCH : (i % 16 + 1) * BATCH], K),
+                                     200, 20)  # fmt: skip
+                thr = throughput(sc.name, DIM, K, args.procs, args.duration)
+                rnd[label] = {"batch64_p50_us": b64["p50_us"], "procs_per_s": thr["recalls_per_s"],
+                              "procs_p99_us": thr["p99_us"]}  # fmt: skip
+            res["rounds"].append(rnd)
+            print(json.dumps({"round": r, **rnd}), flush=True)
+    summary = {}
+    for key in ("batch64_p50_us", "procs_per_s", "procs_p99_us"):
+        a = np.array([rd["a"][key] for rd in res["rounds"]])
+        b = np.array([rd["b"][key] for rd in res["rounds"]])
+        d = b - a
+        se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
+        summary[key] = {"a_median": float(np.median(a)), "b_median": float(np.median(b)),
+                        "b_minus_a_mean": round(float(d.mean()), 2), "stderr": round(se, 2)}  # fmt: skip
+        print(f"{key}: A {np.median(a):.1f}, B {np.median(b):.1f}; B - A {d.mean():+.1f} ± {se:.1f}")
+    res["summary"] = summary
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "ab_sidecars.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
