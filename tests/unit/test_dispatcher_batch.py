@@ -5,26 +5,32 @@ not finite gets an error without failing its neighbours."""
 from __future__ import annotations
 
 import mmap
+from typing import NamedTuple
 
 import numpy as np
-from kalos_retrievers.sidecar.dispatcher import Dispatcher
+from kalos_retrievers.sidecar.dispatcher import Dispatcher, Invalid
 from kalos_retrievers.sidecar.index import CpuIndex
 from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.stats import Stats
 from kalos_retrievers.sidecar.store import NullStore
 
+from kalos_retrievers.arena import ArenaView, ArenaWriter
 from kalos_retrievers.protocol import (
     CTL_SIZE,
     HEADER_SIZE,
     METRICS,
     REQUEST_OFFSET,
     REQUEST_STRUCT,
+    Flag,
     Layout,
     Op,
+    Request,
+    RespFlag,
     Response,
     SlotState,
     Status,
     align8,
+    decode_docs_blob,
 )
 
 
@@ -267,28 +273,41 @@ def test_requests_arriving_during_a_search_join_the_next_batch() -> None:
         assert sorted(got.tolist()) == sorted(np.argsort(-(data @ q[i]))[:k].tolist())
 
 
-def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
-    """A DOORBELL request (meant for a GPU's resident kernel) is answered by the dispatcher
-    when no kernel runs, with the hits' arena generations (ARENA_DOCS), and left alone while
-    one runs."""
-    from kalos_retrievers.arena import ArenaView, ArenaWriter
-    from kalos_retrievers.protocol import Flag, RespFlag
+class _ArenaRig(NamedTuple):
+    lay: Layout
+    mm: mmap.mmap
+    svc: Service
+    arena: ArenaWriter
+    d: Dispatcher
+    states: np.ndarray
+    data: np.ndarray
 
-    n_slots, dim, k, rows = 3, 5, 4, 60
+
+def _arena_rig(n_slots: int, dim: int, rows: int) -> _ArenaRig:
+    """A dispatcher over an anonymous map, its service holding ``rows`` random rows (ip metric,
+    texts ``t<row>``, empty metadata) and keeping a document arena, as a GPU sidecar does."""
     lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
     mm = mmap.mmap(-1, lay.segment_size)
-    index = CpuIndex(dim, METRICS["ip"])
-    svc = Service(index, NullStore(), dim=dim, metric=METRICS["ip"])
+    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
     bufs: dict[int, bytearray] = {}
     arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), bufs.pop)
     svc.rows.arena = arena
-    rng = np.random.default_rng()
-    data = rng.standard_normal((rows, dim)).astype(np.float32)
+    data = np.random.default_rng().standard_normal((rows, dim)).astype(np.float32)
     svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [f"t{i}" for i in range(rows)],
                 "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
     d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
     states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
-    q = rng.standard_normal(dim).astype(np.float32)
+    return _ArenaRig(lay, mm, svc, arena, d, states, data)
+
+
+def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
+    """A DOORBELL request (meant for a GPU's resident kernel) is answered by the dispatcher
+    when no kernel runs, with the hits' arena generations (ARENA_DOCS), and left alone while
+    one runs."""
+    k = 4
+    lay, mm, svc, arena, d, states, data = _arena_rig(n_slots=3, dim=5, rows=60)
+    index, dim = svc.index, 5
+    q = np.random.default_rng().standard_normal(dim).astype(np.float32)
     off = lay.slot_offset(0)
     np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q
     REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 9, Op.RECALL, Flag.ARENA_DOCS, k, 1, 4 * dim, 0, 0)
@@ -339,26 +358,10 @@ def test_a_batchs_documents_come_as_arena_generations_checked_in_numpy() -> None
     (no documents in the blob), for the rows the search returned; inline it gets documents.
     Rows the index should never return (out of range, or holding no document) are refused
     with INTERNAL instead of naming garbage."""
-    from kalos_retrievers.sidecar.dispatcher import Invalid
-
-    from kalos_retrievers.arena import ArenaView, ArenaWriter
-    from kalos_retrievers.protocol import Flag, Request, RespFlag, decode_docs_blob
-
-    n_slots, dim, k, rows, nq = 2, 7, 3, 47, 5
-    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
-    mm = mmap.mmap(-1, lay.segment_size)
-    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
-    bufs: dict[int, bytearray] = {}
-    arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), bufs.pop)
-    svc.rows.arena = arena
-    rng = np.random.default_rng()
-    data = rng.standard_normal((rows, dim)).astype(np.float32)
-    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [f"t{i}" for i in range(rows)],
-                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
-    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
-    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    dim, k, rows, nq = 7, 3, 47, 5
+    lay, mm, svc, arena, d, states, data = _arena_rig(n_slots=2, dim=dim, rows=rows)
     off = lay.slot_offset(0)
-    qs = rng.standard_normal((nq, dim)).astype(np.float32)
+    qs = np.random.default_rng().standard_normal((nq, dim)).astype(np.float32)
     np.frombuffer(mm, np.float32, nq * dim, off + lay.payload_offset)[:] = qs.ravel()
     want = np.argsort(-(qs @ data.T), axis=1)[:, :k]
 
