@@ -233,9 +233,10 @@ def test_pipelined_batches_answer_only_finished_searches_and_settle_before_write
 
 
 def test_requests_arriving_during_a_search_join_the_next_batch() -> None:
-    """With a batch in flight, the dispatcher waits for it before picking up, so requests that
-    arrive while the device searches are launched together with those that were already
-    waiting: one pass over the rows for all of them, not one for each wave."""
+    """With a batch in flight, the dispatcher picks up what waits, then waits for the search
+    before launching, so requests that arrive while the device searches are launched together
+    with those that were already waiting: one pass over the rows for all of them, not one for
+    each wave."""
     n_slots, dim, k, rows = 6, 5, 2, 40
     lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
     mm = mmap.mmap(-1, lay.segment_size)
@@ -260,9 +261,14 @@ def test_requests_arriving_during_a_search_join_the_next_batch() -> None:
     assert d.poll() == 1 and log == ["launch 1"]
     request(1)
     request(2)
-    index.during_search += [lambda: request(3), lambda: request(4)]  # while slot 0's search runs
+    seen: list[list[int]] = []
+    index.during_search += [lambda: seen.append(states[:5].tolist()),  # while slot 0's search runs
+                            lambda: request(3), lambda: request(4)]  # fmt: skip
     assert d.poll() == 4
     assert log == ["launch 1", "finish", "launch 4"], log  # 1-4 in one batch, not 1-2 then 3-4
+    # 1 and 2 were picked up (BUSY) while the device searched, not after: the device then idles
+    # only for the pickup of 3 and 4
+    assert seen == [[SlotState.BUSY] * 3 + [SlotState.FREE] * 2], seen
     assert states[0] == SlotState.RESPONSE
     assert all(states[i] == SlotState.BUSY for i in range(1, 5))
     assert d.settle() == 4
