@@ -179,6 +179,11 @@ class ArenaWriter:
         """Whether every one of ``rows`` (all below ``rows_cap``) holds a document."""
         return bool(self._len[rows].all())
 
+    def held_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Per row of the 2-D ``rows`` (all below ``rows_cap``): whether each of its rows holds
+        a document."""
+        return self._len[rows].all(axis=1)
+
     def get(self, row: int) -> bytes | None:
         """Row ``row``'s document as stored (None: no document)."""
         if row >= self.rows_cap or not self._len[row]:

@@ -365,6 +365,8 @@ class Dispatcher:
             self.stats.phase("answer", (self._busy_until - t_answer) / 1000)
 
     def _answer_members(self, b: _Batch) -> None:
+        if self._answer_gens(b):
+            return
         for (i, req, t0), spec in zip(b.part, b.specs, strict=False):
             # One member's failure is that member's alone: an error here used to propagate to
             # the caller, which re-answered the whole batch with an error, overwriting answers
@@ -379,6 +381,35 @@ class Dispatcher:
             except Exception as e:
                 log.exception("internal error answering a batched recall")
                 self._error(i, req, Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
+
+    def _answer_gens(self, b: _Batch) -> bool:
+        """Answer a batch of batch-1 recalls whose clients read documents from the arena (32
+        processes against a GPU sidecar) with numpy over all members at once: their rows
+        gathered from the slots, checked, and their generations looked up in one pass (one by
+        one, that took ~3 us of Python per member on the development VM). False, having
+        answered nothing, where it does not apply; a member whose rows fail the checks gets
+        INTERNAL, as from :meth:`_write_hits`."""
+        arena, kk = self.service.rows.arena, b.kk
+        if (arena is None or len(b.part) < 2 or not b.flags & Flag.ARENA_DOCS
+                or b.flags & (Flag.WITH_VECTORS | Flag.NO_DOCS) or kk < 1
+                or any(len(spec.rows) != 1 for spec in b.specs[: len(b.part)])):  # fmt: skip
+            return False
+        r = np.array([spec.rows[0, :kk] for spec in b.specs[: len(b.part)]], np.int64)  # copies
+        high, cap = self.service.rows.high, arena.rows_cap
+        if int(r.max()) >= cap and int(r.max()) < high:
+            return False  # rows the arena does not cover yet: documents inline, member by member
+        ok = ((r >= 0) & (r < high)).all(axis=1)
+        held = np.zeros_like(ok)
+        held[ok] = arena.held_rows(r[ok])
+        gens = arena.gens(np.where(ok[:, None], r, 0))
+        for j, (i, req, t0) in enumerate(b.part):
+            if not ok[j]:
+                self._error(i, req, Status.INTERNAL, "the index returned rows out of range", t0)
+            elif not held[j]:
+                self._error(i, req, Status.INTERNAL, "the index returned rows that hold no memory", t0)
+            else:
+                self._respond(i, req, Status.OK, kk, gens[j].tobytes(), RespFlag.ARENA_DOCS, t0)
+        return True
 
     def _write_hits(self, i: int, req: Request, spec: SlotSpec, kk: int, flags: int, t0: int) -> None:
         blob, rflags = b"", 0

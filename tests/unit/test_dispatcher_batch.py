@@ -411,3 +411,67 @@ def test_a_batchs_documents_come_as_arena_generations_checked_in_numpy() -> None
             assert e.status == Status.INTERNAL and why in str(e)
         else:
             raise AssertionError(f"row {bad} was answered")
+
+
+def test_batch1_members_reading_the_arena_are_answered_together_member_by_member_faults() -> None:
+    """Several batch-1 recalls asking for arena documents, batched: each member gets its own
+    rows and their generations; a member whose rows the index got wrong (out of range, or a
+    row with no document) gets INTERNAL alone."""
+    from kalos_retrievers.arena import ArenaWriter
+    from kalos_retrievers.protocol import Flag, RespFlag
+
+    n_slots, dim, k, rows = 6, 9, 4, 83
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
+    bufs: dict[int, bytearray] = {}
+    arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), bufs.pop)
+    svc.rows.arena = arena
+    rng = np.random.default_rng()
+    data = rng.standard_normal((rows, dim)).astype(np.float32)
+    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [f"t{i}" for i in range(rows)],
+                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    sems = [_Sem() for _ in range(n_slots)]
+    d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {})
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    qs = rng.standard_normal((n_slots, dim)).astype(np.float32)
+    corrupt: dict[int, int] = {}
+    real_finish = svc.finish
+
+    def finish() -> None:  # the index writes a wrong row into some members' results
+        real_finish()
+        for i, row in corrupt.items():
+            np.frombuffer(mm, np.int32, k, lay.slot_offset(i) + lay.rows_offset)[1] = row
+
+    svc.finish = finish  # type: ignore[method-assign]
+
+    def one_by_one(*_a, **_k) -> None:  # type: ignore[no-untyped-def]
+        raise AssertionError("answered member by member, not together")
+
+    d._write_hits = one_by_one  # type: ignore[method-assign]
+
+    def run(seq: int) -> list[Response]:
+        for i in range(n_slots):
+            off = lay.slot_offset(i)
+            np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = qs[i]
+            REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, Flag.ARENA_DOCS, k, 1, 4 * dim, 0, 0)
+        states[:] = SlotState.REQUEST
+        assert d.poll() == n_slots
+        d.settle()
+        assert (states != SlotState.BUSY).all()
+        return [Response.unpack(mm[lay.slot_offset(i) : lay.slot_offset(i) + CTL_SIZE]) for i in range(n_slots)]
+
+    for i, resp in enumerate(run(3)):
+        off = lay.slot_offset(i)
+        got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset)
+        assert resp.status == Status.OK and resp.resp_flags & RespFlag.ARENA_DOCS and resp.resp_len == 4 * k
+        assert sorted(got.tolist()) == sorted(np.argsort(-(data @ qs[i]))[:k].tolist())
+        gens = np.frombuffer(mm, "<u4", k, off + lay.blob_offset)
+        assert np.array_equal(gens, arena.gens(got))
+    arena.clear(7)  # (the arena and the row table part ways: a row without a document)
+    corrupt.update({1: rows + 5, 3: -2, 4: 7})
+    resps = run(4)
+    assert [r.status == Status.INTERNAL for r in resps] == [False, True, False, True, True, False]
+    assert all(r.status == Status.OK for j, r in enumerate(resps) if j not in corrupt)
+    assert b"out of range" in bytes(mm[lay.slot_offset(3) + lay.blob_offset :][: resps[3].resp_len])
+    assert b"hold no memory" in bytes(mm[lay.slot_offset(4) + lay.blob_offset :][: resps[4].resp_len])
