@@ -396,9 +396,9 @@ class Dispatcher:
             return False
         r = np.array([spec.rows[0, :kk] for spec in b.specs[: len(b.part)]], np.int64)  # copies
         high, cap = self.service.rows.high, arena.rows_cap
-        if int(r.max()) >= cap and int(r.max()) < high:
-            return False  # rows the arena does not cover yet: documents inline, member by member
         ok = ((r >= 0) & (r < high)).all(axis=1)
+        if (r[ok] >= cap).any():
+            return False  # rows the arena does not cover yet: documents inline, member by member
         held = np.zeros_like(ok)
         held[ok] = arena.held_rows(r[ok])
         gens = arena.gens(np.where(ok[:, None], r, 0))
