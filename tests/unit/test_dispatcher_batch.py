@@ -417,23 +417,9 @@ def test_batch1_members_reading_the_arena_are_answered_together_member_by_member
     """Several batch-1 recalls asking for arena documents, batched: each member gets its own
     rows and their generations; a member whose rows the index got wrong (out of range, or a
     row with no document) gets INTERNAL alone."""
-    from kalos_retrievers.arena import ArenaWriter
-    from kalos_retrievers.protocol import Flag, RespFlag
-
     n_slots, dim, k, rows = 6, 9, 4, 83
-    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
-    mm = mmap.mmap(-1, lay.segment_size)
-    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
-    bufs: dict[int, bytearray] = {}
-    arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), bufs.pop)
-    svc.rows.arena = arena
+    lay, mm, svc, arena, d, states, data = _arena_rig(n_slots, dim, rows)
     rng = np.random.default_rng()
-    data = rng.standard_normal((rows, dim)).astype(np.float32)
-    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [f"t{i}" for i in range(rows)],
-                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
-    sems = [_Sem() for _ in range(n_slots)]
-    d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {})
-    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
     qs = rng.standard_normal((n_slots, dim)).astype(np.float32)
     corrupt: dict[int, int] = {}
     real_finish = svc.finish
