@@ -74,7 +74,7 @@ def _ints(xs: np.ndarray | Sequence[int]) -> list[int]:
 class ArenaView:
     """Reads documents from a mapped arena (the client's side). Pure: it is given the bytes."""
 
-    __slots__ = ("_buf", "_heap", "_table", "rows_cap", "version")
+    __slots__ = ("_buf", "_copy", "_heap", "_table", "rows_cap", "version")
 
     def __init__(self, buf: mmap.mmap | memoryview | bytearray, version: int) -> None:
         magic, v, _, rows_cap, heap_size, _, _ = ARENA_HEADER.unpack_from(buf, 0)
@@ -83,6 +83,8 @@ class ArenaView:
         if len(buf) < arena_size(rows_cap, heap_size):
             raise ValueError("document arena is shorter than its header says")
         self._buf = memoryview(buf)
+        # slicing an mmap gives bytes in one step (copies of small documents: 0.04 us, not 0.1)
+        self._copy = buf.__getitem__ if isinstance(buf, mmap.mmap) else lambda s: bytes(self._buf[s])
         self._heap = heap_offset(rows_cap)
         self._table = np.frombuffer(self._buf, ENTRY_DTYPE, count=rows_cap, offset=ARENA_HEADER_SIZE)
         self.rows_cap = rows_cap
@@ -136,7 +138,7 @@ class ArenaView:
         return DocViews(self._buf, starts.tolist(), (starts + length).tolist())
 
     def _docs_one_by_one(self, rows: list[int], gens: list[int]) -> list[bytes] | None:
-        buf, heap, cap = self._buf, self._heap, self.rows_cap
+        buf, heap, cap, copy = self._buf, self._heap, self.rows_cap, self._copy
         entry, gen_of = ENTRY.unpack_from, _GEN.unpack_from
         out = []
         for row, gen in zip(rows, gens, strict=True):
@@ -146,7 +148,7 @@ class ArenaView:
             off, length, g1 = entry(buf, at)
             if g1 != gen or g1 & 1 or not length or gen_of(buf, at + _GEN_AT)[0] != g1:
                 return None
-            out.append(bytes(buf[heap + off : heap + off + length]))
+            out.append(copy(slice(heap + off, heap + off + length)))
         return out
 
 

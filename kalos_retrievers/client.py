@@ -522,14 +522,15 @@ class KalosClient:
         self, qs: np.ndarray, k: int, namespace: str, filter: Mapping[str, Any] | None,
         with_vectors: bool, docs: bool, timeout: float | None,
     ) -> list[RecallResult]:  # fmt: skip
-        header = self.header
+        deadline = self._deadline(timeout)
+        header = self._ensure_conn(deadline).header
         _check_k(k, header.max_k)
-        _check_namespace(namespace)
-        flt = validate_filter(filter)
-        args = encode_recall_args(namespace, encode_json(flt) if flt else None)
+        if namespace != "":
+            _check_namespace(namespace)
+        flt = None if filter is None else validate_filter(filter)
+        args = encode_recall_args(namespace, encode_json(flt) if flt else None) if flt or namespace else b""
         flags = (Flag.WITH_VECTORS if with_vectors else 0) | (0 if docs else Flag.NO_DOCS)
         per_req = max(1, min(header.max_queries, header.max_results // k))
-        deadline = self._deadline(timeout)
         out: list[RecallResult] = []
         for start in range(0, len(qs), per_req):
             chunk = qs[start : start + per_req]
@@ -598,6 +599,8 @@ class KalosClient:
                 raise ProtocolError(f"sidecar returned {len(doc_views)} docs for {nq}x{kk} hits")
             if with_vectors and vectors is None:
                 raise ProtocolError("sidecar did not return the vectors asked for")
+        if nq == 1 and vectors is None:  # a batch-1 recall: no splitting
+            return [RecallResult(rows[0], scores[0], doc_views if docs else None, None, namespace)]
         parts: list[DocViews] | list[list[bytes]] | list[None] = (
             split_docs(doc_views, nq) if docs and doc_views is not None else [None] * nq
         )

@@ -852,6 +852,26 @@ def decode_docs_blob(blob: bytes, dim: int, has_vectors: bool) -> tuple[DocViews
         raise ProtocolDecodeError(f"docs blob does not decode: {e}") from None
 
 
+_F32_PACKERS: dict[int, struct.Struct] = {}
+
+
+def _list_vector(values: list[Any], dim: int) -> np.ndarray | None:
+    """One vector given as a list of ``dim`` numbers (what an ``Embeddings`` returns) as a
+    (1, dim) float32 array, packed by ``struct``: ~3 us for 768 floats on the development VM,
+    against ~9 us through numpy's conversion of a sequence. None when ``struct`` refuses an
+    item (a string, a float32 overflow): the caller converts through numpy, whose conversion
+    and messages are the reference."""
+    packer = _F32_PACKERS.get(dim)
+    if packer is None:
+        packer = _F32_PACKERS[dim] = struct.Struct(f"={dim}f")  # native order: numpy's float32
+    out = np.empty((1, dim), np.float32)
+    try:
+        packer.pack_into(out, 0, *values)
+    except (struct.error, OverflowError, TypeError, ValueError):
+        return None
+    return out
+
+
 def check_vectors(vectors: Any, dim: int, argument: str) -> np.ndarray:
     """Validate vectors given by a user: shape (n, dim) or (dim,), finite. (All-zero vectors
     pass here; upserts under cosine refuse them, see ``KalosClient.upsert``.)
@@ -861,22 +881,30 @@ def check_vectors(vectors: Any, dim: int, argument: str) -> np.ndarray:
     Raises:
         ValueError: naming ``argument``, for a wrong shape or dimension, or NaN/inf.
     """
-    try:
-        arr = np.asarray(vectors, dtype=np.float32)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{argument} must be numeric vectors: {e}") from None
-    if arr.ndim == 1:
-        arr = arr[None, :]
-    if arr.ndim != 2 or arr.shape[1] != dim:
-        raise ValueError(
-            f"{argument} has shape {tuple(np.shape(vectors))}; this sidecar stores dim={dim} "
-            f"vectors, so expected ({dim},) or (n, {dim}). Use an embedding model with {dim} "
-            "dimensions, or start another sidecar with --dim matching your model"
-        )
-    if not np.all(np.isfinite(arr)):
+    arr = _list_vector(vectors, dim) if type(vectors) is list and len(vectors) == dim else None
+    if arr is None:
+        try:
+            arr = np.asarray(vectors, dtype=np.float32)
+        except (TypeError, ValueError, OverflowError) as e:  # (an int beyond any float)
+            raise ValueError(f"{argument} must be numeric vectors: {e}") from None
+        if arr.ndim == 1:
+            arr = arr[None, :]
+        if arr.ndim != 2 or arr.shape[1] != dim:
+            raise ValueError(
+                f"{argument} has shape {tuple(np.shape(vectors))}; this sidecar stores dim={dim} "
+                f"vectors, so expected ({dim},) or (n, {dim}). Use an embedding model with {dim} "
+                "dimensions, or start another sidecar with --dim matching your model"
+            )
+        arr = np.ascontiguousarray(arr)
+    # NaN and infinity reach the sum of squares, so a finite sum clears every element in one
+    # dot product (0.3 us against 1.1 for 768 floats); only a sum that is not finite (which
+    # huge finite values can also make, with numpy's overflow warning: |x| above ~1e17 at
+    # 768 dims, which no embedding model produces) is looked at element by element
+    flat = arr.reshape(-1)
+    if not math.isfinite(float(flat @ flat)) and not np.isfinite(arr).all():
         bad = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
         raise ValueError(f"{argument}[{bad}] contains NaN or infinity")
-    return np.ascontiguousarray(arr)
+    return arr
 
 
 def is_finite_json_number(x: Any) -> bool:

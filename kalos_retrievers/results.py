@@ -79,7 +79,7 @@ class RecallResult(Sequence[Hit]):
         self.namespace = namespace
         self._docs = docs
         self._ids: list[str] | None = None
-        self._items: list[Hit | None] = [None] * len(rows)
+        self._items: list[Hit | None] | None = None  # Hits built so far (made on first access)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -99,7 +99,10 @@ class RecallResult(Sequence[Hit]):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        hit = self._items[i]
+        items = self._items
+        if items is None:
+            items = self._items = [None] * len(self.rows)
+        hit = items[i]
         if hit is None:
             if self._docs is None:
                 raise ValueError("this recall was made with docs=False: only rows and scores")
@@ -107,7 +110,7 @@ class RecallResult(Sequence[Hit]):
             vec = None if self.vectors is None else self.vectors[i]
             hit = Hit(d.id, float(self.scores[i]), d.text, d.metadata, self.namespace,
                       d.created_at, d.updated_at, vec)  # fmt: skip
-            self._items[i] = hit
+            items[i] = hit
         return hit
 
     def id_text_metadata(
@@ -123,8 +126,9 @@ class RecallResult(Sequence[Hit]):
         docs, items = self._docs, self._items
         if docs is None:
             raise ValueError("this recall was made with docs=False: only rows and scores")
-        if which is None and items.count(None) == len(items):  # the common case: none read yet
-            return [decode_doc_fields(d) for d in docs]
+        if items is None:  # the common case: none read yet
+            picked = docs if which is None else [docs[i] for i in which]
+            return [decode_doc_fields(d) for d in picked]
         out = []
         for i in range(len(items)) if which is None else which:
             hit = items[i]

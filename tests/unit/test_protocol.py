@@ -289,6 +289,37 @@ def test_check_vectors_names_the_argument() -> None:
         P.check_vectors(["a", "b", "c"], 3, "q")
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_check_vectors_list_fast_path_matches_numpy() -> None:
+    """A list of dim numbers (an Embeddings' output) is packed by struct; the result must be
+    what numpy's conversion gives, and whatever struct refuses must still convert or fail as
+    numpy's path does."""
+    rng = np.random.default_rng(7)
+    for dim in (1, 3, 97, 768):
+        vals = rng.standard_normal(dim).tolist()
+        got = P.check_vectors(vals, dim, "q")
+        assert got.shape == (1, dim) and got.dtype == np.float32 and got.flags.c_contiguous
+        assert got.flags.writeable
+        np.testing.assert_array_equal(got[0], np.asarray(vals, np.float32))
+    mixed = [1, True, np.float32(2.5), np.float64(-3.0), 4.25]
+    np.testing.assert_array_equal(P.check_vectors(mixed, 5, "q")[0], [1, 1, 2.5, -3, 4.25])
+    np.testing.assert_array_equal(P.check_vectors(["1.5", 2, 3], 3, "q")[0], [1.5, 2, 3])  # numpy's
+    for bad in ([1.0, float("nan"), 2.0], [1.0, float("inf"), 2.0], [1.0, 1e39, 2.0], [1.0, 10**400, 2.0]):
+        with pytest.raises(ValueError, match=r"q\[0\] contains NaN or infinity|numeric"):
+            P.check_vectors(bad, 3, "q")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_check_vectors_huge_finite_values_pass() -> None:
+    """The finite check is one sum of squares; values whose squares overflow float32 make that
+    sum infinite, and must still pass (the element-wise check decides)."""
+    v = np.full((2, 5), 3e20, np.float32)
+    assert P.check_vectors(v, 5, "q").shape == (2, 5)
+    v[1, 4] = np.inf
+    with pytest.raises(ValueError, match=r"q\[1\] contains NaN"):
+        P.check_vectors(v, 5, "q")
+
+
 @pytest.mark.parametrize("name", ["", "-x", "a/b", "x" * 65, "sp ace", "é"])
 def test_names_are_checked(name: str) -> None:
     with pytest.raises(ValueError, match="not a valid sidecar name"):
