@@ -1,6 +1,6 @@
 """The sidecar's Python per answered slot, in process (no GPU, no other process).
 
-    python -P benchmarks/dispatcher_batch.py [--slots 24] [--rounds 400] [--arena] [--profile]
+    python -P benchmarks/dispatcher_batch.py [--slots 24] [--queries 1] [--rounds 400] [--arena] [--profile]
 
 With 32 client processes at 1M rows the H200 sidecar answered batches of ~24 recalls, each
 costing pickup 175 µs + search 925 µs + answer 362 µs (docs/benchmarks.md): the Python around
@@ -45,11 +45,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--slots", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=400)
+    ap.add_argument("--queries", type=int, default=1, help="queries per request (64: one recall_batch(64))")
     ap.add_argument("--arena", action="store_true")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     n = a.slots
-    lay = Layout(n_slots=n, dim=DIM, payload_size=1 << 16, blob_size=1 << 16)
+    nq = a.queries
+    lay = Layout(n_slots=n, dim=DIM, payload_size=max(1 << 16, 4 * DIM * nq + 8192), blob_size=1 << 16)
     mm = mmap.mmap(-1, lay.segment_size)
     svc = Service(CpuIndex(DIM, METRICS["cosine"]), NullStore(), dim=DIM, metric=METRICS["cosine"])
     flags = 0
@@ -63,14 +65,14 @@ def main() -> None:
                rng.standard_normal((ROWS, DIM)).astype(np.float32))  # fmt: skip
     stats = Stats()
     d = Dispatcher(mm, lay, [_Sem() for _ in range(n)], svc, stats, max_batch=64, describe=lambda: {})
-    q = rng.standard_normal((n, DIM)).astype(np.float32)
+    q = rng.standard_normal((n, nq * DIM)).astype(np.float32)
     states = np.ndarray((n,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
 
-    def arm(seq: int) -> None:  # every slot: a batch-1 recall waiting
+    def arm(seq: int) -> None:  # every slot: a recall of nq queries waiting
         for i in range(n):
             off = lay.slot_offset(i)
-            np.frombuffer(mm, np.float32, DIM, off + lay.payload_offset)[:] = q[i]
-            REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, flags, K, 1, 4 * DIM, 0, 0)
+            np.frombuffer(mm, np.float32, nq * DIM, off + lay.payload_offset)[:] = q[i]
+            REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, flags, K, nq, 4 * DIM * nq, 0, 0)
         states[:] = SlotState.REQUEST
 
     for s in range(50):

@@ -726,6 +726,14 @@ def decode_doc(buf: bytes | memoryview) -> Doc:
     return Doc(id_, text, meta, created, updated)
 
 
+def doc_times(buf: bytes | memoryview) -> tuple[float, float]:
+    """``(created_at, updated_at)`` of a document record."""
+    try:
+        return _DOC_TIMES.unpack_from(buf, 0)  # type: ignore[return-value]
+    except struct.error as e:
+        raise ProtocolDecodeError(f"document record does not decode: {e}") from None
+
+
 def doc_id(buf: bytes | memoryview) -> str:
     """Just the id of a document record (cheaper than :func:`decode_doc`)."""
     try:

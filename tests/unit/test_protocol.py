@@ -341,3 +341,34 @@ def test_json_args_take_only_the_ops_keys() -> None:
     assert e.value.status == Status.BAD_REQUEST
     for op, keys in P.ARG_KEYS.items():  # every key the client sends is accepted
         P.decode_json_args(P.encode_json(dict.fromkeys(keys)), op)
+
+
+def test_recall_result_hits_equal_dataclass_hits() -> None:
+    """A hit read from a RecallResult is built without Hit's __init__ (one __dict__ instead of
+    eight frozen setattrs); it must be the very Hit that Hit(...) builds, with and without
+    vectors, at any index, and the shortcut must switch itself off for a Hit it cannot build."""
+    import dataclasses
+
+    from kalos_retrievers import results as R
+
+    docs = [P.encode_doc(f"id-{i}", f"text {i}", b'{"i": %d}' % i, 10.0 + i, 20.0 + i) for i in range(3)]
+    vecs = np.arange(9, dtype=np.float32).reshape(3, 3)
+    for vectors in (None, vecs):
+        res = R.RecallResult(np.arange(3, dtype=np.int32), np.array([0.9, 0.5, 0.1], np.float32),
+                             [memoryview(d) for d in docs], vectors, "ns")  # fmt: skip
+        for i in (2, 0, -2):
+            j = i % 3
+            want = R.Hit(f"id-{j}", float(res.scores[j]), f"text {j}", {"i": j}, "ns", 10.0 + j, 20.0 + j,
+                         None if vectors is None else vectors[j])  # fmt: skip
+            got = res[i]
+            assert got == want and repr(got) == repr(want)
+            assert list(got.__dict__) == [f.name for f in dataclasses.fields(R.Hit)]
+            assert (got.vector is None) == (vectors is None) and got is res[i]  # built once
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                got.text = "changed"  # type: ignore[misc]
+    assert R._fast_hits_work() and R._make_hit is R._hit_unchecked
+    try:  # negative control: a Hit with a post-init hook is not what the shortcut builds
+        R.Hit.__post_init__ = lambda self: None  # type: ignore[attr-defined]
+        assert not R._fast_hits_work()
+    finally:
+        del R.Hit.__post_init__  # type: ignore[attr-defined]

@@ -1,0 +1,102 @@
+"""The client library's own Python per recall, with an instant responder (issue 3).
+
+    python -P benchmarks/client_overhead.py [--k 10] [--batch 1] [--calls 20000] [--profile]
+
+On the H200 machine a batch-1 recall at 1M rows took ~420 µs end to end through
+``KalosClient.recall`` while the resident kernel's round trip, driven by a bare Python loop in
+one process, took ~388 µs (``doorbell_probe.py``, S8-2): the difference is the client's Python
+before the request is written and after the answer is seen. This measures that Python alone.
+
+A CPU sidecar (768-d, 1,000 rows with short texts and metadata, ``KALOS_ARENA=1``) answers one
+real recall of ``--batch`` queries through the document arena; its answer (rows, scores, the
+arena generations) is kept, and the client's wait is then replaced by a function that writes
+that answer into the slot at once. Every other step is the real client: argument checks, the
+request, the copy of rows and scores, the arena reads of the documents, the result objects.
+(The request still posts the sidecar's doorbell, as batches do; batch-1 recalls to a GPU
+kernel post nothing.) Printed: p50 per call in µs, for a numpy query and, at batch 1, the same
+query as a list of floats (what an ``Embeddings`` returns), and reading every hit's text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+os.environ["KALOS_ARENA"] = "1"  # the spawned sidecar keeps a document arena
+
+from kalos_retrievers import KalosClient
+from kalos_retrievers.protocol import RESPONSE_OFFSET, RESPONSE_STRUCT, Response, SlotState
+
+DIM, ROWS = 768, 1000
+
+
+def p50_us(fn: Callable[[], Any], calls: int) -> float:
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append(time.perf_counter_ns() - t0)
+    return round(statistics.median(ts) / 1000, 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=20_000)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    k, b = a.k, a.batch
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    with KalosClient.spawn(dim=DIM, device="cpu") as owner, KalosClient(owner.name, arena_docs=True) as c:
+        owner.upsert([f"id{i}" for i in range(ROWS)], v, texts=[f"text {i} " * 5 for i in range(ROWS)],
+                     metadatas=[{"i": i, "topic": "t"} for i in range(ROWS)])  # fmt: skip
+        queries = v[:b] + 0.01
+        c.recall_batch(queries, k)
+        slot = c._conn.free[-1]  # the slot that answered: keep its answer
+        rows, scores = slot.rows[: k * b].copy(), slot.scores[: k * b].copy()
+        resp = Response.unpack(slot.ctl)
+        blob = bytes(slot.blob[: resp.resp_len])
+
+        def instant(conn: Any, s: Any, seq: int, deadline: float, *, recall: bool, doorbell: bool = False) -> Response:
+            s.rows[: k * b], s.scores[: k * b] = rows, scores
+            s.blob[: len(blob)] = blob
+            RESPONSE_STRUCT.pack_into(s.ctl, RESPONSE_OFFSET, seq, resp.status, resp.n_results, resp.resp_len,
+                                      resp.resp_flags)  # fmt: skip
+            s.state[0] = SlotState.RESPONSE
+            return Response(seq, resp.status, resp.n_results, resp.resp_len, resp.resp_flags)
+
+        c._wait = instant  # type: ignore[method-assign]
+        n = a.calls if b == 1 else max(1, a.calls // 10)
+        if b == 1:
+            q, ql = queries[0], queries[0].tolist()
+            figures = {"recall (numpy query)": lambda: c.recall(q, k), "recall (list query)": lambda: c.recall(ql, k),
+                       "recall + read every hit's text": lambda: [h.text for h in c.recall(q, k)]}  # fmt: skip
+        else:
+            figures = {f"recall_batch({b})": lambda: c.recall_batch(queries, k),
+                       f"recall_batch({b}) + read each first hit's text":
+                           lambda: [r[0].text for r in c.recall_batch(queries, k)]}  # fmt: skip
+        for name, fn in figures.items():
+            p50_us(fn, n // 10)  # warm-up
+            print(f"{name}: p50 {p50_us(fn, n)} us")
+        if a.profile:
+            fn = next(iter(figures.values()))
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(n):
+                fn()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    main()
