@@ -1008,6 +1008,17 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             __syncthreads();
             float ssq = 0.f;
             for (int i = 0; i < KALOS_BLOCK / 32; i++) ssq += s_red[i];
+            if (!isfinite(ssq)) {  // block-uniform: every thread summed the same s_red
+                // NaN or infinity in the query (the client library never sends one; a client
+                // writing its slot by hand can): back to the sidecar, which answers BAD_REQUEST
+                // as it does for any request. Answered here, every score would be NaN and the
+                // recall would come back OK with no results.
+                if (threadIdx.x == 0) {
+                    hstore(reinterpret_cast<unsigned int*>(sb), (unsigned int)ST_REQUEST, mode);
+                    __threadfence_system();
+                }
+                continue;
+            }
             const float scale = (METRIC == METRIC_COSINE && ssq > 0.f) ? rsqrtf(ssq) : 1.f;
             if (METRIC == METRIC_COSINE)
                 for (int i = threadIdx.x; i < ld; i += blockDim.x) qbuf[i] *= scale;

@@ -179,6 +179,36 @@ def test_other_recalls_still_go_through_the_sidecar(start_sidecar) -> None:
     c.close()
 
 
+def test_a_query_with_nan_rung_to_the_kernel_is_refused_and_the_kernel_serves_on(start_sidecar) -> None:
+    """The client library never sends a NaN query (it validates), but a client writing its
+    slot by hand can, and can ring the kernel with it. The kernel hands such a request back
+    (its sum of squares is not finite) and the sidecar answers BAD_REQUEST, as for any
+    request; the kernel answers the next good recall. (Before the kernel checked, the answer
+    was OK with no results, and counted as served: the negative control.)"""
+    from kalos_retrievers.errors import RequestRejected
+    from kalos_retrievers.protocol import Flag, Op
+
+    rng = np.random.default_rng()
+    n, dim = 1_009, 64
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    c.upsert([str(i) for i in range(n)], data)
+    for bad_value in (np.nan, np.inf):
+        kernel_back(c, data[0])
+        before = served(c)
+        bad = data[5:6].copy()
+        bad[0, 7] = bad_value
+        assert c._conn.doorbell_k() >= 5  # type: ignore[union-attr]  # so _call rings the kernel
+        with pytest.raises(RequestRejected, match="NaN or infinity"):
+            c._call(Op.RECALL, vectors=bad, top_k=5, n_items=1, flags=Flag.ARENA_DOCS)  # no validation
+        assert served(c) == before  # the kernel did not answer it
+    kernel_back(c, data[0])
+    before = served(c)
+    assert c.recall(data[11], 1).ids == ["11"] and served(c) == before + 1
+    c.close()
+
+
 def test_a_crowd_is_handed_to_the_batched_path_and_everyone_gets_their_answer(start_sidecar) -> None:
     dim = 97
     data = np.random.default_rng(0).standard_normal((4001, dim)).astype(np.float32)
