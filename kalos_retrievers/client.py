@@ -94,6 +94,7 @@ _DOORBELL_K_WORD = 64  # header u32 index of doorbell_k (offset 256)
 _DOORBELL_CAP_WORD = 65  # header u32 index of doorbell_cap (offset 260)
 _MAX_MARGIN_SPINS = 2  # a long wait's spin around the expected answer: at most 2 x 2 spin windows
 _SPIN_PROBE_EVERY = 8  # while long-wait spins do not pay, still try one call in this many
+_HANDOVER_NS = 2_000_000  # a DOORBELL the stopped kernel left: block if the sidecar has not taken it by then
 _BACKOFF_MIN = 0.05
 _BACKOFF_MAX = 2.0
 MAX_ID_BYTES = 512
@@ -1072,7 +1073,7 @@ class KalosClient:
                 _ipc.post(conn.bell)
                 posted = time.monotonic_ns()
             now = time.monotonic_ns()
-            if posted and now - posted > 2_000_000 and state[0] == SlotState.DOORBELL:
+            if posted and now - posted > _HANDOVER_NS and state[0] == SlotState.DOORBELL:
                 return False
             if now >= end:
                 return state[0] in done

@@ -1012,7 +1012,8 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 // NaN or infinity in the query (the client library never sends one; a client
                 // writing its slot by hand can): back to the sidecar, which answers BAD_REQUEST
                 // as it does for any request. Answered here, every score would be NaN and the
-                // recall would come back OK with no results.
+                // recall would come back OK with no results. (A finite query whose sum of
+                // squares overflows, |x| above ~1e19, goes back too: the sidecar answers it.)
                 if (threadIdx.x == 0) {
                     hstore(reinterpret_cast<unsigned int*>(sb), (unsigned int)ST_REQUEST, mode);
                     __threadfence_system();

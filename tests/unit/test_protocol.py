@@ -297,10 +297,14 @@ def test_check_vectors_list_fast_path_matches_numpy() -> None:
     rng = np.random.default_rng(7)
     for dim in (1, 3, 97, 768):
         vals = rng.standard_normal(dim).tolist()
+        assert P._list_vector(vals, dim) is not None  # the fast path took it
         got = P.check_vectors(vals, dim, "q")
         assert got.shape == (1, dim) and got.dtype == np.float32 and got.flags.c_contiguous
         assert got.flags.writeable
         np.testing.assert_array_equal(got[0], np.asarray(vals, np.float32))
+    # items with __float__ that numpy converts differently never reach struct
+    with pytest.raises(ValueError, match="shape"):
+        P.check_vectors([np.ones(1), np.ones(1), np.ones(1)], 3, "q")
     mixed = [1, True, np.float32(2.5), np.float64(-3.0), 4.25]
     np.testing.assert_array_equal(P.check_vectors(mixed, 5, "q")[0], [1, 1, 2.5, -3, 4.25])
     np.testing.assert_array_equal(P.check_vectors(["1.5", 2, 3], 3, "q")[0], [1.5, 2, 3])  # numpy's
@@ -309,12 +313,16 @@ def test_check_vectors_list_fast_path_matches_numpy() -> None:
             P.check_vectors(bad, 3, "q")
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-def test_check_vectors_huge_finite_values_pass() -> None:
-    """The finite check is one sum of squares; values whose squares overflow float32 make that
-    sum infinite, and must still pass (the element-wise check decides)."""
+def test_check_vectors_huge_finite_values_pass_without_warnings() -> None:
+    """Values whose squares overflow float32 are finite: they pass, and without a warning (a
+    finite check by sum of squares once warned here, an error under -W error)."""
+    import warnings
+
     v = np.full((2, 5), 3e20, np.float32)
-    assert P.check_vectors(v, 5, "q").shape == (2, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert P.check_vectors(v, 5, "q").shape == (2, 5)
+        assert P.check_vectors([3e20] * 5, 5, "q").shape == (1, 5)
     v[1, 4] = np.inf
     with pytest.raises(ValueError, match=r"q\[1\] contains NaN"):
         P.check_vectors(v, 5, "q")
