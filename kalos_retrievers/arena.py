@@ -91,20 +91,11 @@ class ArenaView:
         self.rows_cap = rows_cap
         self.version = version
 
-    def get(self, row: int, gen: int) -> memoryview | None:
-        """Row ``row``'s document if its generation is ``gen`` (and no write is under way);
-        else None: the row changed since the answer named it, or is being written."""
-        if not 0 <= row < self.rows_cap:
-            return None
-        at = ARENA_HEADER_SIZE + ENTRY_SIZE * row
-        buf = self._buf
-        off, length, g1 = ENTRY.unpack_from(buf, at)
-        if g1 != gen or g1 & 1 or not length:
-            return None
-        doc = buf[self._heap + off : self._heap + off + length]
-        if _GEN.unpack_from(buf, at + _GEN_AT)[0] != g1:  # rewritten while we read the entry
-            return None
-        return doc
+    def get(self, row: int, gen: int) -> bytes | None:
+        """Row ``row``'s document (a copy) if its generation is ``gen`` (and no write is under
+        way); else None: the row changed since the answer named it, or is being written."""
+        docs = self._docs_one_by_one([row], [gen])
+        return None if docs is None else docs[0]
 
     def docs(
         self, rows: np.ndarray | Sequence[int], gens: np.ndarray | Sequence[int]
@@ -139,6 +130,8 @@ class ArenaView:
         return DocViews(self._buf, starts.tolist(), (starts + length).tolist())
 
     def _docs_one_by_one(self, rows: list[int], gens: list[int]) -> list[bytes] | None:
+        # per row the seqlock of the module docstring: offset, length and gen read together,
+        # then gen again (rewritten while we read the entry?)
         buf, heap, cap, copy = self._buf, self._heap, self.rows_cap, self._copy
         entry, gen_of = ENTRY.unpack_from, _GEN.unpack_from
         out = []
