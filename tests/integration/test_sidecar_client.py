@@ -299,3 +299,55 @@ def test_misspelled_argument_is_refused_not_written_elsewhere(start_sidecar) -> 
         with pytest.raises(RequestRejected, match="namepsace"):
             c._call(Op.UPSERT, vectors=np.ones((1, 4), np.float32), args=args, n_items=1)
         assert c.count() == 0  # nothing landed in the default namespace either
+
+
+def test_a_plain_recall_takes_the_short_path_and_answers_like_the_general_one(start_sidecar, monkeypatch) -> None:
+    """``recall`` of one query in the default namespace, without a filter, with documents,
+    goes through ``_recall_one``; every other call, and any argument that path does not
+    take, through ``_recall``, which raises the argument's error. Both give numpy's top-k."""
+    rng = np.random.default_rng()
+    dim, n, k = 13, 501, 7
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, max_k=50)
+    with sc.client() as c:
+        c.upsert([str(i) for i in range(n)], data, texts=[f"t{i}" for i in range(n)],
+                 metadatas=[{"i": i} for i in range(n)])  # fmt: skip
+        general: list[tuple] = []
+        real = KalosClient._recall
+
+        def counting(self, *a):  # type: ignore[no-untyped-def]
+            general.append(a)
+            return real(self, *a)
+
+        monkeypatch.setattr(KalosClient, "_recall", counting)
+        q = rng.standard_normal(dim).astype(np.float32)
+        ref_i, ref_s = reference_topk(data, q[None, :], k, "cosine")
+        for query in (q, q.tolist(), q.astype(np.float64), q[None, :], q[::-1].copy()[::-1]):
+            r = c.recall(query, k, timeout=5.0)
+            assert_topk_equal(ids_of(r), r.scores, [str(i) for i in ref_i[0]], ref_s[0])
+            assert [h.text for h in r] == [f"t{i}" for i in r.ids]
+            assert [h.metadata["i"] for h in r] == [int(i) for i in r.ids]
+        assert general == []  # every one took the short path
+        g = real(c, q[None, :], k, "", None, False, True, None)[0]
+        assert g.ids == r.ids and np.array_equal(g.scores, r.scores) and [h.text for h in g] == [h.text for h in r]
+        c.recall(q, k, namespace="elsewhere")
+        c.recall(q, k, filter={"i": {"$gte": 0}})
+        c.recall(q, k, with_vectors=True)
+        assert len(c.recall(q, k, docs=False)) == k
+        assert len(general) == 4
+        bad_query = q.copy()
+        bad_query[5] = np.nan
+        for args, err, match in [
+            ((bad_query, k), ValueError, "NaN or infinity"),
+            ((np.stack([q, q]), k), ValueError, "use recall_batch"),
+            ((q[:-1], k), ValueError, r"query has shape \(12,\)"),
+            ((q, 51), ValueError, r"k=51 must be an int in \[1, 50\]"),
+            ((q, 2.0), ValueError, r"k=2.0 must be an int"),
+            ((q, True), ValueError, r"k=True must be an int"),
+        ]:
+            with pytest.raises(err, match=match):
+                c.recall(*args)
+        assert len(general) == 4 + 3  # the bad k reached _recall (a bad query is refused before it)
+        with pytest.raises(ValueError, match="timeout"):
+            c.recall(q, k, timeout=0)
+        assert c.recall(q, np.int64(k)).ids == r.ids  # a numpy int k: the general path
