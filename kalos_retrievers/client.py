@@ -39,7 +39,7 @@ import numpy as np
 import posix_ipc
 
 from . import _ipc
-from .arena import ArenaView, arena_name
+from .arena import ENTRY_SIZE, ArenaView, arena_name
 from .errors import (
     CapacityError,
     IncompatibleVersion,
@@ -89,6 +89,7 @@ __all__ = ["KalosClient"]
 
 _LIVENESS_TICK = 0.02  # seconds between "is the sidecar still alive?" checks while blocked
 _F32: Final = np.dtype(np.float32)
+_KERNEL_FLAGS: Final = Flag.ARENA_DOCS | Flag.ARENA_ENTRIES  # (with or without ENTRIES) a recall the GPU kernel takes
 _X86: Final = os.uname().machine in ("x86_64", "AMD64")  # the spin and arena paths rely on TSO
 _ARENA_VERSION_WORD = 62  # header u32 index of arena_version (offset 248, two words)
 _DOORBELL_K_WORD = 64  # header u32 index of doorbell_k (offset 256)
@@ -154,6 +155,9 @@ class _Conn:
         self._hdr32 = memoryview(seg.mm)[:264].cast("I")
         self._arena: ArenaView | None = None
         self._arena_mm: mmap.mmap | None = None
+        # what a recall whose documents come from the arena asks for: the hits' whole entries
+        # from a v1.3 sidecar (arena.ArenaView.entry_docs), their generations from older ones
+        self.arena_flags = Flag.ARENA_DOCS | (Flag.ARENA_ENTRIES if header.version_minor >= 3 else 0)
 
     def doorbell_k(self) -> int:
         """Largest k the GPU's resident kernel answers now (0: it is stopped, or there is none):
@@ -545,7 +549,7 @@ class KalosClient:
             return None
         try:
             slot.payload_f32[:dim] = q
-            flags = Flag.ARENA_DOCS if arena is not None else 0
+            flags = conn.arena_flags if arena is not None else 0
             rep = self._roundtrip(conn, slot, Op.RECALL, flags, k, 1, 4 * dim, 0, deadline)
             if rep.status != Status.OK:
                 raise _status_error(rep.status, rep.blob, Op.RECALL)
@@ -598,7 +602,7 @@ class KalosClient:
             chunk = qs[start : start + per_req]
             conn = self._conn
             arena = self._arena() if docs and not with_vectors else None
-            f = flags | (Flag.ARENA_DOCS if arena is not None else 0)
+            f = flags | (conn.arena_flags if conn is not None and arena is not None else 0)
             rep = self._call(Op.RECALL, vectors=chunk, args=args, top_k=k, n_items=len(chunk),
                              flags=f, deadline=deadline)  # fmt: skip
             if arena is not None and self._conn is not conn:  # answered by a restarted sidecar:
@@ -645,12 +649,7 @@ class KalosClient:
         doc_views: DocViews | list[bytes] | None = None
         vectors = None
         if rep.resp_flags & RespFlag.ARENA_DOCS:
-            if len(rep.blob) != 4 * nq * kk:
-                raise ProtocolError(f"sidecar returned {len(rep.blob)} bytes of arena generations "
-                                    f"for {nq}x{kk} hits")  # fmt: skip
-            if arena is None:  # the arena asked with is not the answering sidecar's
-                return None
-            doc_views = arena.docs(rows.ravel(), np.frombuffer(rep.blob, "<u4"))
+            doc_views = self._arena_docs(rep, rows.ravel(), arena)
             if doc_views is None:
                 return None
         elif docs or with_vectors:
@@ -683,11 +682,7 @@ class KalosClient:
         assert rep.rows is not None and rep.scores is not None
         doc_views: DocViews | list[bytes] | None = None
         if rep.resp_flags & RespFlag.ARENA_DOCS:
-            if len(rep.blob) != 4 * kk:
-                raise ProtocolError(f"sidecar returned {len(rep.blob)} bytes of arena generations for {kk} hits")
-            if arena is None:  # the arena asked with is not the answering sidecar's
-                return None
-            doc_views = arena.docs(rep.rows[:kk], np.frombuffer(rep.blob, "<u4"))
+            doc_views = self._arena_docs(rep, rep.rows[:kk], arena)
             if doc_views is None:
                 return None
         elif docs:
@@ -698,6 +693,31 @@ class KalosClient:
             if len(doc_views) != kk:
                 raise ProtocolError(f"sidecar returned {len(doc_views)} docs for 1x{kk} hits")
         return RecallResult(rep.rows[:kk], rep.scores[:kk], doc_views, None, namespace)
+
+    def _arena_docs(self, rep: _Reply, rows: np.ndarray, arena: ArenaView | None) -> DocViews | list[bytes] | None:
+        """The documents of an answer that names them in the arena (flag ARENA_DOCS) by
+        generation (per hit in ``rows``) or, with ARENA_ENTRIES, by entry; None when they are
+        not there any more (see :meth:`ArenaView.docs`, :meth:`ArenaView.entry_docs`) or
+        ``arena`` is None (the arena asked with is not the answering sidecar's): the caller
+        asks again with the documents inline."""
+        n, blob = len(rows), rep.blob
+        if rep.resp_flags & RespFlag.ARENA_ENTRIES:
+            if len(blob) != 8 + ENTRY_SIZE * n:
+                raise ProtocolError(f"sidecar returned {len(blob)} bytes of arena entries for {n} hits")
+            if arena is None:
+                return None
+            docs = arena.entry_docs(blob, n)
+            conn = self._conn
+            if docs is None and conn is not None:  # answered from a newer version than ours?
+                newer = conn.arena()
+                if newer is not None and newer is not arena:
+                    docs = newer.entry_docs(blob, n)
+            return docs
+        if len(blob) != 4 * n:
+            raise ProtocolError(f"sidecar returned {len(blob)} bytes of arena generations for {n} hits")
+        if arena is None:
+            return None
+        return arena.docs(rows, np.frombuffer(blob, "<u4"))
 
     def upsert(
         self,
@@ -1032,7 +1052,7 @@ class KalosClient:
                                      vec_len, args_len, int(deadline * 1e9))  # fmt: skip
             # the GPU's resident kernel takes batch-1 recalls of the default namespace whose
             # documents come from the arena; it polls the state word (no semaphore)
-            bell = (op == Op.RECALL and flags == Flag.ARENA_DOCS and n_items == 1 and not args_len
+            bell = (op == Op.RECALL and flags | Flag.ARENA_ENTRIES == _KERNEL_FLAGS and n_items == 1 and not args_len
                     and top_k <= conn.doorbell_k())  # fmt: skip
             if bell:
                 slot.state[0] = SlotState.DOORBELL

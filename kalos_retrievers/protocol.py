@@ -41,7 +41,7 @@ import numpy as np
 
 MAGIC: Final = b"KALOSHM\x00"
 VERSION_MAJOR: Final = 1
-VERSION_MINOR: Final = 2
+VERSION_MINOR: Final = 3
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -121,15 +121,20 @@ class Flag:
     WITH_VECTORS: Final = 1  # RECALL/GET/SCAN: append the stored vectors (float32) to the blob
     NO_DOCS: Final = 2  # RECALL: rows and scores only (no documents in the blob)
     ARENA_DOCS: Final = 4  # RECALL: each hit's row generation, not its document (see arena.py)
+    # RECALL, with ARENA_DOCS (v1.3): the arena's version and each hit's whole arena entry
+    # (offset, length, generation) instead of its generation: the client copies the record
+    # without reading the row table (see arena.py)
+    ARENA_ENTRIES: Final = 8
 
 
-KNOWN_FLAGS: Final = Flag.WITH_VECTORS | Flag.NO_DOCS | Flag.ARENA_DOCS
+KNOWN_FLAGS: Final = Flag.WITH_VECTORS | Flag.NO_DOCS | Flag.ARENA_DOCS | Flag.ARENA_ENTRIES
 
 
 class RespFlag:
     MORE: Final = 1  # the blob continues: send Op.CONTINUE for the next chunk
     HAS_VECTORS: Final = 2  # the blob (all chunks joined) ends with float32 vectors
     ARENA_DOCS: Final = 4  # the blob is one uint32 generation per hit; documents are in the arena
+    ARENA_ENTRIES: Final = 8  # with ARENA_DOCS: the blob is u64 arena version, then one entry per hit
 
 
 class Status:
@@ -527,6 +532,8 @@ def validate_request(req: Request, layout: Layout) -> None:
         raise Invalid(Status.BAD_OP, f"unknown op {req.op}")
     if req.flags & ~KNOWN_FLAGS:
         raise Invalid(Status.BAD_REQUEST, f"unknown flags {req.flags:#x}")
+    if req.flags & Flag.ARENA_ENTRIES and not req.flags & Flag.ARENA_DOCS:
+        raise Invalid(Status.BAD_REQUEST, "flag ARENA_ENTRIES without ARENA_DOCS")
     if req.vec_len > layout.payload_size or req.args_len > layout.payload_size:
         raise Invalid(Status.TOO_LARGE, "payload lengths exceed the slot")
     if align8(req.vec_len) + req.args_len > layout.payload_size:

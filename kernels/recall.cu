@@ -740,7 +740,7 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
 //                     normalizes it into qbuf, writes params, and bumps the generation `gen`;
 //   every block       (waiting on gen in L2) runs scan_body: the fused scan, the appended
 //                     lists, the last block's merge, which writes rows and scores to the slot;
-//   the last block    writes each hit's arena generation into the blob, the response words,
+//   the last block    writes each hit's arena generation (or entry) into the blob, the response words,
 //                     then state = RESPONSE, and marks the request done.
 //
 // Block 0 takes the next request only after `done` says every block finished the last one
@@ -759,6 +759,8 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
 #define OP_RECALL 2
 #define FLAG_ARENA_DOCS 4
 #define RESP_ARENA_DOCS 4
+#define FLAG_ARENA_ENTRIES 8  // with ARENA_DOCS (protocol v1.3): the arena version, then whole entries
+#define RESP_ARENA_ENTRIES 8
 
 // In registered, mapped host memory. The host writes the first 128-byte line while the kernel
 // is stopped and copies it to the device before each launch (the kernel reads its settings
@@ -777,7 +779,8 @@ struct BellCtl {
     u64 arena;                   // device address of the mapped arena's row table (16-byte entries)
     int arena_rows;
     int mode;                    // BELL_* bits: how host memory is read and written
-    u64 host_pad[6];             // to 128 bytes
+    u64 arena_version;           // the version of that arena (ARENA_ENTRIES answers name it)
+    u64 host_pad[5];             // to 128 bytes
     u64 served;                  // (offset 128) recalls this kernel answered (it counts; the host reads)
     u64 stamp[12];               // %globaltimer (ns) of the last request: [0] taken, [1] launched to
                                  // the blocks, [2] merged (response begins), [3] answered, [4] polling
@@ -849,7 +852,7 @@ __device__ __forceinline__ u64 global_ns() {
 }
 
 // Device words (zeroed by the host before each launch): [0] gen, [1] done, [2] stop seen,
-// [3] the slot in hand, [4..5] its seq, [6] requests answered since the launch, [7] blocks returned.
+// [3] the slot in hand (bit 31: the request asked for ARENA_ENTRIES), [4..5] its seq, [6] requests answered since the launch, [7] blocks returned.
 #define BELL_WORDS 8
 
 __device__ __forceinline__ unsigned int vload(const unsigned int* p) {
@@ -876,6 +879,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
     const int scores_off = cfg->scores_off, blob_off = cfg->blob_off;
     const u64 arena = cfg->arena;
     const int arena_rows = cfg->arena_rows;
+    const u64 arena_version = cfg->arena_version;
     const int c_rows = cfg->n_rows, c_ns = cfg->ns_id;
     if (blockIdx.x == 0 && threadIdx.x == 0) hstore(&ctl_->stamp[8], global_ns(), mode);
     // the last block to return stamps it (how long a stop takes on the GPU's side)
@@ -965,7 +969,8 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             if (threadIdx.x == 0) {
                 const u64 vec_len = (u64)s_w[8] | ((u64)s_w[9] << 32);
                 const u64 args_len = (u64)s_w[10] | ((u64)s_w[11] << 32);
-                s_ok = s_w[4] == OP_RECALL && s_w[5] == FLAG_ARENA_DOCS && s_w[7] == 1 && args_len == 0 &&
+                s_ok = s_w[4] == OP_RECALL && (s_w[5] | FLAG_ARENA_ENTRIES) == (FLAG_ARENA_DOCS | FLAG_ARENA_ENTRIES) &&
+                       s_w[7] == 1 && args_len == 0 &&
                        vec_len == 4ull * dim && s_w[6] >= 1 && (int)s_w[6] <= max_k && c_ns != -3;
             }
             __syncthreads();
@@ -1035,7 +1040,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 params->out_scores[0] = reinterpret_cast<float*>(sb + scores_off);
                 params->qnorm2[0] = (METRIC == METRIC_COSINE && ssq > 0.f) ? 1.f : ssq;
                 params->qscale[0] = 1.f;
-                bell[3] = (unsigned int)slot;
+                bell[3] = (unsigned int)slot | ((s_w[5] & FLAG_ARENA_ENTRIES) ? 0x80000000u : 0u);
                 bell[4] = (unsigned int)seq;
                 bell[5] = (unsigned int)(seq >> 32);
             }
@@ -1072,13 +1077,35 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
         if (kk >= 0) {  // the last block: the rows are in its candidate buffer, sorted
             if (threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
             const int* vals = reinterpret_cast<const int*>(smem + ld + buf);
-            const u64 sb = seg + slot0 + (u64)__ldcg(bell + 3) * slot_size;
-            unsigned int* gens = reinterpret_cast<unsigned int*>(sb + blob_off);
-            for (int i = threadIdx.x; i < kk; i += blockDim.x) {
-                int r = vals[i];
-                unsigned int g = 0;  // no such entry: a generation no row has (the client asks again)
-                if (r >= 0 && r < arena_rows) g = hload(reinterpret_cast<const unsigned int*>(arena + 16ull * r + 12), mode);
-                hstore(gens + i, g, mode);
+            const unsigned int hand = __ldcg(bell + 3);
+            const u64 sb = seg + slot0 + (u64)(hand & 0x7FFFFFFFu) * slot_size;
+            unsigned int* out = reinterpret_cast<unsigned int*>(sb + blob_off);
+            const bool entries = hand >> 31;
+            if (entries) {
+                // the arena's version, then each hit's whole entry (offset, length, gen): the
+                // client copies the record without reading the row table. Nothing writes the
+                // arena while this kernel runs (the sidecar stops it first).
+                if (threadIdx.x == 0) {
+                    hstore(out, (unsigned int)arena_version, mode);
+                    hstore(out + 1, (unsigned int)(arena_version >> 32), mode);
+                }
+                for (int i = threadIdx.x; i < kk; i += blockDim.x) {
+                    int r = vals[i];
+                    uint4 e = make_uint4(0u, 0u, 0u, 0u);  // no such entry: length 0 (the client asks again)
+                    if (r >= 0 && r < arena_rows) e = hload4(reinterpret_cast<const void*>(arena + 16ull * r), mode);
+                    unsigned int* o = out + 2 + 4 * i;
+                    hstore(o, e.x, mode);
+                    hstore(o + 1, e.y, mode);
+                    hstore(o + 2, e.z, mode);
+                    hstore(o + 3, e.w, mode);
+                }
+            } else {
+                for (int i = threadIdx.x; i < kk; i += blockDim.x) {
+                    int r = vals[i];
+                    unsigned int g = 0;  // no such entry: a generation no row has (the client asks again)
+                    if (r >= 0 && r < arena_rows) g = hload(reinterpret_cast<const unsigned int*>(arena + 16ull * r + 12), mode);
+                    hstore(out + i, g, mode);
+                }
             }
             __threadfence_system();
             __syncthreads();
@@ -1088,9 +1115,9 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 hstore(w + 15, __ldcg(bell + 5), mode);
                 hstore(w + 16, 0u, mode);                 // status OK (64)
                 hstore(w + 17, (unsigned int)kk, mode);   // n_results (68)
-                hstore(w + 18, 4u * kk, mode);            // resp_len (72)
+                hstore(w + 18, entries ? 8u + 16u * kk : 4u * kk, mode);  // resp_len (72)
                 hstore(w + 19, 0u, mode);
-                hstore(w + 20, (unsigned int)RESP_ARENA_DOCS, mode);  // resp_flags (80)
+                hstore(w + 20, (unsigned int)(RESP_ARENA_DOCS | (entries ? RESP_ARENA_ENTRIES : 0)), mode);  // resp_flags (80)
                 hstore(w + 21, 0u, mode);
                 __threadfence_system();
                 hstore(w, (unsigned int)ST_RESPONSE, mode);  // last

@@ -70,6 +70,16 @@ def _rows_struct(k: int) -> struct.Struct:
     return st
 
 
+# the flags of a recall the resident kernel can take (the client rings it for these): documents
+# from the arena, named by generations (v1.2 clients) or by entries (v1.3)
+_KERNEL_FLAGS: Final = (Flag.ARENA_DOCS, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES)
+
+
+def _arena_resp_flags(flags: int) -> int:
+    """The response flags of an answer naming arena documents, for a request's ``flags``."""
+    return RespFlag.ARENA_DOCS | (RespFlag.ARENA_ENTRIES if flags & Flag.ARENA_ENTRIES else 0)
+
+
 @dataclass
 class _Batch:
     """A batched search launched and not answered yet."""
@@ -145,7 +155,7 @@ class Dispatcher:
         if self.states[i] == SlotState.DOORBELL:
             return self.lone + 1
         req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
-        if (req.op == Op.RECALL and req.n_items == 1 and req.args_len == 0 and req.flags == Flag.ARENA_DOCS
+        if (req.op == Op.RECALL and req.n_items == 1 and req.args_len == 0 and req.flags in _KERNEL_FLAGS
                 and 0 < req.top_k <= self.service.index.doorbell_k):  # fmt: skip
             return self.lone + 1
         return self.lone if req.op in _HOST_ONLY else 0
@@ -401,14 +411,16 @@ class Dispatcher:
             return False  # rows the arena does not cover yet: documents inline, member by member
         held = np.zeros_like(ok)
         held[ok] = arena.held_rows(r[ok])
-        gens = arena.gens(np.where(ok[:, None], r, 0))
+        entries = bool(b.flags & Flag.ARENA_ENTRIES)
+        refs = arena.refs_each(np.where(ok[:, None], r, 0), entries)
+        rflags = _arena_resp_flags(b.flags)
         for j, (i, req, t0) in enumerate(b.part):
             if not ok[j]:
                 self._error(i, req, Status.INTERNAL, "the index returned rows out of range", t0)
             elif not held[j]:
                 self._error(i, req, Status.INTERNAL, "the index returned rows that hold no memory", t0)
             else:
-                self._respond(i, req, Status.OK, kk, gens[j].tobytes(), RespFlag.ARENA_DOCS, t0)
+                self._respond(i, req, Status.OK, kk, refs[j], rflags, t0)
         return True
 
     def _write_hits(self, i: int, req: Request, spec: SlotSpec, kk: int, flags: int, t0: int) -> None:
@@ -425,7 +437,7 @@ class Dispatcher:
             if not r.size or int(r.max()) < arena.rows_cap:
                 if not arena.held(r):  # (the arena holds every row's document: rows.py)
                     raise Invalid(Status.INTERNAL, "the index returned rows that hold no memory")
-                self._respond(i, req, Status.OK, kk, arena.gens(r).tobytes(), RespFlag.ARENA_DOCS, t0)
+                self._respond_refs(i, req, kk, arena.refs(r, bool(flags & Flag.ARENA_ENTRIES)), flags, t0)
                 return
         if flags & (Flag.WITH_VECTORS | Flag.NO_DOCS) != Flag.NO_DOCS:
             if len(spec.rows) == 1:  # batch 1: its kk rows, straight from the segment
@@ -442,7 +454,8 @@ class Dispatcher:
             if (flags & Flag.ARENA_DOCS and arena is not None and not flags & Flag.WITH_VECTORS
                     and (not flat or max(flat) < arena.rows_cap)):  # fmt: skip
                 # the client reads the documents from the arena: it gets their generations
-                self._respond(i, req, Status.OK, kk, arena.gens(flat).tobytes(), RespFlag.ARENA_DOCS, t0)
+                # (or entries)
+                self._respond_refs(i, req, kk, arena.refs(flat, bool(flags & Flag.ARENA_ENTRIES)), flags, t0)
                 return
             if flags & Flag.WITH_VECTORS:
                 # the rows checked above, not the slot again (its owner may rewrite it)
@@ -451,6 +464,10 @@ class Dispatcher:
             else:
                 blob = encode_docs_blob(hits)  # type: ignore[arg-type]
         self._respond(i, req, Status.OK, kk, blob, rflags, t0)
+
+    def _respond_refs(self, i: int, req: Request, kk: int, refs: bytes, flags: int, t0: int) -> None:
+        """Answer with the hits' arena references (:meth:`ArenaWriter.refs`)."""
+        self._respond(i, req, Status.OK, kk, refs, _arena_resp_flags(flags), t0)
 
     def _one(self, i: int, req: Request, t0: int) -> None:
         op, svc = req.op, self.service

@@ -83,9 +83,9 @@ _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
 _NPTYPE: Final = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 _DESC_HEAD: Final = struct.Struct("<iiiiQii")  # n_queries k n_rows ns_id mask out_ld seq
 # struct BellCtl in kernels/recall.cu: the host's line (stop n_rows ns_id n_slots seg slot0
-# slot_size payload_off rows_off scores_off blob_off dim max_k arena arena_rows mode), then from
-# offset 128 what the kernel writes: served and 12 u64 stamps
-_BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQii")
+# slot_size payload_off rows_off scores_off blob_off dim max_k arena arena_rows mode arena_version),
+# then from offset 128 what the kernel writes: served and 12 u64 stamps
+_BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQiiQ")
 _BELL_SERVED: Final = 128
 _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # BellCtl::mode, the BELL_* bits: loads from host memory with ld.global.cv (1), stores with
@@ -223,7 +223,7 @@ class GpuIndex(Index):
         self.doorbell_mode = DOORBELL_MODE
         self._served_before = 0  # answered by earlier launches of the resident kernel
         self._bell_layout: Any = None
-        self._arena_table = (0, 0, 0)  # registered address, bytes, rows of the arena's row table
+        self._arena_table = (0, 0, 0, 0)  # registered address, bytes, rows, version of the arena's row table
         # Diagnostics (benchmarks/gpu_batch_breakdown.py): a list here collects (stage, CUDA
         # event, perf_counter_ns) at each stage of a search; None (the default) costs one test.
         self.trace: list[tuple[str, Any, int]] | None = None
@@ -290,7 +290,8 @@ class GpuIndex(Index):
             return 0
         self._bell_layout = layout
         self.arena_moved(arena)
-        self.doorbell_k = min(DOORBELL_MAX_K, layout.max_k)
+        # (an ARENA_ENTRIES answer is 8 + 16 bytes per hit: it must fit the slot's blob)
+        self.doorbell_k = min(DOORBELL_MAX_K, layout.max_k, (layout.blob_size - 8) // ENTRY_SIZE)
         return self.doorbell_k
 
     def wants_arena(self) -> bool:
@@ -303,11 +304,11 @@ class GpuIndex(Index):
         if not self.wants_arena():
             return
         self.pause_doorbell()
-        old, nbytes, _ = self._arena_table
+        old, nbytes, _, _ = self._arena_table
         if old:
             with contextlib.suppress(Exception):
                 self.cp.cuda.runtime.hostUnregister(old)
-            self._arena_table = (0, 0, 0)
+            self._arena_table = (0, 0, 0, 0)
         if arena is None or arena.buf is None:
             self.doorbell_k = 0  # dropped: documents go inline again
             return
@@ -315,7 +316,7 @@ class GpuIndex(Index):
         nbytes = -(-(ARENA_HEADER_SIZE + ENTRY_SIZE * arena.rows_cap) // 4096) * 4096
         nbytes = min(nbytes, len(arena.buf))
         self._check(lambda: self.cp.cuda.runtime.hostRegister(addr, nbytes, 3))
-        self._arena_table = (addr, nbytes, arena.rows_cap)
+        self._arena_table = (addr, nbytes, arena.rows_cap, arena.version)
 
     def pause_doorbell(self) -> None:
         """Stop the resident kernel (it answers the request in hand first) and wait for it."""
@@ -347,11 +348,11 @@ class GpuIndex(Index):
             return
         self.finish_slots()
         lay = self._bell_layout
-        table, _, arena_rows = self._arena_table
+        table, _, arena_rows, arena_version = self._arena_table
         _BELL_CTL.pack_into(self._bell_mm, 0, 0, high, ns, lay.n_slots, self.seg_addr, lay.slot_offset(0),
                             lay.slot_size, lay.payload_offset, lay.rows_offset, lay.scores_offset,
                             lay.blob_offset, self.dim, self.doorbell_k, table + ARENA_HEADER_SIZE,
-                            arena_rows, self.doorbell_mode)  # fmt: skip
+                            arena_rows, self.doorbell_mode, arena_version)  # fmt: skip
         self._bell_mm[_BELL_SERVED:_BELL_SERVED + 8 + _BELL_STAMPS.size] = bytes(8 + _BELL_STAMPS.size)
         cfg = np.frombuffer(self._bell_mm, np.uint8, _BELL_SERVED).copy()
         kp = _pow2(self.doorbell_k)

@@ -209,6 +209,62 @@ def test_a_query_with_nan_rung_to_the_kernel_is_refused_and_the_kernel_serves_on
     c.close()
 
 
+def test_the_kernel_names_documents_by_generation_or_by_entry_as_asked(start_sidecar) -> None:
+    """A v1.2 client asks for the hits' generations (ARENA_DOCS), a v1.3 one for the arena's
+    version and the hits' whole entries (and ARENA_ENTRIES): the resident kernel answers each
+    in its format, for the rows it scored, and the client finds those rows' documents. Every
+    slot's blob is poisoned before each call, so every byte of the answer was written by it."""
+    import mmap
+
+    import posix_ipc
+
+    from kalos_retrievers.protocol import HEADER_SIZE, Flag, Op, RespFlag, decode_header, segment_name
+
+    def poison_blobs() -> None:
+        shm = posix_ipc.SharedMemory(segment_name(sc.name))
+        try:
+            mm = mmap.mmap(shm.fd, shm.size)
+            lay = decode_header(mm[:HEADER_SIZE], shm.size).layout
+            for i in range(lay.n_slots):
+                o = lay.slot_offset(i) + lay.blob_offset
+                mm[o : o + 4096] = b"\xab" * 4096
+            mm.close()
+        finally:
+            shm.close_fd()
+
+    rng = np.random.default_rng()
+    n, dim, k = 4_099, 33, 7
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    c.upsert([str(i) for i in range(n)], data, texts=[f"text {i}" for i in range(n)])
+    kernel_back(c, data[0])
+    arena = c._conn.arena()  # type: ignore[union-attr]
+    assert arena is not None
+    for flags in (Flag.ARENA_DOCS, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES, Flag.ARENA_DOCS):
+        i = int(rng.integers(n))
+        before = served(c)
+        poison(sc.name)
+        poison_blobs()
+        rep = c._call(Op.RECALL, vectors=data[i : i + 1], top_k=k, n_items=1, flags=flags)
+        assert served(c) == before + 1  # the kernel's answer
+        assert rep.n_results == k and rep.rows is not None
+        rows = rep.rows[:k]
+        ref_i, ref_s = reference_topk(data, data[i : i + 1], k)
+        assert_topk_equal([str(r) for r in rows], rep.scores[:k], [str(r) for r in ref_i[0]], ref_s[0])
+        if flags & Flag.ARENA_ENTRIES:
+            assert rep.resp_flags == RespFlag.ARENA_DOCS | RespFlag.ARENA_ENTRIES
+            assert rep.blob == arena.version.to_bytes(8, "little") + arena._table[rows].tobytes()
+            docs = arena.entry_docs(rep.blob, k)
+        else:
+            assert rep.resp_flags == RespFlag.ARENA_DOCS
+            assert rep.blob == arena._table["gen"][rows].tobytes()
+            docs = arena.docs(rows, np.frombuffer(rep.blob, "<u4"))
+        assert docs is not None and len(docs) == k
+        assert all(bytes(d).endswith(f"text {r}{{}}".encode()) for d, r in zip(docs, rows, strict=True))
+    c.close()
+
+
 def test_a_crowd_is_handed_to_the_batched_path_and_everyone_gets_their_answer(start_sidecar) -> None:
     dim = 97
     data = np.random.default_rng(0).standard_normal((4001, dim)).astype(np.float32)

@@ -52,13 +52,13 @@ def test_arena_documents_equal_inline_documents_across_versions(start_sidecar, m
     assert len(first) == 1
     ids: list[str] = []
     read: list[int] = []
-    real_docs = ArenaView.docs
+    real_entry_docs = ArenaView.entry_docs
 
-    def counted(self, rows, gens):  # type: ignore[no-untyped-def]
-        read.append(len(rows))
-        return real_docs(self, rows, gens)
+    def counted(self, blob, n):  # type: ignore[no-untyped-def]
+        read.append(n)
+        return real_entry_docs(self, blob, n)
 
-    monkeypatch.setattr(ArenaView, "docs", counted)
+    monkeypatch.setattr(ArenaView, "entry_docs", counted)  # (a v1.3 sidecar answers with entries)
     early = None
     for batch in range(6):  # long texts: the arena's heap fills and moves to new versions
         n = 301
@@ -87,24 +87,32 @@ def test_arena_documents_equal_inline_documents_across_versions(start_sidecar, m
     arena.close()
 
 
-def test_a_row_changed_after_the_answer_is_asked_for_again(start_sidecar, monkeypatch) -> None:
-    """The client takes a document from the arena only at the generation the answer named;
-    on a mismatch (simulated: the view reports the row changed) it repeats the recall with
-    the documents inline, and the result is still right."""
+@pytest.mark.parametrize("entries", [True, False], ids=["entries", "generations"])
+def test_a_row_changed_after_the_answer_is_asked_for_again(start_sidecar, monkeypatch, entries: bool) -> None:
+    """The client takes a document from the arena only as the answer named it (by entry from
+    a v1.3 sidecar; by generation from an older one, simulated by the flags the connection
+    asks with); when it is not there (simulated: the view finds nothing) it repeats the recall
+    with the documents inline, and the result is still right."""
+    from kalos_retrievers.protocol import Flag
+
     dim = 6
     sc = start_sidecar(dim=dim)
     c = sc.client(arena_docs=True)
     data = np.eye(dim, dtype=np.float32)
     c.upsert([f"r{i}" for i in range(dim)], data, texts=[f"t{i}" for i in range(dim)])
+    assert c._conn.arena_flags == Flag.ARENA_DOCS | Flag.ARENA_ENTRIES  # type: ignore[union-attr]
+    if not entries:
+        c._conn.arena_flags = Flag.ARENA_DOCS  # type: ignore[union-attr]  # as to a v1.2 sidecar
     assert c.recall(data[2], 1)[0].text == "t2" and c.arena_retries == 0
     calls = []
-    real_docs = ArenaView.docs
+    method = "entry_docs" if entries else "docs"
+    real = getattr(ArenaView, method)
 
-    def changed_once(self, rows, gens):  # type: ignore[no-untyped-def]
-        calls.append(rows)
-        return None if len(calls) == 1 else real_docs(self, rows, gens)
+    def changed_once(self, *a):  # type: ignore[no-untyped-def]
+        calls.append(a)
+        return None if len(calls) == 1 else real(self, *a)
 
-    monkeypatch.setattr(ArenaView, "docs", changed_once)
+    monkeypatch.setattr(ArenaView, method, changed_once)
     r = c.recall(data[4], 2)
     assert r.ids[0] == "r4" and r[0].text == "t4"
     assert c.arena_retries == 1 and len(calls) == 1  # the retry carried its documents inline

@@ -96,6 +96,65 @@ def test_a_recalls_documents_come_whole_or_not_at_all(many: bool) -> None:
         v.docs(rows, gens[:-1])
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["copies", "views"])
+def test_entries_name_the_documents_of_their_version_for_good(many: bool) -> None:
+    """``entry_docs`` (protocol v1.3, ARENA_ENTRIES): the answer carries the arena version and
+    each hit's entry, taken while nothing wrote. The documents are those entries' bytes, even
+    after their rows are rewritten (the heap of a version is never rewritten); an answer from
+    another version, an entry without a document, or one pointing outside the heap gives None
+    (the client asks again), whatever the row table says now."""
+    w, segs = writer(rows_cap=128, heap=1 << 16)
+    filler = list(range(20, 20 + SMALL_READ)) if many else []
+    rows = [7, 1, 4, *filler]
+    want = [b"seven", b"one", b"four", *(f"filler {r}".encode() for r in filler)]
+    for r, doc in zip(rows, want, strict=True):
+        w.put(r, doc)
+    v = view(w)
+    blob = w.refs(rows, entries=True)
+    assert len(blob) == 8 + 16 * len(rows) and int.from_bytes(blob[:8], "little") == w.version
+    assert w.refs(rows, entries=False) == w.gens(rows).tobytes()
+    got = v.entry_docs(blob, len(rows))
+    assert got is not None and [bytes(d) for d in got] == want
+    assert all(type(d) is (memoryview if many else bytes) for d in got)
+    w.put(1, b"one, rewritten")  # after the answer: the answer's document is still the old one
+    w.clear(4)
+    again = v.entry_docs(blob, len(rows))
+    assert again is not None and [bytes(d) for d in again] == want
+    fresh = w.refs(rows[:2], entries=True)
+    assert [bytes(d) for d in v.entry_docs(fresh, 2)] == [b"seven", b"one, rewritten"]  # type: ignore[union-attr]
+    assert v.entry_docs(w.refs([4], entries=True), 1) is None  # cleared: no document, ask inline
+    assert v.entry_docs(w.refs([], entries=True), 0) == []  # no hits: nothing to read
+    assert w.refs_each(np.array([rows[:2], rows[1:3]]), entries=True) == [
+        w.refs(rows[:2], entries=True), w.refs(rows[1:3], entries=True)]  # fmt: skip
+    assert w.refs_each(np.array([rows[:2]]), entries=False) == [w.gens(rows[:2]).tobytes()]
+
+    def forged(i: int, off: int, length: int, gen: int = 2) -> bytes:
+        b = bytearray(blob)
+        b[8 + 16 * i : 24 + 16 * i] = (off.to_bytes(8, "little") + length.to_bytes(4, "little")
+                                        + gen.to_bytes(4, "little"))  # fmt: skip
+        return bytes(b)
+
+    size = w.heap_size
+    for bad in (forged(1, size - 2, 3), forged(1, 2**64 - 4, 8), forged(len(rows) - 1, 0, 0), forged(0, 0, 5, gen=3)):
+        assert v.entry_docs(bad, len(rows)) is None
+    assert v.entry_docs(forged(1, size - 3, 3), len(rows)) is not None  # up to the heap's end is fine
+    other = bytearray(blob)
+    other[:8] = (w.version + 1).to_bytes(8, "little")
+    assert v.entry_docs(bytes(other), len(rows)) is None  # another version's answer
+    with pytest.raises(ValueError, match="entries"):
+        v.entry_docs(blob[:-1], len(rows))
+    # growth: a new version; an answer made from it is read through a view of it, and an
+    # answer from the old version through the old view (still mapped here, though unlinked)
+    old_version = w.version
+    for r in range(100, 128):
+        w.put(r, b"x" * 3000)
+    assert w.version > old_version and old_version not in segs.live
+    new_blob = w.refs(rows[:1], entries=True)
+    assert v.entry_docs(new_blob, 1) is None
+    assert [bytes(d) for d in view(w).entry_docs(new_blob, 1)] == [b"seven"]  # type: ignore[union-attr]
+    assert [bytes(d) for d in v.entry_docs(blob, len(rows))] == want  # type: ignore[union-attr]
+
+
 def test_the_writer_says_whether_rows_hold_documents() -> None:
     w, _ = writer()
     w.put(2, b"two")

@@ -8,6 +8,7 @@ import mmap
 from typing import NamedTuple
 
 import numpy as np
+import pytest
 from kalos_retrievers.sidecar.dispatcher import Dispatcher, Invalid
 from kalos_retrievers.sidecar.index import CpuIndex
 from kalos_retrievers.sidecar.service import Service
@@ -306,17 +307,41 @@ def _arena_rig(n_slots: int, dim: int, rows: int) -> _ArenaRig:
     return _ArenaRig(lay, mm, svc, arena, d, states, data)
 
 
-def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
+def assert_refs(resp: Response, blob: bytes, got: np.ndarray, arena: ArenaWriter, flags: int) -> None:
+    """The answer names the documents of rows ``got`` as asked: by generation (ARENA_DOCS), or
+    by the arena's version and each row's entry (with ARENA_ENTRIES); either way a client's
+    view of the arena finds exactly those rows' documents."""
+    got = np.asarray(got).ravel()
+    entries = bool(flags & Flag.ARENA_ENTRIES)
+    assert resp.resp_flags & (RespFlag.ARENA_DOCS | RespFlag.ARENA_ENTRIES) == (
+        RespFlag.ARENA_DOCS | (RespFlag.ARENA_ENTRIES if entries else 0))  # fmt: skip
+    view = ArenaView(arena.buf, arena.version)  # type: ignore[arg-type]
+    if entries:
+        assert len(blob) == resp.resp_len == 8 + 16 * len(got)
+        docs = view.entry_docs(blob, len(got))
+    else:
+        assert len(blob) == resp.resp_len == 4 * len(got)
+        assert np.array_equal(np.frombuffer(blob, "<u4"), arena.gens(got))
+        docs = view.docs(got, np.frombuffer(blob, "<u4"))
+    assert docs is not None and [bytes(x) for x in docs] == [arena.get(int(r)) for r in got]
+
+
+ARENA_FLAGS = pytest.mark.parametrize("flags", [Flag.ARENA_DOCS, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES],
+                                      ids=["generations", "entries"])  # fmt: skip
+
+
+@ARENA_FLAGS
+def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs(flags: int) -> None:
     """A DOORBELL request (meant for a GPU's resident kernel) is answered by the dispatcher
-    when no kernel runs, with the hits' arena generations (ARENA_DOCS), and left alone while
-    one runs."""
+    when no kernel runs, with the hits' arena generations (ARENA_DOCS) or entries (and
+    ARENA_ENTRIES), and left alone while one runs."""
     k = 4
     lay, mm, svc, arena, d, states, data = _arena_rig(n_slots=3, dim=5, rows=60)
     index, dim = svc.index, 5
     q = np.random.default_rng().standard_normal(dim).astype(np.float32)
     off = lay.slot_offset(0)
     np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q
-    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 9, Op.RECALL, Flag.ARENA_DOCS, k, 1, 4 * dim, 0, 0)
+    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 9, Op.RECALL, flags, k, 1, 4 * dim, 0, 0)
     states[0] = SlotState.DOORBELL
 
     index.doorbell_k = 16  # type: ignore[misc]  # the index offers a resident kernel,
@@ -330,28 +355,25 @@ def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
         assert d.poll() == 1
         d.settle()
 
-    request(Flag.ARENA_DOCS)  # ours even while the kernel runs; one the kernel could take
+    request(flags)  # ours even while the kernel runs; one the kernel could take
     assert d.lone == 1 and states[0] == SlotState.DOORBELL
     request(0)  # documents inline: never the kernel's, so not a reason to start it
     assert d.lone == 0
-    request(Flag.ARENA_DOCS)
+    request(flags)
     index.doorbell_running = False  # type: ignore[misc]  # stopped: the slot is ours
     assert d.poll() == 1
     assert d.lone == 2  # lone recalls in a row: the serve loop starts the kernel after a few
     d.settle()
     resp = Response.unpack(mm[off : off + CTL_SIZE])
     assert states[0] == SlotState.RESPONSE and resp.status == Status.OK and resp.n_results == k
-    assert resp.resp_flags & RespFlag.ARENA_DOCS and resp.resp_len == 4 * k
     got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset).tolist()
     assert sorted(got) == sorted(np.argsort(-(data @ q))[:k].tolist())
-    gens = np.frombuffer(mm, "<u4", k, off + lay.blob_offset).tolist()
-    view = ArenaView(arena.buf, arena.version)  # type: ignore[arg-type]
-    for r, g in zip(got, gens, strict=True):
-        assert bytes(view.get(r, g)).endswith(f"t{r}{{}}".encode())  # type: ignore[arg-type]
+    assert_refs(resp, bytes(mm[off + lay.blob_offset :][: resp.resp_len]), got, arena, flags)
+    assert all(arena.get(r).endswith(f"t{r}{{}}".encode()) for r in got)  # type: ignore[union-attr]
     # a crowd of DOORBELL requests is not a client recalling alone: no prompt restart
     for i in (0, 2):
         np.frombuffer(mm, np.float32, dim, lay.slot_offset(i) + lay.payload_offset)[:] = q
-        REQUEST_STRUCT.pack_into(mm, lay.slot_offset(i) + REQUEST_OFFSET, 20 + i, Op.RECALL, Flag.ARENA_DOCS, k, 1,
+        REQUEST_STRUCT.pack_into(mm, lay.slot_offset(i) + REQUEST_OFFSET, 20 + i, Op.RECALL, flags, k, 1,
                                  4 * dim, 0, 0)  # fmt: skip
         states[i] = SlotState.DOORBELL
     assert d.poll() == 2 and d.lone == 0
@@ -359,7 +381,8 @@ def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs() -> None:
     assert states[0] == states[2] == SlotState.RESPONSE
 
 
-def test_a_batchs_documents_come_as_arena_generations_checked_in_numpy() -> None:
+@ARENA_FLAGS
+def test_a_batchs_documents_come_as_arena_generations_checked_in_numpy(flags: int) -> None:
     """A multi-query recall asking for arena documents is answered with one generation per hit
     (no documents in the blob), for the rows the search returned; inline it gets documents.
     Rows the index should never return (out of range, or holding no document) are refused
@@ -381,22 +404,17 @@ def test_a_batchs_documents_come_as_arena_generations_checked_in_numpy() -> None
         got = np.frombuffer(mm, np.int32, nq * k, off + lay.rows_offset).copy()
         return resp, got, bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len])
 
-    resp, got, blob = ask(Flag.ARENA_DOCS, 5)
+    resp, got, blob = ask(flags, 5)
     assert np.array_equal(np.sort(got.reshape(nq, k), axis=1), np.sort(want, axis=1))
-    assert resp.resp_flags & RespFlag.ARENA_DOCS and len(blob) == 4 * nq * k
-    gens = np.frombuffer(blob, "<u4")
-    assert np.array_equal(gens, arena.gens(got))
-    docs = ArenaView(arena.buf, arena.version).docs(got, gens)  # type: ignore[arg-type]
-    assert docs is not None and [bytes(x)[-len(f"t{r}{{}}") :] for x, r in zip(docs, got, strict=True)] == [
-        f"t{r}{{}}".encode() for r in got
-    ]
+    assert_refs(resp, blob, got, arena, flags)
+    assert all(arena.get(int(r)).endswith(f"t{r}{{}}".encode()) for r in got)  # type: ignore[union-attr]
     resp, got_inline, blob = ask(0, 6)  # inline: the documents themselves
     assert not resp.resp_flags & RespFlag.ARENA_DOCS and np.array_equal(got_inline, got)
     views, _ = decode_docs_blob(blob, dim, False)
     assert [bytes(v) for v in views] == [arena.get(int(r)) for r in got]
 
     # what the index must never return: the numpy path refuses it
-    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 7, Op.RECALL, Flag.ARENA_DOCS, k, nq, 4 * nq * dim, 0, 0)
+    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 7, Op.RECALL, flags, k, nq, 4 * nq * dim, 0, 0)
     req = Request.unpack(mm, off + REQUEST_OFFSET)
     spec = d._spec(0, req)
     for bad, why in ((rows, "out of range"), (-1, "out of range"), (None, "hold no memory")):
@@ -406,14 +424,15 @@ def test_a_batchs_documents_come_as_arena_generations_checked_in_numpy() -> None
         else:
             spec.rows[2, 1] = bad
         try:
-            d._write_hits(0, req, spec, k, Flag.ARENA_DOCS, 0)
+            d._write_hits(0, req, spec, k, flags, 0)
         except Invalid as e:
             assert e.status == Status.INTERNAL and why in str(e)
         else:
             raise AssertionError(f"row {bad} was answered")
 
 
-def test_batch1_members_reading_the_arena_are_answered_together_member_by_member_faults() -> None:
+@ARENA_FLAGS
+def test_batch1_members_reading_the_arena_are_answered_together_member_by_member_faults(flags: int) -> None:
     """Several batch-1 recalls asking for arena documents, batched: each member gets its own
     rows and their generations; a member whose rows the index got wrong (out of range, or a
     row with no document) gets INTERNAL alone."""
@@ -440,7 +459,7 @@ def test_batch1_members_reading_the_arena_are_answered_together_member_by_member
         for i in range(n_slots):
             off = lay.slot_offset(i)
             np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = qs[i]
-            REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, Flag.ARENA_DOCS, k, 1, 4 * dim, 0, 0)
+            REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, flags, k, 1, 4 * dim, 0, 0)
         states[:] = SlotState.REQUEST
         assert d.poll() == n_slots
         d.settle()
@@ -450,10 +469,9 @@ def test_batch1_members_reading_the_arena_are_answered_together_member_by_member
     for i, resp in enumerate(run(3)):
         off = lay.slot_offset(i)
         got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset)
-        assert resp.status == Status.OK and resp.resp_flags & RespFlag.ARENA_DOCS and resp.resp_len == 4 * k
+        assert resp.status == Status.OK
         assert sorted(got.tolist()) == sorted(np.argsort(-(data @ qs[i]))[:k].tolist())
-        gens = np.frombuffer(mm, "<u4", k, off + lay.blob_offset)
-        assert np.array_equal(gens, arena.gens(got))
+        assert_refs(resp, bytes(mm[off + lay.blob_offset :][: resp.resp_len]), got, arena, flags)
     # a row without a document (the arena and the row table part ways), outside every true
     # top-k, so that only the member given it is affected (row 7 was once in another's)
     others = {r for i in range(n_slots) for r in np.argsort(-(data @ qs[i]))[:k].tolist()}
