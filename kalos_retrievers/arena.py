@@ -3,10 +3,9 @@
 A recall answered by the GPU's resident kernel (see ``docs/gpu-notes.md``) has no sidecar
 Python on its path, so nobody copies the hits' documents into the response. Instead the
 sidecar keeps each row's document (the same bytes a response blob carries: id, text,
-metadata) in a second segment, ``/kalos-NAME-docs.V``, and the response carries, next to each
-hit's row, the row's *generation*. The client reads the document itself and checks the
-generation: a row rewritten after the search answered shows another generation, and the
-client asks again through the sidecar instead of returning a document the search never saw.
+metadata) in a second segment, ``/kalos-NAME-docs.V``, and the response names, next to each
+hit's row, where its document is; the client reads the document itself, and never returns
+one the search did not see.
 
 Layout (all little-endian)::
 
@@ -16,10 +15,17 @@ Layout (all little-endian)::
              u64 heap_size, u64 heap_used, u64 live_bytes, 16 B reserved
     entry    u64 offset (into the heap), u32 length, u32 gen
 
-An entry is a seqlock: the writer makes ``gen`` odd, writes offset and length, then makes it
-even again; a reader takes the entry only if it read the same even ``gen`` before and after,
-and that ``gen`` is the one the response named. Document bytes are appended to the heap and
-never rewritten in place, so bytes an entry points to never change. When the heap or the table
+A response names each hit's document in one of two ways. Protocol v1.3 clients ask for the
+hit's whole entry (flag ARENA_ENTRIES): the answer carries the arena version and a copy of
+each entry, made while nothing wrote to the arena (:meth:`ArenaView.entry_docs`), and the
+client copies the bytes it points to. Older clients ask for generations: an entry is a
+seqlock (the writer makes ``gen`` odd, writes offset and length, then makes it even again),
+and a reader takes the entry only if it read the same even ``gen`` before and after, and that
+``gen`` is the one the response named (:meth:`ArenaView.docs`); a row rewritten after the
+answer shows another generation, and the client asks again through the sidecar. Document
+bytes are appended to the heap and never rewritten in place, so bytes an entry points to
+never change (an entries answer therefore keeps naming the document the search saw, even
+after its row is rewritten). When the heap or the table
 is full the sidecar writes a larger arena (live documents only) under the next version ``V+1``,
 publishes ``V+1`` in the main segment's header and unlinks the old name; clients map the new
 one when they see the version change (an old mapping stays readable, and its generations no

@@ -555,7 +555,7 @@ class KalosClient:
                 raise _status_error(rep.status, rep.blob, Op.RECALL)
         finally:
             self._release(conn, slot)
-        res = self._split_one(rep, k, arena if self._conn is conn else None)
+        res = self._split_one(rep, k, arena if self._conn is conn else None, conn=conn)
         if res is None:  # a hit's row was rewritten after the search: ask for it inline
             self.arena_retries += 1
             rep = self._call(Op.RECALL, vectors=q.reshape(1, dim), top_k=k, n_items=1, deadline=deadline)
@@ -607,7 +607,7 @@ class KalosClient:
                              flags=f, deadline=deadline)  # fmt: skip
             if arena is not None and self._conn is not conn:  # answered by a restarted sidecar:
                 arena = None  # whose generations our old arena cannot vouch for
-            res = self._split_recall(rep, len(chunk), k, with_vectors, docs, namespace, arena)
+            res = self._split_recall(rep, len(chunk), k, with_vectors, docs, namespace, arena, conn)
             if res is None:  # a hit's row was rewritten after the search: ask for it inline
                 self.arena_retries += 1
                 rep = self._call(Op.RECALL, vectors=chunk, args=args, top_k=k, n_items=len(chunk),
@@ -633,12 +633,12 @@ class KalosClient:
 
     def _split_recall(
         self, rep: _Reply, nq: int, k: int, with_vectors: bool, docs: bool, namespace: str,
-        arena: ArenaView | None,
+        arena: ArenaView | None, conn: _Conn | None = None,
     ) -> list[RecallResult] | None:  # fmt: skip
         """The results of one RECALL reply; None when its documents are in the arena and one
         of them no longer is (its row changed since the search answered)."""
         if nq == 1 and not with_vectors:
-            one = self._split_one(rep, k, arena, docs, namespace)
+            one = self._split_one(rep, k, arena, docs, namespace, conn)
             return None if one is None else [one]
         kk = rep.n_results
         if kk > k:
@@ -649,7 +649,7 @@ class KalosClient:
         doc_views: DocViews | list[bytes] | None = None
         vectors = None
         if rep.resp_flags & RespFlag.ARENA_DOCS:
-            doc_views = self._arena_docs(rep, rows.ravel(), arena)
+            doc_views = self._arena_docs(rep, rows.ravel(), arena, conn)
             if doc_views is None:
                 return None
         elif docs or with_vectors:
@@ -672,8 +672,9 @@ class KalosClient:
                 for i, (r, s, d) in enumerate(zip(rows, scores, parts, strict=True))]  # fmt: skip
 
     def _split_one(
-        self, rep: _Reply, k: int, arena: ArenaView | None, docs: bool = True, namespace: str = ""
-    ) -> RecallResult | None:
+        self, rep: _Reply, k: int, arena: ArenaView | None, docs: bool = True, namespace: str = "",
+        conn: _Conn | None = None,
+    ) -> RecallResult | None:  # fmt: skip
         """:meth:`_split_recall` of a one-query reply without vectors (no reshaping and no
         split: most recalls)."""
         kk = rep.n_results
@@ -682,7 +683,7 @@ class KalosClient:
         assert rep.rows is not None and rep.scores is not None
         doc_views: DocViews | list[bytes] | None = None
         if rep.resp_flags & RespFlag.ARENA_DOCS:
-            doc_views = self._arena_docs(rep, rep.rows[:kk], arena)
+            doc_views = self._arena_docs(rep, rep.rows[:kk], arena, conn)
             if doc_views is None:
                 return None
         elif docs:
@@ -694,12 +695,17 @@ class KalosClient:
                 raise ProtocolError(f"sidecar returned {len(doc_views)} docs for 1x{kk} hits")
         return RecallResult(rep.rows[:kk], rep.scores[:kk], doc_views, None, namespace)
 
-    def _arena_docs(self, rep: _Reply, rows: np.ndarray, arena: ArenaView | None) -> DocViews | list[bytes] | None:
+    def _arena_docs(
+        self, rep: _Reply, rows: np.ndarray, arena: ArenaView | None, conn: _Conn | None
+    ) -> DocViews | list[bytes] | None:
         """The documents of an answer that names them in the arena (flag ARENA_DOCS) by
         generation (per hit in ``rows``) or, with ARENA_ENTRIES, by entry; None when they are
         not there any more (see :meth:`ArenaView.docs`, :meth:`ArenaView.entry_docs`) or
         ``arena`` is None (the arena asked with is not the answering sidecar's): the caller
-        asks again with the documents inline."""
+        asks again with the documents inline. ``conn`` is the connection that answered: an
+        answer made from a newer arena version than ``arena`` is read through the version
+        that connection's header names now (not through ``self._conn``, which another thread
+        may have moved to a restarted sidecar, whose versions count from 1 again)."""
         n, blob = len(rows), rep.blob
         if rep.resp_flags & RespFlag.ARENA_ENTRIES:
             if len(blob) != 8 + ENTRY_SIZE * n:
@@ -707,8 +713,7 @@ class KalosClient:
             if arena is None:
                 return None
             docs = arena.entry_docs(blob, n)
-            conn = self._conn
-            if docs is None and conn is not None:  # answered from a newer version than ours?
+            if docs is None and conn is not None and not conn.dead:  # answered from a newer version?
                 newer = conn.arena()
                 if newer is not None and newer is not arena:
                     docs = newer.entry_docs(blob, n)

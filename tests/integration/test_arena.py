@@ -129,6 +129,72 @@ def test_a_row_changed_after_the_answer_is_asked_for_again(start_sidecar, monkey
     c.close()
 
 
+def test_a_v12_sidecar_is_asked_for_generations_not_entries(start_sidecar, monkeypatch) -> None:
+    """ARENA_ENTRIES is protocol v1.3, and a v1.2 sidecar refuses flags it does not know: a
+    client whose sidecar's header says minor 2 asks for generations (flag ARENA_DOCS alone),
+    batch-1 and batches, and reads the documents by generation. Without the header's say
+    (the negative control, the real v1.3 header), the same calls go by entry."""
+    import dataclasses
+
+    import kalos_retrievers.client as client_module
+    from kalos_retrievers.protocol import Flag
+
+    dim = 5
+    sc = start_sidecar(dim=dim)
+    data = np.eye(dim, dtype=np.float32)
+    used: list[str] = []
+    for method in ("docs", "entry_docs"):
+        real = getattr(ArenaView, method)
+        monkeypatch.setattr(ArenaView, method,
+                            lambda self, *a, _m=method, _real=real: used.append(_m) or _real(self, *a))  # fmt: skip
+    real_decode = client_module.decode_header
+    for minor, want_flags, want_used in ((2, Flag.ARENA_DOCS, "docs"),
+                                         (None, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES, "entry_docs")):  # fmt: skip
+        if minor is not None:
+            def as_minor(*a, _minor=minor, **kw):  # type: ignore[no-untyped-def]
+                return dataclasses.replace(real_decode(*a, **kw), version_minor=_minor)
+
+            monkeypatch.setattr(client_module, "decode_header", as_minor)
+        else:
+            monkeypatch.setattr(client_module, "decode_header", real_decode)
+        used.clear()
+        with sc.client(arena_docs=True) as c:
+            c.upsert([f"r{i}" for i in range(dim)], data, texts=[f"t{i}" for i in range(dim)])
+            assert c._conn.arena_flags == want_flags  # type: ignore[union-attr]
+            assert c.recall(data[3], 2)[0].text == "t3"
+            assert [r[0].text for r in c.recall_batch(data[:3], 2)] == ["t0", "t1", "t2"]
+            assert used == [want_used, want_used] and c.arena_retries == 0
+
+
+def test_an_answer_from_a_newer_arena_version_is_read_from_that_version(start_sidecar, monkeypatch) -> None:
+    """The sidecar moved its arena to a new version after the client picked the one to read
+    (simulated: the client is handed the version it mapped before the move): the answer's
+    entries name the new version, so the client maps the version the header names now and
+    reads them there, without asking again. (Without that step the version check fails and
+    the recall is asked again inline: arena_retries would count it.)"""
+    from kalos_retrievers import KalosClient
+
+    dim = 4
+    sc = start_sidecar(dim=dim)
+    c = sc.client(arena_docs=True)
+    c.upsert(["a"], np.array([[1, 0, 0, 0]], np.float32), texts=["alpha"])
+    old = c._conn.arena()  # type: ignore[union-attr]
+    assert old is not None
+    rng = np.random.default_rng()
+    vecs = rng.standard_normal((1200, dim)).astype(np.float32)
+    vecs[:, 0] = 0  # none near "a"
+    vecs[:, 1] += 0.1
+    c.upsert([f"x{i}" for i in range(1200)], vecs, texts=["y" * 1000] * 1200)  # past the first heap and table
+    new = c._conn.arena()  # type: ignore[union-attr]
+    assert new is not None and new.version > old.version
+    monkeypatch.setattr(KalosClient, "_arena", lambda self: old)
+    r = c.recall(np.array([1, 0, 0, 0], np.float32), 1)
+    assert r.ids == ["a"] and r[0].text == "alpha" and c.arena_retries == 0
+    rs = c.recall_batch(np.array([[1, 0, 0, 0], [1, 0.01, 0, 0]], np.float32), 1)
+    assert [x[0].text for x in rs] == ["alpha", "alpha"] and c.arena_retries == 0
+    c.close()
+
+
 def test_a_killed_sidecars_arena_is_removed_by_the_next_one(start_sidecar, make_name) -> None:
     name = make_name()
     sc = start_sidecar(name=name, dim=4)

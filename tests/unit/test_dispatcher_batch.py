@@ -369,7 +369,6 @@ def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs(flags: int) 
     got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset).tolist()
     assert sorted(got) == sorted(np.argsort(-(data @ q))[:k].tolist())
     assert_refs(resp, bytes(mm[off + lay.blob_offset :][: resp.resp_len]), got, arena, flags)
-    assert all(arena.get(r).endswith(f"t{r}{{}}".encode()) for r in got)  # type: ignore[union-attr]
     # a crowd of DOORBELL requests is not a client recalling alone: no prompt restart
     for i in (0, 2):
         np.frombuffer(mm, np.float32, dim, lay.slot_offset(i) + lay.payload_offset)[:] = q
@@ -407,7 +406,6 @@ def test_a_batchs_documents_come_as_arena_generations_checked_in_numpy(flags: in
     resp, got, blob = ask(flags, 5)
     assert np.array_equal(np.sort(got.reshape(nq, k), axis=1), np.sort(want, axis=1))
     assert_refs(resp, blob, got, arena, flags)
-    assert all(arena.get(int(r)).endswith(f"t{r}{{}}".encode()) for r in got)  # type: ignore[union-attr]
     resp, got_inline, blob = ask(0, 6)  # inline: the documents themselves
     assert not resp.resp_flags & RespFlag.ARENA_DOCS and np.array_equal(got_inline, got)
     views, _ = decode_docs_blob(blob, dim, False)

@@ -128,6 +128,8 @@ def test_valid_requests_pass() -> None:
         _req(op=Op.GET, vec_len=0, args_len=10),
         _req(op=Op.PING, vec_len=0, top_k=0, n_items=0),
         _req(flags=Flag.WITH_VECTORS | Flag.NO_DOCS),
+        _req(flags=Flag.ARENA_DOCS),
+        _req(flags=Flag.ARENA_DOCS | Flag.ARENA_ENTRIES),  # v1.3
     ]:
         P.validate_request(req, lay)
 
@@ -137,6 +139,7 @@ def test_valid_requests_pass() -> None:
     [
         ({"op": 99}, Status.BAD_OP),
         ({"flags": 1 << 9}, Status.BAD_REQUEST),
+        ({"flags": Flag.ARENA_ENTRIES}, Status.BAD_REQUEST),  # entries of what? only with ARENA_DOCS
         ({"top_k": 0}, Status.BAD_REQUEST),
         ({"top_k": 101}, Status.BAD_REQUEST),
         ({"n_items": 0, "vec_len": 0}, Status.BAD_REQUEST),
