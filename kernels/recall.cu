@@ -40,6 +40,21 @@
 // must hold k plus one round: the host sizes it as pow2(pow2(k) + MERGE_UNROLL * KALOS_BLOCK).
 #define MERGE_UNROLL 4
 
+// Where the last block's time goes (benchmarks/merge_stamps.py builds with -DKALOS_STAMPS):
+// %globaltimer stamps and counts of the last block of a batch-1 scan, in a device array the
+// benchmark reads. Without the macro these are empty statements: the sidecar's code is the same.
+#ifdef KALOS_STAMPS
+extern "C" {
+__device__ unsigned long long kalos_stamps[16];  // (unmangled: the benchmark looks it up by name)
+}
+#define KALOS_T(v) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v))
+#define KALOS_STAMP(i) do { if (threadIdx.x == 0) { unsigned long long t_; KALOS_T(t_); kalos_stamps[i] = t_; } } while (0)
+#define KALOS_COUNT(i, v) do { if (threadIdx.x == 0) kalos_stamps[i] = (unsigned long long)(v); } while (0)
+#else
+#define KALOS_STAMP(i) do { } while (0)
+#define KALOS_COUNT(i, v) do { } while (0)
+#endif
+
 // Measurement knobs for benchmarks/scan_variants.py (0 in the sidecar: nothing is skipped).
 // Each bit removes one part of scan_topk so that a variant's time, against the full kernel's,
 // says what that part costs. A variant with any bit set returns wrong answers.
@@ -499,6 +514,8 @@ __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsi
     const int total = *reinterpret_cast<volatile int*>(sync_count(sync) + q);
     if (threadIdx.x == 0) { c.cnt[q] = 0; c.thr[q] = neg_inf(); }
     __syncthreads();
+    KALOS_STAMP(3);
+    KALOS_COUNT(8, total);
     const float* sk = ak + (size_t)q * cap;
     const int* sv = av + (size_t)q * cap;
     // Not a sort of the whole list: (1) what reaches the final bound goes to shared memory, in
@@ -530,6 +547,8 @@ __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsi
         }
         __syncthreads();
         const int m = c.cnt[q];
+        KALOS_STAMP(4);
+        KALOS_COUNT(9, m);
         if (m <= c.buf) {
             from = total;
             if (m > 2 * k && m > 64) {
@@ -574,7 +593,10 @@ __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsi
         if (c.cnt[q] > c.buf - MERGE_UNROLL * (int)blockDim.x)
             compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
     }
+    KALOS_STAMP(5);
+    KALOS_COUNT(10, c.cnt[q]);
     compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
+    KALOS_STAMP(6);
     int* orow = p->out_rows[q];
     float* oscore = p->out_scores[q];
     for (int i = threadIdx.x; i < k; i += blockDim.x) {
@@ -586,6 +608,7 @@ __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsi
         sync_count(sync)[q] = 0;
         sync_bound(sync)[q] = f2ord(neg_inf());
     }
+    KALOS_STAMP(7);
 }
 
 // Block-wide "am I the last block?" after this block's scratch writes. Resets the counter.
@@ -700,6 +723,11 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
         if (!(KALOS_PROBE & PROBE_NO_SYNC)) __syncthreads();
         if (!(KALOS_PROBE & PROBE_NO_OFFERS)) c.make_room(k, groups, scan_cap);
     }
+#ifdef KALOS_STAMPS
+    unsigned long long t_loop, t_append;
+    KALOS_T(t_loop);
+    if (threadIdx.x == 0) { atomicMin(&kalos_stamps[12], t_loop); atomicMax(&kalos_stamps[13], t_loop); }
+#endif
     if (KALOS_PROBE & PROBE_NO_TAIL) return -1;
     // this block's best k per query -> the appended lists; the last block merges them
     const int cap = gridDim.x * k;
@@ -709,7 +737,14 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
         if (q < nq) append_list(c.key + q * c.buf, c.val + q * c.buf, c.cnt[q], k, q, sync, scratch_k, scratch_v, cap);
     }
     if (KALOS_PROBE & PROBE_NO_APPEND) return -1;
+#ifdef KALOS_STAMPS
+    KALOS_T(t_append);
+#endif
     if (!last_block(sync)) return -1;
+#ifdef KALOS_STAMPS
+    if (threadIdx.x == 0) { kalos_stamps[0] = t_loop; kalos_stamps[1] = t_append; }
+    KALOS_STAMP(2);
+#endif
     if (KALOS_PROBE & PROBE_NO_MERGE) {
         if (threadIdx.x < QB) { sync_count(sync)[threadIdx.x] = 0; sync_bound(sync)[threadIdx.x] = f2ord(neg_inf()); }
         return -1;

@@ -1,0 +1,94 @@
+"""Where the batch-1 scan's tail goes: %globaltimer stamps of the last block (issue 3).
+
+    python -P benchmarks/merge_stamps.py [--rows 100000,1000000] [--out DIR]
+
+``scan_variants.py`` (S9-2) put the last block's merge at ~12-14 µs of a batch-1 scan at 100k
+and at 1M rows (full kernel against the one without the merge), and two changes aimed at its
+loads and its shared-memory atomics did not move it (S9-3, S9-4). This builds ``scan_topk``
+with ``-DKALOS_STAMPS`` (kernels/recall.cu: stamps compiled out of the sidecar's kernels) and
+reads, after each of 40 launches per configuration (768-d float16 rows, cosine, k = 10, 4
+threads per row), the stamps of the block that merged: when its scan loop ended, when its
+append ended, when it learned it was last, and the merge's phases (bound and count read, the
+first pass over the appended keys, the k-th select, the final sort, the output), plus the
+first and the last loop end of any block and the counts (appended entries, survivors of the
+bound, entries after the select). Prints medians in µs; writes ``DIR/merge_stamps.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scan_variants import build
+
+PHASES = {  # name: (from stamp, to stamp)
+    "blocks' loop ends, first to last": (12, 13),
+    "last loop end -> merging block's loop end": (13, 0),
+    "loop end -> append done": (0, 1),
+    "append done -> knows it is last": (1, 2),
+    "bound and count read": (2, 3),
+    "first pass over the appended keys": (3, 4),
+    "k-th select (when survivors > 2k)": (4, 5),
+    "final sort (compact)": (5, 6),
+    "output and reset": (6, 7),
+    "merging block, loop end -> done": (0, 7),
+}
+COUNTS = {"appended": 8, "survivors of the bound": 9, "after the select": 10}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="100000,1000000")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    import cupy as cp
+    from kalos_retrievers.sidecar import cuda_kernels as kern
+    from kalos_retrievers.sidecar import index_gpu
+
+    expr = kern.expression("scan_topk", index_gpu._CTYPE["float16"], 4, 1, 0)
+    mod = cp.RawModule(code=kern.source(), options=("-std=c++17", f"-DKALOS_BLOCK={kern.BLOCK}", "-DKALOS_STAMPS"),
+                       name_expressions=[expr])  # fmt: skip
+    f = mod.get_function(expr)
+    stamps = cp.ndarray((16,), cp.uint64, mod.get_global("kalos_stamps"))
+    results: list[dict[str, Any]] = []
+    for n in [int(x) for x in a.rows.split(",")]:
+        idx, svc, keep = build(n)
+        buf = idx._buf(16)
+        smem = idx._smem(1, buf)
+        f.max_dynamic_shared_size_bytes = max(f.max_dynamic_shared_size_bytes, smem)
+        sargs = (idx.data, idx.ns, idx.sqnorm, np.uint64(0), idx.params, idx.qbuf, idx.qbuf_i8, np.int32(idx.ld),
+                 np.int32(buf), idx.scratch_k, idx.scratch_v, idx.sync)  # fmt: skip
+        with idx.device, idx.stream:
+            for grid in (2 * idx.sms, 4 * idx.sms):
+                got = []
+                for i in range(45):
+                    init = np.zeros(16, np.uint64)
+                    init[12] = np.iinfo(np.uint64).max
+                    stamps.set(init, stream=idx.stream)
+                    f((grid,), (kern.BLOCK,), sargs, shared_mem=smem)
+                    idx.stream.synchronize()
+                    if i >= 5:
+                        got.append(stamps.get().astype(np.int64))
+                s = np.array(got)
+                row: dict[str, Any] = {"rows": n, "grid": grid}
+                for name, (x, y) in PHASES.items():
+                    row[name] = round(float(np.median(s[:, y] - s[:, x])) / 1000, 2)
+                for name, i in COUNTS.items():
+                    row[name] = float(np.median(s[:, i]))
+                results.append(row)
+                print(json.dumps(row), flush=True)
+        idx.close()
+        del svc, keep
+    Path(a.out, "merge_stamps.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
