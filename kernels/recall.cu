@@ -39,6 +39,8 @@
 // Candidates each thread loads per round in the merges and in topk_scores. A candidate buffer
 // must hold k plus one round: the host sizes it as pow2(pow2(k) + MERGE_UNROLL * KALOS_BLOCK).
 #define MERGE_UNROLL 4
+// blocks' maxima each lane of kth_of_maxima holds: grids of up to 32 x this many blocks
+#define MAXIMA_PER_LANE 24
 
 // Where the last block's time goes (benchmarks/merge_stamps.py builds with -DKALOS_STAMPS):
 // %globaltimer stamps and counts of the last block of a batch-1 scan, in a device array the
@@ -483,10 +485,11 @@ __device__ float block_kth_largest(const float* key, int n, int k) {
 // the answer. The block publishes its own k-th first and then appends what reaches the bound
 // as it stands: blocks that finish together see each other's k-th, so the list stays short.
 __device__ void append_list(const float* key, const int* val, int n, int k, int q,
-                            unsigned int* sync, float* ak, int* av, int cap) {
+                            unsigned int* sync, float* ak, int* av, int cap, float* maxima) {
     __shared__ int s_base;
     __shared__ float s_b;
     if (threadIdx.x == 0) {
+        if (maxima != nullptr) maxima[blockIdx.x] = n > 0 ? key[0] : neg_inf();  // the list is sorted
         const int mine = n == k ? f2ord(key[k - 1]) : f2ord(neg_inf());
         const int old = atomicMax(sync_bound(sync) + q, mine);
         s_b = ord2f(old > mine ? old : mine);
@@ -507,13 +510,53 @@ __device__ void append_list(const float* key, const int* val, int n, int k, int 
 }
 
 // The last block: merge query q's appended list, write the answer, reset q's words.
+// The k-th largest of the blocks' maxima (one per block, -inf for a block without
+// candidates), for k <= 32, by warp 0 (the other threads wait at the caller's barrier): k
+// distinct rows score at least that much, so the true k-th does too, and it is a bound as
+// valid as the best block's k-th and much closer to the answer (the best block's k-th let
+// ~800-1,600 keys through to a 4-5 µs select at 1M rows, S9-6). -inf when fewer than k
+// blocks have candidates.
+__device__ float kth_of_maxima(const float* maxima, int n, int k) {
+    float v[MAXIMA_PER_LANE];
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < MAXIMA_PER_LANE; j++) {
+        const int i = j * 32 + lane;
+        v[j] = i < n ? __ldcg(maxima + i) : neg_inf();
+    }
+    float t = neg_inf();
+    for (int r = 0; r < k; r++) {  // take the warp's largest k times
+        float m = v[0];
+        int at = 0;
+#pragma unroll
+        for (int j = 1; j < MAXIMA_PER_LANE; j++)
+            if (v[j] > m) { m = v[j]; at = j; }
+        float w = m;
+        for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
+        const unsigned int who = __ballot_sync(0xffffffffu, m == w);
+        if (lane == __ffs(who) - 1) {  // one lane gives up its largest
+#pragma unroll
+            for (int j = 0; j < MAXIMA_PER_LANE; j++)
+                if (j == at) v[j] = neg_inf();
+        }
+        t = w;
+    }
+    return t;
+}
+
 template <int QB>
 __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsigned int* sync,
-                               const float* ak, const int* av, int cap) {
-    const float bound = read_bound(sync, q);
+                               const float* ak, const int* av, int cap, const float* maxima) {
+    __shared__ float s_b2;
+    float bound = read_bound(sync, q);
     const int total = *reinterpret_cast<volatile int*>(sync_count(sync) + q);
     if (threadIdx.x == 0) { c.cnt[q] = 0; c.thr[q] = neg_inf(); }
+    if (maxima != nullptr && threadIdx.x < 32) {  // block-uniform condition
+        const float b2 = kth_of_maxima(maxima, gridDim.x, k);
+        if (threadIdx.x == 0) s_b2 = b2;
+    }
     __syncthreads();
+    if (maxima != nullptr) bound = fmaxf(bound, s_b2);
     KALOS_STAMP(3);
     KALOS_COUNT(8, total);
     const float* sk = ak + (size_t)q * cap;
@@ -731,10 +774,15 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     if (KALOS_PROBE & PROBE_NO_TAIL) return -1;
     // this block's best k per query -> the appended lists; the last block merges them
     const int cap = gridDim.x * k;
+    // each block's best score per query, after the lists (QB * cap entries): a second bound
+    // for the merge (kth_of_maxima), for k <= 32 and grids a warp's registers hold. The host
+    // sizes scratch_k for FUSED_MAX_Q x max_grid x 1024 entries: QB * grid * (k + 1) fits.
+    float* maxima = (k <= 32 && (int)gridDim.x <= 32 * MAXIMA_PER_LANE) ? scratch_k + (size_t)QB * cap : nullptr;
     for (int q = 0; q < QB; q++) {
         compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
         if (KALOS_PROBE & PROBE_NO_APPEND) continue;
-        if (q < nq) append_list(c.key + q * c.buf, c.val + q * c.buf, c.cnt[q], k, q, sync, scratch_k, scratch_v, cap);
+        if (q < nq) append_list(c.key + q * c.buf, c.val + q * c.buf, c.cnt[q], k, q, sync, scratch_k, scratch_v, cap,
+                                maxima == nullptr ? nullptr : maxima + (size_t)q * gridDim.x);
     }
     if (KALOS_PROBE & PROBE_NO_APPEND) return -1;
 #ifdef KALOS_STAMPS
@@ -749,7 +797,9 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
         if (threadIdx.x < QB) { sync_count(sync)[threadIdx.x] = 0; sync_bound(sync)[threadIdx.x] = f2ord(neg_inf()); }
         return -1;
     }
-    for (int q = 0; q < nq && q < QB; q++) merge_appended(c, p, q, k, sync, scratch_k, scratch_v, cap);
+    for (int q = 0; q < nq && q < QB; q++)
+        merge_appended(c, p, q, k, sync, scratch_k, scratch_v, cap,
+                       maxima == nullptr ? nullptr : maxima + (size_t)q * gridDim.x);
     return c.cnt[0];
 }
 
