@@ -515,10 +515,12 @@ class KalosClient:
 
         Every check the general path makes on a good call is made here too, the same way:
         the query's dimension and finiteness, ``k``, the timeout, the response's sequence
-        number, length and status, and the arena's generations. What is left out is work a
-        batch-1 call does not need: the batch split, chunking, per-chunk flag arithmetic,
-        and a second connection lookup. On the development VM this took a recall against an
-        instant responder from 13.7 to 10.8 µs (``benchmarks/client_overhead.py``).
+        number, length and status, and the arena's generations or entries. What is left out
+        is work a batch-1 call does not need: the batch split, chunking, per-chunk flag
+        arithmetic, and a second connection lookup. On the development VM this took a recall
+        against an instant responder from 13.7 to 10.8 µs, and to 9.35 µs with arena entries
+        (``benchmarks/client_overhead.py``); on the H200, a 1M-row recall from 427.7 to 406.8
+        µs p50 (both changes, ``benchmarks/ab_clients.py``, docs/benchmarks.md session 9).
         """
         conn = self._conn
         if conn is None or conn.dead or self._pid != os.getpid():

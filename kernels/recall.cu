@@ -509,7 +509,6 @@ __device__ void append_list(const float* key, const int* val, int n, int k, int 
     }
 }
 
-// The last block: merge query q's appended list, write the answer, reset q's words.
 // The k-th largest of the blocks' maxima (one per block, -inf for a block without
 // candidates), for k <= 32, by warp 0 (the other threads wait at the caller's barrier): k
 // distinct rows score at least that much, so the true k-th does too, and it is a bound as
@@ -544,6 +543,7 @@ __device__ float kth_of_maxima(const float* maxima, int n, int k) {
     return t;
 }
 
+// The last block: merge query q's appended list, write the answer, reset q's words.
 template <int QB>
 __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsigned int* sync,
                                const float* ak, const int* av, int cap, const float* maxima) {
