@@ -1025,6 +1025,10 @@ class KalosClient:
         if deadline is None:
             deadline = self._deadline(timeout)
         conn = self._ensure_conn(deadline)
+        if flags & Flag.ARENA_ENTRIES and not conn.arena_flags & Flag.ARENA_ENTRIES:
+            # asked with another connection's flags (a restart replaced it meanwhile) and this
+            # sidecar is older than v1.3: generations, which it knows (the answer says which)
+            flags &= ~Flag.ARENA_ENTRIES
         if any(s.pending for s in conn.owned):
             with self._lock:
                 self._recover_pending(conn)

@@ -166,6 +166,29 @@ def test_a_v12_sidecar_is_asked_for_generations_not_entries(start_sidecar, monke
             assert used == [want_used, want_used] and c.arena_retries == 0
 
 
+def test_entries_are_not_asked_of_a_connection_that_does_not_speak_v13(start_sidecar) -> None:
+    """A recall picks its flags from the connection it saw; if a restart replaced that
+    connection by one to a v1.2 sidecar before the request goes out (simulated: the current
+    connection says it speaks v1.2), the request asks for generations, which that sidecar
+    knows, instead of failing on a flag it does not (negative control: a v1.3 connection is
+    asked for entries)."""
+    from kalos_retrievers.protocol import Flag, Op, RespFlag
+
+    dim = 4
+    sc = start_sidecar(dim=dim)
+    c = sc.client(arena_docs=True)
+    c.upsert(["a"], np.array([[1, 0, 0, 0]], np.float32), texts=["alpha"])
+    q = np.array([[1, 0, 0, 0]], np.float32)
+    both = Flag.ARENA_DOCS | Flag.ARENA_ENTRIES
+    rep = c._call(Op.RECALL, vectors=q, top_k=1, n_items=1, flags=both)
+    assert rep.resp_flags & RespFlag.ARENA_ENTRIES  # the control: v1.3 is asked for entries
+    c._conn.arena_flags = Flag.ARENA_DOCS  # type: ignore[union-attr]  # as if it were v1.2
+    rep = c._call(Op.RECALL, vectors=q, top_k=1, n_items=1, flags=both)
+    assert rep.resp_flags & RespFlag.ARENA_DOCS and not rep.resp_flags & RespFlag.ARENA_ENTRIES
+    assert len(rep.blob) == 4  # one generation
+    c.close()
+
+
 def test_an_answer_from_a_newer_arena_version_is_read_from_that_version(start_sidecar, monkeypatch) -> None:
     """The sidecar moved its arena to a new version after the client picked the one to read
     (simulated: the client is handed the version it mapped before the move): the answer's
