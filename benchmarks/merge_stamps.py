@@ -53,7 +53,8 @@ def main() -> int:
     from kalos_retrievers.sidecar import index_gpu
 
     expr = kern.expression("scan_topk", index_gpu._CTYPE["float16"], 4, 1, 0)
-    mod = cp.RawModule(code=kern.source(), options=("-std=c++17", f"-DKALOS_BLOCK={kern.BLOCK}", "-DKALOS_STAMPS"),
+    opts = ("-std=c++17", f"-DKALOS_BLOCK={kern.BLOCK}", "-DKALOS_STAMPS", *kern.extra_options())
+    mod = cp.RawModule(code=kern.source(), options=opts,
                        name_expressions=[expr])  # fmt: skip
     f = mod.get_function(expr)
     stamps = cp.ndarray((16,), cp.uint64, mod.get_global("kalos_stamps"))

@@ -78,7 +78,8 @@ def main() -> int:
     mods = {}
     for name, bits in PROBES.items():
         exprs = [kern.expression("scan_topk", index_gpu._CTYPE[args.dtype], t, 1, 0) for t in tprs]
-        mod = cp.RawModule(code=src, options=("-std=c++17", f"-DKALOS_BLOCK={kern.BLOCK}", f"-DKALOS_PROBE={bits}"),
+        mod = cp.RawModule(code=src, options=("-std=c++17", f"-DKALOS_BLOCK={kern.BLOCK}", f"-DKALOS_PROBE={bits}",
+                                                  *kern.extra_options()),
                            name_expressions=exprs)  # fmt: skip
         mods[name] = {t: mod.get_function(e) for t, e in zip(tprs, exprs, strict=True)}
     results: list[dict[str, Any]] = []

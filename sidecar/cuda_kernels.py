@@ -10,6 +10,8 @@ CuPy caches the compiled module on disk, so later starts skip the compiler.
 
 from __future__ import annotations
 
+import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,12 @@ def expression(name: str, *targs: object) -> str:
     return f"{name}<{', '.join(map(str, targs))}>" if targs else name
 
 
+def extra_options() -> tuple[str, ...]:
+    """Compiler options from ``KALOS_KERNEL_OPTIONS`` (diagnostics: benchmarks compare builds,
+    e.g. ``-DKALOS_DYNAMIC_ROWS=0``); none by default."""
+    return tuple(shlex.split(os.environ.get("KALOS_KERNEL_OPTIONS", "")))
+
+
 def compile_kernels(expressions: list[str]) -> None:
     """Compile every listed kernel now (one module).
 
@@ -58,7 +66,7 @@ def compile_kernels(expressions: list[str]) -> None:
     try:
         mod = cupy.RawModule(
             code=source(),
-            options=("-std=c++17", f"-DKALOS_BLOCK={BLOCK}"),
+            options=("-std=c++17", f"-DKALOS_BLOCK={BLOCK}", *extra_options()),
             name_expressions=list(expressions),
         )
         kernels = {e: mod.get_function(e) for e in expressions}  # forces the compile
