@@ -1,11 +1,11 @@
 """Where a resident-kernel recall's time goes, in process: no client library, no sidecar.
 
-    python -P benchmarks/doorbell_probe.py --rows 1000,100000 [--calls 2000]
+    python -P benchmarks/doorbell_probe.py --rows 1000,100000 [--calls 2000] [--dtype int8]
 
 (The sidecar runs the resident kernel unless ``KALOS_DOORBELL=0``; this script turns it on for
 its in-process index whatever the environment says.)
 
-For each row count: a GpuIndex (768-d float16, cosine) with a document arena, an anonymous map
+For each row count: a GpuIndex (768-d, float16 or ``--dtype int8``, cosine) with a document arena, an anonymous map
 standing in for the segment (4 slots), the resident kernel enabled. Measured:
 
 * ``cycle_2ms`` / ``cycle_20ms``: start the resident kernel, leave it idle 2 or 20 ms, stop it:
@@ -16,8 +16,8 @@ standing in for the segment (4 slots), the resident kernel enabled. Measured:
 * ``roundtrip``: Python writes a query and a DOORBELL request into slot 0 as a client would
   and spins on the state word until RESPONSE; percentiles over ``--calls`` calls;
 * ``kernel``: the kernel's own clock (%globaltimer) per call: request taken -> blocks started
-  (prep), -> merge done (scan + merge), -> answered (response); the rest of the round trip is
-  the poll's detection and the host's writes and reads;
+  (prep), -> merge done (scan + merge), -> (int8) candidates re-scored, -> answered (response);
+  the rest of the round trip is the poll's detection and the host's writes and reads;
 * ``graph``: the same search through the sidecar's batch-1 path (the slot's CUDA graph,
   launched and synchronized from Python), for comparison.
 
@@ -110,9 +110,13 @@ def one_mode(idx: Any, svc: Any, seg: mmap.mmap, lay: Any, keep: np.ndarray, cal
         wrong += int(rows[0] != c % len(keep))
         if c >= 100:
             ts.append(rt)
-            a, b, m, e, p0, npoll = idx.doorbell_stamps()[:6]
+            st = idx.doorbell_stamps()
+            a, b, m, e, p0, npoll = st[:6]
             parts["prep"].append((b - a) / 1000)
             parts["scan_merge"].append((m - b) / 1000)
+            if idx.exact is not None:  # int8: the candidates' exact scores, between merge and response
+                parts.setdefault("rescore", []).append((st[10] - m) / 1000)
+                m = st[10]
             parts["respond"].append((e - m) / 1000)
             parts["outside"].append(rt - (e - a) / 1000)
             parts["polling"].append((a - p0) / 1000)  # polling began (after the last answer) -> taken
@@ -124,7 +128,7 @@ def one_mode(idx: Any, svc: Any, seg: mmap.mmap, lay: Any, keep: np.ndarray, cal
     return out
 
 
-def probe(n: int, calls: int, modes: list[int]) -> dict[str, Any]:
+def probe(n: int, calls: int, modes: list[int], dtype: str = "float16") -> dict[str, Any]:
     os.environ["KALOS_DOORBELL"] = "1"  # read at import below
     from kalos_retrievers.sidecar.bench import normalized_chunks
     from kalos_retrievers.sidecar.index import SlotSpec
@@ -135,7 +139,7 @@ def probe(n: int, calls: int, modes: list[int]) -> dict[str, Any]:
     from kalos_retrievers.arena import ArenaWriter
     from kalos_retrievers.protocol import Layout, Metric
 
-    idx = GpuIndex(DIM, Metric.COSINE, 0, "float16")
+    idx = GpuIndex(DIM, Metric.COSINE, 0, dtype)
     svc = Service(idx, NullStore(), dim=DIM, metric=Metric.COSINE)
     maps: dict[int, mmap.mmap] = {}
 
@@ -160,7 +164,7 @@ def probe(n: int, calls: int, modes: list[int]) -> dict[str, Any]:
     seg = mmap.mmap(-1, lay.segment_size)
     idx.attach_segment(seg)
     assert idx.enable_doorbell(lay, arena) > 0
-    out: dict[str, Any] = {"rows": n, "modes": {}}
+    out: dict[str, Any] = {"rows": n, "dtype": dtype, "modes": {}}
     for mode in modes:
         idx.doorbell_mode = mode
         out["modes"][mode] = r = one_mode(idx, svc, seg, lay, keep, calls)
@@ -188,11 +192,12 @@ def main() -> int:
     ap.add_argument("--rows", default="1000,100000")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--modes", default="0,7", help="BellCtl::mode values to compare (BELL_* bits in kernels/recall.cu)")
+    ap.add_argument("--dtype", default="float16", choices=("float16", "int8"))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     res = []
     for n in (int(x) for x in a.rows.split(",")):
-        r = probe(n, a.calls, [int(m) for m in a.modes.split(",")])
+        r = probe(n, a.calls, [int(m) for m in a.modes.split(",")], a.dtype)
         print(json.dumps(r), flush=True)
         res.append(r)
     Path(a.out, "doorbell_probe.json").write_text(json.dumps(res, indent=1))

@@ -13,7 +13,8 @@ Sections (all on random normalized 768-d vectors, top-10):
 * ``1m``     the same at 1M rows (loaded with durability on: the bulk-load time), then the
   sidecar restarted (the reload time), ``recall_batch`` of 64 versus torch ``mm`` + ``topk``,
   and 32 client processes;
-* ``int8``   a 1M-row int8 sidecar: latency, and recall@10 against exact float32 search.
+* ``int8``   a 1M-row int8 sidecar: batch-1 latency, and recall@10 of batch-1 recalls against
+  exact float32 search.
 
 Results go to ``DIR/gpu_bench.json``; the table prints last.
 """
@@ -228,7 +229,9 @@ def recall_vs_exact(client: Any, data: np.ndarray, queries: np.ndarray) -> float
     ref = torch.topk(q @ m.T, K, dim=1).indices.cpu().numpy()
     m = None
     torch.cuda.empty_cache()
-    got = [[int(i) for i in r.ids] for r in client.recall_batch(queries, K)]
+    # batch-1 recalls, as timed (the resident kernel answers them; recall_batch would measure
+    # the sidecar's batched path instead)
+    got = [[int(i) for i in client.recall(qv, K).ids] for qv in queries]
     hits = sum(len(set(g) & set(r)) for g, r in zip(got, ref.tolist(), strict=True))
     return hits / (K * len(queries))
 
@@ -348,16 +351,21 @@ def main() -> int:
             ("sidecar start reloading 1M rows (s)", "report", f"{res['reload_1m_s']}", ""),
         ]  # fmt: skip
         save()
-        if "int8" in only:
-            with Sidecar(dtype="int8", **common) as sc, sc.client(timeout=60) as c:
-                load(c, data)
-                k8 = time_calls(lambda i: c.recall(queries[i & 1023], K), args.calls, 1000)
-                r8 = recall_vs_exact(c, data, queries[:256])
-            res.update(kalos_int8_1m=k8, int8_recall_at_10=round(r8, 4))
-            rows += [
-                ("int8 1M p50 (us)", "<= 250", f"{k8['p50_us']}", ok(k8["p50_us"] <= 250)),
-                ("int8 1M recall@10 vs exact", ">= 0.99", f"{r8:.4f}", ok(r8 >= 0.99)),
-            ]
+        del data
+    if "int8" in only:
+        data = make_data(args.rows_1m, DIM, 2)
+        with Sidecar(dtype="int8", **common) as sc, sc.client(timeout=60) as c:
+            load(c, data)
+            k8 = time_calls(lambda i: c.recall(queries[i & 1023], K), args.calls, 1000)
+            view = sidecar_view(c.stats())  # doorbell_served: how many the resident kernel answered
+            r8 = recall_vs_exact(c, data, queries[:256])
+        res.update(kalos_int8_1m=k8, int8_recall_at_10=round(r8, 4), sidecar_int8=view)
+        print(json.dumps(view), file=sys.stderr, flush=True)
+        rows += [
+            ("int8 1M p50 (us)", "<= 250", f"{k8['p50_us']}", ok(k8["p50_us"] <= 250)),
+            ("int8 1M p99 (us)", "", f"{k8['p99_us']}", ""),
+            ("int8 1M recall@10 vs exact", ">= 0.99", f"{r8:.4f}", ok(r8 >= 0.99)),
+        ]
         del data
     save()
     print(table(rows))

@@ -41,6 +41,13 @@
 #define MERGE_UNROLL 4
 // blocks' maxima each lane of kth_of_maxima holds: grids of up to 32 x this many blocks
 #define MAXIMA_PER_LANE 24
+#define KALOS_CAND_MAX 4096      // most int8 candidates per query (CAND_MAX in sidecar/index_gpu.py)
+// 1: the scan's blocks take their rows a round at a time from a counter (sync word 1), so a
+// block slowed by its neighbours takes fewer rounds and the blocks finish together; 0: a fixed
+// grid-stride share each (S9-6: at 1M rows the blocks' scans ended 15-88 us apart).
+#ifndef KALOS_DYNAMIC_ROWS
+#define KALOS_DYNAMIC_ROWS 1
+#endif
 
 // Where the last block's time goes (benchmarks/merge_stamps.py builds with -DKALOS_STAMPS):
 // %globaltimer stamps and counts of the last block of a batch-1 scan, in a device array the
@@ -424,6 +431,8 @@ __device__ __forceinline__ int f2ord(float f) {
 __device__ __forceinline__ float ord2f(int i) { return __int_as_float(i >= 0 ? i : i ^ 0x7fffffff); }
 __device__ __forceinline__ int* sync_bound(unsigned int* sync) { return reinterpret_cast<int*>(sync) + KALOS_MAXQ; }
 __device__ __forceinline__ int* sync_count(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 2 * KALOS_MAXQ; }
+// the next row to hand out (KALOS_DYNAMIC_ROWS); the last block puts it back to 0
+__device__ __forceinline__ int* sync_rows(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 1; }
 __device__ __forceinline__ float read_bound(unsigned int* sync, int q) {
     return ord2f(*reinterpret_cast<volatile int*>(sync_bound(sync) + q));
 }
@@ -701,7 +710,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     if (Vec<T>::INT8) {  // int8 queries as bytes at the start of each query's row
         unsigned char* sb = reinterpret_cast<unsigned char*>(sq);
         for (int i = threadIdx.x; i < QB * ld; i += blockDim.x)
-            sb[(size_t)(i / ld) * ld * 4 + i % ld] = (i / ld) < nq ? (unsigned char)qbuf_i8[i] : 0;
+            sb[(size_t)(i / ld) * ld * 4 + i % ld] = (i / ld) < nq ? (unsigned char)__ldcg(qbuf_i8 + i) : 0;
     } else {
         for (int i = threadIdx.x; i < QB * ld; i += blockDim.x) sq[i] = (i / ld) < nq ? __ldcg(qbuf + i) : 0.f;
     }
@@ -716,8 +725,22 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     int scan_cap = next_pow2(k + KALOS_BLOCK);  // k plus a block's worth of offers
     if (scan_cap > buf) scan_cap = buf;
     const uint4* base = reinterpret_cast<const uint4*>(data);
-
-    for (int r0 = blockIdx.x * groups; r0 < n; r0 += stride) {
+    // Rows by the round: with KALOS_DYNAMIC_ROWS, thread 0 asks the counter for the next round's
+    // rows as a round begins (the atomic's latency hides behind the round's loads) and passes
+    // them on through s_next, double-buffered: a slow thread may still read one entry while
+    // thread 0 writes the other. (Probes that skip the last block never reset the counter.)
+    constexpr bool dynamic = KALOS_DYNAMIC_ROWS && !(KALOS_PROBE & (PROBE_NO_TAIL | PROBE_NO_APPEND));
+    __shared__ int s_next[2];
+    int* next_row = sync_rows(sync);
+    int r0 = blockIdx.x * groups;
+    if (dynamic) {
+        if (threadIdx.x == 0) s_next[0] = atomicAdd(next_row, groups);
+        __syncthreads();
+        r0 = s_next[0];
+    }
+    for (int round = 1; r0 < n; round++) {
+        int ahead = 0;
+        if (dynamic && threadIdx.x == 0) ahead = atomicAdd(next_row, groups);
         int row = r0 + group;
         bool ok = (KALOS_PROBE & PROBE_NO_NS)
                       ? row < n
@@ -763,8 +786,10 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
                 if (!(KALOS_PROBE & PROBE_NO_OFFERS) || s > 1e30f) c.offer(q, s, row);  // keeps the loads live
             }
         }
-        if (!(KALOS_PROBE & PROBE_NO_SYNC)) __syncthreads();
+        if (dynamic && threadIdx.x == 0) s_next[round & 1] = ahead;
+        if (dynamic || !(KALOS_PROBE & PROBE_NO_SYNC)) __syncthreads();
         if (!(KALOS_PROBE & PROBE_NO_OFFERS)) c.make_room(k, groups, scan_cap);
+        r0 = dynamic ? s_next[round & 1] : r0 + stride;
     }
 #ifdef KALOS_STAMPS
     unsigned long long t_loop, t_append;
@@ -789,6 +814,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     KALOS_T(t_append);
 #endif
     if (!last_block(sync)) return -1;
+    if (dynamic && threadIdx.x == 0) *next_row = 0;  // every block is past its scan: ready for the next
 #ifdef KALOS_STAMPS
     if (threadIdx.x == 0) { kalos_stamps[0] = t_loop; kalos_stamps[1] = t_append; }
     KALOS_STAMP(2);
@@ -865,12 +891,17 @@ struct BellCtl {
     int arena_rows;
     int mode;                    // BELL_* bits: how host memory is read and written
     u64 arena_version;           // the version of that arena (ARENA_ENTRIES answers name it)
-    u64 host_pad[5];             // to 128 bytes
+    u64 exact;                   // int8 storage: device address of the registered host copy of the
+                                 // rows in float16 (row r at exact + 2 * ld * r), for re-scoring
+    int rescore;                 // int8 storage: candidates scanned per result (0 otherwise)
+    int pad0;
+    u64 host_pad[3];             // to 128 bytes
     u64 served;                  // (offset 128) recalls this kernel answered (it counts; the host reads)
     u64 stamp[12];               // %globaltimer (ns) of the last request: [0] taken, [1] launched to
                                  // the blocks, [2] merged (response begins), [3] answered, [4] polling
                                  // began; [5] polls until taken; at a stop: [6] stop seen, [7] polls;
-                                 // [8] block 0 began, [9] the last block returned
+                                 // [8] block 0 began, [9] the last block returned; [10] int8:
+                                 // re-scored, rows and scores written (merged -> [10] -> answered)
                                  // (diagnostics: benchmarks/doorbell_probe.py)
 };
 
@@ -937,19 +968,100 @@ __device__ __forceinline__ u64 global_ns() {
 }
 
 // Device words (zeroed by the host before each launch): [0] gen, [1] done, [2] stop seen,
-// [3] the slot in hand (bit 31: the request asked for ARENA_ENTRIES), [4..5] its seq, [6] requests answered since the launch, [7] blocks returned.
-#define BELL_WORDS 8
+// [3] the slot in hand (bit 31: the request asked for ARENA_ENTRIES), [4..5] its seq, [6] requests
+// answered since the launch, [7] blocks returned, [8] the request's k (int8: the scan looks for
+// more candidates than that), [9] unused.
+#define BELL_WORDS 10
 
 __device__ __forceinline__ unsigned int vload(const unsigned int* p) {
     return *reinterpret_cast<const volatile unsigned int*>(p);
 }
 
+// int8 storage, the resident kernel's last block: the n candidates of the int8 scan (rows in
+// val[0, n), best first by their quantized score) get exact scores from the float16 copy of
+// their rows in registered host memory (row r at exact + 2 * ld * r bytes), as the sidecar's
+// host path does (_rescore in sidecar/index_gpu.py), and are sorted by them: key/val[0, n)
+// then hold the exact order. The float query is in q (shared memory, ld floats, zero past dim).
+// Each candidate's 16-byte chunks are padded to whole warps, so every warp's 32 loads belong to
+// one candidate and its partial sums meet by shuffles, one shared-memory add per warp (an add
+// per thread into one word per candidate cost ~50 us at 40 candidates, this ~13.6: S10-3,
+// S10-5). U loads per thread are in flight together (40 candidates of 768-d: 3,840 loads, two
+// waves of 256 x 8). The sums go past half the buffer (free: the
+// merge's buffer holds 2 x kc entries at least, see _buf in index_gpu.py).
+template <int METRIC>
+__device__ void rescore_exact(float* key, int* val, int n, int half, const float* q, u64 exact, int ld,
+                              float qnorm2, int mode) {
+    float* dot = key + half;
+    float* sqx = reinterpret_cast<float*>(val + half);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) { dot[i] = 0.f; sqx[i] = 0.f; }
+    __syncthreads();
+    const int chunks = ld / 8;                // 8 halves per 16 bytes (ld: a multiple of 16 for int8 rows)
+    const int cpad = (chunks + 31) & ~31;     // a candidate's chunks, in whole warps
+    const int total = n * cpad;
+    const int lane = threadIdx.x & 31;
+    constexpr int U = 8;
+    for (int base = 0; base < total; base += U * blockDim.x) {  // blockDim.x: a multiple of 32
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int t = base + u * blockDim.x + threadIdx.x;
+            const int i = t / cpad, ch = t - i * cpad;
+            v[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (i < n && ch < chunks) {
+                // (with the kernel's uncached host loads: loads through L2 or the read-only
+                // path took as long, S10-4/S10-5)
+                v[u] = hload4(reinterpret_cast<const void*>(exact + 2ull * ld * (u64)val[i] + 16ull * ch), mode);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int t = base + u * blockDim.x + threadIdx.x;
+            const int i = t / cpad, ch = t - i * cpad;  // i: the same in all 32 lanes of a warp
+            if (i >= n) continue;                       // warp-uniform
+            float d = 0.f, s = 0.f;
+            if (ch < chunks) {
+                const __half2* h = reinterpret_cast<const __half2*>(&v[u]);
+                const float* qc = q + 8 * ch;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const float2 f = __half22float2(h[j]);
+                    d += f.x * qc[2 * j] + f.y * qc[2 * j + 1];
+                    s += f.x * f.x + f.y * f.y;
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                d += __shfl_xor_sync(0xffffffffu, d, o);
+                if (METRIC == METRIC_L2) s += __shfl_xor_sync(0xffffffffu, s, o);
+            }
+            if (lane == 0) {
+                atomicAdd(dot + i, d);
+                if (METRIC == METRIC_L2) atomicAdd(sqx + i, s);
+            }
+        }
+    }
+    __syncthreads();
+    const int p = next_pow2(n < 2 ? 2 : n);
+    for (int i = threadIdx.x; i < p; i += blockDim.x) {
+        if (i < n) {
+            float s = dot[i];
+            if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(qnorm2 + sqx[i] - 2.f * s, 0.f));
+            key[i] = s;
+        } else {
+            key[i] = neg_inf();
+            val[i] = 0x7fffffff;
+        }
+    }
+    __syncthreads();
+    bitonic_desc(key, val, p);
+}
+
 template <typename T, int TPR, int METRIC>
 __global__ void __launch_bounds__(KALOS_BLOCK)
 doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
-              Params* params, float* qbuf, int ld, int buf, float* __restrict__ scratch_k,
-              int* __restrict__ scratch_v, unsigned int* __restrict__ sync, BellCtl* ctl_,
-              const BellCtl* __restrict__ cfg, unsigned int* bell) {
+              const float* __restrict__ rowscale, Params* params, float* qbuf, signed char* qbuf_i8,
+              int ld, int buf, float* __restrict__ scratch_k, int* __restrict__ scratch_v,
+              unsigned int* __restrict__ sync, BellCtl* ctl_, const BellCtl* __restrict__ cfg,
+              unsigned int* bell, int* cand) {
     extern __shared__ float smem[];
     __shared__ Params sp;        // this request's params (a copy: the scan reads them often)
     __shared__ int s_go;         // block 0: the slot taken (-1 none yet, -2 stop); others: 1 go, -2 stop
@@ -966,6 +1078,8 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
     const int arena_rows = cfg->arena_rows;
     const u64 arena_version = cfg->arena_version;
     const int c_rows = cfg->n_rows, c_ns = cfg->ns_id;
+    const u64 exact = cfg->exact;
+    const int rescore = cfg->rescore;
     if (blockIdx.x == 0 && threadIdx.x == 0) hstore(&ctl_->stamp[8], global_ns(), mode);
     // the last block to return stamps it (how long a stop takes on the GPU's side)
     auto leave = [&]() {
@@ -1076,7 +1190,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             // (16 bytes per thread where the payload allows: one round trip, not one per word)
             const float* q = reinterpret_cast<const float*>(sb + payload_off);
             const bool q16 = ((sb + payload_off) & 15) == 0;
-            float part = 0.f;
+            float part = 0.f, amax = 0.f;
             for (int i = 4 * threadIdx.x; i < ld; i += 4 * blockDim.x) {
                 float v[4];
                 if (q16 && i + 3 < dim) {
@@ -1091,13 +1205,19 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 for (int j = 0; j < 4; j++) {
                     if (i + j < ld) qbuf[i + j] = v[j];
                     part += v[j] * v[j];
+                    amax = fmaxf(amax, fabsf(v[j]));
                 }
             }
-            for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-            if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = part;
+            for (int o = 16; o > 0; o >>= 1) {
+                part += __shfl_xor_sync(0xffffffffu, part, o);
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            }
+            __shared__ float s_amax[KALOS_BLOCK / 32];
+            if ((threadIdx.x & 31) == 0) { s_red[threadIdx.x >> 5] = part; s_amax[threadIdx.x >> 5] = amax; }
             __syncthreads();
             float ssq = 0.f;
-            for (int i = 0; i < KALOS_BLOCK / 32; i++) ssq += s_red[i];
+            amax = 0.f;
+            for (int i = 0; i < KALOS_BLOCK / 32; i++) { ssq += s_red[i]; amax = fmaxf(amax, s_amax[i]); }
             if (!isfinite(ssq)) {  // block-uniform: every thread summed the same s_red
                 // NaN or infinity in the query (the client library never sends one; a client
                 // writing its slot by hand can): back to the sidecar, which answers BAD_REQUEST
@@ -1111,20 +1231,33 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 continue;
             }
             const float scale = (METRIC == METRIC_COSINE && ssq > 0.f) ? rsqrtf(ssq) : 1.f;
-            if (METRIC == METRIC_COSINE)
-                for (int i = threadIdx.x; i < ld; i += blockDim.x) qbuf[i] *= scale;
+            // int8 storage: the query's int8 copy too, scaled by max|q| / 127 (as prep_queries)
+            const float qs = Vec<T>::INT8 && amax * scale > 0.f ? amax * scale / 127.f : 1.f;
+            const float inv = 1.f / qs;
+            if (METRIC == METRIC_COSINE || Vec<T>::INT8) {
+                for (int i = threadIdx.x; i < ld; i += blockDim.x) {
+                    const float x = qbuf[i] * scale;
+                    if (METRIC == METRIC_COSINE) qbuf[i] = x;
+                    if (Vec<T>::INT8) qbuf_i8[i] = (signed char)(int)fminf(fmaxf(rintf(x * inv), -127.f), 127.f);
+                }
+            }
+            // int8: the scan finds rescore x k candidates (into `cand`, device memory); the last
+            // block re-scores them exactly and answers the best k
+            const int kc = Vec<T>::INT8 ? min(rescore * (int)top_k, KALOS_CAND_MAX) : (int)top_k;
             if (threadIdx.x == 0) {
                 params->n_queries = 1;
-                params->k = (int)top_k;
+                params->k = kc;
                 params->n_rows = c_rows;
                 params->ns_id = c_ns;
                 params->mask = nullptr;
-                params->out_ld = (int)top_k;
+                params->out_ld = kc;
                 params->seq = 0;
-                params->out_rows[0] = reinterpret_cast<int*>(sb + rows_off);
-                params->out_scores[0] = reinterpret_cast<float*>(sb + scores_off);
+                params->out_rows[0] = Vec<T>::INT8 ? cand : reinterpret_cast<int*>(sb + rows_off);
+                params->out_scores[0] = Vec<T>::INT8 ? reinterpret_cast<float*>(cand + KALOS_CAND_MAX)
+                                                     : reinterpret_cast<float*>(sb + scores_off);
                 params->qnorm2[0] = (METRIC == METRIC_COSINE && ssq > 0.f) ? 1.f : ssq;
-                params->qscale[0] = 1.f;
+                params->qscale[0] = qs;
+                bell[8] = top_k;
                 bell[3] = (unsigned int)slot | ((s_w[5] & FLAG_ARENA_ENTRIES) ? 0x80000000u : 0u);
                 bell[4] = (unsigned int)seq;
                 bell[5] = (unsigned int)(seq >> 32);
@@ -1157,13 +1290,31 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             for (int i = threadIdx.x; i < (int)(sizeof(Params) / 4); i += blockDim.x) dst[i] = __ldcg(src + i);
         }
         __syncthreads();
-        const int kk = scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, nullptr, &sp, qbuf, nullptr, ld, buf,
-                                                    scratch_k, scratch_v, sync, smem);
+        int kk = scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8, ld, buf,
+                                              scratch_k, scratch_v, sync, smem);
         if (kk >= 0) {  // the last block: the rows are in its candidate buffer, sorted
             if (threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
-            const int* vals = reinterpret_cast<const int*>(smem + ld + buf);
+            int* vals = reinterpret_cast<int*>(smem + ld + buf);
             const unsigned int hand = __ldcg(bell + 3);
             const u64 sb = seg + slot0 + (u64)(hand & 0x7FFFFFFFu) * slot_size;
+            if constexpr (Vec<T>::INT8) {
+                // the candidates' exact scores, then the best k into the slot (the merge wrote
+                // the candidates to `cand`). The scan is over: its query bytes make way for the
+                // float query.
+                float* keys = smem + ld;
+                for (int i = threadIdx.x; i < ld; i += blockDim.x) smem[i] = __ldcg(qbuf + i);
+                __syncthreads();
+                rescore_exact<METRIC>(keys, vals, kk, buf / 2, smem, exact, ld, sp.qnorm2[0], mode);
+                const int top_k = (int)__ldcg(bell + 8);
+                kk = min(kk, top_k);
+                int* orow = reinterpret_cast<int*>(sb + rows_off);
+                float* oscore = reinterpret_cast<float*>(sb + scores_off);
+                for (int i = threadIdx.x; i < top_k; i += blockDim.x) {
+                    hstore(orow + i, i < kk ? vals[i] : -1, mode);
+                    hstore(reinterpret_cast<unsigned int*>(oscore + i), __float_as_uint(i < kk ? keys[i] : neg_inf()), mode);
+                }
+                if (threadIdx.x == 0) hstore(&ctl_->stamp[10], global_ns(), mode);
+            }
             unsigned int* out = reinterpret_cast<unsigned int*>(sb + blob_off);
             const bool entries = hand >> 31;
             if (entries) {
@@ -1774,7 +1925,8 @@ __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
 #ifdef KALOS_INSTANTIATE
 #define SCAN(T, TPR, QB, M) template __global__ void scan_topk<T, TPR, QB, M>(const T*, const int*, const float*, const float*, const Params*, const float*, const signed char*, int, int, float*, int*, unsigned int*);
 SCAN(__half, 4, 1, 0) SCAN(__half, 8, 1, 0) SCAN(float, 8, 1, 0) SCAN(signed char, 4, 1, 0) SCAN(__half, 1, 8, 2)
-template __global__ void doorbell_topk<__half, 4, 0>(const __half*, const int*, const float*, Params*, float*, int, int, float*, int*, unsigned int*, BellCtl*, const BellCtl*, unsigned int*);
+#define BELL(T, TPR, M) template __global__ void doorbell_topk<T, TPR, M>(const T*, const int*, const float*, const float*, Params*, float*, signed char*, int, int, float*, int*, unsigned int*, BellCtl*, const BellCtl*, unsigned int*, int*);
+BELL(__half, 4, 0) BELL(signed char, 2, 0) BELL(signed char, 2, 2) BELL(float, 8, 1)
 template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, signed char*, int, int, const float*, int*, float*);
 template __global__ void topk_scores<0>(const float*, int, const int*, const float*, const float*, const Params*, int, float*, int*, unsigned int*);
 template __global__ void tau_scores<0>(const float*, int, const int*, const float*, const Params*, int, float*);

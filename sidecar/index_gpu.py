@@ -22,7 +22,9 @@ queries at once is slower than either.
 
 int8 storage scans ``RESCORE_FACTOR * k`` candidates with the quantized rows, then re-scores
 them exactly against a float16 copy kept in host memory, so the device holds one byte per
-dimension: twice the rows per byte of float16.
+dimension: twice the rows per byte of float16. The sidecar's path re-scores on the host; the
+resident kernel re-scores on the device, reading only its candidates' rows of that copy
+(registered, mapped) over PCIe.
 """
 
 from __future__ import annotations
@@ -83,16 +85,16 @@ _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
 _NPTYPE: Final = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 _DESC_HEAD: Final = struct.Struct("<iiiiQii")  # n_queries k n_rows ns_id mask out_ld seq
 # struct BellCtl in kernels/recall.cu: the host's line (stop n_rows ns_id n_slots seg slot0
-# slot_size payload_off rows_off scores_off blob_off dim max_k arena arena_rows mode arena_version),
-# then from offset 128 what the kernel writes: served and 12 u64 stamps
-_BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQiiQ")
+# slot_size payload_off rows_off scores_off blob_off dim max_k arena arena_rows mode arena_version
+# exact rescore pad), then from offset 128 what the kernel writes: served and 12 u64 stamps
+_BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQiiQQii")
 _BELL_SERVED: Final = 128
 _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # BellCtl::mode, the BELL_* bits: loads from host memory with ld.global.cv (1), stores with
 # st.global.wt (2), a system fence after the RESPONSE word (4), ld/st.relaxed.sys otherwise (8).
 # KALOS_DOORBELL_MODE picks them (benchmarks/doorbell_probe.py --modes compares them).
 DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7"))
-_BELL_WORDS: Final = 8  # BELL_WORDS in kernels/recall.cu
+_BELL_WORDS: Final = 10  # BELL_WORDS in kernels/recall.cu
 DOORBELL_MAX_K: Final = 1024
 # On by default since session 5 (docs/gpu-notes.md): a 100k recall through the resident kernel
 # takes ~70 us in process (the graph path ~80 us plus the sidecar's Python), starting it ~0.1
@@ -162,7 +164,9 @@ class GpuIndex(Index):
             self.ns = cp.full(0, -1, cp.int32)
             self.sqnorm = cp.zeros(0, cp.float32)
             self.rowscale = cp.zeros(0, cp.float32) if dtype == "int8" else None
-            self.exact = np.zeros((0, self.ld), np.float16) if dtype == "int8" else None
+            # int8: the rows in float16 for exact re-scoring, in host memory (see _new_exact)
+            self.exact: np.ndarray | None = None
+            self._exact_reg = 0  # its registered address (0: not registered)
             self.params = cp.zeros(_PARAMS_SIZE, cp.uint8)
             self.qbuf = cp.zeros((MAXQ, self.ld), cp.float32)
             self.qbuf_h = cp.zeros((MAXQ, self.ld), cp.float16)
@@ -207,6 +211,11 @@ class GpuIndex(Index):
         self.cand_addr = cand.ctypes.data
         self._check(lambda: cp.cuda.runtime.hostRegister(self.cand_addr, len(self._cand_mm), 3))
         self.graphs: dict[tuple[int, ...], Any] = {}
+        if dtype == "int8":
+            self.exact, self._exact_reg = self._new_exact(0)
+            # the resident kernel's int8 candidates (rows, then scores): device memory
+            with self.device:
+                self.bell_cand = cp.empty(2 * CAND_MAX, cp.int32)
         self._finisher: Callable[[], None] | None = None  # the wait for a launch left running
         # the resident kernel (doorbell_topk): its control block in registered host memory,
         # its device words, its own stream; enabled by enable_doorbell()
@@ -245,8 +254,7 @@ class GpuIndex(Index):
                  kernels.expression("set_rows", t), kernels.expression("move_rows", t),
                  kernels.expression("get_rows", t), "fault_kernel"]  # fmt: skip
         exprs += [kernels.expression("scan_topk", t, self.tpr, qb, m) for qb in (1, 2, 4, 8)]
-        if self.dtype != "int8":
-            exprs.append(kernels.expression("doorbell_topk", t, self.tpr, m))
+        exprs.append(kernels.expression("doorbell_topk", t, self.tpr, m))
         if self.dtype == "float16":
             exprs += [kernels.expression("mma_filter", nt, m) for nt in _MMA_NT]
         try:
@@ -283,19 +291,23 @@ class GpuIndex(Index):
     def enable_doorbell(self, layout: Any, arena: Any) -> int:
         """Let the resident kernel answer batch-1 recalls from the registered segment (whose
         ``layout`` it is) with documents from ``arena``; returns the largest k it answers (0:
-        not available: turned off with ``KALOS_DOORBELL=0``, int8 storage, or no arena).
-        It starts at the first :meth:`resume_doorbell`."""
-        if not USE_DOORBELL or self.dtype == "int8" or arena is None or not self.seg_addr:
+        not available: turned off with ``KALOS_DOORBELL=0``, or no arena). With int8 storage it
+        scans ``RESCORE_FACTOR * k`` candidates and re-scores them from the float16 copy in
+        registered host memory, as the host path does. It starts at the first
+        :meth:`resume_doorbell`."""
+        if not USE_DOORBELL or arena is None or not self.seg_addr:
             self.doorbell_k = 0
             return 0
         self._bell_layout = layout
         self.arena_moved(arena)
         # (an ARENA_ENTRIES answer is 8 + 16 bytes per hit: it must fit the slot's blob)
         self.doorbell_k = min(DOORBELL_MAX_K, layout.max_k, (layout.blob_size - 8) // ENTRY_SIZE)
+        if self.exact is not None:  # int8: its candidates must fit the kernel's buffer
+            self.doorbell_k = min(self.doorbell_k, CAND_MAX // RESCORE_FACTOR)
         return self.doorbell_k
 
     def wants_arena(self) -> bool:
-        return USE_DOORBELL and self.dtype != "int8"
+        return USE_DOORBELL
 
     def arena_moved(self, arena: Any) -> None:
         """Register the arena's new row table for the resident kernel (which stops first).
@@ -352,10 +364,12 @@ class GpuIndex(Index):
         _BELL_CTL.pack_into(self._bell_mm, 0, 0, high, ns, lay.n_slots, self.seg_addr, lay.slot_offset(0),
                             lay.slot_size, lay.payload_offset, lay.rows_offset, lay.scores_offset,
                             lay.blob_offset, self.dim, self.doorbell_k, table + ARENA_HEADER_SIZE,
-                            arena_rows, self.doorbell_mode, arena_version)  # fmt: skip
+                            arena_rows, self.doorbell_mode, arena_version, self._exact_reg,
+                            RESCORE_FACTOR if self.exact is not None else 0, 0)  # fmt: skip
         self._bell_mm[_BELL_SERVED:_BELL_SERVED + 8 + _BELL_STAMPS.size] = bytes(8 + _BELL_STAMPS.size)
         cfg = np.frombuffer(self._bell_mm, np.uint8, _BELL_SERVED).copy()
-        kp = _pow2(self.doorbell_k)
+        # (int8: the merge's buffer holds the candidates, and rescore_exact's sums past its half)
+        kp = _pow2(self.doorbell_k * (RESCORE_FACTOR if self.exact is not None else 1))
         buf = self._buf(kp)
         smem = self._smem(1, buf)
         kern = kernels.get_kernel("doorbell_topk", self.ctype, self.tpr, self.metric)
@@ -375,10 +389,12 @@ class GpuIndex(Index):
             with self.device, self.bstream:
                 self.bell_words.fill(0)
                 self.bell_cfg.set(cfg, stream=self.bstream)
+                i8 = self.exact is not None
                 kern((grid,), (kernels.BLOCK,),
-                     (self.data, self.ns, self.sqnorm, self.params, self.qbuf, np.int32(self.ld),
-                      np.int32(buf), self.scratch_k, self.scratch_v, self.sync,
-                      np.uint64(self._bell_addr), self.bell_cfg, self.bell_words), shared_mem=smem)  # fmt: skip
+                     (self.data, self.ns, self.sqnorm, self.rowscale if i8 else np.uint64(0), self.params,
+                      self.qbuf, self.qbuf_i8, np.int32(self.ld), np.int32(buf), self.scratch_k,
+                      self.scratch_v, self.sync, np.uint64(self._bell_addr), self.bell_cfg,
+                      self.bell_words, self.bell_cand if i8 else np.uint64(0)), shared_mem=smem)  # fmt: skip
 
         self.stream.synchronize()  # nothing of ours still running on the other stream
         # Say so before the launch (~0.1 ms of host work): a client that rings meanwhile is
@@ -469,11 +485,35 @@ class GpuIndex(Index):
 
         self._check(grow)
         if self.exact is not None:
-            ex = np.zeros((cap, self.ld), np.float16)
+            self.pause_doorbell()  # (stopped already when rows change) it reads the old copy
+            ex, reg = self._new_exact(cap)
             ex[:old] = self.exact[:old]
-            self.exact = ex
+            self._drop_exact()
+            self.exact, self._exact_reg = ex, reg
         self.capacity = cap
         self.graphs.clear()  # they captured the old arrays' addresses
+
+    def _new_exact(self, cap: int) -> tuple[np.ndarray, int]:
+        """int8: a zeroed float16 copy of ``cap`` rows (``ld`` wide) in page-aligned host memory,
+        registered with the device (mapped) when the resident kernel may read it, which it does
+        for the rows of its candidates only (~1.5 KB each at 768-d). Returns it and its
+        registered address (0: not registered)."""
+        nbytes = cap * self.ld * 2
+        mm = mmap.mmap(-1, max(4096, -(-nbytes // 4096) * 4096))
+        arr = np.frombuffer(mm, np.float16, cap * self.ld).reshape(cap, self.ld)
+        if not (USE_DOORBELL and cap):
+            return arr, 0
+        addr = np.frombuffer(mm, np.uint8).ctypes.data
+        self._check(lambda: self.cp.cuda.runtime.hostRegister(addr, len(mm), 3))
+        return arr, addr
+
+    def _drop_exact(self) -> None:
+        """Unregister the float16 copy before its memory goes (an address reused by a later
+        mapping must not still be registered)."""
+        if self._exact_reg:
+            with contextlib.suppress(Exception):
+                self.cp.cuda.runtime.hostUnregister(self._exact_reg)
+            self._exact_reg = 0
 
     def set_rows(self, rows: np.ndarray, vectors: np.ndarray, ns: np.ndarray) -> None:
         if not len(rows):
@@ -1016,6 +1056,8 @@ class GpuIndex(Index):
             return
         self.detach_segment()
         self._closed = True
+        if self.exact is not None:
+            self._drop_exact()
         for addr in (self.desc_addr, self.cand_addr, self._bell_addr, self._arena_table[0]):
             if not addr:
                 continue
