@@ -44,7 +44,12 @@ def kernel_back(c, q) -> None:  # type: ignore[no-untyped-def]
             assert c._conn.doorbell_k() == 1024  # the header says so: clients ring it
             return
         c.recall(q, 1)
-    raise AssertionError("the resident kernel was not started by lone recalls")
+    idx = c.stats()["index"]
+    raise AssertionError(
+        "the resident kernel was not started by lone recalls: "
+        f"doorbell_k {idx['doorbell_k']}, launches {idx['doorbell_launches']}, served {idx['doorbell_served']}, "
+        f"the client sees an arena: {c._conn.arena() is not None}"  # dropped: recalls no longer count as lone
+    )
 
 
 def test_doorbell_recalls_are_exact_with_their_documents(start_sidecar) -> None:
