@@ -872,6 +872,21 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
 #define RESP_ARENA_DOCS 4
 #define FLAG_ARENA_ENTRIES 8  // with ARENA_DOCS (protocol v1.3): the arena version, then whole entries
 #define RESP_ARENA_ENTRIES 8
+// A slot's control words by 32-bit index (byte offset / 4: CTL_OFFSETS in
+// kalos_retrievers/protocol.py; tests/unit/test_kernel_constants.py checks them)
+#define W_SEQ 2          // u64
+#define W_OP 4
+#define W_FLAGS 5
+#define W_TOP_K 6
+#define W_N_ITEMS 7
+#define W_VEC_LEN 8      // u64
+#define W_ARGS_LEN 10    // u64
+#define W_REQUEST 12     // the words block 0 reads: state .. args_len
+#define W_RESP_SEQ 14    // u64
+#define W_STATUS 16
+#define W_N_RESULTS 17
+#define W_RESP_LEN 18    // u64
+#define W_RESP_FLAGS 20  // u64
 
 // In registered, mapped host memory. The host writes the first 128-byte line while the kernel
 // is stopped and copies it to the device before each launch (the kernel reads its settings
@@ -1158,23 +1173,24 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             // client rewriting them meanwhile must not split the block's decision. One load
             // per lane of warp 0, in flight together: read one after another, 12 words cost
             // ~14 us (S5-1, persistent_probe.py), each a PCIe round trip.
-            __shared__ unsigned int s_w[12];
+            __shared__ unsigned int s_w[W_REQUEST];
             __shared__ int s_ok;
             if (threadIdx.x < 32) {
                 __threadfence_system();  // the words after the state word that announced them
-                if (threadIdx.x < 12) s_w[threadIdx.x] = hload(reinterpret_cast<const unsigned int*>(sb) + threadIdx.x, mode);
+                if (threadIdx.x < W_REQUEST) s_w[threadIdx.x] = hload(reinterpret_cast<const unsigned int*>(sb) + threadIdx.x, mode);
                 __syncwarp();
             }
             if (threadIdx.x == 0) {
-                const u64 vec_len = (u64)s_w[8] | ((u64)s_w[9] << 32);
-                const u64 args_len = (u64)s_w[10] | ((u64)s_w[11] << 32);
-                s_ok = s_w[4] == OP_RECALL && (s_w[5] | FLAG_ARENA_ENTRIES) == (FLAG_ARENA_DOCS | FLAG_ARENA_ENTRIES) &&
-                       s_w[7] == 1 && args_len == 0 &&
-                       vec_len == 4ull * dim && s_w[6] >= 1 && (int)s_w[6] <= max_k && c_ns != -3;
+                const u64 vec_len = (u64)s_w[W_VEC_LEN] | ((u64)s_w[W_VEC_LEN + 1] << 32);
+                const u64 args_len = (u64)s_w[W_ARGS_LEN] | ((u64)s_w[W_ARGS_LEN + 1] << 32);
+                s_ok = s_w[W_OP] == OP_RECALL &&
+                       (s_w[W_FLAGS] | FLAG_ARENA_ENTRIES) == (FLAG_ARENA_DOCS | FLAG_ARENA_ENTRIES) &&
+                       s_w[W_N_ITEMS] == 1 && args_len == 0 && vec_len == 4ull * dim && s_w[W_TOP_K] >= 1 &&
+                       (int)s_w[W_TOP_K] <= max_k && c_ns != -3;
             }
             __syncthreads();
-            const unsigned int top_k = s_w[6];
-            const u64 seq = (u64)s_w[2] | ((u64)s_w[3] << 32);
+            const unsigned int top_k = s_w[W_TOP_K];
+            const u64 seq = (u64)s_w[W_SEQ] | ((u64)s_w[W_SEQ + 1] << 32);
             if (!s_ok) {
                 if (threadIdx.x == 0) {
                     hstore(reinterpret_cast<unsigned int*>(sb), (unsigned int)ST_REQUEST, mode);
@@ -1258,7 +1274,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 params->qnorm2[0] = (METRIC == METRIC_COSINE && ssq > 0.f) ? 1.f : ssq;
                 params->qscale[0] = qs;
                 bell[8] = top_k;
-                bell[3] = (unsigned int)slot | ((s_w[5] & FLAG_ARENA_ENTRIES) ? 0x80000000u : 0u);
+                bell[3] = (unsigned int)slot | ((s_w[W_FLAGS] & FLAG_ARENA_ENTRIES) ? 0x80000000u : 0u);
                 bell[4] = (unsigned int)seq;
                 bell[5] = (unsigned int)(seq >> 32);
             }
@@ -1347,14 +1363,14 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             __syncthreads();
             if (threadIdx.x == 0) {
                 unsigned int* w = reinterpret_cast<unsigned int*>(sb);
-                hstore(w + 14, __ldcg(bell + 4), mode);   // resp_seq (56)
-                hstore(w + 15, __ldcg(bell + 5), mode);
-                hstore(w + 16, 0u, mode);                 // status OK (64)
-                hstore(w + 17, (unsigned int)kk, mode);   // n_results (68)
-                hstore(w + 18, entries ? 8u + 16u * kk : 4u * kk, mode);  // resp_len (72)
-                hstore(w + 19, 0u, mode);
-                hstore(w + 20, (unsigned int)(RESP_ARENA_DOCS | (entries ? RESP_ARENA_ENTRIES : 0)), mode);  // resp_flags (80)
-                hstore(w + 21, 0u, mode);
+                hstore(w + W_RESP_SEQ, __ldcg(bell + 4), mode);
+                hstore(w + W_RESP_SEQ + 1, __ldcg(bell + 5), mode);
+                hstore(w + W_STATUS, 0u, mode);  // OK
+                hstore(w + W_N_RESULTS, (unsigned int)kk, mode);
+                hstore(w + W_RESP_LEN, entries ? 8u + 16u * kk : 4u * kk, mode);
+                hstore(w + W_RESP_LEN + 1, 0u, mode);
+                hstore(w + W_RESP_FLAGS, (unsigned int)(RESP_ARENA_DOCS | (entries ? RESP_ARENA_ENTRIES : 0)), mode);
+                hstore(w + W_RESP_FLAGS + 1, 0u, mode);
                 __threadfence_system();
                 hstore(w, (unsigned int)ST_RESPONSE, mode);  // last
                 if (mode & BELL_FENCE) __threadfence_system();

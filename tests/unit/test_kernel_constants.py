@@ -1,0 +1,149 @@
+"""The host's copies of what kernels/recall.cu defines: CI has no GPU, so a constant or a struct
+layout changed on one side only would otherwise be found on the H200, as a wrong answer or a
+hang. These tests read the CUDA source as text (no CuPy, no compiler) and compare it with the
+Python constants that mirror it: sizes and limits, the protocol's words the resident kernel
+reads and writes, and the byte layouts of ``BellCtl``, ``Desc`` and ``Params``.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import pytest
+from kalos_retrievers.sidecar import cuda_kernels, index, index_gpu
+
+from kalos_retrievers.protocol import CTL_OFFSETS, Flag, Metric, Op, RespFlag, SlotState
+
+SOURCE = cuda_kernels.source()
+
+_SIZES = {"int": 4, "unsigned int": 4, "float": 4, "u64": 8}
+
+
+def defines() -> dict[str, int]:
+    """Every ``#define NAME <integer>`` (the first definition of each name)."""
+    out: dict[str, int] = {}
+    for name, value in re.findall(r"^#define (\w+) \(?(-?\d+)\)?(?:\s|$)", SOURCE, re.M):
+        out.setdefault(name, int(value))
+    return out
+
+
+def struct_fields(name: str) -> list[tuple[str, int, int]]:
+    """(field, offset, size) of ``struct name`` as a C compiler lays it out (natural
+    alignment), for the field types the kernels use: int, float, u64, pointers, and arrays
+    of them sized by an integer or a ``#define``."""
+    body = re.search(rf"^struct {name} {{\n(.*?)^}};", SOURCE, re.M | re.S)
+    assert body is not None, f"struct {name} not found in kernels/recall.cu"
+    consts = defines()
+    fields, offset = [], 0
+    for line in body.group(1).splitlines():
+        decl = line.split("//")[0].strip()
+        if not decl:
+            continue
+        m = re.fullmatch(r"((?:const )?(?:unsigned )?\w+\s*\**)\s*(.+);", decl)
+        assert m is not None, f"cannot read {decl!r} in struct {name}"
+        ctype = m.group(1).strip()
+        size = 8 if ctype.endswith("*") else _SIZES[ctype]
+        for declarator in m.group(2).split(","):
+            field, count = declarator.strip(), 1
+            arr = re.fullmatch(r"(\w+)\[(\w+)\]", field)
+            if arr is not None:
+                field, dim = arr.groups()
+                count = int(dim) if dim.isdigit() else consts[dim]
+            offset = -(-offset // size) * size  # natural alignment
+            fields.append((field, offset, size * count))
+            offset += size * count
+    return fields
+
+
+def packed_offsets(fmt: str) -> list[int]:
+    """Offsets of each item of a little-endian ``struct`` format (no padding)."""
+    out, at = [], 0
+    for ch in fmt.lstrip("<"):
+        out.append(at)
+        at += struct.calcsize("<" + ch)
+    return out
+
+
+def test_sizes_and_limits_match() -> None:
+    d = defines()
+    assert d["KALOS_BLOCK"] == cuda_kernels.BLOCK
+    assert d["KALOS_MAXQ"] == index_gpu.MAXQ
+    assert d["MERGE_UNROLL"] == index_gpu.MERGE_UNROLL
+    assert d["KALOS_CAND_MAX"] == index_gpu.CAND_MAX
+    assert d["SELECT_GATHER"] == index_gpu.SELECT_GATHER
+    assert d["BELL_WORDS"] == index_gpu._BELL_WORDS
+    assert 3 * d["KALOS_MAXQ"] == index_gpu.SYNC_WORDS  # SYNC_WORDS (3 * KALOS_MAXQ)
+    assert d["NS_ANY"] == index.NS_ANY
+    # the int8 resident kernel's candidates (RESCORE_FACTOR x k) fit its buffer for every k it takes
+    assert d["KALOS_CAND_MAX"] >= index_gpu.RESCORE_FACTOR * index_gpu.DOORBELL_MAX_K
+
+
+def test_protocol_values_the_kernel_uses_match() -> None:
+    d = defines()
+    assert (d["ST_REQUEST"], d["ST_BUSY"], d["ST_RESPONSE"], d["ST_DOORBELL"]) == (
+        SlotState.REQUEST, SlotState.BUSY, SlotState.RESPONSE, SlotState.DOORBELL)  # fmt: skip
+    assert d["OP_RECALL"] == Op.RECALL
+    assert (d["FLAG_ARENA_DOCS"], d["FLAG_ARENA_ENTRIES"]) == (Flag.ARENA_DOCS, Flag.ARENA_ENTRIES)
+    assert (d["RESP_ARENA_DOCS"], d["RESP_ARENA_ENTRIES"]) == (RespFlag.ARENA_DOCS, RespFlag.ARENA_ENTRIES)
+    assert (d["METRIC_COSINE"], d["METRIC_IP"], d["METRIC_L2"]) == (Metric.COSINE, Metric.IP, Metric.L2)
+
+
+@pytest.mark.parametrize(
+    ("word", "field"),
+    [("W_SEQ", "seq"), ("W_OP", "op"), ("W_FLAGS", "flags"), ("W_TOP_K", "top_k"),
+     ("W_N_ITEMS", "n_items"), ("W_VEC_LEN", "vec_len"), ("W_ARGS_LEN", "args_len"),
+     ("W_RESP_SEQ", "resp_seq"), ("W_STATUS", "status"), ("W_N_RESULTS", "n_results"),
+     ("W_RESP_LEN", "resp_len"), ("W_RESP_FLAGS", "resp_flags")],
+)  # fmt: skip
+def test_the_slot_words_the_resident_kernel_reads_and_writes(word: str, field: str) -> None:
+    assert 4 * defines()[word] == CTL_OFFSETS[field]
+
+
+def test_the_kernel_reads_every_request_word_it_checks() -> None:
+    """Block 0 copies W_REQUEST words (state .. args_len) before it decides."""
+    assert 4 * defines()["W_REQUEST"] == CTL_OFFSETS["deadline_ns"]
+
+
+def test_bellctl_layout_matches_the_host_line() -> None:
+    fields = struct_fields("BellCtl")
+    fmt = index_gpu._BELL_CTL.format
+    items = fmt.lstrip("<")
+    host = fields[: len(items)]
+    # the host packs the leading fields in order, each at the C offset, with the C size
+    assert [off for _, off, _ in host] == packed_offsets(fmt)
+    assert [sz for _, _, sz in host] == [struct.calcsize("<" + ch) for ch in items]
+    names = [n for n, _, _ in fields]
+    at = {n: (off, sz) for n, off, sz in fields}
+    assert names[len(items)] == "pad0" or names[len(items)] == "host_pad"  # then only padding
+    assert at["served"][0] == index_gpu._BELL_SERVED  # the kernel's line starts at 128
+    assert at["host_pad"][0] + at["host_pad"][1] == index_gpu._BELL_SERVED
+    assert at["stamp"] == (index_gpu._BELL_SERVED + 8, index_gpu._BELL_STAMPS.size)
+    assert index_gpu._BELL_SERVED + 8 + index_gpu._BELL_STAMPS.size <= 4096  # its registered page
+
+
+def test_desc_and_params_layouts() -> None:
+    desc = {n: off for n, off, _ in struct_fields("Desc")}
+    head = ["n_queries", "k", "n_rows", "ns_id", "mask", "out_ld", "seq"]
+    assert [desc[n] for n in head] == packed_offsets(index_gpu._DESC_HEAD.format)
+    assert (desc["q"], desc["out_rows"], desc["out_scores"]) == (
+        index_gpu._DESC_Q, index_gpu._DESC_ROWS, index_gpu._DESC_SCORES)  # fmt: skip
+    last = struct_fields("Desc")[-1]
+    assert last[1] + last[2] == index_gpu._DESC_SIZE
+    params = struct_fields("Params")
+    assert params[-1][1] + params[-1][2] <= index_gpu._PARAMS_SIZE  # the device buffer holds it
+
+
+def test_the_reader_sees_a_changed_layout() -> None:
+    """The negative control: the parser is not vacuous (a field inserted moves the ones after)."""
+    global SOURCE
+    saved = SOURCE
+    try:
+        SOURCE = saved.replace("    int rescore;", "    int extra;\n    int rescore;", 1)
+        with pytest.raises(AssertionError):
+            test_bellctl_layout_matches_the_host_line()
+        SOURCE = saved.replace("#define BELL_WORDS 10", "#define BELL_WORDS 8", 1)
+        with pytest.raises(AssertionError):
+            test_sizes_and_limits_match()
+    finally:
+        SOURCE = saved
