@@ -240,7 +240,12 @@ class Dispatcher:
         and posts one batch's answers while the device searches for the next, and picks up new
         requests while the last one runs (it stays in flight until the next :meth:`poll`).
         With an index that searches synchronously there is nothing to overlap: each batch is
-        answered right after its search, as before."""
+        answered right after its search, as before, except a lone recall when the index has a
+        resident kernel (``lone``: int8 rows on a GPU, re-scored on the host). That answer waits
+        for the serve loop, which says the kernel runs before it answers (``settle``), as a
+        deferring index's does: answered here, the client's next request was often already
+        waiting when the serve loop came to start the kernel, so it did not (S10-6: 20 lone
+        recalls in a row left it stopped)."""
         prev, self._inflight = self._inflight, None
         if prev is not None and not prev.finished:
             self._finish(prev)
@@ -249,7 +254,7 @@ class Dispatcher:
         finally:  # the previous batch is answered even if this launch failed fatally
             if prev is not None:
                 self._answer_batch(prev)
-        if not self.service.index.defers:
+        if not self.service.index.defers and not self.lone:
             self.settle()
 
     def settle(self) -> int:

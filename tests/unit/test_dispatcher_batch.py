@@ -380,6 +380,42 @@ def test_doorbell_slots_are_ours_only_while_no_resident_kernel_runs(flags: int) 
     assert states[0] == states[2] == SlotState.RESPONSE
 
 
+def test_a_lone_recall_from_a_synchronous_index_is_answered_after_the_serve_loops_start() -> None:
+    """An index that searches synchronously (int8 rows on a GPU: the host re-scores) but has a
+    resident kernel: the answer of a lone recall the kernel could take waits for the serve
+    loop, which tells clients the kernel runs before it answers (its settle). Answered inside
+    poll(), the client's next request was often already waiting when the serve loop came to
+    start the kernel, which it then skipped: 20 lone recalls in a row once left the kernel
+    stopped (S10-6). A recall with its documents inline, never the kernel's, is answered at once."""
+    k, dim = 3, 5
+    lay, mm, svc, _, d, states, data = _arena_rig(n_slots=2, dim=dim, rows=40)
+    assert not svc.index.defers
+    svc.index.doorbell_k = 16  # type: ignore[misc]  # the index offers a resident kernel (stopped)
+    q = np.random.default_rng().standard_normal(dim).astype(np.float32)
+    off = lay.slot_offset(0)
+    np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q
+
+    def request(seq: int, flags: int) -> None:
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, flags, k, 1, 4 * dim, 0, 0)
+        states[0] = SlotState.REQUEST
+
+    request(1, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES)
+    assert d.poll() == 1 and d.lone == 1
+    assert states[0] == SlotState.BUSY and d.sems[0].posts == 0  # not yet: the serve loop's
+    assert d.settle() == 1 and states[0] == SlotState.RESPONSE and d.sems[0].posts == 1
+    got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset).tolist()
+    assert sorted(got) == sorted(np.argsort(-(data @ q))[:k].tolist())
+    request(2, 0)  # documents inline
+    assert d.poll() == 1 and d.lone == 0
+    assert states[0] == SlotState.RESPONSE and d.sems[0].posts == 2  # at once
+    d2 = _arena_rig(n_slots=1, dim=dim, rows=10)  # an index without a kernel (the CPU's): at once
+    np.frombuffer(d2.mm, np.float32, dim, d2.lay.slot_offset(0) + d2.lay.payload_offset)[:] = q
+    REQUEST_STRUCT.pack_into(d2.mm, d2.lay.slot_offset(0) + REQUEST_OFFSET, 1, Op.RECALL,
+                             Flag.ARENA_DOCS, k, 1, 4 * dim, 0, 0)  # fmt: skip
+    d2.states[0] = SlotState.REQUEST
+    assert d2.d.poll() == 1 and d2.d.lone == 0 and d2.states[0] == SlotState.RESPONSE
+
+
 @ARENA_FLAGS
 def test_a_batchs_documents_come_as_arena_generations_checked_in_numpy(flags: int) -> None:
     """A multi-query recall asking for arena documents is answered with one generation per hit
