@@ -108,11 +108,11 @@ class RowTable:
         except Exception:
             log.exception("the document arena cannot follow the row table; dropping it")
             self.arena = None
-            arena.close()
-            try:
+            try:  # first, while it is still mapped: the GPU backend unregisters its row table
                 self.on_arena_moved(0)
             except Exception:
                 log.exception("dropping the document arena")
+            arena.close()
 
     def remove(self, row: int) -> None:
         ns = int(self.ns_of[row])

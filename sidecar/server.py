@@ -304,10 +304,16 @@ class Server:
             return seg.mm
 
         def unlink(version: int) -> None:
+            # The name goes now; the map stays until the next move, as ArenaWriter keeps it:
+            # the GPU backend unregisters this version's row table after this (arena_moved),
+            # and a range must be unregistered while it is still mapped. Earlier versions go
+            # now (the writer closed their maps at this move; their tables were unregistered
+            # at the last one).
+            # (A version whose map the writer already closed, as it does when it is closed or
+            # dropped, goes now too: its open descriptor would keep its memory.)
             _ipc.unlink_segment(arena_name(name, version))
-            seg = self._arena_segs.pop(version, None)
-            if seg is not None:
-                seg.close()
+            for v in [v for v, seg in self._arena_segs.items() if v < version or seg.mm.closed]:
+                self._arena_segs.pop(v).close()
 
         try:
             self.arena = ArenaWriter(open_segment, unlink)

@@ -231,7 +231,13 @@ def test_a_failing_arena_is_dropped_and_the_row_table_keeps_its_change() -> None
     w = ArenaWriter(segs.open, segs.unlink, rows_cap=16, heap_size=4096)
     rows = RowTable()
     moved: list[int] = []
-    rows.arena, rows.on_arena_moved = w, moved.append
+    still_open: list[bool] = []
+
+    def on_moved(version: int) -> None:  # the sidecar unregisters the old row table here:
+        moved.append(version)  # its map must still be there (a range unregistered after
+        still_open.append(w.buf is not None and w.version > 0)  # it went could stay pinned)
+
+    rows.arena, rows.on_arena_moved = w, on_moved
     ns = rows.ns_id("", create=True)
     assert ns is not None
     rows.set(rows.allocate(), ns, "a", b"doc a", {}, 0.0)
@@ -244,6 +250,7 @@ def test_a_failing_arena_is_dropped_and_the_row_table_keeps_its_change() -> None
     row = rows.allocate()
     rows.set(row, ns, "b", b"x" * 10_000, {}, 0.0)  # needs a larger heap
     assert rows.arena is None and moved == [0]  # dropped, and the sidecar is told
+    assert still_open == [True]  # before the arena was closed
     assert rows.docs[row] == b"x" * 10_000 and rows.lookup(ns, "b") == row  # the write stands
     assert segs.live == {}  # its segment was removed
     rows.remove(row)  # and later changes do not touch it
