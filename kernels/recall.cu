@@ -414,7 +414,10 @@ __device__ float seed_bound(const float* kth, size_t stride, int nlists) {
 // ---- the global bound and the append lists (scan_topk) ------------------------------------
 //
 // `sync` (device memory, SYNC_WORDS ints, zero except the bounds) holds per query:
-//   ticket[q]  the blocks' "am I last?" counters ([0] here; one per query in topk_scores)
+//   ticket[q]  the blocks' "am I last?" counters ([0] here; one per query in topk_scores), and
+//              in scan_topk [1] the next row to hand out (KALOS_DYNAMIC_ROWS): topk_scores'
+//              ticket of query 1 too, which is safe only because launches on `sync` never
+//              overlap and each leaves its words at 0 (a word of its own is a next step)
 //   bound[q]   the best k-th score any finished block has published, as an ordered int
 //   count[q]   entries appended so far to query q's list
 // A block that finishes publishes its k-th score (atomicMax into the bound), then appends its

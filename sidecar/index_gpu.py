@@ -467,6 +467,13 @@ class GpuIndex(Index):
                     "(KALOS_GPU_MEMORY_LIMIT)"
                 )
         cp, old = self.cp, self.capacity
+        ex: np.ndarray | None = None
+        reg = 0
+        if self.exact is not None:
+            # int8's float16 copy first: registering it pins it and can fail, and nothing may
+            # have changed then (the device arrays below are swapped in as they are made)
+            self.pause_doorbell()  # (stopped already when rows change) it reads the old copy
+            ex, reg = self._new_exact(cap)
 
         def grow() -> None:
             with self.device, self.stream:
@@ -483,10 +490,14 @@ class GpuIndex(Index):
                 self.stream.synchronize()
             self.data, self.ns, self.sqnorm, self.rowscale = data, ns, sq, rs
 
-        self._check(grow)
-        if self.exact is not None:
-            self.pause_doorbell()  # (stopped already when rows change) it reads the old copy
-            ex, reg = self._new_exact(cap)
+        try:
+            self._check(grow)
+        except BaseException:
+            if reg:
+                with contextlib.suppress(Exception):
+                    cp.cuda.runtime.hostUnregister(reg)
+            raise
+        if ex is not None and self.exact is not None:
             ex[:old] = self.exact[:old]
             self._drop_exact()
             self.exact, self._exact_reg = ex, reg
