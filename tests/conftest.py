@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,9 +55,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Keep each phase's report on the test item (``start_sidecar`` reads whether the test
+    failed). (An old-style wrapper: the GPU machine's pytest may predate ``wrapper=True``.)"""
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"rep_{rep.when}", rep)
+
+
 @pytest.fixture
-def start_sidecar() -> Iterator[Callable[..., Sidecar]]:
-    """Factory: ``start_sidecar(dim=..., device="cpu", ...)`` -> a started :class:`Sidecar`."""
+def start_sidecar(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sidecar]]:
+    """Factory: ``start_sidecar(dim=..., device="cpu", ...)`` -> a started :class:`Sidecar`.
+
+    When the test failed, the end of each of its sidecars' logs is printed at teardown (pytest
+    shows it with the failure): a sidecar that exits cleanly removes its log, and on the GPU
+    machine that log is often the only account of what the sidecar did."""
     started: list[Sidecar] = []
 
     def start(**kw: Any) -> Sidecar:
@@ -69,6 +83,10 @@ def start_sidecar() -> Iterator[Callable[..., Sidecar]]:
         return sc.start()
 
     yield start
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for sc in started:
+            print(f"--- the last lines of sidecar {sc.name}'s log ---\n{sc.log_tail(80)}", file=sys.stderr)
     for sc in started:
         sc.stop()
         sc.log_path.unlink(missing_ok=True)
