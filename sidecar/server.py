@@ -28,6 +28,7 @@ import signal
 import struct
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -304,15 +305,8 @@ class Server:
             return seg.mm
 
         def unlink(version: int) -> None:
-            # The name goes now; the map stays until the next move, as ArenaWriter keeps it:
-            # the GPU backend unregisters this version's row table after this (arena_moved),
-            # and a range must be unregistered while it is still mapped. Earlier versions go
-            # now (the writer closed their maps at this move; their tables were unregistered
-            # at the last one).
-            # (A version whose map the writer already closed, as it does when it is closed or
-            # dropped, goes now too: its open descriptor would keep its memory.)
             _ipc.unlink_segment(arena_name(name, version))
-            for v in [v for v, seg in self._arena_segs.items() if v < version or seg.mm.closed]:
+            for v in arena_segments_to_close(self._arena_segs, version):
                 self._arena_segs.pop(v).close()
 
         try:
@@ -709,6 +703,24 @@ class Server:
             seg.close()
         self._arena_segs.clear()
         log.info("stopped")
+
+
+def arena_segments_to_close(segs: Mapping[int, Any], version: int) -> list[int]:
+    """The arena versions whose segments go when the writer unlinks ``version`` (its name goes
+    at once). ``segs``: version -> an open ``_ipc.Segment``.
+
+    * A move (``version``, the old one, is still mapped: the writer keeps it until the next
+      move, because the GPU backend unregisters its row table after this call and a range must
+      be unregistered while it is still mapped): the versions before it, whose maps the writer
+      closed at this move and whose tables were unregistered at the last one.
+    * Otherwise the writer closed ``version``'s map first: the arena was closed or dropped, or
+      a new version failed half-written. Then ``version`` and every version whose map is
+      closed go, and nothing else (a failed new version leaves the current one in use).
+    """
+    seg = segs.get(version)
+    if seg is not None and not seg.mm.closed:
+        return [v for v in segs if v < version]
+    return [v for v, s in segs.items() if v == version or s.mm.closed]
 
 
 _IDLE_WAIT_NS = 50_000_000  # longest doorbell wait: housekeeping and stop run between waits

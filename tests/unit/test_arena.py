@@ -270,3 +270,32 @@ def test_a_version_that_fails_half_written_is_removed_and_the_old_one_stays() ->
         w.put(2, b"y" * 10_000)  # needs version 2
     assert list(segs.live) == [1] and w.version == 1  # version 2 is gone, 1 is still current
     assert bytes(view(w).get(1, g)) == b"one"  # type: ignore[arg-type]
+
+
+class _Map:
+    def __init__(self) -> None:
+        self.closed = False
+
+
+class _Seg:
+    def __init__(self) -> None:
+        self.mm = _Map()
+
+
+def test_the_server_keeps_a_moved_versions_map_until_the_next_move() -> None:
+    """Which arena segments the sidecar closes when the writer unlinks a version (server.py):
+    after a move the old version stays mapped (the GPU backend unregisters its row table after
+    the unlink, and a registered range must still be mapped then) and the ones before it go;
+    when the writer closed the version itself (closed, dropped, or a new version that failed
+    half-written) that version and any other closed one go, never the one still in use."""
+    from kalos_retrievers.sidecar.server import arena_segments_to_close as to_close
+
+    segs = {v: _Seg() for v in (3, 4, 5)}  # 5 current, 4 retired (mapped), 3 retired before it
+    segs[3].mm.closed = True  # the writer closed 3's map as it moved from 4 to 5
+    assert to_close(segs, 4) == [3]  # 4 was unlinked by the move: it stays, 3 goes
+    segs6 = {**segs, 6: _Seg()}
+    segs6[6].mm.closed = True  # version 6 failed half-written: the writer closed and unlinks it
+    assert to_close(segs6, 6) == [3, 6]  # 4 and 5 (in use) stay
+    segs[4].mm.closed = segs[5].mm.closed = True  # the arena closed (or dropped): all maps closed
+    assert to_close(segs, 5) == [3, 4, 5]
+    assert to_close({}, 1) == []
