@@ -39,10 +39,11 @@
 // Candidates each thread loads per round in the merges and in topk_scores. A candidate buffer
 // must hold k plus one round: the host sizes it as pow2(pow2(k) + MERGE_UNROLL * KALOS_BLOCK).
 #define MERGE_UNROLL 4
-// blocks' maxima each lane of kth_of_maxima holds: grids of up to 32 x this many blocks
-#define MAXIMA_PER_LANE 24
+// blocks' maxima each lane of kth_of_maxima holds: grids of up to 32 x this many blocks (640;
+// the H200's largest is 4 x 132 = 528; 24 made the int8 resident kernel spill)
+#define MAXIMA_PER_LANE 20
 #define KALOS_CAND_MAX 4096      // most int8 candidates per query (CAND_MAX in sidecar/index_gpu.py)
-// 1: the scan's blocks take their rows a round at a time from a counter (sync word 1), so a
+// 1: the scan's blocks take their rows a round at a time from a counter (sync_rows), so a
 // block slowed by its neighbours takes fewer rounds and the blocks finish together; 0: a fixed
 // grid-stride share each (S9-6: at 1M rows the blocks' scans ended 15-88 us apart).
 #ifndef KALOS_DYNAMIC_ROWS
@@ -414,18 +415,18 @@ __device__ float seed_bound(const float* kth, size_t stride, int nlists) {
 // ---- the global bound and the append lists (scan_topk) ------------------------------------
 //
 // `sync` (device memory, SYNC_WORDS ints, zero except the bounds) holds per query:
-//   ticket[q]  the blocks' "am I last?" counters ([0] here; one per query in topk_scores), and
-//              in scan_topk [1] the next row to hand out (KALOS_DYNAMIC_ROWS): topk_scores'
-//              ticket of query 1 too, which is safe only because launches on `sync` never
-//              overlap and each leaves its words at 0 (a word of its own is a next step)
+//   ticket[q]  the blocks' "am I last?" counters ([0] here; one per query in topk_scores)
 //   bound[q]   the best k-th score any finished block has published, as an ordered int
 //   count[q]   entries appended so far to query q's list
+// and after them one word: scan_topk's next row to hand out (KALOS_DYNAMIC_ROWS). (It was
+// ticket[1], topk_scores' ticket of query 1, until session 11: safe only while launches on
+// `sync` never overlapped.)
 // A block that finishes publishes its k-th score (atomicMax into the bound), then appends its
 // entries that reach the bound as it then stands (its list is sorted, so a prefix); see
 // append_list for why that loses nothing. Blocks that finish late append little, and the last
 // block merges one short list instead of every block's k (which cost several dependent rounds
 // of L2 loads). The last block resets count and bound for the next launch.
-#define SYNC_WORDS (3 * KALOS_MAXQ)
+#define SYNC_WORDS (3 * KALOS_MAXQ + 1)
 
 __device__ __forceinline__ int f2ord(float f) {
     int i = __float_as_int(f);
@@ -435,7 +436,7 @@ __device__ __forceinline__ float ord2f(int i) { return __int_as_float(i >= 0 ? i
 __device__ __forceinline__ int* sync_bound(unsigned int* sync) { return reinterpret_cast<int*>(sync) + KALOS_MAXQ; }
 __device__ __forceinline__ int* sync_count(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 2 * KALOS_MAXQ; }
 // the next row to hand out (KALOS_DYNAMIC_ROWS); the last block puts it back to 0
-__device__ __forceinline__ int* sync_rows(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 1; }
+__device__ __forceinline__ int* sync_rows(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 3 * KALOS_MAXQ; }
 __device__ __forceinline__ float read_bound(unsigned int* sync, int q) {
     return ord2f(*reinterpret_cast<volatile int*>(sync_bound(sync) + q));
 }
@@ -522,41 +523,81 @@ __device__ void append_list(const float* key, const int* val, int n, int k, int 
 }
 
 // The k-th largest of the blocks' maxima (one per block, -inf for a block without
-// candidates), for k <= 32, by warp 0 (the other threads wait at the caller's barrier): k
-// distinct rows score at least that much, so the true k-th does too, and it is a bound as
-// valid as the best block's k-th and much closer to the answer (the best block's k-th let
-// ~800-1,600 keys through to a 4-5 µs select at 1M rows, S9-6). -inf when fewer than k
-// blocks have candidates.
+// candidates), by warp 0 (the other threads wait at the caller's barrier): k distinct rows
+// score at least that much, so the true k-th does too, and it is a bound as valid as the best
+// block's k-th and much closer to the answer (the best block's k-th let ~800-1,600 keys
+// through to a 4-5 µs select at 1M rows, S9-6). -inf when fewer than k blocks have candidates.
+//
+// Two ways, by the kernel's storage (maxima_k_max):
+// * float rows, k <= 32: the warp takes its largest k times (~3.4 µs at k = 10, S9-7).
+// * int8 rows, k <= 128 (its merges take 4 x k candidates): a bitwise search over the ordered
+//   bit patterns, the largest pattern with at least k maxima at or above it being the k-th
+//   largest: 32 rounds of one warp-wide count whatever k is. Without it int8's 40 candidates
+//   had no such bound and their merge took ~40 µs (S10-3); with it ~16 (S11-2). The float
+//   kernels keep the loop: built with the search (and int8's early scale load, below) the
+//   resident float16 kernel took 5-12 µs longer at 1M rows, though its merge's tail stayed
+//   within ~1 µs (S11-2, S11-3: the code around the scan was compiled differently). Their
+//   machine code is now the build measured at 370 µs (S11-3), checked with cuobjdump.
+__device__ __forceinline__ unsigned int warp_sum(unsigned int v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_add_sync(0xffffffffu, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+#endif
+}
+__host__ __device__ constexpr int maxima_k_max(bool search) { return search ? 128 : 32; }
+template <bool SEARCH>
 __device__ float kth_of_maxima(const float* maxima, int n, int k) {
-    float v[MAXIMA_PER_LANE];
     const int lane = threadIdx.x & 31;
+    if constexpr (SEARCH) {
+        unsigned int u[MAXIMA_PER_LANE];  // ascending as unsigned
 #pragma unroll
-    for (int j = 0; j < MAXIMA_PER_LANE; j++) {
-        const int i = j * 32 + lane;
-        v[j] = i < n ? __ldcg(maxima + i) : neg_inf();
-    }
-    float t = neg_inf();
-    for (int r = 0; r < k; r++) {  // take the warp's largest k times
-        float m = v[0];
-        int at = 0;
-#pragma unroll
-        for (int j = 1; j < MAXIMA_PER_LANE; j++)
-            if (v[j] > m) { m = v[j]; at = j; }
-        float w = m;
-        for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
-        const unsigned int who = __ballot_sync(0xffffffffu, m == w);
-        if (lane == __ffs(who) - 1) {  // one lane gives up its largest
-#pragma unroll
-            for (int j = 0; j < MAXIMA_PER_LANE; j++)
-                if (j == at) v[j] = neg_inf();
+        for (int j = 0; j < MAXIMA_PER_LANE; j++) {
+            const int i = j * 32 + lane;
+            u[j] = (unsigned int)f2ord(i < n ? __ldcg(maxima + i) : neg_inf()) ^ 0x80000000u;
         }
-        t = w;
+        unsigned int t = 0u;  // 32 x MAXIMA_PER_LANE >= k patterns are at or above it
+#pragma unroll 1
+        for (int bit = 31; bit >= 0; bit--) {
+            const unsigned int c = t | (1u << bit);
+            unsigned int m = 0u;
+#pragma unroll
+            for (int j = 0; j < MAXIMA_PER_LANE; j++) m += u[j] >= c ? 1u : 0u;
+            if (warp_sum(m) >= (unsigned int)k) t = c;  // warp-uniform
+        }
+        return ord2f((int)(t ^ 0x80000000u));
+    } else {
+        float v[MAXIMA_PER_LANE];
+#pragma unroll
+        for (int j = 0; j < MAXIMA_PER_LANE; j++) {
+            const int i = j * 32 + lane;
+            v[j] = i < n ? __ldcg(maxima + i) : neg_inf();
+        }
+        float t = neg_inf();
+        for (int r = 0; r < k; r++) {  // take the warp's largest k times
+            float m = v[0];
+            int at = 0;
+#pragma unroll
+            for (int j = 1; j < MAXIMA_PER_LANE; j++)
+                if (v[j] > m) { m = v[j]; at = j; }
+            float w = m;
+            for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
+            const unsigned int who = __ballot_sync(0xffffffffu, m == w);
+            if (lane == __ffs(who) - 1) {  // one lane gives up its largest
+#pragma unroll
+                for (int j = 0; j < MAXIMA_PER_LANE; j++)
+                    if (j == at) v[j] = neg_inf();
+            }
+            t = w;
+        }
+        return t;
     }
-    return t;
 }
 
 // The last block: merge query q's appended list, write the answer, reset q's words.
-template <int QB>
+// SEARCH: how kth_of_maxima finds its bound.
+template <int QB, bool SEARCH>
 __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsigned int* sync,
                                const float* ak, const int* av, int cap, const float* maxima) {
     __shared__ float s_b2;
@@ -564,7 +605,7 @@ __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsi
     const int total = *reinterpret_cast<volatile int*>(sync_count(sync) + q);
     if (threadIdx.x == 0) { c.cnt[q] = 0; c.thr[q] = neg_inf(); }
     if (maxima != nullptr && threadIdx.x < 32) {  // block-uniform condition
-        const float b2 = kth_of_maxima(maxima, gridDim.x, k);
+        const float b2 = kth_of_maxima<SEARCH>(maxima, gridDim.x, k);
         if (threadIdx.x == 0) s_b2 = b2;
     }
     __syncthreads();
@@ -751,6 +792,13 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
         float acc[QB];
 #pragma unroll
         for (int q = 0; q < QB; q++) acc[q] = 0.f;
+        // int8: the row's scale, loaded before its bytes so that its latency hides behind
+        // theirs rather than following the dot product (as in the int8 build measured at
+        // 244 µs in S11-3; its share alone was not isolated). Float rows: code unchanged.
+        float rs = 1.f;
+        if constexpr (Vec<T>::INT8) {
+            if (ok && lane == 0) rs = __ldg(rowscale + row);
+        }
         if (ok) {
             // all of a thread's loads for up to UNROLL chunks are in flight before the first use
             // 8, not 16: 16 loads in flight per thread cost registers, hence blocks per SM
@@ -784,7 +832,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
             for (int q = 0; q < QB; q++) {
                 if (q >= nq) break;
                 float s = acc[q];
-                if (rowscale != nullptr) s *= rowscale[row] * p->qscale[q];
+                if (rowscale != nullptr) s *= (Vec<T>::INT8 ? rs : rowscale[row]) * p->qscale[q];
                 if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(p->qnorm2[q] + sqnorm[row] - 2.f * s, 0.f));
                 if (!(KALOS_PROBE & PROBE_NO_OFFERS) || s > 1e30f) c.offer(q, s, row);  // keeps the loads live
             }
@@ -803,9 +851,12 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     // this block's best k per query -> the appended lists; the last block merges them
     const int cap = gridDim.x * k;
     // each block's best score per query, after the lists (QB * cap entries): a second bound
-    // for the merge (kth_of_maxima), for k <= 32 and grids a warp's registers hold. The host
-    // sizes scratch_k for FUSED_MAX_Q x max_grid x 1024 entries: QB * grid * (k + 1) fits.
-    float* maxima = (k <= 32 && (int)gridDim.x <= 32 * MAXIMA_PER_LANE) ? scratch_k + (size_t)QB * cap : nullptr;
+    // for the merge (kth_of_maxima), for k <= maxima_k_max and grids a warp's registers hold.
+    // The host sizes scratch_k for FUSED_MAX_Q x max_grid x 1024 entries: QB * grid * (k + 1)
+    // fits.
+    constexpr bool search = Vec<T>::INT8;
+    float* maxima = (k <= maxima_k_max(search) && (int)gridDim.x <= 32 * MAXIMA_PER_LANE) ? scratch_k + (size_t)QB * cap
+                                                                                          : nullptr;
     for (int q = 0; q < QB; q++) {
         compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
         if (KALOS_PROBE & PROBE_NO_APPEND) continue;
@@ -827,8 +878,8 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
         return -1;
     }
     for (int q = 0; q < nq && q < QB; q++)
-        merge_appended(c, p, q, k, sync, scratch_k, scratch_v, cap,
-                       maxima == nullptr ? nullptr : maxima + (size_t)q * gridDim.x);
+        merge_appended<QB, search>(c, p, q, k, sync, scratch_k, scratch_v, cap,
+                                   maxima == nullptr ? nullptr : maxima + (size_t)q * gridDim.x);
     return c.cnt[0];
 }
 

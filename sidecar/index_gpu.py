@@ -76,7 +76,7 @@ USE_THRESHOLD_TOPK: Final = os.environ.get("KALOS_THRESHOLD_TOPK", "1") != "0"
 CAND_CAP: Final = 8192
 TAU_SAMPLE_MAX: Final = 16384
 SELECT_GATHER: Final = 2048  # as in kernels/recall.cu
-SYNC_WORDS: Final = 3 * MAXQ  # as in kernels/recall.cu: tickets, bounds, counts per query
+SYNC_WORDS: Final = 3 * MAXQ + 1  # as in kernels/recall.cu: tickets, bounds, counts per query; next row
 _NEG_INF_ORD: Final = int(np.array([-np.inf], np.float32).view(np.int32)[0]) ^ 0x7FFFFFFF
 GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, grid)
 RESCORE_FACTOR: Final = 4
