@@ -1039,82 +1039,85 @@ __device__ __forceinline__ u64 global_ns() {
 // Device words (zeroed by the host before each launch): [0] gen, [1] done, [2] stop seen,
 // [3] the slot in hand (bit 31: the request asked for ARENA_ENTRIES), [4..5] its seq, [6] requests
 // answered since the launch, [7] blocks returned, [8] the request's k (int8: the scan looks for
-// more candidates than that), [9] unused.
-#define BELL_WORDS 10
+// more candidates than that); int8: [9] the request whose candidates are handed out for
+// re-scoring (its number, counted as `seen`), [10] how many, [11] how many are re-scored.
+#define BELL_WORDS 12
 
 __device__ __forceinline__ unsigned int vload(const unsigned int* p) {
     return *reinterpret_cast<const volatile unsigned int*>(p);
 }
 
-// int8 storage, the resident kernel's last block: the n candidates of the int8 scan (rows in
-// val[0, n), best first by their quantized score) get exact scores from the float16 copy of
-// their rows in registered host memory (row r at exact + 2 * ld * r bytes), as the sidecar's
-// host path does (_rescore in sidecar/index_gpu.py), and are sorted by them: key/val[0, n)
-// then hold the exact order. The float query is in q (shared memory, ld floats, zero past dim).
-// Each candidate's 16-byte chunks are padded to whole warps, so every warp's 32 loads belong to
-// one candidate and its partial sums meet by shuffles, one shared-memory add per warp (an add
-// per thread into one word per candidate cost ~50 us at 40 candidates, this ~13.6: S10-3,
-// S10-5). U loads per thread are in flight together (40 candidates of 768-d: 3,840 loads, two
-// waves of 256 x 8). The sums go past half the buffer (free: the
-// merge's buffer holds 2 x kc entries at least, see _buf in index_gpu.py).
+// int8 storage, the resident kernel: the n candidates of the int8 scan (rows in cand[0, n),
+// best first by their quantized score) get exact scores from the float16 copy of their rows in
+// registered host memory (row r at exact + 2 * ld * r bytes), as the sidecar's host path does
+// (_rescore in sidecar/index_gpu.py). Every block of the grid takes part, a candidate per block
+// in turn: block b loads candidate b's row (one 16-byte chunk per thread for rows up to 2,048
+// dimensions), and its dot product with the float query (qbuf, ld floats, zero past dim) and
+// the row's sum of squares go to sums[i] and sums[CAND_MAX + i]; then the block counts it done
+// (atomicAdd on `done`). All threads of the block call it.
+//
+// Why the grid and not the last block alone: host memory is read over PCIe, and one block's
+// loads of 40 rows took 13.6 µs (S10-5: ~6 round trips; one SM keeps only so many reads in
+// flight), where 40 blocks each read one row in about one round trip.
 template <int METRIC>
-__device__ void rescore_exact(float* key, int* val, int n, int half, const float* q, u64 exact, int ld,
-                              float qnorm2, int mode) {
-    float* dot = key + half;
-    float* sqx = reinterpret_cast<float*>(val + half);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) { dot[i] = 0.f; sqx[i] = 0.f; }
-    __syncthreads();
-    const int chunks = ld / 8;                // 8 halves per 16 bytes (ld: a multiple of 16 for int8 rows)
-    const int cpad = (chunks + 31) & ~31;     // a candidate's chunks, in whole warps
-    const int total = n * cpad;
-    const int lane = threadIdx.x & 31;
-    constexpr int U = 8;
-    for (int base = 0; base < total; base += U * blockDim.x) {  // blockDim.x: a multiple of 32
-        uint4 v[U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int t = base + u * blockDim.x + threadIdx.x;
-            const int i = t / cpad, ch = t - i * cpad;
-            v[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (i < n && ch < chunks) {
-                // (with the kernel's uncached host loads: loads through L2 or the read-only
-                // path took as long, S10-4/S10-5)
-                v[u] = hload4(reinterpret_cast<const void*>(exact + 2ull * ld * (u64)val[i] + 16ull * ch), mode);
-            }
+__device__ void rescore_share(const int* cand, int n, const float* qbuf, u64 exact, int ld, int mode,
+                              float* sums, unsigned int* done) {
+    __shared__ float s_d[KALOS_BLOCK / 32], s_s[KALOS_BLOCK / 32];
+    const int chunks = ld / 8;  // 8 halves per 16 bytes (ld: a multiple of 16 for int8 rows)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int i = blockIdx.x; i < n; i += gridDim.x) {
+        const u64 row = exact + 2ull * ld * (u64)__ldcg(cand + i);
+        float d = 0.f, sq = 0.f;
+        for (int ch = threadIdx.x; ch < chunks; ch += blockDim.x) {
+            const uint4 v = hload4(reinterpret_cast<const void*>(row + 16ull * ch), mode);
+            const float4 qa = __ldcg(reinterpret_cast<const float4*>(qbuf + 8 * ch));
+            const float4 qb = __ldcg(reinterpret_cast<const float4*>(qbuf + 8 * ch + 4));
+            const __half2* h = reinterpret_cast<const __half2*>(&v);
+            const float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]);
+            const float2 f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+            d += f0.x * qa.x + f0.y * qa.y + f1.x * qa.z + f1.y * qa.w
+               + f2.x * qb.x + f2.y * qb.y + f3.x * qb.z + f3.y * qb.w;
+            if (METRIC == METRIC_L2)
+                sq += f0.x * f0.x + f0.y * f0.y + f1.x * f1.x + f1.y * f1.y
+                    + f2.x * f2.x + f2.y * f2.y + f3.x * f3.x + f3.y * f3.y;
         }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int t = base + u * blockDim.x + threadIdx.x;
-            const int i = t / cpad, ch = t - i * cpad;  // i: the same in all 32 lanes of a warp
-            if (i >= n) continue;                       // warp-uniform
-            float d = 0.f, s = 0.f;
-            if (ch < chunks) {
-                const __half2* h = reinterpret_cast<const __half2*>(&v[u]);
-                const float* qc = q + 8 * ch;
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float2 f = __half22float2(h[j]);
-                    d += f.x * qc[2 * j] + f.y * qc[2 * j + 1];
-                    s += f.x * f.x + f.y * f.y;
-                }
-            }
-            for (int o = 16; o > 0; o >>= 1) {
-                d += __shfl_xor_sync(0xffffffffu, d, o);
-                if (METRIC == METRIC_L2) s += __shfl_xor_sync(0xffffffffu, s, o);
-            }
-            if (lane == 0) {
-                atomicAdd(dot + i, d);
-                if (METRIC == METRIC_L2) atomicAdd(sqx + i, s);
-            }
+        for (int o = 16; o > 0; o >>= 1) {
+            d += __shfl_xor_sync(0xffffffffu, d, o);
+            if (METRIC == METRIC_L2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
         }
+        if (lane == 0) { s_d[warp] = d; s_s[warp] = sq; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float td = 0.f, ts = 0.f;
+            for (int w = 0; w < KALOS_BLOCK / 32; w++) { td += s_d[w]; ts += s_s[w]; }
+            sums[i] = td;
+            sums[KALOS_CAND_MAX + i] = ts;
+            __threadfence();  // the sums before the count
+            atomicAdd(done, 1u);
+        }
+        __syncthreads();  // s_d and s_s free for the next candidate
+    }
+}
+
+// The last block, once `done` counts all n candidates: their exact scores (as the scan scores
+// rows: L2 as minus the distance) into key[0, n) with their rows in val, sorted best first.
+// key/val hold next_pow2(n) entries (the merge's buffer: see _buf in index_gpu.py). All
+// threads of the block call it; it puts `done` back to 0.
+template <int METRIC>
+__device__ void rescored_order(float* key, int* val, int n, const int* cand, const float* sums, float qnorm2,
+                               unsigned int* done) {
+    if (threadIdx.x == 0) {
+        while (vload(done) != (unsigned int)n) { }
+        atomicExch(done, 0u);  // every block has counted: nothing adds to it before the next hand-out
     }
     __syncthreads();
     const int p = next_pow2(n < 2 ? 2 : n);
     for (int i = threadIdx.x; i < p; i += blockDim.x) {
         if (i < n) {
-            float s = dot[i];
-            if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(qnorm2 + sqx[i] - 2.f * s, 0.f));
+            float s = __ldcg(sums + i);
+            if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(qnorm2 + __ldcg(sums + KALOS_CAND_MAX + i) - 2.f * s, 0.f));
             key[i] = s;
+            val[i] = __ldcg(cand + i);
         } else {
             key[i] = neg_inf();
             val[i] = 0x7fffffff;
@@ -1362,19 +1365,39 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
         __syncthreads();
         int kk = scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8, ld, buf,
                                               scratch_k, scratch_v, sync, smem);
+        if constexpr (Vec<T>::INT8) {
+            // the candidates' exact scores, by every block (rescore_share). The last block
+            // hands them out once the merge has written them to `cand`; the others wait.
+            if (kk >= 0) {
+                if (threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
+                __threadfence();  // this block's writes of cand, before the hand-out
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    bell[10] = (unsigned int)kk;
+                    __threadfence();
+                    atomicExch(bell + 9, seen);
+                }
+            } else {
+                if (threadIdx.x == 0) {
+                    while (vload(bell + 9) != seen) { }
+                }
+                __syncthreads();
+            }
+            const int n = (int)vload(bell + 10);
+            float* sums = reinterpret_cast<float*>(cand + 2 * KALOS_CAND_MAX);
+            rescore_share<METRIC>(cand, n, qbuf, exact, ld, mode, sums, bell + 11);
+            if (kk < 0) continue;  // not the last block: back to the wait for the next request
+            rescored_order<METRIC>(smem + ld, reinterpret_cast<int*>(smem + ld + buf), n, cand, sums, sp.qnorm2[0],
+                                   bell + 11);
+            kk = n;
+        }
         if (kk >= 0) {  // the last block: the rows are in its candidate buffer, sorted
-            if (threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
+            if (!Vec<T>::INT8 && threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
             int* vals = reinterpret_cast<int*>(smem + ld + buf);
             const unsigned int hand = __ldcg(bell + 3);
             const u64 sb = seg + slot0 + (u64)(hand & 0x7FFFFFFFu) * slot_size;
-            if constexpr (Vec<T>::INT8) {
-                // the candidates' exact scores, then the best k into the slot (the merge wrote
-                // the candidates to `cand`). The scan is over: its query bytes make way for the
-                // float query.
-                float* keys = smem + ld;
-                for (int i = threadIdx.x; i < ld; i += blockDim.x) smem[i] = __ldcg(qbuf + i);
-                __syncthreads();
-                rescore_exact<METRIC>(keys, vals, kk, buf / 2, smem, exact, ld, sp.qnorm2[0], mode);
+            if constexpr (Vec<T>::INT8) {  // the best k of the re-scored candidates into the slot
+                const float* keys = smem + ld;
                 const int top_k = (int)__ldcg(bell + 8);
                 kk = min(kk, top_k);
                 int* orow = reinterpret_cast<int*>(sb + rows_off);

@@ -94,7 +94,7 @@ _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # st.global.wt (2), a system fence after the RESPONSE word (4), ld/st.relaxed.sys otherwise (8).
 # KALOS_DOORBELL_MODE picks them (benchmarks/doorbell_probe.py --modes compares them).
 DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7"))
-_BELL_WORDS: Final = 10  # BELL_WORDS in kernels/recall.cu
+_BELL_WORDS: Final = 12  # BELL_WORDS in kernels/recall.cu
 DOORBELL_MAX_K: Final = 1024
 # On by default since session 5 (docs/gpu-notes.md): a 100k recall through the resident kernel
 # takes ~70 us in process (the graph path ~80 us plus the sidecar's Python), starting it ~0.1
@@ -213,9 +213,10 @@ class GpuIndex(Index):
         self.graphs: dict[tuple[int, ...], Any] = {}
         if dtype == "int8":
             self.exact, self._exact_reg = self._new_exact(0)
-            # the resident kernel's int8 candidates (rows, then scores): device memory
+            # the resident kernel's int8 candidates (rows, quantized scores, then the exact
+            # re-scoring's dot products and sums of squares): device memory
             with self.device:
-                self.bell_cand = cp.empty(2 * CAND_MAX, cp.int32)
+                self.bell_cand = cp.empty(4 * CAND_MAX, cp.int32)
         self._finisher: Callable[[], None] | None = None  # the wait for a launch left running
         # the resident kernel (doorbell_topk): its control block in registered host memory,
         # its device words, its own stream; enabled by enable_doorbell()
@@ -368,7 +369,7 @@ class GpuIndex(Index):
                             RESCORE_FACTOR if self.exact is not None else 0, 0)  # fmt: skip
         self._bell_mm[_BELL_SERVED:_BELL_SERVED + 8 + _BELL_STAMPS.size] = bytes(8 + _BELL_STAMPS.size)
         cfg = np.frombuffer(self._bell_mm, np.uint8, _BELL_SERVED).copy()
-        # (int8: the merge's buffer holds the candidates, and rescore_exact's sums past its half)
+        # (int8: the merge's buffer holds the candidates, then their exact order)
         kp = _pow2(self.doorbell_k * (RESCORE_FACTOR if self.exact is not None else 1))
         buf = self._buf(kp)
         smem = self._smem(1, buf)
