@@ -547,6 +547,7 @@ __device__ __forceinline__ unsigned int warp_sum(unsigned int v) {
 #endif
 }
 __host__ __device__ constexpr int maxima_k_max(bool search) { return search ? 128 : 32; }
+static_assert(maxima_k_max(true) <= 32 * MAXIMA_PER_LANE, "the search needs k patterns at or above 0");
 template <bool SEARCH>
 __device__ float kth_of_maxima(const float* maxima, int n, int k) {
     const int lane = threadIdx.x & 31;
@@ -1047,26 +1048,38 @@ __device__ __forceinline__ unsigned int vload(const unsigned int* p) {
     return *reinterpret_cast<const volatile unsigned int*>(p);
 }
 
+// The int8 resident kernel's candidate area (`cand`, device memory, BELL_CAND_WORDS x
+// KALOS_CAND_MAX words): rows, quantized scores (the merge's output), the exact dot products
+// and sums of squares (rescore_share), the arena entries of the candidates' rows (16 bytes each).
+#define BELL_CAND_WORDS 8
+__device__ __forceinline__ float* bell_sums(int* cand) { return reinterpret_cast<float*>(cand + 2 * KALOS_CAND_MAX); }
+__device__ __forceinline__ uint4* bell_ents(int* cand) { return reinterpret_cast<uint4*>(cand + 4 * KALOS_CAND_MAX); }
+
 // int8 storage, the resident kernel: the n candidates of the int8 scan (rows in cand[0, n),
 // best first by their quantized score) get exact scores from the float16 copy of their rows in
 // registered host memory (row r at exact + 2 * ld * r bytes), as the sidecar's host path does
 // (_rescore in sidecar/index_gpu.py). Every block of the grid takes part, a candidate per block
 // in turn: block b loads candidate b's row (one 16-byte chunk per thread for rows up to 2,048
 // dimensions), and its dot product with the float query (qbuf, ld floats, zero past dim) and
-// the row's sum of squares go to sums[i] and sums[CAND_MAX + i]; then the block counts it done
-// (atomicAdd on `done`). All threads of the block call it.
+// the row's sum of squares go to sums[i] and sums[CAND_MAX + i], and the row's entry in the
+// arena's row table (read in the same round trip: the answer needs it for its best k) to
+// ents[i] (zero for a row the table does not cover); then the block counts it done (atomicAdd
+// on `done`). All threads of the block call it.
 //
 // Why the grid and not the last block alone: host memory is read over PCIe, and one block's
 // loads of 40 rows took 13.6 µs (S10-5: ~6 round trips; one SM keeps only so many reads in
 // flight), where 40 blocks each read one row in about one round trip.
 template <int METRIC>
 __device__ void rescore_share(const int* cand, int n, const float* qbuf, u64 exact, int ld, int mode,
-                              float* sums, unsigned int* done) {
+                              float* sums, uint4* ents, u64 arena, int arena_rows, unsigned int* done) {
     __shared__ float s_d[KALOS_BLOCK / 32], s_s[KALOS_BLOCK / 32];
     const int chunks = ld / 8;  // 8 halves per 16 bytes (ld: a multiple of 16 for int8 rows)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int i = blockIdx.x; i < n; i += gridDim.x) {
-        const u64 row = exact + 2ull * ld * (u64)__ldcg(cand + i);
+        const int r = __ldcg(cand + i);
+        const u64 row = exact + 2ull * ld * (u64)r;
+        uint4 e = make_uint4(0u, 0u, 0u, 0u);  // no such entry: length 0 (the client asks again)
+        if (threadIdx.x == 0 && r >= 0 && r < arena_rows) e = hload4(reinterpret_cast<const void*>(arena + 16ull * r), mode);
         float d = 0.f, sq = 0.f;
         for (int ch = threadIdx.x; ch < chunks; ch += blockDim.x) {
             const uint4 v = hload4(reinterpret_cast<const void*>(row + 16ull * ch), mode);
@@ -1092,7 +1105,8 @@ __device__ void rescore_share(const int* cand, int n, const float* qbuf, u64 exa
             for (int w = 0; w < KALOS_BLOCK / 32; w++) { td += s_d[w]; ts += s_s[w]; }
             sums[i] = td;
             sums[KALOS_CAND_MAX + i] = ts;
-            __threadfence();  // the sums before the count
+            ents[i] = e;
+            __threadfence();  // the sums and the entry before the count
             atomicAdd(done, 1u);
         }
         __syncthreads();  // s_d and s_s free for the next candidate
@@ -1100,14 +1114,15 @@ __device__ void rescore_share(const int* cand, int n, const float* qbuf, u64 exa
 }
 
 // The last block, once `done` counts all n candidates: their exact scores (as the scan scores
-// rows: L2 as minus the distance) into key[0, n) with their rows in val, sorted best first.
+// rows: L2 as minus the distance) into key[0, n) with their indices in cand in val, sorted best
+// first (exact ties by that index: the order of the quantized scores).
 // key/val hold next_pow2(n) entries (the merge's buffer: see _buf in index_gpu.py). All
 // threads of the block call it; it puts `done` back to 0.
 template <int METRIC>
-__device__ void rescored_order(float* key, int* val, int n, const int* cand, const float* sums, float qnorm2,
-                               unsigned int* done) {
+__device__ void rescored_order(float* key, int* val, int n, const float* sums, float qnorm2, unsigned int* done) {
     if (threadIdx.x == 0) {
         while (vload(done) != (unsigned int)n) { }
+        __threadfence();  // (acquire: the sums and entries counted are read after this)
         atomicExch(done, 0u);  // every block has counted: nothing adds to it before the next hand-out
     }
     __syncthreads();
@@ -1117,7 +1132,7 @@ __device__ void rescored_order(float* key, int* val, int n, const int* cand, con
             float s = __ldcg(sums + i);
             if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(qnorm2 + __ldcg(sums + KALOS_CAND_MAX + i) - 2.f * s, 0.f));
             key[i] = s;
-            val[i] = __ldcg(cand + i);
+            val[i] = i;
         } else {
             key[i] = neg_inf();
             val[i] = 0x7fffffff;
@@ -1380,16 +1395,17 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             } else {
                 if (threadIdx.x == 0) {
                     while (vload(bell + 9) != seen) { }
+                    __threadfence();  // (acquire: the count and cand are read after this)
                 }
                 __syncthreads();
             }
             const int n = (int)vload(bell + 10);
-            float* sums = reinterpret_cast<float*>(cand + 2 * KALOS_CAND_MAX);
-            rescore_share<METRIC>(cand, n, qbuf, exact, ld, mode, sums, bell + 11);
+            rescore_share<METRIC>(cand, n, qbuf, exact, ld, mode, bell_sums(cand), bell_ents(cand), arena, arena_rows,
+                                  bell + 11);
             if (kk < 0) continue;  // not the last block: back to the wait for the next request
-            rescored_order<METRIC>(smem + ld, reinterpret_cast<int*>(smem + ld + buf), n, cand, sums, sp.qnorm2[0],
+            rescored_order<METRIC>(smem + ld, reinterpret_cast<int*>(smem + ld + buf), n, bell_sums(cand), sp.qnorm2[0],
                                    bell + 11);
-            kk = n;
+            kk = n;  // vals: indices in cand, whose rows and entries the answer reads below
         }
         if (kk >= 0) {  // the last block: the rows are in its candidate buffer, sorted
             if (!Vec<T>::INT8 && threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
@@ -1403,7 +1419,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 int* orow = reinterpret_cast<int*>(sb + rows_off);
                 float* oscore = reinterpret_cast<float*>(sb + scores_off);
                 for (int i = threadIdx.x; i < top_k; i += blockDim.x) {
-                    hstore(orow + i, i < kk ? vals[i] : -1, mode);
+                    hstore(orow + i, i < kk ? __ldcg(cand + vals[i]) : -1, mode);
                     hstore(reinterpret_cast<unsigned int*>(oscore + i), __float_as_uint(i < kk ? keys[i] : neg_inf()), mode);
                 }
                 if (threadIdx.x == 0) hstore(&ctl_->stamp[10], global_ns(), mode);
@@ -1419,9 +1435,13 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                     hstore(out + 1, (unsigned int)(arena_version >> 32), mode);
                 }
                 for (int i = threadIdx.x; i < kk; i += blockDim.x) {
-                    int r = vals[i];
                     uint4 e = make_uint4(0u, 0u, 0u, 0u);  // no such entry: length 0 (the client asks again)
-                    if (r >= 0 && r < arena_rows) e = hload4(reinterpret_cast<const void*>(arena + 16ull * r), mode);
+                    if constexpr (Vec<T>::INT8) {
+                        e = __ldcg(bell_ents(cand) + vals[i]);  // read with the row (rescore_share)
+                    } else {
+                        int r = vals[i];
+                        if (r >= 0 && r < arena_rows) e = hload4(reinterpret_cast<const void*>(arena + 16ull * r), mode);
+                    }
                     unsigned int* o = out + 2 + 4 * i;
                     hstore(o, e.x, mode);
                     hstore(o + 1, e.y, mode);
@@ -1430,9 +1450,13 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 }
             } else {
                 for (int i = threadIdx.x; i < kk; i += blockDim.x) {
-                    int r = vals[i];
                     unsigned int g = 0;  // no such entry: a generation no row has (the client asks again)
-                    if (r >= 0 && r < arena_rows) g = hload(reinterpret_cast<const unsigned int*>(arena + 16ull * r + 12), mode);
+                    if constexpr (Vec<T>::INT8) {
+                        g = __ldcg(bell_ents(cand) + vals[i]).w;
+                    } else {
+                        int r = vals[i];
+                        if (r >= 0 && r < arena_rows) g = hload(reinterpret_cast<const unsigned int*>(arena + 16ull * r + 12), mode);
+                    }
                     hstore(out + i, g, mode);
                 }
             }

@@ -95,6 +95,7 @@ _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # KALOS_DOORBELL_MODE picks them (benchmarks/doorbell_probe.py --modes compares them).
 DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7"))
 _BELL_WORDS: Final = 12  # BELL_WORDS in kernels/recall.cu
+_BELL_CAND_WORDS: Final = 8  # BELL_CAND_WORDS: int8 candidate area, words per candidate
 DOORBELL_MAX_K: Final = 1024
 # On by default since session 5 (docs/gpu-notes.md): a 100k recall through the resident kernel
 # takes ~70 us in process (the graph path ~80 us plus the sidecar's Python), starting it ~0.1
@@ -213,10 +214,11 @@ class GpuIndex(Index):
         self.graphs: dict[tuple[int, ...], Any] = {}
         if dtype == "int8":
             self.exact, self._exact_reg = self._new_exact(0)
-            # the resident kernel's int8 candidates (rows, quantized scores, then the exact
-            # re-scoring's dot products and sums of squares): device memory
+            # the resident kernel's int8 candidates (rows, quantized scores, the exact
+            # re-scoring's dot products and sums of squares, their rows' arena entries):
+            # device memory, as bell_sums / bell_ents in kernels/recall.cu lay it out
             with self.device:
-                self.bell_cand = cp.empty(4 * CAND_MAX, cp.int32)
+                self.bell_cand = cp.empty(_BELL_CAND_WORDS * CAND_MAX, cp.int32)
         self._finisher: Callable[[], None] | None = None  # the wait for a launch left running
         # the resident kernel (doorbell_topk): its control block in registered host memory,
         # its device words, its own stream; enabled by enable_doorbell()

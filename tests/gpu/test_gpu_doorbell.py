@@ -273,11 +273,15 @@ def test_a_query_with_nan_rung_to_the_kernel_is_refused_and_the_kernel_serves_on
     c.close()
 
 
-def test_the_kernel_names_documents_by_generation_or_by_entry_as_asked(start_sidecar) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_the_kernel_names_documents_by_generation_or_by_entry_as_asked(start_sidecar, dtype) -> None:  # type: ignore[no-untyped-def]
     """A v1.2 client asks for the hits' generations (ARENA_DOCS), a v1.3 one for the arena's
     version and the hits' whole entries (and ARENA_ENTRIES): the resident kernel answers each
     in its format, for the rows it scored, and the client finds those rows' documents. Every
-    slot's blob is poisoned before each call, so every byte of the answer was written by it."""
+    slot's blob is poisoned before each call, so every byte of the answer was written by it.
+    (int8: the kernel reads each candidate's entry with its row, and the answer maps its best k
+    back to them; its scores are the float16 copy's, so the reference is the query's own row
+    first and the sidecar's answer for the rest.)"""
     import mmap
 
     import posix_ipc
@@ -299,14 +303,17 @@ def test_the_kernel_names_documents_by_generation_or_by_entry_as_asked(start_sid
     rng = np.random.default_rng()
     n, dim, k = 4_099, 33, 7
     data = rng.standard_normal((n, dim)).astype(np.float32)
-    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    sc = start_sidecar(dim=dim, device="cuda", dtype=dtype)
     c = sc.client()
+    inline = sc.client(arena_docs=False)
     c.upsert([str(i) for i in range(n)], data, texts=[f"text {i}" for i in range(n)])
     kernel_back(c, data[0])
     arena = c._conn.arena()  # type: ignore[union-attr]
     assert arena is not None
-    for flags in (Flag.ARENA_DOCS, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES, Flag.ARENA_DOCS):
+    both = Flag.ARENA_DOCS | Flag.ARENA_ENTRIES
+    for flags in (Flag.ARENA_DOCS, both, Flag.ARENA_DOCS, both):
         i = int(rng.integers(n))
+        kernel_back(c, data[0])
         before = served(c)
         poison(sc.name)
         poison_blobs()
@@ -314,8 +321,13 @@ def test_the_kernel_names_documents_by_generation_or_by_entry_as_asked(start_sid
         assert served(c) == before + 1  # the kernel's answer
         assert rep.n_results == k and rep.rows is not None
         rows = rep.rows[:k]
-        ref_i, ref_s = reference_topk(data, data[i : i + 1], k)
-        assert_topk_equal([str(r) for r in rows], rep.scores[:k], [str(r) for r in ref_i[0]], ref_s[0])
+        if dtype == "int8":
+            assert rows[0] == i
+            own = inline.recall(data[i], k)  # the sidecar's (stops the kernel)
+            assert_topk_equal([str(r) for r in rows], rep.scores[:k], own.ids, own.scores)
+        else:
+            ref_i, ref_s = reference_topk(data, data[i : i + 1], k)
+            assert_topk_equal([str(r) for r in rows], rep.scores[:k], [str(r) for r in ref_i[0]], ref_s[0])
         if flags & Flag.ARENA_ENTRIES:
             assert rep.resp_flags == RespFlag.ARENA_DOCS | RespFlag.ARENA_ENTRIES
             assert rep.blob == arena.version.to_bytes(8, "little") + arena._table[rows].tobytes()
@@ -326,6 +338,7 @@ def test_the_kernel_names_documents_by_generation_or_by_entry_as_asked(start_sid
             docs = arena.docs(rows, np.frombuffer(rep.blob, "<u4"))
         assert docs is not None and len(docs) == k
         assert all(bytes(d).endswith(f"text {r}{{}}".encode()) for d, r in zip(docs, rows, strict=True))
+    inline.close()
     c.close()
 
 

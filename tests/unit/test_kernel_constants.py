@@ -73,6 +73,7 @@ def test_sizes_and_limits_match() -> None:
     assert d["KALOS_CAND_MAX"] == index_gpu.CAND_MAX
     assert d["SELECT_GATHER"] == index_gpu.SELECT_GATHER
     assert d["BELL_WORDS"] == index_gpu._BELL_WORDS
+    assert d["BELL_CAND_WORDS"] == index_gpu._BELL_CAND_WORDS
     # SYNC_WORDS: tickets, bounds and counts per query, then scan_topk's next row (sync_rows)
     assert re.search(r"^#define SYNC_WORDS \(3 \* KALOS_MAXQ \+ 1\)$", SOURCE, re.M)
     assert 3 * d["KALOS_MAXQ"] + 1 == index_gpu.SYNC_WORDS
