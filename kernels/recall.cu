@@ -1407,7 +1407,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                                    bell + 11);
             kk = n;  // vals: indices in cand, whose rows and entries the answer reads below
         }
-        if (kk >= 0) {  // the last block: the rows are in its candidate buffer, sorted
+        if (kk >= 0) {  // the last block: its buffer holds the answer, sorted (int8: indices in cand)
             if (!Vec<T>::INT8 && threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
             int* vals = reinterpret_cast<int*>(smem + ld + buf);
             const unsigned int hand = __ldcg(bell + 3);
