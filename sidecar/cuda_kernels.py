@@ -38,8 +38,27 @@ def kernel_dir() -> Path:
     )
 
 
-def source() -> str:
+def packaged_source() -> str:
+    """The CUDA source this version ships."""
     return "\n".join((kernel_dir() / f).read_text() for f in KERNEL_FILES)
+
+
+def source() -> str:
+    """The CUDA source to compile: :func:`packaged_source`, or the file ``KALOS_KERNEL_SOURCE``
+    names (diagnostics: an A/B of two versions of the kernels in one process or one lease, as
+    ``KALOS_KERNEL_OPTIONS`` compares builds of one version; the host side stays this version,
+    so the other must keep its layouts).
+
+    Raises:
+        FileNotFoundError: ``KALOS_KERNEL_SOURCE`` names no file.
+    """
+    override = os.environ.get("KALOS_KERNEL_SOURCE")
+    if not override:
+        return packaged_source()
+    path = Path(override)
+    if not path.is_file():
+        raise FileNotFoundError(f"KALOS_KERNEL_SOURCE={override!r} is not a file")
+    return path.read_text()
 
 
 def expression(name: str, *targs: object) -> str:

@@ -15,7 +15,7 @@ from kalos_retrievers.sidecar import cuda_kernels, index, index_gpu
 
 from kalos_retrievers.protocol import CTL_OFFSETS, Flag, Metric, Op, RespFlag, SlotState
 
-SOURCE = cuda_kernels.source()
+SOURCE = cuda_kernels.packaged_source()
 
 _SIZES = {"int": 4, "unsigned int": 4, "float": 4, "u64": 8}
 
