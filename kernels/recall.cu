@@ -50,6 +50,17 @@
 #define KALOS_DYNAMIC_ROWS 1
 #endif
 
+// The L2 prefetch size of the scan's row loads (PTX ld.global.nc.L2::<n>B, sm_75 and later):
+// 0 (a plain __ldg), 64, 128 or 256 bytes. A warp of the int8 resident kernel reads 32 bytes
+// of each of 16 rows per load, so without a hint DRAM sees a row a sector at a time; with one,
+// the first load of a row's 256 bytes asks for all of them. Float rows and int8 rows separately.
+#ifndef KALOS_L2PF_I8
+#define KALOS_L2PF_I8 0
+#endif
+#ifndef KALOS_L2PF_F
+#define KALOS_L2PF_F 0
+#endif
+
 // Where the last block's time goes (benchmarks/merge_stamps.py builds with -DKALOS_STAMPS):
 // %globaltimer stamps and counts of the last block of a batch-1 scan, in a device array the
 // benchmark reads. Without the macro these are empty statements: the sidecar's code is the same.
@@ -162,6 +173,28 @@ template <> struct Vec<signed char> {
         return (float)acc;
     }
 };
+
+// A 16-byte load through the read-only path, with an L2 prefetch size of PF bytes (0: none).
+template <int PF>
+__device__ __forceinline__ uint4 ld_row(const uint4* p) {
+    static_assert(PF == 0 || PF == 64 || PF == 128 || PF == 256, "L2 prefetch sizes: 0, 64, 128, 256");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+    if constexpr (PF != 0) {
+        uint4 v;
+        if constexpr (PF == 64)
+            asm("ld.global.nc.L2::64B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+        else if constexpr (PF == 128)
+            asm("ld.global.nc.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+        else
+            asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+        return v;
+    }
+#endif
+    return __ldg(p);
+}
 
 // Sort n (a power of two) (key, val) pairs in shared memory, descending by key; ties by val
 // ascending so results are deterministic. All threads of the block must call it.
@@ -811,7 +844,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
 #pragma unroll
                 for (int u = 0; u < UNROLL; u++) {
                     int ch = ch0 + u * TPR;
-                    if (ch < chunks) v[u] = __ldg(rp + ch);
+                    if (ch < chunks) v[u] = ld_row<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch);
                 }
 #pragma unroll
                 for (int u = 0; u < UNROLL; u++) {
