@@ -81,7 +81,6 @@ from .protocol import (
     encode_recall_args,
     response_sem_name,
     segment_name,
-    split_docs,
 )
 from .results import RecallResult, Record
 
@@ -96,6 +95,11 @@ _DOORBELL_K_WORD = 64  # header u32 index of doorbell_k (offset 256)
 _DOORBELL_CAP_WORD = 65  # header u32 index of doorbell_cap (offset 260)
 _MAX_MARGIN_SPINS = 2  # a long wait's spin around the expected answer: at most 2 x 2 spin windows
 _SPIN_PROBE_EVERY = 8  # while long-wait spins do not pay, still try one call in this many
+# A GPU sidecar's recall expected within this many spin windows is spun through, not slept
+# through, while few requests wait (at most _SPIN_CROWD, ours included): see KalosClient._wait.
+_FULL_SPIN_WINDOWS = 4
+_SPIN_CROWD: Final = max(1, (os.cpu_count() or 1) // 4)
+_DOORBELL: Final = np.uint32(SlotState.DOORBELL)
 _HANDOVER_NS = 2_000_000  # a DOORBELL the stopped kernel left: block if the sidecar has not taken it by then
 _BACKOFF_MIN = 0.05
 _BACKOFF_MAX = 2.0
@@ -153,6 +157,7 @@ class _Conn:
         self.free: list[_Slot] = []
         self._state_off = 16  # HEADER_OFFSETS["state"]; fixed by the v1 layout
         self._hdr32 = memoryview(seg.mm)[:264].cast("I")
+        self._states: np.ndarray | None = None  # every slot's state word (waiting_requests)
         self._arena: ArenaView | None = None
         self._arena_mm: mmap.mmap | None = None
         # what a recall whose documents come from the arena asks for: the hits' whole entries
@@ -167,6 +172,16 @@ class _Conn:
     def doorbell_cap(self) -> int:
         """Largest k of the sidecar's resident kernel, running or not (0: it has none)."""
         return self._hdr32[_DOORBELL_CAP_WORD]
+
+    def waiting_requests(self) -> int:
+        """How many slots hold a request not answered yet (REQUEST, BUSY or DOORBELL): every
+        client's, ours included."""
+        st = self._states
+        if st is None:
+            lay = self.layout
+            st = self._states = np.ndarray((lay.n_slots,), "<u4", self.seg.mm, lay.slot_offset(0), (lay.slot_size,))
+        # REQUEST and BUSY are 2 and 3: st - 2 <= 1 (FREE and CLAIMED wrap around)
+        return int(np.count_nonzero(st - np.uint32(SlotState.REQUEST) <= 1)) + int(np.count_nonzero(st == _DOORBELL))
 
     def arena(self) -> ArenaView | None:
         """The sidecar's current document arena, mapped read-only (None: it has none, or the
@@ -277,6 +292,7 @@ class _Conn:
         self.free.clear()
         _ipc.close_semaphore(self.bell)
         self._drop_arena()
+        self._states = None
         with contextlib.suppress(BufferError):
             self._hdr32.release()
         self.seg.close()
@@ -321,8 +337,11 @@ class KalosClient:
             Spinning turns a ~12 µs semaphore wake-up into a ~1 µs memory read; it costs a
             core while it lasts. When recalls typically take longer than twice this, a call
             sleeps through most of the expected wait and spins across the expected answer
-            instead, for at most 4 x ``spin_us``. Default 300 on x86-64, 0 elsewhere (the spin
-            path relies on x86-64's store ordering; 0 never spins).
+            instead, for at most 4 x ``spin_us``; except a GPU sidecar's recalls expected
+            within 4 x ``spin_us`` while few other requests wait, which spin through the
+            whole wait (the Python after a sleep ran up to 2x slower). Default 300 on
+            x86-64, 0 elsewhere (the spin path relies on x86-64's store ordering; 0 never
+            spins).
         max_slots: most slots this client holds at once (= its concurrent calls).
         lazy: don't connect now; connect on the first call. Adapters use this so that building
             a chain never fails because the sidecar is not up yet.
@@ -665,13 +684,7 @@ class KalosClient:
                 raise ProtocolError(f"sidecar returned {len(doc_views)} docs for {nq}x{kk} hits")
             if with_vectors and vectors is None:
                 raise ProtocolError("sidecar did not return the vectors asked for")
-        parts: list[DocViews] | list[list[bytes]] | list[None] = (
-            split_docs(doc_views, nq) if docs and doc_views is not None else [None] * nq
-        )
-        if vectors is None:
-            return [RecallResult(r, s, d, None, namespace) for r, s, d in zip(rows, scores, parts, strict=True)]
-        return [RecallResult(r, s, d, vectors[i * kk : (i + 1) * kk], namespace)
-                for i, (r, s, d) in enumerate(zip(rows, scores, parts, strict=True))]  # fmt: skip
+        return RecallResult.batch(rows, scores, doc_views if docs else None, vectors, namespace)
 
     def _split_one(
         self, rep: _Reply, k: int, arena: ArenaView | None, docs: bool = True, namespace: str = "",
@@ -1095,6 +1108,15 @@ class KalosClient:
         * Answers that typically come within two spin windows (a ping, a GPU index): spin on
           the state word for ``spin_ns`` (for a GPU sidecar's recalls: or across the expected
           answer, whichever is longer), then block.
+        * A GPU sidecar's recalls that typically come within ``_FULL_SPIN_WINDOWS`` spin
+          windows (``recall_batch`` of 64 at 1M rows: ~750-930 µs), while at most
+          ``_SPIN_CROWD`` requests wait (ours included; a quarter of the cores): spin across
+          the expected answer too, plus a margin, then block. Sleeping through most of such a
+          wait made the call's own Python after it (and the next call's before it) slow: on
+          the H200 host a 64-query batch took 1044 µs p50 with a sleep and 889 µs spinning, of
+          which the wait itself 749 and 742 µs (S11-4; four of five sessions' runs alike).
+          With many clients waiting, spinning through would take the cores the sidecar's
+          own thread needs; they sleep as below.
         * Recalls that typically take longer (a CPU index over many rows: milliseconds):
           spinning through the whole wait would take a core from the sidecar, and blocking
           through it costs a wake-up when the answer comes (on a small VM ~0.1 ms p50, over
@@ -1118,6 +1140,9 @@ class KalosClient:
             # sidecar's search runs on the cores a spinning client would take
             extend = recall and conn.header.backend != "cpu"
             answered = self._spin(slot, t_sent + self._short_spin_ns(typical, extend))
+        elif (self.spin_ns and recall and typical <= _FULL_SPIN_WINDOWS * self.spin_ns
+              and conn.header.backend != "cpu" and conn.waiting_requests() <= _SPIN_CROWD):  # fmt: skip
+            answered = self._spin(slot, min(t_sent + typical + self._margin_ns(typical), int(deadline * 1e9)))
         elif self.spin_ns and recall:
             answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical)
         else:

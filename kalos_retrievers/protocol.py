@@ -804,6 +804,12 @@ class DocViews(Sequence[memoryview]):
         j = self._start + i
         return self._mv[self._starts[j] : self._ends[j]]
 
+    def part(self, a: int, n: int) -> DocViews:
+        """Documents ``a`` to ``a + n`` (``0 <= a <= a + n <= len(self)``, unchecked): one
+        query's share of a batch, without a slice object."""
+        start = self._start + a
+        return DocViews(self._mv, self._starts, self._ends, start, start + n)
+
     def split(self, n: int) -> list[DocViews]:
         """``n`` consecutive equal parts (one per query of a batch), without slice objects."""
         per = len(self) // n if n > 0 else -1

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import Doc, decode_doc_fields, doc_id, doc_times
+from .protocol import Doc, DocViews, decode_doc_fields, doc_id, doc_times
 
 __all__ = ["Hit", "RecallResult", "Record"]
 
@@ -103,7 +103,7 @@ class RecallResult(Sequence[Hit]):
         ids: the ids of the hits (decoded on first access).
     """
 
-    __slots__ = ("_docs", "_ids", "_items", "namespace", "rows", "scores", "vectors")
+    __slots__ = ("_batch", "_docs", "_i", "_ids", "_items", "_rows", "_scores", "_vectors", "namespace")
 
     def __init__(
         self,
@@ -113,44 +113,121 @@ class RecallResult(Sequence[Hit]):
         vectors: np.ndarray | None = None,
         namespace: str = "",
     ) -> None:
-        self.rows = rows
-        self.scores = scores
-        self.vectors = vectors
-        self.namespace = namespace
+        self._rows = rows
+        self._scores = scores
+        self._vectors = vectors
         self._docs = docs
+        self._batch: _Batch | None = None
+        self._i = 0
+        self.namespace = namespace
         self._ids: list[str] | None = None
         self._items: list[Hit | None] | None = None  # Hits built so far (made on first access)
 
+    @classmethod
+    def batch(
+        cls,
+        rows: np.ndarray,
+        scores: np.ndarray,
+        docs: Sequence[memoryview] | None,
+        vectors: np.ndarray | None = None,
+        namespace: str = "",
+    ) -> list[RecallResult]:
+        """The results of a batch of queries answered together: row ``i`` of ``rows`` and
+        ``scores`` (2-D, one row per query, equal counts), the ``i``-th equal share of
+        ``docs`` and of ``vectors``, for each query ``i``.
+
+        Each result cuts its share (array views, a :class:`DocViews` or a list slice) the
+        first time it is read. A batch of 64 queries made 64 row views, 64 score views and 64
+        document views up front, a third of the client's Python per batch on the development
+        VM (``benchmarks/client_overhead.py --batch 64``), for callers that often read a few.
+
+        Raises:
+            ValueError: ``docs`` or ``vectors`` do not split into equal shares, one per row.
+        """
+        nq, per = rows.shape[0], rows.shape[1]
+        if docs is not None and len(docs) != nq * per:
+            raise ValueError(f"{len(docs)} documents do not split into {nq} equal parts")
+        if vectors is not None and len(vectors) != nq * per:
+            raise ValueError(f"{len(vectors)} vectors do not split into {nq} equal parts")
+        b = _Batch(rows, scores, docs, vectors, per)
+        new, out = cls.__new__, []
+        for i in range(nq):
+            r = new(cls)
+            r._batch, r._i, r.namespace = b, i, namespace
+            r._rows = r._scores = r._vectors = r._docs = r._ids = r._items = None
+            out.append(r)
+        return out
+
+    @property
+    def rows(self) -> np.ndarray:
+        r = self._rows
+        if r is None:
+            assert self._batch is not None
+            r = self._rows = self._batch.rows[self._i]
+        return r
+
+    @property
+    def scores(self) -> np.ndarray:
+        s = self._scores
+        if s is None:
+            assert self._batch is not None
+            s = self._scores = self._batch.scores[self._i]
+        return s
+
+    @property
+    def vectors(self) -> np.ndarray | None:
+        v, b = self._vectors, self._batch
+        if v is None and b is not None and b.vectors is not None:
+            v = self._vectors = b.vectors[self._i * b.per : (self._i + 1) * b.per]
+        return v
+
+    def _doc_seq(self) -> Sequence[memoryview] | None:
+        d, b = self._docs, self._batch
+        if d is None and b is not None and b.docs is not None:
+            a, bd = self._i * b.per, b.docs
+            d = self._docs = bd.part(a, b.per) if isinstance(bd, DocViews) else bd[a : a + b.per]
+        return d
+
     def __len__(self) -> int:
-        return len(self.rows)
+        b = self._batch
+        return len(self._rows) if b is None else b.per
 
     @property
     def ids(self) -> list[str]:
         if self._ids is None:
-            if self._docs is None:
+            docs = self._doc_seq()
+            if docs is None:
                 raise ValueError("this recall was made with docs=False: only rows and scores")
-            self._ids = [doc_id(d) for d in self._docs]
+            self._ids = [doc_id(d) for d in docs]
         return self._ids
 
     def __getitem__(self, i: int) -> Hit:  # type: ignore[override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]  # type: ignore[return-value]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
         items = self._items
         if items is None:
-            items = self._items = [None] * len(self.rows)
-        hit = items[i]
+            b = self._batch
+            items = self._items = [None] * (len(self._rows) if b is None else b.per)
+        hit = items[i]  # (IndexError out of range; a negative index counts from the end)
         if hit is None:
-            if self._docs is None:
-                raise ValueError("this recall was made with docs=False: only rows and scores")
-            doc = self._docs[i]
+            # (slots first, the properties only for a batch's share not cut yet: a batch's
+            # first reads pay no more than results cut up front)
+            docs = self._docs
+            if docs is None:
+                docs = self._doc_seq()
+                if docs is None:
+                    raise ValueError("this recall was made with docs=False: only rows and scores")
+            doc = docs[i]
             id_, text, metadata = decode_doc_fields(doc)  # (no Doc object on the way)
             created, updated = doc_times(doc)
-            vec = None if self.vectors is None else self.vectors[i]
-            hit = _make_hit(id_, float(self.scores[i]), text, metadata, self.namespace, created, updated, vec)
+            vectors = self._vectors
+            if vectors is None and self._batch is not None:
+                vectors = self.vectors
+            scores = self._scores
+            if scores is None:
+                scores = self.scores
+            vec = None if vectors is None else vectors[i]
+            hit = _make_hit(id_, float(scores[i]), text, metadata, self.namespace, created, updated, vec)
             items[i] = hit
         return hit
 
@@ -164,7 +241,7 @@ class RecallResult(Sequence[Hit]):
         and are not cached, so each call returns freshly decoded metadata dicts; a hit
         already read as a ``Hit`` gives that ``Hit``'s values.
         """
-        docs, items = self._docs, self._items
+        docs, items = self._doc_seq(), self._items
         if docs is None:
             raise ValueError("this recall was made with docs=False: only rows and scores")
         if items is None:  # the common case: none read yet
@@ -185,3 +262,15 @@ class RecallResult(Sequence[Hit]):
 
     def __repr__(self) -> str:
         return f"RecallResult(n={len(self)}, scores={np.array2string(self.scores, precision=3)})"
+
+
+class _Batch:
+    """One answer's arrays, shared by the :class:`RecallResult` of each of its queries."""
+
+    __slots__ = ("docs", "per", "rows", "scores", "vectors")
+
+    def __init__(
+        self, rows: np.ndarray, scores: np.ndarray, docs: Sequence[memoryview] | None, vectors: np.ndarray | None,
+        per: int,
+    ) -> None:  # fmt: skip
+        self.rows, self.scores, self.docs, self.vectors, self.per = rows, scores, docs, vectors, per

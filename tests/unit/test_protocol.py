@@ -383,3 +383,52 @@ def test_recall_result_hits_equal_dataclass_hits() -> None:
         assert not R._fast_hits_work()
     finally:
         del R.Hit.__post_init__  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("as_views", [True, False])
+def test_batch_results_cut_each_querys_share_when_read(as_views: bool) -> None:
+    """``RecallResult.batch`` gives query ``i`` row ``i`` of the rows and scores and the
+    ``i``-th share of the documents and vectors, cut on first access: every attribute and hit
+    equals what a result built from that share up front gives, whichever is read first."""
+    from kalos_retrievers import results as R
+
+    nq, per, dim = 5, 3, 7  # odd sizes
+    enc = [P.encode_doc(f"id-{i}", f"text {i}", b'{"i": %d}' % i, 1.0 + i, 2.0 + i) for i in range(nq * per)]
+    docs = P.decode_docs_blob(P.encode_docs_blob(enc), dim, False)[0] if as_views else enc
+    rows = np.arange(nq * per, dtype=np.int32).reshape(nq, per)[:, ::-1]
+    scores = np.linspace(1, 0, nq * per, dtype=np.float32).reshape(nq, per)
+    vectors = np.arange(nq * per * dim, dtype=np.float32).reshape(nq * per, dim)
+    for vecs in (None, vectors):
+        got = R.RecallResult.batch(rows, scores, docs, vecs, "ns")
+        assert len(got) == nq
+        for i, res in enumerate(got):
+            want = R.RecallResult(rows[i], scores[i], [memoryview(d) for d in enc[i * per : (i + 1) * per]],
+                                  None if vecs is None else vecs[i * per : (i + 1) * per], "ns")  # fmt: skip
+            assert len(res) == per and res.namespace == "ns"
+            first = i % 3  # a hit, the ids, or the arrays read first
+            if first == 0:
+                assert res[-1] == want[-1] and res[0] == want[0]
+            if first == 1:
+                assert res.ids == want.ids == [f"id-{j}" for j in range(i * per, (i + 1) * per)]
+            assert np.array_equal(res.rows, rows[i]) and np.array_equal(res.scores, scores[i])
+            assert (res.vectors is None) == (vecs is None)
+            if vecs is not None:
+                assert np.array_equal(res.vectors, want.vectors)
+            assert [h.id for h in res] == want.ids and list(res) == list(want)
+            assert res.id_text_metadata() == want.id_text_metadata()
+            with pytest.raises(IndexError):
+                res[per]
+    # no documents (docs=False), and an answer with no hits
+    bare = R.RecallResult.batch(rows, scores, None)
+    assert np.array_equal(bare[4].scores, scores[4]) and bare[4].vectors is None
+    with pytest.raises(ValueError, match="docs=False"):
+        bare[1][0]
+    with pytest.raises(ValueError, match="docs=False"):
+        bare[1].ids
+    empty = R.RecallResult.batch(np.zeros((2, 0), np.int32), np.zeros((2, 0), np.float32), docs[:0])
+    assert [len(r) for r in empty] == [0, 0] and empty[1].ids == [] and list(empty[0]) == []
+    # shares that do not split evenly are refused
+    with pytest.raises(ValueError, match="do not split"):
+        R.RecallResult.batch(rows, scores, docs[:-1])
+    with pytest.raises(ValueError, match="do not split"):
+        R.RecallResult.batch(rows, scores, docs, vectors[:-1])

@@ -252,3 +252,73 @@ def test_a_doorbell_to_a_running_kernel_posts_nothing() -> None:
     slot = _Slot(SlotState.DOORBELL)
     assert not c._spin_doorbell(conn, slot, time.monotonic() + 0.01)  # type: ignore[arg-type]
     assert conn.bell.posts == 0
+
+
+class _RouteConn:
+    """What ``KalosClient._wait`` reads of a connection: the backend and the crowd."""
+
+    def __init__(self, backend: str, waiting: int) -> None:
+        self.header = type("H", (), {"backend": backend})()
+        self.waiting = waiting
+
+    def waiting_requests(self) -> int:
+        return self.waiting
+
+
+def test_a_gpu_recall_within_four_windows_spins_through_unless_crowded() -> None:
+    """A GPU sidecar's recall expected within 4 spin windows (a 64-query batch at 1M rows) is
+    spun for from the send to past its expected answer, unless more than a quarter of the
+    cores' worth of requests wait; from a CPU sidecar, longer, or not a recall: never."""
+    import kalos_retrievers.client as C
+
+    c = KalosClient("kalos-unit-lazy", dim=4, spin_us=300, lazy=True)
+    seen: list[tuple[str, int]] = []
+    c._spin = lambda slot, until: seen.append(("spin", until - time.monotonic_ns())) or True  # type: ignore[method-assign]
+    c._sleep_then_spin = lambda *a: seen.append(("sleep", 0)) or True  # type: ignore[method-assign]
+    c._block = lambda *a, **k: seen.append(("block", 0)) or True  # type: ignore[method-assign]
+    c._check_seq = lambda slot, seq: None  # type: ignore[method-assign]
+
+    def route(backend: str, waiting: int, typical_us: int, recall: bool = True) -> tuple[str, int]:
+        seen.clear()
+        c._typical_wait_ns = typical_us * US
+        c._wait(_RouteConn(backend, waiting), None, 1, time.monotonic() + 10, recall=recall)  # type: ignore[arg-type]
+        return seen[0]
+
+    try:
+        kind, left = route("cuda", 1, 900)
+        assert kind == "spin" and 900 * US < left <= 900 * US + 300 * US  # past the answer, by a margin
+        assert route("cuda", C._SPIN_CROWD, 1200)[0] == "spin"
+        assert route("cuda", C._SPIN_CROWD + 1, 900)[0] == "sleep"  # crowded: the cores go to the sidecar
+        assert route("cuda", 1, 1201)[0] == "sleep"  # longer than 4 windows
+        assert route("cpu", 1, 900)[0] == "sleep"  # a CPU sidecar's search needs the cores
+        assert route("cuda", 1, 900, recall=False)[0] == "block"  # other ops: block
+        c.spin_ns = 0
+        assert route("cuda", 1, 900)[0] == "block"  # spin_us=0: never spin
+    finally:
+        c.close()
+
+
+def test_waiting_requests_counts_request_busy_and_doorbell_slots() -> None:
+    """The crowd a client sees: slots whose state is REQUEST, BUSY or DOORBELL, read from every
+    slot's state word in the segment (5 slots of an odd layout)."""
+    import mmap
+
+    from kalos_retrievers.client import _Conn as Conn
+    from kalos_retrievers.protocol import Layout
+
+    lay = Layout(n_slots=5, dim=3, payload_size=1 << 12, blob_size=1 << 12)
+    mm = mmap.mmap(-1, lay.segment_size)
+    conn = Conn.__new__(Conn)
+    conn.layout, conn.seg, conn._states = lay, type("S", (), {"mm": mm})(), None
+
+    def put(*states: int) -> int:
+        for i, st in enumerate(states):
+            mm[lay.slot_offset(i) : lay.slot_offset(i) + 4] = int(st).to_bytes(4, "little")
+        return conn.waiting_requests()
+
+    st = SlotState
+    assert put(st.FREE, st.CLAIMED, st.RESPONSE, st.ERROR, st.FREE) == 0
+    assert put(st.REQUEST, st.CLAIMED, st.BUSY, st.ERROR, st.DOORBELL) == 3
+    assert put(st.BUSY, st.BUSY, st.BUSY, st.REQUEST, st.DOORBELL) == 5
+    assert put(0xFFFFFFFF, 7, st.FREE, st.FREE, st.FREE) == 0  # garbage is no request
+    del conn._states
