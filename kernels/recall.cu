@@ -57,6 +57,10 @@
 #ifndef KALOS_L2PF_I8
 #define KALOS_L2PF_I8 0
 #endif
+// 16-byte loads each thread has in flight per row piece in the scan of int8 rows (float rows: 8)
+#ifndef KALOS_UNROLL_I8
+#define KALOS_UNROLL_I8 8
+#endif
 #ifndef KALOS_L2PF_F
 #define KALOS_L2PF_F 0
 #endif
@@ -837,7 +841,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
             // all of a thread's loads for up to UNROLL chunks are in flight before the first use
             // 8, not 16: 16 loads in flight per thread cost registers, hence blocks per SM
             // (H200, 1M rows: 482 us at 16, 399-468 us at 8)
-            constexpr int UNROLL = 8;
+            constexpr int UNROLL = Vec<T>::INT8 ? KALOS_UNROLL_I8 : 8;
             const uint4* rp = base + (size_t)row * chunks;
             for (int ch0 = lane; ch0 < chunks; ch0 += UNROLL * TPR) {
                 uint4 v[UNROLL];

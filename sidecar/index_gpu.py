@@ -35,7 +35,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import numpy as np
@@ -79,7 +79,8 @@ SELECT_GATHER: Final = 2048  # as in kernels/recall.cu
 SYNC_WORDS: Final = 3 * MAXQ + 1  # as in kernels/recall.cu: tickets, bounds, counts per query; next row
 _NEG_INF_ORD: Final = int(np.array([-np.inf], np.float32).view(np.int32)[0]) ^ 0x7FFFFFFF
 GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, grid)
-RESCORE_FACTOR: Final = 4
+RESCORE_FACTOR: Final = 4  # int8: candidates per result re-scored exactly (KALOS_RESCORE_FACTOR)
+RESCORE_FACTOR_MAX: Final = 16
 CAND_MAX: Final = 4096  # most int8 candidates per query (RESCORE_FACTOR x max k)
 _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
 _NPTYPE: Final = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
@@ -113,6 +114,27 @@ _PARAMS_SIZE: Final = 2048
 _STICKY: Final = frozenset({214, 700, 701, 702, 714, 715, 716, 717, 718, 719, 720, 999})
 _CUDA_R_32F, _CUDA_R_16F = 0, 2
 _MMA_NT: Final = (2, 4, 8)  # mma_filter instantiations: n-tiles of 8 queries (16, 32, 64)
+
+
+def rescore_factor(env: Mapping[str, str]) -> int:
+    """int8 storage's candidates per result (``KALOS_RESCORE_FACTOR``, default
+    ``RESCORE_FACTOR``): the quantized scan keeps ``factor * k`` rows, which are re-scored
+    exactly from the float16 copy. Fewer candidates make the scan's merge and the re-scoring
+    cheaper and may lose a true neighbour whose quantized score fell below them.
+
+    Raises:
+        ValueError: not an integer in [1, ``RESCORE_FACTOR_MAX``].
+    """
+    raw = env.get("KALOS_RESCORE_FACTOR", "").strip()
+    if not raw:
+        return RESCORE_FACTOR
+    try:
+        f = int(raw)
+    except ValueError:
+        f = 0
+    if not 1 <= f <= RESCORE_FACTOR_MAX:
+        raise ValueError(f"KALOS_RESCORE_FACTOR={raw!r}: expected an integer from 1 to {RESCORE_FACTOR_MAX}")
+    return f
 
 
 def choose_tpr(chunks: int) -> int:
@@ -155,7 +177,11 @@ class GpuIndex(Index):
         self.np_dtype = _NPTYPE[dtype]
         isz = np.dtype(self.np_dtype).itemsize
         self.ld = -(-dim // (16 // isz)) * (16 // isz)
-        self.tpr = choose_tpr(self.ld * isz // 16)
+        # (KALOS_TPR: threads per row for the scans, a diagnostic for benchmarks)
+        self.tpr = int(os.environ.get("KALOS_TPR", "0")) or choose_tpr(self.ld * isz // 16)
+        if self.tpr not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"KALOS_TPR={self.tpr}: expected 1, 2, 4, 8, 16 or 32")
+        self.rescore_factor = rescore_factor(os.environ)
         self.memory_limit = memory_limit or int(os.environ.get("KALOS_GPU_MEMORY_LIMIT", "0")) or None
         self.fault_inject = os.environ.get("KALOS_FAULT_INJECT", "")
         self._compile()
@@ -295,7 +321,7 @@ class GpuIndex(Index):
         """Let the resident kernel answer batch-1 recalls from the registered segment (whose
         ``layout`` it is) with documents from ``arena``; returns the largest k it answers (0:
         not available: turned off with ``KALOS_DOORBELL=0``, or no arena). With int8 storage it
-        scans ``RESCORE_FACTOR * k`` candidates and re-scores them from the float16 copy in
+        scans ``rescore_factor * k`` candidates and re-scores them from the float16 copy in
         registered host memory, as the host path does. It starts at the first
         :meth:`resume_doorbell`."""
         if not USE_DOORBELL or arena is None or not self.seg_addr:
@@ -306,7 +332,7 @@ class GpuIndex(Index):
         # (an ARENA_ENTRIES answer is 8 + 16 bytes per hit: it must fit the slot's blob)
         self.doorbell_k = min(DOORBELL_MAX_K, layout.max_k, (layout.blob_size - 8) // ENTRY_SIZE)
         if self.exact is not None:  # int8: its candidates must fit the kernel's buffer
-            self.doorbell_k = min(self.doorbell_k, CAND_MAX // RESCORE_FACTOR)
+            self.doorbell_k = min(self.doorbell_k, CAND_MAX // self.rescore_factor)
         return self.doorbell_k
 
     def wants_arena(self) -> bool:
@@ -368,11 +394,11 @@ class GpuIndex(Index):
                             lay.slot_size, lay.payload_offset, lay.rows_offset, lay.scores_offset,
                             lay.blob_offset, self.dim, self.doorbell_k, table + ARENA_HEADER_SIZE,
                             arena_rows, self.doorbell_mode, arena_version, self._exact_reg,
-                            RESCORE_FACTOR if self.exact is not None else 0, 0)  # fmt: skip
+                            self.rescore_factor if self.exact is not None else 0, 0)  # fmt: skip
         self._bell_mm[_BELL_SERVED:_BELL_SERVED + 8 + _BELL_STAMPS.size] = bytes(8 + _BELL_STAMPS.size)
         cfg = np.frombuffer(self._bell_mm, np.uint8, _BELL_SERVED).copy()
         # (int8: the merge's buffer holds the candidates, then their exact order)
-        kp = _pow2(self.doorbell_k * (RESCORE_FACTOR if self.exact is not None else 1))
+        kp = _pow2(self.doorbell_k * (self.rescore_factor if self.exact is not None else 1))
         buf = self._buf(kp)
         smem = self._smem(1, buf)
         kern = kernels.get_kernel("doorbell_topk", self.ctype, self.tpr, self.metric)
@@ -722,7 +748,7 @@ class GpuIndex(Index):
             self._run(qs, rows, scores, k, high, ns, mask_addr, out_ld, dense and mask_dev is None,
                       defer=mask_dev is None)  # fmt: skip
         else:  # int8: kc candidates per query into the scratch, then exact re-scoring
-            kc = min(RESCORE_FACTOR * k, high, CAND_MAX)
+            kc = min(self.rescore_factor * k, high, CAND_MAX)
             flat = [(s, j) for s in specs for j in range(len(s.queries))]
             for start in range(0, len(flat), MAXQ):
                 part = flat[start : start + MAXQ]
@@ -1040,7 +1066,7 @@ class GpuIndex(Index):
         """Host-array search (used without a registered segment, e.g. by tests and benches):
         the same kernels, with queries and results in registered host buffers."""
         nq = len(queries)
-        kk = k if self.exact is None else min(RESCORE_FACTOR * k, max(k, high))
+        kk = k if self.exact is None else min(self.rescore_factor * k, max(k, high))
         nbytes = 4 * (nq * (self.dim + 2 * kk) + 64)
         mm = mmap.mmap(-1, -(-nbytes // 4096) * 4096)  # page-aligned, registered for this call
         buf = np.frombuffer(mm, np.float32)

@@ -153,3 +153,17 @@ def test_the_reader_sees_a_changed_layout() -> None:
             test_sizes_and_limits_match()
     finally:
         SOURCE = saved
+
+
+def test_rescore_factor_from_the_environment() -> None:
+    """int8's candidates per result: the default without KALOS_RESCORE_FACTOR, the value given
+    within [1, RESCORE_FACTOR_MAX], and a clear error for anything else."""
+    from kalos_retrievers.sidecar import index_gpu as G
+
+    assert G.rescore_factor({}) == G.RESCORE_FACTOR == 4
+    assert G.rescore_factor({"KALOS_RESCORE_FACTOR": " "}) == G.RESCORE_FACTOR
+    assert G.rescore_factor({"KALOS_RESCORE_FACTOR": "2"}) == 2
+    assert G.rescore_factor({"KALOS_RESCORE_FACTOR": "16"}) == G.RESCORE_FACTOR_MAX
+    for bad in ("0", "17", "-1", "2.5", "two"):
+        with pytest.raises(ValueError, match="KALOS_RESCORE_FACTOR"):
+            G.rescore_factor({"KALOS_RESCORE_FACTOR": bad})

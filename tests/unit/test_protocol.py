@@ -424,7 +424,7 @@ def test_batch_results_cut_each_querys_share_when_read(as_views: bool) -> None:
     with pytest.raises(ValueError, match="docs=False"):
         bare[1][0]
     with pytest.raises(ValueError, match="docs=False"):
-        bare[1].ids
+        _ = bare[1].ids
     empty = R.RecallResult.batch(np.zeros((2, 0), np.int32), np.zeros((2, 0), np.float32), docs[:0])
     assert [len(r) for r in empty] == [0, 0] and empty[1].ids == [] and list(empty[0]) == []
     # shares that do not split evenly are refused
