@@ -85,7 +85,7 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     for n in [int(x) for x in args.rows.split(",")]:
         idx, svc, keep = build(n, args.dtype)
-        int8 = args.dtype == "int8"  # k = 10 hits, 40 candidates for re-scoring (RESCORE_FACTOR)
+        int8 = args.dtype == "int8"  # k = 10 hits, RESCORE_FACTOR x 10 candidates for re-scoring
         buf = idx._buf(64 if int8 else 16)
         smem = idx._smem(1, buf)
         rs = idx.rowscale if int8 else np.uint64(0)

@@ -160,7 +160,7 @@ def test_rescore_factor_from_the_environment() -> None:
     within [1, RESCORE_FACTOR_MAX], and a clear error for anything else."""
     from kalos_retrievers.sidecar import index_gpu as G
 
-    assert G.rescore_factor({}) == G.RESCORE_FACTOR == 4
+    assert G.rescore_factor({}) == G.RESCORE_FACTOR == 2
     assert G.rescore_factor({"KALOS_RESCORE_FACTOR": " "}) == G.RESCORE_FACTOR
     assert G.rescore_factor({"KALOS_RESCORE_FACTOR": "2"}) == 2
     assert G.rescore_factor({"KALOS_RESCORE_FACTOR": "16"}) == G.RESCORE_FACTOR_MAX
