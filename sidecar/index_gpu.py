@@ -20,7 +20,7 @@ rows, then every row scored and filtered against it in registers, then the candi
 float32 rows through one cuBLAS GEMM and a top-k kernel. The fused CUDA-core kernel for several
 queries at once is slower than either.
 
-int8 storage scans ``RESCORE_FACTOR * k`` candidates with the quantized rows, then re-scores
+int8 storage scans ``RESCORE_FACTOR * k`` candidates (``KALOS_RESCORE_FACTOR``) with the quantized rows, then re-scores
 them exactly against a float16 copy kept in host memory, so the device holds one byte per
 dimension: twice the rows per byte of float16. The sidecar's path re-scores on the host; the
 resident kernel re-scores on the device, reading only its candidates' rows of that copy
