@@ -98,7 +98,9 @@ _SPIN_PROBE_EVERY = 8  # while long-wait spins do not pay, still try one call in
 # A GPU sidecar's recall expected within this many spin windows is spun through, not slept
 # through, while few requests wait (at most _SPIN_CROWD, ours included): see KalosClient._wait.
 _FULL_SPIN_WINDOWS = 4
-_SPIN_CROWD: Final = max(1, (os.cpu_count() or 1) // 4)
+# (the cores this process may run on: a container's cpuset, not the host's count)
+_CORES: Final = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_SPIN_CROWD: Final = max(1, _CORES // 4)
 _DOORBELL: Final = np.uint32(SlotState.DOORBELL)
 _HANDOVER_NS = 2_000_000  # a DOORBELL the stopped kernel left: block if the sidecar has not taken it by then
 _BACKOFF_MIN = 0.05
