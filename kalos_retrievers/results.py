@@ -221,7 +221,7 @@ class RecallResult(Sequence[Hit]):
             id_, text, metadata = decode_doc_fields(doc)  # (no Doc object on the way)
             created, updated = doc_times(doc)
             vectors = self._vectors
-            if vectors is None and self._batch is not None:
+            if vectors is None and self._batch is not None and self._batch.vectors is not None:
                 vectors = self.vectors
             scores = self._scores
             if scores is None:
