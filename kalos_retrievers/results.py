@@ -90,6 +90,9 @@ def _fast_hits_work() -> bool:
 _make_hit = _hit_unchecked if _fast_hits_work() else Hit
 
 
+_LATER: Any = object()  # a batch result's share not cut from its batch yet
+
+
 class RecallResult(Sequence[Hit]):
     """Top-k of one query, best first.
 
@@ -154,43 +157,68 @@ class RecallResult(Sequence[Hit]):
         for i in range(nq):
             r = new(cls)
             r._batch, r._i, r.namespace = b, i, namespace
-            r._rows = r._scores = r._vectors = r._docs = r._ids = r._items = None
+            r._rows = r._scores = r._vectors = r._docs = _LATER
+            r._ids = r._items = None
             out.append(r)
         return out
 
+    # A batch's share is cut from the batch when first read (``_LATER`` until then); what is
+    # assigned is kept as given, as when these were plain attributes.
     @property
     def rows(self) -> np.ndarray:
         r = self._rows
-        if r is None:
-            assert self._batch is not None
-            r = self._rows = self._batch.rows[self._i]
-        return r
+        if r is _LATER:
+            r = self._rows = self._batch.rows[self._i]  # type: ignore[union-attr]
+        return r  # type: ignore[return-value]
+
+    @rows.setter
+    def rows(self, value: np.ndarray) -> None:
+        self._rows = value
 
     @property
     def scores(self) -> np.ndarray:
         s = self._scores
-        if s is None:
-            assert self._batch is not None
-            s = self._scores = self._batch.scores[self._i]
-        return s
+        if s is _LATER:
+            s = self._scores = self._batch.scores[self._i]  # type: ignore[union-attr]
+        return s  # type: ignore[return-value]
+
+    @scores.setter
+    def scores(self, value: np.ndarray) -> None:
+        self._scores = value
 
     @property
     def vectors(self) -> np.ndarray | None:
-        v, b = self._vectors, self._batch
-        if v is None and b is not None and b.vectors is not None:
-            v = self._vectors = b.vectors[self._i * b.per : (self._i + 1) * b.per]
-        return v
+        v = self._vectors
+        if v is _LATER:
+            b = self._batch
+            assert b is not None
+            v = self._vectors = None if b.vectors is None else b.vectors[self._i * b.per : (self._i + 1) * b.per]
+        return v  # type: ignore[return-value]
+
+    @vectors.setter
+    def vectors(self, value: np.ndarray | None) -> None:
+        self._vectors = value
 
     def _doc_seq(self) -> Sequence[memoryview] | None:
-        d, b = self._docs, self._batch
-        if d is None and b is not None and b.docs is not None:
+        d = self._docs
+        if d is _LATER:
+            b = self._batch
+            assert b is not None
             a, bd = self._i * b.per, b.docs
-            d = self._docs = bd.part(a, b.per) if isinstance(bd, DocViews) else bd[a : a + b.per]
-        return d
+            if bd is None:
+                d = None
+            else:
+                d = bd.part(a, b.per) if isinstance(bd, DocViews) else bd[a : a + b.per]
+            self._docs = d
+        return d  # type: ignore[return-value]
 
     def __len__(self) -> int:
-        b = self._batch
-        return len(self._rows) if b is None else b.per
+        r = self._rows
+        return self._batch.per if r is _LATER else len(r)  # type: ignore[union-attr, arg-type]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # this query's share only (a batch's share would otherwise carry the whole batch)
+        return (RecallResult, (self.rows, self.scores, self._doc_seq(), self.vectors, self.namespace))
 
     @property
     def ids(self) -> list[str]:
@@ -206,25 +234,29 @@ class RecallResult(Sequence[Hit]):
             return [self[j] for j in range(*i.indices(len(self)))]  # type: ignore[return-value]
         items = self._items
         if items is None:
-            b = self._batch
-            items = self._items = [None] * (len(self._rows) if b is None else b.per)
-        hit = items[i]  # (IndexError out of range; a negative index counts from the end)
+            items = self._items = [None] * len(self)
+        try:
+            hit = items[i]
+        except IndexError:
+            raise IndexError(i) from None
         if hit is None:
+            if i < 0:  # (from the end: the same document, score and vector as the hit's place)
+                i += len(items)
             # (slots first, the properties only for a batch's share not cut yet: a batch's
             # first reads pay no more than results cut up front)
             docs = self._docs
-            if docs is None:
+            if docs is _LATER:
                 docs = self._doc_seq()
-                if docs is None:
-                    raise ValueError("this recall was made with docs=False: only rows and scores")
+            if docs is None:
+                raise ValueError("this recall was made with docs=False: only rows and scores")
             doc = docs[i]
             id_, text, metadata = decode_doc_fields(doc)  # (no Doc object on the way)
             created, updated = doc_times(doc)
             vectors = self._vectors
-            if vectors is None and self._batch is not None and self._batch.vectors is not None:
-                vectors = self.vectors
+            if vectors is _LATER:
+                vectors = self.vectors if self._batch.vectors is not None else None  # type: ignore[union-attr]
             scores = self._scores
-            if scores is None:
+            if scores is _LATER:
                 scores = self.scores
             vec = None if vectors is None else vectors[i]
             hit = _make_hit(id_, float(scores[i]), text, metadata, self.namespace, created, updated, vec)

@@ -432,3 +432,36 @@ def test_batch_results_cut_each_querys_share_when_read(as_views: bool) -> None:
         R.RecallResult.batch(rows, scores, docs[:-1])
     with pytest.raises(ValueError, match="do not split"):
         R.RecallResult.batch(rows, scores, docs, vectors[:-1])
+
+
+def test_batch_results_pickle_their_share_and_take_assignments() -> None:
+    """A batch's result pickles (and copies) as its own share, not the whole batch; ``rows``,
+    ``scores`` and ``vectors`` stay assignable, as plain attributes were; a result built with
+    ``scores=None`` reads None back."""
+    import copy
+    import pickle
+
+    from kalos_retrievers import results as R
+
+    nq, per, dim = 6, 3, 5
+    enc = [P.encode_doc(f"id-{i}", f"t{i}", b"{}", 1.0, 2.0) for i in range(nq * per)]
+    rows = np.arange(nq * per, dtype=np.int32).reshape(nq, per)
+    scores = np.linspace(1, 0, nq * per, dtype=np.float32).reshape(nq, per)
+    vectors = np.random.default_rng(3).standard_normal((nq * per, dim)).astype(np.float32)
+    batch = R.RecallResult.batch(rows, scores, enc, vectors, "ns")
+    alone = pickle.dumps(R.RecallResult(rows[4], scores[4], enc[12:15], vectors[12:15], "ns"))
+    for res in (pickle.loads(pickle.dumps(batch[4])), copy.deepcopy(batch[4]), copy.copy(batch[4])):  # noqa: S301
+        assert res._batch is None and res.ids == ["id-12", "id-13", "id-14"] and res.namespace == "ns"
+        assert np.array_equal(res.rows, rows[4]) and np.array_equal(res.vectors, vectors[12:15])
+    assert len(pickle.dumps(batch[4])) <= len(alone) + 64  # its share, not the batch's 18 hits
+    r = batch[2]
+    r.scores = np.zeros(per, np.float32)
+    r.rows = rows[0]
+    r.vectors = None
+    assert not r.scores.any() and np.array_equal(r.rows, rows[0]) and r.vectors is None and len(r) == per
+    assert r[0].score == 0.0 and r[0].vector is None
+    bare = R.RecallResult(np.arange(2, dtype=np.int32), None, None)  # type: ignore[arg-type]
+    assert bare.scores is None and bare.vectors is None and len(bare) == 2
+    with pytest.raises(IndexError):
+        batch[1][-per - 1]
+    assert batch[1][-1] == batch[1][per - 1]
