@@ -7,8 +7,8 @@ The batch-1 graph at 100k rows takes ~88 us against a ~36 us streaming floor, an
 ``kernels/recall.cu`` once per ``KALOS_PROBE`` value (bits defined there: no offers, no tail, no
 namespace read, no per-round sync, empty), for several threads-per-row and grid sizes, and
 times each scan launched on its own against an in-process GpuIndex's rows (768-d float16, or
-``--dtype int8``: the int8 scan, which takes 4k candidates for exact re-scoring; cosine, k =
-10) with CUDA events:
+``--dtype int8``: the int8 scan, which takes ``rescore_factor`` x k candidates for exact
+re-scoring; cosine, k = 10) with CUDA events:
 
 * ``single``: one launch between two events, synchronized each time (the hot path's shape:
   launch latency + the kernel);
@@ -86,7 +86,7 @@ def main() -> int:
     for n in [int(x) for x in args.rows.split(",")]:
         idx, svc, keep = build(n, args.dtype)
         int8 = args.dtype == "int8"  # k = 10 hits, RESCORE_FACTOR x 10 candidates for re-scoring
-        buf = idx._buf(64 if int8 else 16)
+        buf = idx._buf(index_gpu._pow2(idx.rescore_factor * K) if int8 else 16)
         smem = idx._smem(1, buf)
         rs = idx.rowscale if int8 else np.uint64(0)
         sargs = (idx.data, idx.ns, idx.sqnorm, rs, idx.params, idx.qbuf, idx.qbuf_i8, np.int32(idx.ld),

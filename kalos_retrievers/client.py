@@ -1129,8 +1129,10 @@ class KalosClient:
         * With ``spin_ns == 0``: block only.
 
         Blocking always checks the deadline and, every few ms, that the sidecar is alive.
-        Spinning is bounded: it never lasts more than ``_MAX_MARGIN_SPINS * 2`` spin windows
-        per call. A response seen by spinning leaves its semaphore post behind; the next
+        Spinning is bounded: it never lasts more than ``_FULL_SPIN_WINDOWS + _MAX_MARGIN_SPINS``
+        spin windows per call (the spin through an uncrowded GPU recall: the expected wait plus
+        a margin; that spin's hits and misses do not move ``_spin_payoff``, which judges only
+        the spins after a sleep). A response seen by spinning leaves its semaphore post behind; the next
         round trip drains it.
         """
         t_sent = time.monotonic_ns()
@@ -1319,8 +1321,9 @@ def _status_error(status: int, blob: bytes, op: int) -> KalosError:
 
 
 def _check_timeout(timeout: Any) -> None:
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    # (finite: a deadline of inf cannot be a time in nanoseconds; a day is the longest)
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout <= 86_400:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, at most 86400")
 
 
 def _check_k(k: Any, max_k: int) -> None:

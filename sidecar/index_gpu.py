@@ -142,6 +142,21 @@ def rescore_factor(env: Mapping[str, str]) -> int:
     return f
 
 
+def tpr_override(env: Mapping[str, str]) -> int:
+    """Threads per row for the scans from ``KALOS_TPR`` (a diagnostic for benchmarks: the
+    backend picks by the row's size otherwise); 0 when unset or blank.
+
+    Raises:
+        ValueError: not one of 1, 2, 4, 8, 16, 32.
+    """
+    raw = env.get("KALOS_TPR", "").strip()
+    if not raw:
+        return 0
+    if raw not in ("1", "2", "4", "8", "16", "32"):
+        raise ValueError(f"KALOS_TPR={raw!r}: expected 1, 2, 4, 8, 16 or 32")
+    return int(raw)
+
+
 def choose_tpr(chunks: int) -> int:
     """Threads per row: few enough that each thread issues at least 16 loads per row (768-d
     float16: 4 threads of 24 loads). Fewer threads per row means more rows per round, so fewer
@@ -166,6 +181,9 @@ class GpuIndex(Index):
     def __init__(self, dim: int, metric: int, ordinal: int, dtype: str = "float16",
                  memory_limit: int | None = None) -> None:  # fmt: skip
         super().__init__(dim, metric)
+        # the environment's settings first: a bad one fails before a CUDA context exists
+        tpr = tpr_override(os.environ)
+        self.rescore_factor = rescore_factor(os.environ) if dtype == "int8" else RESCORE_FACTOR
         import cupy as cp
 
         self.cp = cp
@@ -182,11 +200,7 @@ class GpuIndex(Index):
         self.np_dtype = _NPTYPE[dtype]
         isz = np.dtype(self.np_dtype).itemsize
         self.ld = -(-dim // (16 // isz)) * (16 // isz)
-        # (KALOS_TPR: threads per row for the scans, a diagnostic for benchmarks)
-        self.tpr = int(os.environ.get("KALOS_TPR", "0")) or choose_tpr(self.ld * isz // 16)
-        if self.tpr not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"KALOS_TPR={self.tpr}: expected 1, 2, 4, 8, 16 or 32")
-        self.rescore_factor = rescore_factor(os.environ)
+        self.tpr = tpr or choose_tpr(self.ld * isz // 16)
         self.memory_limit = memory_limit or int(os.environ.get("KALOS_GPU_MEMORY_LIMIT", "0")) or None
         self.fault_inject = os.environ.get("KALOS_FAULT_INJECT", "")
         self._compile()

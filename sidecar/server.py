@@ -134,12 +134,20 @@ def make_index(cfg: ServeConfig) -> Index:
     if dev != "auto" and not (dev == "cuda" or dev.startswith("cuda:")):
         raise StartError(f"--device {dev!r}: use auto, cpu, cuda or cuda:N", EXIT_USAGE)
     ordinal = int(dev.split(":", 1)[1]) if ":" in dev else 0
+    from .index_gpu import CAND_MAX as INT8_MAX_K  # (no CuPy needed to import it)
+
+    if cfg.dtype == "int8" and cfg.max_k > INT8_MAX_K:
+        # (its re-scoring buffer: a larger k would come back short)
+        raise StartError(f"--max-k {cfg.max_k}: int8 storage answers k up to {INT8_MAX_K}; "
+                         "lower --max-k, or store float16", EXIT_USAGE)  # fmt: skip
     try:
         from .gpu import GpuUnavailable, open_gpu_index
     except ImportError as e:  # pragma: no cover - the module ships with the package
         raise StartError(f"GPU backend missing from this install: {e}", EXIT_DEVICE) from None
     try:
         return open_gpu_index(cfg.dim, metric, ordinal, cfg.dtype or "float16")
+    except ValueError as e:  # a setting in the environment (KALOS_RESCORE_FACTOR, ...)
+        raise StartError(f"--device {dev}: {e}", EXIT_USAGE) from None
     except GpuUnavailable as e:
         if dev == "auto":
             log.info("no usable GPU (%s); using the CPU backend", e)

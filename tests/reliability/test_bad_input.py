@@ -62,6 +62,8 @@ def cases(c: KalosClient) -> list[tuple[str, Callable[[], Any], str]]:
         ("recall filter NaN", lambda: c.recall(V, filter={"a": {"$gt": math.nan}}), "filter"),
         ("recall timeout 0", lambda: c.recall(V, timeout=0), "timeout"),
         ("recall timeout str", lambda: c.recall(V, timeout="1"), "timeout"),
+        ("recall timeout inf", lambda: c.recall(V, timeout=math.inf), "timeout"),
+        ("recall_batch timeout inf", lambda: c.recall_batch(np.stack([V, V]), timeout=math.inf), "timeout"),
         ("recall_batch wrong dim", lambda: c.recall_batch(np.ones((3, DIM + 1))), "queries"),
         ("recall_batch NaN", lambda: c.recall_batch(np.stack([V, NAN])), "queries"),
         ("recall_batch k=0", lambda: c.recall_batch(np.stack([V, V]), k=0), "k"),
@@ -117,6 +119,7 @@ def cases(c: KalosClient) -> list[tuple[str, Callable[[], Any], str]]:
         ("client dim 0", lambda: KalosClient(c.name, dim=0), "dim"),
         ("client dim str", lambda: KalosClient(c.name, dim="8"), "dim"),
         ("client timeout 0", lambda: KalosClient(c.name, timeout=0), "timeout"),
+        ("client timeout inf", lambda: KalosClient(c.name, timeout=math.inf), "timeout"),
         ("client max_slots 0", lambda: KalosClient(c.name, max_slots=0), "max_slots"),
     ]
 

@@ -167,3 +167,46 @@ def test_rescore_factor_from_the_environment() -> None:
     for bad in ("0", "17", "-1", "2.5", "two"):
         with pytest.raises(ValueError, match="KALOS_RESCORE_FACTOR"):
             G.rescore_factor({"KALOS_RESCORE_FACTOR": bad})
+
+
+def test_tpr_override_from_the_environment() -> None:
+    from kalos_retrievers.sidecar import index_gpu as G
+
+    assert G.tpr_override({}) == 0 and G.tpr_override({"KALOS_TPR": ""}) == 0
+    assert [G.tpr_override({"KALOS_TPR": v}) for v in ("1", "8", " 32 ")] == [1, 8, 32]
+    for bad in ("0", "3", "64", "abc", "4.0"):
+        with pytest.raises(ValueError, match="KALOS_TPR"):
+            G.tpr_override({"KALOS_TPR": bad})
+
+
+def test_a_bad_gpu_setting_fails_the_start_as_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ValueError from opening the GPU index (a bad KALOS_RESCORE_FACTOR, ...) ends the start
+    with the setting's message and the usage exit code, not a traceback."""
+    from kalos_retrievers.sidecar import gpu, server
+
+    def bad(*a: object) -> None:
+        raise ValueError("KALOS_RESCORE_FACTOR='x': expected an integer from 1 to 16")
+
+    monkeypatch.setattr(gpu, "open_gpu_index", bad)
+    cfg = server.ServeConfig(name="kalos-unit-badenv", dim=8, device="cuda", dtype="int8")
+    with pytest.raises(server.StartError, match="KALOS_RESCORE_FACTOR") as e:
+        server.make_index(cfg)
+    assert e.value.exit_code == server.EXIT_USAGE
+
+
+def test_int8_refuses_a_max_k_its_rescoring_cannot_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 storage re-scores at most CAND_MAX candidates: a --max-k above it is refused at
+    start with a usage error (before any GPU is opened), one at it is accepted."""
+    from kalos_retrievers.sidecar import gpu, server
+
+    opened = []
+    monkeypatch.setattr(gpu, "open_gpu_index", lambda *a: opened.append(a) or "index")
+    cap = index_gpu.CAND_MAX
+    over = server.ServeConfig(name="kalos-unit-maxk", dim=8, device="cuda", dtype="int8", max_k=cap + 1)
+    with pytest.raises(server.StartError, match="--max-k") as e:
+        server.make_index(over)
+    assert e.value.exit_code == server.EXIT_USAGE and not opened
+    at = server.ServeConfig(name="kalos-unit-maxk", dim=8, device="cuda", dtype="int8", max_k=cap)
+    assert server.make_index(at) == "index" and len(opened) == 1
+    f16 = server.ServeConfig(name="kalos-unit-maxk", dim=8, device="cuda", dtype="float16", max_k=cap + 1)
+    assert server.make_index(f16) == "index"  # float16 answers any k the layout allows
