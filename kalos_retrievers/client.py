@@ -98,9 +98,35 @@ _SPIN_PROBE_EVERY = 8  # while long-wait spins do not pay, still try one call in
 # A GPU sidecar's recall expected within this many spin windows is spun through, not slept
 # through, while few requests wait (at most _SPIN_CROWD, ours included): see KalosClient._wait.
 _FULL_SPIN_WINDOWS = 4
-# (the cores this process may run on: a container's cpuset, not the host's count)
-_CORES: Final = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-_SPIN_CROWD: Final = max(1, _CORES // 4)
+
+
+def _cores_from(affinity: int, cpu_max: str | None) -> int:
+    """The cores this process can keep busy: its CPU affinity (a container's cpuset), capped
+    by a CFS quota (``cpu.max`` of cgroup v2: ``"<quota> <period>"`` or ``"max <period>"``;
+    Kubernetes CPU limits are quotas) rounded up. Unreadable or malformed quota: no cap."""
+    n = max(1, affinity)
+    parts = (cpu_max or "").split()
+    if len(parts) == 2 and parts[0] != "max":
+        try:
+            quota, period = int(parts[0]), int(parts[1])
+        except ValueError:
+            return n
+        if quota > 0 and period > 0:
+            n = min(n, max(1, -(-quota // period)))
+    return n
+
+
+def _usable_cores() -> int:
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            cpu_max: str | None = f.read()
+    except OSError:
+        cpu_max = None
+    return _cores_from(affinity, cpu_max)
+
+
+_SPIN_CROWD: Final = max(1, _usable_cores() // 4)
 _DOORBELL: Final = np.uint32(SlotState.DOORBELL)
 _HANDOVER_NS = 2_000_000  # a DOORBELL the stopped kernel left: block if the sidecar has not taken it by then
 _BACKOFF_MIN = 0.05

@@ -322,3 +322,19 @@ def test_waiting_requests_counts_request_busy_and_doorbell_slots() -> None:
     assert put(st.BUSY, st.BUSY, st.BUSY, st.REQUEST, st.DOORBELL) == 5
     assert put(0xFFFFFFFF, 7, st.FREE, st.FREE, st.FREE) == 0  # garbage is no request
     del conn._states
+
+
+def test_the_spin_crowd_counts_the_cores_a_quota_allows() -> None:
+    """The cores a client counts for its spin crowd: its affinity, capped by a cgroup v2 CPU
+    quota rounded up (a Kubernetes CPU limit), never below 1; no quota or a malformed one
+    leaves the affinity."""
+    from kalos_retrievers.client import _cores_from
+
+    assert _cores_from(16, None) == 16
+    assert _cores_from(16, "max 100000\n") == 16
+    assert _cores_from(16, "200000 100000\n") == 2
+    assert _cores_from(16, "150000 100000") == 2  # 1.5 CPUs: rounded up
+    assert _cores_from(16, "5000 100000") == 1
+    assert _cores_from(4, "800000 100000") == 4  # a quota above the affinity: the affinity
+    assert _cores_from(16, "abc 100000") == 16 and _cores_from(16, "") == 16 and _cores_from(16, "1 2 3") == 16
+    assert _cores_from(0, None) == 1
