@@ -22,8 +22,8 @@ queries at once is slower than either.
 
 int8 storage scans ``RESCORE_FACTOR * k`` candidates (``KALOS_RESCORE_FACTOR``) with the
 quantized rows, then re-scores them exactly against a float16 copy kept in host memory, so the
-device holds one byte per
-dimension: twice the rows per byte of float16. The sidecar's path re-scores on the host; the
+device holds one byte per dimension: twice the rows per byte of float16. The sidecar's path
+re-scores on the host; the
 resident kernel re-scores on the device, reading only its candidates' rows of that copy
 (registered, mapped) over PCIe.
 """
