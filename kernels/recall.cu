@@ -567,9 +567,9 @@ __device__ void append_list(const float* key, const int* val, int n, int k, int 
 //
 // Two ways, by the kernel's storage (maxima_k_max):
 // * float rows, k <= 32: the warp takes its largest k times (~3.4 µs at k = 10, S9-7).
-// * int8 rows, k <= 128 (its merges take 4 x k candidates): a bitwise search over the ordered
+// * int8 rows, k <= 128 (its merges take RESCORE_FACTOR x k candidates): a bitwise search over the ordered
 //   bit patterns, the largest pattern with at least k maxima at or above it being the k-th
-//   largest: 32 rounds of one warp-wide count whatever k is. Without it int8's 40 candidates
+//   largest: 32 rounds of one warp-wide count whatever k is. Without it int8's 40 candidates (4 x k then)
 //   had no such bound and their merge took ~40 µs (S10-3); with it ~16 (S11-2). The float
 //   kernels keep the loop: built with the search (and int8's early scale load, below) the
 //   resident float16 kernel took 5-12 µs longer at 1M rows, though its merge's tail stayed
