@@ -1179,8 +1179,26 @@ __device__ void rescored_order(float* key, int* val, int n, const float* sums, f
     bitonic_desc(key, val, p);
 }
 
+// KALOS_BELL_MINB_I8 > 0: the int8 resident kernel is compiled for at least this many blocks
+// per SM (__launch_bounds__'s second argument: 3 caps it at 80 registers, 4 at 64), so the
+// host can keep more of its blocks resident (KALOS_BELL_PER_SM); KALOS_BELL_MINB_F the same
+// for float rows. 0, the default, leaves every resident kernel's bounds as they were.
+#ifndef KALOS_BELL_MINB_I8
+#define KALOS_BELL_MINB_I8 0
+#endif
+#ifndef KALOS_BELL_MINB_F   // the same for float rows
+#define KALOS_BELL_MINB_F 0
+#endif
+#if KALOS_BELL_MINB_I8 > 0 || KALOS_BELL_MINB_F > 0
+template <typename T> struct BellMinBlocks { static constexpr int value = KALOS_BELL_MINB_F > 0 ? KALOS_BELL_MINB_F : 1; };
+template <> struct BellMinBlocks<signed char> { static constexpr int value = KALOS_BELL_MINB_I8; };
+#define KALOS_BELL_BOUNDS __launch_bounds__(KALOS_BLOCK, BellMinBlocks<T>::value)
+#else
+#define KALOS_BELL_BOUNDS __launch_bounds__(KALOS_BLOCK)
+#endif
+
 template <typename T, int TPR, int METRIC>
-__global__ void __launch_bounds__(KALOS_BLOCK)
+__global__ void KALOS_BELL_BOUNDS
 doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
               const float* __restrict__ rowscale, Params* params, float* qbuf, signed char* qbuf_i8,
               int ld, int buf, float* __restrict__ scratch_k, int* __restrict__ scratch_v,

@@ -88,6 +88,8 @@ GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, gri
 # MiniLM embeddings recall@10 0.9996 with 2, 0.9999 with 4 (docs/benchmarks.md, session 12).
 RESCORE_FACTOR: Final = 2
 RESCORE_FACTOR_MAX: Final = 16
+# the resident kernel's blocks per SM at most (2 were as fast as 4 at 100k-1M float16 rows)
+BELL_PER_SM: Final = 2
 CAND_MAX: Final = 4096  # most int8 candidates per query (RESCORE_FACTOR x max k)
 _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
 _NPTYPE: Final = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
@@ -159,6 +161,24 @@ def tpr_override(env: Mapping[str, str]) -> int:
     return int(raw)
 
 
+def bell_blocks_per_sm(env: Mapping[str, str]) -> int:
+    """The most blocks per SM the resident kernel runs with, from ``KALOS_BELL_PER_SM`` (a
+    diagnostic, default 2); registers and shared memory may allow fewer. More than 2 need a
+    build whose kernel fits them (``-DKALOS_BELL_MINB_I8=3`` or ``4`` in
+    ``KALOS_KERNEL_OPTIONS`` for int8): blocks that cannot all be resident would hang it, so
+    the host always checks the compiled kernel's registers first.
+
+    Raises:
+        ValueError: not an integer from 1 to 8.
+    """
+    raw = env.get("KALOS_BELL_PER_SM", "").strip()
+    if not raw:
+        return BELL_PER_SM
+    if raw not in ("1", "2", "3", "4", "5", "6", "7", "8"):
+        raise ValueError(f"KALOS_BELL_PER_SM={raw!r}: expected an integer from 1 to 8")
+    return int(raw)
+
+
 def choose_tpr(chunks: int) -> int:
     """Threads per row: few enough that each thread issues at least 16 loads per row (768-d
     float16: 4 threads of 24 loads). Fewer threads per row means more rows per round, so fewer
@@ -185,6 +205,7 @@ class GpuIndex(Index):
         super().__init__(dim, metric)
         # the environment's settings first: a bad one fails before a CUDA context exists
         tpr = tpr_override(os.environ)
+        self.bell_per_sm = bell_blocks_per_sm(os.environ)
         self.rescore_factor = rescore_factor(os.environ) if dtype == "int8" else RESCORE_FACTOR
         import cupy as cp
 
@@ -428,7 +449,7 @@ class GpuIndex(Index):
         # 2 blocks per SM (as fast as 4 at 100k-1M rows), and never more than can be resident
         # at once: a block that waits for SM room behind blocks that never end would hang it
         regs = int(getattr(kern, "num_regs", 0) or 255)
-        per_sm = min(2, 65536 // (regs * kernels.BLOCK), (228 * 1024) // (smem + 4096))
+        per_sm = min(self.bell_per_sm, 65536 // (regs * kernels.BLOCK), (228 * 1024) // (smem + 4096))
         if per_sm < 1:
             log.warning("the resident kernel does not fit on an SM (%d registers); serving without it", regs)
             self.doorbell_k = 0

@@ -179,6 +179,17 @@ def test_tpr_override_from_the_environment() -> None:
             G.tpr_override({"KALOS_TPR": bad})
 
 
+def test_resident_blocks_per_sm_from_the_environment() -> None:
+    from kalos_retrievers.sidecar import index_gpu as G
+
+    assert G.bell_blocks_per_sm({}) == G.BELL_PER_SM == 2
+    assert G.bell_blocks_per_sm({"KALOS_BELL_PER_SM": " "}) == 2
+    assert [G.bell_blocks_per_sm({"KALOS_BELL_PER_SM": v}) for v in ("1", " 3 ", "8")] == [1, 3, 8]
+    for bad in ("0", "9", "-2", "2.0", "many"):
+        with pytest.raises(ValueError, match="KALOS_BELL_PER_SM"):
+            G.bell_blocks_per_sm({"KALOS_BELL_PER_SM": bad})
+
+
 def test_a_bad_gpu_setting_fails_the_start_as_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ValueError from opening the GPU index (a bad KALOS_RESCORE_FACTOR, ...) ends the start
     with the setting's message and the usage exit code, not a traceback."""
