@@ -1179,26 +1179,27 @@ __device__ void rescored_order(float* key, int* val, int n, const float* sums, f
     bitonic_desc(key, val, p);
 }
 
-// KALOS_BELL_MINB_I8 > 0: the int8 resident kernel is compiled for at least this many blocks
-// per SM (__launch_bounds__'s second argument: 3 caps it at 80 registers, 4 at 64), so the
-// host can keep more of its blocks resident (KALOS_BELL_PER_SM); KALOS_BELL_MINB_F the same
-// for float rows. 0, the default, leaves every resident kernel's bounds as they were.
+// The resident kernel's least blocks per SM (__launch_bounds__'s second argument; 0: none, the
+// compiler's choice), by row type. Float16's is 3: it caps the kernel at 80 registers (112
+// without) with no spill, and the host (BELL_PER_SM) then keeps 3 of its blocks on each SM:
+// S13-1 measured 100k rows 69.5 -> 65.3 us and 1M 376.9 -> 370.6 in process. int8 gained
+// nothing from 3 (80 registers, 8 bytes spilled) and lost 28-52 us with 4 (64 registers, its
+// loads in flight cut to 4), so it keeps 0 (128 registers, 2 blocks per SM); float32 too.
+#ifndef KALOS_BELL_MINB_H
+#define KALOS_BELL_MINB_H 3
+#endif
 #ifndef KALOS_BELL_MINB_I8
 #define KALOS_BELL_MINB_I8 0
 #endif
-#ifndef KALOS_BELL_MINB_F   // the same for float rows
+#ifndef KALOS_BELL_MINB_F
 #define KALOS_BELL_MINB_F 0
 #endif
-#if KALOS_BELL_MINB_I8 > 0 || KALOS_BELL_MINB_F > 0
-template <typename T> struct BellMinBlocks { static constexpr int value = KALOS_BELL_MINB_F > 0 ? KALOS_BELL_MINB_F : 1; };
+template <typename T> struct BellMinBlocks { static constexpr int value = KALOS_BELL_MINB_F; };
+template <> struct BellMinBlocks<__half> { static constexpr int value = KALOS_BELL_MINB_H; };
 template <> struct BellMinBlocks<signed char> { static constexpr int value = KALOS_BELL_MINB_I8; };
-#define KALOS_BELL_BOUNDS __launch_bounds__(KALOS_BLOCK, BellMinBlocks<T>::value)
-#else
-#define KALOS_BELL_BOUNDS __launch_bounds__(KALOS_BLOCK)
-#endif
 
 template <typename T, int TPR, int METRIC>
-__global__ void KALOS_BELL_BOUNDS
+__global__ void __launch_bounds__(KALOS_BLOCK, BellMinBlocks<T>::value)
 doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
               const float* __restrict__ rowscale, Params* params, float* qbuf, signed char* qbuf_i8,
               int ld, int buf, float* __restrict__ scratch_k, int* __restrict__ scratch_v,

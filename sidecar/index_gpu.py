@@ -88,8 +88,10 @@ GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, gri
 # MiniLM embeddings recall@10 0.9996 with 2, 0.9999 with 4 (docs/benchmarks.md, session 12).
 RESCORE_FACTOR: Final = 2
 RESCORE_FACTOR_MAX: Final = 16
-# the resident kernel's blocks per SM at most (2 were as fast as 4 at 100k-1M float16 rows)
-BELL_PER_SM: Final = 2
+# the resident kernel's blocks per SM at most; its registers decide below that: float16's kernel
+# is built for 3 (80 registers; S13-1: -4 us at 100k rows, -6 at 1M), int8's and float32's take
+# 2 (112-128 registers)
+BELL_PER_SM: Final = 3
 CAND_MAX: Final = 4096  # most int8 candidates per query (RESCORE_FACTOR x max k)
 _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
 _NPTYPE: Final = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
@@ -163,10 +165,10 @@ def tpr_override(env: Mapping[str, str]) -> int:
 
 def bell_blocks_per_sm(env: Mapping[str, str]) -> int:
     """The most blocks per SM the resident kernel runs with, from ``KALOS_BELL_PER_SM`` (a
-    diagnostic, default 2); registers and shared memory may allow fewer. More than 2 need a
-    build whose kernel fits them (``-DKALOS_BELL_MINB_I8=3`` or ``4`` in
-    ``KALOS_KERNEL_OPTIONS`` for int8): blocks that cannot all be resident would hang it, so
-    the host always checks the compiled kernel's registers first.
+    diagnostic, default ``BELL_PER_SM``); its registers and shared memory may allow fewer. More
+    need a build whose kernel fits them (``-DKALOS_BELL_MINB_I8=3`` in ``KALOS_KERNEL_OPTIONS``
+    for int8): blocks that cannot all be resident would hang it, so the host always checks the
+    compiled kernel's registers first.
 
     Raises:
         ValueError: not an integer from 1 to 8.
@@ -446,8 +448,8 @@ class GpuIndex(Index):
         kern = kernels.get_kernel("doorbell_topk", self.ctype, self.tpr, self.metric)
         if smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
             kern.max_dynamic_shared_size_bytes = smem
-        # 2 blocks per SM (as fast as 4 at 100k-1M rows), and never more than can be resident
-        # at once: a block that waits for SM room behind blocks that never end would hang it
+        # BELL_PER_SM blocks per SM at most, and never more than can be resident at once: a
+        # block that waits for SM room behind blocks that never end would hang it
         regs = int(getattr(kern, "num_regs", 0) or 255)
         per_sm = min(self.bell_per_sm, 65536 // (regs * kernels.BLOCK), (228 * 1024) // (smem + 4096))
         if per_sm < 1:

@@ -182,8 +182,8 @@ def test_tpr_override_from_the_environment() -> None:
 def test_resident_blocks_per_sm_from_the_environment() -> None:
     from kalos_retrievers.sidecar import index_gpu as G
 
-    assert G.bell_blocks_per_sm({}) == G.BELL_PER_SM == 2
-    assert G.bell_blocks_per_sm({"KALOS_BELL_PER_SM": " "}) == 2
+    assert G.bell_blocks_per_sm({}) == G.BELL_PER_SM == 3
+    assert G.bell_blocks_per_sm({"KALOS_BELL_PER_SM": " "}) == 3
     assert [G.bell_blocks_per_sm({"KALOS_BELL_PER_SM": v}) for v in ("1", " 3 ", "8")] == [1, 3, 8]
     for bad in ("0", "9", "-2", "2.0", "many"):
         with pytest.raises(ValueError, match="KALOS_BELL_PER_SM"):
