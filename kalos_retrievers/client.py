@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 import random
@@ -191,6 +192,8 @@ class _Conn:
         # what a recall whose documents come from the arena asks for: the hits' whole entries
         # from a v1.3 sidecar (arena.ArenaView.entry_docs), their generations from older ones
         self.arena_flags = Flag.ARENA_DOCS | (Flag.ARENA_ENTRIES if header.version_minor >= 3 else 0)
+        # q . tiny is finite exactly when every element of q is (see _recall_one)
+        self.tiny = np.full(header.dim, 2.0**-100, np.float32)
 
     def doorbell_k(self) -> int:
         """Largest k the GPU's resident kernel answers now (0: it is stopped, or there is none):
@@ -577,7 +580,15 @@ class KalosClient:
         if type(k) is not int or not 0 < k <= header.max_k:
             return None
         if type(query) is np.ndarray and query.shape == (dim,) and query.dtype == _F32:
-            if not np.isfinite(query).all():
+            # the sum of the elements times 2**-100 is finite exactly when every element is:
+            # a NaN or an infinity carries through it, and no finite float32 can overflow it
+            # (the scaling is exact; tiny products underflow to 0, which numpy does not warn
+            # of by default). 0.3 µs against 1.1 for isfinite().all() on the dev VM. A
+            # bad query (or np.seterr's "raise") goes to the general path, which says why.
+            try:
+                if not math.isfinite(query.dot(conn.tiny)):
+                    return None
+            except (RuntimeWarning, FloatingPointError):
                 return None
             q = query
         else:

@@ -351,3 +351,36 @@ def test_a_plain_recall_takes_the_short_path_and_answers_like_the_general_one(st
         with pytest.raises(ValueError, match="timeout"):
             c.recall(q, k, timeout=0)
         assert c.recall(q, np.int64(k)).ids == r.ids  # a numpy int k: the general path
+
+
+def test_the_short_paths_finiteness_check_is_exact_and_quiet(start_sidecar, monkeypatch) -> None:
+    """``_recall_one`` checks a query's finiteness with one dot product (elements times
+    2**-100): valid queries of any magnitude take the short path with no numpy warning, even
+    with warnings as errors; every non-finite one is refused with the general path's error."""
+    import warnings
+
+    rng = np.random.default_rng()
+    dim, n, k = 31, 203, 5
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim)
+    with sc.client() as c:
+        c.upsert([str(i) for i in range(n)], data)
+        general: list[tuple] = []
+        real = KalosClient._recall
+        monkeypatch.setattr(KalosClient, "_recall", lambda self, *a: general.append(a) or real(self, *a))
+        q = data[17].copy()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for scale in (1.0, 1e-30, 1e20, 1e36):  # squares under- and overflow float32 at the ends
+                r = c.recall((q * np.float32(scale)).astype(np.float32), k)
+                assert r.ids[0] == "17"
+            with np.errstate(all="raise"):  # tiny products underflow: the general path answers
+                assert c.recall((q * np.float32(1e-30)).astype(np.float32), k).ids[0] == "17"
+        assert len(general) == 1
+        for bad in ([np.nan], [np.inf], [-np.inf], [np.inf, -np.inf]):
+            x = q.copy()
+            x[: len(bad)] = bad
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # +inf and -inf together: numpy's "invalid value"
+                with pytest.raises(ValueError, match="NaN or infinity"):
+                    c.recall(x, k)
