@@ -280,6 +280,125 @@ def test_requests_arriving_during_a_search_join_the_next_batch() -> None:
         assert sorted(got.tolist()) == sorted(np.argsort(-(data @ q[i]))[:k].tolist())
 
 
+class _PolledIndex(_DeferredIndex):
+    """A deferred index that says it is still searching for as many :meth:`searching` calls
+    as ``script`` has entries, running each entry (a callable or None) at its call: requests
+    that "arrive while the device searches"."""
+
+    def __init__(self, dim: int, metric: int, log: list[str]) -> None:
+        super().__init__(dim, metric, log)
+        self.script: list = []
+
+    def searching(self) -> bool:
+        if self._pending is None or not self.script:
+            return False
+        step = self.script.pop(0)
+        if step is not None:
+            step()
+        return True
+
+
+def _polled_rig(n_slots: int, dim: int, rows: int):  # type: ignore[no-untyped-def]
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
+    mm = mmap.mmap(-1, lay.segment_size)
+    log: list[str] = []
+    index = _PolledIndex(dim, METRICS["ip"], log)
+    svc = Service(index, NullStore(), dim=dim, metric=METRICS["ip"])
+    rng = np.random.default_rng()
+    data = rng.standard_normal((rows, dim)).astype(np.float32)
+    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [""] * rows,
+                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    q = rng.standard_normal((n_slots, dim)).astype(np.float32)
+
+    def request(i: int) -> None:
+        off = lay.slot_offset(i)
+        np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q[i]
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 90 + i, Op.RECALL, 0, 2, 1, 4 * dim, 0, 0)
+        states[i] = SlotState.REQUEST
+
+    def check(i: int, extra: np.ndarray | None = None) -> None:
+        assert states[i] == SlotState.RESPONSE
+        got = np.frombuffer(mm, np.int32, 2, lay.slot_offset(i) + lay.rows_offset)
+        rows = data if extra is None else np.vstack([data, extra])  # (extra: rows upserted since)
+        assert sorted(got.tolist()) == sorted(np.argsort(-(rows @ q[i]))[:2].tolist())
+
+    return lay, mm, index, svc, d, states, request, check, log
+
+
+@pytest.mark.parametrize("polled", [True, False])
+def test_requests_arriving_while_the_device_searches_are_picked_up_before_it_ends(
+    polled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a batch is in flight the dispatcher picks up requests as they arrive, as long as
+    the index says it still searches, so that once the search ends only the launch is left
+    (32 processes at 1M rows: the device idled ~84 µs per batch of ~16 for their pickup).
+    They still join one batch. Negative control (``polled`` False: that loop removed): the
+    late arrivals are still waiting when the search ends."""
+    _, _, index, _, d, states, request, check, log = _polled_rig(7, 5, 40)
+    if not polled:
+
+        def arrivals_only(self: Dispatcher, b: object, groups: object) -> int:
+            while self.service.searching():  # the requests arrive, nobody takes them
+                pass
+            return 0
+
+        monkeypatch.setattr(Dispatcher, "_pick_up_while_searching", arrivals_only)
+    request(0)
+    assert d.poll() == 1 and log == ["launch 1"]
+    request(1)
+    at_finish: list[list[int]] = []
+    index.script = [lambda: request(2), None, lambda: (request(3), request(4)), None]
+    index.during_search.append(lambda: at_finish.append(states[1:5].tolist()))
+    assert d.poll() == 4
+    assert log == ["launch 1", "finish", "launch 4"], log  # one batch for 1-4
+    if polled:
+        assert at_finish == [[SlotState.BUSY] * 4]
+    else:
+        assert at_finish == [[SlotState.BUSY] + [SlotState.REQUEST] * 3]
+    assert index.script == []
+    assert d.settle() == 4
+    for i in range(5):
+        check(i)
+
+
+def test_a_write_arriving_while_the_device_searches_waits_for_the_batch_in_flight() -> None:
+    """A request that is not a plain recall, picked up while a batch searches, first settles
+    that batch (rows must not change under a search): it is answered after the batch, from
+    the rows the batch saw being replaced only then, and the recalls picked up before it go in
+    the next launch."""
+    lay, mm, index, svc, d, states, request, check, log = _polled_rig(7, 5, 40)
+    request(0)
+    assert d.poll() == 1
+    dim = 5
+    vec = np.full(dim, 3.0, np.float32)
+    args = b'{"namespace": "", "ids": ["new"], "texts": [""], "metadatas": [{}]}'
+
+    def upsert() -> None:
+        off = lay.slot_offset(5)
+        np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = vec
+        at = off + lay.payload_offset + align8(4 * dim)
+        mm[at : at + len(args)] = args
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 55, Op.UPSERT, 0, 0, 1, 4 * dim, len(args), 0)
+        states[5] = SlotState.REQUEST
+
+    index.script = [lambda: request(1), upsert, lambda: request(2), None]
+    rows = svc.rows.live
+    # nothing waits when this poll starts: it takes slot 1, then the upsert, which settles
+    # slot 0's search (and ends the loop: no batch in flight), then launches slot 1
+    assert d.poll() == 2
+    assert log == ["launch 1", "finish", "launch 1"], log
+    check(0)
+    assert states[5] == SlotState.RESPONSE and svc.rows.live == rows + 1
+    assert states[1] == SlotState.BUSY and len(index.script) == 2
+    assert d.poll() == 1  # slot 2 arrives while slot 1's search runs, and is launched after it
+    assert log == ["launch 1", "finish", "launch 1", "finish", "launch 1"], log
+    check(1, vec[None])  # picked up before the upsert, searched after it: it sees the new row
+    d.settle()
+    check(2, vec[None])
+
+
 class _ArenaRig(NamedTuple):
     lay: Layout
     mm: mmap.mmap
