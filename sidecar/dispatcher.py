@@ -167,13 +167,8 @@ class Dispatcher:
         poll."""
         ready = self.waiting()
         if not len(ready):
-            b = self._inflight
-            if b is None or b.finished or not self.service.searching():
-                return self.settle()
-            # nothing waits yet, but a batch searches: take what arrives before its search
-            # ends (below), not after it (settling here left the device idle while the
-            # clients it had just answered came back: 32 processes at 1M rows, S13-3)
-        elif self._bells:
+            return self.settle()
+        if self._bells:
             self.lone = self._lone_after(ready)
         self._busy_until = 0  # end of the last answer of this pass (for the "pickup" phase)
         groups: dict[tuple[int, int], list[tuple[int, Request, int]]] = {}
@@ -181,42 +176,21 @@ class Dispatcher:
         n = len(ready)
         if self._inflight is not None and not self._inflight.finished:
             # The requests waiting now were read, checked and marked BUSY above while the
-            # device searched; those that arrive while it still searches are taken as they
-            # come, then, once it is done, the last ones, all into the same groups: one pass
-            # over the rows serves them all (launched at once, batches of 32 processes at 1M
-            # rows were ~12 queries, each paying a full pass), and the device idles only for
-            # the last ones' pickup and the launch, not the whole crowd's (S6-5: ~100 µs of
-            # Python per batch of ~16; S13-3, 32 processes: 84 µs per batch of ~16, most of it
-            # after the search had ended, as clients answered at the end of the previous
-            # batch's answer came back during the search). The batch in flight is answered
-            # after the next launch, while the device searches.
-            n += self._pick_up_while_searching(self._inflight, groups)
-            if self._inflight is not None and not self._inflight.finished:
-                self._finish(self._inflight)
+            # device searched; wait for that search, then take those that arrived meanwhile
+            # into the same groups: one pass over the rows serves them all (launched at once,
+            # batches of 32 processes at 1M rows were ~12 queries, each paying a full pass),
+            # and the device idles only for the late ones' pickup and the launch, not the
+            # whole crowd's (S6-5: ~100 µs of Python per batch of ~16). The batch in flight
+            # is answered after the next launch, while the device searches.
+            self._finish(self._inflight)
             late = self.waiting()
             self._pick_up(late, groups)
             n += len(late)
         for (k, flags), members in groups.items():
             for j in range(0, len(members), self.max_batch):
                 self._pipeline(members[j : j + self.max_batch], k, flags)
-        settled = 0
         if self._inflight is not None and self._inflight.finished:
-            settled = self.settle()  # finished above and nothing launched after it: answer it now
-        return n or settled
-
-    def _pick_up_while_searching(self, b: _Batch,
-                                 groups: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> int:  # fmt: skip
-        """Take requests as they arrive (into ``groups``, as :meth:`poll` does) until ``b``'s
-        search is done or is no longer in flight (a request that is not a plain recall
-        settles it first); return how many."""
-        n = 0
-        svc = self.service
-        while self._inflight is b and not b.finished and svc.searching():
-            ready = self.waiting()
-            if len(ready):
-                self.lone = 0  # requests arriving while another's search runs: a crowd
-                self._pick_up(ready, groups)
-                n += len(ready)
+            self.settle()  # finished above and nothing launched after it: answer it now
         return n
 
     def _pick_up(self, ready: np.ndarray, groups: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> None:

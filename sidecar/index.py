@@ -141,12 +141,6 @@ class Index(abc.ABC):
         dispatcher can answer the previous batch meanwhile)."""
         return False
 
-    def searching(self) -> bool:
-        """Whether the search the last :meth:`launch_slots` left running may still be running:
-        a hint (the dispatcher picks up requests until it is False); :meth:`finish_slots` is
-        the wait, and reports the search's errors. This default searches synchronously."""
-        return False
-
     def attach_segment(self, mm: Any) -> None:  # noqa: B027 - optional hook
         """Called when a segment is published (GPU: register it with the device)."""
 

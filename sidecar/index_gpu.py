@@ -753,14 +753,6 @@ class GpuIndex(Index):
     def defers(self) -> bool:
         return self.exact is None and bool(self.seg_addr)  # int8 re-scores on the host
 
-    def searching(self) -> bool:
-        if self._finisher is None:
-            return False
-        try:
-            return not self.stream.done  # cudaStreamQuery
-        except Exception:  # a device error: finish_slots raises it (and the batch is answered)
-            return False
-
     def finish_slots(self) -> None:
         """Wait for the search :meth:`launch_slots` left running (and run the GEMM path's
         fallback top-k if its candidate lists overflowed)."""

@@ -176,10 +176,6 @@ class Service:
         """Wait until the search :meth:`launch_recall` started has written its results."""
         self.index.finish_slots()
 
-    def searching(self) -> bool:
-        """Whether that search may still be running (a hint; :meth:`finish` is the wait)."""
-        return self.index.searching()
-
     def launch_recall(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any,
                       check_finite: bool = True) -> int:  # fmt: skip
         """:meth:`recall_slots` without waiting: the results are in the slots after
