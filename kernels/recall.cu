@@ -64,6 +64,11 @@
 #ifndef KALOS_L2PF_F
 #define KALOS_L2PF_F 0
 #endif
+// 1: the scan's loop over a row's chunks takes whole spans of loads without per-chunk bounds
+// checks, then a checked tail (see scan_body); 0 (default): every chunk checked, as measured
+#ifndef KALOS_SCAN_SPLIT
+#define KALOS_SCAN_SPLIT 0
+#endif
 
 // Where the last block's time goes (benchmarks/merge_stamps.py builds with -DKALOS_STAMPS):
 // %globaltimer stamps and counts of the last block of a batch-1 scan, in a device array the
@@ -175,6 +180,14 @@ template <> struct Vec<signed char> {
         acc = __dp4a((int)v.z, a.z, acc);
         acc = __dp4a((int)v.w, a.w, acc);
         return (float)acc;
+    }
+    // the same product as an int (KALOS_SCAN_SPLIT: summed as ints over the row, converted once)
+    __device__ __forceinline__ static int dot_i(uint4 v, const float* qrow, int ch) {
+        int4 a = reinterpret_cast<const int4*>(qrow)[ch];
+        int acc = __dp4a((int)v.x, a.x, 0);
+        acc = __dp4a((int)v.y, a.y, acc);
+        acc = __dp4a((int)v.z, a.z, acc);
+        return __dp4a((int)v.w, a.w, acc);
     }
 };
 
@@ -843,7 +856,38 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
             // (H200, 1M rows: 482 us at 16, 399-468 us at 8)
             constexpr int UNROLL = Vec<T>::INT8 ? KALOS_UNROLL_I8 : 8;
             const uint4* rp = base + (size_t)row * chunks;
-            for (int ch0 = lane; ch0 < chunks; ch0 += UNROLL * TPR) {
+            int ch0 = lane;
+#if KALOS_SCAN_SPLIT
+            // whole spans of UNROLL chunks first, with no per-chunk bounds check: every chunk's
+            // product is then straight-line code the compiler can interleave (with the checks,
+            // each chunk was its own branch region: its shared load, dot and add ran one after
+            // another); int8 sums its products as ints (exact: |sum| <= 127 * 127 * dim, below
+            // 2^31 for any dim under 133,000) and converts once per row. The tail, below, is
+            // checked as before. Not yet measured on a GPU (session 13); for int8, build it
+            // with -DKALOS_BELL_MINB_I8=2 -DKALOS_UNROLL_I8=6 (128 registers, no spill; 185
+            // registers without the bound, which leaves one block per SM).
+            int acc_i[QB];
+#pragma unroll
+            for (int q = 0; q < QB; q++) acc_i[q] = 0;
+            for (; ch0 + (UNROLL - 1) * TPR < chunks; ch0 += UNROLL * TPR) {
+                uint4 v[UNROLL];
+#pragma unroll
+                for (int u = 0; u < UNROLL; u++) v[u] = ld_row<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch0 + u * TPR);
+#pragma unroll
+                for (int u = 0; u < UNROLL; u++) {
+#pragma unroll
+                    for (int q = 0; q < QB; q++) {
+                        if constexpr (Vec<T>::INT8) acc_i[q] += Vec<T>::dot_i(v[u], sq + q * ld, ch0 + u * TPR);
+                        else acc[q] += Vec<T>::dot(v[u], sq + q * ld, ch0 + u * TPR);
+                    }
+                }
+            }
+            if constexpr (Vec<T>::INT8) {
+#pragma unroll
+                for (int q = 0; q < QB; q++) acc[q] = (float)acc_i[q];
+            }
+#endif
+            for (; ch0 < chunks; ch0 += UNROLL * TPR) {
                 uint4 v[UNROLL];
 #pragma unroll
                 for (int u = 0; u < UNROLL; u++) {
