@@ -584,7 +584,8 @@ class KalosClient:
             # a NaN or an infinity carries through it, and no finite float32 can overflow it
             # (the scaling is exact; tiny products underflow to 0, which numpy does not warn
             # of by default). 0.3 µs against 1.1 for isfinite().all() on the dev VM. A
-            # bad query (or np.seterr's "raise") goes to the general path, which says why.
+            # bad query (or np.seterr's "raise") goes to the general path, which says why
+            # (one holding both +inf and -inf also gets numpy's "invalid value" warning).
             try:
                 if not math.isfinite(query.dot(conn.tiny)):
                     return None

@@ -1225,7 +1225,9 @@ __device__ void rescored_order(float* key, int* val, int n, const float* sums, f
 
 // The resident kernel's least blocks per SM (__launch_bounds__'s second argument; 0: none, the
 // compiler's choice), by row type. Float16's is 3: it caps the kernel at 80 registers (112
-// without) with no spill, and the host (BELL_PER_SM) then keeps 3 of its blocks on each SM:
+// without), with no spill for cosine and inner product at 2-32 threads per row (the L2 metric,
+// and 1 thread per row, below 256-d, spill 12 bytes: not measured apart), and the host
+// (resident_blocks_per_sm) then keeps 3 of its blocks on each SM of an H200:
 // S13-1 measured 100k rows 69.5 -> 65.3 us and 1M 376.9 -> 370.6 in process. int8 gained
 // nothing from 3 (80 registers, 8 bytes spilled) and lost 28-52 us with 4 (64 registers, its
 // loads in flight cut to 4), so it keeps 0 (128 registers, 2 blocks per SM); float32 too.

@@ -37,7 +37,7 @@ import os
 import struct
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
@@ -88,9 +88,9 @@ GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, gri
 # MiniLM embeddings recall@10 0.9996 with 2, 0.9999 with 4 (docs/benchmarks.md, session 12).
 RESCORE_FACTOR: Final = 2
 RESCORE_FACTOR_MAX: Final = 16
-# the resident kernel's blocks per SM at most; its registers decide below that: float16's kernel
-# is built for 3 (80 registers; S13-1: -4 us at 100k rows, -6 at 1M), int8's and float32's take
-# 2 (112-128 registers)
+# the resident kernel's blocks per SM at most; what fits decides below that
+# (resident_blocks_per_sm): float16's kernel is built for 3 (80 registers; S13-2: -3.5 us at
+# 100k rows, -6 at 1M, in process), int8's and float32's take 2 on an H200 (112-128 registers)
 BELL_PER_SM: Final = 3
 CAND_MAX: Final = 4096  # most int8 candidates per query (RESCORE_FACTOR x max k)
 _CTYPE: Final = {"float32": "float", "float16": "__half", "int8": "signed char"}
@@ -181,6 +181,36 @@ def bell_blocks_per_sm(env: Mapping[str, str]) -> int:
     return int(raw)
 
 
+class SmLimits(NamedTuple):
+    """An SM's resources that bound how many blocks it holds at once (device properties)."""
+
+    regs: int  # 32-bit registers (regsPerMultiprocessor)
+    smem: int  # shared memory, bytes (sharedMemPerMultiprocessor)
+    threads: int  # maxThreadsPerMultiProcessor
+    smem_reserved: int  # shared memory the system keeps per block (reservedSharedMemPerBlock)
+
+
+def resident_blocks_per_sm(cap: int, regs: int, threads: int, smem_dynamic: int, smem_static: int,
+                           sm: SmLimits) -> int:  # fmt: skip
+    """How many blocks of a kernel fit on one SM at once, at most ``cap``: the resident kernel's
+    blocks must all be resident together (one that waits for room behind blocks that never
+    end hangs it), so this errs low. CUDA's rules (sm_50 to sm_90): registers are allocated
+    per warp in units of 256 (a kernel of 81 registers per thread takes as many as one of 88),
+    shared memory per block in units of 128 bytes plus what the system reserves per block,
+    and an SM holds at most ``sm.threads`` threads.
+
+    The H200 (65,536 registers, 228 KiB, 2,048 threads): float16's resident kernel (80
+    registers, ~23 KB of shared memory) gets 3 at ``cap`` 3, int8's (128) and float32's (112) 2;
+    a T4 (64 KiB, 1,024 threads) gives float16's 2.
+    """
+    warp_regs = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = sm.regs // (warp_regs * -(-threads // 32))
+    block_smem = max(128, -(-(smem_dynamic + smem_static + sm.smem_reserved) // 128) * 128)
+    by_smem = sm.smem // block_smem
+    by_threads = sm.threads // threads
+    return max(0, min(cap, by_regs, by_smem, by_threads))
+
+
 def choose_tpr(chunks: int) -> int:
     """Threads per row: few enough that each thread issues at least 16 loads per row (768-d
     float16: 4 threads of 24 loads). Fewer threads per row means more rows per round, so fewer
@@ -260,6 +290,10 @@ class GpuIndex(Index):
         # mma_filter's shared-memory row stride for the queries: ld padded to 32 mod 64 halves
         self.lds = self.ld + (32 - self.ld % 64) % 64
         self.smem_per_sm = int(props.get("sharedMemPerMultiprocessor", self.smem_optin))
+        # what decides how many blocks of the resident kernel can be on an SM at once
+        self.sm_limits = SmLimits(int(props.get("regsPerMultiprocessor", 65536)), self.smem_per_sm,
+                                  int(props.get("maxThreadsPerMultiProcessor", 1024)),
+                                  int(props.get("reservedSharedMemPerBlock", 1024)))  # fmt: skip
         # mma_filter can take float16 batches: tensor-core m16n8k16 needs compute capability
         # 8.0 (KALOS_MMA=0, or KALOS_THRESHOLD_TOPK=0 for topk_scores everywhere, turn it off)
         self.mma_ok = dtype == "float16" and int(props.get("major", 0)) >= 8
@@ -451,7 +485,8 @@ class GpuIndex(Index):
         # BELL_PER_SM blocks per SM at most, and never more than can be resident at once: a
         # block that waits for SM room behind blocks that never end would hang it
         regs = int(getattr(kern, "num_regs", 0) or 255)
-        per_sm = min(self.bell_per_sm, 65536 // (regs * kernels.BLOCK), (228 * 1024) // (smem + 4096))
+        static = int(getattr(kern, "shared_size_bytes", 0) or 8192)
+        per_sm = resident_blocks_per_sm(self.bell_per_sm, regs, kernels.BLOCK, smem, static, self.sm_limits)
         if per_sm < 1:
             log.warning("the resident kernel does not fit on an SM (%d registers); serving without it", regs)
             self.doorbell_k = 0

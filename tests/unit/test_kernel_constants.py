@@ -190,6 +190,35 @@ def test_resident_blocks_per_sm_from_the_environment() -> None:
             G.bell_blocks_per_sm({"KALOS_BELL_PER_SM": bad})
 
 
+def test_resident_blocks_fit_on_an_sm_together() -> None:
+    """The resident kernel's blocks per SM never exceed what CUDA's occupancy rules allow (a
+    block that does not fit waits behind blocks that never end: the kernel hangs). Figures
+    from the CUDA occupancy calculator's rules for each device."""
+    from kalos_retrievers.sidecar import index_gpu as G
+
+    h200 = G.SmLimits(regs=65536, smem=233472, threads=2048, smem_reserved=1024)
+    t4 = G.SmLimits(regs=65536, smem=65536, threads=1024, smem_reserved=0)
+    a100 = G.SmLimits(regs=65536, smem=167936, threads=2048, smem_reserved=1024)
+    ga102 = G.SmLimits(regs=65536, smem=102400, threads=1536, smem_reserved=1024)
+    f16 = (19456, 2768)  # the 768-d doorbell's dynamic and static shared memory, k <= 1024
+
+    def fit(sm: G.SmLimits, regs: int, smem: tuple[int, int], cap: int = 3) -> int:
+        return G.resident_blocks_per_sm(cap, regs, 256, *smem, sm)
+
+    # the H200 as measured in session 13: float16 3, int8 and float32 2
+    assert (fit(h200, 80, f16), fit(h200, 128, f16), fit(h200, 112, f16)) == (3, 2, 2)
+    # registers are allocated per warp in units of 256: 81-88 per thread take as many as 88
+    assert [fit(h200, r, f16) for r in (80, 81, 85, 88, 89)] == [3, 2, 2, 2, 2]
+    assert [fit(h200, r, f16, cap=8) for r in (48, 49, 51, 56, 57, 64, 65)] == [5, 4, 4, 4, 4, 4, 3]
+    assert fit(h200, 255, f16) == 1 and fit(h200, 256, f16) == 1
+    # shared memory and threads per SM
+    assert fit(t4, 80, f16) == 2  # 64 KiB: two blocks of ~22 KB
+    assert fit(ga102, 80, (35840, 2768)) == 2  # a 4096-d float16 query: 3 would need 118 KB
+    assert fit(a100, 80, (65536, 2768)) == 2  # a 64 KiB merge buffer: 3 would need 208 KB
+    assert fit(t4, 32, (0, 0), cap=8) == 4  # 1,024 threads: 4 blocks of 256
+    assert fit(h200, 80, (233472, 0)) == 0  # more shared memory than an SM has: none
+
+
 def test_a_bad_gpu_setting_fails_the_start_as_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ValueError from opening the GPU index (a bad KALOS_RESCORE_FACTOR, ...) ends the start
     with the setting's message and the usage exit code, not a traceback."""
