@@ -239,6 +239,16 @@ class _Conn:
         self._arena, self._arena_mm = view, mm
         return view
 
+    def drop_stale_arena(self) -> None:
+        """Forget the mapped arena if the sidecar has moved on to a newer version: a client
+        that stops recalling would otherwise keep that version's memory (unlinked, but still
+        mapped) until its next recall."""
+        a = self._arena
+        if a is not None and not self.dead:
+            h = self._hdr32
+            if a.version != h[_ARENA_VERSION_WORD] | h[_ARENA_VERSION_WORD + 1] << 32:
+                self._drop_arena()
+
     def _drop_arena(self) -> None:
         """Forget the mapped arena. Not released or closed here: another thread may be reading
         through it, and the results of batches keep views into it (their documents, decoded
@@ -1097,9 +1107,11 @@ class KalosClient:
             rep = self._roundtrip(conn, slot, op, flags, top_k, n_items, vec_len, len(args), deadline)
             if rep.status != Status.OK:
                 raise _status_error(rep.status, rep.blob, op)
-            return rep
         finally:
             self._release(conn, slot)
+        if op != Op.RECALL:  # (a recall maps the current version itself, see _arena)
+            conn.drop_stale_arena()
+        return rep
 
     def _roundtrip(
         self, conn: _Conn, slot: _Slot, op: int, flags: int, top_k: int, n_items: int,

@@ -235,3 +235,42 @@ def test_a_killed_sidecars_arena_is_removed_by_the_next_one(start_sidecar, make_
     assert len(left) == 1 and left[0].endswith(".1")  # the stale one is gone, ours is new
     assert sc2.stop() == 0
     assert arenas(name) == []  # a clean stop unlinks it
+
+
+def _mapped(name: str) -> bool:
+    """Whether this process maps /dev/shm/``name`` (unlinked or not)."""
+    return f"/dev/shm/{name}" in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.parametrize("let_go", [True, False], ids=["let-go", "control"])
+def test_a_client_that_stops_recalling_lets_go_of_an_old_arena_version(
+    start_sidecar, monkeypatch, let_go: bool
+) -> None:
+    """A client maps the arena's current version when it recalls. When the sidecar has moved
+    on (the heap filled: a new version, the old one unlinked), the client's next call of any
+    other kind unmaps the old version, so a client that now only writes, counts or pings
+    holds no unlinked arena memory. Negative control: without that step it stays mapped."""
+    import gc
+
+    from kalos_retrievers.client import _Conn
+
+    if not let_go:
+        monkeypatch.setattr(_Conn, "drop_stale_arena", lambda self: None)
+    rng = np.random.default_rng()
+    dim = 5
+    sc = start_sidecar(dim=dim)
+    with sc.client(arena_docs=True) as reader, sc.client(arena_docs=False) as writer:
+        writer.upsert(["a"], np.ones((1, dim), np.float32), texts=["alpha"])
+        assert reader.recall(np.ones(dim, np.float32), 1)[0].text == "alpha"
+        (old,) = arenas(sc.name)
+        assert _mapped(old)
+        for batch in range(6):  # long texts: the heap fills, the arena moves to new versions
+            n = 301
+            writer.upsert([f"b{batch}-{i}" for i in range(n)], rng.standard_normal((n, dim)).astype(np.float32),
+                          texts=["x" * int(rng.integers(300, 900)) for _ in range(n)])  # fmt: skip
+        assert old not in arenas(sc.name)  # moved on, the old version unlinked
+        assert _mapped(old)  # the reader still maps it
+        assert reader.count() == 1 + 6 * 301
+        gc.collect()
+        assert _mapped(old) is not let_go
+        assert reader.recall(np.ones(dim, np.float32), 1)[0].text == "alpha"  # maps the new one
