@@ -57,17 +57,28 @@
 #ifndef KALOS_L2PF_I8
 #define KALOS_L2PF_I8 0
 #endif
-// 16-byte loads each thread has in flight per row piece in the scan of int8 rows (float rows: 8)
+// 16-byte loads each thread has in flight per row piece in the scan of int8 rows (float rows: 8);
+// _SPLIT: in the split scan below (8 there made the int8 resident kernel spill at 128 registers)
 #ifndef KALOS_UNROLL_I8
 #define KALOS_UNROLL_I8 8
+#endif
+#ifndef KALOS_UNROLL_I8_SPLIT
+#define KALOS_UNROLL_I8_SPLIT 6
 #endif
 #ifndef KALOS_L2PF_F
 #define KALOS_L2PF_F 0
 #endif
-// 1: the scan's loop over a row's chunks takes whole spans of loads without per-chunk bounds
-// checks, then a checked tail (see scan_body); 0 (default): every chunk checked, as measured
-#ifndef KALOS_SCAN_SPLIT
-#define KALOS_SCAN_SPLIT 0
+// 1: the scan of one query's rows takes whole spans of loads without per-chunk bounds checks,
+// then a checked tail (see scan_body); 0: every chunk checked. int8 rows and float rows
+// separately. Scans of several queries at once keep the checked loop: with the split, int8's
+// took 89 registers at 8 queries and spilled 24 bytes at 4 (not measured). Measured on the H200 (S14-1, 1M rows, resident kernel, builds alternated): int8
+// 231.3 / 231.4 -> 228.0 / 226.8 µs (on, with 6 loads in flight and 2 blocks per SM); float16
+// 362.7 -> 440.4 µs (on: 8 bytes spilled at its 80 registers), so float rows keep 0.
+#ifndef KALOS_SCAN_SPLIT_I8
+#define KALOS_SCAN_SPLIT_I8 1
+#endif
+#ifndef KALOS_SCAN_SPLIT_F
+#define KALOS_SCAN_SPLIT_F 0
 #endif
 
 // Where the last block's time goes (benchmarks/merge_stamps.py builds with -DKALOS_STAMPS):
@@ -854,39 +865,39 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
             // all of a thread's loads for up to UNROLL chunks are in flight before the first use
             // 8, not 16: 16 loads in flight per thread cost registers, hence blocks per SM
             // (H200, 1M rows: 482 us at 16, 399-468 us at 8)
-            constexpr int UNROLL = Vec<T>::INT8 ? KALOS_UNROLL_I8 : 8;
+            constexpr bool split = QB == 1 && (Vec<T>::INT8 ? KALOS_SCAN_SPLIT_I8 : KALOS_SCAN_SPLIT_F);
+            constexpr int UNROLL = !Vec<T>::INT8 ? 8 : split ? KALOS_UNROLL_I8_SPLIT : KALOS_UNROLL_I8;
             const uint4* rp = base + (size_t)row * chunks;
             int ch0 = lane;
-#if KALOS_SCAN_SPLIT
-            // whole spans of UNROLL chunks first, with no per-chunk bounds check: every chunk's
-            // product is then straight-line code the compiler can interleave (with the checks,
-            // each chunk was its own branch region: its shared load, dot and add ran one after
-            // another); int8 sums its products as ints (exact: |sum| <= 127 * 127 * dim, below
-            // 2^31 for any dim under 133,000) and converts once per row. The tail, below, is
-            // checked as before. Not yet measured on a GPU (session 13); for int8, build it
-            // with -DKALOS_BELL_MINB_I8=2 -DKALOS_UNROLL_I8=6 (128 registers, no spill; 185
-            // registers without the bound, which leaves one block per SM).
-            int acc_i[QB];
+            if constexpr (split) {
+                // whole spans of UNROLL chunks first, with no per-chunk bounds check: every chunk's
+                // product is then straight-line code the compiler can interleave (with the checks,
+                // each chunk was its own branch region: its shared load, dot and add ran one after
+                // another); int8 sums its products as ints (exact: |sum| <= 127 * 127 * dim, below
+                // 2^31 for any dim under 133,000) and converts once per row. The tail, below, is
+                // checked as before. int8's resident kernel: 128 registers and no spill with 6 loads
+                // and 2 blocks per SM (185 registers without the bound: one block per SM).
+                int acc_i[QB];
 #pragma unroll
-            for (int q = 0; q < QB; q++) acc_i[q] = 0;
-            for (; ch0 + (UNROLL - 1) * TPR < chunks; ch0 += UNROLL * TPR) {
-                uint4 v[UNROLL];
+                for (int q = 0; q < QB; q++) acc_i[q] = 0;
+                for (; ch0 + (UNROLL - 1) * TPR < chunks; ch0 += UNROLL * TPR) {
+                    uint4 v[UNROLL];
 #pragma unroll
-                for (int u = 0; u < UNROLL; u++) v[u] = ld_row<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch0 + u * TPR);
+                    for (int u = 0; u < UNROLL; u++) v[u] = ld_row<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch0 + u * TPR);
 #pragma unroll
-                for (int u = 0; u < UNROLL; u++) {
+                    for (int u = 0; u < UNROLL; u++) {
 #pragma unroll
-                    for (int q = 0; q < QB; q++) {
-                        if constexpr (Vec<T>::INT8) acc_i[q] += Vec<T>::dot_i(v[u], sq + q * ld, ch0 + u * TPR);
-                        else acc[q] += Vec<T>::dot(v[u], sq + q * ld, ch0 + u * TPR);
+                        for (int q = 0; q < QB; q++) {
+                            if constexpr (Vec<T>::INT8) acc_i[q] += Vec<T>::dot_i(v[u], sq + q * ld, ch0 + u * TPR);
+                            else acc[q] += Vec<T>::dot(v[u], sq + q * ld, ch0 + u * TPR);
+                        }
                     }
                 }
-            }
-            if constexpr (Vec<T>::INT8) {
+                if constexpr (Vec<T>::INT8) {
 #pragma unroll
-                for (int q = 0; q < QB; q++) acc[q] = (float)acc_i[q];
+                    for (int q = 0; q < QB; q++) acc[q] = (float)acc_i[q];
+                }
             }
-#endif
             for (; ch0 < chunks; ch0 += UNROLL * TPR) {
                 uint4 v[UNROLL];
 #pragma unroll
@@ -1230,12 +1241,14 @@ __device__ void rescored_order(float* key, int* val, int n, const float* sums, f
 // (resident_blocks_per_sm) then keeps 3 of its blocks on each SM of an H200:
 // S13-1 measured 100k rows 69.5 -> 65.3 us and 1M 376.9 -> 370.6 in process. int8 gained
 // nothing from 3 (80 registers, 8 bytes spilled) and lost 28-52 us with 4 (64 registers, its
-// loads in flight cut to 4), so it keeps 0 (128 registers, 2 blocks per SM); float32 too.
+// loads in flight cut to 4). int8's is 2 since its split scan (KALOS_SCAN_SPLIT_I8), which
+// compiles to 185 registers without a bound and to 128 without a spill at 2 (6 loads in
+// flight), the registers and the 2 blocks per SM the earlier int8 kernel had; float32: 0.
 #ifndef KALOS_BELL_MINB_H
 #define KALOS_BELL_MINB_H 3
 #endif
 #ifndef KALOS_BELL_MINB_I8
-#define KALOS_BELL_MINB_I8 0
+#define KALOS_BELL_MINB_I8 2
 #endif
 #ifndef KALOS_BELL_MINB_F
 #define KALOS_BELL_MINB_F 0
