@@ -1,7 +1,8 @@
 """Two sidecar packages, interleaved on one machine: which dispatcher is faster (issue 3).
 
     python -P benchmarks/ab_sidecars.py --a /tmp/site_main --b /tmp/site_branch [--rows 1000000]
-        [--rounds 6] [--procs 32] [--duration 3] [--device cuda] --out DIR
+        [--rounds 6] [--procs 32] [--duration 3] [--device cuda] [--env-a K=V ...] [--env-b K=V ...]
+        --out DIR
 
 A and B are directories that hold an installed ``kalos_retrievers`` (``pip install --no-deps
 --target DIR``); each sidecar process runs with its directory first on ``PYTHONPATH``, while
@@ -16,6 +17,9 @@ Both sidecars run with ``KALOS_DOORBELL=0``: a resident kernel left running by o
 would hold every SM while the other one searched. The figures are therefore those of the
 batched path (which is what 32 processes and batches use anyway). Prints per-side medians and
 the mean per-round difference B - A with its standard error; writes ``DIR/ab_sidecars.json``.
+``--env-a`` / ``--env-b`` set environment variables for one side's sidecar process (the same
+package on both sides then compares two settings); each side's ``index.batch_timing`` from its
+``stats`` (``KALOS_BATCH_TIMING=1``) is printed and saved at the end.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ from kalos_retrievers import Sidecar
 DIM, K, BATCH = 768, 10, 64
 
 
-def start(path: str, device: str, rows: np.ndarray) -> Sidecar:
-    """A sidecar whose process imports the package under ``path``, loaded with ``rows``."""
-    saved = {v: os.environ.get(v) for v in ("PYTHONPATH", "KALOS_DOORBELL")}
+def start(path: str, device: str, rows: np.ndarray, env: dict[str, str] | None = None) -> Sidecar:
+    """A sidecar whose process imports the package under ``path``, loaded with ``rows``, with
+    ``env`` added to its environment."""
+    env = env or {}
+    saved = {v: os.environ.get(v) for v in ("PYTHONPATH", "KALOS_DOORBELL", *env)}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(path).resolve()), saved["PYTHONPATH"]) if p)
     os.environ["KALOS_DOORBELL"] = "0"
+    os.environ.update(env)
     try:
         sc = Sidecar(dim=DIM, device=device, slots=40, max_batch=64, payload_kb=8192,
                      log_level="WARNING", startup_timeout=300).start()  # fmt: skip
@@ -69,16 +76,19 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=32)
     ap.add_argument("--duration", type=float, default=3.0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--env-a", nargs="*", default=[], metavar="K=V", help="environment of A's sidecar")
+    ap.add_argument("--env-b", nargs="*", default=[], metavar="K=V", help="environment of B's sidecar")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    envs = {"a": dict(e.split("=", 1) for e in args.env_a), "b": dict(e.split("=", 1) for e in args.env_b)}
     rows = make_data(args.rows, DIM, 2)
     queries = make_data(16 * BATCH, DIM, 3)
     res: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "a": args.a, "b": args.b,
-                           "rows": args.rows, "procs": args.procs, "rounds": []}  # fmt: skip
+                           "rows": args.rows, "procs": args.procs, "env": envs, "rounds": []}  # fmt: skip
     with ExitStack() as stack:
         sides = {}
         for label, path in (("a", args.a), ("b", args.b)):
-            sc = start(path, args.device, rows)
+            sc = start(path, args.device, rows, envs[label])
             stack.callback(sc.stop)
             sides[label] = sc
         for r in range(args.rounds):
@@ -93,6 +103,11 @@ def main() -> int:
                               "procs_p99_us": thr["p99_us"]}  # fmt: skip
             res["rounds"].append(rnd)
             print(json.dumps({"round": r, **rnd}), flush=True)
+        for label, sc in sides.items():
+            with sc.client(timeout=30) as c:
+                st = c.stats()
+            res[f"stats_{label}"] = {"phases": st.get("phases"), "index": st.get("index", {}).get("batch_timing")}
+            print(label, json.dumps(res[f"stats_{label}"]), flush=True)
     summary = {}
     for key in ("batch64_p50_us", "procs_per_s", "procs_p99_us"):
         a = np.array([rd["a"][key] for rd in res["rounds"]])

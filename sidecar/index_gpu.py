@@ -115,6 +115,12 @@ DOORBELL_MAX_K: Final = 1024
 # took ~14 ms to stop: every thread read its settings and the request words over PCIe.)
 # KALOS_DOORBELL=0 turns it off.
 USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") == "1"
+# Diagnostics for batched recalls through mma_filter (benchmarks/batch_timing.py): "1" times
+# each batch (CUDA events around its graph, and the host's clock from the launch to the end of
+# the wait) and reports the medians in describe()["batch_timing"]. KALOS_BATCH_SPIN=1 waits for
+# a batch by polling its end event instead of synchronizing the stream.
+BATCH_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") == "1"
+BATCH_SPIN: Final = os.environ.get("KALOS_BATCH_SPIN", "0") == "1"
 _DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then is a fault
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
@@ -343,6 +349,9 @@ class GpuIndex(Index):
         # Diagnostics (benchmarks/gpu_batch_breakdown.py): a list here collects (stage, CUDA
         # event, perf_counter_ns) at each stage of a search; None (the default) costs one test.
         self.trace: list[tuple[str, Any, int]] | None = None
+        # KALOS_BATCH_TIMING: per mma batch (queries, device us, launch-to-wait-end us, wait us)
+        self.batch_times: list[tuple[int, float, float, float]] | None = [] if BATCH_TIMING else None
+        self.batch_spin = BATCH_SPIN
         self.gemm_stream_note = ""
         self._closed = False
         self.seg_addr = 0
@@ -557,6 +566,13 @@ class GpuIndex(Index):
                  threshold_topk=USE_THRESHOLD_TOPK, threshold_overflows=self.threshold_overflows,
                  doorbell_k=self.doorbell_k, doorbell_running=self.doorbell_running,
                  doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served())  # fmt: skip
+        if self.batch_times:
+            t = np.array(self.batch_times)
+            d["batch_timing"] = {"batches": len(t), "queries_mean": round(float(t[:, 0].mean()), 2),
+                                 **{f"{name}_p50_us": round(float(np.median(t[:, j])), 1)
+                                    for j, name in ((1, "device"), (2, "launch_to_ready"), (3, "wait"))},
+                                 **{f"{name}_mean_us": round(float(t[:, j].mean()), 1)
+                                    for j, name in ((1, "device"), (2, "launch_to_ready"), (3, "wait"))}}  # fmt: skip
         return d
 
     # ------------------------------------------------------------------ rows
@@ -911,12 +927,29 @@ class GpuIndex(Index):
             return None
         self._overflow[0] = 0
         self._mark("start")
+        timed = self.batch_times is not None and len(self.batch_times) < 1_000_000
+        ev0 = ev1 = None
+        if timed:
+            ev0 = self.cp.cuda.Event()
+            ev0.record(self.stream)
         graph.launch(self.stream)
+        if timed or self.batch_spin:
+            ev1 = self.cp.cuda.Event(block=False, disable_timing=not timed)
+            ev1.record(self.stream)
+        t_launch = time.perf_counter_ns()
         self.mma_batches += 1
 
         def done() -> None:
             with self.device, self.stream:
+                t_wait = time.perf_counter_ns()
+                if self.batch_spin:
+                    while not ev1.done:
+                        pass
                 self.stream.synchronize()
+                if timed:
+                    t_end = time.perf_counter_ns()
+                    dev = self.cp.cuda.get_elapsed_time(ev0, ev1) * 1000
+                    self.batch_times.append((n, dev, (t_end - t_launch) / 1000, (t_end - t_wait) / 1000))  # type: ignore[union-attr]
                 self._mark("mma end")
                 if self._overflow[0]:
                     self.threshold_overflows += 1
