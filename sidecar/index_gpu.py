@@ -117,10 +117,10 @@ DOORBELL_MAX_K: Final = 1024
 USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") == "1"
 # Diagnostics for batched recalls through mma_filter (benchmarks/batch_timing.py): "1" times
 # each batch (CUDA events around its graph, and the host's clock from the launch to the end of
-# the wait) and reports the medians in describe()["batch_timing"]. KALOS_BATCH_SPIN=1 waits for
-# a batch by polling its end event instead of synchronizing the stream.
+# the wait) and reports the medians in describe()["batch_timing"]. (S14-3, 32 processes at 1M
+# rows: the device took 431 us per batch of ~16 and the host was ready when it ended; waiting by
+# polling the end event instead of synchronizing was tried there and lost 1,670 recalls/s.)
 BATCH_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") == "1"
-BATCH_SPIN: Final = os.environ.get("KALOS_BATCH_SPIN", "0") == "1"
 _DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then is a fault
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
@@ -351,7 +351,6 @@ class GpuIndex(Index):
         self.trace: list[tuple[str, Any, int]] | None = None
         # KALOS_BATCH_TIMING: per mma batch (queries, device us, launch-to-wait-end us, wait us)
         self.batch_times: list[tuple[int, float, float, float]] | None = [] if BATCH_TIMING else None
-        self.batch_spin = BATCH_SPIN
         self.gemm_stream_note = ""
         self._closed = False
         self.seg_addr = 0
@@ -933,8 +932,8 @@ class GpuIndex(Index):
             ev0 = self.cp.cuda.Event()
             ev0.record(self.stream)
         graph.launch(self.stream)
-        if timed or self.batch_spin:
-            ev1 = self.cp.cuda.Event(block=False, disable_timing=not timed)
+        if timed:
+            ev1 = self.cp.cuda.Event()
             ev1.record(self.stream)
         t_launch = time.perf_counter_ns()
         self.mma_batches += 1
@@ -942,9 +941,6 @@ class GpuIndex(Index):
         def done() -> None:
             with self.device, self.stream:
                 t_wait = time.perf_counter_ns()
-                if self.batch_spin:
-                    while not ev1.done:
-                        pass
                 self.stream.synchronize()
                 if timed:
                     t_end = time.perf_counter_ns()

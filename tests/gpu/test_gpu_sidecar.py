@@ -67,20 +67,20 @@ def test_float16_default_recall_and_filters(start_sidecar) -> None:
     c.close()
 
 
-def test_batch_timing_and_spin_wait_keep_batches_exact(start_sidecar, monkeypatch) -> None:
-    """The batch diagnostics (KALOS_BATCH_TIMING, KALOS_BATCH_SPIN: events around mma_filter's
-    graph, a wait that polls the end event) answer as the default path does, and report the
-    batches they timed; without them, no timing is reported (the negative control)."""
+def test_batch_timing_keeps_batches_exact(start_sidecar, monkeypatch) -> None:
+    """The batch diagnostics (KALOS_BATCH_TIMING: CUDA events around mma_filter's graph)
+    answer as the default path does, and report the batches they timed; without them, no
+    timing is reported (the negative control)."""
     rng = np.random.default_rng()
     n, dim = 30_011, 768
     data = rng.standard_normal((n, dim)).astype(np.float32)
     q = rng.standard_normal((13, dim)).astype(np.float32)
     ref = reference_topk(data, q, 10)[0].tolist()
-    for env in ({}, {"KALOS_BATCH_TIMING": "1", "KALOS_BATCH_SPIN": "1"}):
-        for key in ("KALOS_BATCH_TIMING", "KALOS_BATCH_SPIN"):
-            monkeypatch.delenv(key, raising=False)
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
+    for timing in (False, True):
+        if timing:
+            monkeypatch.setenv("KALOS_BATCH_TIMING", "1")
+        else:
+            monkeypatch.delenv("KALOS_BATCH_TIMING", raising=False)
         sc = start_sidecar(dim=dim, device="cuda")
         with sc.client() as c:
             c.upsert([str(i) for i in range(n)], data)
@@ -90,10 +90,11 @@ def test_batch_timing_and_spin_wait_keep_batches_exact(start_sidecar, monkeypatc
                 assert recall_at_k(got, ref) >= 0.99
             index = c.stats()["index"]
         assert index["mma_path"]
-        if env:
+        if timing:
             t = index["batch_timing"]
-            assert t["batches"] >= 3 and t["queries_mean"] == 13
-            assert 0 < t["device_p50_us"] <= t["launch_to_ready_p50_us"]
+            assert t["batches"] >= 3 and t["queries_mean"] == 13, t
+            # (the device's time starts before the launch call returns: it can exceed the host's)
+            assert t["device_p50_us"] > 0 and t["launch_to_ready_p50_us"] > 0 and t["wait_p50_us"] >= 0, t
         else:
             assert "batch_timing" not in index
         sc.stop()
