@@ -1,6 +1,7 @@
 """The sidecar's Python per answered slot, in process (no GPU, no other process).
 
     python -P benchmarks/dispatcher_batch.py [--slots 24] [--queries 1] [--rounds 400] [--arena] [--profile]
+        [--cold MB]
 
 With 32 client processes at 1M rows the H200 sidecar answered batches of ~24 recalls, each
 costing pickup 175 µs + search 925 µs + answer 362 µs (docs/benchmarks.md): the Python around
@@ -10,7 +11,9 @@ once, answered from a CPU index of 500 rows (dim 768, top-10, short texts, small
 the search is small. Prints the poll time and the sidecar's pickup / search / answer phases
 (means per poll); ``--arena`` gives the service a document arena and the recalls its flag
 (ARENA_DOCS: answers carry generations, as for clients of a GPU sidecar); ``--profile`` adds
-a cProfile of the answering.
+a cProfile of the answering. ``--cold MB`` reads MB megabytes before each poll and inside
+each search, as a CPU sidecar's scan of 100k x 384 rows (150 MB) does: the phases then run
+with the caches the real ones find (issue 2: the CPU sidecar's pickup and answer after a scan).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import cProfile
 import mmap
 import pstats
 import time
+from typing import Any
 
 import numpy as np
 from kalos_retrievers.sidecar.dispatcher import Dispatcher
@@ -48,12 +52,28 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=1, help="queries per request (64: one recall_batch(64))")
     ap.add_argument("--arena", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cold", type=int, default=0, metavar="MB", help="read MB megabytes before each poll and in each search")
     a = ap.parse_args()
+    big = np.ones(a.cold << 18, np.float32) if a.cold else None
+
+    def evict() -> None:
+        if big is not None:
+            big.sum()
+
     n = a.slots
     nq = a.queries
     lay = Layout(n_slots=n, dim=DIM, payload_size=max(1 << 16, 4 * DIM * nq + 8192), blob_size=1 << 16)
     mm = mmap.mmap(-1, lay.segment_size)
-    svc = Service(CpuIndex(DIM, METRICS["cosine"]), NullStore(), dim=DIM, metric=METRICS["cosine"])
+    index = CpuIndex(DIM, METRICS["cosine"])
+    if big is not None:
+        search = index.search_slots
+
+        def evicting_search(*args: Any, **kw: Any) -> Any:
+            evict()
+            return search(*args, **kw)
+
+        index.search_slots = evicting_search  # type: ignore[method-assign]
+    svc = Service(index, NullStore(), dim=DIM, metric=METRICS["cosine"])
     flags = 0
     if a.arena:
         bufs: dict[int, bytearray] = {}
@@ -83,6 +103,7 @@ def main() -> None:
     ts = []
     for s in range(a.rounds):
         arm(s + 100)
+        evict()
         t0 = time.perf_counter_ns()
         answered = d.poll()
         d.settle()
