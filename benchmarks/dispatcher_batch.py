@@ -38,11 +38,16 @@ from kalos_retrievers.protocol import HEADER_SIZE, METRICS, REQUEST_OFFSET, REQU
 DIM, K, ROWS = 768, 10, 500
 
 
+_MARKS = {"search_end": 0, "first_post": 0}
+
+
 class _Sem:
-    """A response semaphore that counts posts (no client waits in this process)."""
+    """A response semaphore (no client waits in this process): notes the first post after a
+    search."""
 
     def release(self) -> None:
-        pass
+        if not _MARKS["first_post"]:
+            _MARKS["first_post"] = time.perf_counter_ns()
 
 
 def main() -> None:
@@ -52,7 +57,8 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=1, help="queries per request (64: one recall_batch(64))")
     ap.add_argument("--arena", action="store_true")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--cold", type=int, default=0, metavar="MB", help="read MB megabytes before each poll and in each search")
+    ap.add_argument("--cold", type=int, default=0, metavar="MB",
+                    help="read MB megabytes before each poll and in each search")  # fmt: skip
     a = ap.parse_args()
     big = np.ones(a.cold << 18, np.float32) if a.cold else None
 
@@ -70,7 +76,9 @@ def main() -> None:
 
         def evicting_search(*args: Any, **kw: Any) -> Any:
             evict()
-            return search(*args, **kw)
+            out = search(*args, **kw)
+            _MARKS["search_end"], _MARKS["first_post"] = time.perf_counter_ns(), 0
+            return out
 
         index.search_slots = evicting_search  # type: ignore[method-assign]
     svc = Service(index, NullStore(), dim=DIM, metric=METRICS["cosine"])
@@ -100,7 +108,7 @@ def main() -> None:
         d.poll()
         d.settle()  # a batch may stay in flight after poll(): answer it
     stats.phases.clear()
-    ts = []
+    ts, to_post = [], []
     for s in range(a.rounds):
         arm(s + 100)
         evict()
@@ -108,10 +116,13 @@ def main() -> None:
         answered = d.poll()
         d.settle()
         ts.append(time.perf_counter_ns() - t0)
+        if big is not None:
+            to_post.append(_MARKS["first_post"] - _MARKS["search_end"])
         assert answered == n and (states == SlotState.RESPONSE).all()
     ph = {p: round(h.sum_us / h.count, 1) for p, h in stats.phases.items()}
     p50 = float(np.median(ts)) / 1000
-    print(f"{n} slots: poll p50 {p50:.1f} us ({p50 / n:.2f} us per slot); phase means per poll (us): {ph}")
+    print(f"{n} slots: poll p50 {p50:.1f} us ({p50 / n:.2f} us per slot); phase means per poll (us): {ph}"
+          + (f"; search end to first post p50 {np.median(to_post) / 1000:.1f} us" if to_post else ""))
     if a.profile:
         pr = cProfile.Profile()
         pr.enable()

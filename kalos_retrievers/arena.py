@@ -54,6 +54,7 @@ ARENA_HEADER_SIZE: Final = 64
 ENTRY: Final = struct.Struct("<QII")  # offset length gen
 ENTRY_SIZE: Final = 16
 ENTRY_DTYPE: Final = np.dtype([("off", "<u8"), ("len", "<u4"), ("gen", "<u4")])
+assert ENTRY_DTYPE.itemsize == 16 and ENTRY_DTYPE.fields["gen"][1] == 12  # (ArenaWriter.refs slices these)
 _GEN: Final = struct.Struct("<I")
 _VERSION: Final = struct.Struct("<Q")  # an ARENA_ENTRIES answer's first 8 bytes
 _ENTRIES: dict[int, struct.Struct] = {}  # n -> n entries (offset, length, gen) after the version
@@ -222,6 +223,7 @@ class ArenaWriter:
         self.live_bytes = 0
         self._off = self._len = self._gen = np.zeros(0, np.uint32)
         self._table = np.zeros(0, ENTRY_DTYPE)
+        self._table_b = memoryview(self._table.view(np.uint8))  # the table's bytes (refs of a few rows)
         self._retired: mmap.mmap | bytearray | None = None  # the last version, still mapped
         self._remap(max(16, rows_cap), max(4096, heap_size))
 
@@ -233,7 +235,17 @@ class ArenaWriter:
     def refs(self, rows: np.ndarray | list[int], entries: bool) -> bytes:
         """What an ARENA_DOCS answer's blob carries for ``rows`` (all below ``rows_cap``):
         their generations (u32 each) or, with ``entries`` (flag ARENA_ENTRIES), this version
-        (u64) and then their whole entries (16 bytes each: see :meth:`ArenaView.entry_docs`)."""
+        (u64) and then their whole entries (16 bytes each: see :meth:`ArenaView.entry_docs`).
+
+        ``rows`` as a list (a batch-1 answer, a few rows): sliced from the table's bytes in
+        Python, with no numpy call, which after a CPU sidecar's scan has evicted the caches
+        costs several µs to dispatch (benchmarks/dispatcher_batch.py --cold). Rows must then
+        be non-negative, as the dispatcher checks."""
+        if isinstance(rows, list):
+            t = self._table_b
+            if entries:
+                return _VERSION.pack(self.version) + b"".join([t[16 * r : 16 * r + 16] for r in rows])
+            return b"".join([t[16 * r + 12 : 16 * r + 16] for r in rows])  # gen: the entry's last u32
         r = np.asarray(rows, np.int64)
         if entries:
             return _VERSION.pack(self.version) + self._table[r].tobytes()
@@ -297,6 +309,7 @@ class ArenaWriter:
     def close(self, unlink: bool = True) -> None:
         self._off = self._len = self._gen = np.zeros(0, np.uint32)
         self._table = np.zeros(0, ENTRY_DTYPE)
+        self._table_b = memoryview(self._table.view(np.uint8))
         _close(self.buf)
         _close(self._retired)
         self.buf = self._retired = None
@@ -367,6 +380,7 @@ class ArenaWriter:
                 off[row], length[row] = used, n
                 used += n
         self._off, self._len, self._gen, self._table = off, length, gen, table
+        self._table_b = memoryview(table.view(np.uint8))
         self.heap_used = used
 
 

@@ -204,6 +204,27 @@ def test_growth_moves_to_a_new_version_keeping_documents_and_generations() -> No
         assert got is None or bytes(got) == doc
 
 
+def test_refs_of_a_list_equal_refs_of_an_array_across_versions() -> None:
+    """The batch-1 refs (a list of rows, sliced in Python) are byte for byte the numpy path's,
+    for generations and for entries, after growth has moved the arena (its table replaced)."""
+    w, _ = writer(rows_cap=16, heap=4096)
+    rng = np.random.default_rng()
+    checked = 0
+    for i in range(600):
+        row = int(rng.integers(0, 333))
+        w.put(row, bytes(int(rng.integers(1, 61))))
+        if i % 5 == 0:
+            w.clear(int(rng.integers(0, 333)))
+        if i % 37 == 0:
+            rows = [int(r) for r in rng.integers(0, w.rows_cap, int(rng.integers(1, 12)))]
+            for entries in (False, True):
+                got = w.refs(rows, entries)
+                assert got == w.refs(np.array(rows), entries), (i, entries)
+                checked += 1
+            assert w.refs(rows, False) == w.gens(rows).astype("<u4").tobytes()  # the negative check's anchor
+    assert w.version > 2 and checked == 2 * len(range(0, 600, 37))
+
+
 def test_move_hands_the_document_to_the_new_row() -> None:
     w, _ = writer()
     w.put(9, b"nine")

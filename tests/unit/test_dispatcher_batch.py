@@ -5,6 +5,7 @@ not finite gets an error without failing its neighbours."""
 from __future__ import annotations
 
 import mmap
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -79,6 +80,48 @@ def test_batched_members_get_their_own_answers_and_a_nan_member_only_an_error() 
         got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset)
         want = np.argsort(-(data @ q[i]), kind="stable")[:k]
         assert sorted(got.tolist()) == sorted(want.tolist())
+
+
+@pytest.mark.parametrize("bad", [[np.nan], [np.inf], [-np.inf], [np.inf, -np.inf], None])
+def test_a_lone_recall_is_refused_exactly_when_its_query_is_not_finite(bad: list[float] | None) -> None:
+    """A request alone in its pass takes the one-dot finiteness check: NaN, infinities and
+    +inf with -inf (whose dot warns) are refused with the batch path's message; huge and tiny
+    finite queries (the negative control, ``None``) are answered."""
+    dim, k, rows = 29, 3, 101
+    lay = Layout(n_slots=3, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
+    rng = np.random.default_rng()
+    data = rng.standard_normal((rows, dim)).astype(np.float32)
+    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [""] * rows,
+                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    stats = Stats()
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(3)], svc, stats, max_batch=64, describe=lambda: {})
+    states = np.ndarray((3,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    off = lay.slot_offset(1)
+    queries = [np.float32(s) * data[7] for s in (1.0, 1e-30, 1e36)]
+    if bad is not None:
+        q = data[7].copy()
+        q[3 : 3 + len(bad)] = bad
+        queries = [q]
+    for seq, q in enumerate(queries):
+        np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 50 + seq, Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
+        states[1] = SlotState.REQUEST
+        with warnings.catch_warnings():
+            # numpy warns of +inf with -inf ("invalid value"); as an error it takes the except
+            warnings.simplefilter("error")
+            assert d.poll() == 1
+            d.settle()
+        resp = Response.unpack(mm[off : off + CTL_SIZE])
+        assert resp.seq == 50 + seq
+        if bad is None:
+            assert states[1] == SlotState.RESPONSE and resp.status == Status.OK and resp.n_results == k
+            assert np.frombuffer(mm, np.int32, 1, off + lay.rows_offset)[0] == 7
+        else:
+            assert states[1] == SlotState.ERROR and resp.status == Status.BAD_REQUEST
+            assert b"NaN or infinity" in bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len])
+    assert stats.requests[("recall", "ok" if bad is None else "bad_request")] == len(queries)
 
 
 class _Watch(_Sem):
