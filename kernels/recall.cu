@@ -192,7 +192,7 @@ template <> struct Vec<signed char> {
         acc = __dp4a((int)v.w, a.w, acc);
         return (float)acc;
     }
-    // the same product as an int (KALOS_SCAN_SPLIT: summed as ints over the row, converted once)
+    // the same product as an int (KALOS_SCAN_SPLIT_I8: summed as ints over the row, converted once)
     __device__ __forceinline__ static int dot_i(uint4 v, const float* qrow, int ch) {
         int4 a = reinterpret_cast<const int4*>(qrow)[ch];
         int acc = __dp4a((int)v.x, a.x, 0);
