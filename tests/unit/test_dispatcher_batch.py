@@ -44,15 +44,21 @@ class _Sem:
         self.posts += 1
 
 
+def _ip_service(dim: int, rows: int) -> tuple[Service, np.ndarray]:
+    """A CPU service (inner product) holding ``rows`` random rows with ids r0, r1, ..."""
+    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
+    data = np.random.default_rng().standard_normal((rows, dim)).astype(np.float32)
+    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [""] * rows,
+                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    return svc, data
+
+
 def test_batched_members_get_their_own_answers_and_a_nan_member_only_an_error() -> None:
     n_slots, dim, k, rows = 7, 13, 3, 301
     lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
     mm = mmap.mmap(-1, lay.segment_size)
-    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
+    svc, data = _ip_service(dim, rows)
     rng = np.random.default_rng()
-    data = rng.standard_normal((rows, dim)).astype(np.float32)
-    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [""] * rows,
-                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
     sems = [_Sem() for _ in range(n_slots)]
     stats = Stats()
     d = Dispatcher(mm, lay, sems, svc, stats, max_batch=64, describe=lambda: {})
@@ -90,11 +96,7 @@ def test_a_lone_recall_is_refused_exactly_when_its_query_is_not_finite(bad: list
     dim, k, rows = 29, 3, 101
     lay = Layout(n_slots=3, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
     mm = mmap.mmap(-1, lay.segment_size)
-    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
-    rng = np.random.default_rng()
-    data = rng.standard_normal((rows, dim)).astype(np.float32)
-    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [""] * rows,
-                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    svc, data = _ip_service(dim, rows)
     stats = Stats()
     d = Dispatcher(mm, lay, [_Sem() for _ in range(3)], svc, stats, max_batch=64, describe=lambda: {})
     states = np.ndarray((3,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
