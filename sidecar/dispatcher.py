@@ -392,11 +392,13 @@ class Dispatcher:
         try:
             self._answer_members(b)
         finally:
-            posts, self._posts = self._posts, None
+            # both lists let go first: a post that raises must not leave later answers
+            # appending to a list nobody records
+            posts, records = self._posts, self._records
+            self._posts = self._records = None
             for i in posts:
                 _ipc.post(self.sems[i])
             t_posted = time.perf_counter_ns()
-            records, self._records = self._records, None
             if b.part:
                 self._phases_due.append(("answer", (t_posted - t_answer) / 1000))
             # the stats after the posts: no client waits for them

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from kalos_retrievers.sidecar import dispatcher as dispatcher_module
 from kalos_retrievers.sidecar.dispatcher import Dispatcher, Invalid
 from kalos_retrievers.sidecar.index import CpuIndex
 from kalos_retrievers.sidecar.service import Service
@@ -89,7 +90,9 @@ def test_batched_members_get_their_own_answers_and_a_nan_member_only_an_error() 
 
 
 @pytest.mark.parametrize("bad", [[np.nan], [np.inf], [-np.inf], [np.inf, -np.inf], None])
-def test_a_lone_recall_is_refused_exactly_when_its_query_is_not_finite(bad: list[float] | None) -> None:
+def test_a_lone_recall_is_refused_exactly_when_its_query_is_not_finite(
+    bad: list[float] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A request alone in its pass takes the one-dot finiteness check: NaN, infinities and
     +inf with -inf (whose dot warns) are refused with the batch path's message; huge and tiny
     finite queries (the negative control, ``None``) are answered."""
@@ -101,6 +104,9 @@ def test_a_lone_recall_is_refused_exactly_when_its_query_is_not_finite(bad: list
     d = Dispatcher(mm, lay, [_Sem() for _ in range(3)], svc, stats, max_batch=64, describe=lambda: {})
     states = np.ndarray((3,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
     off = lay.slot_offset(1)
+    dots: list[float] = []  # the one-dot check ran (not the batch path's gather)
+    real_isfinite = dispatcher_module.math.isfinite
+    monkeypatch.setattr(dispatcher_module.math, "isfinite", lambda x: dots.append(x) or real_isfinite(x))
     queries = [np.float32(s) * data[7] for s in (1.0, 1e-30, 1e36)]
     if bad is not None:
         q = data[7].copy()
@@ -119,11 +125,12 @@ def test_a_lone_recall_is_refused_exactly_when_its_query_is_not_finite(bad: list
         assert resp.seq == 50 + seq
         if bad is None:
             assert states[1] == SlotState.RESPONSE and resp.status == Status.OK and resp.n_results == k
-            assert np.frombuffer(mm, np.int32, 1, off + lay.rows_offset)[0] == 7
+            assert np.frombuffer(mm, np.int32, 1, off + lay.rows_offset)[0] == int(np.argmax(data @ q))
         else:
             assert states[1] == SlotState.ERROR and resp.status == Status.BAD_REQUEST
             assert b"NaN or infinity" in bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len])
     assert stats.requests[("recall", "ok" if bad is None else "bad_request")] == len(queries)
+    assert len(dots) == len(queries) or (bad == [np.inf, -np.inf] and not dots)  # (that one raised)
 
 
 class _Watch(_Sem):
