@@ -115,7 +115,7 @@ DOORBELL_MAX_K: Final = 1024
 # took ~14 ms to stop: every thread read its settings and the request words over PCIe.)
 # KALOS_DOORBELL=0 turns it off.
 USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") == "1"
-# Diagnostics for batched recalls through mma_filter (benchmarks/batch_timing.py): "1" times
+# Diagnostics for batched recalls through mma_filter (benchmarks/ab_sidecars.py --env-a): "1" times
 # each batch (CUDA events around its graph, and the host's clock from the launch to the end of
 # the wait) and reports the medians in describe()["batch_timing"]. (S14-3, 32 processes at 1M
 # rows: the device took 431 us per batch of ~16 and the host was ready when it ended; waiting by
@@ -567,11 +567,11 @@ class GpuIndex(Index):
                  doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served())  # fmt: skip
         if self.batch_times:
             t = np.array(self.batch_times)
+            cols = ((1, "device"), (2, "launch_to_ready"), (3, "wait"))
+            kinds = (("p50", np.median), ("mean", np.mean))
             d["batch_timing"] = {"batches": len(t), "queries_mean": round(float(t[:, 0].mean()), 2),
-                                 **{f"{name}_p50_us": round(float(np.median(t[:, j])), 1)
-                                    for j, name in ((1, "device"), (2, "launch_to_ready"), (3, "wait"))},
-                                 **{f"{name}_mean_us": round(float(t[:, j].mean()), 1)
-                                    for j, name in ((1, "device"), (2, "launch_to_ready"), (3, "wait"))}}  # fmt: skip
+                                 **{f"{name}_{kind}_us": round(float(f(t[:, j])), 1)
+                                    for j, name in cols for kind, f in kinds}}  # fmt: skip
         return d
 
     # ------------------------------------------------------------------ rows
