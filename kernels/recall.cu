@@ -49,6 +49,17 @@
 #ifndef KALOS_DYNAMIC_ROWS
 #define KALOS_DYNAMIC_ROWS 1
 #endif
+// 1 (with KALOS_DYNAMIC_ROWS): a scan hands its rows out last to first when the one before it
+// handed them out first to last, and the other way round (a flag in `sync` the last block flips).
+// A scan streams more rows than L2 holds (H200: 60 MB; 100k float16 rows of 768 are 154 MB), so
+// what L2 still holds afterwards is some of the rows it read last; a scan that starts where the
+// last one ended finds those there. H200, in process, builds alternated twice (S15-1): 100k
+// float16 rows 52.0 -> 49.4 µs scan + merge, 1M 357.3 -> 354.7, int8 1M 211.0 -> 208.4 (about
+// 11 MB fewer read from DRAM). (Keeping the first 37.5 MB of rows in L2 set aside for persisting
+// lines, evict_last, instead cost 40-80 µs at 1M: the set-aside slowed every scan, S15-2.)
+#ifndef KALOS_ALTERNATE
+#define KALOS_ALTERNATE 1
+#endif
 
 // The L2 prefetch size of the scan's row loads (PTX ld.global.nc.L2::<n>B, sm_75 and later):
 // 0 (a plain __ldg), 64, 128 or 256 bytes. A warp of the int8 resident kernel reads 32 bytes
@@ -479,15 +490,16 @@ __device__ float seed_bound(const float* kth, size_t stride, int nlists) {
 //   ticket[q]  the blocks' "am I last?" counters ([0] here; one per query in topk_scores)
 //   bound[q]   the best k-th score any finished block has published, as an ordered int
 //   count[q]   entries appended so far to query q's list
-// and after them one word: scan_topk's next row to hand out (KALOS_DYNAMIC_ROWS). (It was
+// and after them one word: scan_topk's next row to hand out (KALOS_DYNAMIC_ROWS) (it was
 // ticket[1], topk_scores' ticket of query 1, until session 11: safe only while launches on
-// `sync` never overlapped.)
+// `sync` never overlapped), then the direction the next scan hands its rows out in
+// (KALOS_ALTERNATE: 0 first to last, 1 last to first).
 // A block that finishes publishes its k-th score (atomicMax into the bound), then appends its
 // entries that reach the bound as it then stands (its list is sorted, so a prefix); see
 // append_list for why that loses nothing. Blocks that finish late append little, and the last
 // block merges one short list instead of every block's k (which cost several dependent rounds
 // of L2 loads). The last block resets count and bound for the next launch.
-#define SYNC_WORDS (3 * KALOS_MAXQ + 1)
+#define SYNC_WORDS (3 * KALOS_MAXQ + 2)
 
 __device__ __forceinline__ int f2ord(float f) {
     int i = __float_as_int(f);
@@ -498,6 +510,8 @@ __device__ __forceinline__ int* sync_bound(unsigned int* sync) { return reinterp
 __device__ __forceinline__ int* sync_count(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 2 * KALOS_MAXQ; }
 // the next row to hand out (KALOS_DYNAMIC_ROWS); the last block puts it back to 0
 __device__ __forceinline__ int* sync_rows(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 3 * KALOS_MAXQ; }
+// the direction of the next scan's rows (KALOS_ALTERNATE); the last block flips it
+__device__ __forceinline__ int* sync_dir(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 3 * KALOS_MAXQ + 1; }
 __device__ __forceinline__ float read_bound(unsigned int* sync, int q) {
     return ord2f(*reinterpret_cast<volatile int*>(sync_bound(sync) + q));
 }
@@ -836,21 +850,31 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     // them on through s_next, double-buffered: a slow thread may still read one entry while
     // thread 0 writes the other. (Probes that skip the last block never reset the counter.)
     constexpr bool dynamic = KALOS_DYNAMIC_ROWS && !(KALOS_PROBE & (PROBE_NO_TAIL | PROBE_NO_APPEND));
+    // With KALOS_ALTERNATE, on every other scan the counter's r-th row is row n - 1 - r. Every
+    // block reads the flag before it takes part in the election of the last block, which flips
+    // it, so all of one scan's blocks agree on the direction.
     __shared__ int s_next[2];
+    __shared__ int s_dir;
     int* next_row = sync_rows(sync);
     int r0 = blockIdx.x * groups;
+    bool rev = false;
     if (dynamic) {
-        if (threadIdx.x == 0) s_next[0] = atomicAdd(next_row, groups);
+        if (threadIdx.x == 0) {
+            s_next[0] = atomicAdd(next_row, groups);
+            if (KALOS_ALTERNATE) s_dir = *reinterpret_cast<volatile int*>(sync_dir(sync));
+        }
         __syncthreads();
         r0 = s_next[0];
+        rev = KALOS_ALTERNATE && s_dir != 0;
     }
     for (int round = 1; r0 < n; round++) {
         int ahead = 0;
         if (dynamic && threadIdx.x == 0) ahead = atomicAdd(next_row, groups);
-        int row = r0 + group;
+        const int r = r0 + group;
+        const int row = rev ? n - 1 - r : r;
         bool ok = (KALOS_PROBE & PROBE_NO_NS)
-                      ? row < n
-                      : row < n && (my_ns == NS_ANY || ns[row] == my_ns) && (mask == nullptr || mask[row]);
+                      ? r < n
+                      : r < n && (my_ns == NS_ANY || ns[row] == my_ns) && (mask == nullptr || mask[row]);
         float acc[QB];
 #pragma unroll
         for (int q = 0; q < QB; q++) acc[q] = 0.f;
@@ -961,7 +985,10 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     KALOS_T(t_append);
 #endif
     if (!last_block(sync)) return -1;
-    if (dynamic && threadIdx.x == 0) *next_row = 0;  // every block is past its scan: ready for the next
+    if (dynamic && threadIdx.x == 0) {  // every block is past its scan: ready for the next
+        *next_row = 0;
+        if (KALOS_ALTERNATE) *sync_dir(sync) = !rev;
+    }
 #ifdef KALOS_STAMPS
     if (threadIdx.x == 0) { kalos_stamps[0] = t_loop; kalos_stamps[1] = t_append; }
     KALOS_STAMP(2);

@@ -77,7 +77,7 @@ USE_THRESHOLD_TOPK: Final = os.environ.get("KALOS_THRESHOLD_TOPK", "1") != "0"
 CAND_CAP: Final = 8192
 TAU_SAMPLE_MAX: Final = 16384
 SELECT_GATHER: Final = 2048  # as in kernels/recall.cu
-SYNC_WORDS: Final = 3 * MAXQ + 1  # as in kernels/recall.cu: tickets, bounds, counts per query; next row
+SYNC_WORDS: Final = 3 * MAXQ + 2  # as in kernels/recall.cu: tickets, bounds, counts per query; next row, direction
 _NEG_INF_ORD: Final = int(np.array([-np.inf], np.float32).view(np.int32)[0]) ^ 0x7FFFFFFF
 GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, grid)
 # int8: candidates per result re-scored exactly (KALOS_RESCORE_FACTOR). 2, not 4: on the H200

@@ -270,6 +270,50 @@ def test_fused_merge_is_exact_with_long_lists_and_ties(tied: int) -> None:
             check(svc, data, q[None], k)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_batch1_scans_alternate_direction_and_stay_exact(dtype: str) -> None:
+    """KALOS_ALTERNATE: each batch-1 scan hands its rows out from the other end than the scan
+    before it (so the rows L2 still holds are read first). The flag in ``sync`` flips on every
+    scan, and both directions find the first row, the last row, a namespace held in the last
+    rows only, and k above a namespace's rows. Built with -DKALOS_ALTERNATE=0 the flag never
+    flips (the negative control); a wrong reversed row (n - r instead of n - 1 - r) fails the
+    checks of row 0 or the namespace."""
+    import cupy as cp
+    from kalos_retrievers.sidecar.index_gpu import MAXQ
+
+    rng = np.random.default_rng()
+    n, dim = 100_003, 97
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    svc = make(dim, dtype=dtype)
+    put(svc, data)
+    tail = rng.standard_normal((5, dim)).astype(np.float32)
+    put(svc, tail, [f"t{i}" for i in range(5)], ns="T")  # rows n .. n + 4: the last rows
+
+    word = 3 * MAXQ + 1  # sync_dir
+
+    def direction(d: int) -> None:
+        svc.index.sync[word] = d
+        cp.cuda.Device().synchronize()  # written before the index's stream reads it
+
+    for j, k in [(0, 1), (n - 1, 10), (n // 2, 1024)]:
+        for d in (0, 1):  # first to last, then last to first
+            direction(d)
+            rows, scores = svc.recall(data[j][None], k, "", None)
+            assert int(svc.index.sync[word]) == 1 - d, (j, d)  # the scan flipped it for the next
+            got = [svc.rows.ids[r] for r in rows[0]]
+            assert got[0] == str(j), (j, d, got[:3])
+            if dtype == "float32":
+                ref_i, ref_s = reference_topk(data, data[j][None], k)
+                assert_topk_equal(got, scores[0], [str(x) for x in ref_i[0]], ref_s[0], atol=1e-4,
+                                  context=f"row {j} direction {d}")  # fmt: skip
+    for i in range(5):
+        for d in (0, 1):
+            direction(d)
+            rows, _ = svc.recall(tail[i][None], 10, "T", None)  # 5 rows < k: all of them, the queried first
+            got = [svc.rows.ids[r] for r in rows[0]]
+            assert got[0] == f"t{i}" and sorted(got) == [f"t{x}" for x in range(5)], (i, d, got)
+
+
 def test_int8_l2_and_filter_against_exact() -> None:
     """int8 (dp4a against an int8 copy of the query, exact re-scoring) with L2 and a filter."""
     rng = np.random.default_rng()

@@ -74,10 +74,12 @@ def test_sizes_and_limits_match() -> None:
     assert d["SELECT_GATHER"] == index_gpu.SELECT_GATHER
     assert d["BELL_WORDS"] == index_gpu._BELL_WORDS
     assert d["BELL_CAND_WORDS"] == index_gpu._BELL_CAND_WORDS
-    # SYNC_WORDS: tickets, bounds and counts per query, then scan_topk's next row (sync_rows)
-    assert re.search(r"^#define SYNC_WORDS \(3 \* KALOS_MAXQ \+ 1\)$", SOURCE, re.M)
-    assert 3 * d["KALOS_MAXQ"] + 1 == index_gpu.SYNC_WORDS
+    # SYNC_WORDS: tickets, bounds and counts per query, then scan_topk's next row (sync_rows) and
+    # the next scan's direction (sync_dir)
+    assert re.search(r"^#define SYNC_WORDS \(3 \* KALOS_MAXQ \+ 2\)$", SOURCE, re.M)
+    assert 3 * d["KALOS_MAXQ"] + 2 == index_gpu.SYNC_WORDS
     assert "sync_rows(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 3 * KALOS_MAXQ; }" in SOURCE
+    assert "sync_dir(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 3 * KALOS_MAXQ + 1; }" in SOURCE
     assert d["NS_ANY"] == index.NS_ANY
     # the int8 resident kernel's candidates (RESCORE_FACTOR x k) fit its buffer for every k it takes
     assert d["KALOS_CAND_MAX"] >= index_gpu.RESCORE_FACTOR * index_gpu.DOORBELL_MAX_K
