@@ -16,7 +16,9 @@ standing in for the segment (4 slots), the resident kernel enabled. Measured:
 * ``roundtrip``: Python writes a query and a DOORBELL request into slot 0 as a client would
   and spins on the state word until RESPONSE; percentiles over ``--calls`` calls;
 * ``kernel``: the kernel's own clock (%globaltimer) per call: request taken -> blocks started
-  (prep), -> merge done (scan + merge), -> (int8) candidates re-scored, -> answered (response);
+  (prep), -> merge done (scan + merge), -> (int8) candidates re-scored (``rescore``: the
+  hand-out, the blocks' loads and the count, ``rescore_counted``; then the order by exact
+  score and the rows written, ``rescore_order``), -> answered (response);
   the rest of the round trip is the poll's detection and the host's writes and reads;
 * ``graph``: the same search through the sidecar's batch-1 path (the slot's CUDA graph,
   launched and synchronized from Python), for comparison.
@@ -116,6 +118,10 @@ def one_mode(idx: Any, svc: Any, seg: mmap.mmap, lay: Any, keep: np.ndarray, cal
             parts["scan_merge"].append((m - b) / 1000)
             if idx.exact is not None:  # int8: the candidates' exact scores, between merge and response
                 parts.setdefault("rescore", []).append((st[10] - m) / 1000)
+                # of which: hand-out, the blocks' loads of their rows, the count seen ...
+                parts.setdefault("rescore_counted", []).append((st[11] - m) / 1000)
+                # ... then the order by exact score and the rows and scores written
+                parts.setdefault("rescore_order", []).append((st[10] - st[11]) / 1000)
                 m = st[10]
             parts["respond"].append((e - m) / 1000)
             parts["outside"].append(rt - (e - a) / 1000)
@@ -200,6 +206,7 @@ def main() -> int:
         r = probe(n, a.calls, [int(m) for m in a.modes.split(",")], a.dtype)
         print(json.dumps(r), flush=True)
         res.append(r)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.out, "doorbell_probe.json").write_text(json.dumps(res, indent=1))
     return 0
 

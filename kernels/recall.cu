@@ -1090,7 +1090,8 @@ struct BellCtl {
                                  // the blocks, [2] merged (response begins), [3] answered, [4] polling
                                  // began; [5] polls until taken; at a stop: [6] stop seen, [7] polls;
                                  // [8] block 0 began, [9] the last block returned; [10] int8:
-                                 // re-scored, rows and scores written (merged -> [10] -> answered)
+                                 // re-scored, rows and scores written (merged -> [11] every
+                                 // candidate's exact score counted -> [10] -> answered)
                                  // (diagnostics: benchmarks/doorbell_probe.py)
 };
 
@@ -1159,46 +1160,89 @@ __device__ __forceinline__ u64 global_ns() {
 // Device words (zeroed by the host before each launch): [0] gen, [1] done, [2] stop seen,
 // [3] the slot in hand (bit 31: the request asked for ARENA_ENTRIES), [4..5] its seq, [6] requests
 // answered since the launch, [7] blocks returned, [8] the request's k (int8: the scan looks for
-// more candidates than that); int8: [9] the request whose candidates are handed out for
-// re-scoring (its number, counted as `seen`), [10] how many, [11] how many are re-scored.
+// more candidates than that); [9..11] unused since session 16 (int8's re-scoring hand-out, its
+// count and its done count: now tagged records in the candidate area, bell_handout).
 #define BELL_WORDS 12
 
 __device__ __forceinline__ unsigned int vload(const unsigned int* p) {
     return *reinterpret_cast<const volatile unsigned int*>(p);
 }
 
-// The int8 resident kernel's candidate area (`cand`, device memory, BELL_CAND_WORDS x
-// KALOS_CAND_MAX words): rows, quantized scores (the merge's output), the exact dot products
-// and sums of squares (rescore_share), the arena entries of the candidates' rows (16 bytes each).
-#define BELL_CAND_WORDS 8
-__device__ __forceinline__ float* bell_sums(int* cand) { return reinterpret_cast<float*>(cand + 2 * KALOS_CAND_MAX); }
-__device__ __forceinline__ uint4* bell_ents(int* cand) { return reinterpret_cast<uint4*>(cand + 4 * KALOS_CAND_MAX); }
+// The int8 resident kernel's candidate area (`cand`, device memory, zeroed by the host before
+// each launch; BELL_CAND_WORDS x KALOS_CAND_MAX words): the merge's output (rows, then
+// quantized scores), then per candidate a hand-out record (one u64), then a result record
+// (BELL_RESULT_U64 u64: the exact dot product, the row's sum of squares, the four words of its
+// arena entry, two spare). Every u64 of a record carries the request's tag (`seen`, from 1 in a
+// launch) in its high half and one 32-bit value in its low half, so a reader that sees the tag
+// in every u64 it needs has this request's values, with no fence and no count between writer
+// and reader (a 64-bit access is single-copy atomic; a v2.u64 access is two of them). A stale
+// record passes only if it was last written 2^32 requests earlier in the same launch.
+#define BELL_CAND_WORDS 20
+#define BELL_RESULT_U64 8
+__device__ __forceinline__ u64* bell_handout(int* cand) { return reinterpret_cast<u64*>(cand + 2 * KALOS_CAND_MAX); }
+__device__ __forceinline__ u64* bell_results(int* cand) { return reinterpret_cast<u64*>(cand + 4 * KALOS_CAND_MAX); }
+__device__ __forceinline__ u64 vload64(const u64* p) { return *reinterpret_cast<const volatile u64*>(p); }
+__device__ __forceinline__ ulonglong2 vload128(const u64* p) {
+    ulonglong2 v;
+    asm volatile("ld.volatile.global.v2.u64 {%0,%1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void vstore128(u64* p, u64 a, u64 b) {
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1,%2};" : : "l"(p), "l"(a), "l"(b) : "memory");
+}
+__device__ __forceinline__ bool tagged(ulonglong2 v, unsigned int tag) {
+    return (unsigned int)(v.x >> 32) == tag && (unsigned int)(v.y >> 32) == tag;
+}
+// candidate i's arena entry from its result record, once this request's (tag) is there
+__device__ __forceinline__ uint4 result_entry(const u64* results, int i, unsigned int tag) {
+    const u64* o = results + (size_t)BELL_RESULT_U64 * i;
+    ulonglong2 a, b;
+    do {
+        a = vload128(o + 2);
+        b = vload128(o + 4);
+    } while (!(tagged(a, tag) && tagged(b, tag)));
+    return make_uint4((unsigned int)a.x, (unsigned int)a.y, (unsigned int)b.x, (unsigned int)b.y);
+}
 
-// int8 storage, the resident kernel: the n candidates of the int8 scan (rows in cand[0, n),
-// best first by their quantized score) get exact scores from the float16 copy of their rows in
-// registered host memory (row r at exact + 2 * ld * r bytes), as the sidecar's host path does
-// (_rescore in sidecar/index_gpu.py). Every block of the grid takes part, a candidate per block
-// in turn: block b loads candidate b's row (one 16-byte chunk per thread for rows up to 2,048
-// dimensions), and its dot product with the float query (qbuf, ld floats, zero past dim) and
-// the row's sum of squares go to sums[i] and sums[CAND_MAX + i], and the row's entry in the
-// arena's row table (read in the same round trip: the answer needs it for its best k) to
-// ents[i] (zero for a row the table does not cover); then the block counts it done (atomicAdd
-// on `done`). All threads of the block call it.
+// int8 storage, the resident kernel: the exact scores of the int8 scan's candidates, from the
+// float16 copy of their rows in registered host memory (row r at exact + 2 * ld * r bytes), as
+// the sidecar's host path does (_rescore in sidecar/index_gpu.py). Every block b < kc takes
+// part: it waits for the hand-out record of candidate i = b (then b + gridDim.x, ...), which the
+// last block writes for every i < kc once the merge is done (row -1 past the n candidates the
+// merge found: the block stops there), loads the row (one 16-byte chunk per thread for rows up
+// to 2,048 dimensions) with the row's arena entry (thread 0, the same round trip: the answer
+// needs it for its best k; zero for a row the table does not cover), and writes the dot
+// product with the float query (qbuf, ld floats, zero past dim), the row's sum of squares and
+// the entry to candidate i's result record, tagged. All threads of the block call it.
 //
-// Why the grid and not the last block alone: host memory is read over PCIe, and one block's
-// loads of 40 rows took 13.6 µs (S10-5: ~6 round trips; one SM keeps only so many reads in
-// flight), where 40 blocks each read one row in about one round trip.
+// Why the grid and not the last block alone: host memory is read over PCIe (~2.1 µs for a
+// random 1.5 KB row on the H200, pcie_probe.py), and one block's loads of 40 rows took 13.6 µs
+// (S10-5: ~6 round trips; one SM keeps only so many reads in flight), where 20 blocks each
+// read one row in about one round trip. Why tagged records (session 16; before, a hand-out
+// word, a count of candidates and a done count, each behind a fence): the waiting block gets
+// its row in the word it polls, and the last block each score in the record it polls, which
+// takes ~4 dependent L2 round trips and two fences out of the re-scoring (S16-1: 10.0 µs,
+// of which 6.6 from the hand-out to the count seen, for a 2.1-2.2 µs read).
 template <int METRIC>
-__device__ void rescore_share(const int* cand, int n, const float* qbuf, u64 exact, int ld, int mode,
-                              float* sums, uint4* ents, u64 arena, int arena_rows, unsigned int* done) {
+__device__ void rescore_share(const u64* handout, int kc, const float* qbuf, u64 exact, int ld, int mode,
+                              u64* results, u64 arena, int arena_rows, unsigned int tag) {
     __shared__ float s_d[KALOS_BLOCK / 32], s_s[KALOS_BLOCK / 32];
+    __shared__ int s_row;
     const int chunks = ld / 8;  // 8 halves per 16 bytes (ld: a multiple of 16 for int8 rows)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int i = blockIdx.x; i < n; i += gridDim.x) {
-        const int r = __ldcg(cand + i);
+    const u64 t = (u64)tag << 32;
+    for (int i = blockIdx.x; i < kc; i += gridDim.x) {
+        if (threadIdx.x == 0) {
+            u64 h;
+            while ((unsigned int)((h = vload64(handout + i)) >> 32) != tag) { }
+            s_row = (int)(unsigned int)h;
+        }
+        __syncthreads();
+        const int r = s_row;
+        if (r < 0) break;  // block-uniform: past the candidates (and so is every later i)
         const u64 row = exact + 2ull * ld * (u64)r;
         uint4 e = make_uint4(0u, 0u, 0u, 0u);  // no such entry: length 0 (the client asks again)
-        if (threadIdx.x == 0 && r >= 0 && r < arena_rows) e = hload4(reinterpret_cast<const void*>(arena + 16ull * r), mode);
+        if (threadIdx.x == 0 && r < arena_rows) e = hload4(reinterpret_cast<const void*>(arena + 16ull * r), mode);
         float d = 0.f, sq = 0.f;
         for (int ch = threadIdx.x; ch < chunks; ch += blockDim.x) {
             const uint4 v = hload4(reinterpret_cast<const void*>(row + 16ull * ch), mode);
@@ -1222,34 +1266,33 @@ __device__ void rescore_share(const int* cand, int n, const float* qbuf, u64 exa
         if (threadIdx.x == 0) {
             float td = 0.f, ts = 0.f;
             for (int w = 0; w < KALOS_BLOCK / 32; w++) { td += s_d[w]; ts += s_s[w]; }
-            sums[i] = td;
-            sums[KALOS_CAND_MAX + i] = ts;
-            ents[i] = e;
-            __threadfence();  // the sums and the entry before the count
-            atomicAdd(done, 1u);
+            u64* o = results + (size_t)BELL_RESULT_U64 * i;
+            vstore128(o, t | __float_as_uint(td), t | __float_as_uint(ts));
+            vstore128(o + 2, t | e.x, t | e.y);
+            vstore128(o + 4, t | e.z, t | e.w);
         }
-        __syncthreads();  // s_d and s_s free for the next candidate
+        __syncthreads();  // s_d, s_s and s_row free for the next candidate
     }
 }
 
-// The last block, once `done` counts all n candidates: their exact scores (as the scan scores
-// rows: L2 as minus the distance) into key[0, n) with their indices in cand in val, sorted best
-// first (exact ties by that index: the order of the quantized scores).
-// key/val hold next_pow2(n) entries (the merge's buffer: see _buf in index_gpu.py). All
-// threads of the block call it; it puts `done` back to 0.
+// The last block: the exact scores of the n candidates (as the scan scores rows: L2 as minus
+// the distance), each read from its result record once this request's tag is there, into
+// key[0, n) with their indices in val, sorted best first (exact ties by that index: the order
+// of the quantized scores). key/val hold next_pow2(n) entries (the merge's buffer: see _buf in
+// index_gpu.py). Up to 32 candidates (top-16 and below at the default factor) one warp ranks
+// them by comparing each with all (no barrier per step, as the bitonic sort needs for more).
+// It stamps when every score was in (`seen`, host memory: diagnostics). All threads of the
+// block call it.
 template <int METRIC>
-__device__ void rescored_order(float* key, int* val, int n, const float* sums, float qnorm2, unsigned int* done) {
-    if (threadIdx.x == 0) {
-        while (vload(done) != (unsigned int)n) { }
-        __threadfence();  // (acquire: the sums and entries counted are read after this)
-        atomicExch(done, 0u);  // every block has counted: nothing adds to it before the next hand-out
-    }
-    __syncthreads();
+__device__ void rescored_order(float* key, int* val, int n, const u64* results, float qnorm2, unsigned int tag,
+                               u64* seen, int mode) {
     const int p = next_pow2(n < 2 ? 2 : n);
     for (int i = threadIdx.x; i < p; i += blockDim.x) {
         if (i < n) {
-            float s = __ldcg(sums + i);
-            if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(qnorm2 + __ldcg(sums + KALOS_CAND_MAX + i) - 2.f * s, 0.f));
+            ulonglong2 a;
+            do { a = vload128(results + (size_t)BELL_RESULT_U64 * i); } while (!tagged(a, tag));
+            float s = __uint_as_float((unsigned int)a.x);
+            if (METRIC == METRIC_L2) s = -sqrtf(fmaxf(qnorm2 + __uint_as_float((unsigned int)a.y) - 2.f * s, 0.f));
             key[i] = s;
             val[i] = i;
         } else {
@@ -1258,7 +1301,26 @@ __device__ void rescored_order(float* key, int* val, int n, const float* sums, f
         }
     }
     __syncthreads();
-    bitonic_desc(key, val, p);
+    if (threadIdx.x == 0) hstore(seen, global_ns(), mode);
+    if (p <= 32) {  // block-uniform
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            // a total order: ordered bit patterns (-0 as +0), ties by position
+            const float k = lane < p ? key[lane] : neg_inf();
+            const int v = lane < p ? val[lane] : 0x7fffffff;
+            const int o = f2ord(k + 0.f);
+            int rank = 0;
+            for (int j = 0; j < 32; j++) {
+                const int oj = __shfl_sync(0xffffffffu, o, j);
+                rank += (oj > o || (oj == o && j < lane)) ? 1 : 0;
+            }
+            __syncwarp();
+            if (lane < p) { key[rank] = k; val[rank] = v; }
+        }
+        __syncthreads();
+    } else {
+        bitonic_desc(key, val, p);
+    }
 }
 
 // The resident kernel's least blocks per SM (__launch_bounds__'s second argument; 0: none, the
@@ -1523,31 +1585,23 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
         int kk = scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8, ld, buf,
                                               scratch_k, scratch_v, sync, smem);
         if constexpr (Vec<T>::INT8) {
-            // the candidates' exact scores, by every block (rescore_share). The last block
-            // hands them out once the merge has written them to `cand`; the others wait.
+            // the candidates' exact scores, by blocks 0 .. kc - 1 (rescore_share): the last
+            // block hands them out, a tagged record per candidate, once the merge is done
+            const int kc = sp.k;  // what the scan kept (rescore x the request's k)
             if (kk >= 0) {
                 if (threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
-                __threadfence();  // this block's writes of cand, before the hand-out
-                __syncthreads();
-                if (threadIdx.x == 0) {
-                    bell[10] = (unsigned int)kk;
-                    __threadfence();
-                    atomicExch(bell + 9, seen);
-                }
-            } else {
-                if (threadIdx.x == 0) {
-                    while (vload(bell + 9) != seen) { }
-                    __threadfence();  // (acquire: the count and cand are read after this)
-                }
-                __syncthreads();
+                const int* rows = reinterpret_cast<const int*>(smem + ld + buf);  // the merge's, best first
+                u64* handout = bell_handout(cand);
+                for (int i = threadIdx.x; i < kc; i += blockDim.x)
+                    handout[i] = ((u64)seen << 32) | (unsigned int)(i < kk ? rows[i] : -1);
+                __syncthreads();  // rows read before rescored_order rewrites the buffer
             }
-            const int n = (int)vload(bell + 10);
-            rescore_share<METRIC>(cand, n, qbuf, exact, ld, mode, bell_sums(cand), bell_ents(cand), arena, arena_rows,
-                                  bell + 11);
+            rescore_share<METRIC>(bell_handout(cand), kc, qbuf, exact, ld, mode, bell_results(cand), arena, arena_rows,
+                                  seen);
             if (kk < 0) continue;  // not the last block: back to the wait for the next request
-            rescored_order<METRIC>(smem + ld, reinterpret_cast<int*>(smem + ld + buf), n, bell_sums(cand), sp.qnorm2[0],
-                                   bell + 11);
-            kk = n;  // vals: indices in cand, whose rows and entries the answer reads below
+            rescored_order<METRIC>(smem + ld, reinterpret_cast<int*>(smem + ld + buf), kk, bell_results(cand),
+                                   sp.qnorm2[0], seen, &ctl_->stamp[11], mode);
+            // vals: indices in cand, whose rows and entries the answer reads below
         }
         if (kk >= 0) {  // the last block: its buffer holds the answer, sorted (int8: indices in cand)
             if (!Vec<T>::INT8 && threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
@@ -1579,7 +1633,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 for (int i = threadIdx.x; i < kk; i += blockDim.x) {
                     uint4 e = make_uint4(0u, 0u, 0u, 0u);  // no such entry: length 0 (the client asks again)
                     if constexpr (Vec<T>::INT8) {
-                        e = __ldcg(bell_ents(cand) + vals[i]);  // read with the row (rescore_share)
+                        e = result_entry(bell_results(cand), vals[i], seen);  // read with the row (rescore_share)
                     } else {
                         int r = vals[i];
                         if (r >= 0 && r < arena_rows) e = hload4(reinterpret_cast<const void*>(arena + 16ull * r), mode);
@@ -1594,7 +1648,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 for (int i = threadIdx.x; i < kk; i += blockDim.x) {
                     unsigned int g = 0;  // no such entry: a generation no row has (the client asks again)
                     if constexpr (Vec<T>::INT8) {
-                        g = __ldcg(bell_ents(cand) + vals[i]).w;
+                        g = result_entry(bell_results(cand), vals[i], seen).w;
                     } else {
                         int r = vals[i];
                         if (r >= 0 && r < arena_rows) g = hload(reinterpret_cast<const unsigned int*>(arena + 16ull * r + 12), mode);

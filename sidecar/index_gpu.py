@@ -107,7 +107,7 @@ _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # KALOS_DOORBELL_MODE picks them (benchmarks/doorbell_probe.py --modes compares them).
 DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7"))
 _BELL_WORDS: Final = 12  # BELL_WORDS in kernels/recall.cu
-_BELL_CAND_WORDS: Final = 8  # BELL_CAND_WORDS: int8 candidate area, words per candidate
+_BELL_CAND_WORDS: Final = 20  # BELL_CAND_WORDS: int8 candidate area, words per candidate
 DOORBELL_MAX_K: Final = 1024
 # On by default since session 5 (docs/gpu-notes.md): a 100k recall through the resident kernel
 # takes ~70 us in process (the graph path ~80 us plus the sidecar's Python), starting it ~0.1
@@ -324,9 +324,10 @@ class GpuIndex(Index):
         self.graphs: dict[tuple[int, ...], Any] = {}
         if dtype == "int8":
             self.exact, self._exact_reg = self._new_exact(0)
-            # the resident kernel's int8 candidates (rows, quantized scores, the exact
-            # re-scoring's dot products and sums of squares, their rows' arena entries):
-            # device memory, as bell_sums / bell_ents in kernels/recall.cu lay it out
+            # the resident kernel's int8 candidates (rows and quantized scores, then the
+            # re-scoring's hand-out and result records, tagged by request): device
+            # memory, as bell_handout / bell_results in kernels/recall.cu lay it out, zeroed
+            # before each launch
             with self.device:
                 self.bell_cand = cp.empty(_BELL_CAND_WORDS * CAND_MAX, cp.int32)
         self._finisher: Callable[[], None] | None = None  # the wait for a launch left running
@@ -504,6 +505,8 @@ class GpuIndex(Index):
         def launch() -> None:
             with self.device, self.bstream:
                 self.bell_words.fill(0)
+                if self.exact is not None:  # int8: no record tagged by an earlier launch
+                    self.bell_cand.fill(0)
                 self.bell_cfg.set(cfg, stream=self.bstream)
                 i8 = self.exact is not None
                 kern((grid,), (kernels.BLOCK,),
