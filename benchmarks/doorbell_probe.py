@@ -17,7 +17,7 @@ standing in for the segment (4 slots), the resident kernel enabled. Measured:
   and spins on the state word until RESPONSE; percentiles over ``--calls`` calls;
 * ``kernel``: the kernel's own clock (%globaltimer) per call: request taken -> blocks started
   (prep), -> merge done (scan + merge), -> (int8) candidates re-scored (``rescore``: the
-  hand-out, the blocks' loads and the count, ``rescore_counted``; then the order by exact
+  hand-out, the blocks' loads until the last score is in, ``rescore_counted``; then the order by exact
   score and the rows written, ``rescore_order``), -> answered (response);
   the rest of the round trip is the poll's detection and the host's writes and reads;
 * ``graph``: the same search through the sidecar's batch-1 path (the slot's CUDA graph,

@@ -1175,13 +1175,19 @@ __device__ __forceinline__ unsigned int vload(const unsigned int* p) {
 // arena entry, two spare). Every u64 of a record carries the request's tag (`seen`, from 1 in a
 // launch) in its high half and one 32-bit value in its low half, so a reader that sees the tag
 // in every u64 it needs has this request's values, with no fence and no count between writer
-// and reader (a 64-bit access is single-copy atomic; a v2.u64 access is two of them). A stale
-// record passes only if it was last written 2^32 requests earlier in the same launch.
+// and reader: writers and readers use volatile (relaxed, system-scope) accesses, for which an
+// aligned 64-bit access is single-copy atomic and a v2.u64 access is two of them. A record
+// zeroed at the launch reads as tag 0, which `seen` would reach after 2^32 requests: block 0
+// hands requests back to the sidecar after tag BELL_LAST_TAG, and the sidecar's next launch
+// starts over from zeroed records.
 #define BELL_CAND_WORDS 20
 #define BELL_RESULT_U64 8
+#define BELL_LAST_TAG 0xFFFFFFFFu
+static_assert(4 + 2 * BELL_RESULT_U64 <= BELL_CAND_WORDS, "rows, scores, hand-out and result records per candidate");
 __device__ __forceinline__ u64* bell_handout(int* cand) { return reinterpret_cast<u64*>(cand + 2 * KALOS_CAND_MAX); }
 __device__ __forceinline__ u64* bell_results(int* cand) { return reinterpret_cast<u64*>(cand + 4 * KALOS_CAND_MAX); }
 __device__ __forceinline__ u64 vload64(const u64* p) { return *reinterpret_cast<const volatile u64*>(p); }
+__device__ __forceinline__ void vstore64(u64* p, u64 v) { *reinterpret_cast<volatile u64*>(p) = v; }
 __device__ __forceinline__ ulonglong2 vload128(const u64* p) {
     ulonglong2 v;
     asm volatile("ld.volatile.global.v2.u64 {%0,%1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
@@ -1281,11 +1287,11 @@ __device__ void rescore_share(const u64* handout, int kc, const float* qbuf, u64
 // of the quantized scores). key/val hold next_pow2(n) entries (the merge's buffer: see _buf in
 // index_gpu.py). Up to 32 candidates (top-16 and below at the default factor) one warp ranks
 // them by comparing each with all (no barrier per step, as the bitonic sort needs for more).
-// It stamps when every score was in (`seen`, host memory: diagnostics). All threads of the
+// It stamps when every score was in (`stamp`, host memory: diagnostics). All threads of the
 // block call it.
 template <int METRIC>
 __device__ void rescored_order(float* key, int* val, int n, const u64* results, float qnorm2, unsigned int tag,
-                               u64* seen, int mode) {
+                               u64* stamp, int mode) {
     const int p = next_pow2(n < 2 ? 2 : n);
     for (int i = threadIdx.x; i < p; i += blockDim.x) {
         if (i < n) {
@@ -1301,7 +1307,7 @@ __device__ void rescored_order(float* key, int* val, int n, const u64* results, 
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) hstore(seen, global_ns(), mode);
+    if (threadIdx.x == 0) hstore(stamp, global_ns(), mode);
     if (p <= 32) {  // block-uniform
         if (threadIdx.x < 32) {
             const int lane = threadIdx.x;
@@ -1415,7 +1421,10 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                     }
                     if (count == 0) continue;  // no sleep: __nanosleep was not the ~80 us (S4-7)
                     rot += 7;
-                    if (count > 1) {  // a crowd: the sidecar's batched path serves it better
+                    // a crowd: the sidecar's batched path serves it better. int8: once a request
+                    // was tagged BELL_LAST_TAG, the next would be tag 0, which zeroed records
+                    // carry: the sidecar answers from then on, and its next launch starts over
+                    if (count > 1 || (Vec<T>::INT8 && seen == BELL_LAST_TAG)) {
                         for (int b = 0; b < n_slots; b += 32) {
                             int i = b + lane;
                             if (i < n_slots) {
@@ -1593,7 +1602,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 const int* rows = reinterpret_cast<const int*>(smem + ld + buf);  // the merge's, best first
                 u64* handout = bell_handout(cand);
                 for (int i = threadIdx.x; i < kc; i += blockDim.x)
-                    handout[i] = ((u64)seen << 32) | (unsigned int)(i < kk ? rows[i] : -1);
+                    vstore64(handout + i, ((u64)seen << 32) | (unsigned int)(i < kk ? rows[i] : -1));
                 __syncthreads();  // rows read before rescored_order rewrites the buffer
             }
             rescore_share<METRIC>(bell_handout(cand), kc, qbuf, exact, ld, mode, bell_results(cand), arena, arena_rows,

@@ -143,6 +143,43 @@ def test_int8_the_kernel_rescores_its_candidates_as_the_sidecar_does(start_sidec
     c.close()
 
 
+@pytest.mark.parametrize(("metric", "dim"), [("l2", 97), ("cosine", 64)])
+def test_int8_many_requests_in_one_launch_with_k_rising_and_falling(start_sidecar, metric, dim) -> None:  # type: ignore[no-untyped-def]
+    """int8: the re-scoring's hand-out and result records are tagged with the request's number
+    in the launch, and the hand-out covers the request's own RESCORE_FACTOR x k candidates (row
+    -1 past the ones found). 36 recalls in a row answered by one launch, k rising and falling
+    (records a larger k left lie past a smaller k's; k = 1024 finds fewer rows than its 2,048
+    candidates; up to 16 results one warp ranks them, above it a bitonic sort), must each equal
+    the sidecar's own answer, asked afterwards (the rows do not change). A kernel that took an
+    earlier request's record would re-score another query's candidates; one that handed out
+    only the candidates found would leave blocks waiting (the test's timeout)."""
+    rng = np.random.default_rng()
+    n = 1_501
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="int8", metric=metric)
+    c = sc.client()
+    inline = sc.client(arena_docs=False)
+    c.upsert([str(i) for i in range(n)], data, texts=[f"text {i}" for i in range(n)])
+    ks = [1, 2, 7, 16, 3, 17, 100, 1024, 5, 1, 12, 700] * 3
+    queries = rng.standard_normal((len(ks), dim)).astype(np.float32)
+    kernel_back(c, data[0])
+    launches = int(c.stats()["index"]["doorbell_launches"])
+    before = served(c)
+    got = []
+    for q, k in zip(queries, ks, strict=True):
+        poison(sc.name)
+        got.append(c.recall(q, k))
+    assert served(c) == before + len(ks), "not all answered by the kernel"
+    assert int(c.stats()["index"]["doorbell_launches"]) == launches, "the kernel was started again in between"
+    for j, (q, k, r) in enumerate(zip(queries, ks, got, strict=True)):
+        own = inline.recall(q, k)  # the sidecar's (stops the kernel)
+        assert len(r.ids) == min(k, n)
+        assert_topk_equal(r.ids, r.scores, own.ids, own.scores, context=f"{metric} call {j} k={k}")
+        assert all(hit.text == f"text {hit.id}" for hit in r)
+    inline.close()
+    c.close()
+
+
 def test_doorbell_sees_every_write_and_never_returns_a_stale_document(start_sidecar) -> None:
     """Writes stop the resident kernel; each recall after a write reflects it, and a document
     read from the arena is the one the search scored (generations)."""
