@@ -118,7 +118,7 @@ def one_mode(idx: Any, svc: Any, seg: mmap.mmap, lay: Any, keep: np.ndarray, cal
             parts["scan_merge"].append((m - b) / 1000)
             if idx.exact is not None:  # int8: the candidates' exact scores, between merge and response
                 parts.setdefault("rescore", []).append((st[10] - m) / 1000)
-                # of which: hand-out, the blocks' loads of their rows, the count seen ...
+                # of which: hand-out, the blocks' loads of their rows, the last score seen ...
                 parts.setdefault("rescore_counted", []).append((st[11] - m) / 1000)
                 # ... then the order by exact score and the rows and scores written
                 parts.setdefault("rescore_order", []).append((st[10] - st[11]) / 1000)

@@ -1091,7 +1091,7 @@ struct BellCtl {
                                  // began; [5] polls until taken; at a stop: [6] stop seen, [7] polls;
                                  // [8] block 0 began, [9] the last block returned; [10] int8:
                                  // re-scored, rows and scores written (merged -> [11] every
-                                 // candidate's exact score counted -> [10] -> answered)
+                                 // candidate's exact score in -> [10] -> answered)
                                  // (diagnostics: benchmarks/doorbell_probe.py)
 };
 
