@@ -13,8 +13,8 @@ each with one 16-byte uncached load (``ld.volatile``) per thread, and stamps eac
 * the row read: a random row of the buffer each time (``random``: the re-scoring's pattern,
   a new page nearly every time) or the same row every time (``same``: the page's
   translations cached);
-* one block reading one row after another (``grid1``: the latency of one read) or 20 blocks at
-  once (``grid20``: the re-scoring's 20 candidates of top-10, one per block).
+* one block reading one row after another (``"grid": 1``: the latency of one read) or 20
+  blocks at once (``"grid": 20``: the re-scoring's 20 candidates of top-10, one per block).
 
 One JSON line per case, everything in ``DIR/pcie_probe.json``. No sidecar, no index: a
 reference for what the re-scoring's loads cost, and whether huge pages change it.
