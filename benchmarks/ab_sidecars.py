@@ -19,7 +19,10 @@ batched path (which is what 32 processes and batches use anyway). Prints per-sid
 the mean per-round difference B - A with its standard error; writes ``DIR/ab_sidecars.json``.
 ``--env-a`` / ``--env-b`` set environment variables for one side's sidecar process (the same
 package on both sides then compares two settings); each side's ``index.batch_timing`` from its
-``stats`` (``KALOS_BATCH_TIMING=1``) is printed and saved at the end.
+``stats`` (``KALOS_BATCH_TIMING=1``) is printed and saved at the end. With ``--arena-docs``
+both sidecars keep a document arena (``KALOS_ARENA=1``) and the throughput clients read their
+documents from it, as clients of a sidecar with a resident kernel do (``gpu_recall.py``'s 32
+processes); without, the documents come inline in each answer.
 """
 
 from __future__ import annotations
@@ -78,13 +81,18 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--env-a", nargs="*", default=[], metavar="K=V", help="environment of A's sidecar")
     ap.add_argument("--env-b", nargs="*", default=[], metavar="K=V", help="environment of B's sidecar")
+    ap.add_argument("--arena-docs", action="store_true", help="clients read documents from the arena")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     envs = {"a": dict(e.split("=", 1) for e in args.env_a), "b": dict(e.split("=", 1) for e in args.env_b)}
+    if args.arena_docs:
+        for env in envs.values():
+            env.setdefault("KALOS_ARENA", "1")
     rows = make_data(args.rows, DIM, 2)
     queries = make_data(16 * BATCH, DIM, 3)
     res: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "a": args.a, "b": args.b,
-                           "rows": args.rows, "procs": args.procs, "env": envs, "rounds": []}  # fmt: skip
+                           "rows": args.rows, "procs": args.procs, "env": envs, "arena_docs": args.arena_docs,
+                           "rounds": []}  # fmt: skip
     with ExitStack() as stack:
         sides = {}
         for label, path in (("a", args.a), ("b", args.b)):
@@ -98,7 +106,7 @@ def main() -> int:
                 with sc.client(timeout=30) as c:
                     b64 = time_calls(lambda i: c.recall_batch(queries[(i % 16) * BATCH : (i % 16 + 1) * BATCH], K),
                                      200, 20)  # fmt: skip
-                thr = throughput(sc.name, DIM, K, args.procs, args.duration)
+                thr = throughput(sc.name, DIM, K, args.procs, args.duration, True if args.arena_docs else None)
                 rnd[label] = {"batch64_p50_us": b64["p50_us"], "procs_per_s": thr["recalls_per_s"],
                               "procs_p99_us": thr["p99_us"]}  # fmt: skip
             res["rounds"].append(rnd)

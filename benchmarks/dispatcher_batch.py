@@ -10,7 +10,8 @@ an anonymous map (standing in for the segment) with ``--slots`` batch-1 recalls 
 once, answered from a CPU index of 500 rows (dim 768, top-10, short texts, small metadata), so
 the search is small. Prints the poll time and the sidecar's pickup / search / answer phases
 (means per poll); ``--arena`` gives the service a document arena and the recalls its flag
-(ARENA_DOCS: answers carry generations, as for clients of a GPU sidecar); ``--profile`` adds
+(ARENA_DOCS: answers carry generations; with ``--entries`` arena entries, as for clients of a
+GPU sidecar since protocol v1.3); ``--profile`` adds
 a cProfile of the answering. ``--cold MB`` reads MB megabytes before each poll and inside
 each search, as a CPU sidecar's scan of 100k x 384 rows (150 MB) does: the phases then run
 with the caches the real ones find (issue 2: the CPU sidecar's pickup and answer after a scan).
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=400)
     ap.add_argument("--queries", type=int, default=1, help="queries per request (64: one recall_batch(64))")
     ap.add_argument("--arena", action="store_true")
+    ap.add_argument("--entries", action="store_true", help="with --arena: answers carry arena entries (v1.3)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="read MB megabytes before each poll and in each search")  # fmt: skip
@@ -86,7 +88,7 @@ def main() -> None:
     if a.arena:
         bufs: dict[int, bytearray] = {}
         svc.rows.arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), bufs.pop)
-        flags = Flag.ARENA_DOCS
+        flags = Flag.ARENA_DOCS | (Flag.ARENA_ENTRIES if a.entries else 0)
     rng = np.random.default_rng(0)
     svc.upsert({"namespace": "", "ids": [str(i) for i in range(ROWS)],
                 "texts": [f"memory {i}" for i in range(ROWS)], "metadatas": [{"i": i} for i in range(ROWS)]},

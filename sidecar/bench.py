@@ -111,12 +111,12 @@ def time_calls(fn: Callable[[int], Any], calls: int, warmup: int) -> dict[str, f
 
 
 def _throughput_worker(name: str, dim: int, k: int, seed: int, duration: float, start_at: float,
-                       out: Any) -> None:  # fmt: skip
+                       out: Any, arena_docs: bool | None = None) -> None:  # fmt: skip
     from kalos_retrievers.client import KalosClient
 
     qs = make_data(256, dim, seed)
     lat: list[float] = []
-    with KalosClient(name, dim=dim, timeout=10) as c:
+    with KalosClient(name, dim=dim, timeout=10, arena_docs=arena_docs) as c:
         for i in range(20):
             c.recall(qs[i], k)
         while time.time() < start_at:  # all workers start together (wall clock across procs)
@@ -134,12 +134,14 @@ def _throughput_worker(name: str, dim: int, k: int, seed: int, duration: float, 
     out.put(np.asarray(lat, np.float64))
 
 
-def throughput(name: str, dim: int, k: int, procs: int, duration: float) -> dict[str, float]:
-    """``procs`` client processes issuing batch-1 recalls back to back for ``duration`` s."""
+def throughput(name: str, dim: int, k: int, procs: int, duration: float,
+               arena_docs: bool | None = None) -> dict[str, float]:  # fmt: skip
+    """``procs`` client processes issuing batch-1 recalls back to back for ``duration`` s
+    (``arena_docs``: the clients' setting, see :class:`KalosClient`)."""
     ctx = mp.get_context("spawn")
     q: Any = ctx.Queue()
     start_at = time.time() + 3.0 + 0.1 * procs
-    ps = [ctx.Process(target=_throughput_worker, args=(name, dim, k, 1000 + i, duration, start_at, q))
+    ps = [ctx.Process(target=_throughput_worker, args=(name, dim, k, 1000 + i, duration, start_at, q, arena_docs))
           for i in range(procs)]  # fmt: skip
     for p in ps:
         p.start()
