@@ -1164,6 +1164,13 @@ __device__ __forceinline__ u64 global_ns() {
 // count and its done count: now tagged records in the candidate area, bell_handout).
 #define BELL_WORDS 12
 
+// Block 0's poll reads up to 32 x BELL_POLL_WIDE slots' state words per round trip (with more
+// slots, another round trip per that many). 2: the sidecar's default 16 slots and the 40 of
+// benchmarks/gpu_recall.py in one.
+#ifndef BELL_POLL_WIDE
+#define BELL_POLL_WIDE 2
+#endif
+
 __device__ __forceinline__ unsigned int vload(const unsigned int* p) {
     return *reinterpret_cast<const volatile unsigned int*>(p);
 }
@@ -1399,8 +1406,32 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 const u64 t_poll = global_ns();
                 u64 polls = 0;
                 for (;; polls++) {
-                    int stop = lane == 0 ? hload(&ctl_->stop, mode) : 0;
-                    if (__shfl_sync(0xffffffffu, stop, 0)) {
+                    // Up to 32 x BELL_POLL_WIDE words per round trip of PCIe (~1.8-2.1 µs,
+                    // benchmarks/pcie_probe.py), every load in flight before any is used: the
+                    // state word of each slot, and at index n_slots the stop word. Read one
+                    // after another (the stop word, then each 32 slots) they took a round trip
+                    // each: three with 40 slots, and a request waited half a round more to be
+                    // seen. (The stop word in its own register made int8's kernel spill.)
+                    int mine = -1, count = 0, stop = 0;
+                    for (int b = 0; b <= n_slots; b += 32 * BELL_POLL_WIDE) {
+                        unsigned int st[BELL_POLL_WIDE];
+#pragma unroll
+                        for (int j = 0; j < BELL_POLL_WIDE; j++) {
+                            const int i = b + 32 * j + ((lane + rot) & 31);
+                            const unsigned int* w = i < n_slots ? reinterpret_cast<const unsigned int*>(seg + slot0 + (u64)i * slot_size)
+                                                                : reinterpret_cast<const unsigned int*>(&ctl_->stop);
+                            st[j] = i <= n_slots ? hload(w, mode) : 0u;
+                        }
+#pragma unroll
+                        for (int j = 0; j < BELL_POLL_WIDE; j++) {
+                            const int i = b + 32 * j + ((lane + rot) & 31);
+                            const bool bell_rung = i < n_slots && st[j] == ST_DOORBELL;
+                            count += __popc(__ballot_sync(0xffffffffu, bell_rung));
+                            stop |= __ballot_sync(0xffffffffu, i == n_slots && st[j] != 0u);
+                            if (bell_rung && mine < 0) mine = i;
+                        }
+                    }
+                    if (stop) {  // (warp-uniform) a stop wins over a request seen with it
                         if (lane == 0) {
                             s_go = -2;
                             hstore(&ctl_->stamp[4], t_poll, mode);
@@ -1408,16 +1439,6 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                             hstore(&ctl_->stamp[7], polls, mode);
                         }
                         break;
-                    }
-                    // one state word per lane per round, all reads in flight together
-                    int mine = -1, count = 0;
-                    for (int b = 0; b < n_slots; b += 32) {
-                        int i = b + ((lane + rot) & 31);
-                        unsigned int st = 0;
-                        if (i < n_slots) st = hload(reinterpret_cast<const unsigned int*>(seg + slot0 + (u64)i * slot_size), mode);
-                        unsigned int hit = __ballot_sync(0xffffffffu, st == ST_DOORBELL);
-                        if (st == ST_DOORBELL && mine < 0) mine = i;
-                        count += __popc(hit);
                     }
                     if (count == 0) continue;  // no sleep: __nanosleep was not the ~80 us (S4-7)
                     rot += 7;
@@ -1454,17 +1475,51 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 return;
             }
             const u64 sb = seg + slot0 + (u64)slot * slot_size;
-            // the request's control words (host memory), read once, into shared memory: a
+            // The request's control words (host memory), read once, into shared memory: a
             // client rewriting them meanwhile must not split the block's decision. One load
             // per lane of warp 0, in flight together: read one after another, 12 words cost
-            // ~14 us (S5-1, persistent_probe.py), each a PCIe round trip.
+            // ~14 us (S5-1, persistent_probe.py), each a PCIe round trip. The query (16 bytes
+            // per thread where the payload allows: one round trip, not one per word) is read
+            // into qbuf in the same round trip, before the words are used: where it lies does
+            // not depend on them (a recall's payload starts with its 4 x dim bytes, and every
+            // slot's payload holds that many). Read after the words were checked, it cost a
+            // second round trip. When the words say the request is not the kernel's, qbuf
+            // (free: every block is done with the last request) holds it unused.
             __shared__ unsigned int s_w[W_REQUEST];
             __shared__ int s_ok;
-            if (threadIdx.x < 32) {
-                __threadfence_system();  // the words after the state word that announced them
-                if (threadIdx.x < W_REQUEST) s_w[threadIdx.x] = hload(reinterpret_cast<const unsigned int*>(sb) + threadIdx.x, mode);
-                __syncwarp();
+            __threadfence_system();  // the words and the query after the state word that announced them
+            unsigned int word = 0;
+            if (threadIdx.x < W_REQUEST) word = hload(reinterpret_cast<const unsigned int*>(sb) + threadIdx.x, mode);
+            const float* q = reinterpret_cast<const float*>(sb + payload_off);
+            const bool q16 = ((sb + payload_off) & 15) == 0;
+            float part = 0.f, amax = 0.f;
+            for (int i = 4 * threadIdx.x; i < ld; i += 4 * blockDim.x) {
+                float v[4];
+                if (q16 && i + 3 < dim) {
+                    uint4 u = hload4(q + i, mode);
+                    v[0] = __uint_as_float(u.x); v[1] = __uint_as_float(u.y);
+                    v[2] = __uint_as_float(u.z); v[3] = __uint_as_float(u.w);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; j++) v[j] = i + j < dim ? hload(q + i + j, mode) : 0.f;
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    if (i + j < ld) qbuf[i + j] = v[j];
+                    part += v[j] * v[j];
+                    amax = fmaxf(amax, fabsf(v[j]));
+                }
             }
+            // its norm and largest |x|, each warp's into shared memory (held in registers
+            // through the words' check, they made int8's resident kernel spill)
+            for (int o = 16; o > 0; o >>= 1) {
+                part += __shfl_xor_sync(0xffffffffu, part, o);
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            }
+            __shared__ float s_amax[KALOS_BLOCK / 32];
+            if ((threadIdx.x & 31) == 0) { s_red[threadIdx.x >> 5] = part; s_amax[threadIdx.x >> 5] = amax; }
+            if (threadIdx.x < W_REQUEST) s_w[threadIdx.x] = word;
+            __syncthreads();
             if (threadIdx.x == 0) {
                 const u64 vec_len = (u64)s_w[W_VEC_LEN] | ((u64)s_w[W_VEC_LEN + 1] << 32);
                 const u64 args_len = (u64)s_w[W_ARGS_LEN] | ((u64)s_w[W_ARGS_LEN + 1] << 32);
@@ -1487,35 +1542,8 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 hstore(reinterpret_cast<unsigned int*>(sb), (unsigned int)ST_BUSY, mode);
                 hstore(&ctl_->stamp[0], global_ns(), mode);
             }
-            // the query: loads of host memory, then its norm
-            // (16 bytes per thread where the payload allows: one round trip, not one per word)
-            const float* q = reinterpret_cast<const float*>(sb + payload_off);
-            const bool q16 = ((sb + payload_off) & 15) == 0;
-            float part = 0.f, amax = 0.f;
-            for (int i = 4 * threadIdx.x; i < ld; i += 4 * blockDim.x) {
-                float v[4];
-                if (q16 && i + 3 < dim) {
-                    uint4 u = hload4(q + i, mode);
-                    v[0] = __uint_as_float(u.x); v[1] = __uint_as_float(u.y);
-                    v[2] = __uint_as_float(u.z); v[3] = __uint_as_float(u.w);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < 4; j++) v[j] = i + j < dim ? hload(q + i + j, mode) : 0.f;
-                }
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    if (i + j < ld) qbuf[i + j] = v[j];
-                    part += v[j] * v[j];
-                    amax = fmaxf(amax, fabsf(v[j]));
-                }
-            }
-            for (int o = 16; o > 0; o >>= 1) {
-                part += __shfl_xor_sync(0xffffffffu, part, o);
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            }
-            __shared__ float s_amax[KALOS_BLOCK / 32];
-            if ((threadIdx.x & 31) == 0) { s_red[threadIdx.x >> 5] = part; s_amax[threadIdx.x >> 5] = amax; }
-            __syncthreads();
+            // the query's norm and largest |x| (the warps' are in shared memory: the
+            // __syncthreads above)
             float ssq = 0.f;
             amax = 0.f;
             for (int i = 0; i < KALOS_BLOCK / 32; i++) { ssq += s_red[i]; amax = fmaxf(amax, s_amax[i]); }
