@@ -1,12 +1,13 @@
 """Where a resident-kernel recall's time goes, in process: no client library, no sidecar.
 
-    python -P benchmarks/doorbell_probe.py --rows 1000,100000 [--calls 2000] [--dtype int8]
+    python -P benchmarks/doorbell_probe.py --rows 1000,100000 [--calls 2000] [--dtype int8] [--slots 4]
 
 (The sidecar runs the resident kernel unless ``KALOS_DOORBELL=0``; this script turns it on for
 its in-process index whatever the environment says.)
 
 For each row count: a GpuIndex (768-d, float16 or ``--dtype int8``, cosine) with a document arena, an anonymous map
-standing in for the segment (4 slots), the resident kernel enabled. Measured:
+standing in for the segment (``--slots``, default 4; the kernel polls every slot's state word, and
+``gpu_recall.py``'s sidecars have 40), the resident kernel enabled. Measured:
 
 * ``cycle_2ms`` / ``cycle_20ms``: start the resident kernel, leave it idle 2 or 20 ms, stop it:
   the host's ``resume_us`` and ``pause_us`` (what every write, and every request the sidecar's
@@ -134,7 +135,7 @@ def one_mode(idx: Any, svc: Any, seg: mmap.mmap, lay: Any, keep: np.ndarray, cal
     return out
 
 
-def probe(n: int, calls: int, modes: list[int], dtype: str = "float16") -> dict[str, Any]:
+def probe(n: int, calls: int, modes: list[int], dtype: str = "float16", slots: int = 4) -> dict[str, Any]:
     os.environ["KALOS_DOORBELL"] = "1"  # read at import below
     from kalos_retrievers.sidecar.bench import normalized_chunks
     from kalos_retrievers.sidecar.index import SlotSpec
@@ -166,11 +167,11 @@ def probe(n: int, calls: int, modes: list[int], dtype: str = "float16") -> dict[
         if start == 0:
             keep = chunk[:1024].copy()
         start += m
-    lay = Layout(n_slots=4, dim=DIM, payload_size=1 << 16, blob_size=1 << 16)
+    lay = Layout(n_slots=slots, dim=DIM, payload_size=1 << 16, blob_size=1 << 16)
     seg = mmap.mmap(-1, lay.segment_size)
     idx.attach_segment(seg)
     assert idx.enable_doorbell(lay, arena) > 0
-    out: dict[str, Any] = {"rows": n, "dtype": dtype, "modes": {}}
+    out: dict[str, Any] = {"rows": n, "dtype": dtype, "slots": slots, "modes": {}}
     for mode in modes:
         idx.doorbell_mode = mode
         out["modes"][mode] = r = one_mode(idx, svc, seg, lay, keep, calls)
@@ -199,11 +200,14 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--modes", default="0,7", help="BellCtl::mode values to compare (BELL_* bits in kernels/recall.cu)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "int8"))
+    ap.add_argument("--slots", type=int, default=4, help="slots in the stand-in segment (at least 2)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    if a.slots < 2:
+        ap.error("--slots: at least 2 (slot 1 times the sidecar's batch-1 path)")
     res = []
     for n in (int(x) for x in a.rows.split(",")):
-        r = probe(n, a.calls, [int(m) for m in a.modes.split(",")], a.dtype)
+        r = probe(n, a.calls, [int(m) for m in a.modes.split(",")], a.dtype, a.slots)
         print(json.dumps(r), flush=True)
         res.append(r)
     Path(a.out).mkdir(parents=True, exist_ok=True)
