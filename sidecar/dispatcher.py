@@ -364,6 +364,9 @@ class Dispatcher:
         part = keep
         if not part:
             return None
+        if self.pending:  # an abandoned answer's rest is void once its slot asks anew (as in _one)
+            for i, _, _ in part:
+                self.pending.pop(i, None)
         specs = [self._spec(i, req) for i, req, _ in part]
         if len(part) > 1:
             self.stats.batches += 1

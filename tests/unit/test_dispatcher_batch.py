@@ -569,3 +569,34 @@ def test_batch1_members_reading_the_arena_are_answered_together_member_by_member
     assert all(r.status == Status.OK for j, r in enumerate(resps) if j not in corrupt)
     assert b"out of range" in bytes(mm[lay.slot_offset(3) + lay.blob_offset :][: resps[3].resp_len])
     assert b"hold no memory" in bytes(mm[lay.slot_offset(4) + lay.blob_offset :][: resps[4].resp_len])
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_a_recall_voids_the_rest_of_an_abandoned_answer_in_its_slot(members: int) -> None:
+    """The rest of a long answer (kept for CONTINUE requests) belongs to the request that made
+    it: once its slot asks anything else, a CONTINUE has nothing to continue. Recalls, batched
+    or alone, go through the batch path rather than ``_one``, which already drops it; a client
+    that abandoned a long answer and then recalled could otherwise be handed the old rest."""
+    n_slots, dim, k, rows = 3, 11, 2, 37
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc, _ = _ip_service(dim, rows)
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    d.pending[0] = (b"the rest of an answer slot 0 abandoned", 1, 0)  # as _respond leaves it
+    rng = np.random.default_rng()
+    for i in range(members):
+        off = lay.slot_offset(i)
+        np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = rng.standard_normal(dim)
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 10 + i, Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
+        states[i] = SlotState.REQUEST
+    assert d.poll() == members
+    d.settle()
+    off = lay.slot_offset(0)
+    assert Response.unpack(mm[off : off + CTL_SIZE]).status == Status.OK
+    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 20, Op.CONTINUE, 0, 0, 0, 0, 0, 0)
+    states[0] = SlotState.REQUEST
+    assert d.poll() == 1
+    resp = Response.unpack(mm[off : off + CTL_SIZE])
+    assert resp.seq == 20 and resp.status == Status.BAD_REQUEST
+    assert bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len]) == b"nothing to continue"
