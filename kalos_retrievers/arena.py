@@ -83,7 +83,7 @@ def _ints(xs: np.ndarray | Sequence[int]) -> list[int]:
 class ArenaView:
     """Reads documents from a mapped arena (the client's side). Pure: it is given the bytes."""
 
-    __slots__ = ("_buf", "_copy", "_heap", "_heap_size", "_table", "rows_cap", "version")
+    __slots__ = ("_buf", "_copy", "_heap", "_heap_size", "_table", "fast", "rows_cap", "version")
 
     def __init__(self, buf: mmap.mmap | memoryview | bytearray, version: int) -> None:
         magic, v, _, rows_cap, heap_size, _, _ = ARENA_HEADER.unpack_from(buf, 0)
@@ -100,6 +100,8 @@ class ArenaView:
         self._table = np.frombuffer(self._buf, ENTRY_DTYPE, count=rows_cap, offset=ARENA_HEADER_SIZE)
         self.rows_cap = rows_cap
         self.version = version
+        # what the client's C path (_fastpath.recall1) needs to copy documents as entry_docs does
+        self.fast = (mv, (self._heap, heap_size, version))
 
     def get(self, row: int, gen: int) -> bytes | None:
         """Row ``row``'s document (a copy) if its generation is ``gen`` (and no write is under

@@ -85,6 +85,13 @@ from .protocol import (
 )
 from .results import RecallResult, Record
 
+try:  # the batch-1 recall to a resident GPU kernel in C (optional: see _fastpath.c, setup.py)
+    from . import _fastpath
+except ImportError:  # not compiled here: the Python path does the same
+    _fastpath = None  # type: ignore[assignment]
+if os.environ.get("KALOS_FASTPATH", "1") == "0":  # diagnostics: the Python path only
+    _fastpath = None  # type: ignore[assignment]
+
 __all__ = ["KalosClient"]
 
 _LIVENESS_TICK = 0.02  # seconds between "is the sidecar still alive?" checks while blocked
@@ -94,6 +101,9 @@ _X86: Final = os.uname().machine in ("x86_64", "AMD64")  # the spin and arena pa
 _ARENA_VERSION_WORD = 62  # header u32 index of arena_version (offset 248, two words)
 _DOORBELL_K_WORD = 64  # header u32 index of doorbell_k (offset 256)
 _DOORBELL_CAP_WORD = 65  # header u32 index of doorbell_cap (offset 260)
+# how long _fastpath spins for a resident kernel's answer before the Python wait takes over
+# (which checks the sidecar is alive every millisecond)
+_FAST_SPIN_NS = 1_000_000
 _MAX_MARGIN_SPINS = 2  # a long wait's spin around the expected answer: at most 2 x 2 spin windows
 _SPIN_PROBE_EVERY = 8  # while long-wait spins do not pay, still try one call in this many
 # A GPU sidecar's recall expected within this many spin windows is spun through, not slept
@@ -153,7 +163,7 @@ if hasattr(os, "register_at_fork"):
 class _Slot:
     """A claimed slot and typed views of its areas. Used by one thread at a time."""
 
-    __slots__ = ("blob", "ctl", "index", "payload", "payload_f32", "pending", "rows", "scores",
+    __slots__ = ("blob", "ctl", "index", "mem", "payload", "payload_f32", "pending", "rows", "scores",
                  "sem", "seq", "state")  # fmt: skip
 
     def __init__(self, conn: _Conn, index: int) -> None:
@@ -162,6 +172,7 @@ class _Slot:
         mv = memoryview(conn.seg.mm)
         self.index = index
         self.ctl = mv[off : off + CTL_SIZE]
+        self.mem = mv[off : off + lay.slot_size]  # the whole slot (_fastpath writes and reads it)
         self.state = self.ctl.cast("I")
         self.payload = mv[off + lay.payload_offset : off + lay.rows_offset]
         self.payload_f32 = np.frombuffer(self.payload, dtype="<f4")
@@ -194,6 +205,11 @@ class _Conn:
         self.arena_flags = Flag.ARENA_DOCS | (Flag.ARENA_ENTRIES if header.version_minor >= 3 else 0)
         # q . tiny is finite exactly when every element of q is (see _recall_one)
         self.tiny = np.full(header.dim, 2.0**-100, np.float32)
+        # what _fastpath.recall1 needs of the layout, and the header it reads doorbell_k from
+        lay = self.layout
+        self.fast_layout = (header.dim, lay.payload_offset, lay.rows_offset, lay.scores_offset, lay.blob_offset,
+                            lay.blob_size, int(self.arena_flags), _DOORBELL_K_WORD)  # fmt: skip
+        self.hdr = memoryview(seg.mm)[: 4 * (_DOORBELL_CAP_WORD + 1)]
 
     def doorbell_k(self) -> int:
         """Largest k the GPU's resident kernel answers now (0: it is stopped, or there is none):
@@ -589,6 +605,9 @@ class KalosClient:
         dim = header.dim
         if type(k) is not int or not 0 < k <= header.max_k:
             return None
+        arena = self._arena()
+        # the resident kernel's recalls in C, where it is built: it checks the query is finite
+        fast = _fastpath is not None and arena is not None and k <= conn.doorbell_k()
         if type(query) is np.ndarray and query.shape == (dim,) and query.dtype == _F32:
             # the sum of the elements times 2**-100 is finite exactly when every element is:
             # a NaN or an infinity carries through it, and no finite float32 can overflow it
@@ -596,11 +615,12 @@ class KalosClient:
             # of by default). 0.3 µs against 1.1 for isfinite().all() on the dev VM. A
             # bad query (or np.seterr's "raise") goes to the general path, which says why
             # (one holding both +inf and -inf also gets numpy's "invalid value" warning).
-            try:
-                if not math.isfinite(query.dot(conn.tiny)):
+            if not fast:
+                try:
+                    if not math.isfinite(query.dot(conn.tiny)):
+                        return None
+                except (RuntimeWarning, FloatingPointError):
                     return None
-            except (RuntimeWarning, FloatingPointError):
-                return None
             q = query
         else:
             try:
@@ -613,15 +633,21 @@ class KalosClient:
         if timeout is not None:
             _check_timeout(timeout)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        arena = self._arena()
         try:
             slot = conn.free.pop()  # atomic under the GIL, as in _acquire
         except IndexError:
             return None
         try:
-            slot.payload_f32[:dim] = q
-            flags = conn.arena_flags if arena is not None else 0
-            rep = self._roundtrip(conn, slot, Op.RECALL, flags, k, 1, 4 * dim, 0, deadline)
+            if fast:
+                rep = self._recall_fast(conn, slot, q, k, deadline, arena)  # type: ignore[arg-type]
+                if rep is None:
+                    return None  # nothing was written: the general path copies or refuses q
+                if type(rep) is RecallResult:
+                    return rep
+            else:
+                slot.payload_f32[:dim] = q
+                flags = conn.arena_flags if arena is not None else 0
+                rep = self._roundtrip(conn, slot, Op.RECALL, flags, k, 1, 4 * dim, 0, deadline)
             if rep.status != Status.OK:
                 raise _status_error(rep.status, rep.blob, Op.RECALL)
         finally:
@@ -633,6 +659,33 @@ class KalosClient:
             res = self._split_one(rep, k, None)
             assert res is not None
         return res
+
+    def _recall_fast(
+        self, conn: _Conn, slot: _Slot, q: np.ndarray, k: int, deadline: float, arena: ArenaView
+    ) -> RecallResult | _Reply | None:
+        """:meth:`_recall_one`'s exchange with a resident kernel through ``_fastpath.recall1``
+        (the slot in hand, released by the caller). A :class:`RecallResult` when the C code
+        read the whole answer and its documents; the answer as a :class:`_Reply` when it was
+        written and then read by Python (the answer not within the C spin, or one the C code
+        leaves to Python: see _fastpath.c), for the caller to check and split; None when
+        nothing was written (``q`` is not finite, or not one contiguous float32 vector)."""
+        if slot.sem.value:  # posts left by responses we saw by spinning (as in _roundtrip)
+            _ipc.drain(slot.sem)
+        slot.seq = seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
+        buf, info = arena.fast
+        out = _fastpath.recall1(slot.mem, q, conn.fast_layout, seq, k, int(deadline * 1e9), _FAST_SPIN_NS,
+                                conn.hdr, buf, info)  # fmt: skip
+        if out is None:
+            return None
+        if type(out) is not tuple:  # written; Python waits for and reads the answer
+            return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, 0,
+                                   deadline, sent=seq)  # fmt: skip
+        waited, n, rflags, rows_b, scores_b, blob, docs = out
+        self._observe_wait(waited)
+        rows, scores = np.frombuffer(rows_b, "<i4"), np.frombuffer(scores_b, "<f4")  # (writable)
+        if docs is not None and self._conn is conn:
+            return RecallResult(rows, scores, docs, None, "")
+        return _Reply(Status.OK, n, rflags, rows, scores, blob)
 
     def recall_batch(
         self,
@@ -1115,26 +1168,32 @@ class KalosClient:
 
     def _roundtrip(
         self, conn: _Conn, slot: _Slot, op: int, flags: int, top_k: int, n_items: int,
-        vec_len: int, args_len: int, deadline: float,
+        vec_len: int, args_len: int, deadline: float, sent: int | None = None,
     ) -> _Reply:  # fmt: skip
+        """Write the request (unless ``sent``: the sequence number of a DOORBELL request
+        already written, by ``_fastpath``), wait for the answer, read it, and continue it
+        while it says MORE."""
         chunks: list[bytes] = []
         rows = scores = None
         while True:
-            if slot.sem.value:  # posts left by responses we saw by spinning (sem_getvalue)
-                _ipc.drain(slot.sem)
-            slot.seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
-            seq = slot.seq
-            REQUEST_STRUCT.pack_into(slot.ctl, REQUEST_OFFSET, seq, op, flags, top_k, n_items,
-                                     vec_len, args_len, int(deadline * 1e9))  # fmt: skip
-            # the GPU's resident kernel takes batch-1 recalls of the default namespace whose
-            # documents come from the arena; it polls the state word (no semaphore)
-            bell = (op == Op.RECALL and flags | Flag.ARENA_ENTRIES == _KERNEL_FLAGS and n_items == 1 and not args_len
-                    and top_k <= conn.doorbell_k())  # fmt: skip
-            if bell:
-                slot.state[0] = SlotState.DOORBELL
+            if sent is not None:
+                seq, bell, sent = sent, True, None
             else:
-                slot.state[0] = SlotState.REQUEST
-                _ipc.post(conn.bell)
+                if slot.sem.value:  # posts left by responses we saw by spinning (sem_getvalue)
+                    _ipc.drain(slot.sem)
+                slot.seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
+                seq = slot.seq
+                REQUEST_STRUCT.pack_into(slot.ctl, REQUEST_OFFSET, seq, op, flags, top_k, n_items,
+                                         vec_len, args_len, int(deadline * 1e9))  # fmt: skip
+                # the GPU's resident kernel takes batch-1 recalls of the default namespace whose
+                # documents come from the arena; it polls the state word (no semaphore)
+                bell = (op == Op.RECALL and flags | Flag.ARENA_ENTRIES == _KERNEL_FLAGS and n_items == 1
+                        and not args_len and top_k <= conn.doorbell_k())  # fmt: skip
+                if bell:
+                    slot.state[0] = SlotState.DOORBELL
+                else:
+                    slot.state[0] = SlotState.REQUEST
+                    _ipc.post(conn.bell)
             t_sent = time.monotonic_ns()
             resp = self._wait(conn, slot, seq, deadline, recall=op == Op.RECALL, doorbell=bell)
             if op == Op.RECALL:  # writes wait for an fsync: they say nothing about recall times

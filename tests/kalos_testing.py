@@ -141,3 +141,47 @@ def poison(name: str) -> None:
         mm.close()
     finally:
         shm.close_fd()
+
+
+def doorbell_stand_in(name: str, dim: int, hand_back: bool, stop: Any, answered: Any, handed_back: Any,
+                      ready: Any) -> None:  # fmt: skip
+    """The GPU's resident kernel's part, for a CPU sidecar's clients told that one runs
+    (tests/integration/test_fastpath_client.py): answer every DOORBELL request in the sidecar's
+    slots with a recall through an ordinary client and the hits' arena entries, as the kernel
+    answers, or (``hand_back``) hand it back to the sidecar, as the kernel does in a crowd. In
+    a process of its own: a thread of the test's process would wait for the GIL while the
+    client's Python path spins."""
+    from kalos_retrievers import KalosClient
+    from kalos_retrievers.protocol import RESPONSE_OFFSET, RESPONSE_STRUCT, RespFlag, SlotState, Status
+
+    with KalosClient(name, arena_docs=True) as own, KalosClient(name, arena_docs=False) as searcher:
+        own.ping()
+        conn = own._conn
+        assert conn is not None
+        lay = conn.layout
+        mm = conn.seg.mm
+        states = np.ndarray((lay.n_slots,), "<u4", mm, lay.slot_offset(0), (lay.slot_size,))
+        ready.set()
+        while not stop.is_set():
+            for i in np.flatnonzero(states == SlotState.DOORBELL).tolist():
+                off = lay.slot_offset(i)
+                if hand_back:
+                    states[i] = SlotState.REQUEST  # the kernel's hand-back: the client posts the bell
+                    handed_back.value += 1
+                    continue
+                states[i] = SlotState.BUSY
+                seq = int(np.frombuffer(mm, "<u8", 1, off + 8)[0])
+                k = int(np.frombuffer(mm, "<u4", 1, off + 24)[0])
+                q = np.frombuffer(mm, "<f4", dim, off + lay.payload_offset).copy()
+                res = searcher.recall(q, k)
+                rows = np.asarray(res.rows, np.int32)
+                arena = conn.arena()
+                assert arena is not None
+                blob = arena.version.to_bytes(8, "little") + arena._table[rows].tobytes()
+                np.frombuffer(mm, "<i4", len(rows), off + lay.rows_offset)[:] = rows
+                np.frombuffer(mm, "<f4", len(rows), off + lay.scores_offset)[:] = res.scores
+                mm[off + lay.blob_offset : off + lay.blob_offset + len(blob)] = blob
+                RESPONSE_STRUCT.pack_into(mm, off + RESPONSE_OFFSET, seq, Status.OK, len(rows), len(blob),
+                                          RespFlag.ARENA_DOCS | RespFlag.ARENA_ENTRIES)  # fmt: skip
+                states[i] = SlotState.RESPONSE
+                answered.value += 1

@@ -1,0 +1,270 @@
+/* The batch-1 recall to a GPU sidecar's resident kernel, in C: the client library's hot path.
+ *
+ * `KalosClient.recall` of one query (the default namespace, no filter, documents from the
+ * arena) writes the query and the request words into its slot, sets DOORBELL, spins on the
+ * state word until the kernel's answer, copies the rows and scores, and copies each hit's
+ * document out of the arena. In Python those steps cost 20-35 us on the H200 host around a
+ * 60-230 us exchange (benchmarks/client_phases.py, session 18); here they are one call.
+ *
+ * Only the common case is done here, completely; everything else returns 0 and the Python
+ * path (kalos_retrievers/client.py) carries on from the wait with the request already
+ * written, exactly as it would have after writing it itself: an answer not there within the
+ * spin window, a request the kernel handed back (REQUEST), the kernel stopped (the header's
+ * doorbell word 0), an error status, a sequence or length that does not check, a continued
+ * answer. The documents are copied only when every entry checks (as ArenaView.entry_docs);
+ * otherwise the answer comes back without them (None) and Python reads them its own way.
+ *
+ * Built against the stable ABI (Py_LIMITED_API, 3.11): one binary for every CPython >= 3.11.
+ * Optional: without a compiler the package installs without it and uses the Python path.
+ * x86-64 only in use (the client calls it only where the store ordering it relies on holds:
+ * the query and request words written before the state word, the answer's words read after
+ * its state word). The offsets below are protocol v1's control words (protocol.py CTL_OFFSETS;
+ * tests/unit/test_fastpath.py checks them against the module's CTL_OFFSETS).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+enum {
+    OFF_STATE = 0, OFF_SEQ = 8, OFF_OP = 16, OFF_FLAGS = 20, OFF_TOP_K = 24, OFF_N_ITEMS = 28,
+    OFF_VEC_LEN = 32, OFF_ARGS_LEN = 40, OFF_DEADLINE = 48, OFF_RESP_SEQ = 56, OFF_STATUS = 64,
+    OFF_N_RESULTS = 68, OFF_RESP_LEN = 72, OFF_RESP_FLAGS = 80, CTL_SIZE = 128,
+};
+enum { ST_CLAIMED = 1, ST_REQUEST = 2, ST_RESPONSE = 4, ST_ERROR = 5, ST_DOORBELL = 6 };
+enum { OP_RECALL = 2, RESP_MORE = 1, RESP_ARENA_DOCS = 4, RESP_ARENA_ENTRIES = 8 };
+#define ENTRY_SIZE 16
+#define CHECK_EVERY_NS 50000  /* the header's doorbell word is read this often while spinning */
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);  /* time.monotonic_ns()'s clock */
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint32_t ld32(const char* p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t ld64(const char* p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline void st32(char* p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void st64(char* p, uint64_t v) { memcpy(p, &v, 8); }
+
+/* Layout of the connection: (dim, payload_off, rows_off, scores_off, blob_off, blob_size,
+   flags, doorbell_word). Offsets are within the slot; doorbell_word indexes the header as u32. */
+typedef struct { long long dim, payload, rows, scores, blob, blob_size, flags, bell_word; } Layout;
+
+static int read_layout(PyObject* t, Layout* l) {
+    long long* f[] = {&l->dim, &l->payload, &l->rows, &l->scores, &l->blob, &l->blob_size, &l->flags, &l->bell_word};
+    if (!PyTuple_Check(t) || PyTuple_Size(t) != 8) {
+        PyErr_SetString(PyExc_TypeError, "layout: a tuple of 8 ints");
+        return -1;
+    }
+    for (int i = 0; i < 8; i++) {
+        *f[i] = PyLong_AsLongLong(PyTuple_GetItem(t, i));
+        if (*f[i] == -1 && PyErr_Occurred()) return -1;
+        if (*f[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "layout: negative value");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The documents an ARENA_ENTRIES answer names (ArenaView.entry_docs), or Py_None when any
+   check fails (Python then reads them its own way). info: (heap, heap_size, version). */
+static PyObject* entry_docs(const char* blob, uint64_t len, uint32_t n, PyObject* arena, PyObject* info) {
+    if (arena == Py_None || len != 8 + (uint64_t)ENTRY_SIZE * n || n == 0) Py_RETURN_NONE;
+    unsigned long long heap = 0, size = 0, version = 0;
+    if (!PyTuple_Check(info) || PyTuple_Size(info) != 3) {
+        PyErr_SetString(PyExc_TypeError, "arena_info: (heap, heap_size, version)");
+        return NULL;
+    }
+    heap = PyLong_AsUnsignedLongLong(PyTuple_GetItem(info, 0));
+    size = PyLong_AsUnsignedLongLong(PyTuple_GetItem(info, 1));
+    version = PyLong_AsUnsignedLongLong(PyTuple_GetItem(info, 2));
+    if (PyErr_Occurred()) return NULL;
+    if (ld64(blob) != version) Py_RETURN_NONE;
+    Py_buffer ab;
+    if (PyObject_GetBuffer(arena, &ab, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject* out = NULL;
+    if (heap > (unsigned long long)ab.len || size > (unsigned long long)ab.len - heap) goto none;
+    for (uint32_t i = 0; i < n; i++) {  /* every entry checked before any copy */
+        const char* e = blob + 8 + (uint64_t)ENTRY_SIZE * i;
+        uint64_t off = ld64(e);
+        uint32_t l = ld32(e + 8), gen = ld32(e + 12);
+        if (!l || off > size || l > size - off || (gen & 1)) goto none;
+    }
+    out = PyList_New(n);
+    if (!out) goto done;
+    for (uint32_t i = 0; i < n; i++) {
+        const char* e = blob + 8 + (uint64_t)ENTRY_SIZE * i;
+        PyObject* d = PyBytes_FromStringAndSize((const char*)ab.buf + heap + ld64(e), ld32(e + 8));
+        if (!d) { Py_CLEAR(out); goto done; }
+        PyList_SetItem(out, i, d);  /* steals d */
+    }
+    goto done;
+none:
+    out = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&ab);
+    return out;
+}
+
+PyDoc_STRVAR(recall1_doc,
+"recall1(slot, query, layout, seq, k, deadline_ns, spin_ns, header, arena, arena_info)\n"
+"\n"
+"Write a batch-1 DOORBELL recall into ``slot`` (a writable buffer over the whole slot) and\n"
+"spin (the GIL released) for its answer for up to ``spin_ns``, at most until ``deadline_ns``\n"
+"(CLOCK_MONOTONIC), reading the header's doorbell word every 50 us.\n"
+"\n"
+"Returns None, having written nothing, when ``query`` is not ``dim`` finite float32 values in\n"
+"one C-contiguous buffer: the caller takes its general path (which copies or refuses it).\n"
+"Returns 0 when the request was written but its answer is not one this handles: the caller\n"
+"waits and reads it as usual. Returns ``(waited_ns, n_results, resp_flags, rows, scores, blob,\n"
+"docs)`` for a RESPONSE with this ``seq``, status OK, no continuation, ``n_results <= k`` and a\n"
+"blob that fits: rows and scores as bytearrays of ``n_results`` int32 / float32, the blob as\n"
+"bytes, the documents as a list of bytes copied from ``arena`` (when its entries check) or\n"
+"None; the slot's state is then CLAIMED again.\n");
+
+static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "recall1 takes 10 arguments");
+        return NULL;
+    }
+    Layout lay;
+    if (read_layout(args[2], &lay) < 0) return NULL;
+    unsigned long long seq = PyLong_AsUnsignedLongLong(args[3]);
+    long long k = PyLong_AsLongLong(args[4]);
+    unsigned long long deadline = PyLong_AsUnsignedLongLong(args[5]);
+    long long spin = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (k <= 0 || k > 0x7fffffff || spin < 0) {
+        PyErr_SetString(PyExc_ValueError, "k must be positive and spin_ns not negative");
+        return NULL;
+    }
+    Py_buffer sb, qb, hb;
+    if (PyObject_GetBuffer(args[0], &sb, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &qb, PyBUF_C_CONTIGUOUS) < 0) {  /* a strided query: */
+        PyBuffer_Release(&sb);
+        PyErr_Clear();
+        Py_RETURN_NONE;  /* not handled here (the caller copies it) */
+    }
+    if (PyObject_GetBuffer(args[7], &hb, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&sb);
+        PyBuffer_Release(&qb);
+        return NULL;
+    }
+    PyObject* result = NULL;
+    const long long qbytes = 4 * lay.dim;
+    if (qb.len != qbytes) {  /* not one query of dim float32 values: not handled here */
+        result = Py_NewRef(Py_None);
+        goto out;
+    }
+    if (lay.payload < CTL_SIZE || lay.payload + qbytes > sb.len ||
+        lay.rows + 4 * k > sb.len || lay.scores + 4 * k > sb.len || lay.blob + lay.blob_size > sb.len ||
+        (lay.bell_word + 1) * 4 > hb.len) {
+        PyErr_SetString(PyExc_ValueError, "recall1: the query, the slot or the header does not fit the layout");
+        goto out;
+    }
+    char* s = (char*)sb.buf;
+    const float* q = (const float*)qb.buf;
+    for (long long i = 0; i < lay.dim; i++) {
+        float x;
+        memcpy(&x, q + i, 4);
+        if (!isfinite(x)) {
+            result = Py_NewRef(Py_None);
+            goto out;
+        }
+    }
+    memcpy(s + lay.payload, qb.buf, (size_t)qbytes);
+    st64(s + OFF_SEQ, seq);
+    st32(s + OFF_OP, OP_RECALL);
+    st32(s + OFF_FLAGS, (uint32_t)lay.flags);
+    st32(s + OFF_TOP_K, (uint32_t)k);
+    st32(s + OFF_N_ITEMS, 1);
+    st64(s + OFF_VEC_LEN, (uint64_t)qbytes);
+    st64(s + OFF_ARGS_LEN, 0);
+    st64(s + OFF_DEADLINE, deadline);
+    uint32_t* state = (uint32_t*)s;
+    const uint32_t* bell = (const uint32_t*)hb.buf + lay.bell_word;
+    uint32_t st = 0;
+    uint64_t t0, t1;
+    Py_BEGIN_ALLOW_THREADS
+    /* the words above before the state word (a release store: in program order on x86) */
+    __atomic_store_n(state, (uint32_t)ST_DOORBELL, __ATOMIC_RELEASE);
+    t0 = now_ns();
+    uint64_t until = t0 + (uint64_t)spin;
+    if (deadline && until > deadline) until = deadline;
+    uint64_t check = t0 + CHECK_EVERY_NS;
+    for (;;) {
+        st = __atomic_load_n(state, __ATOMIC_ACQUIRE);
+        if (st == ST_RESPONSE || st == ST_ERROR || st == ST_REQUEST) break;
+        t1 = now_ns();
+        if (t1 >= until) break;
+        if (t1 >= check) {
+            if (!__atomic_load_n(bell, __ATOMIC_ACQUIRE)) break;  /* the kernel stopped */
+            check = t1 + CHECK_EVERY_NS;
+        }
+    }
+    t1 = now_ns();
+    Py_END_ALLOW_THREADS
+    if (st != ST_RESPONSE || ld64(s + OFF_RESP_SEQ) != seq || ld32(s + OFF_STATUS) != 0 ||
+        (ld64(s + OFF_RESP_FLAGS) & RESP_MORE) || ld32(s + OFF_N_RESULTS) > (uint64_t)k ||
+        ld64(s + OFF_RESP_LEN) > (uint64_t)lay.blob_size) {
+        result = PyLong_FromLong(0);
+        goto out;
+    }
+    const uint32_t n = ld32(s + OFF_N_RESULTS);
+    const uint64_t flags = ld64(s + OFF_RESP_FLAGS), len = ld64(s + OFF_RESP_LEN);
+    PyObject* rows = PyByteArray_FromStringAndSize(s + lay.rows, 4 * (Py_ssize_t)n);
+    PyObject* scores = PyByteArray_FromStringAndSize(s + lay.scores, 4 * (Py_ssize_t)n);
+    PyObject* blob = PyBytes_FromStringAndSize(s + lay.blob, (Py_ssize_t)len);
+    PyObject* docs = NULL;
+    if (rows && scores && blob) {
+        if ((flags & (RESP_ARENA_DOCS | RESP_ARENA_ENTRIES)) == (RESP_ARENA_DOCS | RESP_ARENA_ENTRIES))
+            docs = entry_docs(s + lay.blob, len, n, args[8], args[9]);
+        else
+            docs = Py_NewRef(Py_None);
+    }
+    if (docs) {
+        __atomic_store_n(state, (uint32_t)ST_CLAIMED, __ATOMIC_RELEASE);  /* read: ours again */
+        result = Py_BuildValue("(KIKNNNN)", (unsigned long long)(t1 - t0), (unsigned int)n,
+                               (unsigned long long)flags, rows, scores, blob, docs);  /* N: steals */
+    } else {
+        Py_XDECREF(rows);
+        Py_XDECREF(scores);
+        Py_XDECREF(blob);
+    }
+out:
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&qb);
+    PyBuffer_Release(&hb);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"recall1", (PyCFunction)(void (*)(void))recall1, METH_FASTCALL, recall1_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int exec_module(PyObject* m) {
+    PyObject* offs = Py_BuildValue("{sisisisisisisisisisisisisisi}", "state", OFF_STATE, "seq", OFF_SEQ,
+                                   "op", OFF_OP, "flags", OFF_FLAGS, "top_k", OFF_TOP_K, "n_items", OFF_N_ITEMS,
+                                   "vec_len", OFF_VEC_LEN, "args_len", OFF_ARGS_LEN, "deadline_ns", OFF_DEADLINE,
+                                   "resp_seq", OFF_RESP_SEQ, "status", OFF_STATUS, "n_results", OFF_N_RESULTS,
+                                   "resp_len", OFF_RESP_LEN, "resp_flags", OFF_RESP_FLAGS);
+    if (!offs) return -1;
+    const int rc = PyModule_AddObjectRef(m, "CTL_OFFSETS", offs);
+    Py_DECREF(offs);
+    return rc;
+}
+
+static PyModuleDef_Slot slots[] = {{Py_mod_exec, exec_module}, {0, NULL}};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fastpath",
+    "The batch-1 recall to a resident GPU kernel, in C (see recall1).", 0, methods, slots, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fastpath(void) { return PyModuleDef_Init(&module); }

@@ -1,0 +1,105 @@
+"""``KalosClient.recall`` through its C path (``_fastpath``) against a real CPU sidecar, with a
+process standing in for the GPU's resident kernel: the client is told a kernel runs
+(``doorbell_k``), and the stand-in takes each DOORBELL request, searches through a second,
+ordinary client, and answers in the slot with arena entries as the kernel does, or hands the
+request back to the sidecar as the kernel does in a crowd. The C path's results must equal the
+Python path's and the sidecar's own, in every case it leaves to Python too."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import kalos_testing
+import numpy as np
+import pytest
+
+import kalos_retrievers.client as client_module
+
+pytestmark = pytest.mark.timeout(120)
+fastpath = pytest.importorskip("kalos_retrievers._fastpath", reason="the C extension is not built here")
+if not client_module._X86:
+    pytest.skip("the arena and the doorbell path are x86-64 only", allow_module_level=True)
+
+DIM, K = 9, 7
+
+
+class StandIn:
+    """``kalos_testing.doorbell_stand_in`` running while in the ``with`` block."""
+
+    def __init__(self, name: str, hand_back: bool) -> None:
+        ctx = mp.get_context("spawn")
+        self.stop, ready = ctx.Event(), ctx.Event()
+        self.answered, self.handed_back = ctx.Value("i", 0), ctx.Value("i", 0)
+        args = (name, DIM, hand_back, self.stop, self.answered, self.handed_back, ready)
+        self.proc = ctx.Process(target=kalos_testing.doorbell_stand_in, args=args, daemon=True)
+        self.proc.start()
+        while not ready.wait(0.1):
+            assert self.proc.is_alive(), f"the stand-in exited with {self.proc.exitcode}"
+
+    def __enter__(self) -> StandIn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.proc.join(30)
+        assert self.proc.exitcode == 0, f"the stand-in exited with {self.proc.exitcode}"
+
+
+class Counted:
+    """``_fastpath`` with its calls counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def recall1(self, *a: object) -> object:
+        self.calls += 1
+        return fastpath.recall1(*a)
+
+
+@pytest.mark.parametrize("hand_back", [False, True], ids=["answered", "handed-back"])
+def test_the_c_path_gives_what_the_python_path_and_the_sidecar_give(start_sidecar, monkeypatch,
+                                                                    hand_back: bool) -> None:  # fmt: skip
+    monkeypatch.setenv("KALOS_ARENA", "1")
+    sc = start_sidecar(dim=DIM)
+    rng = np.random.default_rng()
+    n = 203
+    with sc.client(arena_docs=True) as c, sc.client(arena_docs=False) as plain:
+        texts = [f"memory {i} " * (1 + i % 5) for i in range(n)]
+        c.upsert([f"m{i}" for i in range(n)], rng.standard_normal((n, DIM)).astype(np.float32), texts=texts,
+                 metadatas=[{"i": i} for i in range(n)])  # fmt: skip
+        c.ping()
+        monkeypatch.setattr(client_module._Conn, "doorbell_k", lambda self: 64)  # "a kernel runs"
+        queries = rng.standard_normal((23, DIM)).astype(np.float32)
+        counted = Counted()
+        got: dict[str, list] = {}
+        with StandIn(sc.name, hand_back) as kernel:
+            for path, mod in (("c", counted), ("python", None)):
+                monkeypatch.setattr(client_module, "_fastpath", mod)
+                got[path] = [c.recall(q, K) for q in queries]
+        want = [plain.recall(q, K) for q in queries]
+        assert counted.calls == len(queries)  # every C-path recall went through recall1 ...
+        if hand_back:  # ... and each, handed back, was answered by the sidecar through Python
+            assert kernel.handed_back.value == 2 * len(queries) and kernel.answered.value == 0
+        else:
+            assert kernel.answered.value == 2 * len(queries) and kernel.handed_back.value == 0
+        for path in ("c", "python"):
+            for r, w in zip(got[path], want, strict=True):
+                assert r.ids == w.ids
+                assert np.allclose(r.scores, w.scores)
+                assert [h.text for h in r] == [h.text for h in w]
+                assert [h.metadata for h in r] == [h.metadata for h in w]
+
+
+def test_a_query_that_is_not_finite_is_refused_as_on_the_python_path(start_sidecar, monkeypatch) -> None:
+    monkeypatch.setenv("KALOS_ARENA", "1")
+    sc = start_sidecar(dim=DIM)
+    with sc.client(arena_docs=True) as c:
+        c.upsert(["a"], np.ones((1, DIM), np.float32), texts=["alpha"])
+        c.ping()
+        monkeypatch.setattr(client_module._Conn, "doorbell_k", lambda self: 64)
+        q = np.ones(DIM, np.float32)
+        q[3] = np.nan
+        with pytest.raises(ValueError, match=r"NaN|finite"):
+            c.recall(q, 1)
+        monkeypatch.undo()
+        assert c.recall(np.ones(DIM, np.float32), 1)[0].text == "alpha"  # the slot is fine

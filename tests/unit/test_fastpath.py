@@ -1,0 +1,258 @@
+"""The client's batch-1 recall to a resident GPU kernel in C (``kalos_retrievers._fastpath``),
+in process: a thread stands in for the kernel, an anonymous map for the segment, and a
+bytearray arena for the sidecar's. What the C code handles (an OK answer, read whole with its
+documents) and what it leaves to the client's Python path, untouched (everything else)."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kalos_retrievers.arena import ArenaView, ArenaWriter
+from kalos_retrievers.protocol import (
+    CTL_OFFSETS,
+    REQUEST_OFFSET,
+    REQUEST_STRUCT,
+    RESPONSE_OFFSET,
+    RESPONSE_STRUCT,
+    Flag,
+    Layout,
+    Op,
+    RespFlag,
+    SlotState,
+    Status,
+)
+
+fp = pytest.importorskip("kalos_retrievers._fastpath", reason="the C extension is not built here")
+
+DIM, K, ROWS = 13, 5, 41
+FLAGS = Flag.ARENA_DOCS | Flag.ARENA_ENTRIES
+BELL_WORD = 3  # the header word standing in for doorbell_k
+
+
+class Rig:
+    """A slot, a header and an arena holding ROWS documents; ``kernel`` answers in a thread."""
+
+    def __init__(self) -> None:
+        self.lay = Layout(n_slots=1, dim=DIM, max_k=64, payload_size=1 << 12, blob_size=1 << 12)
+        self.mm = mmap.mmap(-1, self.lay.segment_size)
+        off = self.lay.slot_offset(0)
+        self.slot = memoryview(self.mm)[off : off + self.lay.slot_size]
+        self.state = self.slot.cast("I")
+        self.state[0] = SlotState.CLAIMED
+        self.hdr = bytearray(64)
+        struct.pack_into("<I", self.hdr, 4 * BELL_WORD, K)  # the kernel runs
+        segs: dict[int, bytearray] = {}
+
+        def open_segment(version: int, size: int) -> bytearray:
+            segs[version] = bytearray(size)
+            return segs[version]
+
+        self.arena_w = ArenaWriter(open_segment, segs.pop, 64, 4096)
+        for r in range(ROWS):
+            self.arena_w.put(r, f"document {r}".encode())
+        self.arena = ArenaView(self.arena_w.buf, self.arena_w.version)  # type: ignore[arg-type]
+        lay = self.lay
+        self.layout = (DIM, lay.payload_offset, lay.rows_offset, lay.scores_offset, lay.blob_offset,
+                       lay.blob_size, int(FLAGS), BELL_WORD)  # fmt: skip
+        self.seen: list[tuple] = []
+
+    def kernel(self, answer: Callable[[tuple, np.ndarray], None], *, after_s: float = 0.0) -> threading.Thread:
+        """A thread that waits for DOORBELL, records the request words and the query, then
+        (after ``after_s``) calls ``answer(request, query)``."""
+
+        def run() -> None:
+            end = time.monotonic() + 5
+            while self.state[0] != SlotState.DOORBELL:
+                if time.monotonic() > end:
+                    return
+            req = REQUEST_STRUCT.unpack_from(self.slot, REQUEST_OFFSET)
+            q = np.frombuffer(self.slot, np.float32, DIM, self.lay.payload_offset).copy()
+            self.seen.append((req, q))
+            time.sleep(after_s)
+            answer(req, q)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    def respond(self, seq: int, rows: list[int], *, status: int = Status.OK, flags: int | None = None,
+                blob: bytes | None = None, n: int | None = None, state: int = SlotState.RESPONSE) -> None:  # fmt: skip
+        """Write an answer as the kernel does: rows, scores, blob, the response words, then state."""
+        lay = self.lay
+        np.frombuffer(self.slot, np.int32, len(rows), lay.rows_offset)[:] = rows
+        np.frombuffer(self.slot, np.float32, len(rows), lay.scores_offset)[:] = [1.0 - i / 8 for i in range(len(rows))]
+        if blob is None:
+            blob = self.arena_w.refs(rows, True)
+        self.slot[lay.blob_offset : lay.blob_offset + len(blob)] = blob
+        if flags is None:
+            flags = RespFlag.ARENA_DOCS | RespFlag.ARENA_ENTRIES
+        RESPONSE_STRUCT.pack_into(self.slot, RESPONSE_OFFSET, seq, status, len(rows) if n is None else n,
+                                  len(blob), flags)  # fmt: skip
+        self.state[0] = state
+
+    def call(self, q: np.ndarray, seq: int = 77, *, spin_ns: int = 2_000_000_000, deadline_ns: int = 0,
+             arena: bool = True) -> object:  # fmt: skip
+        buf, info = self.arena.fast
+        return fp.recall1(self.slot, q, self.layout, seq, K, deadline_ns, spin_ns, self.hdr,
+                          buf if arena else None, info)  # fmt: skip
+
+
+def query() -> np.ndarray:
+    return np.random.default_rng().standard_normal(DIM).astype(np.float32)
+
+
+def test_the_modules_control_word_offsets_are_the_protocols() -> None:
+    assert {name: CTL_OFFSETS[name] for name in fp.CTL_OFFSETS} == fp.CTL_OFFSETS
+    assert set(fp.CTL_OFFSETS) >= {"state", "seq", "deadline_ns", "resp_seq", "resp_flags"}
+
+
+def test_an_ok_answer_comes_back_whole_with_its_documents_and_the_slot_claimed_again() -> None:
+    rig = Rig()
+    q = query()
+    rows = [7, 3, 40, 0, 12]
+    t = rig.kernel(lambda req, _: rig.respond(req[0], rows))
+    out = rig.call(q, seq=2**63 + 5, deadline_ns=time.monotonic_ns() + 10**10)
+    t.join()
+    (req, got_q), = rig.seen
+    # the request as the Python path writes it
+    assert req[:7] == (2**63 + 5, Op.RECALL, int(FLAGS), K, 1, 4 * DIM, 0) and req[7] > 0
+    assert np.array_equal(got_q, q)
+    assert type(out) is tuple
+    waited, n, rflags, rb, sb, blob, docs = out
+    assert n == len(rows) and rflags == RespFlag.ARENA_DOCS | RespFlag.ARENA_ENTRIES and waited > 0
+    assert np.frombuffer(rb, np.int32).tolist() == rows
+    assert np.allclose(np.frombuffer(sb, np.float32), [1.0 - i / 8 for i in range(len(rows))])
+    assert blob == rig.arena_w.refs(rows, True)
+    assert docs == [f"document {r}".encode() for r in rows] == rig.arena.entry_docs(blob, len(rows))
+    assert rig.state[0] == SlotState.CLAIMED
+
+
+def test_fewer_results_than_k_and_no_documents_asked_for() -> None:
+    rig = Rig()
+    t = rig.kernel(lambda req, _: rig.respond(req[0], [4, 9], flags=0, blob=b""))
+    out = rig.call(query())
+    t.join()
+    assert type(out) is tuple
+    _, n, _, rb, sb, blob, docs = out
+    assert (n, len(rb), len(sb), blob, docs) == (2, 8, 8, b"", None)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "strided", "float64", "short"])
+def test_a_query_it_does_not_take_is_left_to_python_with_nothing_written(bad: str) -> None:
+    rig = Rig()
+    before = bytes(rig.slot)
+    q = query()
+    if bad == "nan":
+        q[DIM // 2] = np.nan
+    elif bad == "inf":
+        q[-1] = np.inf
+    elif bad == "-inf":
+        q[0] = -np.inf
+    elif bad == "strided":
+        q = np.repeat(q, 2)[::2]
+        assert not q.flags.c_contiguous
+    elif bad == "float64":
+        q = q.astype(np.float64)[: DIM // 2]  # as many bytes as DIM float32 only when DIM is even
+    else:
+        q = q[:-1]
+    assert rig.call(q) is None
+    assert bytes(rig.slot) == before
+
+
+def test_no_answer_within_the_spin_leaves_the_request_to_python_and_a_late_answer_is_there() -> None:
+    rig = Rig()
+    t0 = time.monotonic()
+    assert rig.call(query(), seq=9, spin_ns=20_000_000) == 0
+    assert 0.015 < time.monotonic() - t0 < 2
+    assert rig.state[0] == SlotState.DOORBELL  # still the kernel's
+    assert REQUEST_STRUCT.unpack_from(rig.slot, REQUEST_OFFSET)[0] == 9
+
+
+def test_the_spin_ends_at_the_requests_deadline() -> None:
+    rig = Rig()
+    t0 = time.monotonic()
+    assert rig.call(query(), deadline_ns=time.monotonic_ns() + 20_000_000) == 0
+    assert time.monotonic() - t0 < 1  # not the 2 s spin
+
+
+def test_a_request_handed_back_to_the_sidecar_is_left_to_python_at_once() -> None:
+    rig = Rig()
+    t = rig.kernel(lambda req, _: rig.state.__setitem__(0, SlotState.REQUEST), after_s=0.01)
+    t0 = time.monotonic()
+    assert rig.call(query()) == 0
+    t.join()
+    assert time.monotonic() - t0 < 1 and rig.state[0] == SlotState.REQUEST
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_a_stopped_kernel_is_noticed_while_spinning(stopped: bool) -> None:
+    """The header's doorbell word is read every 50 µs; the negative control spins on."""
+    rig = Rig()
+
+    def stop() -> None:
+        time.sleep(0.01)
+        if stopped:
+            struct.pack_into("<I", rig.hdr, 4 * BELL_WORD, 0)
+
+    threading.Thread(target=stop, daemon=True).start()
+    t0 = time.monotonic()
+    assert rig.call(query(), spin_ns=300_000_000) == 0
+    took = time.monotonic() - t0
+    assert took < 0.2 if stopped else took >= 0.29
+    assert rig.state[0] == SlotState.DOORBELL
+
+
+@pytest.mark.parametrize("what", ["error status", "error state", "other seq", "more", "n over k", "blob too long"])
+def test_an_answer_it_does_not_take_is_left_to_python_unread(what: str) -> None:
+    rig = Rig()
+
+    def answer(req: tuple, _: np.ndarray) -> None:
+        seq = req[0]
+        if what == "error status":
+            rig.respond(seq, [1], status=Status.BAD_REQUEST)
+        elif what == "error state":
+            rig.respond(seq, [1], state=SlotState.ERROR)
+        elif what == "other seq":
+            rig.respond(seq + 1, [1])
+        elif what == "more":
+            rig.respond(seq, [1], flags=RespFlag.ARENA_DOCS | RespFlag.ARENA_ENTRIES | RespFlag.MORE)
+        elif what == "n over k":
+            rig.respond(seq, [1, 2, 3], n=K + 1)
+        else:
+            rig.respond(seq, [1])
+            struct.pack_into("<Q", rig.slot, CTL_OFFSETS["resp_len"], rig.lay.blob_size + 1)
+
+    t = rig.kernel(answer)
+    assert rig.call(query()) == 0
+    t.join()
+    assert rig.state[0] in (SlotState.RESPONSE, SlotState.ERROR)  # for the Python path to read
+
+
+@pytest.mark.parametrize("what", ["odd generation", "empty entry", "past the heap", "other version", "no arena",
+                                  "short blob"])  # fmt: skip
+def test_documents_whose_entries_do_not_check_come_back_as_none(what: str) -> None:
+    rig = Rig()
+    rows = [5, 6]
+    blob = bytearray(rig.arena_w.refs(rows, True))
+    if what == "odd generation":
+        struct.pack_into("<I", blob, 8 + 16 + 12, 3)
+    elif what == "empty entry":
+        struct.pack_into("<I", blob, 8 + 8, 0)
+    elif what == "past the heap":
+        struct.pack_into("<Q", blob, 8 + 16, rig.arena.fast[1][1])
+    elif what == "other version":
+        struct.pack_into("<Q", blob, 0, rig.arena.version + 1)
+    elif what == "short blob":
+        blob = blob[:-1]
+    t = rig.kernel(lambda req, _: rig.respond(req[0], rows, blob=bytes(blob)))
+    out = rig.call(query(), arena=what != "no arena")
+    t.join()
+    assert type(out) is tuple and out[-1] is None and out[-2] == bytes(blob)
+    assert rig.state[0] == SlotState.CLAIMED
