@@ -7,9 +7,11 @@ One GPU sidecar (768-d, cosine, the resident kernel on; with ``--sidecar-path`` 
 imports the package installed under DIR, as in ``ab_sidecars.py``), loaded with random unit
 rows; random unit queries (``gpu_recall.py``'s). Each of ``--rounds`` rounds times, in turn:
 
-* ``client``: ``KalosClient.recall(q, 10)`` per call, as ``gpu_recall.py`` times it;
-* ``wait``: the same with the client's ``_wait`` timed too (``wait_p50_us``: from the request
-  written to the answer seen; the call's p50 minus it is roughly the library's own Python);
+* ``client``: ``KalosClient.recall(q, 10)`` per call, as ``gpu_recall.py`` times it (through
+  the C path, ``kalos_retrievers._fastpath``, where it is built: ``fastpath`` in the JSON);
+* ``client_python``: the same through the client's Python path (None without the C path);
+* ``wait``: the same with each call's wait recorded (``wait_p50_us``: from the request written
+  to the answer seen; the call's p50 minus it is roughly the library's own Python);
 * ``no_gc``: ``client`` with the cyclic garbage collector off;
 * ``parts``: ``client`` with its parts timed (see :func:`with_parts`);
 * ``bare``: the doorbell exchange alone, from this process, through a slot of the client's
@@ -36,6 +38,7 @@ from typing import Any
 import numpy as np
 from kalos_retrievers.sidecar.bench import load, machine, make_data, percentiles, time_calls
 
+import kalos_retrievers.client as client_module
 from kalos_retrievers import KalosClient, Sidecar, _ipc
 from kalos_retrievers.protocol import REQUEST_OFFSET, REQUEST_STRUCT, Op, SlotState
 
@@ -104,31 +107,32 @@ def bare_calls(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> 
 
 
 def with_waits(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> dict[str, Any]:
+    """``client`` plus ``wait_p50_us``: each call's wait for its answer, as the client measures
+    it for its own use (``_observe_wait``: from the request written to the answer seen; the C
+    path measures it in C)."""
     waits: list[int] = []
-    inner = c._wait
+    inner = c._observe_wait
 
-    def timed_wait(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter_ns()
-        try:
-            return inner(*a, **kw)
-        finally:
-            waits.append(time.perf_counter_ns() - t0)
+    def observed(waited_ns: int) -> None:
+        waits.append(waited_ns)
+        inner(waited_ns)
 
-    c._wait = timed_wait  # type: ignore[method-assign]
+    c._observe_wait = observed  # type: ignore[method-assign]
     try:
         out = time_calls(lambda i: c.recall(queries[i & 1023], K), calls, warmup)
     finally:
-        del c._wait
-    out["wait_p50_us"] = round(float(np.median(waits[warmup:])) / 1000, 2)
+        del c._observe_wait
+    out["wait_p50_us"] = round(float(np.median(waits[warmup:])) / 1000, 2) if len(waits) > warmup else None
     return out
 
 
 def with_parts(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> dict[str, Any]:
-    """The call timed with its parts: the client's methods on the batch-1 path (``_arena``,
-    ``_roundtrip`` and, inside it, ``_wait``; ``_release``; ``_split_one`` and, inside it,
-    ``ArenaView.entry_docs``) each wrapped in a timer (which adds ~0.2-0.4 µs per part to the
-    call). p50 of each part per call; ``rest``: the call minus its top-level parts (the checks
-    of the query and k, the deadline, the slot taken, the query copied into it)."""
+    """The call timed with its parts: the client's methods on the batch-1 path (``_arena``;
+    ``_recall_fast``, the C path's exchange, or ``_roundtrip`` and, inside it, ``_wait``;
+    ``_release``; ``_split_one`` and, inside it, ``ArenaView.entry_docs``, where Python reads
+    the answer) each wrapped in a timer (which adds ~0.2-0.4 µs per part to the call). p50 of
+    each part per call; ``rest``: the call minus its top-level parts (the checks of the query
+    and k, the deadline, the slot taken, the query copied into it on the Python path)."""
     from kalos_retrievers.arena import ArenaView
 
     log: list[tuple[str, int]] = []
@@ -143,7 +147,7 @@ def with_parts(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> 
 
         return timed
 
-    names = ("_arena", "_roundtrip", "_wait", "_release", "_split_one")
+    names = ("_arena", "_recall_fast", "_roundtrip", "_wait", "_release", "_split_one")
     for n in names:
         setattr(c, n, timer(n, getattr(c, n)))
     entry_docs = ArenaView.entry_docs
@@ -161,7 +165,8 @@ def with_parts(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> 
             for n, dt in log:
                 sums[n] += dt
             sums["call"] = total
-            sums["rest"] = total - sum(sums[n] for n in ("_arena", "_roundtrip", "_release", "_split_one"))
+            exchange = sums["_recall_fast"] or sums["_roundtrip"]  # (the C path's fallback: inside)
+            sums["rest"] = total - exchange - sum(sums[n] for n in ("_arena", "_release", "_split_one"))
             for n, v in sums.items():
                 per[n].append(v)
     finally:
@@ -169,6 +174,18 @@ def with_parts(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> 
         for n in names:
             delattr(c, n)
     return {n: round(float(np.median(v)) / 1000, 2) for n, v in per.items()}
+
+
+def python_path(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> dict[str, Any] | None:
+    """``client`` through the client's Python path (``_fastpath`` set aside), or None when the
+    C path is not there to set aside (then ``client`` is the Python path)."""
+    if client_module._fastpath is None:
+        return None
+    saved, client_module._fastpath = client_module._fastpath, None
+    try:
+        return time_calls(lambda i: c.recall(queries[i & 1023], K), calls, warmup)
+    finally:
+        client_module._fastpath = saved
 
 
 def without_gc(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> dict[str, Any]:
@@ -193,6 +210,7 @@ def main() -> int:
     a = ap.parse_args()
     queries = make_data(1024, DIM, 7)
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
+                           "fastpath": client_module._fastpath is not None,
                            "command": " ".join([sys.executable, *sys.argv]), "rows": a.rows, "dtype": a.dtype,
                            "slots": a.slots, "sidecar_path": a.sidecar_path, "rounds": []}  # fmt: skip
     with start(a.sidecar_path, a.device, a.dtype, a.slots) as sc, sc.client(timeout=60) as c:
@@ -200,6 +218,7 @@ def main() -> int:
         c.recall(queries[0], K)
         for r in range(a.rounds):
             rnd = {"client": time_calls(lambda i: c.recall(queries[i & 1023], K), a.calls, 200),
+                   "client_python": python_path(c, queries, a.calls, 200),
                    "wait": with_waits(c, queries, a.calls, 200),
                    "bare": bare_calls(c, queries, a.calls, 200),
                    "no_gc": without_gc(c, queries, a.calls, 200),
@@ -209,10 +228,12 @@ def main() -> int:
         st = c.stats()
         res["doorbell_served"] = st.get("index", {}).get("doorbell_served")
     def med(part: str, key: str) -> float | None:
-        xs = [x[part][key] for x in res["rounds"] if x[part] is not None]
+        xs = [x[part][key] for x in res["rounds"] if x[part] is not None and x[part][key] is not None]
         return round(float(np.median(xs)), 2) if xs else None
 
     res["median"] = {"client_p50_us": med("client", "p50_us"), "client_p99_us": med("client", "p99_us"),
+                     "client_python_p50_us": med("client_python", "p50_us"),
+                     "client_python_p99_us": med("client_python", "p99_us"),
                      "wait_call_p50_us": med("wait", "p50_us"), "wait_p50_us": med("wait", "wait_p50_us"),
                      "bare_p50_us": med("bare", "p50_us"), "bare_p99_us": med("bare", "p99_us"),
                      "no_gc_p50_us": med("no_gc", "p50_us"),
