@@ -6,7 +6,7 @@
  * document out of the arena. In Python those steps cost 20-35 us on the H200 host around a
  * 60-230 us exchange (benchmarks/client_phases.py, session 18); here they are one call.
  *
- * Only the common case is done here, completely; everything else returns 0 and the Python
+ * Only the common case is done here, completely; everything else returns and the Python
  * path (kalos_retrievers/client.py) carries on from the wait with the request already
  * written, exactly as it would have after writing it itself: an answer not there within the
  * spin window, a request the kernel handed back (REQUEST), the kernel stopped (the header's
@@ -71,7 +71,9 @@ static int read_layout(PyObject* t, Layout* l) {
 }
 
 /* The documents an ARENA_ENTRIES answer names (ArenaView.entry_docs), or Py_None when any
-   check fails (Python then reads them its own way). info: (heap, heap_size, version). */
+   check fails (Python then reads them its own way). info: (heap, heap_size, version). `blob` is
+   this process's copy of the answer's blob, never the slot itself: an entry read twice from
+   shared memory (checked, then used) could change in between and send the copy anywhere. */
 static PyObject* entry_docs(const char* blob, uint64_t len, uint32_t n, PyObject* arena, PyObject* info) {
     if (arena == Py_None || len != 8 + (uint64_t)ENTRY_SIZE * n || n == 0) Py_RETURN_NONE;
     unsigned long long heap = 0, size = 0, version = 0;
@@ -119,8 +121,8 @@ PyDoc_STRVAR(recall1_doc,
 "\n"
 "Returns None, having written nothing, when ``query`` is not ``dim`` finite float32 values in\n"
 "one C-contiguous buffer: the caller takes its general path (which copies or refuses it).\n"
-"Returns 0 when the request was written but its answer is not one this handles: the caller\n"
-"waits and reads it as usual. Returns ``(waited_ns, n_results, resp_flags, rows, scores, blob,\n"
+"Returns an int, the nanoseconds it spun, when the request was written but its answer is not\n"
+"one this handles: the caller waits and reads it as usual. Returns ``(waited_ns, n_results, resp_flags, rows, scores, blob,\n"
 "docs)`` for a RESPONSE with this ``seq``, status OK, no continuation, ``n_results <= k`` and a\n"
 "blob that fits: rows and scores as bytearrays of ``n_results`` int32 / float32, the blob as\n"
 "bytes, the documents as a list of bytes copied from ``arena`` (when its entries check) or\n"
@@ -145,10 +147,12 @@ static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     }
     Py_buffer sb, qb, hb;
     if (PyObject_GetBuffer(args[0], &sb, PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(args[1], &qb, PyBUF_C_CONTIGUOUS) < 0) {  /* a strided query: */
+    if (PyObject_GetBuffer(args[1], &qb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyBuffer_Release(&sb);
+        /* a strided query (numpy says ValueError, others BufferError): the caller copies it */
+        if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_ValueError)) return NULL;
         PyErr_Clear();
-        Py_RETURN_NONE;  /* not handled here (the caller copies it) */
+        Py_RETURN_NONE;
     }
     if (PyObject_GetBuffer(args[7], &hb, PyBUF_SIMPLE) < 0) {
         PyBuffer_Release(&sb);
@@ -157,7 +161,9 @@ static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     }
     PyObject* result = NULL;
     const long long qbytes = 4 * lay.dim;
-    if (qb.len != qbytes) {  /* not one query of dim float32 values: not handled here */
+    const char* fmt = qb.format ? qb.format : "B";
+    if (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@') fmt++;
+    if (qb.len != qbytes || strcmp(fmt, "f") != 0) {  /* not dim float32 values: not handled here */
         result = Py_NewRef(Py_None);
         goto out;
     }
@@ -209,21 +215,27 @@ static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     }
     t1 = now_ns();
     Py_END_ALLOW_THREADS
-    if (st != ST_RESPONSE || ld64(s + OFF_RESP_SEQ) != seq || ld32(s + OFF_STATUS) != 0 ||
-        (ld64(s + OFF_RESP_FLAGS) & RESP_MORE) || ld32(s + OFF_N_RESULTS) > (uint64_t)k ||
-        ld64(s + OFF_RESP_LEN) > (uint64_t)lay.blob_size) {
-        result = PyLong_FromLong(0);
+    /* each answer word read from shared memory once (volatile: the compiler may not read it
+       again), then checked and used from the copy: what another process writes meanwhile
+       cannot pass the checks and then change what is read */
+    const volatile char* vs = s;
+    const uint64_t resp_seq = *(const volatile uint64_t*)(vs + OFF_RESP_SEQ);
+    const uint32_t status = *(const volatile uint32_t*)(vs + OFF_STATUS);
+    const uint32_t n = *(const volatile uint32_t*)(vs + OFF_N_RESULTS);
+    const uint64_t len = *(const volatile uint64_t*)(vs + OFF_RESP_LEN);
+    const uint64_t flags = *(const volatile uint64_t*)(vs + OFF_RESP_FLAGS);
+    if (st != ST_RESPONSE || resp_seq != seq || status != 0 || (flags & RESP_MORE) || n > (uint64_t)k ||
+        len > (uint64_t)lay.blob_size) {
+        result = PyLong_FromUnsignedLongLong((unsigned long long)(t1 - t0));
         goto out;
     }
-    const uint32_t n = ld32(s + OFF_N_RESULTS);
-    const uint64_t flags = ld64(s + OFF_RESP_FLAGS), len = ld64(s + OFF_RESP_LEN);
     PyObject* rows = PyByteArray_FromStringAndSize(s + lay.rows, 4 * (Py_ssize_t)n);
     PyObject* scores = PyByteArray_FromStringAndSize(s + lay.scores, 4 * (Py_ssize_t)n);
     PyObject* blob = PyBytes_FromStringAndSize(s + lay.blob, (Py_ssize_t)len);
     PyObject* docs = NULL;
     if (rows && scores && blob) {
         if ((flags & (RESP_ARENA_DOCS | RESP_ARENA_ENTRIES)) == (RESP_ARENA_DOCS | RESP_ARENA_ENTRIES))
-            docs = entry_docs(s + lay.blob, len, n, args[8], args[9]);
+            docs = entry_docs(PyBytes_AsString(blob), len, n, args[8], args[9]);
         else
             docs = Py_NewRef(Py_None);
     }

@@ -673,13 +673,15 @@ class KalosClient:
             _ipc.drain(slot.sem)
         slot.seq = seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
         buf, info = arena.fast
-        out = _fastpath.recall1(slot.mem, q, conn.fast_layout, seq, k, int(deadline * 1e9), _FAST_SPIN_NS,
-                                conn.hdr, buf, info)  # fmt: skip
+        args = (conn.fast_layout, seq, k, int(deadline * 1e9), _FAST_SPIN_NS, conn.hdr, buf, info)
+        out = _fastpath.recall1(slot.mem, q, *args)
+        if out is None and not q.flags.c_contiguous:  # a strided view: its copy, as on the Python path
+            out = _fastpath.recall1(slot.mem, np.ascontiguousarray(q), *args)
         if out is None:
             return None
-        if type(out) is not tuple:  # written; Python waits for and reads the answer
+        if type(out) is int:  # written (and spun on for `out` ns): Python waits for and reads the answer
             return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, 0,
-                                   deadline, sent=seq)  # fmt: skip
+                                   deadline, sent=(seq, out))  # fmt: skip
         waited, n, rflags, rows_b, scores_b, blob, docs = out
         self._observe_wait(waited)
         rows, scores = np.frombuffer(rows_b, "<i4"), np.frombuffer(scores_b, "<f4")  # (writable)
@@ -1168,16 +1170,17 @@ class KalosClient:
 
     def _roundtrip(
         self, conn: _Conn, slot: _Slot, op: int, flags: int, top_k: int, n_items: int,
-        vec_len: int, args_len: int, deadline: float, sent: int | None = None,
+        vec_len: int, args_len: int, deadline: float, sent: tuple[int, int] | None = None,
     ) -> _Reply:  # fmt: skip
         """Write the request (unless ``sent``: the sequence number of a DOORBELL request
-        already written, by ``_fastpath``), wait for the answer, read it, and continue it
-        while it says MORE."""
+        already written by ``_fastpath``, and how long it has waited, ns), wait for the answer,
+        read it, and continue it while it says MORE."""
         chunks: list[bytes] = []
         rows = scores = None
         while True:
+            waited = 0
             if sent is not None:
-                seq, bell, sent = sent, True, None
+                (seq, waited), bell, sent = sent, True, None
             else:
                 if slot.sem.value:  # posts left by responses we saw by spinning (sem_getvalue)
                     _ipc.drain(slot.sem)
@@ -1194,7 +1197,7 @@ class KalosClient:
                 else:
                     slot.state[0] = SlotState.REQUEST
                     _ipc.post(conn.bell)
-            t_sent = time.monotonic_ns()
+            t_sent = time.monotonic_ns() - waited
             resp = self._wait(conn, slot, seq, deadline, recall=op == Op.RECALL, doorbell=bell)
             if op == Op.RECALL:  # writes wait for an fsync: they say nothing about recall times
                 self._observe_wait(time.monotonic_ns() - t_sent)
@@ -1322,7 +1325,9 @@ class KalosClient:
         next_check = time.monotonic_ns() + 1_000_000
         posted = 0
         while True:
-            if self._spin(slot, min(time.monotonic_ns() + 50_000, end)):
+            # checked before each spin, not only after: the C path hands over at once when the
+            # kernel hands the request back or has stopped, and spinning first cost 50 µs
+            if state[0] in done:
                 return True
             if state[0] == SlotState.REQUEST:
                 _ipc.post(conn.bell)
@@ -1339,6 +1344,8 @@ class KalosClient:
                 if not conn.sidecar_alive():
                     return state[0] in done
                 next_check = now + 1_000_000
+            if self._spin(slot, min(now + 50_000, end)):
+                return True
 
     @staticmethod
     def _spin(slot: _Slot, until_ns: int) -> bool:

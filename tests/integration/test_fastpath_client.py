@@ -69,7 +69,10 @@ def test_the_c_path_gives_what_the_python_path_and_the_sidecar_give(start_sideca
                  metadatas=[{"i": i} for i in range(n)])  # fmt: skip
         c.ping()
         monkeypatch.setattr(client_module._Conn, "doorbell_k", lambda self: 64)  # "a kernel runs"
-        queries = rng.standard_normal((23, DIM)).astype(np.float32)
+        # every third query a strided view (the C path takes its copy, as the Python path does)
+        wide = rng.standard_normal((23, 2 * DIM)).astype(np.float32)
+        queries = [wide[j, ::2] if j % 3 == 0 else wide[j, :DIM].copy() for j in range(len(wide))]
+        strided = sum(not q.flags.c_contiguous for q in queries)
         counted = Counted()
         got: dict[str, list] = {}
         with StandIn(sc.name, hand_back) as kernel:
@@ -77,7 +80,7 @@ def test_the_c_path_gives_what_the_python_path_and_the_sidecar_give(start_sideca
                 monkeypatch.setattr(client_module, "_fastpath", mod)
                 got[path] = [c.recall(q, K) for q in queries]
         want = [plain.recall(q, K) for q in queries]
-        assert counted.calls == len(queries)  # every C-path recall went through recall1 ...
+        assert strided == 8 and counted.calls == len(queries) + strided  # every C-path recall went through recall1 ...
         if hand_back:  # ... and each, handed back, was answered by the sidecar through Python
             assert kernel.handed_back.value == 2 * len(queries) and kernel.answered.value == 0
         else:
