@@ -16,7 +16,8 @@ standing in for the segment (``--slots``, default 4; the kernel polls every slot
   polls before the stop;
 * ``roundtrip``: Python writes a query and a DOORBELL request into slot 0 as a client would
   and spins on the state word until RESPONSE; percentiles over ``--calls`` calls;
-* ``kernel``: the kernel's own clock (%globaltimer) per call: request taken -> blocks started
+* ``kernel``: the kernel's own clock (%globaltimer) per call: request taken (since session 18:
+  after its words and query were read; before, ahead of the query's read) -> blocks started
   (prep), -> merge done (scan + merge), -> (int8) candidates re-scored (``rescore``: the
   hand-out, the blocks' loads until the last score is in, ``rescore_counted``; then the order by exact
   score and the rows written, ``rescore_order``), -> answered (response);
