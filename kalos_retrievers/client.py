@@ -1313,7 +1313,7 @@ class KalosClient:
         """Wait for the GPU kernel's answer to a DOORBELL request by spinning (it posts no
         semaphore). False: the answer is not there yet and the caller blocks for it: the
         deadline passed, the sidecar is gone (checked every millisecond), or the request came
-        back as a REQUEST (checked every 50 µs: the kernel declined it), which the sidecar
+        back as a REQUEST (checked before each 50 µs of spinning: the kernel declined it), which the sidecar
         answers and posts for (we post its doorbell, since we did not). If the header says the
         kernel stopped while our request still waits for it, the sidecar answers it instead:
         we post its doorbell (it may be asleep), and block only if nobody has taken it ~2 ms
