@@ -15,8 +15,12 @@ branch in separate runs, main always first, and could not tell the order from th
 
 Both sidecars run with ``KALOS_DOORBELL=0``: a resident kernel left running by one sidecar
 would hold every SM while the other one searched. The figures are therefore those of the
-batched path (which is what 32 processes and batches use anyway). Prints per-side medians and
-the mean per-round difference B - A with its standard error; writes ``DIR/ab_sidecars.json``.
+batched path (which is what 32 processes and batches use anyway). With ``--doorbell`` they keep
+their resident kernels, and before each side's turn the other side is sent a batch of two
+queries, which stops its kernel (a batch does; checked in its ``stats``); each turn then also
+times 2,000 batch-1 recalls (``batch1_p50_us``: the resident kernel's path once it has started).
+Prints per-side medians and the mean per-round difference B - A with its standard error;
+writes ``DIR/ab_sidecars.json``.
 ``--env-a`` / ``--env-b`` set environment variables for one side's sidecar process (the same
 package on both sides then compares two settings); each side's ``index.batch_timing`` from its
 ``stats`` (``KALOS_BATCH_TIMING=1``) is printed and saved at the end. With ``--arena-docs``
@@ -43,13 +47,17 @@ from kalos_retrievers import Sidecar
 DIM, K, BATCH = 768, 10, 64
 
 
-def start(path: str, device: str, rows: np.ndarray, env: dict[str, str] | None = None) -> Sidecar:
+def start(path: str, device: str, rows: np.ndarray, env: dict[str, str] | None = None,
+          doorbell: bool = False) -> Sidecar:  # fmt: skip
     """A sidecar whose process imports the package under ``path``, loaded with ``rows``, with
-    ``env`` added to its environment."""
+    ``env`` added to its environment (and its resident kernel off unless ``doorbell``)."""
     env = env or {}
     saved = {v: os.environ.get(v) for v in ("PYTHONPATH", "KALOS_DOORBELL", *env)}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(path).resolve()), saved["PYTHONPATH"]) if p)
-    os.environ["KALOS_DOORBELL"] = "0"
+    if doorbell:
+        os.environ.pop("KALOS_DOORBELL", None)
+    else:
+        os.environ["KALOS_DOORBELL"] = "0"
     os.environ.update(env)
     try:
         sc = Sidecar(dim=DIM, device=device, slots=40, max_batch=64, payload_kb=8192,
@@ -70,6 +78,16 @@ def start(path: str, device: str, rows: np.ndarray, env: dict[str, str] | None =
     return sc
 
 
+def quiesce(sc: Sidecar, queries: np.ndarray) -> None:
+    """Stop ``sc``'s resident kernel (a batch stops it) so that it holds no SM while the other
+    side runs; raise if it still runs."""
+    with sc.client(timeout=30) as c:
+        c.recall_batch(queries[:2], K)
+        running = c.stats().get("index", {}).get("doorbell_running")
+    if running:
+        raise RuntimeError(f"sidecar {sc.name}'s resident kernel still runs after a batch")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--a", required=True, help="directory holding package A (e.g. main)")
@@ -82,6 +100,8 @@ def main() -> int:
     ap.add_argument("--env-a", nargs="*", default=[], metavar="K=V", help="environment of A's sidecar")
     ap.add_argument("--env-b", nargs="*", default=[], metavar="K=V", help="environment of B's sidecar")
     ap.add_argument("--arena-docs", action="store_true", help="clients read documents from the arena")
+    ap.add_argument("--doorbell", action="store_true",
+                    help="keep the resident kernels (one side's stopped while the other runs)")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     envs = {"a": dict(e.split("=", 1) for e in args.env_a), "b": dict(e.split("=", 1) for e in args.env_b)}
@@ -92,23 +112,30 @@ def main() -> int:
     queries = make_data(16 * BATCH, DIM, 3)
     res: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "a": args.a, "b": args.b,
                            "rows": args.rows, "procs": args.procs, "env": envs, "arena_docs": args.arena_docs,
-                           "rounds": []}  # fmt: skip
+                           "doorbell": args.doorbell, "rounds": []}  # fmt: skip
     with ExitStack() as stack:
         sides = {}
         for label, path in (("a", args.a), ("b", args.b)):
-            sc = start(path, args.device, rows, envs[label])
+            sc = start(path, args.device, rows, envs[label], args.doorbell)
             stack.callback(sc.stop)
             sides[label] = sc
         for r in range(args.rounds):
             rnd: dict[str, Any] = {}
             for label in ("a", "b") if r % 2 == 0 else ("b", "a"):
                 sc = sides[label]
+                if args.doorbell:
+                    quiesce(sides["b" if label == "a" else "a"], queries)
                 with sc.client(timeout=30) as c:
                     b64 = time_calls(lambda i: c.recall_batch(queries[(i % 16) * BATCH : (i % 16 + 1) * BATCH], K),
                                      200, 20)  # fmt: skip
+                    b1 = None
+                    if args.doorbell:
+                        b1 = time_calls(lambda i: c.recall(queries[i % len(queries)], K), 2000, 200)
                 thr = throughput(sc.name, DIM, K, args.procs, args.duration, True if args.arena_docs else None)
                 rnd[label] = {"batch64_p50_us": b64["p50_us"], "procs_per_s": thr["recalls_per_s"],
                               "procs_p99_us": thr["p99_us"]}  # fmt: skip
+                if b1 is not None:
+                    rnd[label]["batch1_p50_us"] = b1["p50_us"]
             res["rounds"].append(rnd)
             print(json.dumps({"round": r, **rnd}), flush=True)
         for label, sc in sides.items():
@@ -117,7 +144,7 @@ def main() -> int:
             res[f"stats_{label}"] = {"phases": st.get("phases"), "index": st.get("index", {}).get("batch_timing")}
             print(label, json.dumps(res[f"stats_{label}"]), flush=True)
     summary = {}
-    for key in ("batch64_p50_us", "procs_per_s", "procs_p99_us"):
+    for key in ("batch64_p50_us", "procs_per_s", "procs_p99_us", *(("batch1_p50_us",) if args.doorbell else ())):
         a = np.array([rd["a"][key] for rd in res["rounds"]])
         b = np.array([rd["b"][key] for rd in res["rounds"]])
         d = b - a
