@@ -234,6 +234,12 @@ class ArenaWriter:
         """The current generation of each row (uint32)."""
         return self._gen[np.asarray(rows, np.int64)]
 
+    @property
+    def table_bytes(self) -> memoryview:
+        """The row table's bytes (``rows_cap`` entries of 16 bytes), as :meth:`refs` slices
+        them: the sidecar's C answer path (sidecar/_hotpath.c) reads its rows' entries here."""
+        return self._table_b
+
     def refs(self, rows: np.ndarray | list[int], entries: bool) -> bytes:
         """What an ARENA_DOCS answer's blob carries for ``rows`` (all below ``rows_cap``):
         their generations (u32 each) or, with ``entries`` (flag ARENA_ENTRIES), this version

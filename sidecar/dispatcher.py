@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import struct
 import time
 from collections.abc import Callable
@@ -51,6 +52,13 @@ from kalos_retrievers.protocol import (
 from .index import FatalDeviceError, SlotSpec
 from .service import Service
 from .stats import Stats
+
+try:  # the batch-1 recall's take and arena answer in C (sidecar/_hotpath.c); optional
+    from . import _hotpath
+except ImportError:  # not compiled here: the Python path does the same
+    _hotpath = None  # type: ignore[assignment]
+if os.environ.get("KALOS_HOTPATH", "1") == "0":  # diagnostics: the Python path only
+    _hotpath = None  # type: ignore[assignment]
 
 log = logging.getLogger("kalos.sidecar")
 
@@ -138,6 +146,20 @@ class Dispatcher:
         self._rows = [np.frombuffer(mm, "<i4", lay.max_results, o + lay.rows_offset) for o in self.slot_off]
         self._scores = [np.frombuffer(mm, "<f4", lay.max_results, o + lay.scores_offset)
                         for o in self.slot_off]  # fmt: skip
+        # The C path (None: the Python path only). After a CPU scan has evicted the caches,
+        # taking a request and writing its answer in Python cost ~25-40 µs each on the H200
+        # host (issue 2); _hotpath does the common batch-1 case on a few cache lines.
+        self.hot = _hotpath
+        view = memoryview(mm)
+        self._slot_views = [view[o : o + lay.slot_size] for o in self.slot_off]
+        self._hot_layout = (lay.dim, lay.payload_offset, lay.rows_offset, lay.scores_offset, lay.blob_offset,
+                            lay.blob_size, lay.max_k, lay.max_results)  # fmt: skip
+        # slots whose request _hotpath.take took (its words, deadline and finite query checked)
+        self._taken: set[int] = set()
+        # lone batch-1 recalls on a host index take the short path (see _lone), which reads
+        # slot i's query as _lone_q[i]
+        self._lone_path = self.hot is not None and service.index.host_search and not service.index.defers
+        self._lone_q = [self._first_query[j : j + 1] for j in range(lay.n_slots)]
 
     # ------------------------------------------------------------------ main entry
     def waiting(self) -> np.ndarray:
@@ -176,9 +198,13 @@ class Dispatcher:
         ready = self.waiting()
         if not len(ready):
             return self.settle()
+        if (len(ready) == 1 and self._lone_path and not self._bells and self._inflight is None
+                and self._lone(int(ready[0]))):  # fmt: skip
+            return 1
         if self._bells:
             self.lone = self._lone_after(ready)
         self._busy_until = 0  # end of the last answer of this pass (for the "pickup" phase)
+        self._taken.clear()
         groups: dict[tuple[int, int], list[tuple[int, Request, int]]] = {}
         self._pick_up(ready, groups)
         n = len(ready)
@@ -202,12 +228,76 @@ class Dispatcher:
         self._flush_phases()
         return n
 
+    def _lone(self, i: int) -> bool:
+        """Answer slot ``i``'s request the short way if it is a batch-1 recall in the default
+        namespace (a CPU sidecar's every recall from one client): taken by _hotpath.take,
+        searched, and answered by _hotpath.answer1 (the documents inline, from the arena, or
+        none), with none of the batch machinery around it: that Python, run cold after a scan,
+        was most of what the sidecar added to the search (issue 2;
+        benchmarks/dispatcher_batch.py --cold). What answer1 leaves (vectors, an answer in
+        parts, a row that fails a check) and an empty namespace go on from the slot's rows
+        as usual. False, having done nothing, for any other request: the caller takes it the
+        usual way."""
+        t0 = time.perf_counter_ns()
+        words = self.hot.take(self._slot_views[i], self._hot_layout)
+        if words is None:
+            return False
+        if self.pending:  # an abandoned answer's rest is void once its slot asks anew
+            self.pending.pop(i, None)
+        seq, _, flags, k = words[:4]
+        svc = self.service
+        t_search = t_answer = time.perf_counter_ns()
+        try:
+            ns, _, dense, n = svc.eligible("", None)
+            kk = min(k, n)
+            if kk:
+                rows, scores = svc.index.search(self._lone_q[i], kk, svc.rows.high, ns, None, dense)
+                t_answer = time.perf_counter_ns()
+                a = svc.rows.arena
+                arena = None if a is None else (a.table_bytes, a.rows_cap, a.version)
+                if self.hot.answer1(self._slot_views[i], self._hot_layout, seq, flags, rows, scores, svc.rows.high,
+                                    svc.rows.docs, arena):  # fmt: skip
+                    _ipc.post(self.sems[i])
+                    t_done = time.perf_counter_ns()
+                    self.stats.record(Op.RECALL, Status.OK, (t_done - t0) / 1000)  # after the post
+                    self._lone_phases(t0, t_search, t_answer, t_done)
+                    return True
+            else:
+                t_answer = time.perf_counter_ns()
+            req = Request._make(words)
+            self._write_hits(i, req, self._spec(i, req), kk, flags, t0)
+        except Invalid as e:
+            self._error(i, Request._make(words), e.status, str(e), t0)
+        except FatalDeviceError:
+            raise
+        except Exception as e:  # a bug must not take the sidecar down
+            log.exception("internal error answering a recall")
+            self._error(i, Request._make(words), Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
+        self._lone_phases(t0, t_search, t_answer, time.perf_counter_ns())
+        return True
+
+    def _lone_phases(self, t0: int, t_search: int, t_answer: int, t_done: int) -> None:
+        self._busy_until = t_done
+        phase = self.stats.phase
+        phase("pickup", (t_search - t0) / 1000)
+        phase("search", (t_answer - t_search) / 1000)
+        phase("answer", (t_done - t_answer) / 1000)
+
     def _pick_up(self, ready: np.ndarray, groups: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> None:
         """Take the requests in ``ready``: mark each BUSY and check it; recalls without
         arguments join ``groups`` by (k, flags) for a batched search; anything else is
         answered now, after the batch in flight (rows could change)."""
+        hot = self.hot
         for i in ready.tolist():
             t0 = time.perf_counter_ns()
+            if hot is not None:  # a batch-1 recall in the default namespace, checked in C
+                words = hot.take(self._slot_views[i], self._hot_layout)
+                if words is not None:
+                    req = Request._make(words)
+                    self._taken.add(i)
+                    groups.setdefault((req.top_k, req.flags), []).append((i, req, t0))
+                    continue
+            self._taken.discard(i)
             req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
             _STATE.pack_into(self.mm, self.slot_off[i], SlotState.BUSY)
             try:
@@ -340,7 +430,10 @@ class Dispatcher:
         # Members whose queries are not finite are refused one by one, not the whole batch
         # with them (a hostile client must not fail its neighbours' recalls). A client that
         # writes NaN after this check only spoils its own rows of the batched search.
-        single = [i for i, req, _ in part if req.n_items == 1]
+        taken = self._taken
+        # _hotpath.take checked these members' queries already
+        single = [i for i, req, _ in part if req.n_items == 1 and i not in taken]
+        taken.difference_update([i for i, _, _ in part])
         if len(part) == 1 and single:
             # one query (a CPU sidecar's every recall): q . 2^-100 is finite exactly when every
             # element of q is (the scaling is exact and no finite float32 overflows it; NaN
@@ -352,11 +445,16 @@ class Dispatcher:
                 finite = {single[0]: math.isfinite(self._first_query[single[0]].dot(self._tiny))}
             except (RuntimeWarning, FloatingPointError):
                 finite = {single[0]: False}
-        else:  # every single-query member at once: one gather from the slots' first query rows
+        elif single:  # every single-query member at once: one gather from the slots' first query rows
             finite = dict(zip(single, np.isfinite(self._first_query[single]).all(axis=1).tolist(), strict=True))
+        else:
+            finite = {}
         keep = []
         for i, req, t0 in part:
-            ok = finite[i] if req.n_items == 1 else bool(np.isfinite(self._queries(i, req)).all())
+            if req.n_items == 1:
+                ok = finite.get(i, True)  # (absent: taken by _hotpath.take, which checked it)
+            else:
+                ok = bool(np.isfinite(self._queries(i, req)).all())
             if ok:
                 keep.append((i, req, t0))
             else:
@@ -566,6 +664,11 @@ class Dispatcher:
         RESPONSE_STRUCT.pack_into(self.mm, off + RESPONSE_OFFSET, req.seq, status, n_results,
                                   len(blob), flags)  # fmt: skip
         _STATE.pack_into(self.mm, off, SlotState.RESPONSE if status == Status.OK else SlotState.ERROR)
+        self._answered(i, req, status, t0)
+
+    def _answered(self, i: int, req: Request, status: int, t0: int) -> None:
+        """Slot ``i``'s answer is written: post its semaphore and record it in the stats (now,
+        or after the batch's answers)."""
         if self._posts is not None:
             self._posts.append(i)
         else:

@@ -147,6 +147,10 @@ class Index(abc.ABC):
     def arena_moved(self, arena: Any) -> None:  # noqa: B027 - optional hook
         """The document arena moved to a new version (``arena``; None: it was dropped)."""
 
+    # Whether searches run on the host, synchronously, with no device and no resident kernel:
+    # the dispatcher then answers a lone batch-1 recall on its short path (Dispatcher._lone).
+    host_search = False
+
     # A resident device kernel that answers batch-1 recalls itself (the GPU backend's
     # doorbell_topk); the CPU backend has none. doorbell_k: the largest k it answers (0: none).
     doorbell_k = 0
@@ -255,6 +259,7 @@ class CpuIndex(Index):
     """numpy, float32. The reference implementation, and the default on machines without a GPU."""
 
     name = "cpu"
+    host_search = True
 
     def __init__(self, dim: int, metric: int) -> None:
         super().__init__(dim, metric)

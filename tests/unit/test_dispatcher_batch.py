@@ -95,7 +95,10 @@ def test_a_lone_recall_is_refused_exactly_when_its_query_is_not_finite(
 ) -> None:
     """A request alone in its pass takes the one-dot finiteness check: NaN, infinities and
     +inf with -inf (whose dot warns) are refused with the batch path's message; huge and tiny
-    finite queries (the negative control, ``None``) are answered."""
+    finite queries (the negative control, ``None``) are answered. (The Python path's check:
+    the C path's, which takes such a recall first where it is built, is tested in
+    test_hotpath.py.)"""
+    monkeypatch.setattr(dispatcher_module, "_hotpath", None)
     dim, k, rows = 29, 3, 101
     lay = Layout(n_slots=3, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
     mm = mmap.mmap(-1, lay.segment_size)
