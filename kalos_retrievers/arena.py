@@ -227,6 +227,9 @@ class ArenaWriter:
         self._table = np.zeros(0, ENTRY_DTYPE)
         self._table_b = memoryview(self._table.view(np.uint8))  # the table's bytes (refs of a few rows)
         self._retired: mmap.mmap | bytearray | None = None  # the last version, still mapped
+        # bumped by every change to the row table: the GPU backend copies the table to the
+        # device for its resident kernel, and only when this moved since the last copy
+        self.changes = 0
         self._remap(max(16, rows_cap), max(4096, heap_size))
 
     # ------------------------------------------------------------------ reading back
@@ -328,6 +331,7 @@ class ArenaWriter:
     # ------------------------------------------------------------------ internals
     def _entry(self, row: int, off: int, length: int) -> None:
         """Rewrite one entry under its seqlock (odd generation while the words change)."""
+        self.changes += 1
         g = int(self._gen[row]) + 1
         self._gen[row] = g
         self._off[row] = off
@@ -390,6 +394,7 @@ class ArenaWriter:
         self._off, self._len, self._gen, self._table = off, length, gen, table
         self._table_b = memoryview(table.view(np.uint8))
         self.heap_used = used
+        self.changes += 1
 
 
 def _close(buf: object) -> None:

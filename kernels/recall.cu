@@ -1105,6 +1105,10 @@ struct BellCtl {
 #define BELL_FENCE 4             // a system fence after the RESPONSE word, pushing it out at once
 #define BELL_SYS 8               // loads / stores not otherwise chosen: ld/st.relaxed.sys (the
                                  // memory model's own way to share words with the host)
+#define BELL_ARENA_DEVICE 16     // float kernels: BellCtl::arena is a device copy of the arena's
+                                 // row table (the host copies it while the kernel is stopped), not
+                                 // the registered host table: each answer's entries without a PCIe
+                                 // round trip (sidecar/index_gpu.py, BELL_ARENA_DEVICE)
 
 __device__ __forceinline__ unsigned int hload32(const void* p, int mode) {
     unsigned int v;
@@ -1673,7 +1677,9 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                         e = result_entry(bell_results(cand), vals[i], seen);  // read with the row (rescore_share)
                     } else {
                         int r = vals[i];
-                        if (r >= 0 && r < arena_rows) e = hload4(reinterpret_cast<const void*>(arena + 16ull * r), mode);
+                        if (r >= 0 && r < arena_rows)
+                            e = (mode & BELL_ARENA_DEVICE) ? __ldcg(reinterpret_cast<const uint4*>(arena) + r)
+                                                           : hload4(reinterpret_cast<const void*>(arena + 16ull * r), mode);
                     }
                     unsigned int* o = out + 2 + 4 * i;
                     hstore(o, e.x, mode);
@@ -1688,13 +1694,17 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                         g = result_entry(bell_results(cand), vals[i], seen).w;
                     } else {
                         int r = vals[i];
-                        if (r >= 0 && r < arena_rows) g = hload(reinterpret_cast<const unsigned int*>(arena + 16ull * r + 12), mode);
+                        if (r >= 0 && r < arena_rows)
+                            g = (mode & BELL_ARENA_DEVICE) ? __ldcg(reinterpret_cast<const unsigned int*>(arena + 16ull * r + 12))
+                                                           : hload(reinterpret_cast<const unsigned int*>(arena + 16ull * r + 12), mode);
                     }
                     hstore(out + i, g, mode);
                 }
             }
-            __threadfence_system();
-            __syncthreads();
+            // The response words with the blob, behind the same fence: each thread's system fence
+            // orders its own stores before the barrier, and the state word is stored after it.
+            // (Written after a first fence and then fenced again, they cost a second wait for
+            // the posted stores to drain.)
             if (threadIdx.x == 0) {
                 unsigned int* w = reinterpret_cast<unsigned int*>(sb);
                 hstore(w + W_RESP_SEQ, __ldcg(bell + 4), mode);
@@ -1705,7 +1715,11 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 hstore(w + W_RESP_LEN + 1, 0u, mode);
                 hstore(w + W_RESP_FLAGS, (unsigned int)(RESP_ARENA_DOCS | (entries ? RESP_ARENA_ENTRIES : 0)), mode);
                 hstore(w + W_RESP_FLAGS + 1, 0u, mode);
-                __threadfence_system();
+            }
+            __threadfence_system();
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                unsigned int* w = reinterpret_cast<unsigned int*>(sb);
                 hstore(w, (unsigned int)ST_RESPONSE, mode);  // last
                 if (mode & BELL_FENCE) __threadfence_system();
                 hstore(&ctl_->stamp[3], global_ns(), mode);

@@ -106,6 +106,14 @@ _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # st.global.wt (2), a system fence after the RESPONSE word (4), ld/st.relaxed.sys otherwise (8).
 # KALOS_DOORBELL_MODE picks them (benchmarks/doorbell_probe.py --modes compares them).
 DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7"))
+# BELL_ARENA_DEVICE (16): the arena address the kernel gets is a device copy of the row table.
+# The float kernels' answer read each hit's entry from host memory, one PCIe round trip (~2 µs)
+# on every recall's path; the table cannot change while the kernel runs (the sidecar stops it
+# before any write), so resume_doorbell copies it to the device when it changed since the last
+# copy (1.6 MB at 100k rows, ~0.1 ms; 16 MB at 1M). int8's kernel reads the entries with the
+# candidates' rows, off that path, and keeps reading host memory. KALOS_ARENA_COPY=0: host reads.
+BELL_ARENA_DEVICE: Final = 16
+ARENA_COPY: Final = os.environ.get("KALOS_ARENA_COPY", "1") != "0"
 _BELL_WORDS: Final = 12  # BELL_WORDS in kernels/recall.cu
 _BELL_CAND_WORDS: Final = 20  # BELL_CAND_WORDS: int8 candidate area, words per candidate
 DOORBELL_MAX_K: Final = 1024
@@ -347,6 +355,9 @@ class GpuIndex(Index):
         self._served_before = 0  # answered by earlier launches of the resident kernel
         self._bell_layout: Any = None
         self._arena_table = (0, 0, 0, 0)  # registered address, bytes, rows, version of the arena's row table
+        self._arena: Any = None  # the ArenaWriter whose table that is
+        self._arena_dev: Any = None  # the table's device copy (float kernels; see BELL_ARENA_DEVICE)
+        self._arena_dev_of: tuple[int, ...] = ()  # (address, rows, version, changes) it was copied from
         # Diagnostics (benchmarks/gpu_batch_breakdown.py): a list here collects (stage, CUDA
         # event, perf_counter_ns) at each stage of a search; None (the default) costs one test.
         self.trace: list[tuple[str, Any, int]] | None = None
@@ -437,9 +448,11 @@ class GpuIndex(Index):
             with contextlib.suppress(Exception):
                 self.cp.cuda.runtime.hostUnregister(old)
             self._arena_table = (0, 0, 0, 0)
+        self._arena = None
         if arena is None or arena.buf is None:
             self.doorbell_k = 0  # dropped: documents go inline again
             return
+        self._arena = arena
         addr = np.frombuffer(arena.buf, np.uint8).ctypes.data
         nbytes = -(-(ARENA_HEADER_SIZE + ENTRY_SIZE * arena.rows_cap) // 4096) * 4096
         nbytes = min(nbytes, len(arena.buf))
@@ -463,6 +476,26 @@ class GpuIndex(Index):
         self.doorbell_running = False
         self._served_before += struct.unpack_from("<Q", self._bell_mm, _BELL_SERVED)[0]
 
+    def _arena_on_device(self, table: int, rows: int, version: int) -> int:
+        """The device address of a copy of the arena's row table (``rows`` entries at
+        ``table``, registered host memory), copied again only if the table changed since."""
+        changes = self._arena.changes if self._arena is not None else -1
+        key = (table, rows, version, changes)
+        if key != self._arena_dev_of or changes < 0:
+            nbytes = ENTRY_SIZE * rows
+            if self._arena_dev is None or self._arena_dev.nbytes < nbytes:
+                self._arena_dev = None  # the old copy's memory first
+                self._arena_dev = self._check(lambda: self.cp.empty(nbytes, self.cp.uint8))
+            dst = self._arena_dev
+
+            def copy() -> None:
+                with self.device:  # synchronous: the kernel starts after it
+                    self.cp.cuda.runtime.memcpy(dst.data.ptr, table + ARENA_HEADER_SIZE, nbytes, 1)  # host to device
+
+            self._check(copy)
+            self._arena_dev_of = key
+        return int(self._arena_dev.data.ptr)
+
     def check_doorbell(self) -> None:
         """Housekeeping: a resident kernel that ended without being stopped faulted; raise its
         error (FatalDeviceError: the sidecar exits and its supervisor restarts it)."""
@@ -477,10 +510,13 @@ class GpuIndex(Index):
         self.finish_slots()
         lay = self._bell_layout
         table, _, arena_rows, arena_version = self._arena_table
+        entries, mode = table + ARENA_HEADER_SIZE, self.doorbell_mode
+        if ARENA_COPY and self.exact is None and arena_rows:
+            entries, mode = self._arena_on_device(table, arena_rows, arena_version), mode | BELL_ARENA_DEVICE
         _BELL_CTL.pack_into(self._bell_mm, 0, 0, high, ns, lay.n_slots, self.seg_addr, lay.slot_offset(0),
                             lay.slot_size, lay.payload_offset, lay.rows_offset, lay.scores_offset,
-                            lay.blob_offset, self.dim, self.doorbell_k, table + ARENA_HEADER_SIZE,
-                            arena_rows, self.doorbell_mode, arena_version, self._exact_reg,
+                            lay.blob_offset, self.dim, self.doorbell_k, entries,
+                            arena_rows, mode, arena_version, self._exact_reg,
                             self.rescore_factor if self.exact is not None else 0, 0)  # fmt: skip
         self._bell_mm[_BELL_SERVED:_BELL_SERVED + 8 + _BELL_STAMPS.size] = bytes(8 + _BELL_STAMPS.size)
         cfg = np.frombuffer(self._bell_mm, np.uint8, _BELL_SERVED).copy()

@@ -238,6 +238,35 @@ def test_move_hands_the_document_to_the_new_row() -> None:
     assert w.get(2) == b"nine" and w.get(9) is None
 
 
+def test_every_change_to_the_row_table_moves_the_change_counter() -> None:
+    """The GPU backend copies the row table to the device when ``changes`` moved since its last
+    copy: every way an entry changes must move it (a copy left stale names old documents)."""
+    w, _ = writer(rows_cap=16, heap=4096)
+    seen = [w.changes]
+
+    def moved() -> bool:
+        seen.append(w.changes)
+        return seen[-1] != seen[-2]
+
+    w.put(3, b"three")
+    assert moved()
+    w.put(3, b"three again")  # a rewrite
+    assert moved()
+    w.clear(3)
+    assert moved()
+    w.clear(3)  # nothing held: nothing changed
+    assert not moved()
+    w.put(5, b"five")
+    w.move(5, 7)
+    assert moved()
+    w.put(40, b"past the table")  # a new version, the table rewritten
+    assert moved() and w.version == 2
+    assert not moved()  # the negative control: reads change nothing
+    w.refs([40], True)
+    w.get(40)
+    assert not moved()
+
+
 def test_a_buffer_that_is_not_an_arena_is_refused() -> None:
     with pytest.raises(ValueError, match="not a Kalos document arena"):
         ArenaView(bytearray(4096), 1)
