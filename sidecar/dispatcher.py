@@ -247,6 +247,7 @@ class Dispatcher:
         seq, _, flags, k = words[:4]
         svc = self.service
         t_search = t_answer = time.perf_counter_ns()
+        answered = False
         try:
             ns, _, dense, n = svc.eligible("", None)
             kk = min(k, n)
@@ -255,17 +256,13 @@ class Dispatcher:
                 t_answer = time.perf_counter_ns()
                 a = svc.rows.arena
                 arena = None if a is None else (a.table_bytes, a.rows_cap, a.version)
-                if self.hot.answer1(self._slot_views[i], self._hot_layout, seq, flags, rows, scores, svc.rows.high,
-                                    svc.rows.docs, arena):  # fmt: skip
-                    _ipc.post(self.sems[i])
-                    t_done = time.perf_counter_ns()
-                    self.stats.record(Op.RECALL, Status.OK, (t_done - t0) / 1000)  # after the post
-                    self._lone_phases(t0, t_search, t_answer, t_done)
-                    return True
+                answered = self.hot.answer1(self._slot_views[i], self._hot_layout, seq, flags, rows, scores,
+                                            svc.rows.high, svc.rows.docs, arena)  # fmt: skip
             else:
                 t_answer = time.perf_counter_ns()
-            req = Request._make(words)
-            self._write_hits(i, req, self._spec(i, req), kk, flags, t0)
+            if not answered:
+                req = Request._make(words)
+                self._write_hits(i, req, self._spec(i, req), kk, flags, t0)
         except Invalid as e:
             self._error(i, Request._make(words), e.status, str(e), t0)
         except FatalDeviceError:
@@ -273,7 +270,12 @@ class Dispatcher:
         except Exception as e:  # a bug must not take the sidecar down
             log.exception("internal error answering a recall")
             self._error(i, Request._make(words), Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
-        self._lone_phases(t0, t_search, t_answer, time.perf_counter_ns())
+        if answered:  # by answer1 (outside the try: an answer given is never overwritten by an error)
+            _ipc.post(self.sems[i])
+        t_done = time.perf_counter_ns()
+        if answered:
+            self.stats.record(Op.RECALL, Status.OK, (t_done - t0) / 1000)  # after the post
+        self._lone_phases(t0, t_search, t_answer, t_done)
         return True
 
     def _lone_phases(self, t0: int, t_search: int, t_answer: int, t_done: int) -> None:

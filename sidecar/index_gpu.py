@@ -105,7 +105,6 @@ _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # BellCtl::mode, the BELL_* bits: loads from host memory with ld.global.cv (1), stores with
 # st.global.wt (2), a system fence after the RESPONSE word (4), ld/st.relaxed.sys otherwise (8).
 # KALOS_DOORBELL_MODE picks them (benchmarks/doorbell_probe.py --modes compares them).
-DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7"))
 # BELL_ARENA_DEVICE (16): the arena address the kernel gets is a device copy of the row table.
 # The float kernels' answer read each hit's entry from host memory, one PCIe round trip (~2 µs)
 # on every recall's path; the table cannot change while the kernel runs (the sidecar stops it
@@ -114,6 +113,7 @@ DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7"))
 # candidates' rows, off that path, and keeps reading host memory. KALOS_ARENA_COPY=0: host reads.
 BELL_ARENA_DEVICE: Final = 16
 ARENA_COPY: Final = os.environ.get("KALOS_ARENA_COPY", "1") != "0"
+DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7")) & ~BELL_ARENA_DEVICE  # (ours to set)
 _BELL_WORDS: Final = 12  # BELL_WORDS in kernels/recall.cu
 _BELL_CAND_WORDS: Final = 20  # BELL_CAND_WORDS: int8 candidate area, words per candidate
 DOORBELL_MAX_K: Final = 1024
@@ -483,14 +483,16 @@ class GpuIndex(Index):
         key = (table, rows, version, changes)
         if key != self._arena_dev_of or changes < 0:
             nbytes = ENTRY_SIZE * rows
-            if self._arena_dev is None or self._arena_dev.nbytes < nbytes:
+            self._arena_dev_of = ()  # (until the copy below is whole)
+            if self._arena_dev is not None and self._arena_dev.nbytes < nbytes:
                 self._arena_dev = None  # the old copy's memory first
-                self._arena_dev = self._check(lambda: self.cp.empty(nbytes, self.cp.uint8))
-            dst = self._arena_dev
 
             def copy() -> None:
-                with self.device:  # synchronous: the kernel starts after it
-                    self.cp.cuda.runtime.memcpy(dst.data.ptr, table + ARENA_HEADER_SIZE, nbytes, 1)  # host to device
+                with self.device:  # this device's memory, whichever thread calls (as every allocation here)
+                    if self._arena_dev is None:
+                        self._arena_dev = self.cp.empty(nbytes, self.cp.uint8)
+                    # synchronous (from registered host memory): the kernel starts after it
+                    self.cp.cuda.runtime.memcpy(self._arena_dev.data.ptr, table + ARENA_HEADER_SIZE, nbytes, 1)
 
             self._check(copy)
             self._arena_dev_of = key
@@ -510,9 +512,16 @@ class GpuIndex(Index):
         self.finish_slots()
         lay = self._bell_layout
         table, _, arena_rows, arena_version = self._arena_table
-        entries, mode = table + ARENA_HEADER_SIZE, self.doorbell_mode
+        entries, mode = table + ARENA_HEADER_SIZE, self.doorbell_mode & ~BELL_ARENA_DEVICE
         if ARENA_COPY and self.exact is None and arena_rows:
-            entries, mode = self._arena_on_device(table, arena_rows, arena_version), mode | BELL_ARENA_DEVICE
+            try:
+                entries, mode = self._arena_on_device(table, arena_rows, arena_version), mode | BELL_ARENA_DEVICE
+            except FatalDeviceError:
+                raise
+            except Exception:  # no room for the copy (or it failed): the host table, as before
+                log.warning("the arena's row table could not be copied to %s; the resident kernel reads "
+                            "it from host memory", self.name, exc_info=True)  # fmt: skip
+                self._arena_dev, self._arena_dev_of = None, ()
         _BELL_CTL.pack_into(self._bell_mm, 0, 0, high, ns, lay.n_slots, self.seg_addr, lay.slot_offset(0),
                             lay.slot_size, lay.payload_offset, lay.rows_offset, lay.scores_offset,
                             lay.blob_offset, self.dim, self.doorbell_k, entries,

@@ -224,8 +224,10 @@ def test_answer1_writes_the_results_and_the_arena_answer_refs_would_give(flags: 
 @pytest.mark.parametrize("kk", [0, 1, 5, 64])
 def test_answer1_writes_the_documents_inline_as_encode_docs_blob(flags: int, kk: int) -> None:
     rows_list = np.random.default_rng().choice(ROWS, kk, replace=kk > ROWS).tolist()
-    for arena in (None, _arena(16, cap=16)):  # the rows reach past the second's table
-        if arena is not None and (not flags or not kk or max(rows_list) < 16):
+    if kk:
+        rows_list[-1] = 40  # past the second arena's table (16 rows)
+    for arena in (None, _arena(16, cap=16)):
+        if arena is not None and (not flags or not kk):
             continue
         s = Slot()
         rows, scores = _results(rows_list)
@@ -257,6 +259,14 @@ def _answer1_declines(s: Slot, rows_list: list[int], *, flags: int = ENTRIES, hi
     assert hp.answer1(s.view, s.layout, 9, flags, rows, scores, high, d, _arena_arg(arena)) is False
     assert s.state == SlotState.BUSY and s.response() == resp
     _assert_results(s, rows, scores)
+    # the negative control: rows in range that hold documents, no vectors asked for, a blob
+    # of the slot's usual size: the same call answers
+    ok = Slot()
+    r, sc = _results([1, 2])
+    ok.request(_recall(flags=flags & ~Flag.WITH_VECTORS), SlotState.BUSY)
+    assert hp.answer1(ok.view, ok.layout, 9, flags & ~Flag.WITH_VECTORS, r, sc, ROWS, _docs(ROWS),
+                      _arena_arg(_arena(ROWS))) is True  # fmt: skip
+    assert ok.state == SlotState.RESPONSE
 
 
 @pytest.mark.parametrize("flags", [0, ARENA, ENTRIES])
@@ -349,8 +359,8 @@ class _Sem:
         self.posts += 1
 
 
-def _service(rows: int, *, dim: int = DIM, arena: bool = True) -> Service:
-    svc = Service(CpuIndex(dim, METRICS["cosine"]), NullStore(), dim=dim, metric=METRICS["cosine"])
+def _service(rows: int, *, dim: int = DIM, arena: bool = True, metric: str = "cosine") -> Service:
+    svc = Service(CpuIndex(dim, METRICS[metric]), NullStore(), dim=dim, metric=METRICS[metric])
     if arena:
         bufs: dict[int, bytearray] = {}
         svc.rows.arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), bufs.pop)
@@ -389,12 +399,13 @@ def _two_dispatchers(svc: Service, monkeypatch: pytest.MonkeyPatch, dim: int = D
     return out
 
 
+@pytest.mark.parametrize("metric", ["cosine", "l2", "ip"])
 @pytest.mark.parametrize("flags", [0, Flag.NO_DOCS, Flag.WITH_VECTORS, ARENA, ENTRIES])
 @pytest.mark.parametrize("k", [1, 10, 64])
 def test_the_short_paths_answers_are_the_python_paths_byte_for_byte(
-    flags: int, k: int, monkeypatch: pytest.MonkeyPatch
+    metric: str, flags: int, k: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    svc = _service(ROWS)  # k 64 > 53 rows: 53 results
+    svc = _service(ROWS, metric=metric)  # k 64 > 53 rows: 53 results
     (dc, mc, lay), (dp, mp, _) = _two_dispatchers(svc, monkeypatch)
     rng = np.random.default_rng()
     for seq in range(5):
@@ -409,6 +420,10 @@ def test_the_short_paths_answers_are_the_python_paths_byte_for_byte(
     calls = dc.hot.calls  # type: ignore[attr-defined]
     assert calls["take"] == calls["answer1"] == 5
     assert calls.get("answered", 0) == (0 if flags & Flag.WITH_VECTORS else 5)
+    # the stats say the same of both paths: five recalls answered OK, each with its phases
+    for d in (dc, dp):
+        assert d.stats.requests[("recall", "ok")] == 5 and d.stats.latency["recall"].count == 5
+        assert all(d.stats.phases[p].count == 5 for p in ("pickup", "search", "answer"))
 
 
 def test_the_short_path_answers_an_empty_index_as_the_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -493,3 +508,23 @@ def test_a_lone_recall_in_a_namespace_takes_the_usual_path(monkeypatch: pytest.M
     assert resp[1:3] == (Status.OK, 10), out[0][lay.blob_offset : lay.blob_offset + resp[3]]
     rows = np.frombuffer(out[0], np.int32, 10, lay.rows_offset)
     assert (rows < 20).all()  # the filter held: not the short path's unfiltered search
+
+
+def test_an_answer_given_in_c_is_never_overwritten_by_a_later_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once answer1 has written RESPONSE the client may already have read it: a failure after
+    that (here the semaphore's post) must not turn it into an INTERNAL error (and a second post)."""
+    svc = _service(ROWS)
+    (dc, mc, lay), _ = _two_dispatchers(svc, monkeypatch)
+
+    class _Broken(_Sem):
+        def release(self) -> None:
+            super().release()
+            raise RuntimeError("sem_post failed")
+
+    dc.sems[0] = _Broken()
+    with pytest.raises(RuntimeError, match="sem_post"):
+        _answer(dc, mc, lay, np.ones(DIM, np.float32), _recall(flags=ENTRIES))
+    off = lay.slot_offset(0)
+    resp = RESPONSE_STRUCT.unpack_from(mc, off + RESPONSE_OFFSET)
+    assert np.ndarray((1,), np.uint32, mc, off)[0] == SlotState.RESPONSE and resp[1] == Status.OK
+    assert dc.sems[0].posts == 1
