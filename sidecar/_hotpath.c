@@ -143,10 +143,11 @@ static PyObject* take(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
             goto out;
         }
     }
-    __atomic_store_n((uint32_t*)(s + OFF_STATE), (uint32_t)ST_BUSY, __ATOMIC_RELEASE);
     result = Py_BuildValue("(KIIIIKKK)", (unsigned long long)seq, (unsigned int)op, (unsigned int)flags,
                            (unsigned int)top_k, (unsigned int)n_items, (unsigned long long)vec_len,
                            (unsigned long long)args_len, (unsigned long long)deadline);
+    if (result)  /* (the slot is ours only with its words in hand: a failed build writes nothing) */
+        __atomic_store_n((uint32_t*)(s + OFF_STATE), (uint32_t)ST_BUSY, __ATOMIC_RELEASE);
 out:
     PyBuffer_Release(&sb);
     return result;
