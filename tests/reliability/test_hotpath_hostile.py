@@ -1,0 +1,118 @@
+"""The sidecar's C request path (``_hotpath.take``) against request words rewritten while it reads
+them.
+
+A forked process plays a hostile client: it rewrites its slot's request words without pause,
+each round a valid batch-1 recall and then the same recall with one word made invalid (another
+op, two queries, args, a bad length, k 0 or too large, unknown flags, ARENA_ENTRIES alone). The
+sidecar side sets the state REQUEST and calls ``take`` over and over. Whatever mixture of the
+two writes ``take`` happens to copy, it checks its copy and returns that copy, so every tuple it
+returns is a request ``protocol.validate_request`` accepts and the batch-1 conditions hold; it
+never crashes.
+
+Run in a subprocess, so that a crash is a failed test. The scenario shows it exercises the race
+by counting both outcomes (taken and left). Negative control: the same scenario against a take
+written in Python that checks the slot's words and then reads them again to return them (the
+bug the copy prevents) returns words that fail the check.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.reliability
+pytest.importorskip("kalos_retrievers.sidecar._hotpath", reason="the C extension is not built here")
+
+SCENARIO = r'''
+import json, mmap, os, signal, sys
+import numpy as np
+from kalos_retrievers.sidecar import _hotpath as hp
+from kalos_retrievers.protocol import (REQUEST_OFFSET, REQUEST_STRUCT, Flag, Invalid, Layout, Op, Request,
+                                       SlotState, validate_request)
+
+DIM, CALLS, TWICE = 11, int(os.environ["CALLS"]), os.environ.get("TWICE") == "1"
+lay = Layout(n_slots=1, dim=DIM, max_k=64, payload_size=1 << 12, blob_size=1 << 12)
+mm = mmap.mmap(-1, lay.segment_size)  # shared with the forked writer
+off = lay.slot_offset(0)
+slot = memoryview(mm)[off : off + lay.slot_size]
+state = slot.cast("I")
+np.frombuffer(slot, np.float32, DIM, lay.payload_offset)[:] = 0.5
+layout = (lay.dim, lay.payload_offset, lay.rows_offset, lay.scores_offset, lay.blob_offset, lay.blob_size,
+          lay.max_k, lay.max_results)
+good = Request(7, Op.RECALL, int(Flag.ARENA_DOCS), 10, 1, 4 * DIM, 0, 0)
+bad = [good._replace(op=Op.UPSERT), good._replace(n_items=2), good._replace(args_len=8),
+       good._replace(vec_len=4 * DIM + 4), good._replace(top_k=0), good._replace(top_k=65),
+       good._replace(flags=16), good._replace(flags=int(Flag.ARENA_ENTRIES))]
+packed = [REQUEST_STRUCT.pack(*good), *[REQUEST_STRUCT.pack(*b) for b in bad]]
+
+def take_twice(view, layout):
+    """The bug the C copy prevents: check the slot's words, then read them again to return."""
+    req = Request._make(REQUEST_STRUCT.unpack_from(view, REQUEST_OFFSET))
+    try:
+        validate_request(req, lay)
+    except Invalid:
+        return None
+    if req.n_items != 1 or req.args_len:
+        return None
+    return tuple(REQUEST_STRUCT.unpack_from(view, REQUEST_OFFSET))
+
+take = take_twice if TWICE else hp.take
+pid = os.fork()
+if pid == 0:  # the writer, killed with its parent (a crashed parent must not leave it spinning)
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            os._exit(0)
+        i = 0
+        while True:
+            slot[REQUEST_OFFSET : REQUEST_OFFSET + REQUEST_STRUCT.size] = packed[0]
+            slot[REQUEST_OFFSET : REQUEST_OFFSET + REQUEST_STRUCT.size] = packed[1 + i % len(bad)]
+            i += 1
+    finally:
+        os._exit(0)
+got = {"taken": 0, "left": 0, "wrong": 0}
+try:
+    for _ in range(CALLS):
+        state[0] = SlotState.REQUEST
+        words = take(slot, layout)
+        if words is None:
+            got["left"] += 1
+            continue
+        got["taken"] += 1
+        req = Request(*words)
+        try:
+            validate_request(req, lay)
+            ok = req.op == Op.RECALL and req.n_items == 1 and req.args_len == 0 and req.vec_len == 4 * DIM
+        except Invalid:
+            ok = False
+        got["wrong"] += not ok
+finally:
+    os.kill(pid, signal.SIGKILL)
+print(json.dumps(got))
+'''
+
+
+def _scenario(calls: int, twice: bool) -> dict[str, int]:
+    env = {"CALLS": str(calls), "PATH": "", "TWICE": "1" if twice else "0"}
+    r = subprocess.run([sys.executable, "-P", "-c", SCENARIO], capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, f"the scenario ended with {r.returncode}: {r.stderr[-2000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_request_words_rewritten_while_taken_never_yield_an_invalid_request() -> None:
+    calls = 200_000
+    got = _scenario(calls, twice=False)
+    assert got["wrong"] == 0, got
+    assert got["taken"] + got["left"] == calls
+    # both outcomes: the writer did rewrite the words while they were taken
+    assert got["taken"] > 0 and got["left"] > 0, got
+
+
+def test_the_scenario_catches_a_take_that_reads_the_words_twice() -> None:
+    """The negative control: the same race against a take that checks, then reads again."""
+    got = _scenario(200_000, twice=True)
+    assert got["wrong"] > 0, got
