@@ -24,10 +24,13 @@
  * answer1() leaves answers with vectors, answers that would not fit the blob (Python sends
  * those in parts), rows out of range, and rows that hold no document.
  *
- * Nothing read from the slot is trusted: its words are copied once and the copies checked
- * and used (another process may rewrite the slot meanwhile), and every offset is checked
- * against the buffers' lengths. Built against the stable ABI (Py_LIMITED_API, 3.11) and
- * optional, like the client's kalos_retrievers/_fastpath.c (KALOS_HOTPATH=0 turns it off).
+ * Nothing read from the slot is trusted: its words, and a batch member's rows, are copied
+ * once and the copies checked and used (another process may rewrite the slot meanwhile: a
+ * row checked and then read again could index the arena's table far outside it, as the
+ * scenario in tests/reliability/test_hotpath_hostile.py did to a build that read them
+ * twice), and every offset is checked against the buffers' lengths. Built against the stable
+ * ABI (Py_LIMITED_API, 3.11) and optional, like the client's kalos_retrievers/_fastpath.c
+ * (KALOS_HOTPATH=0 turns it off).
  * x86-64 store ordering: the answer's words are written before the state word (a release
  * store). The offsets and values below are protocol v1's; tests/unit/test_hotpath.py checks
  * them against protocol.py.
@@ -186,7 +189,12 @@ PyDoc_STRVAR(answer1_doc,
 "``high`` and a document there. False when it wrote the results only (vectors asked for, a\n"
 "check that failed, a blob larger than the slot's): the caller answers from the slot's rows\n"
 "its own way. ``docs``: the rows' documents, a list of bytes or None; ``table``: the arena's\n"
-"row table, rows_cap x 16 bytes.");
+"row table, rows_cap x 16 bytes.\n"
+"\n"
+"``rows`` and ``scores`` may be the slot's own rows and scores areas (a batch's member, whose\n"
+"results the device wrote there): they are then left as they are, not copied onto\n"
+"themselves. Either way each row is read once, into answer1's own copy, and only that copy\n"
+"is checked and named in the answer (the slot's owner may rewrite its rows meanwhile).");
 
 static PyObject* answer1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     (void)self;
@@ -236,17 +244,34 @@ static PyObject* answer1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     int have_table = 0;
     PyObject* result = NULL;
     const long long kk = rb.len / 4;
+    int32_t small[256];  /* the rows' copy: here for the usual k, else on the heap */
+    int32_t* rows = small;
     if (check_fits(&lay, sb.len) < 0) goto out;
     if (cb.len != rb.len || kk > lay.max_results) {
         PyErr_SetString(PyExc_ValueError, "answer1: rows and scores differ in length or exceed the slot's results");
         goto out;
     }
     char* s = (char*)sb.buf;
-    memcpy(s + lay.rows, rb.buf, (size_t)rb.len);
-    memcpy(s + lay.scores, cb.buf, (size_t)cb.len);
+    /* The rows copied once and from then on checked and used from the copy: a batch's rows
+       (Dispatcher._answer_hot) are the slot's own rows area, where the device wrote them,
+       and the slot's owner may rewrite them meanwhile (a row checked, then read again out of
+       range, would index the table or the documents outside them). */
+    if (kk > (long long)(sizeof small / sizeof small[0])) {
+        rows = PyMem_Malloc((size_t)rb.len);
+        if (rows == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+    }
+    if (kk) memcpy(rows, rb.buf, (size_t)rb.len);
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);  /* the copy is not re-read from the slot */
+    /* the results into the slot's areas, unless they are there already (a batch's: the same
+       memory, where a copy onto itself is formally undefined, and would write back values its
+       owner may have changed since) */
+    if (s + lay.rows != (char*)rb.buf) memcpy(s + lay.rows, rows, (size_t)rb.len);
+    if (s + lay.scores != (char*)cb.buf) memmove(s + lay.scores, cb.buf, (size_t)cb.len);
     result = Py_NewRef(Py_False);  /* from here on: the results are written, the answer maybe not */
     if (flags & FL_WITH_VECTORS) goto out;
-    const int32_t* rows = (const int32_t*)rb.buf;  /* this process's own array, not the slot */
     char* b = s + lay.blob;
     long long need = 0;
     uint64_t rflags = 0;
@@ -315,6 +340,7 @@ static PyObject* answer1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     Py_DECREF(result);
     result = Py_NewRef(Py_True);
 out:
+    if (rows != small) PyMem_Free(rows);
     if (have_table) PyBuffer_Release(&tb);
     PyBuffer_Release(&sb);
     PyBuffer_Release(&rb);
