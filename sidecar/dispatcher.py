@@ -518,9 +518,18 @@ class Dispatcher:
         self._phases_due.clear()
 
     def _answer_members(self, b: _Batch) -> None:
-        if self._answer_gens(b):
+        """Write each member's answer (posted and recorded by :meth:`_answer_batch`). The batch-1
+        members first, each by _hotpath.answer1 (see :meth:`_answer_hot`); then, the Python
+        way, what it left and every other member: all at once by :meth:`_answer_gens` where
+        that applies, else one by one by :meth:`_write_hits`."""
+        members = list(zip(b.part, b.specs, strict=False))
+        if self.hot is not None and b.kk and not b.flags & Flag.WITH_VECTORS:
+            members = self._answer_hot(b, members)
+            if not members:
+                return
+        if self._answer_gens(b, members):
             return
-        for (i, req, t0), spec in zip(b.part, b.specs, strict=False):
+        for (i, req, t0), spec in members:
             # One member's failure is that member's alone: an error here used to propagate to
             # the caller, which re-answered the whole batch with an error, overwriting answers
             # already given to other clients (a client rewriting its own result rows mid-answer
@@ -535,19 +544,59 @@ class Dispatcher:
                 log.exception("internal error answering a batched recall")
                 self._error(i, req, Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
 
-    def _answer_gens(self, b: _Batch) -> bool:
+    def _answer_hot(self, b: _Batch, members: list[tuple[tuple[int, Request, int], SlotSpec]]
+                    ) -> list[tuple[tuple[int, Request, int], SlotSpec]]:  # fmt: skip
+        """Answer ``b``'s batch-1 members with _hotpath.answer1, as :meth:`_lone` answers a lone
+        recall: the documents inline, from the arena, or none, written in C from the rows the
+        search left in the slot (answer1 reads each once and uses only its copy: the slot's
+        owner may rewrite them). In Python, member by member, that answer cost ~120-130 µs per
+        batch of ~16 on the H200 host with 32 clients (S19-5); on the development VM
+        (benchmarks/dispatcher_batch.py --slots 16, warm) the answer phase of a batch of 16
+        went from ~60 µs (arena references) and ~78 µs (documents inline) to ~21-23 µs (not
+        measured on the H200 host yet). Return the members it left
+        (other shapes, and what answer1 declines: a row that fails a check, an answer in
+        parts), for the Python path to answer or refuse with its message. Nothing is left in
+        ``pending`` by an answer that fits, as from :meth:`_respond` (the launch cleared it)."""
+        rows = self.service.rows
+        a = rows.arena
+        arena = None if a is None else (a.table_bytes, a.rows_cap, a.version)
+        answer1, views, lay, high, docs = self.hot.answer1, self._slot_views, self._hot_layout, rows.high, rows.docs
+        kk, flags = b.kk, b.flags
+        left = []
+        for m in members:
+            (i, req, t0), spec = m
+            if len(spec.rows) != 1:
+                left.append(m)
+                continue
+            try:
+                answered = answer1(views[i], lay, req.seq, flags, spec.rows[0, :kk], spec.scores[0, :kk], high,
+                                   docs, arena)  # fmt: skip
+            except Exception:  # a bug, in C or in its arguments: the Python path answers instead
+                log.exception("the C answer path failed; answering in Python")
+                answered = False
+            if answered:
+                self._answered(i, req, Status.OK, t0)
+            else:
+                left.append(m)
+        return left
+
+    def _answer_gens(self, b: _Batch, members: list[tuple[tuple[int, Request, int], SlotSpec]]) -> bool:
         """Answer a batch of batch-1 recalls whose clients read documents from the arena (32
-        processes against a GPU sidecar) with numpy over all members at once: their rows
+        processes against a GPU sidecar) with numpy over all ``members`` at once: their rows
         gathered from the slots, checked, and their generations looked up in one pass (one by
         one, that took ~3 us of Python per member on the development VM). False, having
         answered nothing, where it does not apply; a member whose rows fail the checks gets
-        INTERNAL, as from :meth:`_write_hits`."""
+        INTERNAL, as from :meth:`_write_hits`. Whether it applies is asked of the whole batch,
+        so that ``members`` (all of it, or those _hotpath.answer1 left) get what the Python
+        path gives them in that batch: here a row whose arena entry is empty is refused, where
+        :meth:`_write_hits` of a batch-1 recall, which checks the row table's documents, would
+        name it."""
         arena, kk = self.service.rows.arena, b.kk
         if (arena is None or len(b.part) < 2 or not b.flags & Flag.ARENA_DOCS
                 or b.flags & (Flag.WITH_VECTORS | Flag.NO_DOCS) or kk < 1
                 or any(len(spec.rows) != 1 for spec in b.specs[: len(b.part)])):  # fmt: skip
             return False
-        r = np.array([spec.rows[0, :kk] for spec in b.specs[: len(b.part)]], np.int64)  # copies
+        r = np.array([spec.rows[0, :kk] for _, spec in members], np.int64)  # copies
         high, cap = self.service.rows.high, arena.rows_cap
         ok = ((r >= 0) & (r < high)).all(axis=1)
         if (r[ok] >= cap).any():
@@ -557,7 +606,7 @@ class Dispatcher:
         entries = bool(b.flags & Flag.ARENA_ENTRIES)
         refs = arena.refs_each(np.where(ok[:, None], r, 0), entries)
         rflags = _arena_resp_flags(b.flags)
-        for j, (i, req, t0) in enumerate(b.part):
+        for j, ((i, req, t0), _) in enumerate(members):
             if not ok[j]:
                 self._error(i, req, Status.INTERNAL, "the index returned rows out of range", t0)
             elif not held[j]:
