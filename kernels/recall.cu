@@ -42,6 +42,11 @@
 // blocks' maxima each lane of kth_of_maxima holds: grids of up to 32 x this many blocks (640;
 // the H200's largest is 4 x 132 = 528; 24 made the int8 resident kernel spill)
 #define MAXIMA_PER_LANE 20
+// kth_of_maxima's float loop for batch 1: the warp's largest by __reduce_max_sync (sm_80 on);
+// 0: by shuffles, as the batched scans (in the QB = 8 L2 scan it made ptxas spill 12 bytes)
+#ifndef KALOS_MAXIMA_REDUX
+#define KALOS_MAXIMA_REDUX 1
+#endif
 #define KALOS_CAND_MAX 4096      // most int8 candidates per query (CAND_MAX in sidecar/index_gpu.py)
 // 1: the scan's blocks take their rows a round at a time from a counter (sync_rows), so a
 // block slowed by its neighbours takes fewer rounds and the blocks finish together; 0: a fixed
@@ -623,7 +628,7 @@ __device__ __forceinline__ unsigned int warp_sum(unsigned int v) {
 }
 __host__ __device__ constexpr int maxima_k_max(bool search) { return search ? 128 : 32; }
 static_assert(maxima_k_max(true) <= 32 * MAXIMA_PER_LANE, "the search needs k patterns at or above 0");
-template <bool SEARCH>
+template <bool SEARCH, bool REDUX>
 __device__ float kth_of_maxima(const float* maxima, int n, int k) {
     const int lane = threadIdx.x & 31;
     if constexpr (SEARCH) {
@@ -657,9 +662,26 @@ __device__ float kth_of_maxima(const float* maxima, int n, int k) {
 #pragma unroll
             for (int j = 1; j < MAXIMA_PER_LANE; j++)
                 if (v[j] > m) { m = v[j]; at = j; }
-            float w = m;
-            for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
-            const unsigned int who = __ballot_sync(0xffffffffu, m == w);
+            float w;
+            unsigned int who;
+#if __CUDA_ARCH__ >= 800
+            if (REDUX) {
+                // the warp's largest in one instruction on the ordered bit patterns, not five
+                // dependent shuffles (S20-2: batch 1's scan + merge -0.3 to -0.4 µs at 100k
+                // rows). A NaN m (a lane whose first maximum is NaN) counts as -inf, as
+                // fmaxf ignores it; -0 and +0 differ here and not there, which moves no
+                // bound: the two compare equal where the bound is used.
+                const int mo = m == m ? f2ord(m) : f2ord(neg_inf());
+                const int wo = __reduce_max_sync(0xffffffffu, mo);
+                w = ord2f(wo);
+                who = __ballot_sync(0xffffffffu, mo == wo);
+            } else
+#endif
+            {
+                w = m;
+                for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
+                who = __ballot_sync(0xffffffffu, m == w);
+            }
             if (lane == __ffs(who) - 1) {  // one lane gives up its largest
 #pragma unroll
                 for (int j = 0; j < MAXIMA_PER_LANE; j++)
@@ -681,7 +703,7 @@ __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsi
     const int total = *reinterpret_cast<volatile int*>(sync_count(sync) + q);
     if (threadIdx.x == 0) { c.cnt[q] = 0; c.thr[q] = neg_inf(); }
     if (maxima != nullptr && threadIdx.x < 32) {  // block-uniform condition
-        const float b2 = kth_of_maxima<SEARCH>(maxima, gridDim.x, k);
+        const float b2 = kth_of_maxima<SEARCH, QB == 1 && KALOS_MAXIMA_REDUX>(maxima, gridDim.x, k);
         if (threadIdx.x == 0) s_b2 = b2;
     }
     __syncthreads();

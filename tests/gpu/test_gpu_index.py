@@ -270,6 +270,35 @@ def test_fused_merge_is_exact_with_long_lists_and_ties(tied: int) -> None:
             check(svc, data, q[None], k)
 
 
+@pytest.mark.parametrize(("n", "dtype"), [(100_003, "float16"), (150_001, "float32"), (30_011, "float16")])
+def test_batch1_answers_are_ordered_by_score_then_row_with_ties(n: int, dtype: str) -> None:
+    """Batch 1 (the fused scan) answers in (score descending, row ascending) order, ties
+    included: each block sorts its candidates at the end of its loop (up to 256 at 100k rows,
+    up to 512 at 150k) and the merge sorts its survivors (k <= 32 or more), all by
+    bitonic_desc's comparator. Rows are tied in groups of identical vectors (their scores equal
+    exactly), so the order of ties is seen. Every answer must also be the exact top-k
+    (tie-tolerant). (S20-2, on the H200: an experimental register sort with its tie rule
+    reversed failed all three cases; docs/experiments/2026-12-02-s20-register-sort.patch.)"""
+    rng = np.random.default_rng()
+    dim = 64
+    base = rng.standard_normal((n // 7 + 1, dim)).astype(np.float32)
+    data = base[rng.integers(0, len(base), n)]  # ~7 identical rows per vector, spread out
+    v = data[rng.integers(0, n)]
+    svc = make(dim, dtype=dtype)
+    put(svc, data)
+    stored = svc.index.vectors(np.arange(n)) if dtype != "float32" else data  # what the scan scores
+    for q in (v, rng.standard_normal(dim).astype(np.float32)):
+        for k in (1, 10, 33, 100):
+            rows, scores = svc.recall(q[None], k, "", None)
+            r, s = rows[0], scores[0]
+            order = [(-float(a), int(b)) for a, b in zip(s, r, strict=True)]
+            assert order == sorted(order), f"k={k}: not ordered by (score desc, row asc): {order[:12]}"
+            assert len(set(r.tolist())) == k
+            ref_i, ref_s = reference_topk(stored, q[None], k, "cosine")
+            assert_topk_equal([svc.rows.ids[x] for x in r], s, [str(x) for x in ref_i[0]], ref_s[0],
+                              atol=1e-3 if dtype == "float16" else 1e-4, context=f"k={k}")  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_batch1_scans_alternate_direction_and_stay_exact(dtype: str) -> None:
     """KALOS_ALTERNATE: each batch-1 scan hands its rows out from the other end than the scan
