@@ -5,6 +5,7 @@ not finite gets an error without failing its neighbours."""
 from __future__ import annotations
 
 import mmap
+import time
 import warnings
 from typing import NamedTuple
 
@@ -205,6 +206,8 @@ def test_a_failed_batch_search_answers_each_member_once() -> None:
         blob = bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len])
         assert states[i] == SlotState.ERROR and resp.status == Status.BAD_REQUEST
         assert (b"NaN" if i == 2 else b"refused the batch") in blob
+
+
 class _DeferredIndex(CpuIndex):
     """A CPU index that behaves like an asynchronous device: launch_slots only records the
     work; its results (and the poison before them) land in the slots at finish_slots."""
@@ -333,6 +336,107 @@ def test_requests_arriving_during_a_search_join_the_next_batch() -> None:
         assert states[i] == SlotState.RESPONSE
         got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset)
         assert sorted(got.tolist()) == sorted(np.argsort(-(data @ q[i]))[:k].tolist())
+
+
+class _Returning(_Sem):
+    """A response semaphore whose client, once posted, reads its answer (``on_post``), then
+    sends its next request at once (as a client process does, some µs later)."""
+
+    def __init__(self, on_post) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.on_post = on_post
+
+    def release(self) -> None:
+        super().release()
+        self.on_post()
+
+
+def _gather_rig(n_slots: int, gather_us: int):  # type: ignore[no-untyped-def]
+    dim, k, rows = 5, 2, 40
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
+    mm = mmap.mmap(-1, lay.segment_size)
+    log: list[str] = []
+    index = _DeferredIndex(dim, METRICS["ip"], log)
+    svc = Service(index, NullStore(), dim=dim, metric=METRICS["ip"])
+    rng = np.random.default_rng()
+    data = rng.standard_normal((rows, dim)).astype(np.float32)
+    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [""] * rows,
+                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    q = rng.standard_normal((n_slots, dim)).astype(np.float32)
+    seqs = [0] * n_slots
+    answered: list[tuple[int, int, list[int]]] = []  # (slot, seq, rows) as each client read it
+
+    def request(i: int) -> None:
+        seqs[i] += 1
+        off = lay.slot_offset(i)
+        np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q[i]
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seqs[i], Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
+        states[i] = SlotState.REQUEST
+
+    def read(i: int) -> None:
+        off = lay.slot_offset(i)
+        resp = Response.unpack(mm[off : off + CTL_SIZE])
+        assert states[i] == SlotState.RESPONSE and resp.seq == seqs[i], (i, states[i], resp)
+        got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset).tolist()
+        assert sorted(got) == sorted(np.argsort(-(data @ q[i]))[:k].tolist())
+        answered.append((i, seqs[i], got))
+
+    return lay, mm, svc, index, log, states, request, read, answered
+
+
+@pytest.mark.parametrize("gather_us", [0, 1_000_000])
+def test_gathering_launches_the_returning_clients_with_those_already_waiting(gather_us: int) -> None:
+    """With ``gather_us``, the dispatcher answers the batch in flight before launching the
+    requests that waited for it, and takes the clients it answered into the same launch when
+    they come back: one pass over the rows for all. Without (the negative control), those
+    clients' next requests wait for a pass of their own."""
+    lay, mm, svc, _index, log, _states, request, read, answered = _gather_rig(4, gather_us)
+    back = lambda i: lambda: (read(i), request(i))  # noqa: E731 - a client that recalls again at once
+    sems = [_Returning(back(0)), _Sem(), _Sem(), _Sem()]
+    d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {}, gather_us=gather_us)
+    request(0)
+    assert d.poll() == 1 and log == ["launch 1"]
+    request(1)
+    request(2)
+    if gather_us:
+        assert d.poll() == 3  # 1 and 2, then 0 again
+        assert log == ["launch 1", "finish", "launch 3"], log
+        assert answered == [(0, 1, answered[0][2])]  # slot 0's first answer, read before the launch
+    else:
+        assert d.poll() == 2
+        assert log == ["launch 1", "finish", "launch 2"], log
+        assert d.poll() == 1 and log[-1] == "launch 1", log  # slot 0's second request: its own pass
+    sems[0].on_post = lambda: read(0)  # the client stops
+    assert d.settle() == (3 if gather_us else 1)
+    for i in (1, 2):
+        read(i)
+    assert [a[:2] for a in answered] == [(0, 1), (0, 2), (1, 1), (2, 1)]
+
+
+def test_gathering_waits_at_most_half_the_search_for_clients_that_do_not_come_back() -> None:
+    lay, mm, svc, index, log, states, request, _read, _answered = _gather_rig(3, 10_000_000)  # 10 s allowed
+    sems = [_Sem() for _ in range(3)]
+    d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {}, gather_us=10_000_000)
+    request(0)
+    assert d.poll() == 1
+    request(1)
+    index.during_search.append(lambda: time.sleep(0.02))  # the search in flight takes 20 ms
+    t0 = time.monotonic()
+    assert d.poll() == 1  # slot 0 answered, its client never returns: slot 1 launched alone
+    waited = time.monotonic() - t0
+    assert 0.02 <= waited < 2.0, waited  # the search and up to half of it again, not 10 s
+    assert log == ["launch 1", "finish", "launch 1"], log
+    assert states[0] == SlotState.RESPONSE and sems[0].posts == 1
+    assert d.settle() == 1 and states[1] == SlotState.RESPONSE
+
+
+def test_gather_us_must_not_be_negative() -> None:
+    lay = Layout(n_slots=2, dim=4, payload_size=1 << 12, blob_size=1 << 12)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc = Service(CpuIndex(4, METRICS["ip"]), NullStore(), dim=4, metric=METRICS["ip"])
+    with pytest.raises(ValueError, match="gather_us must be >= 0"):
+        Dispatcher(mm, lay, [_Sem(), _Sem()], svc, Stats(), describe=lambda: {}, gather_us=-1)
 
 
 class _ArenaRig(NamedTuple):
