@@ -624,9 +624,10 @@ class Dispatcher:
         gathered from the slots, checked, and their generations looked up in one pass (one by
         one, that took ~3 us of Python per member on the development VM). False, having
         answered nothing, where it does not apply; a member whose rows fail the checks gets
-        INTERNAL, as from :meth:`_write_hits`. Whether it applies is asked of the whole batch,
-        so that ``members`` (all of it, or those _hotpath.answer1 left) get what the Python
-        path gives them in that batch: here a row whose arena entry is empty is refused, where
+        INTERNAL, as from :meth:`_write_hits`. Whether it applies is asked of the whole batch
+        (the members answered in C included, their rows read from their slots), so that
+        ``members`` (all of it, or those _hotpath.answer1 left) get what the Python path gives
+        them in that batch: here a row whose arena entry is empty is refused, where
         :meth:`_write_hits` of a batch-1 recall, which checks the row table's documents, would
         name it."""
         arena, kk = self.service.rows.arena, b.kk
@@ -639,6 +640,13 @@ class Dispatcher:
         ok = ((r >= 0) & (r < high)).all(axis=1)
         if (r[ok] >= cap).any():
             return False  # rows the arena does not cover yet: documents inline, member by member
+        if len(members) < len(b.part):
+            # the members answered in C count too (read from their slots, as without the C
+            # path): one whose rows the arena does not cover yet sends every member to
+            # _write_hits, which checks the row table's documents, not the arena's entries
+            every = np.array([spec.rows[0, :kk] for spec in b.specs[: len(b.part)]], np.int64)
+            if (every[((every >= 0) & (every < high)).all(axis=1)] >= cap).any():
+                return False
         held = np.zeros_like(ok)
         held[ok] = arena.held_rows(r[ok])
         entries = bool(b.flags & Flag.ARENA_ENTRIES)

@@ -312,3 +312,25 @@ def test_the_comparison_catches_a_difference(monkeypatch: pytest.MonkeyPatch) ->
     out, want = _run(c, qs, ENTRIES, 10, 3), _run(p, qs, ENTRIES, 10, 3)
     with pytest.raises(AssertionError, match=f"slot 2 differs first at byte {RESPONSE_OFFSET}"):  # its seq
         _assert_same(out, want)
+
+
+@pytest.mark.parametrize("flags", [ARENA, ENTRIES], ids=["generations", "entries"])
+def test_what_answer1_leaves_gets_the_whole_batchs_python_answer_beside_rows_the_arena_does_not_cover(
+    flags: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether _answer_gens applies is the whole batch's, members answered in C included: one
+    member's row past the arena's rows_cap sends every member of the Python path to
+    _write_hits, which checks the row table's documents, not the arena's entries. A member
+    answer1 declines (its row's arena entry is empty while the row table holds its document:
+    the two part ways) then gets that answer here too, not _answer_gens' refusal of the entry
+    because the member past rows_cap was answered in C (before the fix: INTERNAL "rows that
+    hold no memory" in C's batch, OK in Python's)."""
+    svc = _service(ROWS)
+    monkeypatch.setattr(svc.rows.arena, "rows_cap", 16)
+    svc.rows.arena.clear(7)  # type: ignore[union-attr]
+    c, p = _rigs(svc, monkeypatch)
+    qs = svc.vectors(np.array([100, 3, 7, 5, 0, 9], np.int64))  # cosine: each row its own top-1
+    out = _run(c, qs, flags, 1, 9)
+    _assert_same(out, _run(p, qs, flags, 1, 9))
+    assert [r.status for _, r, _ in _responses(out, c.lay)] == [Status.OK] * N_SLOTS
+    assert c.d.hot.calls["answered"] == N_SLOTS - 1  # type: ignore[union-attr]
