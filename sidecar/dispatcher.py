@@ -254,7 +254,16 @@ class Dispatcher:
         self._finish(b)
         self._inflight = None
         budget = min(self.gather_ns, (time.perf_counter_ns() - b.t_launch) >> 1)
-        self._answer_batch(b)
+        try:
+            self._answer_batch(b)
+        except FatalDeviceError:
+            raise
+        except Exception:  # (a post that failed): ``groups`` is launched all the same
+            # raised, the requests in ``groups`` (picked up, BUSY) would never be launched nor
+            # answered: without gathering they are in flight by then, and the serve loop's
+            # settle answers them
+            log.exception("answering the batch in flight failed")
+            return 0
         end = time.perf_counter_ns() + budget
         expect, got = len(b.part), 0
         while got < expect:

@@ -4,6 +4,7 @@ not finite gets an error without failing its neighbours."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import time
 import warnings
@@ -429,6 +430,36 @@ def test_gathering_waits_at_most_half_the_search_for_clients_that_do_not_come_ba
     assert log == ["launch 1", "finish", "launch 1"], log
     assert states[0] == SlotState.RESPONSE and sems[0].posts == 1
     assert d.settle() == 1 and states[1] == SlotState.RESPONSE
+
+
+class _BrokenSem(_Sem):
+    def release(self) -> None:
+        super().release()
+        raise RuntimeError("sem_post failed")
+
+
+@pytest.mark.parametrize("gather_us", [0, 1_000_000])
+def test_a_failure_answering_the_batch_in_flight_leaves_no_request_picked_up_unanswered(gather_us: int) -> None:
+    """Answering the batch in flight fails (here its member's semaphore post): the requests
+    picked up while it searched are answered all the same, once the serve loop has logged the
+    failed pass and settled the batch in flight, as it does. Without gathering (the control)
+    they were launched before the failure; gathering answers the batch in flight first, and
+    before the fix the failure left them picked up (BUSY) and never launched: never answered."""
+    lay, mm, svc, _index, log, states, request, read, _answered = _gather_rig(3, gather_us)
+    sems = [_BrokenSem(), _Sem(), _Sem()]
+    d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {}, gather_us=gather_us)
+    request(0)
+    assert d.poll() == 1
+    request(1)
+    request(2)
+    with contextlib.suppress(RuntimeError):  # as the serve loop: the failed pass logged, then settle
+        d.poll()
+    d.settle()
+    assert states[0] == SlotState.RESPONSE and sems[0].posts == 1
+    for i in (1, 2):
+        read(i)
+        assert sems[i].posts == 1
+    assert log == ["launch 1", "finish", "launch 2", "finish"], log
 
 
 def test_gather_us_must_not_be_negative() -> None:
