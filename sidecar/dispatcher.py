@@ -206,15 +206,17 @@ class Dispatcher:
         ready = self.waiting()
         if not len(ready):
             return self.settle()
-        if (len(ready) == 1 and self._lone_path and not self._bells and self._inflight is None
-                and self._lone(int(ready[0]))):  # fmt: skip
-            return 1
+        take = True  # False: _hotpath.take has declined the lone request already (see _pick_up)
+        if len(ready) == 1 and self._lone_path and not self._bells and self._inflight is None:
+            if self._lone(int(ready[0])):
+                return 1
+            take = False
         if self._bells:
             self.lone = self._lone_after(ready)
         self._busy_until = 0  # end of the last answer of this pass (for the "pickup" phase)
         self._taken.clear()
         groups: dict[tuple[int, int], list[tuple[int, Request, int]]] = {}
-        self._pick_up(ready, groups)
+        self._pick_up(ready, groups, take)
         n = len(ready)
         b = self._inflight
         if b is not None and not b.finished and self.gather_ns and groups:
@@ -283,8 +285,8 @@ class Dispatcher:
         was most of what the sidecar added to the search (issue 2;
         benchmarks/dispatcher_batch.py --cold). What answer1 leaves (vectors, an answer in
         parts, a row that fails a check) and an empty namespace go on from the slot's rows
-        as usual. False, having done nothing, for any other request: the caller takes it the
-        usual way."""
+        as usual. False, having done nothing, for any other request (_hotpath.take declined
+        it): the caller takes it the usual way, without asking take again."""
         t0 = time.perf_counter_ns()
         words = self.hot.take(self._slot_views[i], self._hot_layout)
         if words is None:
@@ -332,11 +334,14 @@ class Dispatcher:
         phase("search", (t_answer - t_search) / 1000)
         phase("answer", (t_done - t_answer) / 1000)
 
-    def _pick_up(self, ready: np.ndarray, groups: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> None:
+    def _pick_up(self, ready: np.ndarray, groups: dict[tuple[int, int], list[tuple[int, Request, int]]],
+                 take: bool = True) -> None:  # fmt: skip
         """Take the requests in ``ready``: mark each BUSY and check it; recalls without
         arguments join ``groups`` by (k, flags) for a batched search; anything else is
-        answered now, after the batch in flight (rows could change)."""
-        hot = self.hot
+        answered now, after the batch in flight (rows could change). ``take`` False: the Python
+        way only (_hotpath.take has declined them already: :meth:`_lone`'s request, not read
+        again for the same answer)."""
+        hot = self.hot if take else None
         for i in ready.tolist():
             t0 = time.perf_counter_ns()
             if hot is not None:  # a batch-1 recall in the default namespace, checked in C

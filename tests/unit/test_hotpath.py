@@ -528,3 +528,52 @@ def test_an_answer_given_in_c_is_never_overwritten_by_a_later_failure(monkeypatc
     resp = RESPONSE_STRUCT.unpack_from(mc, off + RESPONSE_OFFSET)
     assert np.ndarray((1,), np.uint32, mc, off)[0] == SlotState.RESPONSE and resp[1] == Status.OK
     assert dc.sems[0].posts == 1
+
+
+@pytest.mark.parametrize(
+    ("why", "status"),
+    [("NaN", Status.BAD_REQUEST), ("deadline", Status.DEADLINE), ("k", Status.BAD_REQUEST),
+     ("dim", Status.DIMENSION), ("namespace", Status.OK), ("ping", Status.OK)],
+)  # fmt: skip
+def test_a_lone_request_take_declined_is_not_taken_again(
+    why: str, status: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone request _hotpath.take declines (in _lone) goes the Python way at once: take is not
+    asked of it again (a second read of the slot, ~1 µs, for the same None), and the answer is
+    the Python path's, byte for byte."""
+    from kalos_retrievers.protocol import encode_recall_args
+
+    svc = _service(ROWS)
+    (dc, mc, lay), (dp, mp, _) = _two_dispatchers(svc, monkeypatch)
+    q = np.ones(DIM, np.float32)
+    kw: dict[str, int] = {}
+    args = b""
+    if why == "NaN":
+        q[3] = np.nan
+    elif why == "deadline":
+        kw = {"deadline_ns": 1}
+    elif why == "k":
+        kw = {"top_k": 65}
+    elif why == "dim":
+        kw = {"vec_len": 4 * DIM - 4}
+    elif why == "namespace":
+        args = encode_recall_args("", b'{"i": {"$lt": 20}}')
+    else:  # another op
+        kw = {"op": Op.PING, "vec_len": 0}
+    off = lay.slot_offset(0)
+    out = []
+    for d, mm in ((dc, mc), (dp, mp)):
+        mm[off : off + lay.slot_size] = bytes(lay.slot_size)
+        start = off + lay.payload_offset + align8(4 * DIM)
+        mm[start : start + len(args)] = args
+        np.frombuffer(mm, np.float32, DIM, off + lay.payload_offset)[:] = q
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, *_recall(args_len=len(args), **kw))
+        np.ndarray((1,), np.uint32, mm, off)[0] = SlotState.REQUEST
+        assert d.poll() == 1
+        d.settle()
+        out.append((bytes(mm[off : off + lay.slot_size]), d.sems[0].posts))
+    assert out[0] == out[1] and out[0][1] == 1
+    calls = dc.hot.calls  # type: ignore[attr-defined]
+    assert calls == {"take": 1}, calls  # declined once, and not asked again
+    resp = RESPONSE_STRUCT.unpack_from(out[0][0], RESPONSE_OFFSET)
+    assert resp[1] == status
