@@ -26,6 +26,27 @@ import pytest
 pytestmark = pytest.mark.reliability
 pytest.importorskip("kalos_retrievers.sidecar._hotpath", reason="the C extension is not built here")
 
+# Both scenarios: a forked writer that runs write_round(0), write_round(1), ... until killed.
+FORK_WRITER = r'''
+import os, signal
+
+def fork_writer(write_round):
+    pid = os.fork()
+    if pid == 0:  # the writer, killed with its parent (a crashed parent must not leave it spinning)
+        try:
+            import ctypes
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            if os.getppid() == 1:
+                os._exit(0)
+            i = 0
+            while True:
+                write_round(i)
+                i += 1
+        finally:
+            os._exit(0)
+    return pid
+'''
+
 SCENARIO = r'''
 import json, mmap, os, signal, sys
 import numpy as np
@@ -60,20 +81,11 @@ def take_twice(view, layout):
     return tuple(REQUEST_STRUCT.unpack_from(view, REQUEST_OFFSET))
 
 take = take_twice if TWICE else hp.take
-pid = os.fork()
-if pid == 0:  # the writer, killed with its parent (a crashed parent must not leave it spinning)
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:
-            os._exit(0)
-        i = 0
-        while True:
-            slot[REQUEST_OFFSET : REQUEST_OFFSET + REQUEST_STRUCT.size] = packed[0]
-            slot[REQUEST_OFFSET : REQUEST_OFFSET + REQUEST_STRUCT.size] = packed[1 + i % len(bad)]
-            i += 1
-    finally:
-        os._exit(0)
+def write_round(i):
+    slot[REQUEST_OFFSET : REQUEST_OFFSET + REQUEST_STRUCT.size] = packed[0]
+    slot[REQUEST_OFFSET : REQUEST_OFFSET + REQUEST_STRUCT.size] = packed[1 + i % len(bad)]
+
+pid = fork_writer(write_round)
 got = {"taken": 0, "left": 0, "wrong": 0}
 try:
     for _ in range(CALLS):
@@ -96,11 +108,16 @@ print(json.dumps(got))
 '''
 
 
-def _scenario(calls: int, twice: bool) -> dict[str, int]:
+def _run(scenario: str, calls: int, twice: bool) -> dict[str, int]:
     env = {"CALLS": str(calls), "PATH": "", "TWICE": "1" if twice else "0"}
-    r = subprocess.run([sys.executable, "-P", "-c", SCENARIO], capture_output=True, text=True, timeout=240, env=env)
+    r = subprocess.run([sys.executable, "-P", "-c", FORK_WRITER + scenario], capture_output=True, text=True,
+                       timeout=240, env=env)  # fmt: skip
     assert r.returncode == 0, f"the scenario ended with {r.returncode}: {r.stderr[-2000:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _scenario(calls: int, twice: bool) -> dict[str, int]:
+    return _run(SCENARIO, calls, twice)
 
 
 def test_request_words_rewritten_while_taken_never_yield_an_invalid_request() -> None:
@@ -160,19 +177,11 @@ def answer_twice(slot, layout, seq, flags, rows, scores, high, docs, arena):
     return True
 
 answer1 = answer_twice if TWICE else hp.answer1
-pid = os.fork()
-if pid == 0:  # the writer, killed with its parent (a crashed parent must not leave it spinning)
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:
-            os._exit(0)
-        a, b = lay.rows_offset, lay.rows_offset + 4 * K
-        while True:
-            slot[a:b] = good
-            slot[a:b] = bad
-    finally:
-        os._exit(0)
+def write_round(i):
+    slot[lay.rows_offset : lay.rows_offset + 4 * K] = good
+    slot[lay.rows_offset : lay.rows_offset + 4 * K] = bad
+
+pid = fork_writer(write_round)
 got = {"answered": 0, "left": 0, "wrong": 0}
 try:
     for n in range(CALLS):
@@ -198,11 +207,7 @@ print(json.dumps(got))
 
 
 def _answer_scenario(calls: int, twice: bool) -> dict[str, int]:
-    env = {"CALLS": str(calls), "PATH": "", "TWICE": "1" if twice else "0"}
-    r = subprocess.run([sys.executable, "-P", "-c", ANSWER_SCENARIO], capture_output=True, text=True, timeout=240,
-                       env=env)  # fmt: skip
-    assert r.returncode == 0, f"the scenario ended with {r.returncode}: {r.stderr[-2000:]}"
-    return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return _run(ANSWER_SCENARIO, calls, twice)
 
 
 def test_rows_rewritten_in_the_slot_while_answered_never_yield_a_wrong_answer() -> None:
