@@ -292,12 +292,10 @@ def test_pipelined_batches_answer_only_finished_searches_and_settle_before_write
     assert states[1] == SlotState.RESPONSE and svc.rows.live == rows + 1
 
 
-def test_requests_arriving_during_a_search_join_the_next_batch() -> None:
-    """With a batch in flight, the dispatcher picks up what waits, then waits for the search
-    before launching, so requests that arrive while the device searches are launched together
-    with those that were already waiting: one pass over the rows for all of them, not one for
-    each wave."""
-    n_slots, dim, k, rows = 6, 5, 2, 40
+def _deferred_setup(n_slots: int, dim: int, rows: int):  # type: ignore[no-untyped-def]
+    """A segment of ``n_slots`` slots and a service over a :class:`_DeferredIndex` (inner
+    product) holding ``rows`` random rows with ids r0, r1, ...; returns (layout, segment, the
+    index's log, index, service, rng, rows)."""
     lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
     mm = mmap.mmap(-1, lay.segment_size)
     log: list[str] = []
@@ -307,6 +305,16 @@ def test_requests_arriving_during_a_search_join_the_next_batch() -> None:
     data = rng.standard_normal((rows, dim)).astype(np.float32)
     svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [""] * rows,
                 "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    return lay, mm, log, index, svc, rng, data
+
+
+def test_requests_arriving_during_a_search_join_the_next_batch() -> None:
+    """With a batch in flight, the dispatcher picks up what waits, then waits for the search
+    before launching, so requests that arrive while the device searches are launched together
+    with those that were already waiting: one pass over the rows for all of them, not one for
+    each wave."""
+    n_slots, dim, k, rows = 6, 5, 2, 40
+    lay, mm, log, index, svc, rng, data = _deferred_setup(n_slots, dim, rows)
     d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
     states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
     q = rng.standard_normal((n_slots, dim)).astype(np.float32)
@@ -352,17 +360,9 @@ class _Returning(_Sem):
         self.on_post()
 
 
-def _gather_rig(n_slots: int, gather_us: int):  # type: ignore[no-untyped-def]
+def _gather_rig(n_slots: int):  # type: ignore[no-untyped-def]
     dim, k, rows = 5, 2, 40
-    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
-    mm = mmap.mmap(-1, lay.segment_size)
-    log: list[str] = []
-    index = _DeferredIndex(dim, METRICS["ip"], log)
-    svc = Service(index, NullStore(), dim=dim, metric=METRICS["ip"])
-    rng = np.random.default_rng()
-    data = rng.standard_normal((rows, dim)).astype(np.float32)
-    svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [""] * rows,
-                "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+    lay, mm, log, index, svc, rng, data = _deferred_setup(n_slots, dim, rows)
     states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
     q = rng.standard_normal((n_slots, dim)).astype(np.float32)
     seqs = [0] * n_slots
@@ -392,7 +392,7 @@ def test_gathering_launches_the_returning_clients_with_those_already_waiting(gat
     requests that waited for it, and takes the clients it answered into the same launch when
     they come back: one pass over the rows for all. Without (the negative control), those
     clients' next requests wait for a pass of their own."""
-    lay, mm, svc, _index, log, _states, request, read, answered = _gather_rig(4, gather_us)
+    lay, mm, svc, _index, log, _states, request, read, answered = _gather_rig(4)
     back = lambda i: lambda: (read(i), request(i))  # noqa: E731 - a client that recalls again at once
     sems = [_Returning(back(0)), _Sem(), _Sem(), _Sem()]
     d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {}, gather_us=gather_us)
@@ -416,7 +416,7 @@ def test_gathering_launches_the_returning_clients_with_those_already_waiting(gat
 
 
 def test_gathering_waits_at_most_half_the_search_for_clients_that_do_not_come_back() -> None:
-    lay, mm, svc, index, log, states, request, _read, _answered = _gather_rig(3, 10_000_000)  # 10 s allowed
+    lay, mm, svc, index, log, states, request, _read, _answered = _gather_rig(3)
     sems = [_Sem() for _ in range(3)]
     d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {}, gather_us=10_000_000)
     request(0)
@@ -445,7 +445,7 @@ def test_a_failure_answering_the_batch_in_flight_leaves_no_request_picked_up_una
     failed pass and settled the batch in flight, as it does. Without gathering (the control)
     they were launched before the failure; gathering answers the batch in flight first, and
     before the fix the failure left them picked up (BUSY) and never launched: never answered."""
-    lay, mm, svc, _index, log, states, request, read, _answered = _gather_rig(3, gather_us)
+    lay, mm, svc, _index, log, states, request, read, _answered = _gather_rig(3)
     sems = [_BrokenSem(), _Sem(), _Sem()]
     d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {}, gather_us=gather_us)
     request(0)
