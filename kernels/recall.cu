@@ -272,6 +272,117 @@ __device__ __forceinline__ int next_pow2(int x) {
     return p;
 }
 
+// ---- compact's top-k by warp selection (KALOS_WARP_SELECT) ------------------------------
+//
+// For k <= 32 a candidate buffer's best k need no sort of the whole buffer: a bitonic sort of
+// 256-512 keys is 36-45 block-wide barrier steps, and at the end of a batch-1 scan the block
+// that finishes last runs one on the answer's critical path (merge_stamps.py: "loop end ->
+// append done" 8.4 µs at 100k rows). Here each warp takes 64 of the keys (two per lane, in
+// registers) and picks its best k, one per round: the warp's largest key by one redux, the
+// smallest row among the lanes holding it by another, the lane that held it moves on to its
+// second. Warp 0 then merges the warps' sorted lists the same way. Three barriers in all (one
+// when the keys fit one warp), and 2k rounds of a few instructions each. Measured on the H200
+// (S21-2): that block's "loop end -> append done" 8.3 -> 4.0 µs and the merge's final sort
+// 1.7 -> 1.25 at 100k rows (the graph's scan, 264 blocks); the resident kernel's scan + merge
+// 49.0 -> 47.7 µs, its round trip in process 58.5 -> 57.6; 1M unchanged.
+//
+// The order is bitonic_desc's: score descending, ties by row ascending, on the scores' ordered
+// bit patterns (sel_ord: -0 counted as +0, which it equals; a NaN, never offered, as -inf).
+// Padding is (-inf, INT_MAX), as compact's. The result is compact's: the best min(n, k) first,
+// in order, cnt and thr updated.
+#ifndef KALOS_WARP_SELECT
+#define KALOS_WARP_SELECT 1
+#endif
+
+__device__ __forceinline__ int sel_ord(float f) {
+    const int i = __float_as_int(f == f ? f + 0.f : neg_inf());
+    return i >= 0 ? i : i ^ 0x7fffffff;
+}
+__device__ __forceinline__ float sel_key(int o) { return __int_as_float(o >= 0 ? o : o ^ 0x7fffffff); }
+__device__ __forceinline__ int warp_max_i(int v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(0xffffffffu, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+#endif
+}
+__device__ __forceinline__ int warp_min_i(int v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_min_sync(0xffffffffu, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+#endif
+}
+
+// One round of a warp's selection: the best (o, v) of the warp's heads, to every lane; the
+// lane that held it (the lowest, for padding's duplicates) is told so through `won`.
+__device__ __forceinline__ void sel_round(int o, int v, int& m, int& mv, bool& won) {
+    m = warp_max_i(o);
+    mv = warp_min_i(o == m ? v : 0x7fffffff);
+    const unsigned int who = __ballot_sync(0xffffffffu, o == m && v == mv);
+    won = (threadIdx.x & 31) == (unsigned int)(__ffs(who) - 1);
+}
+
+// True when it compacted (all threads call it; false, with nothing done, where it does not
+// apply: k > 32, more keys than two per thread, more than 32 warps, or no room for the lists).
+__device__ bool warp_select(float* key, int* val, int* cnt, float* thr, int k, int buf) {
+    const int n = *cnt;
+    const int nw = blockDim.x >> 5, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool single = n <= 64;  // block-uniform: one warp does it all
+    if (k > 32 || n > 64 * nw || nw > 32 || (!single && (nw + 1) * k > buf)) return false;
+    const int kk = n < k ? n : k;  // results
+    int o0 = sel_ord(neg_inf()), v0 = 0x7fffffff, o1 = o0, v1 = v0;
+    const int nmine = min(max(n - 64 * w, 0), 64);  // this warp's keys
+    if (!single || w == 0) {
+        const int i = 64 * w + lane;
+        if (lane < nmine) { o0 = sel_ord(key[i]); v0 = val[i]; }
+        if (lane + 32 < nmine) { o1 = sel_ord(key[i + 32]); v1 = val[i + 32]; }
+        if (o1 > o0 || (o1 == o0 && v1 < v0)) {  // the lane's better one first
+            const int to = o0, tv = v0;
+            o0 = o1; v0 = v1; o1 = to; v1 = tv;
+        }
+    }
+    // every key is in registers before any list overwrites the buffer
+    if (single) __syncwarp(); else __syncthreads();
+    int m = 0, mv = 0;
+    if (!single || w == 0) {
+        const int out = single ? 0 : k + k * w;  // the results, or warp w's list
+        const int rounds = nmine < k ? nmine : k;
+        for (int r = 0; r < rounds; r++) {  // warp-uniform
+            bool won;
+            sel_round(o0, v0, m, mv, won);
+            if (won) { o0 = o1; v0 = v1; o1 = sel_ord(neg_inf()); v1 = 0x7fffffff; }
+            if (lane == 0) { key[out + r] = sel_key(m); val[out + r] = mv; }
+        }
+    }
+    if (!single) {
+        __syncthreads();
+        if (w == 0) {  // merge the warps' lists (list j: min(k, its keys) entries at k + k * j)
+            const int len = lane < nw ? min(min(max(n - 64 * lane, 0), 64), k) : 0;
+            int at = 0;
+            int ho = sel_ord(neg_inf()), hv = 0x7fffffff;
+            if (len > 0) { ho = sel_ord(key[k + k * lane]); hv = val[k + k * lane]; }
+            for (int r = 0; r < kk; r++) {
+                bool won;
+                sel_round(ho, hv, m, mv, won);
+                if (won) {
+                    ho = sel_ord(neg_inf()); hv = 0x7fffffff;
+                    if (++at < len) { ho = sel_ord(key[k + k * lane + at]); hv = val[k + k * lane + at]; }
+                }
+                if (lane == 0) { key[r] = sel_key(m); val[r] = mv; }
+            }
+        }
+    }
+    if (threadIdx.x == 0) {  // thread 0 wrote every result: m is the last (the k-th when kk == k)
+        *cnt = kk;
+        *thr = kk == k ? sel_key(m) : neg_inf();
+    }
+    __syncthreads();
+    return true;
+}
+
 // Shrink a candidate buffer to its best k (sorted first), update the threshold.
 // cnt and thr live in shared memory; all threads call it.
 __device__ void compact(float* key, int* val, int* cnt, float* thr, int k, int buf) {
@@ -288,6 +399,19 @@ __device__ void compact(float* key, int* val, int* cnt, float* thr, int k, int b
         *thr = (keep == k) ? key[k - 1] : neg_inf();
     }
     __syncthreads();
+}
+
+// compact, by warp selection where it applies (KALOS_WARP_SELECT) and SEL: for the compaction
+// after a scan and the merge's last one. Not in make_room (inlined into the scan loop, it took
+// the float16 graph scan from 64 registers to 80 and a spill), nor in int8's kernels (their
+// merges keep RESCORE_FACTOR x k > 32 candidates, and the code made their resident kernels
+// spill). In the resident float16 kernel ptxas spills two shared-memory addresses around it
+// (stored before the block's selection, reloaded after it and in the merge: no reload of
+// anything the scan evicted, checked with cuobjdump -sass).
+template <bool SEL>
+__device__ void compact_top(float* key, int* val, int* cnt, float* thr, int k, int buf) {
+    if (SEL && KALOS_WARP_SELECT && warp_select(key, val, cnt, thr, k, buf)) return;
+    compact(key, val, cnt, thr, k, buf);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -789,7 +913,7 @@ __device__ void merge_appended(Cands<QB>& c, const Params* p, int q, int k, unsi
     }
     KALOS_STAMP(5);
     KALOS_COUNT(10, c.cnt[q]);
-    compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
+    compact_top<!SEARCH>(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
     KALOS_STAMP(6);
     int* orow = p->out_rows[q];
     float* oscore = p->out_scores[q];
@@ -997,7 +1121,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     float* maxima = (k <= maxima_k_max(search) && (int)gridDim.x <= 32 * MAXIMA_PER_LANE) ? scratch_k + (size_t)QB * cap
                                                                                           : nullptr;
     for (int q = 0; q < QB; q++) {
-        compact(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
+        compact_top<!search>(c.key + q * c.buf, c.val + q * c.buf, &c.cnt[q], &c.thr[q], k, c.buf);
         if (KALOS_PROBE & PROBE_NO_APPEND) continue;
         if (q < nq) append_list(c.key + q * c.buf, c.val + q * c.buf, c.cnt[q], k, q, sync, scratch_k, scratch_v, cap,
                                 maxima == nullptr ? nullptr : maxima + (size_t)q * gridDim.x);
@@ -1371,7 +1495,9 @@ __device__ void rescored_order(float* key, int* val, int n, const u64* results, 
 // nothing from 3 (80 registers, 8 bytes spilled) and lost 28-52 us with 4 (64 registers, its
 // loads in flight cut to 4). int8's is 2 since its split scan (KALOS_SCAN_SPLIT_I8), which
 // compiles to 185 registers without a bound and to 128 without a spill at 2 (6 loads in
-// flight), the registers and the 2 blocks per SM the earlier int8 kernel had; float32: 0.
+// flight), the registers and the 2 blocks per SM the earlier int8 kernel had; float32: 2 (the
+// 2 blocks per SM its 114 registers allowed before S21-2; with 0, its settings read from shared
+// memory, ptxas chose 80 registers and spilled 16 bytes).
 #ifndef KALOS_BELL_MINB_H
 #define KALOS_BELL_MINB_H 3
 #endif
@@ -1379,7 +1505,7 @@ __device__ void rescored_order(float* key, int* val, int n, const u64* results, 
 #define KALOS_BELL_MINB_I8 2
 #endif
 #ifndef KALOS_BELL_MINB_F
-#define KALOS_BELL_MINB_F 0
+#define KALOS_BELL_MINB_F 2
 #endif
 template <typename T> struct BellMinBlocks { static constexpr int value = KALOS_BELL_MINB_F; };
 template <> struct BellMinBlocks<__half> { static constexpr int value = KALOS_BELL_MINB_H; };
@@ -1399,17 +1525,16 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
     // The host's settings, from the device copy `cfg` the host makes before each launch: read
     // from host memory by every thread of every block, they were ~23k PCIe reads that held the
     // kernel's start back ~10 ms (S5-2). Only `stop` is read from host memory (ctl_).
-    const int mode = cfg->mode;
-    const int n_slots = cfg->n_slots, dim = cfg->dim, max_k = cfg->max_k;
-    const u64 seg = cfg->seg, slot0 = cfg->slot0, slot_size = cfg->slot_size;
-    const int payload_off = cfg->payload_off, rows_off = cfg->rows_off;
-    const int scores_off = cfg->scores_off, blob_off = cfg->blob_off;
-    const u64 arena = cfg->arena;
-    const int arena_rows = cfg->arena_rows;
-    const u64 arena_version = cfg->arena_version;
-    const int c_rows = cfg->n_rows, c_ns = cfg->ns_id;
-    const u64 exact = cfg->exact;
-    const int rescore = cfg->rescore;
+    // The settings themselves are read from a shared-memory copy, S, where they are used
+    // (volatile: not held in registers across the request loop). Held in registers (before
+    // S21-2) they left the float16 kernel's 80 no room for the scan's final selection
+    // (warp_select): ptxas spilled values it reloaded once per request, from local memory the
+    // scan had evicted (the respond stamp 2.3 -> 2.7 µs). Shared memory is never evicted.
+    __shared__ uint4 s_cfg[8];
+    if (threadIdx.x < 8) s_cfg[threadIdx.x] = reinterpret_cast<const uint4*>(cfg)[threadIdx.x];
+    __syncthreads();
+    const volatile BellCtl& S = *reinterpret_cast<const volatile BellCtl*>(s_cfg);
+    const int mode = cfg->mode;  // (in a register: every host load and store tests it)
     if (blockIdx.x == 0 && threadIdx.x == 0) hstore(&ctl_->stamp[8], global_ns(), mode);
     // the last block to return stamps it (how long a stop takes on the GPU's side)
     auto leave = [&]() {
@@ -1418,18 +1543,27 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             __threadfence_system();
         }
     };
-    unsigned int seen = 0;       // requests this block has taken part in
+    // requests this block has taken part in, in shared memory: held in a register, ptxas spilled
+    // it at the loop's top and reloaded it for the answer, from memory the scan had evicted
+    // (S21-2: the respond stamp 2.3 -> 2.7 µs with the warp selection's registers)
+    __shared__ unsigned int s_seen;
+    auto seen = [&]() -> unsigned int { return *reinterpret_cast<volatile unsigned int*>(&s_seen); };
+    if (threadIdx.x == 0) s_seen = 0u;
+    __syncthreads();
     unsigned int rot = 0;        // where the poll starts (fairness between slots)
     for (;;) {
         if (blockIdx.x == 0) {
             if (threadIdx.x == 0) {
-                while (vload(bell + 1) != seen) { }  // every block done with the last
+                while (vload(bell + 1) != seen()) { }  // every block done with the last
                 s_go = -1;
             }
             __syncthreads();
             if (threadIdx.x < 32) {
                 const int lane = threadIdx.x;
                 const u64 t_poll = global_ns();
+                // the poll's settings in registers while it polls (read from S once, not per load)
+                const int n_slots = S.n_slots;
+                const u64 slots = S.seg + S.slot0, slot_size = S.slot_size;
                 u64 polls = 0;
                 for (;; polls++) {
                     // Up to 32 x BELL_POLL_WIDE words per round trip of PCIe (~1.8-2.1 µs,
@@ -1444,7 +1578,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
 #pragma unroll
                         for (int j = 0; j < BELL_POLL_WIDE; j++) {
                             const int i = b + 32 * j + ((lane + rot) & 31);
-                            const unsigned int* w = i < n_slots ? reinterpret_cast<const unsigned int*>(seg + slot0 + (u64)i * slot_size)
+                            const unsigned int* w = i < n_slots ? reinterpret_cast<const unsigned int*>(slots + (u64)i * slot_size)
                                                                 : reinterpret_cast<const unsigned int*>(&ctl_->stop);
                             st[j] = i <= n_slots ? hload(w, mode) : 0u;
                         }
@@ -1471,11 +1605,11 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                     // a crowd: the sidecar's batched path serves it better. int8: once a request
                     // was tagged BELL_LAST_TAG, the next would be tag 0, which zeroed records
                     // carry: the sidecar answers from then on, and its next launch starts over
-                    if (count > 1 || (Vec<T>::INT8 && seen == BELL_LAST_TAG)) {
+                    if (count > 1 || (Vec<T>::INT8 && seen() == BELL_LAST_TAG)) {
                         for (int b = 0; b < n_slots; b += 32) {
                             int i = b + lane;
                             if (i < n_slots) {
-                                unsigned int* w = reinterpret_cast<unsigned int*>(seg + slot0 + (u64)i * slot_size);
+                                unsigned int* w = reinterpret_cast<unsigned int*>(slots + (u64)i * slot_size);
                                 if (hload(w, mode) == ST_DOORBELL) hstore(w, (unsigned int)ST_REQUEST, mode);
                             }
                         }
@@ -1500,7 +1634,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 leave();
                 return;
             }
-            const u64 sb = seg + slot0 + (u64)slot * slot_size;
+            const u64 sb = S.seg + S.slot0 + (u64)slot * S.slot_size;
             // The request's control words (host memory), read once, into shared memory: a
             // client rewriting them meanwhile must not split the block's decision. One load
             // per lane of warp 0, in flight together: read one after another, 12 words cost
@@ -1516,18 +1650,18 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             __threadfence_system();  // the words and the query after the state word that announced them
             unsigned int word = 0;
             if (threadIdx.x < W_REQUEST) word = hload(reinterpret_cast<const unsigned int*>(sb) + threadIdx.x, mode);
-            const float* q = reinterpret_cast<const float*>(sb + payload_off);
-            const bool q16 = ((sb + payload_off) & 15) == 0;
+            const float* q = reinterpret_cast<const float*>(sb + S.payload_off);
+            const bool q16 = ((sb + S.payload_off) & 15) == 0;
             float part = 0.f, amax = 0.f;
             for (int i = 4 * threadIdx.x; i < ld; i += 4 * blockDim.x) {
                 float v[4];
-                if (q16 && i + 3 < dim) {
+                if (q16 && i + 3 < S.dim) {
                     uint4 u = hload4(q + i, mode);
                     v[0] = __uint_as_float(u.x); v[1] = __uint_as_float(u.y);
                     v[2] = __uint_as_float(u.z); v[3] = __uint_as_float(u.w);
                 } else {
 #pragma unroll
-                    for (int j = 0; j < 4; j++) v[j] = i + j < dim ? hload(q + i + j, mode) : 0.f;
+                    for (int j = 0; j < 4; j++) v[j] = i + j < S.dim ? hload(q + i + j, mode) : 0.f;
                 }
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
@@ -1551,8 +1685,8 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 const u64 args_len = (u64)s_w[W_ARGS_LEN] | ((u64)s_w[W_ARGS_LEN + 1] << 32);
                 s_ok = s_w[W_OP] == OP_RECALL &&
                        (s_w[W_FLAGS] | FLAG_ARENA_ENTRIES) == (FLAG_ARENA_DOCS | FLAG_ARENA_ENTRIES) &&
-                       s_w[W_N_ITEMS] == 1 && args_len == 0 && vec_len == 4ull * dim && s_w[W_TOP_K] >= 1 &&
-                       (int)s_w[W_TOP_K] <= max_k && c_ns != -3;
+                       s_w[W_N_ITEMS] == 1 && args_len == 0 && vec_len == 4ull * S.dim && s_w[W_TOP_K] >= 1 &&
+                       (int)s_w[W_TOP_K] <= S.max_k && S.ns_id != -3;
             }
             __syncthreads();
             const unsigned int top_k = s_w[W_TOP_K];
@@ -1598,18 +1732,18 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             }
             // int8: the scan finds rescore x k candidates (into `cand`, device memory); the last
             // block re-scores them exactly and answers the best k
-            const int kc = Vec<T>::INT8 ? min(rescore * (int)top_k, KALOS_CAND_MAX) : (int)top_k;
+            const int kc = Vec<T>::INT8 ? min(S.rescore * (int)top_k, KALOS_CAND_MAX) : (int)top_k;
             if (threadIdx.x == 0) {
                 params->n_queries = 1;
                 params->k = kc;
-                params->n_rows = c_rows;
-                params->ns_id = c_ns;
+                params->n_rows = S.n_rows;
+                params->ns_id = S.ns_id;
                 params->mask = nullptr;
                 params->out_ld = kc;
                 params->seq = 0;
-                params->out_rows[0] = Vec<T>::INT8 ? cand : reinterpret_cast<int*>(sb + rows_off);
+                params->out_rows[0] = Vec<T>::INT8 ? cand : reinterpret_cast<int*>(sb + S.rows_off);
                 params->out_scores[0] = Vec<T>::INT8 ? reinterpret_cast<float*>(cand + KALOS_CAND_MAX)
-                                                     : reinterpret_cast<float*>(sb + scores_off);
+                                                     : reinterpret_cast<float*>(sb + S.scores_off);
                 params->qnorm2[0] = (METRIC == METRIC_COSINE && ssq > 0.f) ? 1.f : ssq;
                 params->qscale[0] = qs;
                 bell[8] = top_k;
@@ -1626,7 +1760,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
         } else {
             if (threadIdx.x == 0) {
                 for (;;) {
-                    if (vload(bell) != seen) { s_go = 1; break; }
+                    if (vload(bell) != seen()) { s_go = 1; break; }
                     if (vload(bell + 2)) { s_go = -2; break; }
                 }
             }
@@ -1636,7 +1770,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 return;
             }
         }
-        seen++;
+        if (threadIdx.x == 0) s_seen = seen() + 1u;  // read after the barrier below
         __threadfence();
         // this request's params into shared memory, through L2
         {
@@ -1656,52 +1790,52 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 const int* rows = reinterpret_cast<const int*>(smem + ld + buf);  // the merge's, best first
                 u64* handout = bell_handout(cand);
                 for (int i = threadIdx.x; i < kc; i += blockDim.x)
-                    vstore64(handout + i, ((u64)seen << 32) | (unsigned int)(i < kk ? rows[i] : -1));
+                    vstore64(handout + i, ((u64)seen() << 32) | (unsigned int)(i < kk ? rows[i] : -1));
                 __syncthreads();  // rows read before rescored_order rewrites the buffer
             }
-            rescore_share<METRIC>(bell_handout(cand), kc, qbuf, exact, ld, mode, bell_results(cand), arena, arena_rows,
-                                  seen);
+            rescore_share<METRIC>(bell_handout(cand), kc, qbuf, S.exact, ld, mode, bell_results(cand), S.arena, S.arena_rows,
+                                  seen());
             if (kk < 0) continue;  // not the last block: back to the wait for the next request
             rescored_order<METRIC>(smem + ld, reinterpret_cast<int*>(smem + ld + buf), kk, bell_results(cand),
-                                   sp.qnorm2[0], seen, &ctl_->stamp[11], mode);
+                                   sp.qnorm2[0], seen(), &ctl_->stamp[11], mode);
             // vals: indices in cand, whose rows and entries the answer reads below
         }
         if (kk >= 0) {  // the last block: its buffer holds the answer, sorted (int8: indices in cand)
             if (!Vec<T>::INT8 && threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
             int* vals = reinterpret_cast<int*>(smem + ld + buf);
             const unsigned int hand = __ldcg(bell + 3);
-            const u64 sb = seg + slot0 + (u64)(hand & 0x7FFFFFFFu) * slot_size;
+            const u64 sb = S.seg + S.slot0 + (u64)(hand & 0x7FFFFFFFu) * S.slot_size;
             if constexpr (Vec<T>::INT8) {  // the best k of the re-scored candidates into the slot
                 const float* keys = smem + ld;
                 const int top_k = (int)__ldcg(bell + 8);
                 kk = min(kk, top_k);
-                int* orow = reinterpret_cast<int*>(sb + rows_off);
-                float* oscore = reinterpret_cast<float*>(sb + scores_off);
+                int* orow = reinterpret_cast<int*>(sb + S.rows_off);
+                float* oscore = reinterpret_cast<float*>(sb + S.scores_off);
                 for (int i = threadIdx.x; i < top_k; i += blockDim.x) {
                     hstore(orow + i, i < kk ? __ldcg(cand + vals[i]) : -1, mode);
                     hstore(reinterpret_cast<unsigned int*>(oscore + i), __float_as_uint(i < kk ? keys[i] : neg_inf()), mode);
                 }
                 if (threadIdx.x == 0) hstore(&ctl_->stamp[10], global_ns(), mode);
             }
-            unsigned int* out = reinterpret_cast<unsigned int*>(sb + blob_off);
+            unsigned int* out = reinterpret_cast<unsigned int*>(sb + S.blob_off);
             const bool entries = hand >> 31;
             if (entries) {
                 // the arena's version, then each hit's whole entry (offset, length, gen): the
                 // client copies the record without reading the row table. Nothing writes the
                 // arena while this kernel runs (the sidecar stops it first).
                 if (threadIdx.x == 0) {
-                    hstore(out, (unsigned int)arena_version, mode);
-                    hstore(out + 1, (unsigned int)(arena_version >> 32), mode);
+                    hstore(out, (unsigned int)S.arena_version, mode);
+                    hstore(out + 1, (unsigned int)(S.arena_version >> 32), mode);
                 }
                 for (int i = threadIdx.x; i < kk; i += blockDim.x) {
                     uint4 e = make_uint4(0u, 0u, 0u, 0u);  // no such entry: length 0 (the client asks again)
                     if constexpr (Vec<T>::INT8) {
-                        e = result_entry(bell_results(cand), vals[i], seen);  // read with the row (rescore_share)
+                        e = result_entry(bell_results(cand), vals[i], seen());  // read with the row (rescore_share)
                     } else {
                         int r = vals[i];
-                        if (r >= 0 && r < arena_rows)
-                            e = (mode & BELL_ARENA_DEVICE) ? __ldcg(reinterpret_cast<const uint4*>(arena) + r)
-                                                           : hload4(reinterpret_cast<const void*>(arena + 16ull * r), mode);
+                        if (r >= 0 && r < S.arena_rows)
+                            e = (mode & BELL_ARENA_DEVICE) ? __ldcg(reinterpret_cast<const uint4*>(S.arena) + r)
+                                                           : hload4(reinterpret_cast<const void*>(S.arena + 16ull * r), mode);
                     }
                     unsigned int* o = out + 2 + 4 * i;
                     hstore(o, e.x, mode);
@@ -1713,12 +1847,12 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 for (int i = threadIdx.x; i < kk; i += blockDim.x) {
                     unsigned int g = 0;  // no such entry: a generation no row has (the client asks again)
                     if constexpr (Vec<T>::INT8) {
-                        g = result_entry(bell_results(cand), vals[i], seen).w;
+                        g = result_entry(bell_results(cand), vals[i], seen()).w;
                     } else {
                         int r = vals[i];
-                        if (r >= 0 && r < arena_rows)
-                            g = (mode & BELL_ARENA_DEVICE) ? __ldcg(reinterpret_cast<const unsigned int*>(arena + 16ull * r + 12))
-                                                           : hload(reinterpret_cast<const unsigned int*>(arena + 16ull * r + 12), mode);
+                        if (r >= 0 && r < S.arena_rows)
+                            g = (mode & BELL_ARENA_DEVICE) ? __ldcg(reinterpret_cast<const unsigned int*>(S.arena + 16ull * r + 12))
+                                                           : hload(reinterpret_cast<const unsigned int*>(S.arena + 16ull * r + 12), mode);
                     }
                     hstore(out + i, g, mode);
                 }
@@ -1746,7 +1880,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 if (mode & BELL_FENCE) __threadfence_system();
                 hstore(&ctl_->stamp[3], global_ns(), mode);
                 hstore(&ctl_->served, (u64)(atomicAdd(bell + 6, 1u) + 1u), mode);  // posted: no PCIe read
-                atomicExch(bell + 1, seen);  // done: block 0 may take the next request
+                atomicExch(bell + 1, seen());  // done: block 0 may take the next request
             }
         }
     }

@@ -274,11 +274,12 @@ def test_fused_merge_is_exact_with_long_lists_and_ties(tied: int) -> None:
 def test_batch1_answers_are_ordered_by_score_then_row_with_ties(n: int, dtype: str) -> None:
     """Batch 1 (the fused scan) answers in (score descending, row ascending) order, ties
     included: each block sorts its candidates at the end of its loop (up to 256 at 100k rows,
-    up to 512 at 150k) and the merge sorts its survivors (k <= 32 or more), all by
-    bitonic_desc's comparator. Rows are tied in groups of identical vectors (their scores equal
-    exactly), so the order of ties is seen. Every answer must also be the exact top-k
-    (tie-tolerant). (S20-2, on the H200: an experimental register sort with its tie rule
-    reversed failed all three cases; docs/experiments/2026-12-02-s20-register-sort.patch.)"""
+    up to 512 at 150k) and the merge sorts its survivors (k <= 32 or more), by warp selection
+    (k <= 32, warp_select) or bitonic_desc, with one comparator. Rows are tied in groups of
+    identical vectors (their scores equal exactly), so the order of ties is seen. Every answer
+    must also be the exact top-k (tie-tolerant). (On the H200, negative controls with the tie rule reversed failed all
+    three cases: S20-2's register sort, docs/experiments/2026-12-02-s20-register-sort.patch,
+    and S21-2's warp selection.)"""
     rng = np.random.default_rng()
     dim = 64
     base = rng.standard_normal((n // 7 + 1, dim)).astype(np.float32)
