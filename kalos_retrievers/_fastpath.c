@@ -23,7 +23,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -48,6 +47,25 @@ static inline uint32_t ld32(const char* p) { uint32_t v; memcpy(&v, p, 4); retur
 static inline uint64_t ld64(const char* p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static inline void st32(char* p, uint32_t v) { memcpy(p, &v, 4); }
 static inline void st64(char* p, uint64_t v) { memcpy(p, &v, 8); }
+
+/* 1 when none of the n float32 values at p is a NaN or an infinity (exponent bits all ones),
+   four at a time with GCC's vector extensions (SSE2 on x86-64): isfinite() value by value
+   took ~0.6 us for 768 values on the development VM, this ~0.05. */
+#define EXP_BITS 0x7f800000u
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+static int all_finite(const char* p, long long n) {
+    const u32x4 e = {EXP_BITS, EXP_BITS, EXP_BITS, EXP_BITS};
+    u32x4 acc = {0, 0, 0, 0};
+    long long i = 0;
+    for (; i + 4 <= n; i += 4) {
+        u32x4 v;
+        memcpy(&v, p + 4 * i, 16);
+        acc |= (u32x4)((v & e) == e);
+    }
+    uint32_t bad = acc[0] | acc[1] | acc[2] | acc[3];
+    for (; i < n; i++) bad |= (ld32(p + 4 * i) & EXP_BITS) == EXP_BITS;
+    return !bad;
+}
 
 /* Layout of the connection: (dim, payload_off, rows_off, scores_off, blob_off, blob_size,
    flags, doorbell_word). Offsets are within the slot; doorbell_word indexes the header as u32. */
@@ -174,14 +192,9 @@ static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
         goto out;
     }
     char* s = (char*)sb.buf;
-    const float* q = (const float*)qb.buf;
-    for (long long i = 0; i < lay.dim; i++) {
-        float x;
-        memcpy(&x, q + i, 4);
-        if (!isfinite(x)) {
-            result = Py_NewRef(Py_None);
-            goto out;
-        }
+    if (!all_finite((const char*)qb.buf, lay.dim)) {
+        result = Py_NewRef(Py_None);
+        goto out;
     }
     memcpy(s + lay.payload, qb.buf, (size_t)qbytes);
     st64(s + OFF_SEQ, seq);

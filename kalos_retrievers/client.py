@@ -96,6 +96,10 @@ __all__ = ["KalosClient"]
 
 _LIVENESS_TICK = 0.02  # seconds between "is the sidecar still alive?" checks while blocked
 _F32: Final = np.dtype(np.float32)
+# the answer's rows and scores as _fastpath returns them (a dtype object: np.frombuffer parses a
+# string such as "<i4" on every call)
+_I32LE: Final = np.dtype("<i4")
+_F32LE: Final = np.dtype("<f4")
 _KERNEL_FLAGS: Final = Flag.ARENA_DOCS | Flag.ARENA_ENTRIES  # (with or without ENTRIES) a recall the GPU kernel takes
 _X86: Final = os.uname().machine in ("x86_64", "AMD64")  # the spin and arena paths rely on TSO
 _ARENA_VERSION_WORD = 62  # header u32 index of arena_version (offset 248, two words)
@@ -608,7 +612,12 @@ class KalosClient:
         arena = self._arena()
         # the resident kernel's recalls in C, where it is built: it checks the query is finite
         fast = _fastpath is not None and arena is not None and k <= conn.doorbell_k()
-        if type(query) is np.ndarray and query.shape == (dim,) and query.dtype == _F32:
+        if fast and type(query) is np.ndarray and query.ndim == 1:
+            # _fastpath.recall1 takes only dim finite float32 values (and writes nothing, so
+            # the general path copies or refuses anything else): one vector of the right
+            # length and type, checked there
+            q = query
+        elif type(query) is np.ndarray and query.shape == (dim,) and query.dtype == _F32:
             # the sum of the elements times 2**-100 is finite exactly when every element is:
             # a NaN or an infinity carries through it, and no finite float32 can overflow it
             # (the scaling is exact; tiny products underflow to 0, which numpy does not warn
@@ -683,8 +692,12 @@ class KalosClient:
             return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, 0,
                                    deadline, sent=(seq, out))  # fmt: skip
         waited, n, rflags, rows_b, scores_b, blob, docs = out
-        self._observe_wait(waited)
-        rows, scores = np.frombuffer(rows_b, "<i4"), np.frombuffer(scores_b, "<f4")  # (writable)
+        # self._observe_wait(waited), inline: the batch-1 recall's every step counts
+        typical = self._typical_wait_ns
+        if typical and waited > 2 * typical:
+            waited = 2 * typical
+        self._typical_wait_ns = typical + ((waited - typical) >> 3)
+        rows, scores = np.frombuffer(rows_b, _I32LE), np.frombuffer(scores_b, _F32LE)  # (writable)
         if docs is not None and self._conn is conn:
             return RecallResult(rows, scores, docs, None, "")
         return _Reply(Status.OK, n, rflags, rows, scores, blob)

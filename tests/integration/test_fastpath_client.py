@@ -106,3 +106,49 @@ def test_a_query_that_is_not_finite_is_refused_as_on_the_python_path(start_sidec
             c.recall(q, 1)
         monkeypatch.undo()
         assert c.recall(np.ones(DIM, np.float32), 1)[0].text == "alpha"  # the slot is fine
+
+
+def test_queries_the_c_path_does_not_take_go_the_python_way_with_the_same_answers(start_sidecar,
+                                                                                 monkeypatch) -> None:  # fmt: skip
+    """``_recall_one`` hands any 1-D array to the C path, which takes only ``DIM`` float32
+    values: an int32 or big-endian query of the same byte length, float64 values or a 2-D
+    query must come back to the Python path (converted, or refused as there), never be read
+    as if their bytes were float32 (negative control: without recall1's format check the
+    int32 and big-endian queries searched with reinterpreted bits)."""
+    monkeypatch.setenv("KALOS_ARENA", "1")
+    sc = start_sidecar(dim=DIM)
+    rng = np.random.default_rng()
+    n = 61
+    with sc.client(arena_docs=True) as c, sc.client(arena_docs=False) as plain:
+        c.upsert([f"m{i}" for i in range(n)], rng.standard_normal((n, DIM)).astype(np.float32),
+                 texts=[f"memory {i}" for i in range(n)])  # fmt: skip
+        c.ping()
+        monkeypatch.setattr(client_module._Conn, "doorbell_k", lambda self: 64)  # "a kernel runs"
+        base = rng.integers(-5, 6, DIM).astype(np.float32)
+        base[0] = 7.0  # never all zero
+        taken = {
+            "int32": base.astype(np.int32),
+            "big-endian": base.astype(">f4"),
+            "float64": base.astype(np.float64),
+            "one row, 2-D": base.reshape(1, DIM),
+        }
+        counted = Counted()
+        monkeypatch.setattr(client_module, "_fastpath", counted)
+        with StandIn(sc.name, hand_back=False) as kernel:
+            want = plain.recall(base, K)
+            for what, q in taken.items():
+                got = c.recall(q, K)
+                assert got.ids == want.ids, what
+                assert np.allclose(got.scores, want.scores), what
+            wrong = [(base[:-1], rf"shape \({DIM - 1},\).*dim={DIM}"), (np.append(base, 1.0), rf"shape \({DIM + 1},\)"),
+                     (np.tile(base, (2, 1)), "query has 2 vectors; use recall_batch")]  # fmt: skip
+            for q, message in wrong:
+                with pytest.raises(ValueError, match=message):
+                    c.recall(q, K)
+            assert c.recall(base, K).ids == want.ids  # and a float32 query still takes the C path
+        # recall1 was offered the six 1-D queries and the 2-D one's row (checked and taken as
+        # one float32 vector first, as before); of the 1-D ones it sent only the last: the int32,
+        # big-endian and float64 ones went the Python way, converted (DOORBELL requests: the
+        # kernel runs), and the wrong sizes were refused, unsent
+        assert counted.calls == 7
+        assert kernel.answered.value == 5
