@@ -692,11 +692,7 @@ class KalosClient:
             return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, 0,
                                    deadline, sent=(seq, out))  # fmt: skip
         waited, n, rflags, rows_b, scores_b, blob, docs = out
-        # self._observe_wait(waited), inline: the batch-1 recall's every step counts
-        typical = self._typical_wait_ns
-        if typical and waited > 2 * typical:
-            waited = 2 * typical
-        self._typical_wait_ns = typical + ((waited - typical) >> 3)
+        self._observe_wait(waited)
         rows, scores = np.frombuffer(rows_b, _I32LE), np.frombuffer(scores_b, _F32LE)  # (writable)
         if docs is not None and self._conn is conn:
             return RecallResult(rows, scores, docs, None, "")
@@ -1413,8 +1409,8 @@ class KalosClient:
         wake-ups late; a lasting slowdown still shows within ~20 answers.
         """
         typical = self._typical_wait_ns
-        if typical:
-            waited_ns = min(waited_ns, 2 * typical)
+        if typical and waited_ns > 2 * typical:  # (not min(): a call, on every recall's path)
+            waited_ns = 2 * typical
         self._typical_wait_ns = typical + ((waited_ns - typical) >> 3)
 
     @staticmethod

@@ -126,7 +126,7 @@ def test_queries_the_c_path_does_not_take_go_the_python_way_with_the_same_answer
         monkeypatch.setattr(client_module._Conn, "doorbell_k", lambda self: 64)  # "a kernel runs"
         base = rng.integers(-5, 6, DIM).astype(np.float32)
         base[0] = 7.0  # never all zero
-        taken = {
+        converted = {
             "int32": base.astype(np.int32),
             "big-endian": base.astype(">f4"),
             "float64": base.astype(np.float64),
@@ -136,7 +136,7 @@ def test_queries_the_c_path_does_not_take_go_the_python_way_with_the_same_answer
         monkeypatch.setattr(client_module, "_fastpath", counted)
         with StandIn(sc.name, hand_back=False) as kernel:
             want = plain.recall(base, K)
-            for what, q in taken.items():
+            for what, q in converted.items():
                 got = c.recall(q, K)
                 assert got.ids == want.ids, what
                 assert np.allclose(got.scores, want.scores), what
