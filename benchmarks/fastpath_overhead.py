@@ -86,6 +86,30 @@ def respond(name: str, off: int, answer: str) -> None:
         state[0] = response
 
 
+class _Watched:
+    """``_fastpath`` with what each ``recall1`` returned kept."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.outs = real, []
+
+    def recall1(self, *args: Any) -> Any:
+        out = self.real.recall1(*args)
+        self.outs.append(out)
+        return out
+
+
+def answered_in_c(c: KalosClient, q: np.ndarray) -> bool:
+    """Whether ``c.recall(q)`` is answered by ``recall1`` itself (what ``recall`` times), not
+    left to the Python path (the doorbell word reset, or an answer later than the spin)."""
+    real = client_module._fastpath
+    client_module._fastpath = w = _Watched(real)
+    try:
+        c.recall(q, K)
+    finally:
+        client_module._fastpath = real
+    return len(w.outs) == 1 and type(w.outs[0]) is tuple
+
+
 def p50_us(ts: list[int]) -> float:
     return round(statistics.median(ts) / 1000, 2)
 
@@ -123,6 +147,8 @@ def main() -> None:
             time.sleep(0.5)  # the responder is spinning
             got = c.recall(q, K)
             assert [h.id for h in got] == [h.id for h in first], "the stand-in's answer differs"
+            if not answered_in_c(c, q):
+                sys.exit("a recall did not go through the C path (recall1 did not return the answer)")
             results = run_rounds(c, conn, q, a.calls, a.rounds)
         finally:
             conn._hdr32[client_module._DOORBELL_K_WORD] = 0

@@ -612,10 +612,10 @@ class KalosClient:
         arena = self._arena()
         # the resident kernel's recalls in C, where it is built: it checks the query is finite
         fast = _fastpath is not None and arena is not None and k <= conn.doorbell_k()
-        if fast and type(query) is np.ndarray and query.ndim == 1:
-            # _fastpath.recall1 takes only dim finite float32 values (and writes nothing, so
-            # the general path copies or refuses anything else): one vector of the right
-            # length and type, checked there
+        if fast and type(query) is np.ndarray and query.ndim == 1 and query.dtype is _F32:
+            # _fastpath.recall1 checks the length and finiteness of a float32 vector (and
+            # writes nothing, so the general path refuses a wrong one); other dtypes are
+            # converted below first, so that they too take the C path
             q = query
         elif type(query) is np.ndarray and query.shape == (dim,) and query.dtype == _F32:
             # the sum of the elements times 2**-100 is finite exactly when every element is:
