@@ -7,11 +7,14 @@ and at 1M rows (full kernel against the one without the merge), and two changes 
 loads and its shared-memory atomics did not move it (S9-3, S9-4). This builds ``scan_topk``
 with ``-DKALOS_STAMPS`` (kernels/recall.cu: stamps compiled out of the sidecar's kernels) and
 reads, after each of 40 launches per configuration (768-d float16 rows, cosine, k = 10, 4
-threads per row), the stamps of the block that merged: when its scan loop ended, when its
-append ended, when it learned it was last, and the merge's phases (bound and count read, the
-first pass over the appended keys, the k-th select, the final sort, the output), plus the
-first and the last loop end of any block and the counts (appended entries, survivors of the
-bound, entries after the select). Prints medians in µs; writes ``DIR/merge_stamps.json``.
+threads per row; grids of 2, 3 and 4 blocks per SM), the stamps of the block that merged.
+With the appended lists (grids above 512 blocks): when its scan loop ended, when its append
+ended, when it learned it was last, and the merge's phases (bound and count read, the first
+pass over the appended keys, the k-th select, the final sort, the output), plus the first and
+the last loop end of any block and the counts (appended entries, survivors of the bound,
+entries after the select). With the tagged lists (ll_merge, k <= 32 and grids up to 512):
+when the last list was written, when block 0 had every head, the k-th head, the lists read,
+the final selection, the output. Prints medians in µs; writes ``DIR/merge_stamps.json``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scan_variants import build
 
-PHASES = {  # name: (from stamp, to stamp)
+PHASES = {  # name: (from stamp, to stamp): the appended lists (k > 32, or grids above 512)
     "blocks' loop ends, first to last": (12, 13),
     "last loop end -> merging block's loop end": (13, 0),
     "loop end -> append done": (0, 1),
@@ -41,6 +44,20 @@ PHASES = {  # name: (from stamp, to stamp)
     "merging block, loop end -> done": (0, 7),
 }
 COUNTS = {"appended": 8, "survivors of the bound": 9, "after the select": 10}
+# the tagged lists merged by block 0 (ll_merge; the kernel sets stamp 15 to 1): 14 is the last
+# block's list written, 0 and 1 block 0's loop end and list
+PHASES_LL = {
+    "blocks' loop ends, first to last": (12, 13),
+    "last loop end -> last list written": (13, 14),
+    "last list written -> block 0 has every head": (14, 2),
+    "block 0's loop end -> every head": (0, 2),
+    "the k-th head (selection)": (2, 3),
+    "the lists at or above it read": (3, 4),
+    "final selection": (4, 6),
+    "output and reset": (6, 7),
+    "last loop end -> done": (13, 7),
+}
+COUNTS_LL = {"lists read": 8, "entries at or above the k-th head": 9, "results": 10}
 
 
 def main() -> int:
@@ -67,7 +84,7 @@ def main() -> int:
         sargs = (idx.data, idx.ns, idx.sqnorm, np.uint64(0), idx.params, idx.qbuf, idx.qbuf_i8, np.int32(idx.ld),
                  np.int32(buf), idx.scratch_k, idx.scratch_v, idx.sync)  # fmt: skip
         with idx.device, idx.stream:
-            for grid in (2 * idx.sms, 4 * idx.sms):
+            for grid in (2 * idx.sms, 3 * idx.sms, 4 * idx.sms):
                 got = []
                 for i in range(45):
                     init = np.zeros(16, np.uint64)
@@ -78,10 +95,11 @@ def main() -> int:
                     if i >= 5:
                         got.append(stamps.get().astype(np.int64))
                 s = np.array(got)
-                row: dict[str, Any] = {"rows": n, "grid": grid}
-                for name, (x, y) in PHASES.items():
+                ll = bool(s[0, 15] == 1)
+                row: dict[str, Any] = {"rows": n, "grid": grid, "merge": "tagged lists" if ll else "appended lists"}
+                for name, (x, y) in (PHASES_LL if ll else PHASES).items():
                     row[name] = round(float(np.median(s[:, y] - s[:, x])) / 1000, 2)
-                for name, i in COUNTS.items():
+                for name, i in (COUNTS_LL if ll else COUNTS).items():
                     row[name] = float(np.median(s[:, i]))
                 results.append(row)
                 print(json.dumps(row), flush=True)

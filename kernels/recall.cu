@@ -167,6 +167,26 @@ struct Params {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// Tagged records: each u64 carries a tag in its high half and one 32-bit value in its low
+// half, written and read with volatile (relaxed, system-scope) accesses, for which an aligned
+// 64-bit access is single-copy atomic and a v2.u64 access is two of them: a reader that sees
+// its tag in every u64 it needs has the writer's values, with no fence and no count between
+// them (NCCL's LL protocol does the same with its flags). The int8 resident kernel's
+// candidate records and the batch-1 scan's block lists (ll_merge) use them.
+__device__ __forceinline__ u64 vload64(const u64* p) { return *reinterpret_cast<const volatile u64*>(p); }
+__device__ __forceinline__ void vstore64(u64* p, u64 v) { *reinterpret_cast<volatile u64*>(p) = v; }
+__device__ __forceinline__ ulonglong2 vload128(const u64* p) {
+    ulonglong2 v;
+    asm volatile("ld.volatile.global.v2.u64 {%0,%1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void vstore128(u64* p, u64 a, u64 b) {
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1,%2};" : : "l"(p), "l"(a), "l"(b) : "memory");
+}
+__device__ __forceinline__ bool tagged(ulonglong2 v, unsigned int tag) {
+    return (unsigned int)(v.x >> 32) == tag && (unsigned int)(v.y >> 32) == tag;
+}
+
 // Loads of 16 bytes hold VEC elements of the storage type.
 template <typename T> struct Vec;
 template <> struct Vec<float> {
@@ -383,6 +403,111 @@ __device__ bool warp_select(float* key, int* val, int* cnt, float* thr, int k, i
     return true;
 }
 
+// ---- compact's top-k by sorting networks in registers (KALOS_SORT_SELECT) ----------------
+//
+// warp_select's rounds each wait on two warp reductions and a ballot, one after another: the
+// H200 took ~3.3 µs for a block's final selection (up to 512 keys) and ~3.5 µs for ll_merge's
+// k-th of 396 heads (merge_stamps.py, S23-1), on the answer's path both. Here each key and its
+// row become one 64-bit word that orders as the answer does (sel_pack: score descending by
+// sel_ord, then row ascending), each warp sorts its 64 words (two per lane) with a bitonic
+// network of shuffles (15 steps across lanes, 6 within a lane, no barrier), and the warps'
+// best 32 are merged pairwise, three levels of one step each (the best 32 of two sorted lists
+// are the larger of each pair, one list reversed) and five shuffles to order it. Same contract
+// and same results as warp_select (k <= 32, up to 64 keys per warp of the block).
+#ifndef KALOS_SORT_SELECT
+#define KALOS_SORT_SELECT 1
+#endif
+
+__device__ __forceinline__ u64 sel_pack(float f, int v) {
+    return ((u64)((unsigned int)sel_ord(f) ^ 0x80000000u) << 32) | (u64)(0xFFFFFFFFu - (unsigned int)v);
+}
+__device__ __forceinline__ float sel_pack_key(u64 w) { return sel_key((int)((unsigned int)(w >> 32) ^ 0x80000000u)); }
+__device__ __forceinline__ int sel_pack_val(u64 w) { return (int)(0xFFFFFFFFu - (unsigned int)w); }
+__device__ __forceinline__ u64 max64(u64 a, u64 b) { return a > b ? a : b; }
+__device__ __forceinline__ u64 min64(u64 a, u64 b) { return a < b ? a : b; }
+
+// Sort the warp's 64 words descending: element 2 * lane + j is x[j] (on return, the
+// (2 * lane + j)-th largest).
+__device__ __forceinline__ void warp_sort64(u64& x0, u64& x1) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int size = 2; size <= 64; size <<= 1) {
+        const bool desc = ((2 * lane) & size) == 0;  // this run's direction (all descending at 64)
+#pragma unroll
+        for (int stride = size >> 1; stride > 1; stride >>= 1) {
+            const int lm = stride >> 1;  // the partner of element 2 * lane + j is 2 * (lane ^ lm) + j
+            const u64 p0 = __shfl_xor_sync(0xffffffffu, x0, lm), p1 = __shfl_xor_sync(0xffffffffu, x1, lm);
+            const bool hi = ((lane & lm) == 0) == desc;  // this lane keeps the larger
+            x0 = hi ? max64(x0, p0) : min64(x0, p0);
+            x1 = hi ? max64(x1, p1) : min64(x1, p1);
+        }
+        if ((x0 < x1) == desc) { const u64 t = x0; x0 = x1; x1 = t; }  // stride 1: within the lane
+    }
+}
+
+// Order a bitonic sequence of 32 (one word per lane) descending.
+__device__ __forceinline__ u64 warp_clean32(u64 x) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int lm = 16; lm > 0; lm >>= 1) {
+        const u64 p = __shfl_xor_sync(0xffffffffu, x, lm);
+        x = (lane & lm) == 0 ? max64(x, p) : min64(x, p);
+    }
+    return x;
+}
+
+__device__ bool sort_select(float* key, int* val, int* cnt, float* thr, int k) {
+    __shared__ u64 s_best[KALOS_BLOCK / 32][32];  // each warp's best 32, then the merges'
+    const int n = *cnt;
+    const int nw = blockDim.x >> 5, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (k > 32 || n > 64 * nw || nw > KALOS_BLOCK / 32) return false;
+    const int kk = n < k ? n : k;  // results
+    const int lists = n > 64 ? (n + 63) >> 6 : 1;  // warps with keys (one when there are none)
+    const u64 pad = sel_pack(neg_inf(), 0x7fffffff);
+    u64 x0 = pad, x1 = pad;
+    if (w < lists) {
+        const int i = 64 * w + 2 * lane;
+        if (i < n) x0 = sel_pack(key[i], val[i]);
+        if (i + 1 < n) x1 = sel_pack(key[i + 1], val[i + 1]);
+        warp_sort64(x0, x1);
+    }
+    u64 best = pad;  // lane i: the i-th best (warp 0, at the end)
+    if (lists == 1) {  // block-uniform: warp 0 alone
+        if (w == 0) {
+            const int src = lane >> 1;
+            const u64 a = __shfl_sync(0xffffffffu, x0, src), b = __shfl_sync(0xffffffffu, x1, src);
+            best = (lane & 1) ? b : a;
+        }
+        __syncthreads();  // every key read before the results overwrite them
+    } else {
+        if (w < lists) {
+            const int src = lane >> 1;
+            const u64 a = __shfl_sync(0xffffffffu, x0, src), b = __shfl_sync(0xffffffffu, x1, src);
+            s_best[w][lane] = (lane & 1) ? b : a;
+        }
+        for (int d = 1; d < lists; d <<= 1) {  // lists w and w + d -> w
+            __syncthreads();
+            if ((w & (2 * d - 1)) == 0 && w + d < lists) {
+                const u64 x = max64(s_best[w][lane], s_best[w + d][31 - lane]);
+                best = warp_clean32(x);
+                s_best[w][lane] = best;
+            }
+        }
+        __syncthreads();  // (also: every key read before the results overwrite them)
+        if (w == 0) best = s_best[0][lane];
+    }
+    if (w == 0 && lane < kk) {
+        key[lane] = sel_pack_key(best);
+        val[lane] = sel_pack_val(best);
+    }
+    if (w == 0 && lane == (kk > 0 ? kk - 1 : 0)) {  // the k-th (when kk == k) is this lane's
+        *cnt = kk;
+        *thr = kk == k ? sel_pack_key(best) : neg_inf();
+    }
+    __syncthreads();
+    return true;
+}
+
 // Shrink a candidate buffer to its best k (sorted first), update the threshold.
 // cnt and thr live in shared memory; all threads call it.
 __device__ void compact(float* key, int* val, int* cnt, float* thr, int k, int buf) {
@@ -401,16 +526,17 @@ __device__ void compact(float* key, int* val, int* cnt, float* thr, int k, int b
     __syncthreads();
 }
 
-// compact, by warp selection where it applies (KALOS_WARP_SELECT) and SEL: for the compaction
-// after a scan and the merge's last one. Not in make_room (inlined into the scan loop, it took
-// the float16 graph scan from 64 registers to 80 and a spill), nor in int8's kernels (their
-// merges keep RESCORE_FACTOR x k > 32 candidates, and the code made their resident kernels
-// spill). In the resident float16 kernel ptxas spills two shared-memory addresses around it
-// (stored before the block's selection, reloaded after it and in the merge: no reload of
-// anything the scan evicted, checked with cuobjdump -sass).
+// compact, by sort_select (or warp_select, built with -DKALOS_SORT_SELECT=0) where it applies
+// (KALOS_WARP_SELECT) and SEL: for a block's compaction after its scan, the selections of
+// ll_merge and the appended lists' merge's last one. Not in make_room (inlined into the scan
+// loop, warp_select took the float16 graph scan from 64 registers to 80 and a spill), nor in
+// int8's kernels (their merges keep RESCORE_FACTOR x k > 32 candidates, and the code made
+// their resident kernels spill).
 template <bool SEL>
 __device__ void compact_top(float* key, int* val, int* cnt, float* thr, int k, int buf) {
-    if (SEL && KALOS_WARP_SELECT && warp_select(key, val, cnt, thr, k, buf)) return;
+    if (SEL && KALOS_WARP_SELECT) {
+        if (KALOS_SORT_SELECT ? sort_select(key, val, cnt, thr, k) : warp_select(key, val, cnt, thr, k, buf)) return;
+    }
     compact(key, val, cnt, thr, k, buf);
 }
 
@@ -622,13 +748,15 @@ __device__ float seed_bound(const float* kth, size_t stride, int nlists) {
 // and after them one word: scan_topk's next row to hand out (KALOS_DYNAMIC_ROWS) (it was
 // ticket[1], topk_scores' ticket of query 1, until session 11: safe only while launches on
 // `sync` never overlapped), then the direction the next scan hands its rows out in
-// (KALOS_ALTERNATE: 0 first to last, 1 last to first).
+// (KALOS_ALTERNATE: 0 first to last, 1 last to first), then the tag of the next batch-1 scan's
+// block lists and how many blocks' lists the area after SYNC_WORDS holds (both set by the
+// host: 1 and its largest grid; see ll_merge).
 // A block that finishes publishes its k-th score (atomicMax into the bound), then appends its
 // entries that reach the bound as it then stands (its list is sorted, so a prefix); see
 // append_list for why that loses nothing. Blocks that finish late append little, and the last
 // block merges one short list instead of every block's k (which cost several dependent rounds
 // of L2 loads). The last block resets count and bound for the next launch.
-#define SYNC_WORDS (3 * KALOS_MAXQ + 2)
+#define SYNC_WORDS (3 * KALOS_MAXQ + 4)
 
 __device__ __forceinline__ int f2ord(float f) {
     int i = __float_as_int(f);
@@ -641,6 +769,9 @@ __device__ __forceinline__ int* sync_count(unsigned int* sync) { return reinterp
 __device__ __forceinline__ int* sync_rows(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 3 * KALOS_MAXQ; }
 // the direction of the next scan's rows (KALOS_ALTERNATE); the last block flips it
 __device__ __forceinline__ int* sync_dir(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 3 * KALOS_MAXQ + 1; }
+// the tag of the next scan's block lists (ll_merge), never 0; and how many blocks' lists fit
+__device__ __forceinline__ unsigned int* sync_tag(unsigned int* sync) { return sync + 3 * KALOS_MAXQ + 2; }
+__device__ __forceinline__ unsigned int* sync_ll_cap(unsigned int* sync) { return sync + 3 * KALOS_MAXQ + 3; }
 __device__ __forceinline__ float read_bound(unsigned int* sync, int q) {
     return ord2f(*reinterpret_cast<volatile int*>(sync_bound(sync) + q));
 }
@@ -949,6 +1080,140 @@ __device__ __forceinline__ void final_fence() {
     __threadfence_system();
 }
 
+// ---- batch 1: the blocks' lists, tagged, merged by block 0 (KALOS_LL_MERGE) ---------------
+//
+// The appended lists above put four dependent L2 round trips on the answer's path after the
+// last block's scan: the bound's atomicMax, the count's atomicAdd, the fence and ticket of the
+// election, then the merging block's reads of the bound, the count and the maxima, each a
+// round trip, before its first pass over the list (merge_stamps.py, S22-3: ~10.8 µs from the
+// merging block's loop end to its answer at 100k rows, of which ~6 µs those round trips).
+// Batch-1 scans with k <= LL_K_MAX instead do this:
+//   * every block writes its best k, sorted, as its own list of tagged records (16 bytes per
+//     entry: {score bits, tag}, {row, tag}; padding (-inf, INT_MAX) past its count), with no
+//     atomic, no fence and no count: a reader that sees the scan's tag in both halves of an
+//     entry has it (see "Tagged records" at the top);
+//   * block 0, after its own list, waits for every list's first entry (its head: the list's
+//     best), picks the k-th best head B (compact_top), and then reads only the lists whose
+//     head is at or above B: there are at most k of them, since a row of any other list is
+//     below its head, which is below k heads, so it is not in the answer. Of those lists'
+//     k x k entries, those at or above B go to the final selection (at least the k heads).
+// The order is compact_top's (score descending, ties by row ascending); rows are unique across
+// lists (each row is scanned by one block), so the order is total. Fewer than k real heads: B
+// is padding, and every list with a real head is read.
+//
+// The tag is the word sync_tag, which the host sets to 1 and block 0 moves on (skipping 0)
+// once it has read every list; every block reads it as its scan starts, which is before its
+// list, which block 0 reads before moving it. Block 0 clears the heads it read, so a head can
+// match a later scan's tag only once rewritten; an entry after a head is read only when its
+// head carries this scan's tag, and could be stale only in a list no scan wrote for 2^32 - 1
+// scans, the tag's whole cycle. A scan that never finishes leaves the tag where it was; on
+// this GPU only the loss of the context does that, and with it the memory.
+// The area after SYNC_WORDS holds LL_K_MAX entries per block for sync_ll_cap blocks (the host's
+// largest grid); a grid above it, above 2 x KALOS_BLOCK (two keys per thread: the selection's) or
+// above half the candidate buffer (block 0 keeps the heads in its second half) takes the
+// appended lists: the graphs' batch-1 scans at 4 blocks per SM (528 on an H200) do. KALOS_LL_MERGE=0 builds the appended lists only (for A/B runs).
+#ifndef KALOS_LL_MERGE
+#define KALOS_LL_MERGE 1
+#endif
+#define LL_K_MAX 32             // largest k of the tagged merge (the selection's)
+#define LL_WORDS_PER_BLOCK (4 * LL_K_MAX)
+
+__device__ __forceinline__ u64* ll_lists(unsigned int* sync) { return reinterpret_cast<u64*>(sync + SYNC_WORDS); }
+// (score, row) a before b in the answer's order (scores as sel_ord patterns)
+__device__ __forceinline__ bool ll_before(int oa, int ra, int ob, int rb) { return oa > ob || (oa == ob && ra < rb); }
+
+// Every block: its best k, sorted, as list blockIdx.x (2k u64 from lists + 2k x blockIdx.x).
+// All threads call it.
+template <int QB>
+__device__ void ll_publish(Cands<QB>& c, int k, u64* lists, unsigned int tag) {
+    compact_top<true>(c.key, c.val, &c.cnt[0], &c.thr[0], k, c.buf);
+    const u64 t = (u64)tag << 32;
+    u64* mine = lists + (size_t)2 * k * blockIdx.x;
+    const int n = c.cnt[0];
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        const bool have = i < n;
+        vstore128(mine + 2 * i, t | __float_as_uint(have ? c.key[i] : neg_inf()),
+                  t | (unsigned int)(have ? c.val[i] : 0x7fffffff));
+    }
+}
+
+// Block 0, after ll_publish: the answer from every block's list, into the outputs and, sorted,
+// into c.key / c.val (the resident kernel reads the rows there); returns how many results.
+// All threads call it.
+template <int QB>
+__device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync, unsigned int tag) {
+    __shared__ int s_nc, s_ns;
+    __shared__ int s_cl[LL_K_MAX];
+    const u64* lists = ll_lists(sync);
+    const int G = gridDim.x;
+    float* key = c.key;
+    int* val = c.val;
+    // the heads, into key/val [0, G) for the selection and a copy at [half, half + G) for the
+    // test below. Thread t reads lists t, t + blockDim.x, ... one at a time, as it reads the
+    // entries below: with two loads in flight per thread (or the heads held in registers
+    // through the selection, or a selection of four keys per lane) the resident float16
+    // kernel, capped at 80 registers, spilled 12-324 bytes (nvcc 13, sm_90).
+    const int half = c.buf / 2;
+    for (int b = threadIdx.x; b < G; b += blockDim.x) {
+        ulonglong2 h;
+        do { h = vload128(lists + (size_t)2 * k * b); } while (!tagged(h, tag));
+        key[b] = key[half + b] = __uint_as_float((unsigned int)h.x);
+        val[b] = val[half + b] = (int)(unsigned int)h.y;
+    }
+    if (threadIdx.x == 0) { c.cnt[0] = G; s_nc = 0; s_ns = 0; }
+    __syncthreads();
+    KALOS_STAMP(2);
+    // B, the k-th head; with fewer than k lists, padding (every list with a real head is read,
+    // and all of its entries pass). G <= 2 x blockDim.x: the selection applies (the caller's condition)
+    compact_top<true>(key, val, &c.cnt[0], &c.thr[0], k, c.buf);
+    const bool full = c.cnt[0] == k;
+    const int bo = full ? sel_ord(key[k - 1]) : sel_ord(neg_inf()), br = full ? val[k - 1] : 0x7fffffff;
+    KALOS_STAMP(3);
+    for (int b = threadIdx.x; b < G; b += blockDim.x) {
+        const int r = val[half + b];
+        if (r != 0x7fffffff && !ll_before(bo, br, sel_ord(key[half + b]), r)) {
+            const int at = atomicAdd(&s_nc, 1);
+            if (at < LL_K_MAX) s_cl[at] = b;
+        }
+    }
+    __syncthreads();  // the lists to read are known, and everyone has B before key/val change
+    const int nc = min(s_nc, LL_K_MAX);
+    const int total = nc * k;  // entries of those lists: at most k x k
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+        const int j = i / k;
+        const u64* at = lists + (size_t)2 * k * s_cl[j] + 2 * (i - j * k);
+        ulonglong2 e;
+        do { e = vload128(at); } while (!tagged(e, tag));
+        const float s = __uint_as_float((unsigned int)e.x);
+        const int r = (int)(unsigned int)e.y;
+        if (r != 0x7fffffff && !ll_before(bo, br, sel_ord(s), r)) {
+            const int a2 = atomicAdd(&s_ns, 1);
+            key[a2] = s;
+            val[a2] = r;
+        }
+    }
+    __syncthreads();
+    KALOS_STAMP(4);
+    KALOS_COUNT(8, nc);
+    KALOS_COUNT(9, s_ns);
+    compact_top<true>(key, val, &s_ns, &c.thr[0], k, c.buf);  // (above 2 x blockDim.x: a sort)
+    const int n = s_ns;
+    KALOS_STAMP(6);
+    KALOS_COUNT(10, n);
+    int* orow = p->out_rows[0];
+    float* oscore = p->out_scores[0];
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        const bool have = i < n;
+        orow[i] = have ? val[i] : -1;
+        oscore[i] = have ? key[i] : neg_inf();
+    }
+    // every list is read: clear the heads, and the next scan's tag
+    for (int b = threadIdx.x; b < G; b += blockDim.x) vstore128(ll_lists(sync) + (size_t)2 * k * b, 0ull, 0ull);
+    if (threadIdx.x == 0) *sync_tag(sync) = tag + 1u ? tag + 1u : 1u;
+    KALOS_STAMP(7);
+    return n;
+}
+
 // ------------------------------------------------------------------------------------------
 // scan_topk<T, TPR, QB, METRIC>: fused scan + top-k for up to QB queries.
 //   grid: (G), block: KALOS_BLOCK; dynamic shared memory: QB*ld floats + QB*buf*(4+4) bytes.
@@ -981,6 +1246,15 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
         for (int i = threadIdx.x; i < QB * ld; i += blockDim.x) sq[i] = (i / ld) < nq ? __ldcg(qbuf + i) : 0.f;
     }
     if (threadIdx.x < QB) { s_cnt[threadIdx.x] = 0; s_thr[threadIdx.x] = neg_inf(); }
+    // batch 1 (QB = 1), float rows, k <= LL_K_MAX: the tagged lists and block 0's merge
+    // (ll_merge); the lists' tag and the area's size, read as the scan starts
+    constexpr bool ll_build = KALOS_LL_MERGE && QB == 1 && !Vec<T>::INT8 &&
+                              !(KALOS_PROBE & (PROBE_NO_TAIL | PROBE_NO_APPEND | PROBE_NO_MERGE));
+    __shared__ unsigned int s_ll[2];
+    if (ll_build && threadIdx.x == 32) {
+        s_ll[0] = *reinterpret_cast<volatile unsigned int*>(sync_tag(sync));
+        s_ll[1] = *reinterpret_cast<volatile unsigned int*>(sync_ll_cap(sync));
+    }
     __syncthreads();
     if (KALOS_PROBE & PROBE_EMPTY) return -1;
 
@@ -1111,6 +1385,28 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     if (threadIdx.x == 0) { atomicMin(&kalos_stamps[12], t_loop); atomicMax(&kalos_stamps[13], t_loop); }
 #endif
     if (KALOS_PROBE & PROBE_NO_TAIL) return -1;
+    if constexpr (ll_build) {
+        const unsigned int tag = s_ll[0];
+        const int G = gridDim.x;
+        if (tag != 0u && k <= LL_K_MAX && G <= (int)s_ll[1] && G <= 2 * (int)blockDim.x && G <= buf / 2 &&
+            k * k <= buf / 2) {
+            ll_publish(c, k, ll_lists(sync), tag);
+#ifdef KALOS_STAMPS
+            KALOS_T(t_append);
+            if (threadIdx.x == 0) atomicMax(&kalos_stamps[14], t_append);
+#endif
+            if (blockIdx.x != 0) return -1;
+#ifdef KALOS_STAMPS
+            if (threadIdx.x == 0) { kalos_stamps[0] = t_loop; kalos_stamps[1] = t_append; kalos_stamps[15] = 1; }
+#endif
+            const int got = ll_merge(c, p, k, sync, tag);
+            if (dynamic && threadIdx.x == 0) {  // every block is past its scan: ready for the next
+                *next_row = 0;
+                if (KALOS_ALTERNATE) *sync_dir(sync) = !rev;
+            }
+            return got;
+        }
+    }
     // this block's best k per query -> the appended lists; the last block merges them
     const int cap = gridDim.x * k;
     // each block's best score per query, after the lists (QB * cap entries): a second bound
@@ -1343,19 +1639,6 @@ __device__ __forceinline__ unsigned int vload(const unsigned int* p) {
 static_assert(4 + 2 * BELL_RESULT_U64 <= BELL_CAND_WORDS, "rows, scores, hand-out and result records per candidate");
 __device__ __forceinline__ u64* bell_handout(int* cand) { return reinterpret_cast<u64*>(cand + 2 * KALOS_CAND_MAX); }
 __device__ __forceinline__ u64* bell_results(int* cand) { return reinterpret_cast<u64*>(cand + 4 * KALOS_CAND_MAX); }
-__device__ __forceinline__ u64 vload64(const u64* p) { return *reinterpret_cast<const volatile u64*>(p); }
-__device__ __forceinline__ void vstore64(u64* p, u64 v) { *reinterpret_cast<volatile u64*>(p) = v; }
-__device__ __forceinline__ ulonglong2 vload128(const u64* p) {
-    ulonglong2 v;
-    asm volatile("ld.volatile.global.v2.u64 {%0,%1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void vstore128(u64* p, u64 a, u64 b) {
-    asm volatile("st.volatile.global.v2.u64 [%0], {%1,%2};" : : "l"(p), "l"(a), "l"(b) : "memory");
-}
-__device__ __forceinline__ bool tagged(ulonglong2 v, unsigned int tag) {
-    return (unsigned int)(v.x >> 32) == tag && (unsigned int)(v.y >> 32) == tag;
-}
 // candidate i's arena entry from its result record, once this request's (tag) is there
 __device__ __forceinline__ uint4 result_entry(const u64* results, int i, unsigned int tag) {
     const u64* o = results + (size_t)BELL_RESULT_U64 * i;

@@ -77,7 +77,12 @@ USE_THRESHOLD_TOPK: Final = os.environ.get("KALOS_THRESHOLD_TOPK", "1") != "0"
 CAND_CAP: Final = 8192
 TAU_SAMPLE_MAX: Final = 16384
 SELECT_GATHER: Final = 2048  # as in kernels/recall.cu
-SYNC_WORDS: Final = 3 * MAXQ + 2  # as in kernels/recall.cu: tickets, bounds, counts per query; next row, direction
+# as in kernels/recall.cu: tickets, bounds, counts per query; next row, direction, the batch-1
+# lists' tag and how many blocks' lists follow (LL_WORDS_PER_BLOCK words each; see ll_merge)
+SYNC_WORDS: Final = 3 * MAXQ + 4
+SYNC_TAG: Final = 3 * MAXQ + 2
+SYNC_LL_CAP: Final = 3 * MAXQ + 3
+LL_WORDS_PER_BLOCK: Final = 128
 _NEG_INF_ORD: Final = int(np.array([-np.inf], np.float32).view(np.int32)[0]) ^ 0x7FFFFFFF
 GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, grid)
 # int8: candidates per result re-scored exactly (KALOS_RESCORE_FACTOR). 2, not 4: on the H200
@@ -286,17 +291,20 @@ class GpuIndex(Index):
             self.qbuf = cp.zeros((MAXQ, self.ld), cp.float32)
             self.qbuf_h = cp.zeros((MAXQ, self.ld), cp.float16)
             self.qbuf_i8 = cp.zeros((MAXQ, self.ld), cp.int8)
-            # tickets, the global bounds (ordered ints, -inf) and append counts of scan_topk
-            sync = np.zeros(SYNC_WORDS, np.int32)
+            # 4 blocks of 256 per SM keep enough loads in flight (H200: 0.91 of copy bandwidth at
+            # 1M rows, against 0.78 with 2 blocks per SM)
+            self.max_grid = 4 * self.sms
+            # tickets, the global bounds (ordered ints, -inf) and append counts of scan_topk, then
+            # the batch-1 lists (zero: no tag yet) for up to max_grid blocks, their first tag 1
+            sync = np.zeros(SYNC_WORDS + LL_WORDS_PER_BLOCK * self.max_grid, np.int32)
             sync[MAXQ : 2 * MAXQ] = _NEG_INF_ORD
+            sync[SYNC_TAG] = 1
+            sync[SYNC_LL_CAP] = self.max_grid
             self.sync = cp.asarray(sync)
             self.tau = cp.zeros(MAXQ, cp.float32)
             self.cand_k = cp.empty(MAXQ * CAND_CAP, cp.float32)
             self.cand_v = cp.empty(MAXQ * CAND_CAP, cp.int32)
             self.cand_count = cp.zeros(MAXQ, cp.int32)
-            # 4 blocks of 256 per SM keep enough loads in flight (H200: 0.91 of copy bandwidth at
-            # 1M rows, against 0.78 with 2 blocks per SM)
-            self.max_grid = 4 * self.sms
             self.scratch_k = cp.empty(self.max_grid * FUSED_MAX_Q * 1024, cp.float32)
             self.scratch_v = cp.empty(self.max_grid * FUSED_MAX_Q * 1024, cp.int32)
         self.threshold_overflows = 0

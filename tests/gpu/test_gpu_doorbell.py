@@ -84,6 +84,43 @@ def test_doorbell_recalls_are_exact_with_their_documents(start_sidecar) -> None:
     c.close()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_doorbell_finds_every_hit_when_few_blocks_hold_them(start_sidecar, dtype) -> None:  # type: ignore[no-untyped-def]
+    """The resident kernel's merge for k <= 32 (kernels/recall.cu, ll_merge): each block
+    writes its best k as tagged records and block 0 reads whole lists only for the k best
+    heads. A query's hits here are a run of 32 consecutive near-copies, which one or two blocks
+    scan, so their lists hold most hits and the merge must read past the heads; the queries go
+    from run to run and back (a list left from the request before would show), and k = 33 and
+    100 take the appended lists instead. All of them answered by the resident kernel."""
+    rng = np.random.default_rng()
+    n, dim = 40_009, 97
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    starts = sorted(int(x) * 100 + 7 for x in rng.choice((n - 200) // 100, 4, replace=False))
+    for s in starts:
+        data[s : s + 32] = rng.standard_normal(dim) + 0.03 * rng.standard_normal((32, dim))
+    sc = start_sidecar(dim=dim, device="cuda", dtype=dtype)
+    c = sc.client()
+    c.upsert([str(i) for i in range(n)], data, texts=[f"text {i}" for i in range(n)])
+    kernel_back(c, data[0])
+    before = served(c)
+    calls = 0
+    for s in starts + starts[::-1]:
+        q = data[s + 5] + 0.01 * rng.standard_normal(dim).astype(np.float32)
+        ref_i, ref_s = reference_topk(data, q[None], 100)
+        for k in (1, 10, 32, 33, 100):
+            poison(sc.name)
+            r = c.recall(q, k)
+            calls += 1
+            if dtype == "float32":
+                want = [str(i) for i in ref_i[0][:k]]
+                assert_topk_equal(r.ids, r.scores, want, ref_s[0][:k], context=f"run {s} k={k}")
+            got = {int(i) for i in r.ids[:32]}
+            assert got <= set(range(s, s + 32)) and len(got) == min(k, 32), (s, k, sorted(got))
+            assert all(hit.text == f"text {hit.id}" for hit in r)
+    assert served(c) - before == calls  # every one answered by the resident kernel
+    c.close()
+
+
 @pytest.mark.parametrize(("metric", "dim"), [("cosine", 768), ("l2", 97), ("ip", 33)])
 def test_int8_the_kernel_rescores_its_candidates_as_the_sidecar_does(start_sidecar, metric, dim) -> None:  # type: ignore[no-untyped-def]
     """int8 storage: the resident kernel scans RESCORE_FACTOR x k candidates with the quantized

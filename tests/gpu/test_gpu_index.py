@@ -274,12 +274,12 @@ def test_fused_merge_is_exact_with_long_lists_and_ties(tied: int) -> None:
 def test_batch1_answers_are_ordered_by_score_then_row_with_ties(n: int, dtype: str) -> None:
     """Batch 1 (the fused scan) answers in (score descending, row ascending) order, ties
     included: each block sorts its candidates at the end of its loop (up to 256 at 100k rows,
-    up to 512 at 150k) and the merge sorts its survivors (k <= 32 or more), by warp selection
-    (k <= 32, warp_select) or bitonic_desc, with one comparator. Rows are tied in groups of
+    up to 512 at 150k) and the merge sorts its survivors (k <= 32 or more), by sorting networks
+    in registers (k <= 32, sort_select) or bitonic_desc, with one comparator. Rows are tied in groups of
     identical vectors (their scores equal exactly), so the order of ties is seen. Every answer
     must also be the exact top-k (tie-tolerant). (On the H200, negative controls with the tie rule reversed failed all
     three cases: S20-2's register sort, docs/experiments/2026-12-02-s20-register-sort.patch,
-    and S21-2's warp selection.)"""
+    S21-2's warp selection and S23-2's sort_select.)"""
     rng = np.random.default_rng()
     dim = 64
     base = rng.standard_normal((n // 7 + 1, dim)).astype(np.float32)
@@ -298,6 +298,45 @@ def test_batch1_answers_are_ordered_by_score_then_row_with_ties(n: int, dtype: s
             ref_i, ref_s = reference_topk(stored, q[None], k, "cosine")
             assert_topk_equal([svc.rows.ids[x] for x in r], s, [str(x) for x in ref_i[0]], ref_s[0],
                               atol=1e-3 if dtype == "float16" else 1e-4, context=f"k={k}")  # fmt: skip
+
+
+def runs_of_hits(rng, n: int, dim: int, runs: int, length: int = 32) -> tuple[np.ndarray, list[int]]:
+    """Random rows with ``runs`` runs of ``length`` consecutive near-copies of one vector each
+    (cosine ~0.999 to it, far above any random row): one block scans a run's rows together, a
+    round at a time, so its list holds several of a query's hits."""
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    starts = sorted(int(x) * 100 + 7 for x in rng.choice((n - 200) // 100, runs, replace=False))
+    for s in starts:
+        data[s : s + length] = rng.standard_normal(dim) + 0.03 * rng.standard_normal((length, dim))
+    return data, starts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_batch1_hits_held_by_few_blocks_are_all_found(dtype: str) -> None:
+    """Batch 1 with k <= 32 and a grid of at most 512 blocks: every block writes its best k as
+    a list of tagged records and block 0 reads whole lists only for the k best heads
+    (kernels/recall.cu, ll_merge). Here every query's hits are a run of consecutive rows, so
+    one or two lists hold all of them and the merge must read past their heads; the queries
+    go from run to run and back, so a list left over from the scan before would show (each
+    scan's lists carry its own tag). k = 33 takes the appended lists, as a comparison. The grid
+    is checked to be one the tagged merge takes with more than one head per thread of block 0."""
+    rng = np.random.default_rng()
+    dim = 64
+    svc = make(dim, dtype=dtype)
+    groups = 256 // svc.index.tpr  # rows per block per round
+    n = 2 * groups * 397 + 13  # -> a grid of 398 blocks for k <= 32
+    assert 256 < svc.index._grid(n, 32) <= 512
+    data, starts = runs_of_hits(rng, n, dim, 5)
+    put(svc, data)
+    stored = svc.index.vectors(np.arange(n)) if dtype != "float32" else data  # what the scan scores
+    for s in starts + starts[::-1]:
+        q = data[s + 11] + 0.01 * rng.standard_normal(dim).astype(np.float32)
+        for k in (1, 10, 32, 33):
+            rows, scores = svc.recall(q[None], k, "", None)
+            ref_i, ref_s = reference_topk(stored, q[None], k)
+            assert_topk_equal([svc.rows.ids[r] for r in rows[0]], scores[0], [str(x) for x in ref_i[0]], ref_s[0],
+                              atol=1e-3 if dtype == "float16" else 1e-4, context=f"run {s} k={k}")  # fmt: skip
+            assert {int(svc.rows.ids[r]) for r in rows[0][: min(k, 32)]} <= set(range(s, s + 32)), (s, k)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])

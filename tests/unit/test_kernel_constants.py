@@ -74,12 +74,19 @@ def test_sizes_and_limits_match() -> None:
     assert d["SELECT_GATHER"] == index_gpu.SELECT_GATHER
     assert d["BELL_WORDS"] == index_gpu._BELL_WORDS
     assert d["BELL_CAND_WORDS"] == index_gpu._BELL_CAND_WORDS
-    # SYNC_WORDS: tickets, bounds and counts per query, then scan_topk's next row (sync_rows) and
-    # the next scan's direction (sync_dir)
-    assert re.search(r"^#define SYNC_WORDS \(3 \* KALOS_MAXQ \+ 2\)$", SOURCE, re.M)
-    assert 3 * d["KALOS_MAXQ"] + 2 == index_gpu.SYNC_WORDS
+    # SYNC_WORDS: tickets, bounds and counts per query, then scan_topk's next row (sync_rows),
+    # the next scan's direction (sync_dir), the batch-1 lists' tag and their area's size
+    assert re.search(r"^#define SYNC_WORDS \(3 \* KALOS_MAXQ \+ 4\)$", SOURCE, re.M)
+    assert 3 * d["KALOS_MAXQ"] + 4 == index_gpu.SYNC_WORDS
     assert "sync_rows(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 3 * KALOS_MAXQ; }" in SOURCE
     assert "sync_dir(unsigned int* sync) { return reinterpret_cast<int*>(sync) + 3 * KALOS_MAXQ + 1; }" in SOURCE
+    assert "sync_tag(unsigned int* sync) { return sync + 3 * KALOS_MAXQ + 2; }" in SOURCE
+    assert "sync_ll_cap(unsigned int* sync) { return sync + 3 * KALOS_MAXQ + 3; }" in SOURCE
+    assert (3 * d["KALOS_MAXQ"] + 2, 3 * d["KALOS_MAXQ"] + 3) == (index_gpu.SYNC_TAG, index_gpu.SYNC_LL_CAP)
+    # the lists' area: LL_K_MAX entries of 16 bytes per block, from a 16-byte boundary
+    assert re.search(r"^#define LL_WORDS_PER_BLOCK \(4 \* LL_K_MAX\)$", SOURCE, re.M)
+    assert 4 * d["LL_K_MAX"] == index_gpu.LL_WORDS_PER_BLOCK
+    assert index_gpu.SYNC_WORDS * 4 % 16 == 0
     assert d["NS_ANY"] == index.NS_ANY
     # the int8 resident kernel's candidates (RESCORE_FACTOR x k) fit its buffer for every k it takes
     assert d["KALOS_CAND_MAX"] >= index_gpu.RESCORE_FACTOR * index_gpu.DOORBELL_MAX_K
