@@ -1238,8 +1238,9 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
 //   TPR threads score one row together (each 16-byte chunk c of the row goes to lane c % TPR);
 //   rows are spread over blocks and groups with a grid stride.
 
-// The body, shared with doorbell_topk (which runs it once per request): returns, in the last
-// block only (after it wrote the answer), how many results query 0 has; -1 elsewhere. The
+// The body, shared with doorbell_topk (which runs it once per request): returns, in the
+// merging block only (block 0 for the tagged lists, the last block to finish for the appended
+// ones; after it wrote the answer), how many results query 0 has; -1 elsewhere. The
 // queries are read through L2 (__ldcg): the resident kernel rewrites them between requests.
 template <typename T, int TPR, int QB, int METRIC>
 __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
@@ -1483,9 +1484,10 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
 //   block 0, warp 0   polls the slots' state words (host memory, over PCIe) for DOORBELL;
 //   block 0           checks the request, marks the slot BUSY, reads the query from the slot,
 //                     normalizes it into qbuf, writes params, and bumps the generation `gen`;
-//   every block       (waiting on gen in L2) runs scan_body: the fused scan, the appended
-//                     lists, the last block's merge, which writes rows and scores to the slot;
-//   the last block    writes each hit's arena generation (or entry) into the blob, the response words,
+//   every block       (waiting on gen in L2) runs scan_body: the fused scan, then the merge,
+//                     which writes rows and scores to the slot: block 0's of the blocks' tagged
+//                     lists for k <= 32 (ll_merge), the last block's of the appended lists above;
+//   that block        writes each hit's arena generation (or entry) into the blob, the response words,
 //                     then state = RESPONSE, and marks the request done.
 //
 // Block 0 takes the next request only after `done` says every block finished the last one
@@ -2096,12 +2098,12 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             }
             rescore_share<METRIC>(bell_handout(cand), kc, qbuf, S.exact, ld, mode, bell_results(cand), S.arena, S.arena_rows,
                                   seen());
-            if (kk < 0) continue;  // not the last block: back to the wait for the next request
+            if (kk < 0) continue;  // not the merging block: back to the wait for the next request
             rescored_order<METRIC>(smem + ld, reinterpret_cast<int*>(smem + ld + buf), kk, bell_results(cand),
                                    sp.qnorm2[0], seen(), &ctl_->stamp[11], mode);
             // vals: indices in cand, whose rows and entries the answer reads below
         }
-        if (kk >= 0) {  // the last block: its buffer holds the answer, sorted (int8: indices in cand)
+        if (kk >= 0) {  // the merging block: its buffer holds the answer, sorted (int8: indices in cand)
             if (!Vec<T>::INT8 && threadIdx.x == 0) hstore(&ctl_->stamp[2], global_ns(), mode);
             int* vals = reinterpret_cast<int*>(smem + ld + buf);
             const unsigned int hand = __ldcg(bell + 3);
