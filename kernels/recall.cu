@@ -1121,11 +1121,16 @@ __device__ __forceinline__ void final_fence() {
 //
 // The tag is the word sync_tag, which the host sets to 1 and block 0 moves on (skipping 0)
 // once it has read every list; every block reads it as its scan starts, which is before its
-// list, which block 0 reads before moving it. Block 0 clears the heads it read, so a head can
-// match a later scan's tag only once rewritten; an entry after a head is read only when its
-// head carries this scan's tag, and could be stale only in a list no scan wrote for 2^32 - 1
-// scans, the tag's whole cycle. A scan that never finishes leaves the tag where it was; on
-// this GPU only the loss of the context does that, and with it the memory.
+// list, which block 0 reads before moving it: each scan's records carry their own tag, and a
+// record left by an earlier scan could match only after exactly 2^32 - 1 tagged scans that did
+// not rewrite it, the tag's whole cycle. Block 0 also clears the heads it read (at this k's
+// spacing), so such a head is never taken for a new one. A scan that never finishes leaves
+// the tag where it was; on this GPU only the loss of the context does that, and with it the
+// memory. k must be at least 1 (the caller's condition): with none, no block would write a
+// head and block 0 would wait for ever.
+// Block 0 waits for the other blocks (they never wait): a launch finishes as long as one other
+// block can be resident beside it, which the graphs' and the resident kernel's grids allow on
+// a GPU of their own.
 // The area after SYNC_WORDS holds LL_K_MAX entries per block for sync_ll_cap blocks (the host's
 // largest grid); a grid above it, above 2 x KALOS_BLOCK (two keys per thread: the selection's) or
 // above half the candidate buffer (block 0 keeps the heads in its second half) takes the
@@ -1160,7 +1165,7 @@ __device__ void ll_publish(Cands<QB>& c, int k, u64* lists, unsigned int tag) {
 // All threads call it.
 template <int QB>
 __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync, unsigned int tag) {
-    __shared__ int s_nc, s_ns;
+    __shared__ int s_nh, s_nc, s_ns;  // heads (then the selection's count), lists to read, entries
     __shared__ int s_cl[LL_K_MAX];
     const u64* lists = ll_lists(sync);
     const int G = gridDim.x;
@@ -1172,19 +1177,21 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
     // through the selection, or a selection of four keys per lane) the resident float16
     // kernel, capped at 80 registers, spilled 12-324 bytes (nvcc 13, sm_90).
     const int half = c.buf / 2;
+    // (key/val [0, k) were just read by ll_publish's thread i for entry i; thread t writes
+    // key[t] here: the same threads, so no barrier is needed between them)
     for (int b = threadIdx.x; b < G; b += blockDim.x) {
         ulonglong2 h;
         do { h = vload128(lists + (size_t)2 * k * b); } while (!tagged(h, tag));
         key[b] = key[half + b] = __uint_as_float((unsigned int)h.x);
         val[b] = val[half + b] = (int)(unsigned int)h.y;
     }
-    if (threadIdx.x == 0) { c.cnt[0] = G; s_nc = 0; s_ns = 0; }
+    if (threadIdx.x == 0) { s_nh = G; s_nc = 0; s_ns = 0; }
     __syncthreads();
     KALOS_STAMP(2);
     // B, the k-th head; with fewer than k lists, padding (every list with a real head is read,
     // and all of its entries pass). G <= 2 x blockDim.x: the selection applies (the caller's condition)
-    compact_top<true>(key, val, &c.cnt[0], &c.thr[0], k, c.buf);
-    const bool full = c.cnt[0] == k;
+    compact_top<true>(key, val, &s_nh, &c.thr[0], k, c.buf);
+    const bool full = s_nh == k;
     const int bo = full ? sel_ord(key[k - 1]) : sel_ord(neg_inf()), br = full ? val[k - 1] : 0x7fffffff;
     KALOS_STAMP(3);
     for (int b = threadIdx.x; b < G; b += blockDim.x) {
@@ -1407,7 +1414,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     if constexpr (ll_build) {
         const unsigned int tag = s_ll[0];
         const int G = gridDim.x;
-        if (tag != 0u && k <= LL_K_MAX && G <= (int)s_ll[1] && G <= 2 * (int)blockDim.x && G <= buf / 2 &&
+        if (tag != 0u && k > 0 && k <= LL_K_MAX && G <= (int)s_ll[1] && G <= 2 * (int)blockDim.x && G <= buf / 2 &&
             k * k <= buf / 2) {
             ll_publish(c, k, ll_lists(sync), tag);
 #ifdef KALOS_STAMPS
@@ -1490,8 +1497,9 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
 //   that block        writes each hit's arena generation (or entry) into the blob, the response words,
 //                     then state = RESPONSE, and marks the request done.
 //
-// Block 0 takes the next request only after `done` says every block finished the last one
-// (params, qbuf and the merge's scratch are reused). A request it does not take as it stands
+// Block 0 takes the next request only after `done` says the merging block answered the last
+// one, which is after every block finished its scan (with the tagged lists: wrote its list,
+// after which a block only returns; params, qbuf and the merge's scratch are reused). A request it does not take as it stands
 // (another op, a filter, a namespace, vectors asked, k above max_k) goes back to the sidecar as
 // REQUEST; so do all of them when several wait at once: the sidecar's batched path answers a
 // crowd with one pass over the rows, the resident kernel would make one pass each. The host
