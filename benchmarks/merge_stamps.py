@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scan_variants import build
 
+NSTAMPS = 24  # kalos_stamps' length in kernels/recall.cu
 PHASES = {  # name: (from stamp, to stamp): the appended lists (k > 32, or grids above 512)
     "blocks' loop ends, first to last": (12, 13),
     "last loop end -> merging block's loop end": (13, 0),
@@ -44,20 +45,31 @@ PHASES = {  # name: (from stamp, to stamp): the appended lists (k > 32, or grids
     "merging block, loop end -> done": (0, 7),
 }
 COUNTS = {"appended": 8, "survivors of the bound": 9, "after the select": 10}
-# the tagged lists merged by block 0 (ll_merge; the kernel sets stamp 15 to 1): 14 is the last
-# block's list written, 0 and 1 block 0's loop end and list
+# the tagged lists merged by block 0 (ll_merge; the kernel sets stamp 15 to 1): 16 and 14 are
+# the last block's head and list written, 0 and 1 block 0's loop end and head, 2 the first
+# round's heads read, 5 and 11 the second round's start and its last head (when some heads were
+# missing at the first round: count 17), 3 the k-th head. A phase marked "r2" is the median of
+# the scans that had a second round, "r1" of those that had not; a stamp a build does not set
+# (16 without KALOS_LL_HEAD_FIRST) leaves its phases out.
 PHASES_LL = {
-    "blocks' loop ends, first to last": (12, 13),
-    "last loop end -> last list written": (13, 14),
-    "last list written -> block 0 has every head": (14, 2),
-    "block 0's loop end -> every head": (0, 2),
-    "the k-th head (selection)": (2, 3),
-    "the lists at or above it read": (3, 4),
-    "final selection": (4, 6),
-    "output and reset": (6, 7),
-    "last loop end -> done": (13, 7),
+    "blocks' loop ends, first to last": (12, 13, None),
+    "last loop end -> last head written": (13, 16, None),
+    "last loop end -> last list written": (13, 14, None),
+    "block 0's loop end -> its head written": (0, 1, None),
+    "block 0's head -> the heads in read": (1, 2, None),
+    "the k-th head, one round (selection)": (2, 3, "r1"),
+    "first round's selection": (2, 5, "r2"),
+    "the last heads waited for": (5, 11, "r2"),
+    "last head written -> block 0 has every head": (16, 11, "r2"),
+    "second round's selection": (11, 3, "r2"),
+    "block 0's loop end -> the k-th head": (0, 3, None),
+    "the lists at or above it read": (3, 4, None),
+    "final selection": (4, 6, None),
+    "output and reset": (6, 7, None),
+    "last loop end -> done": (13, 7, None),
 }
-COUNTS_LL = {"lists read": 8, "entries at or above the k-th head": 9, "results": 10}
+COUNTS_LL = {"lists read (block 0's own too)": 8, "entries at or above the k-th head": 9, "results": 10,
+             "heads missing at the first round": 17}
 
 
 def main() -> int:
@@ -74,7 +86,7 @@ def main() -> int:
     mod = cp.RawModule(code=kern.source(), options=opts,
                        name_expressions=[expr])  # fmt: skip
     f = mod.get_function(expr)
-    stamps = cp.ndarray((16,), cp.uint64, mod.get_global("kalos_stamps"))
+    stamps = cp.ndarray((NSTAMPS,), cp.uint64, mod.get_global("kalos_stamps"))
     results: list[dict[str, Any]] = []
     for n in [int(x) for x in a.rows.split(",")]:
         idx, svc, keep = build(n)
@@ -87,7 +99,7 @@ def main() -> int:
             for grid in (2 * idx.sms, 3 * idx.sms, 4 * idx.sms):
                 got = []
                 for i in range(45):
-                    init = np.zeros(16, np.uint64)
+                    init = np.zeros(NSTAMPS, np.uint64)
                     init[12] = np.iinfo(np.uint64).max
                     stamps.set(init, stream=idx.stream)
                     f((grid,), (kern.BLOCK,), sargs, shared_mem=smem)
@@ -97,8 +109,16 @@ def main() -> int:
                 s = np.array(got)
                 ll = bool(s[0, 15] == 1)
                 row: dict[str, Any] = {"rows": n, "grid": grid, "merge": "tagged lists" if ll else "appended lists"}
-                for name, (x, y) in (PHASES_LL if ll else PHASES).items():
-                    row[name] = round(float(np.median(s[:, y] - s[:, x])) / 1000, 2)
+                if ll:
+                    r2 = s[:, 17] > 0
+                    row["scans with a second round"] = round(float(np.mean(r2)), 2)
+                    for name, (x, y, only) in PHASES_LL.items():
+                        sel = (s[:, x] > 0) & (s[:, y] > 0) & {None: True, "r2": r2, "r1": ~r2}[only]
+                        if np.any(sel):
+                            row[name] = round(float(np.median(s[sel, y] - s[sel, x])) / 1000, 2)
+                else:
+                    for name, (x, y) in PHASES.items():
+                        row[name] = round(float(np.median(s[:, y] - s[:, x])) / 1000, 2)
                 for name, i in (COUNTS_LL if ll else COUNTS).items():
                     row[name] = float(np.median(s[:, i]))
                 results.append(row)

@@ -102,7 +102,7 @@
 // benchmark reads. Without the macro these are empty statements: the sidecar's code is the same.
 #ifdef KALOS_STAMPS
 extern "C" {
-__device__ unsigned long long kalos_stamps[16];  // (unmangled: the benchmark looks it up by name)
+__device__ unsigned long long kalos_stamps[24];  // (unmangled: the benchmark looks it up by name)
 }
 #define KALOS_T(v) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v))
 #define KALOS_STAMP(i) do { if (threadIdx.x == 0) { unsigned long long t_; KALOS_T(t_); kalos_stamps[i] = t_; } } while (0)
@@ -1138,6 +1138,9 @@ __device__ __forceinline__ void final_fence() {
 #ifndef KALOS_LL_MERGE
 #define KALOS_LL_MERGE 1
 #endif
+#ifndef KALOS_LL_ROUNDS
+#define KALOS_LL_ROUNDS 1
+#endif
 #define LL_K_MAX 32             // largest k of the tagged merge (the selection's)
 #define LL_WORDS_PER_BLOCK (4 * LL_K_MAX)
 
@@ -1145,13 +1148,45 @@ __device__ __forceinline__ u64* ll_lists(unsigned int* sync) { return reinterpre
 // (score, row) a before b in the answer's order (scores as sel_ord patterns)
 __device__ __forceinline__ bool ll_before(int oa, int ra, int ob, int rb) { return oa > ob || (oa == ob && ra < rb); }
 
-// Every block: its best k, sorted, as list blockIdx.x (2k u64 from lists + 2k x blockIdx.x).
-// All threads call it.
+// A block's head: the best of its candidates (sel_pack's order, padding for a block with no
+// rows), written as entry 0 of list blockIdx.x from a max over the candidates (a warp
+// reduction and one barrier). All threads call it.
+template <int QB>
+__device__ void ll_head(Cands<QB>& c, u64* mine, u64 t) {
+    __shared__ u64 s_wbest[KALOS_BLOCK / 32];
+    const int n0 = c.cnt[0];
+    u64 h = sel_pack(neg_inf(), 0x7fffffff);
+    for (int i = threadIdx.x; i < n0; i += blockDim.x) h = max64(h, sel_pack(c.key[i], c.val[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) h = max64(h, __shfl_xor_sync(0xffffffffu, h, o));
+    if ((threadIdx.x & 31) == 0) s_wbest[threadIdx.x >> 5] = h;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) h = max64(h, s_wbest[w]);
+        vstore128(mine, t | __float_as_uint(sel_pack_key(h)), t | (unsigned int)sel_pack_val(h));
+#ifdef KALOS_STAMPS
+        unsigned long long t_head;
+        KALOS_T(t_head);
+        atomicMax(&kalos_stamps[16], t_head);
+#endif
+    }
+}
+
+// Every block but 0: its best k, sorted, as list blockIdx.x (2k u64 from lists + 2k x
+// blockIdx.x). With KALOS_LL_HEAD_FIRST the head is written first (ll_head) and the whole list
+// after the selection: block 0 needs every head to pick the k-th, but the last block's list
+// only in the ~k/G scans where its head reaches it, so the last block's compaction (~2.2 µs,
+// S24-2) leaves the answer's path. The head is the selection's first entry (the same order),
+// so the list's entry 0 stores the same bits again. All threads call it.
+#ifndef KALOS_LL_HEAD_FIRST
+#define KALOS_LL_HEAD_FIRST 1
+#endif
 template <int QB>
 __device__ void ll_publish(Cands<QB>& c, int k, u64* lists, unsigned int tag) {
-    compact_top<true>(c.key, c.val, &c.cnt[0], &c.thr[0], k, c.buf);
     const u64 t = (u64)tag << 32;
     u64* mine = lists + (size_t)2 * k * blockIdx.x;
+    if (KALOS_LL_HEAD_FIRST) ll_head(c, mine, t);
+    compact_top<true>(c.key, c.val, &c.cnt[0], &c.thr[0], k, c.buf);
     const int n = c.cnt[0];
     for (int i = threadIdx.x; i < k; i += blockDim.x) {
         const bool have = i < n;
@@ -1160,48 +1195,137 @@ __device__ void ll_publish(Cands<QB>& c, int k, u64* lists, unsigned int tag) {
     }
 }
 
-// Block 0, after ll_publish: the answer from every block's list, into the outputs and, sorted,
-// into c.key / c.val (the resident kernel reads the rows there); returns how many results.
-// All threads call it.
+// Block 0, after its scan: the answer from its own candidates and every other block's list,
+// into the outputs and, sorted, into c.key / c.val (the resident kernel reads the rows there);
+// returns how many results. Block 0 writes only its head (ll_head): its own best k are
+// selected only when its head reaches the k-th head B (~k/G of scans), and then taken from
+// its candidate buffer, not through memory. Its candidates (at most `cands` of them) stay in
+// key/val [0, cands) until then; the heads are selected at [cands, cands + G + k) and copied
+// at [half, half + G) (the caller's condition: cands + G + k <= half). All threads call it.
 template <int QB>
-__device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync, unsigned int tag) {
-    __shared__ int s_nh, s_nc, s_ns;  // heads (then the selection's count), lists to read, entries
+__device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync, unsigned int tag, int cands) {
+    // heads (then the selection's count), the second round's keys, lists to read, entries,
+    // whether block 0's own best are needed
+    __shared__ int s_nh, s_n2, s_nc, s_ns, s_own;
+    __shared__ float s_hthr;  // (the heads' selections' threshold: not used)
     __shared__ int s_cl[LL_K_MAX];
-    const u64* lists = ll_lists(sync);
+    u64* lists = ll_lists(sync);
     const int G = gridDim.x;
+    ll_head(c, lists, (u64)tag << 32);
+    KALOS_STAMP(1);
     float* key = c.key;
     int* val = c.val;
-    // the heads, into key/val [0, G) for the selection and a copy at [half, half + G) for the
-    // test below. Thread t reads lists t, t + blockDim.x, ... one at a time, as it reads the
-    // entries below: with two loads in flight per thread (or the heads held in registers
-    // through the selection, or a selection of four keys per lane) the resident float16
-    // kernel, capped at 80 registers, spilled 12-324 bytes (nvcc 13, sm_90).
+    float* hkey = key + cands;  // the heads' selections
+    int* hval = val + cands;
+    // The heads, in two rounds (KALOS_LL_ROUNDS). First, block 0 reads every head once, those
+    // not written yet standing as padding (heads into hkey/hval [0, G) for the selection, a
+    // copy at key/val [half, half + G) for the lists' test below), and selects the k-th of those
+    // in, P. P is a bound: a head that comes later and is below P is below k heads, so not among
+    // the k best. Then each thread waits for its missing heads (at most two: G <= 2 x
+    // blockDim.x) and adds those at or above P to the first round's k for a second selection,
+    // of a few keys. So the selection over up to G keys (~2.2 µs at 396, S24-3) runs while the
+    // last blocks scan, and the last head costs the small one (~1.1 µs). (S24-2, S24-3: waiting
+    // for most heads before the first round, or block 0 asking for no more rows near the end
+    // so that it is at its merge earlier, gained nothing measurable; docs/experiments/.) Thread
+    // t reads lists t and t + blockDim.x one at a time: with two loads in flight per thread (or
+    // the heads held in registers through the selection, or a selection of four keys per lane)
+    // the resident float16 kernel, capped at 80 registers, spilled 12-324 bytes (nvcc 13, sm_90).
     const int half = c.buf / 2;
-    // (key/val [0, k) were just read by ll_publish's thread i for entry i; thread t writes
-    // key[t] here: the same threads, so no barrier is needed between them)
-    for (int b = threadIdx.x; b < G; b += blockDim.x) {
-        ulonglong2 h;
-        do { h = vload128(lists + (size_t)2 * k * b); } while (!tagged(h, tag));
-        key[b] = key[half + b] = __uint_as_float((unsigned int)h.x);
-        val[b] = val[half + b] = (int)(unsigned int)h.y;
+    const int w = threadIdx.x >> 5;
+    __shared__ int s_in[2][KALOS_BLOCK / 32];
+    unsigned int missing = 0;  // bit j: list threadIdx.x + j x blockDim.x, its head not read yet
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const int b = threadIdx.x + j * blockDim.x;
+        if (b < G) {  // padding until read
+            hkey[b] = key[half + b] = neg_inf();
+            hval[b] = val[half + b] = 0x7fffffff;
+            missing |= 1u << j;
+        }
     }
-    if (threadIdx.x == 0) { s_nh = G; s_nc = 0; s_ns = 0; }
-    __syncthreads();
+    if (threadIdx.x == 0) { s_nh = G; s_n2 = min(G, k); s_nc = 0; s_ns = 0; s_own = 0; }
+    // the first round: one read of each head (without KALOS_LL_ROUNDS: polls, one barrier
+    // each, until every head is in)
+    const int late_ok = KALOS_LL_ROUNDS ? G : 0;
+    int arrived = 0;
+    for (int it = 0;; it++) {
+        int in = 0;  // heads this warp read in this poll
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            bool got = false;
+            if (missing >> j & 1u) {
+                const int b = threadIdx.x + j * blockDim.x;
+                const ulonglong2 h = vload128(lists + (size_t)2 * k * b);
+                got = tagged(h, tag);
+                if (got) {
+                    hkey[b] = key[half + b] = __uint_as_float((unsigned int)h.x);
+                    hval[b] = val[half + b] = (int)(unsigned int)h.y;
+                    missing &= ~(1u << j);
+                }
+            }
+            in += __popc(__ballot_sync(0xffffffffu, got));
+        }
+        if ((threadIdx.x & 31) == 0) s_in[it & 1][w] = in;  // (double-buffered: one barrier per poll)
+        __syncthreads();
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++) arrived += s_in[it & 1][i];
+        if (G - arrived <= late_ok) break;  // block-uniform
+    }
     KALOS_STAMP(2);
-    // B, the k-th head; with fewer than k lists, padding (every list with a real head is read,
-    // and all of its entries pass). G <= 2 x blockDim.x: the selection applies (the caller's condition)
-    compact_top<true>(key, val, &s_nh, &c.thr[0], k, c.buf);
-    const bool full = s_nh == k;
-    const int bo = full ? sel_ord(key[k - 1]) : sel_ord(neg_inf()), br = full ? val[k - 1] : 0x7fffffff;
+    KALOS_COUNT(17, G - arrived);
+    // the k-th head (of those in); with fewer than k, padding (every list with a real head is
+    // read, and all of its entries pass). G <= 2 x blockDim.x: the selection applies (the
+    // caller's condition)
+    compact_top<true>(hkey, hval, &s_nh, &s_hthr, k, half - cands);
+    int* nh = &s_nh;
+    if (arrived < G) {  // block-uniform: the second round
+        KALOS_STAMP(5);
+        const bool full1 = s_nh == k;
+        const int po = full1 ? sel_ord(hkey[k - 1]) : sel_ord(neg_inf()), pr = full1 ? hval[k - 1] : 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            if (!(missing >> j & 1u)) continue;
+            const int b = threadIdx.x + j * blockDim.x;
+            ulonglong2 h;
+            do { h = vload128(lists + (size_t)2 * k * b); } while (!tagged(h, tag));
+            const float s = __uint_as_float((unsigned int)h.x);
+            const int r = (int)(unsigned int)h.y;
+            key[half + b] = s;
+            val[half + b] = r;
+            if (r != 0x7fffffff && !ll_before(po, pr, sel_ord(s), r)) {  // at or above P
+                const int a = atomicAdd(&s_n2, 1);  // after the first round's min(G, k)
+                hkey[a] = s;
+                hval[a] = r;
+            }
+        }
+        __syncthreads();
+        KALOS_STAMP(11);
+        compact_top<true>(hkey, hval, &s_n2, &s_hthr, k, half - cands);
+        nh = &s_n2;
+    }
+    // B, the k-th head (padding: fewer than k real heads)
+    const bool full = *nh == k;
+    const int bo = full ? sel_ord(hkey[k - 1]) : sel_ord(neg_inf()), br = full ? hval[k - 1] : 0x7fffffff;
     KALOS_STAMP(3);
+    // the lists to read: those whose head is at or above B (at most k), block 0's own apart
     for (int b = threadIdx.x; b < G; b += blockDim.x) {
         const int r = val[half + b];
         if (r != 0x7fffffff && !ll_before(bo, br, sel_ord(key[half + b]), r)) {
-            const int at = atomicAdd(&s_nc, 1);
-            if (at < LL_K_MAX) s_cl[at] = b;
+            if (b == 0) {
+                s_own = 1;
+            } else {
+                const int at = atomicAdd(&s_nc, 1);
+                if (at < LL_K_MAX) s_cl[at] = b;
+            }
         }
     }
     __syncthreads();  // the lists to read are known, and everyone has B before key/val change
+    if (s_own) {  // block-uniform: block 0's best k, sorted into [0, k); those at or above B
+        // (a prefix) stay there, the other lists' entries go after them
+        compact_top<true>(key, val, &c.cnt[0], &c.thr[0], k, cands);
+        for (int i = threadIdx.x; i < c.cnt[0]; i += blockDim.x)
+            if (!ll_before(bo, br, sel_ord(key[i]), val[i])) atomicAdd(&s_ns, 1);
+        __syncthreads();
+    }
     const int nc = min(s_nc, LL_K_MAX);
     const int total = nc * k;  // entries of those lists: at most k x k
     for (int i = threadIdx.x; i < total; i += blockDim.x) {
@@ -1219,7 +1343,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
     }
     __syncthreads();
     KALOS_STAMP(4);
-    KALOS_COUNT(8, nc);
+    KALOS_COUNT(8, nc + s_own);
     KALOS_COUNT(9, s_ns);
     compact_top<true>(key, val, &s_ns, &c.thr[0], k, c.buf);  // (above 2 x blockDim.x: a sort)
     const int n = s_ns;
@@ -1233,7 +1357,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
         oscore[i] = have ? key[i] : neg_inf();
     }
     // every list is read: clear the heads, and the next scan's tag
-    for (int b = threadIdx.x; b < G; b += blockDim.x) vstore128(ll_lists(sync) + (size_t)2 * k * b, 0ull, 0ull);
+    for (int b = threadIdx.x; b < G; b += blockDim.x) vstore128(lists + (size_t)2 * k * b, 0ull, 0ull);
     if (threadIdx.x == 0) *sync_tag(sync) = tag + 1u ? tag + 1u : 1u;
     KALOS_STAMP(7);
     return n;
@@ -1414,18 +1538,20 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     if constexpr (ll_build) {
         const unsigned int tag = s_ll[0];
         const int G = gridDim.x;
-        if (tag != 0u && k > 0 && k <= LL_K_MAX && G <= (int)s_ll[1] && G <= 2 * (int)blockDim.x && G <= buf / 2 &&
-            k * k <= buf / 2) {
-            ll_publish(c, k, ll_lists(sync), tag);
+        if (tag != 0u && k > 0 && k <= LL_K_MAX && G <= (int)s_ll[1] && G <= 2 * (int)blockDim.x &&
+            scan_cap + G + k <= buf / 2 && k * k <= buf / 2) {
+            if (blockIdx.x != 0) {
+                ll_publish(c, k, ll_lists(sync), tag);
 #ifdef KALOS_STAMPS
-            KALOS_T(t_append);
-            if (threadIdx.x == 0) atomicMax(&kalos_stamps[14], t_append);
+                KALOS_T(t_append);
+                if (threadIdx.x == 0) atomicMax(&kalos_stamps[14], t_append);
 #endif
-            if (blockIdx.x != 0) return -1;
+                return -1;
+            }
 #ifdef KALOS_STAMPS
-            if (threadIdx.x == 0) { kalos_stamps[0] = t_loop; kalos_stamps[1] = t_append; kalos_stamps[15] = 1; }
+            if (threadIdx.x == 0) { kalos_stamps[0] = t_loop; kalos_stamps[15] = 1; }
 #endif
-            const int got = ll_merge(c, p, k, sync, tag);
+            const int got = ll_merge(c, p, k, sync, tag, scan_cap);
             if (dynamic && threadIdx.x == 0) {  // every block is past its scan: ready for the next
                 *next_row = 0;
                 if (KALOS_ALTERNATE) *sync_dir(sync) = !rev;

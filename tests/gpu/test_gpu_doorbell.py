@@ -89,13 +89,17 @@ def test_doorbell_finds_every_hit_when_few_blocks_hold_them(start_sidecar, dtype
     """The resident kernel's merge for k <= 32 (kernels/recall.cu, ll_merge): each block
     writes its best k as tagged records and block 0 reads whole lists only for the k best
     heads. A query's hits here are a run of 32 consecutive near-copies, which one or two blocks
-    scan, so their lists hold most hits and the merge must read past the heads; the queries go
-    from run to run and back (a list left from the request before would show), and k = 33 and
-    100 take the appended lists instead. All of them answered by the resident kernel."""
+    scan (block 0 too, for the runs at the ends), so their lists hold most hits and the merge
+    must read past the heads; the queries go from run to run and back (a list left from the
+    request before would show), and k = 33 and 100 take the appended lists instead. All of
+    them answered by the resident kernel."""
     rng = np.random.default_rng()
     n, dim = 40_009, 97
     data = rng.standard_normal((n, dim)).astype(np.float32)
-    starts = sorted(int(x) * 100 + 7 for x in rng.choice((n - 200) // 100, 4, replace=False))
+    # one run at the first rows and one at the last, which block 0 usually scans (its own
+    # best are taken from its candidates, not from a list)
+    middle = rng.choice(np.arange(1, (n - 200) // 100), 3, replace=False)
+    starts = sorted([7, n - 39] + [int(x) * 100 + 7 for x in middle])
     for s in starts:
         data[s : s + 32] = rng.standard_normal(dim) + 0.03 * rng.standard_normal((32, dim))
     sc = start_sidecar(dim=dim, device="cuda", dtype=dtype)

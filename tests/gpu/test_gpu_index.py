@@ -303,9 +303,12 @@ def test_batch1_answers_are_ordered_by_score_then_row_with_ties(n: int, dtype: s
 def runs_of_hits(rng, n: int, dim: int, runs: int, length: int = 32) -> tuple[np.ndarray, list[int]]:
     """Random rows with ``runs`` runs of ``length`` consecutive near-copies of one vector each
     (cosine ~0.999 to it, far above any random row): one block scans a run's rows together, a
-    round at a time, so its list holds several of a query's hits."""
+    round at a time, so its list holds several of a query's hits. One run is at the first rows
+    and one at the last: the first round of a scan (forward or backward) is usually block 0's,
+    whose own best the merge takes from its candidates rather than from a list."""
     data = rng.standard_normal((n, dim)).astype(np.float32)
-    starts = sorted(int(x) * 100 + 7 for x in rng.choice((n - 200) // 100, runs, replace=False))
+    middle = rng.choice(np.arange(1, (n - 200) // 100), runs - 2, replace=False)
+    starts = sorted([7, n - length - 7] + [int(x) * 100 + 7 for x in middle])
     for s in starts:
         data[s : s + length] = rng.standard_normal(dim) + 0.03 * rng.standard_normal((length, dim))
     return data, starts
