@@ -1106,35 +1106,44 @@ __device__ __forceinline__ void final_fence() {
 // round trip, before its first pass over the list (merge_stamps.py, S22-3: ~10.8 µs from the
 // merging block's loop end to its answer at 100k rows, of which ~6 µs those round trips).
 // Batch-1 scans with k <= LL_K_MAX instead do this:
-//   * every block writes its best k, sorted, as its own list of tagged records (16 bytes per
-//     entry: {score bits, tag}, {row, tag}; padding (-inf, INT_MAX) past its count), with no
-//     atomic, no fence and no count: a reader that sees the scan's tag in both halves of an
-//     entry has it (see "Tagged records" at the top);
-//   * block 0, after its own list, waits for every list's first entry (its head: the list's
-//     best), picks the k-th best head B (compact_top), and then reads only the lists whose
-//     head is at or above B: there are at most k of them, since a row of any other list is
-//     below its head, which is below k heads, so it is not in the answer. Of those lists'
-//     k x k entries, those at or above B go to the final selection (at least the k heads).
+//   * every block but 0 writes its best k, sorted, as its own list of tagged records (16 bytes
+//     per entry: {score bits, tag}, {row, tag}; padding (-inf, INT_MAX) past its count), with
+//     no atomic, no fence and no count: a reader that sees the scan's tag in both halves of an
+//     entry has it (see "Tagged records" at the top). Its head (entry 0, the list's best) is
+//     written first, before the selection of the rest (ll_head, ll_publish);
+//   * block 0 writes only its head; it reads every head, picks the k-th best head B
+//     (compact_top; in two rounds, the heads already written and then the late ones at or
+//     above the first round's k-th, see ll_merge), and then reads only the lists whose head is
+//     at or above B: there are at most k of them, since a row of any other list is below its
+//     head, which is below k heads, so it is not in the answer. Of those lists' k x k entries,
+//     those at or above B go to the final selection (at least the k heads); block 0's own best
+//     k come from its candidates, selected only when its head is at or above B (~k/G scans).
+// So the answer waits for the last block's head, not its list (unless that list is one of
+// the k), and block 0's own selection is off the path in most scans: the tail at 100k, grid
+// 396, 7.14 -> 5.52 µs (merge_stamps.py, S24-1 / S24-3).
 // The order is compact_top's (score descending, ties by row ascending); rows are unique across
 // lists (each row is scanned by one block), so the order is total. Fewer than k real heads: B
 // is padding, and every list with a real head is read.
 //
-// The tag is the word sync_tag, which the host sets to 1 and block 0 moves on (skipping 0)
-// once it has read every list; every block reads it as its scan starts, which is before its
-// list, which block 0 reads before moving it: each scan's records carry their own tag, and a
-// record left by an earlier scan could match only after exactly 2^32 - 1 tagged scans that did
-// not rewrite it, the tag's whole cycle. Block 0 also clears the heads it read (at this k's
-// spacing), so such a head is never taken for a new one. A scan that never finishes leaves
-// the tag where it was; on this GPU only the loss of the context does that, and with it the
-// memory. k must be at least 1 (the caller's condition): with none, no block would write a
-// head and block 0 would wait for ever.
+// The tag is the word sync_tag, which the host sets to 1 and block 0 moves on (skipping 0) once
+// it has read every head and the lists it needs; every block reads it as its scan starts, which
+// is before its head, which block 0 reads before moving it: each scan's records carry their own
+// tag, and a record left by an earlier scan could match only after exactly 2^32 - 1 tagged scans
+// that did not rewrite it, the tag's whole cycle. (A block's list may still be being written
+// after block 0 moved the tag, when it is not one of the k: those records carry the old tag.)
+// Block 0 also clears the heads it read (at this k's spacing), so such a head is never taken for
+// a new one. A scan that never finishes leaves the tag where it was; on this GPU only the loss of
+// the context does that, and with it the memory. k must be at least 1 (the caller's condition):
+// with none, no block would write a head and block 0 would wait for ever.
 // Block 0 waits for the other blocks (they never wait): a launch finishes as long as one other
-// block can be resident beside it, which the graphs' and the resident kernel's grids allow on
-// a GPU of their own.
+// block can be resident beside it, which the graphs' and the resident kernel's grids allow on a
+// GPU of their own.
 // The area after SYNC_WORDS holds LL_K_MAX entries per block for sync_ll_cap blocks (the host's
 // largest grid); a grid above it, above 2 x KALOS_BLOCK (two keys per thread: the selection's) or
-// above half the candidate buffer (block 0 keeps the heads in its second half) takes the
-// appended lists: the graphs' batch-1 scans at 4 blocks per SM (528 on an H200) do. KALOS_LL_MERGE=0 builds the appended lists only (for A/B runs).
+// one whose heads do not fit in block 0's candidate buffer beside its candidates (scan_cap + G +
+// k <= buf / 2; G copied in the second half) takes the appended lists: the graphs' batch-1 scans
+// at 4 blocks per SM (528 on an H200) do. KALOS_LL_MERGE=0 builds the appended lists only,
+// KALOS_LL_ROUNDS=0 the k-th head in one round (for A/B runs).
 #ifndef KALOS_LL_MERGE
 #define KALOS_LL_MERGE 1
 #endif
