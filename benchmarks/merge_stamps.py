@@ -8,11 +8,11 @@ loads and its shared-memory atomics did not move it (S9-3, S9-4). This builds ``
 with ``-DKALOS_STAMPS`` (kernels/recall.cu: stamps compiled out of the sidecar's kernels) and
 reads, after each of 40 launches per configuration (768-d float16 rows, cosine, k = 10, 4
 threads per row; grids of 2, 3 and 4 blocks per SM), the stamps of the block that merged.
-With the appended lists (grids above 512 blocks): when its scan loop ended, when its append
+With the appended lists (k above 32, or grids above 512 - k blocks): when its scan loop ended, when its append
 ended, when it learned it was last, and the merge's phases (bound and count read, the first
 pass over the appended keys, the k-th select, the final sort, the output), plus the first and
 the last loop end of any block and the counts (appended entries, survivors of the bound,
-entries after the select). With the tagged lists (ll_merge, k <= 32 and grids up to 512):
+entries after the select). With the tagged lists (ll_merge, k <= 32 and grids up to 512 - k):
 when the last list was written, when block 0 had every head, the k-th head, the lists read,
 the final selection, the output. Prints medians in µs; writes ``DIR/merge_stamps.json``.
 """
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scan_variants import build
 
 NSTAMPS = 24  # kalos_stamps' length in kernels/recall.cu
-PHASES = {  # name: (from stamp, to stamp): the appended lists (k > 32, or grids above 512)
+PHASES = {  # name: (from stamp, to stamp): the appended lists (k > 32, or grids above 512 - k)
     "blocks' loop ends, first to last": (12, 13),
     "last loop end -> merging block's loop end": (13, 0),
     "loop end -> append done": (0, 1),

@@ -1129,10 +1129,10 @@ __device__ __forceinline__ void final_fence() {
 // it has read every head and the lists it needs; every block reads it as its scan starts, which
 // is before its head, which block 0 reads before moving it: each scan's records carry their own
 // tag, and a record left by an earlier scan could match only after exactly 2^32 - 1 tagged scans
-// that did not rewrite it, the tag's whole cycle. (A block's list may still be being written
-// after block 0 moved the tag, when it is not one of the k: those records carry the old tag.)
-// Block 0 also clears the heads it read (at this k's spacing), so such a head is never taken for
-// a new one. A scan that never finishes leaves the tag where it was; on this GPU only the loss of
+// that did not rewrite it, the tag's whole cycle. Block 0 also clears the heads it read. (A
+// block's list may still be being written after block 0 moved the tag, when it is not one of the
+// k: those records carry the old tag, and lie in the block's own LL_K_MAX entries, ll_list,
+// which its next scan rewrites in program order after them.) A scan that never finishes leaves the tag where it was; on this GPU only the loss of
 // the context does that, and with it the memory. k must be at least 1 (the caller's condition):
 // with none, no block would write a head and block 0 would wait for ever.
 // Block 0 waits for the other blocks (they never wait): a launch finishes as long as one other
@@ -1154,6 +1154,10 @@ __device__ __forceinline__ void final_fence() {
 #define LL_WORDS_PER_BLOCK (4 * LL_K_MAX)
 
 __device__ __forceinline__ u64* ll_lists(unsigned int* sync) { return reinterpret_cast<u64*>(sync + SYNC_WORDS); }
+// Block b's list: LL_K_MAX entries of its own whatever this scan's k, so that a block still
+// writing the rest of its list after block 0 answered (its head is all block 0 waits for, and
+// the resident kernel's next request may have another k) writes only where it alone writes.
+__device__ __forceinline__ u64* ll_list(u64* lists, int b) { return lists + (size_t)2 * LL_K_MAX * b; }
 // (score, row) a before b in the answer's order (scores as sel_ord patterns)
 __device__ __forceinline__ bool ll_before(int oa, int ra, int ob, int rb) { return oa > ob || (oa == ob && ra < rb); }
 
@@ -1181,8 +1185,7 @@ __device__ void ll_head(Cands<QB>& c, u64* mine, u64 t) {
     }
 }
 
-// Every block but 0: its best k, sorted, as list blockIdx.x (2k u64 from lists + 2k x
-// blockIdx.x). With KALOS_LL_HEAD_FIRST the head is written first (ll_head) and the whole list
+// Every block but 0: its best k, sorted, as list blockIdx.x (2k u64 from ll_list). With KALOS_LL_HEAD_FIRST the head is written first (ll_head) and the whole list
 // after the selection: block 0 needs every head to pick the k-th, but the last block's list
 // only in the ~k/G scans where its head reaches it, so the last block's compaction (~2.2 µs,
 // S24-2) leaves the answer's path. The head is the selection's first entry (the same order),
@@ -1193,7 +1196,7 @@ __device__ void ll_head(Cands<QB>& c, u64* mine, u64 t) {
 template <int QB>
 __device__ void ll_publish(Cands<QB>& c, int k, u64* lists, unsigned int tag) {
     const u64 t = (u64)tag << 32;
-    u64* mine = lists + (size_t)2 * k * blockIdx.x;
+    u64* mine = ll_list(lists, blockIdx.x);
     if (KALOS_LL_HEAD_FIRST) ll_head(c, mine, t);
     compact_top<true>(c.key, c.val, &c.cnt[0], &c.thr[0], k, c.buf);
     const int n = c.cnt[0];
@@ -1264,7 +1267,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
             bool got = false;
             if (missing >> j & 1u) {
                 const int b = threadIdx.x + j * blockDim.x;
-                const ulonglong2 h = vload128(lists + (size_t)2 * k * b);
+                const ulonglong2 h = vload128(ll_list(lists, b));
                 got = tagged(h, tag);
                 if (got) {
                     hkey[b] = key[half + b] = __uint_as_float((unsigned int)h.x);
@@ -1295,7 +1298,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
             if (!(missing >> j & 1u)) continue;
             const int b = threadIdx.x + j * blockDim.x;
             ulonglong2 h;
-            do { h = vload128(lists + (size_t)2 * k * b); } while (!tagged(h, tag));
+            do { h = vload128(ll_list(lists, b)); } while (!tagged(h, tag));
             const float s = __uint_as_float((unsigned int)h.x);
             const int r = (int)(unsigned int)h.y;
             key[half + b] = s;
@@ -1339,7 +1342,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
     const int total = nc * k;  // entries of those lists: at most k x k
     for (int i = threadIdx.x; i < total; i += blockDim.x) {
         const int j = i / k;
-        const u64* at = lists + (size_t)2 * k * s_cl[j] + 2 * (i - j * k);
+        const u64* at = ll_list(lists, s_cl[j]) + 2 * (i - j * k);
         ulonglong2 e;
         do { e = vload128(at); } while (!tagged(e, tag));
         const float s = __uint_as_float((unsigned int)e.x);
@@ -1366,7 +1369,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
         oscore[i] = have ? key[i] : neg_inf();
     }
     // every list is read: clear the heads, and the next scan's tag
-    for (int b = threadIdx.x; b < G; b += blockDim.x) vstore128(lists + (size_t)2 * k * b, 0ull, 0ull);
+    for (int b = threadIdx.x; b < G; b += blockDim.x) vstore128(ll_list(lists, b), 0ull, 0ull);
     if (threadIdx.x == 0) *sync_tag(sync) = tag + 1u ? tag + 1u : 1u;
     KALOS_STAMP(7);
     return n;
@@ -1633,8 +1636,10 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
 //                     then state = RESPONSE, and marks the request done.
 //
 // Block 0 takes the next request only after `done` says the merging block answered the last
-// one, which is after every block finished its scan (with the tagged lists: wrote its list,
-// after which a block only returns; params, qbuf and the merge's scratch are reused). A request it does not take as it stands
+// one, which is after every block finished its scan (with the tagged lists: wrote its head;
+// it may still be selecting and writing the rest of its list, in its own part of the area
+// (ll_list), reading nothing the next request rewrites; params, qbuf and the merge's scratch
+// are reused). A request it does not take as it stands
 // (another op, a filter, a namespace, vectors asked, k above max_k) goes back to the sidecar as
 // REQUEST; so do all of them when several wait at once: the sidecar's batched path answers a
 // crowd with one pass over the rows, the resident kernel would make one pass each. The host
