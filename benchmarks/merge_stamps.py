@@ -8,13 +8,14 @@ loads and its shared-memory atomics did not move it (S9-3, S9-4). This builds ``
 with ``-DKALOS_STAMPS`` (kernels/recall.cu: stamps compiled out of the sidecar's kernels) and
 reads, after each of 40 launches per configuration (768-d float16 rows, cosine, k = 10, 4
 threads per row; grids of 2, 3 and 4 blocks per SM), the stamps of the block that merged.
-With the appended lists (k above 32, or grids above 512 - k blocks): when its scan loop ended, when its append
-ended, when it learned it was last, and the merge's phases (bound and count read, the first
-pass over the appended keys, the k-th select, the final sort, the output), plus the first and
-the last loop end of any block and the counts (appended entries, survivors of the bound,
-entries after the select). With the tagged lists (ll_merge, k <= 32 and grids up to 512 - k):
-when the last list was written, when block 0 had every head, the k-th head, the lists read,
-the final selection, the output. Prints medians in µs; writes ``DIR/merge_stamps.json``.
+With the appended lists (k above 32, or grids above 512 - k blocks): when its scan loop
+ended, when its append ended, when it learned it was last, and the merge's phases (bound and
+count read, the first pass over the appended keys, the k-th select, the final sort, the
+output), plus the first and the last loop end of any block and the counts (appended entries,
+survivors of the bound, entries after the select). With the tagged lists (ll_merge, k <= 32
+and grids up to 512 - k): when the last head and the last list were written, block 0's head,
+its two rounds of heads (and how many were missing at the first), the k-th head, the lists
+read, the final selection, the output. Prints medians in µs; writes ``DIR/merge_stamps.json``.
 """
 
 from __future__ import annotations
