@@ -126,6 +126,7 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
         idx.close()
         del svc, keep
+    Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.out, "merge_stamps.json").write_text(json.dumps(results, indent=1))
     return 0
 

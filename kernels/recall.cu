@@ -1128,18 +1128,19 @@ __device__ __forceinline__ void final_fence() {
 // The tag is the word sync_tag, which the host sets to 1 and block 0 moves on (skipping 0) once
 // it has read every head and the lists it needs; every block reads it as its scan starts, which
 // is before its head, which block 0 reads before moving it: each scan's records carry their own
-// tag, and a record left by an earlier scan could match only after exactly 2^32 - 1 tagged scans
-// that did not rewrite it, the tag's whole cycle. Block 0 also clears the heads it read. (A
-// block's list may still be being written after block 0 moved the tag, when it is not one of the
-// k: those records carry the old tag, and lie in the block's own LL_K_MAX entries, ll_list,
-// which its next scan rewrites in program order after them.) A scan that never finishes leaves the tag where it was; on this GPU only the loss of
-// the context does that, and with it the memory. k must be at least 1 (the caller's condition):
+// tag. Block 0 clears the heads it read, and when the tag wraps the whole area, so a record an
+// earlier cycle left cannot carry a tag of the next. (A block's list may still be being written
+// after block 0 moved the tag, when it is not one of the k: those records carry the old tag,
+// and lie in the block's own LL_K_MAX entries, ll_list, which its next scan rewrites in program
+// order after them; such a record, if that block then wrote no list for a whole cycle of 2^32 - 1
+// scans, is the one stale record a tag could match.) A scan that never finishes leaves the tag
+// where it was; on this GPU only the loss of the context does that, and with it the memory. k must be at least 1 (the caller's condition):
 // with none, no block would write a head and block 0 would wait for ever.
 // Block 0 waits for the other blocks (they never wait): a launch finishes as long as one other
 // block can be resident beside it, which the graphs' and the resident kernel's grids allow on a
 // GPU of their own.
-// The area after SYNC_WORDS holds LL_K_MAX entries per block for sync_ll_cap blocks (the host's
-// largest grid); a grid above it, above 2 x KALOS_BLOCK (two keys per thread: the selection's) or
+// The area after SYNC_WORDS holds a head and LL_K_MAX entries per block for sync_ll_cap blocks
+// (the host's largest grid; ll_heads, ll_list); a grid above it, above 2 x KALOS_BLOCK (two keys per thread: the selection's) or
 // one whose heads do not fit in block 0's candidate buffer beside its candidates (scan_cap + G +
 // k <= buf / 2; G copied in the second half) takes the appended lists: the graphs' batch-1 scans
 // at 4 blocks per SM (528 on an H200) do. KALOS_LL_MERGE=0 builds the appended lists only,
@@ -1151,18 +1152,23 @@ __device__ __forceinline__ void final_fence() {
 #define KALOS_LL_ROUNDS 1
 #endif
 #define LL_K_MAX 32             // largest k of the tagged merge (the selection's)
-#define LL_WORDS_PER_BLOCK (4 * LL_K_MAX)
+#define LL_WORDS_PER_BLOCK (4 * LL_K_MAX + 4)  // a list and a head
 
-__device__ __forceinline__ u64* ll_lists(unsigned int* sync) { return reinterpret_cast<u64*>(sync + SYNC_WORDS); }
+// The area after SYNC_WORDS: cap heads of 16 bytes, one per block, side by side (block 0 reads
+// a warp's 32 heads from four 128-byte lines), then cap lists of LL_K_MAX entries.
+__device__ __forceinline__ u64* ll_heads(unsigned int* sync) { return reinterpret_cast<u64*>(sync + SYNC_WORDS); }
+__device__ __forceinline__ u64* ll_head_at(u64* heads, int b) { return heads + 2 * b; }
 // Block b's list: LL_K_MAX entries of its own whatever this scan's k, so that a block still
 // writing the rest of its list after block 0 answered (its head is all block 0 waits for, and
 // the resident kernel's next request may have another k) writes only where it alone writes.
-__device__ __forceinline__ u64* ll_list(u64* lists, int b) { return lists + (size_t)2 * LL_K_MAX * b; }
+__device__ __forceinline__ u64* ll_list(u64* heads, unsigned int cap, int b) {
+    return heads + (size_t)2 * cap + (size_t)2 * LL_K_MAX * b;
+}
 // (score, row) a before b in the answer's order (scores as sel_ord patterns)
 __device__ __forceinline__ bool ll_before(int oa, int ra, int ob, int rb) { return oa > ob || (oa == ob && ra < rb); }
 
 // A block's head: the best of its candidates (sel_pack's order, padding for a block with no
-// rows), written as entry 0 of list blockIdx.x from a max over the candidates (a warp
+// rows), written to its place among the heads (ll_head_at) from a max over the candidates (a warp
 // reduction and one barrier). All threads call it.
 template <int QB>
 __device__ void ll_head(Cands<QB>& c, u64* mine, u64 t) {
@@ -1185,25 +1191,27 @@ __device__ void ll_head(Cands<QB>& c, u64* mine, u64 t) {
     }
 }
 
-// Every block but 0: its best k, sorted, as list blockIdx.x (2k u64 from ll_list). With KALOS_LL_HEAD_FIRST the head is written first (ll_head) and the whole list
-// after the selection: block 0 needs every head to pick the k-th, but the last block's list
-// only in the ~k/G scans where its head reaches it, so the last block's compaction (~2.2 µs,
-// S24-2) leaves the answer's path. The head is the selection's first entry (the same order),
-// so the list's entry 0 stores the same bits again. All threads call it.
+// Every block but 0: its head, and its best k, sorted, as list blockIdx.x (2k u64 from
+// ll_list). With KALOS_LL_HEAD_FIRST the head is written first (ll_head) and the list after the
+// selection: block 0 needs every head to pick the k-th, but the last block's list only in the
+// ~k/G scans where its head reaches it, so the last block's compaction (~2.2 µs, S24-2) leaves
+// the answer's path. The head is the selection's first entry (the same order), so the list's
+// entry 0 holds the same bits. All threads call it.
 #ifndef KALOS_LL_HEAD_FIRST
 #define KALOS_LL_HEAD_FIRST 1
 #endif
 template <int QB>
-__device__ void ll_publish(Cands<QB>& c, int k, u64* lists, unsigned int tag) {
+__device__ void ll_publish(Cands<QB>& c, int k, u64* heads, unsigned int cap, unsigned int tag) {
     const u64 t = (u64)tag << 32;
-    u64* mine = ll_list(lists, blockIdx.x);
-    if (KALOS_LL_HEAD_FIRST) ll_head(c, mine, t);
+    u64* mine = ll_list(heads, cap, blockIdx.x);
+    if (KALOS_LL_HEAD_FIRST) ll_head(c, ll_head_at(heads, blockIdx.x), t);
     compact_top<true>(c.key, c.val, &c.cnt[0], &c.thr[0], k, c.buf);
     const int n = c.cnt[0];
     for (int i = threadIdx.x; i < k; i += blockDim.x) {
         const bool have = i < n;
-        vstore128(mine + 2 * i, t | __float_as_uint(have ? c.key[i] : neg_inf()),
-                  t | (unsigned int)(have ? c.val[i] : 0x7fffffff));
+        const u64 a = t | __float_as_uint(have ? c.key[i] : neg_inf()), b = t | (unsigned int)(have ? c.val[i] : 0x7fffffff);
+        vstore128(mine + 2 * i, a, b);
+        if (!KALOS_LL_HEAD_FIRST && i == 0) vstore128(ll_head_at(heads, blockIdx.x), a, b);
     }
 }
 
@@ -1215,15 +1223,16 @@ __device__ void ll_publish(Cands<QB>& c, int k, u64* lists, unsigned int tag) {
 // key/val [0, cands) until then; the heads are selected at [cands, cands + G + k) and copied
 // at [half, half + G) (the caller's condition: cands + G + k <= half). All threads call it.
 template <int QB>
-__device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync, unsigned int tag, int cands) {
+__device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync, unsigned int cap, unsigned int tag,
+                        int cands) {
     // heads (then the selection's count), the second round's keys, lists to read, entries,
     // whether block 0's own best are needed
     __shared__ int s_nh, s_n2, s_nc, s_ns, s_own;
     __shared__ float s_hthr;  // (the heads' selections' threshold: not used)
     __shared__ int s_cl[LL_K_MAX];
-    u64* lists = ll_lists(sync);
+    u64* heads = ll_heads(sync);
     const int G = gridDim.x;
-    ll_head(c, lists, (u64)tag << 32);
+    ll_head(c, ll_head_at(heads, 0), (u64)tag << 32);
     KALOS_STAMP(1);
     float* key = c.key;
     int* val = c.val;
@@ -1267,7 +1276,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
             bool got = false;
             if (missing >> j & 1u) {
                 const int b = threadIdx.x + j * blockDim.x;
-                const ulonglong2 h = vload128(ll_list(lists, b));
+                const ulonglong2 h = vload128(ll_head_at(heads, b));
                 got = tagged(h, tag);
                 if (got) {
                     hkey[b] = key[half + b] = __uint_as_float((unsigned int)h.x);
@@ -1298,7 +1307,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
             if (!(missing >> j & 1u)) continue;
             const int b = threadIdx.x + j * blockDim.x;
             ulonglong2 h;
-            do { h = vload128(ll_list(lists, b)); } while (!tagged(h, tag));
+            do { h = vload128(ll_head_at(heads, b)); } while (!tagged(h, tag));
             const float s = __uint_as_float((unsigned int)h.x);
             const int r = (int)(unsigned int)h.y;
             key[half + b] = s;
@@ -1342,7 +1351,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
     const int total = nc * k;  // entries of those lists: at most k x k
     for (int i = threadIdx.x; i < total; i += blockDim.x) {
         const int j = i / k;
-        const u64* at = ll_list(lists, s_cl[j]) + 2 * (i - j * k);
+        const u64* at = ll_list(heads, cap, s_cl[j]) + 2 * (i - j * k);
         ulonglong2 e;
         do { e = vload128(at); } while (!tagged(e, tag));
         const float s = __uint_as_float((unsigned int)e.x);
@@ -1368,8 +1377,15 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
         orow[i] = have ? val[i] : -1;
         oscore[i] = have ? key[i] : neg_inf();
     }
-    // every list is read: clear the heads, and the next scan's tag
-    for (int b = threadIdx.x; b < G; b += blockDim.x) vstore128(ll_list(lists, b), 0ull, 0ull);
+    // every list is read: clear the heads, and the next scan's tag. When the tag wraps, the
+    // whole area is cleared first (once in 2^32 - 1 scans), so that no record an earlier scan
+    // left in a list (or a head beyond this grid) carries the next cycle's tags
+    if (tag + 1u) {
+        for (int b = threadIdx.x; b < G; b += blockDim.x) vstore128(ll_head_at(heads, b), 0ull, 0ull);
+    } else {
+        for (int i = threadIdx.x; i < (int)cap * (LL_WORDS_PER_BLOCK / 4); i += blockDim.x) vstore128(heads + 2 * i, 0ull, 0ull);
+        __syncthreads();
+    }
     if (threadIdx.x == 0) *sync_tag(sync) = tag + 1u ? tag + 1u : 1u;
     KALOS_STAMP(7);
     return n;
@@ -1553,7 +1569,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
         if (tag != 0u && k > 0 && k <= LL_K_MAX && G <= (int)s_ll[1] && G <= 2 * (int)blockDim.x &&
             scan_cap + G + k <= buf / 2 && k * k <= buf / 2) {
             if (blockIdx.x != 0) {
-                ll_publish(c, k, ll_lists(sync), tag);
+                ll_publish(c, k, ll_heads(sync), s_ll[1], tag);
 #ifdef KALOS_STAMPS
                 KALOS_T(t_append);
                 if (threadIdx.x == 0) atomicMax(&kalos_stamps[14], t_append);
@@ -1563,7 +1579,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
 #ifdef KALOS_STAMPS
             if (threadIdx.x == 0) { kalos_stamps[0] = t_loop; kalos_stamps[15] = 1; }
 #endif
-            const int got = ll_merge(c, p, k, sync, tag, scan_cap);
+            const int got = ll_merge(c, p, k, sync, s_ll[1], tag, scan_cap);
             if (dynamic && threadIdx.x == 0) {  // every block is past its scan: ready for the next
                 *next_row = 0;
                 if (KALOS_ALTERNATE) *sync_dir(sync) = !rev;

@@ -78,11 +78,12 @@ CAND_CAP: Final = 8192
 TAU_SAMPLE_MAX: Final = 16384
 SELECT_GATHER: Final = 2048  # as in kernels/recall.cu
 # as in kernels/recall.cu: tickets, bounds, counts per query; next row, direction, the batch-1
-# lists' tag and how many blocks' lists follow (LL_WORDS_PER_BLOCK words each; see ll_merge)
+# lists' tag and how many blocks' heads and lists follow (LL_WORDS_PER_BLOCK words each: a
+# 16-byte head among the heads, then LL_K_MAX entries of 16 bytes among the lists; see ll_merge)
 SYNC_WORDS: Final = 3 * MAXQ + 4
 SYNC_TAG: Final = 3 * MAXQ + 2
 SYNC_LL_CAP: Final = 3 * MAXQ + 3
-LL_WORDS_PER_BLOCK: Final = 128
+LL_WORDS_PER_BLOCK: Final = 132
 _NEG_INF_ORD: Final = int(np.array([-np.inf], np.float32).view(np.int32)[0]) ^ 0x7FFFFFFF
 GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, grid)
 # int8: candidates per result re-scored exactly (KALOS_RESCORE_FACTOR). 2, not 4: on the H200

@@ -353,6 +353,52 @@ def test_batch1_hits_held_by_few_blocks_are_all_found(dtype: str) -> None:
             assert {int(svc.rows.ids[r]) for r in rows[0][: min(k, 32)]} <= set(range(s, s + 32)), (s, k)
 
 
+def test_batch1_lists_area_is_cleared_when_the_tag_wraps() -> None:
+    """The tagged lists' records carry the scan's tag (kernels/recall.cu, ll_merge); when the
+    tag wraps (0xffffffff -> 1), block 0 clears the whole area of heads and lists, so that no
+    record left from the cycle before carries a tag the next cycle uses. Here every head and
+    list entry is planted with tag 1 and a score no row has, the tag set two scans before its
+    wrap: both scans stay exact (the planted records carry another tag), the tag reads 1 after
+    the second, no record with tag 1 is left (the entries past k = 1 that no block rewrote
+    included), and the next scans with k = 32 are exact. Built without the clearing (the
+    negative control) the planted records past k = 1 are still there after the wrap."""
+    import cupy as cp
+    from kalos_retrievers.sidecar.index_gpu import SYNC_TAG, SYNC_WORDS
+
+    rng = np.random.default_rng()
+    n, dim = 20_011, 97
+    svc = make(dim)
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    put(svc, data)
+    area = svc.index.sync[SYNC_WORDS:].view(cp.uint32).reshape(-1, 4)  # {score, tag}, {row, tag}
+    area[:, 0] = np.float32(10.0).view(np.uint32)
+    area[:, 1] = 1
+    area[:, 2] = 0
+    area[:, 3] = 1
+    svc.index.sync[SYNC_TAG] = np.uint32(0xFFFFFFFE).view(np.int32)
+    cp.cuda.Device().synchronize()
+
+    def tag() -> int:
+        svc.index.stream.synchronize()
+        return int(svc.index.sync[SYNC_TAG]) & 0xFFFFFFFF
+
+    def check(k: int, expect_tag: int) -> None:
+        q = rng.standard_normal((1, dim)).astype(np.float32)
+        rows, scores = svc.recall(q, k, "", None)
+        ref_i, ref_s = reference_topk(data, q, k)
+        assert_topk_equal([svc.rows.ids[r] for r in rows[0]], scores[0], [str(x) for x in ref_i[0]], ref_s[0],
+                          atol=1e-4, context=f"k={k} tag={expect_tag:#x}")  # fmt: skip
+        assert tag() == expect_tag
+
+    check(1, 0xFFFFFFFF)
+    check(1, 1)  # the wrap
+    left = area.get()
+    stale = (left[:, 1] == 1) | (left[:, 3] == 1)
+    assert not stale.any(), f"{int(stale.sum())} records with the next cycle's tag 1 left after the wrap"
+    check(32, 2)
+    check(32, 3)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_batch1_scans_alternate_direction_and_stay_exact(dtype: str) -> None:
     """KALOS_ALTERNATE: each batch-1 scan hands its rows out from the other end than the scan

@@ -83,9 +83,9 @@ def test_sizes_and_limits_match() -> None:
     assert "sync_tag(unsigned int* sync) { return sync + 3 * KALOS_MAXQ + 2; }" in SOURCE
     assert "sync_ll_cap(unsigned int* sync) { return sync + 3 * KALOS_MAXQ + 3; }" in SOURCE
     assert (3 * d["KALOS_MAXQ"] + 2, 3 * d["KALOS_MAXQ"] + 3) == (index_gpu.SYNC_TAG, index_gpu.SYNC_LL_CAP)
-    # the lists' area: LL_K_MAX entries of 16 bytes per block, from a 16-byte boundary
-    assert re.search(r"^#define LL_WORDS_PER_BLOCK \(4 \* LL_K_MAX\)$", SOURCE, re.M)
-    assert 4 * d["LL_K_MAX"] == index_gpu.LL_WORDS_PER_BLOCK
+    # the lists' area: per block a head and LL_K_MAX entries of 16 bytes, from a 16-byte boundary
+    assert re.search(r"^#define LL_WORDS_PER_BLOCK \(4 \* LL_K_MAX \+ 4\)", SOURCE, re.M)
+    assert 4 * d["LL_K_MAX"] + 4 == index_gpu.LL_WORDS_PER_BLOCK
     assert index_gpu.SYNC_WORDS * 4 % 16 == 0
     assert d["NS_ANY"] == index.NS_ANY
     # the int8 resident kernel's candidates (RESCORE_FACTOR x k) fit its buffer for every k it takes
