@@ -526,47 +526,6 @@ __device__ bool sort_select(float* key, int* val, int* cnt, float* thr, int k) {
     return true;
 }
 
-// ---- a few keys' best k by rank (KALOS_RANK_SELECT) --------------------------------------
-//
-// For up to RANK_SELECT_MAX keys, as ll_merge's second round and final selection have (~10-60),
-// a sorting network is most of its cost in steps: each step waits on a shuffle (the 32-key
-// network took 0.77 µs for ~10 keys, the 64-key one ~1.4 µs for the second round's ~36,
-// merge_stamps.py S25-2). Here thread t packs key t (sel_pack) into shared memory, and after
-// one barrier counts the keys that come before it, the answer's order with the lower index
-// first among equal words (padding): that count is its place, so each of the best k writes
-// itself there (key/val may be the outputs: every key is read before the barrier). n loads
-// from shared memory per thread, no shuffle, two barriers. Returns min(n, k), the keys written
-// to okey/oval [0, min(n, k)), best first; n <= RANK_SELECT_MAX. All threads call it.
-#ifndef KALOS_RANK_SELECT
-#define KALOS_RANK_SELECT 1
-#endif
-#define RANK_SELECT_MAX 64
-
-__device__ int rank_select(const float* key, const int* val, int n, int k, float* okey, int* oval) {
-    __shared__ u64 s_w[RANK_SELECT_MAX];
-    const int t = threadIdx.x;
-    u64 mine = 0;
-    if (t < n) {
-        mine = sel_pack(key[t], val[t]);
-        s_w[t] = mine;
-    }
-    __syncthreads();
-    if (t < n) {
-        int r = 0;
-#pragma unroll 4
-        for (int j = 0; j < n; j++) {
-            const u64 o = s_w[j];
-            r += o > mine || (o == mine && j < t);
-        }
-        if (r < k) {
-            okey[r] = sel_pack_key(mine);
-            oval[r] = sel_pack_val(mine);
-        }
-    }
-    __syncthreads();
-    return n < k ? n : k;
-}
-
 // Shrink a candidate buffer to its best k (sorted first), update the threshold.
 // cnt and thr live in shared memory; all threads call it.
 __device__ void compact(float* key, int* val, int* cnt, float* thr, int k, int buf) {
@@ -1285,7 +1244,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
     // in, P. P is a bound: a head that comes later and is below P is below k heads, so not among
     // the k best. Then each thread waits for its missing heads (at most two: G <= 2 x
     // blockDim.x) and adds those at or above P to the first round's k for a second selection,
-    // of a few keys (~k + 26 at 100k rows, grid 396: by rank, rank_select). So the selection over up to G keys (~2.2 µs at 396, S24-3) runs while the
+    // of a few keys. So the selection over up to G keys (~2.2 µs at 396, S24-3) runs while the
     // last blocks scan, and the last head costs the small one (~1.1 µs). (S24-2, S24-3: waiting
     // for most heads before the first round, or block 0 asking for no more rows near the end
     // so that it is at its merge earlier, gained nothing measurable; docs/experiments/.) Thread
@@ -1338,7 +1297,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
     // read, and all of its entries pass). G <= 2 x blockDim.x: the selection applies (the
     // caller's condition)
     compact_top<true>(hkey, hval, &s_nh, &s_hthr, k, half - cands);
-    int nb = s_nh;  // heads selected (k, or G below k)
+    int* nh = &s_nh;
     if (arrived < G) {  // block-uniform: the second round
         KALOS_STAMP(5);
         const bool full1 = s_nh == k;
@@ -1361,15 +1320,11 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
         }
         __syncthreads();
         KALOS_STAMP(11);
-        if (KALOS_RANK_SELECT && s_n2 <= RANK_SELECT_MAX) {  // block-uniform; ~k + 26 keys at 100k
-            nb = rank_select(hkey, hval, s_n2, k, hkey, hval);
-        } else {
-            compact_top<true>(hkey, hval, &s_n2, &s_hthr, k, half - cands);
-            nb = s_n2;
-        }
+        compact_top<true>(hkey, hval, &s_n2, &s_hthr, k, half - cands);
+        nh = &s_n2;
     }
     // B, the k-th head (padding: fewer than k real heads)
-    const bool full = nb == k;
+    const bool full = *nh == k;
     const int bo = full ? sel_ord(hkey[k - 1]) : sel_ord(neg_inf()), br = full ? hval[k - 1] : 0x7fffffff;
     KALOS_STAMP(3);
     // the lists to read: those whose head is at or above B (at most k), block 0's own apart
@@ -1411,13 +1366,8 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
     KALOS_STAMP(4);
     KALOS_COUNT(8, nc + s_own);
     KALOS_COUNT(9, s_ns);
-    int n;
-    if (KALOS_RANK_SELECT && s_ns <= RANK_SELECT_MAX) {  // block-uniform; ~k keys
-        n = rank_select(key, val, s_ns, k, key, val);
-    } else {
-        compact_top<true>(key, val, &s_ns, &c.thr[0], k, c.buf);  // (above 2 x blockDim.x: a sort)
-        n = s_ns;
-    }
+    compact_top<true>(key, val, &s_ns, &c.thr[0], k, c.buf);  // (above 2 x blockDim.x: a sort)
+    const int n = s_ns;
     KALOS_STAMP(6);
     KALOS_COUNT(10, n);
     int* orow = p->out_rows[0];
