@@ -767,8 +767,8 @@ __device__ float seed_bound(const float* kth, size_t stride, int nlists) {
 // ticket[1], topk_scores' ticket of query 1, until session 11: safe only while launches on
 // `sync` never overlapped), then the direction the next scan hands its rows out in
 // (KALOS_ALTERNATE: 0 first to last, 1 last to first), then the tag of the next batch-1 scan's
-// block lists and how many blocks' lists the area after SYNC_WORDS holds (both set by the
-// host: 1 and its largest grid; see ll_merge).
+// block heads and lists and how many blocks' heads and lists the area after SYNC_WORDS holds
+// (both set by the host: 1 and its largest grid; see ll_merge).
 // A block that finishes publishes its k-th score (atomicMax into the bound), then appends its
 // entries that reach the bound as it then stands (its list is sorted, so a prefix); see
 // append_list for why that loses nothing. Blocks that finish late append little, and the last
@@ -1109,8 +1109,9 @@ __device__ __forceinline__ void final_fence() {
 //   * every block but 0 writes its best k, sorted, as its own list of tagged records (16 bytes
 //     per entry: {score bits, tag}, {row, tag}; padding (-inf, INT_MAX) past its count), with
 //     no atomic, no fence and no count: a reader that sees the scan's tag in both halves of an
-//     entry has it (see "Tagged records" at the top). Its head (entry 0, the list's best) is
-//     written first, before the selection of the rest (ll_head, ll_publish);
+//     entry has it (see "Tagged records" at the top). Its head (the list's best; its entry 0
+//     holds the same bits) is written first, to its own place among the heads (ll_head_at),
+//     before the selection of the rest (ll_head, ll_publish);
 //   * block 0 writes only its head; it reads every head, picks the k-th best head B
 //     (compact_top; in two rounds, the heads already written and then the late ones at or
 //     above the first round's k-th, see ll_merge), and then reads only the lists whose head is
@@ -1132,8 +1133,9 @@ __device__ __forceinline__ void final_fence() {
 // earlier cycle left cannot carry a tag of the next. (A block's list may still be being written
 // after block 0 moved the tag, when it is not one of the k: those records carry the old tag,
 // and lie in the block's own LL_K_MAX entries, ll_list, which its next scan rewrites in program
-// order after them; such a record, if that block then wrote no list for a whole cycle of 2^32 - 1
-// scans, is the one stale record a tag could match.) A scan that never finishes leaves the tag
+// order after them; such a record, if that block then rewrote no list entry that far (no scan
+// with as large a k that included it) for a whole cycle of 2^32 - 1 scans, is the one stale
+// record a tag could match, and only if block 0 read it before the block rewrote it.) A scan that never finishes leaves the tag
 // where it was; on this GPU only the loss of the context does that, and with it the memory. k must be at least 1 (the caller's condition):
 // with none, no block would write a head and block 0 would wait for ever.
 // Block 0 waits for the other blocks (they never wait): a launch finishes as long as one other
@@ -1155,7 +1157,8 @@ __device__ __forceinline__ void final_fence() {
 #define LL_WORDS_PER_BLOCK (4 * LL_K_MAX + 4)  // a list and a head
 
 // The area after SYNC_WORDS: cap heads of 16 bytes, one per block, side by side (block 0 reads
-// a warp's 32 heads from four 128-byte lines), then cap lists of LL_K_MAX entries.
+// a warp's 32 heads from 512 contiguous bytes: five 128-byte lines, the area starting 16 bytes
+// past a line), then cap lists of LL_K_MAX entries.
 __device__ __forceinline__ u64* ll_heads(unsigned int* sync) { return reinterpret_cast<u64*>(sync + SYNC_WORDS); }
 __device__ __forceinline__ u64* ll_head_at(u64* heads, int b) { return heads + 2 * b; }
 // Block b's list: LL_K_MAX entries of its own whatever this scan's k, so that a block still
