@@ -353,6 +353,37 @@ def test_batch1_hits_held_by_few_blocks_are_all_found(dtype: str) -> None:
             assert {int(svc.rows.ids[r]) for r in rows[0][: min(k, 32)]} <= set(range(s, s + 32)), (s, k)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_batch1_every_row_tied_takes_the_whole_lists(dtype: str) -> None:
+    """Every row the same vector: every score ties, so the answer is the k lowest rows, and in
+    the tagged merge (kernels/recall.cu, ll_merge) every head ties too: B is the k-th lowest
+    head row, and the lists whose head reaches it hold ~(k - 1) x k entries at or above it (a
+    block's k lowest rows lie below the next blocks' heads): with k = 32 ~990 of them, more
+    than the final selection's sorting networks take (512), so the bitonic sort of the whole
+    buffer answers. The lists' tag moves once per scan (the tagged merge ran). Built with that
+    buffer cut to 512 entries (the negative control), the k = 32 answers miss rows."""
+    from kalos_retrievers.sidecar.index_gpu import SYNC_TAG
+
+    rng = np.random.default_rng()
+    n, dim = 20_011, 64
+    svc = make(dim, dtype=dtype)
+    v = rng.standard_normal(dim).astype(np.float32)
+    put(svc, np.repeat(v[None], n, axis=0))
+    assert [svc.rows.ids[r] for r in range(n)] == [str(i) for i in range(n)]  # rows 0 .. n - 1 in order
+
+    def tag() -> int:
+        svc.index.stream.synchronize()
+        return int(svc.index.sync[SYNC_TAG]) & 0xFFFFFFFF
+
+    for q in (v, v + 0.5 * rng.standard_normal(dim).astype(np.float32)):
+        for k in (32, 10, 1, 32):
+            before = tag()
+            rows, scores = svc.recall(q[None], k, "", None)
+            assert tag() == (before + 1) & 0xFFFFFFFF, k
+            assert rows[0].tolist() == list(range(k)), (k, rows[0].tolist())
+            assert np.all(scores[0] == scores[0][0]), k
+
+
 def test_batch1_lists_area_is_cleared_when_the_tag_wraps() -> None:
     """The tagged lists' records carry the scan's tag (kernels/recall.cu, ll_merge); when the
     tag wraps (0xffffffff -> 1), block 0 clears the whole area of heads and lists, so that no
