@@ -1135,15 +1135,16 @@ __device__ __forceinline__ void final_fence() {
 // and lie in the block's own LL_K_MAX entries, ll_list, which its next scan rewrites in program
 // order after them; such a record, if that block then rewrote no list entry that far (no scan
 // with as large a k that included it) for a whole cycle of 2^32 - 1 scans, is the one stale
-// record a tag could match, and only if block 0 read it before the block rewrote it.) A scan that never finishes leaves the tag
-// where it was; on this GPU only the loss of the context does that, and with it the memory. k must be at least 1 (the caller's condition):
-// with none, no block would write a head and block 0 would wait for ever.
+// record a tag could match, and only if block 0 read it before the block rewrote it.) A scan
+// that never finishes leaves the tag where it was; on this GPU only the loss of the context
+// does that, and with it the memory. k must be at least 1 (the caller's condition): with none,
+// no block would write a head and block 0 would wait for ever.
 // Block 0 waits for the other blocks (they never wait): a launch finishes as long as one other
 // block can be resident beside it, which the graphs' and the resident kernel's grids allow on a
 // GPU of their own.
 // The area after SYNC_WORDS holds a head and LL_K_MAX entries per block for sync_ll_cap blocks
-// (the host's largest grid; ll_heads, ll_list); a grid above it, above 2 x KALOS_BLOCK (two keys per thread: the selection's) or
-// one whose heads do not fit in block 0's candidate buffer beside its candidates (scan_cap + G +
+// (the host's largest grid; ll_heads, ll_list); a grid above it, above 2 x KALOS_BLOCK (two
+// keys per thread: the selection's) or one whose heads do not fit in block 0's candidate buffer beside its candidates (scan_cap + G +
 // k <= buf / 2; G copied in the second half) takes the appended lists: the graphs' batch-1 scans
 // at 4 blocks per SM (528 on an H200) do. KALOS_LL_MERGE=0 builds the appended lists only,
 // KALOS_LL_ROUNDS=0 the k-th head in one round (for A/B runs).
