@@ -66,6 +66,12 @@ log = logging.getLogger("kalos.sidecar")
 # answered (Dispatcher._gather); 0, the default: never.
 GATHER_US: Final = int(os.environ.get("KALOS_GATHER_US", "0") or 0)
 
+# Batched recalls queued behind the batch in flight (Dispatcher._queue_behind) wait for the
+# clients seen this recently (ns) that are not in that batch: a cohort of client processes
+# that recall in turn. A client that stopped recalling is waited for this long at most, and
+# then only until the device is done with the batch in flight.
+COHORT_WINDOW_NS: Final = 5_000_000
+
 # ops answered from host state alone: they run beside the index's resident kernel
 _HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CONTINUE})
 
@@ -134,6 +140,8 @@ class Dispatcher:
         # writes and many processes keep the kernel stopped instead of stopping it for each
         # (S5-4: stopped and restarted around every request, 32 processes went 19.6k -> 5.8k/s).
         self.lone = 0
+        # slot -> when its last batched recall was picked up (see _queue_behind)
+        self._seen: dict[int, int] = {}
         self._specs: dict[tuple[int, int, int], SlotSpec] = {}
         lay = layout
         base = np.frombuffer(mm, np.uint8)
@@ -205,6 +213,9 @@ class Dispatcher:
         poll."""
         ready = self.waiting()
         if not len(ready):
+            b = self._inflight
+            if b is not None and not b.finished and self._awaits_cohort():
+                return 0  # the device still searches b: keep taking requests (see _queue_behind)
             return self.settle()
         take = True  # False: _hotpath.take has declined the lone request already (see _pick_up)
         if len(ready) == 1 and self._lone_path and not self._bells and self._inflight is None:
@@ -221,6 +232,8 @@ class Dispatcher:
         b = self._inflight
         if b is not None and not b.finished and self.gather_ns and groups:
             n += self._gather(b, groups)
+        elif b is not None and not b.finished and groups and self._queues(groups):
+            n += self._queue_behind(b, groups)  # leaves groups empty if it launched them
         elif b is not None and not b.finished:
             # The requests waiting now were read, checked and marked BUSY above while the
             # device searched; wait for that search, then take those that arrived meanwhile
@@ -275,6 +288,64 @@ class Dispatcher:
                 got += len(late)
             elif time.perf_counter_ns() >= end:
                 break
+        return got
+
+    def _awaits_cohort(self) -> bool:
+        """Whether the batch in flight may stay so while nothing waits: the next batch could be
+        queued behind it, and the device is still searching it. (Otherwise an empty pass
+        answers it at once: the serve loop sleeps only after that.)"""
+        index = self.service.index
+        return index.queues_behind(1, 1, self.service.rows.high) and not index.pending_done()
+
+    def _queues(self, groups: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> bool:
+        """Whether ``groups`` is one batch the index can queue behind the one in flight."""
+        if len(groups) != 1:
+            return False
+        (k, _), members = next(iter(groups.items()))
+        return len(members) <= self.max_batch and self.service.queues_behind(k, len(members))
+
+    def _queue_behind(self, b: _Batch, groups: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> int:
+        """Launch ``groups`` (one batch, :meth:`_queues`) queued behind ``b``, which the
+        device is still searching, then wait for ``b`` and answer it; return how many requests
+        were picked up here.
+
+        Before the launch it takes the requests that keep arriving until every client seen
+        lately (``COHORT_WINDOW_NS``) and not in ``b`` has one waiting, or the device is done
+        with ``b``: with 32 client processes at 1M rows, two cohorts take turns, and the
+        cohort answered at the start of ``b``'s search comes back during it. Queued then, its
+        pass starts the moment ``b``'s ends (prep and thresholds already done beside it), where
+        launching after ``b`` ended left the device idle for the late pickups and the launch
+        (~100 µs of each ~540 µs batch, S25-4); launching at the first arrival would split the
+        cohort into batches that each pay a whole pass (session 3). If something else comes
+        meanwhile (a write settles ``b``; another kind of recall), the usual path takes over."""
+        (k, flags), members = next(iter(groups.items()))
+        horizon = time.perf_counter_ns() - COHORT_WINDOW_NS
+        seen = self._seen
+        for i in [i for i, t in seen.items() if t < horizon]:
+            del seen[i]
+        inflight = {i for i, _, _ in b.part}
+        expect = min(sum(1 for i in seen if i not in inflight), self.max_batch)
+        got = 0
+        index = self.service.index
+        while len(members) < expect and not index.pending_done():
+            late = self.waiting()
+            if not len(late):
+                continue
+            self._pick_up(late, groups)
+            got += len(late)
+            if self._inflight is not b or len(groups) != 1 or (k, flags) not in groups:
+                return got  # b was settled for a write, or another batch formed: the usual path
+        if self._inflight is not b or not self._queues(groups):
+            return got
+        del groups[(k, flags)]
+        self._inflight = None
+        c = None
+        try:
+            c = self._launch_batch(members, k, flags, behind=True)
+        finally:  # b is answered even if this launch failed fatally
+            self._finish(b)
+            self._answer_batch(b)
+            self._inflight = c
         return got
 
     def _lone(self, i: int) -> bool:
@@ -480,7 +551,8 @@ class Dispatcher:
         return bytes(self.mm[start : start + req.args_len])
 
     # ------------------------------------------------------------------ answering
-    def _launch_batch(self, part: list[tuple[int, Request, int]], k: int, flags: int) -> _Batch | None:
+    def _launch_batch(self, part: list[tuple[int, Request, int]], k: int, flags: int,
+                      behind: bool = False) -> _Batch | None:  # fmt: skip
         # Members whose queries are not finite are refused one by one, not the whole batch
         # with them (a hostile client must not fail its neighbours' recalls). A client that
         # writes NaN after this check only spoils its own rows of the batched search.
@@ -520,6 +592,9 @@ class Dispatcher:
             for i, _, _ in part:
                 self.pending.pop(i, None)
         specs = [self._spec(i, req) for i, req, _ in part]
+        seen, now = self._seen, time.perf_counter_ns()
+        for i, _, _ in part:
+            seen[i] = now
         if len(part) > 1:
             self.stats.batches += 1
             self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
@@ -528,7 +603,7 @@ class Dispatcher:
         self._phases_due.append(("pickup", (ts - max(part[0][2], self._busy_until)) / 1000))
         try:
             self.service.index.pause_doorbell()
-            kk = self.service.launch_recall(specs, k, "", None, check_finite=False)
+            kk = self.service.launch_recall(specs, k, "", None, check_finite=False, behind=behind)
         except FatalDeviceError:
             raise
         except Exception as e:  # the members still waiting get it, not those refused above
@@ -797,11 +872,13 @@ class Dispatcher:
     def reclaim(self, fd: int) -> int:
         """Free slots whose owner is gone (its lock is free) and whose state is not FREE."""
         n = 0
-        kernel = self.service.index.doorbell_running
+        # a batch in flight (kept so while the next cohort comes, see _awaits_cohort) holds
+        # its members BUSY until it is answered
+        held = self.service.index.doorbell_running or self._inflight is not None
         for i in np.flatnonzero(self.states != SlotState.FREE).tolist():
             st = self.states[i]
-            if st in (SlotState.REQUEST, SlotState.DOORBELL) or (st == SlotState.BUSY and kernel):
-                continue  # answer it first (the resident kernel may hold it); reclaim later
+            if st in (SlotState.REQUEST, SlotState.DOORBELL) or (st == SlotState.BUSY and held):
+                continue  # answer it first (the resident kernel or a batch may hold it); reclaim later
             if _ipc.try_lock(fd, _ipc.slot_lock_byte(i)):
                 try:
                     self.pending.pop(i, None)

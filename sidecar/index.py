@@ -125,15 +125,29 @@ class Index(abc.ABC):
 
     def launch_slots(
         self, specs: list[SlotSpec], k: int, high: int, ns: int,
-        candidates: np.ndarray | None, dense: bool,
+        candidates: np.ndarray | None, dense: bool, behind: bool = False,
     ) -> None:  # fmt: skip
         """:meth:`search_slots`, leaving the wait for the results to :meth:`finish_slots` where
         the backend can (a device search runs while the host answers the previous batch).
-        This default searches synchronously."""
+        This default searches synchronously. ``behind``: queue the search behind the one left
+        running, without waiting for it (only where :meth:`queues_behind` said so)."""
+        if behind:
+            raise RuntimeError(f"{type(self).__name__} does not queue searches behind each other")
         self.search_slots(specs, k, high, ns, candidates, dense)
 
     def finish_slots(self) -> None:  # noqa: B027 - optional hook
-        """Wait until the last :meth:`launch_slots` has written its results."""
+        """Wait until the oldest :meth:`launch_slots` left running has written its results."""
+
+    def queues_behind(self, n: int, k: int, high: int) -> bool:
+        """Whether a batch of ``n`` queries (``k`` results each over rows below ``high``, no
+        filter mask) can be launched with ``behind=True`` now: queued behind the search left
+        running, to start on the device the moment that one ends (no host gap between them).
+        :meth:`finish_slots` then finishes the two in launch order. This default: never."""
+        return False
+
+    def pending_done(self) -> bool:
+        """Whether the search left running has finished on the device (False where unknown)."""
+        return False
 
     @property
     def defers(self) -> bool:

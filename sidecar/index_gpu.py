@@ -36,6 +36,7 @@ import mmap
 import os
 import struct
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Final, NamedTuple
 
@@ -76,6 +77,17 @@ USE_MMA: Final = os.environ.get("KALOS_MMA", "1") != "0"
 USE_THRESHOLD_TOPK: Final = os.environ.get("KALOS_THRESHOLD_TOPK", "1") != "0"
 CAND_CAP: Final = 8192
 TAU_SAMPLE_MAX: Final = 16384
+# A float16 batch may be queued behind the batch the device is still searching (queues_behind):
+# its own buffers (a second lane), its prep, sample and thresholds on a side stream while the
+# earlier pass runs, its pass right after that pass, its selection beside the next one. With 32
+# client processes at 1M rows the two cohorts' passes then follow each other with no host gap
+# (S25-4: ~100 µs of ~540 per batch the device idled while the late requests were picked up
+# and launched) and the ~50 µs of prep, thresholds and selection around each pass leave the
+# path (mma_stages.py, S26-1: graph 430.7 µs against a pass of 377.7 for 16 queries).
+# KALOS_QUEUE_BEHIND=0 turns it off. The pass of up to 16 queries then leaves SIDE_RESERVE of
+# its resident block slots free (KALOS_SIDE_RESERVE) for those side kernels.
+QUEUE_BEHIND: Final = os.environ.get("KALOS_QUEUE_BEHIND", "1") != "0"
+SIDE_RESERVE: Final = max(0, int(os.environ.get("KALOS_SIDE_RESERVE", "32")))
 SELECT_GATHER: Final = 2048  # as in kernels/recall.cu
 # as in kernels/recall.cu: tickets, bounds, counts per query; next row, direction, the batch-1
 # lists' tag and how many blocks' heads and lists follow (LL_WORDS_PER_BLOCK words each: a
@@ -140,6 +152,8 @@ _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
 _DESC_SCORES: Final = _DESC_ROWS + 8 * MAXQ
 _DESC_SIZE: Final = _DESC_SCORES + 8 * MAXQ
+_LANE_DESC: Final = (0, 2048)  # each lane's descriptor in the registered page
+_LANE_OVERFLOW: Final = (4000, 4004)  # each lane's overflow flag (select_cands), same page
 _PARAMS_SIZE: Final = 2048
 # cudaError codes after which the context is unusable
 _STICKY: Final = frozenset({214, 700, 701, 702, 714, 715, 716, 717, 718, 719, 720, 999})
@@ -249,6 +263,53 @@ def _pow2(x: int) -> int:
     return p
 
 
+class _Lane:
+    """The buffers of one batched float16 search, so that a second batch can be queued behind
+    a first still on the device (:meth:`GpuIndex.queues_behind`). Lane 0 holds the index's own
+    buffers (every other path uses them), lane 1 a second set made at its first use. Each has
+    its descriptor and overflow flag in the registered descriptor page, and a side stream
+    (high priority) for the kernels around its pass: prep, sample and thresholds before it,
+    the selection after it."""
+
+    def __init__(self, idx: GpuIndex, i: int) -> None:
+        cp = idx.cp
+        self.i = i
+        self.desc_off = _LANE_DESC[i]
+        self.desc_addr = idx.desc_addr + self.desc_off
+        self.overflow = np.frombuffer(idx._desc_mm, np.int32, 1, _LANE_OVERFLOW[i])
+        self.overflow_addr = idx.desc_addr + _LANE_OVERFLOW[i]
+        with idx.device:
+            if idx._sample_buf is None:
+                idx._sample_buf = cp.empty(MAXQ * TAU_SAMPLE_MAX, cp.float32)
+            if i == 0:
+                self.params, self.qbuf, self.qbuf_h, self.qbuf_i8 = idx.params, idx.qbuf, idx.qbuf_h, idx.qbuf_i8
+                self.tau, self.cand_k, self.cand_v = idx.tau, idx.cand_k, idx.cand_v
+                self.cand_count, self.sample_buf = idx.cand_count, idx._sample_buf
+            else:
+                self.params = cp.zeros(_PARAMS_SIZE, cp.uint8)
+                self.qbuf = cp.zeros((MAXQ, idx.ld), cp.float32)
+                self.qbuf_h = cp.zeros((MAXQ, idx.ld), cp.float16)
+                self.qbuf_i8 = cp.zeros((MAXQ, idx.ld), cp.int8)
+                self.tau = cp.zeros(MAXQ, cp.float32)
+                self.cand_k = cp.empty(MAXQ * CAND_CAP, cp.float32)
+                self.cand_v = cp.empty(MAXQ * CAND_CAP, cp.int32)
+                self.cand_count = cp.zeros(MAXQ, cp.int32)
+                self.sample_buf = cp.empty(MAXQ * TAU_SAMPLE_MAX, cp.float32)
+            # CUDA clamps a priority to the device's range: -5 is the highest on the H200
+            self.side = cp.cuda.Stream(non_blocking=True, priority=-5)
+            ev = lambda: cp.cuda.Event(block=False, disable_timing=True)  # noqa: E731
+            self.front_done, self.pass_done, self.done = ev(), ev(), ev()
+
+
+class _Pending(NamedTuple):
+    """A launch left running: its wait, the lane whose buffers it holds (0 for every path but
+    a queued batch's), and an event recorded after it (None: not known, see pending_done)."""
+
+    wait: Callable[[], None]
+    lane: int
+    end: Any
+
+
 class GpuIndex(Index):
     zero_copy = True
 
@@ -347,7 +408,11 @@ class GpuIndex(Index):
             # before each launch
             with self.device:
                 self.bell_cand = cp.empty(_BELL_CAND_WORDS * CAND_MAX, cp.int32)
-        self._finisher: Callable[[], None] | None = None  # the wait for a launch left running
+        # launches left running, oldest first: at most two (a batch queued behind another)
+        self._pending: deque[_Pending] = deque()
+        self._lanes: list[_Lane | None] = [None, None]
+        self.queued_batches = 0  # batches queued behind another (diagnostics and tests)
+        self._mma_end: Any = None  # the end event of the mma batch just launched (see _run)
         # the resident kernel (doorbell_topk): its control block in registered host memory,
         # its device words, its own stream; enabled by enable_doorbell()
         self._bell_mm = mmap.mmap(-1, 4096)
@@ -603,10 +668,10 @@ class GpuIndex(Index):
             self.pause_doorbell()
         if self.seg_addr:
             with contextlib.suppress(Exception):
-                self.finish_slots()  # the search in flight writes into the segment
+                self._finish_all()  # the searches in flight write into the segment
             with contextlib.suppress(Exception):
-                self._finisher = None
-                self.stream.synchronize()
+                self._pending.clear()
+                self.device.synchronize()  # every stream (a queued batch's side streams too)
                 self.cp.cuda.runtime.hostUnregister(self.seg_addr)
             self.seg_addr, self.seg_size, self._mm_ref = 0, 0, None
 
@@ -620,6 +685,7 @@ class GpuIndex(Index):
                  gemm_path=USE_GEMM, mma_path=USE_MMA and USE_THRESHOLD_TOPK and self.mma_ok,
                  gemm_stream=self.gemm_stream_note or "ordered",
                  threshold_topk=USE_THRESHOLD_TOPK, threshold_overflows=self.threshold_overflows,
+                 mma_batches=self.mma_batches, queued_batches=self.queued_batches,
                  doorbell_k=self.doorbell_k, doorbell_running=self.doorbell_running,
                  doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served())  # fmt: skip
         if self.batch_times:
@@ -841,13 +907,25 @@ class GpuIndex(Index):
         return g
 
     def _write_desc(self, k: int, high: int, ns: int, mask_addr: int, qs: list[int],
-                    rows: list[int], scores: list[int], out_ld: int) -> None:  # fmt: skip
+                    rows: list[int], scores: list[int], out_ld: int, off: int = 0) -> None:  # fmt: skip
+        """Fill the descriptor at byte ``off`` of its page (lane 1's at 2048)."""
         n = len(qs)
-        _DESC_HEAD.pack_into(self._desc_mm, 0, n, k, high, ns, mask_addr, out_ld, 0)
-        u = self._desc_u64
-        u[_DESC_Q // 8 : _DESC_Q // 8 + n] = qs
-        u[_DESC_ROWS // 8 : _DESC_ROWS // 8 + n] = rows
-        u[_DESC_SCORES // 8 : _DESC_SCORES // 8 + n] = scores
+        _DESC_HEAD.pack_into(self._desc_mm, off, n, k, high, ns, mask_addr, out_ld, 0)
+        u, w = self._desc_u64, off // 8
+        u[w + _DESC_Q // 8 : w + _DESC_Q // 8 + n] = qs
+        u[w + _DESC_ROWS // 8 : w + _DESC_ROWS // 8 + n] = rows
+        u[w + _DESC_SCORES // 8 : w + _DESC_SCORES // 8 + n] = scores
+
+    def _addresses(self, specs: list[SlotSpec]) -> tuple[list[int], list[int], list[int], int]:
+        """Every query's address, and where its rows and scores go, in the order of ``specs``;
+        and the rows' stride (results per query)."""
+        qs, rows, scores = [], [], []
+        for s in specs:
+            n = len(s.queries)
+            qs += [s.q_addr + 4 * self.dim * j for j in range(n)]
+            rows += [s.rows_addr + 4 * s.rows.shape[1] * j for j in range(n)]
+            scores += [s.scores_addr + 4 * s.scores.shape[1] * j for j in range(n)]
+        return qs, rows, scores, specs[0].rows.shape[1]
 
     def search_slots(
         self, specs: list[SlotSpec], k: int, high: int, ns: int,
@@ -861,30 +939,55 @@ class GpuIndex(Index):
         return self.exact is None and bool(self.seg_addr)  # int8 re-scores on the host
 
     def finish_slots(self) -> None:
-        """Wait for the search :meth:`launch_slots` left running (and run the GEMM path's
-        fallback top-k if its candidate lists overflowed)."""
-        fin, self._finisher = self._finisher, None
-        if fin is not None:
-            self._check(fin)
+        """Wait for the oldest search :meth:`launch_slots` left running (and run the GEMM
+        path's fallback top-k if its candidate lists overflowed)."""
+        if self._pending:
+            self._check(self._pending.popleft().wait)
+
+    def _finish_all(self) -> None:
+        while self._pending:
+            self.finish_slots()
+
+    def pending_done(self) -> bool:
+        """Whether the device has finished the oldest search left running (False when none is,
+        or when it is not known without waiting)."""
+        if not self._pending or self._pending[0].end is None:
+            return False
+        return bool(self._check(lambda: self._pending[0].end.done))
+
+    def queues_behind(self, n: int, k: int, high: int) -> bool:
+        """Whether :meth:`launch_slots` of ``n`` queries (``k`` results each, rows below
+        ``high``, no filter mask) with ``behind=True`` would queue them behind the search left
+        running, without waiting for it: float16 rows through mma_filter, the search left
+        running one the index can tell the end of, at most one of them."""
+        if not (QUEUE_BEHIND and self.seg_addr and self.mma_ok and USE_MMA and USE_THRESHOLD_TOPK):
+            return False
+        if len(self._pending) != 1 or self._pending[0].end is None or not 1 <= n <= MAXQ:
+            return False
+        sample = self._tau_sample(k, high)
+        return sample is not None and self._mma_smem_ok(n)
 
     def launch_slots(
         self, specs: list[SlotSpec], k: int, high: int, ns: int,
-        candidates: np.ndarray | None, dense: bool,
+        candidates: np.ndarray | None, dense: bool, behind: bool = False,
     ) -> None:  # fmt: skip
         """Start the search; its last launch (the slot's graph for one query, the GEMM path
         for a float batch without a filter) is left running for :meth:`finish_slots`. Anything
-        launched earlier is finished first: the launches share the descriptor, the scratch
-        buffers and the overflow flag."""
-        self.finish_slots()
+        launched earlier is finished first (the launches share the descriptor, the scratch
+        buffers and the overflow flag), unless ``behind``: then the batch is queued behind the
+        search left running, in the other lane's buffers (:meth:`queues_behind` must have said
+        it can be; ``finish_slots`` then finishes the two in launch order)."""
+        if behind:
+            n = sum(len(s.queries) for s in specs)
+            if candidates is not None or not self.queues_behind(n, k, high):
+                raise RuntimeError("launch_slots(behind=True) for a search that cannot queue behind")
+            self._launch_behind(specs, k, high, NS_ANY if dense else ns, n)
+            return
+        self._finish_all()
         if not self.seg_addr:  # no segment registered (direct use): the host path
             super().search_slots(specs, k, high, ns, candidates, dense)
             return
-        qs, rows, scores, out_ld = [], [], [], specs[0].rows.shape[1]
-        for s in specs:
-            n = len(s.queries)
-            qs += [s.q_addr + 4 * self.dim * j for j in range(n)]
-            rows += [s.rows_addr + 4 * s.rows.shape[1] * j for j in range(n)]
-            scores += [s.scores_addr + 4 * s.scores.shape[1] * j for j in range(n)]
+        qs, rows, scores, out_ld = self._addresses(specs)
         mask_dev = None
         if candidates is not None:
             m = np.zeros(high, np.uint8)
@@ -911,6 +1014,68 @@ class GpuIndex(Index):
             self._inject_fault()
         del mask_dev
 
+    def _launch_behind(self, specs: list[SlotSpec], k: int, high: int, ns: int, n: int) -> None:
+        """Queue a batch of ``n`` queries behind the search left running (see launch_slots), in
+        the lane that search does not hold. On the device: prep, sample and thresholds on the
+        lane's side stream (in the block slots the running pass leaves free), the pass on the
+        index's stream after both that side work and everything before it, the selection on
+        the side stream after the pass."""
+        i = 1 - self._pending[-1].lane
+        lane = self._lane(i)
+        sample = self._tau_sample(k, high)
+        assert sample is not None
+        key = (-2, i, n, k, sample)
+        parts = self.graphs.get(key)
+        if parts is None:
+            launches = self._mma_launches(n, k, sample, lane, SIDE_RESERVE)
+            assert launches is not None
+            if len(self.graphs) >= GRAPH_CACHE:
+                self.graphs.clear()
+            captured = []
+            for group in (launches[:3], launches[3:4], launches[4:]):
+                with self.device, self.stream:
+                    self.stream.begin_capture()
+                    try:
+                        for _, launch in group:
+                            launch()
+                    finally:
+                        captured.append(self.stream.end_capture())
+            parts = self.graphs[key] = tuple(captured)
+        qs, rows, scores, out_ld = self._addresses(specs)
+        self._write_desc(k, high, ns, 0, qs, rows, scores, out_ld, lane.desc_off)
+        lane.overflow[0] = 0
+        front, pas, sel = parts
+        main, side = self.stream, lane.side
+        mark = self._mark_on
+        with self.device:
+            mark("front start", side)
+            front.launch(side)
+            lane.front_done.record(side)
+            mark("front end", side)
+            main.wait_event(lane.front_done)
+            mark("pass start", main)
+            pas.launch(main)
+            lane.pass_done.record(main)
+            mark("pass end", main)
+            side.wait_event(lane.pass_done)
+            sel.launch(side)
+            lane.done.record(side)
+            mark("select end", side)
+        self.mma_batches += 1
+        self.queued_batches += 1
+
+        def done() -> None:
+            with self.device:
+                lane.done.synchronize()
+                if lane.overflow[0]:  # (ties, adversarial data): the exact path for this batch
+                    self.threshold_overflows += 1
+                    # every search still running finishes first: the fallback uses lane 0's
+                    # buffers, and a batch queued behind this one may hold them
+                    self.device.synchronize()
+                    self._gemm_topk(n, k, high, threshold=False, desc_addr=lane.desc_addr)()
+
+        self._pending.append(_Pending(done, i, lane.done))
+
     def _run(self, qs: list[int], rows: list[int], scores: list[int], k: int, high: int,
              ns: int, mask_addr: int, out_ld: int, dense: bool = False,
              defer: bool = False) -> None:  # fmt: skip
@@ -935,6 +1100,7 @@ class GpuIndex(Index):
                 self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
                 graph = self._graph(k, self._fused_qb(n, kp), self._grid(high, kp))
             last = start + step >= len(qs)
+            self._mma_end = None
             if graph is None:
                 self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
                 fin = self._check(lambda n=n: self._batch_topk(n, k, high))
@@ -943,7 +1109,10 @@ class GpuIndex(Index):
                 self._check(lambda g=graph: g.launch(self.stream))
                 fin = self._graph_done
             if defer and last:
-                self._finisher = fin
+                end = None
+                if graph is None and self._mma_end is not None:  # an mma batch: its end event
+                    end, self._mma_end = self._mma_end, None
+                self._pending.append(_Pending(fin, 0, end))
             else:
                 self._check(fin)
 
@@ -992,6 +1161,9 @@ class GpuIndex(Index):
         if timed:
             ev1 = self.cp.cuda.Event()
             ev1.record(self.stream)
+        end = self.cp.cuda.Event(block=False, disable_timing=True)
+        end.record(self.stream)
+        self._mma_end = end
         t_launch = time.perf_counter_ns()
         self.mma_batches += 1
 
@@ -1010,6 +1182,12 @@ class GpuIndex(Index):
 
         return done
 
+    def _mma_smem_ok(self, n: int) -> bool:
+        """Whether ``n`` queries fit in mma_filter's shared memory (dims near 7200 may not)."""
+        nt = next(t for t in _MMA_NT if 8 * t >= n)
+        mma = kernels.get_kernel("mma_filter", nt, self.metric)
+        return 8 * nt * self.lds * 2 + mma.shared_size_bytes <= self.smem_optin
+
     def _mma_graph(self, n: int, k: int, sample: int) -> Any:
         """The captured mma path for ``n`` queries, ``k`` and a ``sample`` of rows (None when
         the queries would not fit in shared memory). Row counts are read from the parameters
@@ -1018,17 +1196,40 @@ class GpuIndex(Index):
         g = self.graphs.get(key)
         if g is not None:
             return g
-        nt = next(t for t in _MMA_NT if 8 * t >= n)
-        mma = kernels.get_kernel("mma_filter", nt, self.metric)
-        smem = 8 * nt * self.lds * 2
-        if smem + mma.shared_size_bytes > self.smem_optin:  # dynamic plus its static arrays
+        launches = self._mma_launches(n, k, sample, self._lane(0), SIDE_RESERVE if QUEUE_BEHIND else 0)
+        if launches is None:
             return None
         if len(self.graphs) >= GRAPH_CACHE:
             self.graphs.clear()
-        cp = self.cp
-        if self._sample_buf is None:
-            with self.device:
-                self._sample_buf = cp.empty(MAXQ * TAU_SAMPLE_MAX, cp.float32)
+        s = self.stream
+        with self.device, s:
+            s.begin_capture()
+            try:
+                for _, launch in launches:
+                    launch()
+            finally:
+                g = s.end_capture()
+        self.graphs[key] = g
+        return g
+
+    def _lane(self, i: int) -> _Lane:
+        lane = self._lanes[i]
+        if lane is None:
+            lane = self._lanes[i] = _Lane(self, i)
+        return lane
+
+    def _mma_launches(self, n: int, k: int, sample: int, lane: _Lane, reserve: int = 0
+                      ) -> tuple[tuple[str, Callable[[], None]], ...] | None:  # fmt: skip
+        """The mma path's kernel launches in order, each a (stage, launch) pair, on ``lane``'s
+        buffers: what :meth:`_mma_graph` captures, what :meth:`_launch_behind` captures in
+        three parts, and what ``benchmarks/mma_stages.py`` times one by one. ``reserve``:
+        resident block slots the pass leaves free (for up to 16 queries). None where the
+        queries would not fit in shared memory."""
+        if not self._mma_smem_ok(n):
+            return None
+        nt = next(t for t in _MMA_NT if 8 * t >= n)
+        mma = kernels.get_kernel("mma_filter", nt, self.metric)
+        smem = 8 * nt * self.lds * 2
         prep = kernels.get_kernel("prep_queries", self.metric)
         tau = kernels.get_kernel("tau_scores", self.metric)
         sel = kernels.get_kernel("select_cands", self.metric)
@@ -1041,49 +1242,48 @@ class GpuIndex(Index):
         by_regs = 65536 // (max(1, mma.num_regs) * kernels.BLOCK)
         by_smem = self.smem_per_sm // (smem + 1024 + 1024)
         grid = max(1, min(by_regs, by_smem, 8)) * self.sms
+        if nt == _MMA_NT[0]:  # (larger batches keep every slot: fewer blocks per SM there)
+            grid = max(self.sms, grid - reserve)
         warps = kernels.BLOCK // 32
         dump_rows = min(sample, self.capacity)
         dump_grid = max(1, -(-dump_rows // (16 * warps)))  # warp tiles of 16 or 32 rows
         common = (self.data, np.int32(self.ld), np.int32(self.lds))
-        rest = (self.ns, self.sqnorm, self.params, self.qbuf_h, self.tau, self.cand_k, self.cand_v,
-                self.cand_count, np.int32(CAND_CAP))  # fmt: skip
-        s = self.stream
-        with self.device, s:
-            s.begin_capture()
-            try:
-                prep((n,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
-                                              self.qbuf_h, self.qbuf_i8, np.int32(self.dim),
-                                              np.int32(self.ld), np.uint64(0), np.uint64(0),
-                                              np.uint64(0)))  # fmt: skip
-                mma((dump_grid,), (kernels.BLOCK,), (*common, np.int32(dump_rows), *rest,
-                                                     self._sample_buf, np.int32(sample)),
-                    shared_mem=smem)  # fmt: skip
-                tau((n,), (kernels.BLOCK,), (self._sample_buf, np.int32(sample), self.ns, self.sqnorm,
-                                             self.params, np.int32(sample), self.tau),
-                    shared_mem=sample * 8)  # fmt: skip
-                mma((grid,), (kernels.BLOCK,), (*common, np.int32(-1), *rest, np.uint64(0), np.int32(0)),
-                    shared_mem=smem)  # fmt: skip
-                sel((n,), (kernels.BLOCK,), (self.cand_k, self.cand_v, self.cand_count,
-                                             np.int32(CAND_CAP), self.params,
-                                             np.uint64(self._overflow_addr)),
-                    shared_mem=sel_smem)  # fmt: skip
-            finally:
-                g = s.end_capture()
-        self.graphs[key] = g
-        return g
+        ln = lane
+        rest = (self.ns, self.sqnorm, ln.params, ln.qbuf_h, ln.tau, ln.cand_k, ln.cand_v,
+                ln.cand_count, np.int32(CAND_CAP))  # fmt: skip
+        return (
+            ("prep", lambda: prep((n,), (kernels.BLOCK,), (np.uint64(ln.desc_addr), ln.params, ln.qbuf,
+                                                           ln.qbuf_h, ln.qbuf_i8, np.int32(self.dim),
+                                                           np.int32(self.ld), np.uint64(0), np.uint64(0),
+                                                           np.uint64(0)))),
+            ("sample", lambda: mma((dump_grid,), (kernels.BLOCK,), (*common, np.int32(dump_rows), *rest,
+                                                                    ln.sample_buf, np.int32(sample)),
+                                   shared_mem=smem)),
+            ("tau", lambda: tau((n,), (kernels.BLOCK,), (ln.sample_buf, np.int32(sample), self.ns,
+                                                         self.sqnorm, ln.params, np.int32(sample), ln.tau),
+                                shared_mem=sample * 8)),
+            ("pass", lambda: mma((grid,), (kernels.BLOCK,), (*common, np.int32(-1), *rest, np.uint64(0),
+                                                             np.int32(0)), shared_mem=smem)),
+            ("select", lambda: sel((n,), (kernels.BLOCK,), (ln.cand_k, ln.cand_v, ln.cand_count,
+                                                            np.int32(CAND_CAP), ln.params,
+                                                            np.uint64(ln.overflow_addr)),
+                                   shared_mem=sel_smem)),
+        )  # fmt: skip
 
-    def _gemm_topk(self, n: int, k: int, high: int, threshold: bool = True) -> Callable[[], None]:
+    def _gemm_topk(self, n: int, k: int, high: int, threshold: bool = True,
+                   desc_addr: int = 0) -> Callable[[], None]:  # fmt: skip
         """Large batches: scores = Q @ data[:high].T by cuBLAS (tensor cores for float16), then
         a per-query top-k that writes into the slots. Launches everything; returns the wait
         (which runs topk_scores if the threshold top-k's candidate lists overflowed).
-        ``threshold=False``: topk_scores at once (the mma path's lists overflowed)."""
+        ``threshold=False``: topk_scores at once (the mma path's lists overflowed).
+        ``desc_addr``: the descriptor to read (default: lane 0's)."""
         cp = self.cp
         from cupy_backends.cuda.libs import cublas
 
         with self.device, self.stream:
             self._mark("start")
             kernels.get_kernel("prep_queries", self.metric)(
-                (n,), (kernels.BLOCK,), (np.uint64(self.desc_addr), self.params, self.qbuf,
+                (n,), (kernels.BLOCK,), (np.uint64(desc_addr or self.desc_addr), self.params, self.qbuf,
                                          self.qbuf_h, self.qbuf_i8, np.int32(self.dim),
                                          np.int32(self.ld), np.uint64(0), np.uint64(0),
                                          np.uint64(0)))  # fmt: skip
@@ -1134,9 +1334,12 @@ class GpuIndex(Index):
 
     def _mark(self, stage: str) -> None:
         """Record ``stage`` on the stream and the host clock when tracing (see ``trace``)."""
+        self._mark_on(stage, self.stream)
+
+    def _mark_on(self, stage: str, stream: Any) -> None:
         if self.trace is not None:
             ev = self.cp.cuda.Event()
-            ev.record(self.stream)
+            ev.record(stream)
             self.trace.append((stage, ev, time.perf_counter_ns()))
 
     def _threshold_topk(self, scores: Any, n: int, k: int, high: int) -> bool:

@@ -173,14 +173,24 @@ class Service:
         return kk
 
     def finish(self) -> None:
-        """Wait until the search :meth:`launch_recall` started has written its results."""
+        """Wait until the oldest search :meth:`launch_recall` left running has written its
+        results."""
         self.index.finish_slots()
 
+    def queues_behind(self, k: int, n: int) -> bool:
+        """Whether a recall of ``n`` queries in the default namespace, without a filter, can be
+        launched with ``behind=True`` now (see :meth:`Index.queues_behind`)."""
+        _, cands, _, eligible = self.eligible("", None)
+        kk = min(k, eligible)
+        return kk > 0 and cands is None and self.index.queues_behind(n, kk, self.rows.high)
+
     def launch_recall(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any,
-                      check_finite: bool = True) -> int:  # fmt: skip
+                      check_finite: bool = True, behind: bool = False) -> int:  # fmt: skip
         """:meth:`recall_slots` without waiting: the results are in the slots after
         :meth:`finish` (a backend that cannot search asynchronously has finished already).
-        Nothing may change rows in between."""
+        Nothing may change rows in between. ``behind``: queued behind the search left running
+        (:meth:`queues_behind` must have said it can be); :meth:`finish` then finishes the
+        older one first."""
         flt = _filter(flt)
         ns_id, cands, dense, n = self.eligible(namespace, flt)
         kk = min(k, n)
@@ -188,7 +198,9 @@ class Service:
             for sp in specs:
                 if not np.isfinite(sp.queries).all():
                     raise Invalid(Status.BAD_REQUEST, "queries contain NaN or infinity")
-        if kk:
+        if kk and behind:
+            self.index.launch_slots(specs, kk, self.rows.high, ns_id, cands, dense, behind=True)
+        elif kk:
             self.index.launch_slots(specs, kk, self.rows.high, ns_id, cands, dense)
         return kk
 

@@ -75,13 +75,14 @@ def recall_at_k(got: Sequence[Sequence], ref: Sequence[Sequence]) -> float:
     return hits / max(1, sum(len(r) for r in ref))
 
 
-def recall_row_worker(name: str, dim: int, seed: int, n_calls: int, out: Any) -> None:
-    """Child process: recall stored vectors (ids "0".."4000", data seed 0) by themselves and
-    count answers that are not the query's own row (a misrouted response would be one)."""
+def recall_row_worker(name: str, dim: int, seed: int, n_calls: int, out: Any, rows: int = 4001) -> None:
+    """Child process: recall stored vectors (``rows`` of them, ids "0".., data seed 0) by
+    themselves and count answers that are not the query's own row (a misrouted response
+    would be one)."""
     from kalos_retrievers import KalosClient
 
     rng = np.random.default_rng(seed)
-    data = np.random.default_rng(0).standard_normal((4001, dim)).astype(np.float32)
+    data = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
     bad = 0
     with KalosClient(name, dim=dim) as c:
         for _ in range(n_calls):

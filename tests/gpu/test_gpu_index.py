@@ -232,6 +232,117 @@ def test_mma_path_is_exact_at_float16_precision(metric: str, dim: int, monkeypat
                           [svc.rows.ids[r] for r in b_rows[j]], b_scores[j], atol=atol)  # fmt: skip
 
 
+def _segment(idx, n_slots: int, dim: int, k: int):  # type: ignore[no-untyped-def]
+    """``n_slots`` one-query slots (query, then k rows, then k scores) in an anonymous map
+    registered with ``idx`` as the sidecar's segment is; returns (map, specs)."""
+    import mmap
+
+    from kalos_retrievers.sidecar.index import SlotSpec
+
+    per = -(-(4 * dim + 8 * k) // 128) * 128
+    mm = mmap.mmap(-1, -(-n_slots * per // 4096) * 4096)
+    idx.attach_segment(mm)
+    base = np.frombuffer(mm, np.uint8).ctypes.data
+    specs = []
+    for j in range(n_slots):
+        off = j * per
+        qv = np.frombuffer(mm, np.float32, dim, off).reshape(1, dim)
+        rows = np.frombuffer(mm, np.int32, k, off + 4 * dim).reshape(1, k)
+        scores = np.frombuffer(mm, np.float32, k, off + 4 * dim + 4 * k).reshape(1, k)
+        specs.append(SlotSpec(qv, rows, scores, base + off, base + off + 4 * dim, base + off + 4 * dim + 4 * k))
+    return mm, specs
+
+
+def _launch(svc, specs, q, k: int, behind: bool) -> None:  # type: ignore[no-untyped-def]
+    """Write ``q`` into ``specs``' slots, poison their answers, launch them (``behind``:
+    queued behind the search left running, which the index must say it can do)."""
+    for sp, x in zip(specs, q, strict=True):
+        sp.queries[0] = x
+        sp.rows.fill(0x7F7F7F7F)
+        sp.scores.fill(np.nan)
+    ns, cands, dense, _ = svc.eligible("", None)
+    idx, high = svc.index, svc.rows.high
+    if behind:
+        assert idx.queues_behind(len(q), k, high)
+    idx.launch_slots(specs, k, high, ns, cands, dense, behind=behind)
+
+
+@pytest.mark.parametrize(("metric", "dim", "n"), [("cosine", 768, 200_003), ("ip", 97, 400_009), ("l2", 384, 200_003)])
+def test_batches_queued_behind_each_other_are_exact(metric: str, dim: int, n: int) -> None:
+    """Float16 batches queued behind the one the device is still searching (each in the lane
+    the other does not hold: their own descriptor, parameters, thresholds and candidate
+    lists; prep and thresholds beside the earlier pass, the selection beside the next): a
+    chain of them, of 1 to 33 queries and k from 1 to 100, each launched while the one before
+    still searches (enough rows that a pass outlasts the host's launch; every answer checked
+    after the chain), is exact against the float16-rounded reference, every element written."""
+    rng = np.random.default_rng()
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    svc = make(dim, metric, dtype="float16")
+    put(svc, data)
+    idx = svc.index
+    plan = [(3, 10), (11, 10), (16, 37), (1, 10), (7, 1), (16, 100), (2, 10), (33, 10), (5, 10), (16, 10)]
+    _mm, specs = _segment(idx, sum(b for b, _ in plan), dim, 100)
+    stored = _as_stored(data, metric)
+    del data
+    ref_metric = "l2" if metric == "l2" else "ip"
+    atol = 5e-3 if metric == "l2" else 1e-3
+    ns, cands, dense, _ = svc.eligible("", None)
+    high = svc.rows.high
+    batches, at = [], 0
+    for b, k in plan:  # every batch's queries in its own slots, answers poisoned, before the chain
+        part = specs[at : at + b]
+        at += b
+        q = rng.standard_normal((b, dim)).astype(np.float32)
+        for sp, x in zip(part, q, strict=True):
+            sp.queries[0] = x
+            sp.rows.fill(0x7F7F7F7F)
+            sp.scores.fill(np.nan)
+        batches.append((part, q, k))
+    queued, overflows = idx.queued_batches, idx.threshold_overflows
+    idx.launch_slots(batches[0][0], batches[0][2], high, ns, cands, dense)
+    for part, q, k in batches[1:]:
+        assert idx.queues_behind(len(q), k, high)
+        idx.launch_slots(part, k, high, ns, cands, dense, behind=True)
+        idx.finish_slots()  # the older one
+    idx.finish_slots()
+    assert idx.queued_batches == queued + len(plan) - 1
+    assert idx.threshold_overflows == overflows  # answered by the queued path, not the fallback
+    for j, (part, q, k) in enumerate(batches):
+        ref_i, ref_s = reference_topk(stored, _as_stored(q, metric), k, ref_metric)
+        for r, sp in enumerate(part):
+            got = [svc.rows.ids[x] for x in sp.rows[0, :k]]  # raises on an unwritten (poisoned) row
+            assert_topk_equal(got, sp.scores[0, :k], [str(i) for i in ref_i[r]], ref_s[r], atol=atol,
+                              context=f"batch {j} q{r} k={k}")  # fmt: skip
+    idx.detach_segment()
+
+
+def test_queued_batches_that_overflow_fall_back_exactly() -> None:
+    """A queued batch whose candidate lists overflow (every row ties) is answered by the exact
+    fallback from its own lane's descriptor, as is the batch it was queued behind."""
+    rng = np.random.default_rng()
+    n, dim = 40_003, 64
+    same = np.tile(rng.standard_normal((1, dim)).astype(np.float32), (n, 1))
+    svc = make(dim, dtype="float16")
+    put(svc, same)
+    idx = svc.index
+    _mm, specs = _segment(idx, 16, dim, 10)
+    qa = rng.standard_normal((5, dim)).astype(np.float32)
+    qb = rng.standard_normal((3, dim)).astype(np.float32)
+    before = idx.threshold_overflows, idx.queued_batches
+    _launch(svc, specs[:5], qa, 10, behind=False)
+    _launch(svc, specs[8:11], qb, 10, behind=True)
+    idx.finish_slots()
+    idx.finish_slots()
+    assert idx.threshold_overflows == before[0] + 2 and idx.queued_batches == before[1] + 1
+    unit = same[0] / np.linalg.norm(same[0])
+    for part, q in ((specs[:5], qa), (specs[8:11], qb)):
+        for sp, x in zip(part, q, strict=True):
+            rows = sp.rows[0].tolist()
+            assert len(set(rows)) == 10 and all(0 <= r < n for r in rows), rows
+            assert np.allclose(sp.scores[0], unit @ (x / np.linalg.norm(x)), atol=2e-3), sp.scores
+    idx.detach_segment()
+
+
 @pytest.mark.parametrize("tied", [300, 3000])
 def test_threshold_select_is_exact_with_ties_at_the_kth(tied: int) -> None:
     """select_cands finds the k-th candidate by radix select and sorts only what is at or above

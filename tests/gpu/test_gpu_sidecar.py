@@ -120,6 +120,31 @@ def test_concurrent_clients_get_their_own_answers(start_sidecar) -> None:
         assert c.stats()["batches"] > 0  # requests found together were answered together
 
 
+def test_float16_cohorts_queued_behind_each_other_get_their_own_answers(start_sidecar) -> None:
+    """16 client processes recalling float16 rows (the mma path): a batch that gathers while
+    another is on the device is queued behind it (the index's ``queued_batches``), and every
+    client still gets its own row back."""
+    dim, rows = 768, 60_001
+    data = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float16", slots=24)
+    with sc.client() as c:
+        for s in range(0, rows, 8192):
+            c.upsert([str(i) for i in range(s, min(rows, s + 8192))], data[s : s + 8192])
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=recall_row_worker, args=(sc.name, dim, s, 400, q, rows)) for s in range(16)]
+    for p in procs:
+        p.start()
+    misrouted = sum(q.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert misrouted == 0
+    with sc.client() as c:
+        index = c.stats()["index"]
+    assert index["mma_path"] and index["queued_batches"] > 0, index
+
+
 def test_auto_picks_the_gpu_and_says_so(start_sidecar) -> None:
     sc = start_sidecar(dim=16, device="auto")
     with sc.client() as c:

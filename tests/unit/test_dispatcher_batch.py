@@ -292,14 +292,14 @@ def test_pipelined_batches_answer_only_finished_searches_and_settle_before_write
     assert states[1] == SlotState.RESPONSE and svc.rows.live == rows + 1
 
 
-def _deferred_setup(n_slots: int, dim: int, rows: int):  # type: ignore[no-untyped-def]
-    """A segment of ``n_slots`` slots and a service over a :class:`_DeferredIndex` (inner
-    product) holding ``rows`` random rows with ids r0, r1, ...; returns (layout, segment, the
-    index's log, index, service, rng, rows)."""
+def _deferred_setup(n_slots: int, dim: int, rows: int, cls: type = _DeferredIndex):  # type: ignore[no-untyped-def]
+    """A segment of ``n_slots`` slots and a service over a :class:`_DeferredIndex` (or
+    ``cls``; inner product) holding ``rows`` random rows with ids r0, r1, ...; returns
+    (layout, segment, the index's log, index, service, rng, rows)."""
     lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
     mm = mmap.mmap(-1, lay.segment_size)
     log: list[str] = []
-    index = _DeferredIndex(dim, METRICS["ip"], log)
+    index = cls(dim, METRICS["ip"], log)
     svc = Service(index, NullStore(), dim=dim, metric=METRICS["ip"])
     rng = np.random.default_rng()
     data = rng.standard_normal((rows, dim)).astype(np.float32)
@@ -360,9 +360,9 @@ class _Returning(_Sem):
         self.on_post()
 
 
-def _gather_rig(n_slots: int):  # type: ignore[no-untyped-def]
+def _gather_rig(n_slots: int, cls: type = _DeferredIndex):  # type: ignore[no-untyped-def]
     dim, k, rows = 5, 2, 40
-    lay, mm, log, index, svc, rng, data = _deferred_setup(n_slots, dim, rows)
+    lay, mm, log, index, svc, rng, data = _deferred_setup(n_slots, dim, rows, cls)
     states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
     q = rng.standard_normal((n_slots, dim)).astype(np.float32)
     seqs = [0] * n_slots
@@ -430,6 +430,164 @@ def test_gathering_waits_at_most_half_the_search_for_clients_that_do_not_come_ba
     assert log == ["launch 1", "finish", "launch 1"], log
     assert states[0] == SlotState.RESPONSE and sems[0].posts == 1
     assert d.settle() == 1 and states[1] == SlotState.RESPONSE
+
+
+class _QueueingIndex(_DeferredIndex):
+    """A deferred index that can queue a batch behind the one left running, as the GPU index
+    does for float16 batches: ``launch_slots(behind=True)`` logs "queue n" and leaves the
+    earlier search pending; ``finish_slots`` finishes the oldest. ``pending_done`` says the
+    device is done with the oldest after ``done_after`` questions, and runs one of
+    ``arrivals`` (a request arriving) at each question before that."""
+
+    def __init__(self, dim: int, metric: int, log: list[str]) -> None:
+        super().__init__(dim, metric, log)
+        self.queue: list[tuple] = []
+        self.can_queue = True
+        self.done_after = 1_000_000
+        self.asked = 0
+        self.arrivals: list = []
+
+    def launch_slots(self, specs, k, high, ns, candidates, dense, behind=False) -> None:  # type: ignore[no-untyped-def]
+        if behind:
+            assert self.queues_behind(sum(len(s.queries) for s in specs), k, high)
+        while self.queue and not behind:
+            self.finish_slots()
+        for s in specs:
+            s.rows[:, :k] = -7
+        self.log.append(f"{'queue' if behind else 'launch'} {len(specs)}")
+        self.queue.append((specs, k, high, ns, candidates, dense))
+        self.asked = 0
+
+    def finish_slots(self) -> None:
+        if self.queue:
+            self.search_slots(*self.queue.pop(0))
+            self.log.append("finish")
+            self.asked = 0
+
+    def queues_behind(self, n: int, k: int, high: int) -> bool:
+        return self.can_queue and len(self.queue) == 1
+
+    def pending_done(self) -> bool:
+        self.asked += 1
+        if self.asked > self.done_after:
+            return True
+        if self.arrivals:
+            self.arrivals.pop(0)()
+        return False
+
+
+def _queue_rig(n_slots: int):  # type: ignore[no-untyped-def]
+    """_gather_rig over a :class:`_QueueingIndex`, every slot's client seen once (a first
+    batch of all of them, answered) so the dispatcher knows the cohort."""
+    rig = _gather_rig(n_slots, _QueueingIndex)
+    lay, mm, svc, index, log, _states, request, read, answered = rig
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
+    for i in range(n_slots):
+        request(i)
+    index.done_after = 0  # (nothing to wait for: every client's request is there)
+    assert d.poll() == n_slots and d.settle() == n_slots
+    index.done_after = 1_000_000
+    for i in range(n_slots):
+        read(i)
+    log.clear()
+    answered.clear()
+    return d, rig
+
+
+@pytest.mark.parametrize("can_queue", [True, False])
+def test_a_returning_cohort_is_queued_behind_the_batch_in_flight(can_queue: bool) -> None:
+    """Two cohorts take turns: while the device searches one (slots 0-2), the other (3-5)
+    comes back. The dispatcher takes them as they arrive until the whole cohort waits (slot 5
+    arrives while it waits), then queues their batch behind the one in flight before it
+    finishes and answers that one: the device goes from one pass to the next with no host gap.
+    The negative control (an index that cannot queue) finishes the batch in flight first."""
+    d, (_lay, _mm, _svc, index, log, states, request, read, answered) = _queue_rig(6)
+    index.can_queue = can_queue
+    for i in (0, 1, 2):
+        request(i)
+    assert d.poll() == 3 and log == ["launch 3"], log
+    request(3)
+    request(4)
+    index.arrivals.append(lambda: request(5))
+    if can_queue:
+        assert d.poll() == 3
+        assert log == ["launch 3", "queue 3", "finish"], log  # 3-5 together, queued, then 0-2 answered
+        assert [states[i] for i in range(6)] == [SlotState.RESPONSE] * 3 + [SlotState.BUSY] * 3
+    else:
+        assert d.poll() == 2
+        assert log == ["launch 3", "finish", "launch 2"], log
+        request(5)  # (no index question brought it meanwhile)
+        assert d.poll() == 1 and log[-2:] == ["finish", "launch 1"], log  # too late for 3-4: a pass of its own
+    for i in (0, 1, 2):
+        read(i)
+    assert d.settle() == (3 if can_queue else 1)
+    if not can_queue:
+        assert states[3] == states[4] == SlotState.RESPONSE
+    for i in (3, 4, 5):
+        read(i)
+    assert sorted(a[:2] for a in answered) == [(i, 2) for i in range(6)]
+
+
+def test_a_queued_launch_waits_no_longer_than_the_search_in_flight() -> None:
+    """A client of the other cohort that does not come back is not waited for past the end of
+    the search in flight: the device being done with it launches whoever is waiting."""
+    d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(5)
+    for i in (0, 1):
+        request(i)
+    assert d.poll() == 2
+    request(2)  # 3 and 4 stay away
+    index.done_after = 3
+    assert d.poll() == 1
+    assert log == ["launch 2", "queue 1", "finish"], log
+    assert index.asked == 0  # (reset by the finish) it asked until the device was done
+    assert d.settle() == 1
+    for i in (0, 1, 2):
+        read(i)
+
+
+def test_a_batch_in_flight_stays_so_while_the_device_searches_and_nothing_waits() -> None:
+    """With nothing waiting, a pass leaves the batch in flight while the device still searches
+    it (the next cohort can then be queued behind it), and answers it once the device is done:
+    it never answers a search the device has not finished."""
+    d, (_lay, _mm, _svc, index, log, states, request, read, _answered) = _queue_rig(3)
+    request(0)
+    assert d.poll() == 1 and log == ["launch 1"]
+    index.done_after = 2
+    assert d.poll() == 0 and d.poll() == 0  # still searching: nothing answered
+    assert states[0] == SlotState.BUSY and log == ["launch 1"]
+    assert d.poll() == 1 and log == ["launch 1", "finish"]  # done: answered by the empty pass
+    read(0)
+
+
+def test_a_write_arriving_while_a_cohort_gathers_is_answered_after_the_batch_in_flight() -> None:
+    """An upsert that arrives while the dispatcher waits for a cohort settles the batch in
+    flight first (answered from the rows as they were), and the cohort's batch then takes the
+    usual path, over the rows with the write."""
+    d, (lay, mm, svc, index, log, states, request, read, _answered) = _queue_rig(4)
+    for i in (0, 1):
+        request(i)
+    assert d.poll() == 2
+    request(2)
+    dim = svc.dim
+
+    def upsert() -> None:
+        off = lay.slot_offset(3)
+        np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = 1.0
+        args = b'{"namespace":"","ids":["new"],"texts":["t"],"metadatas":[{}]}'
+        at = off + lay.payload_offset + align8(4 * dim)
+        mm[at : at + len(args)] = args
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, 99, Op.UPSERT, 0, 0, 1, 4 * dim, len(args), 0)
+        states[3] = SlotState.REQUEST
+
+    index.arrivals.append(upsert)
+    rows_before = svc.rows.live
+    assert d.poll() == 2
+    assert states[3] == SlotState.RESPONSE and svc.rows.live == rows_before + 1
+    assert log == ["launch 2", "finish", "launch 1"], log  # settled for the write, then the usual path
+    for i in (0, 1):
+        read(i)
+    assert d.settle() == 1
+    read(2)
 
 
 class _BrokenSem(_Sem):
