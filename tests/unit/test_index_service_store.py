@@ -238,3 +238,27 @@ def test_topk_rows_threshold_selection_matches_a_full_sort(k: int) -> None:
         np.testing.assert_array_equal(vals, want)  # the k largest values, best first
         np.testing.assert_array_equal(np.take_along_axis(scores, idx, axis=1), vals)
         assert all(len(set(r.tolist())) == k for r in idx)  # k distinct rows
+
+
+def test_a_host_index_never_queues_a_search_behind_another() -> None:
+    """Queueing a batch behind the search in flight is a device index's option
+    (``queues_behind``); a host index says it cannot, and refuses ``behind=True`` loudly
+    instead of searching out of order."""
+    from kalos_retrievers.sidecar.index import CpuIndex, SlotSpec
+
+    dim = 7
+    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
+    data = np.random.default_rng().standard_normal((13, dim)).astype(np.float32)
+    svc.upsert({"namespace": "", "ids": [str(i) for i in range(13)], "texts": [""] * 13,
+                "metadatas": [{} for _ in range(13)]}, data)  # fmt: skip
+    assert not svc.queues_behind(3, 2) and not svc.index.queues_behind(2, 3, 13)
+    assert not svc.index.pending_done()
+    q = data[:2].copy()
+    rows, scores = np.zeros((2, 3), np.int32), np.zeros((2, 3), np.float32)
+    spec = SlotSpec(q, rows, scores, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="does not queue"):
+        svc.index.launch_slots([spec], 3, 13, 0, None, True, behind=True)
+    with pytest.raises(RuntimeError, match="does not queue"):
+        svc.launch_recall([spec], 3, "", None, behind=True)
+    svc.index.launch_slots([spec], 3, 13, 0, None, True)
+    assert sorted(rows[0].tolist()) == sorted(np.argsort(-(data @ q[0]))[:3].tolist())
