@@ -68,8 +68,8 @@ GATHER_US: Final = int(os.environ.get("KALOS_GATHER_US", "0") or 0)
 
 # Batched recalls queued behind the batch in flight (Dispatcher._queue_behind) wait for the
 # clients seen this recently (ns) that are not in that batch: a cohort of client processes
-# that recall in turn. A client that stopped recalling is waited for this long at most, and
-# then only until the device is done with the batch in flight.
+# that recall in turn. Never past the device's end of the batch in flight; a client that
+# stopped recalling drops out of the count this long after its last recall.
 COHORT_WINDOW_NS: Final = 5_000_000
 
 # ops answered from host state alone: they run beside the index's resident kernel
@@ -302,7 +302,8 @@ class Dispatcher:
         if len(groups) != 1:
             return False
         (k, _), members = next(iter(groups.items()))
-        return len(members) <= self.max_batch and self.service.queues_behind(k, len(members))
+        n = sum(req.n_items for _, req, _ in members)  # queries, not members
+        return len(members) <= self.max_batch and self.service.queues_behind(k, n)
 
     def _queue_behind(self, b: _Batch, groups: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> int:
         """Launch ``groups`` (one batch, :meth:`_queues`) queued behind ``b``, which the
@@ -343,9 +344,9 @@ class Dispatcher:
         try:
             c = self._launch_batch(members, k, flags, behind=True)
         finally:  # b is answered even if this launch failed fatally
+            self._inflight = c  # first: c stays known (settled later) if answering b fails
             self._finish(b)
             self._answer_batch(b)
-            self._inflight = c
         return got
 
     def _lone(self, i: int) -> bool:

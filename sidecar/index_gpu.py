@@ -295,6 +295,9 @@ class _Lane:
                 self.cand_v = cp.empty(MAXQ * CAND_CAP, cp.int32)
                 self.cand_count = cp.zeros(MAXQ, cp.int32)
                 self.sample_buf = cp.empty(MAXQ * TAU_SAMPLE_MAX, cp.float32)
+                # the zero fills ran on the legacy stream, which the index's non-blocking
+                # streams do not wait for (cand_count must read 0 at the first pass)
+                idx.device.synchronize()
             # CUDA clamps a priority to the device's range: -5 is the highest on the H200
             self.side = cp.cuda.Stream(non_blocking=True, priority=-5)
             ev = lambda: cp.cuda.Event(block=False, disable_timing=True)  # noqa: E731
@@ -583,7 +586,7 @@ class GpuIndex(Index):
         all of them; NS_NONE: the default namespace is empty)."""
         if self.doorbell_running or not self.doorbell_k or not self.seg_addr or self._closed:
             return
-        self.finish_slots()
+        self._finish_all()
         lay = self._bell_layout
         table, _, arena_rows, arena_version = self._arena_table
         entries, mode = table + ARENA_HEADER_SIZE, self.doorbell_mode & ~BELL_ARENA_DEVICE
@@ -701,7 +704,7 @@ class GpuIndex(Index):
     def reserve(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
-        self.finish_slots()  # the arrays below may be replaced
+        self._finish_all()  # the arrays below may be replaced
         per_row = self.ld * np.dtype(self.np_dtype).itemsize + 8 + (4 if self.rowscale is not None else 0)
         cap = max(capacity, 2 * self.capacity, 1024)
         if self.memory_limit is not None and cap * per_row > self.memory_limit:
@@ -775,7 +778,7 @@ class GpuIndex(Index):
     def set_rows(self, rows: np.ndarray, vectors: np.ndarray, ns: np.ndarray) -> None:
         if not len(rows):
             return
-        self.finish_slots()  # a search in flight answers from the rows as they were
+        self._finish_all()  # a search in flight answers from the rows as they were
         self.reserve(int(rows.max()) + 1)
         cp = self.cp
         # same row twice in one batch: keep the last write only (the kernel runs rows in parallel)
@@ -803,7 +806,7 @@ class GpuIndex(Index):
     def clear_rows(self, rows: np.ndarray) -> None:
         if not len(rows):
             return
-        self.finish_slots()
+        self._finish_all()
 
         def run() -> None:
             with self.device, self.stream:
@@ -815,7 +818,7 @@ class GpuIndex(Index):
     def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         if not len(src):
             return
-        self.finish_slots()
+        self._finish_all()
         cp = self.cp
 
         def run() -> None:
@@ -1021,7 +1024,7 @@ class GpuIndex(Index):
         index's stream after both that side work and everything before it, the selection on
         the side stream after the pass."""
         i = 1 - self._pending[-1].lane
-        lane = self._lane(i)
+        lane = self._check(lambda: self._lane(i))
         sample = self._tau_sample(k, high)
         assert sample is not None
         key = (-2, i, n, k, sample)
@@ -1032,7 +1035,8 @@ class GpuIndex(Index):
             if len(self.graphs) >= GRAPH_CACHE:
                 self.graphs.clear()
             captured = []
-            for group in (launches[:3], launches[3:4], launches[4:]):
+
+            def capture(group: tuple) -> None:
                 with self.device, self.stream:
                     self.stream.begin_capture()
                     try:
@@ -1040,6 +1044,9 @@ class GpuIndex(Index):
                             launch()
                     finally:
                         captured.append(self.stream.end_capture())
+
+            for group in (launches[:3], launches[3:4], launches[4:]):
+                self._check(lambda g=group: capture(g))
             parts = self.graphs[key] = tuple(captured)
         qs, rows, scores, out_ld = self._addresses(specs)
         self._write_desc(k, high, ns, 0, qs, rows, scores, out_ld, lane.desc_off)
@@ -1047,20 +1054,24 @@ class GpuIndex(Index):
         front, pas, sel = parts
         main, side = self.stream, lane.side
         mark = self._mark_on
-        with self.device:
-            mark("front start", side)
-            front.launch(side)
-            lane.front_done.record(side)
-            mark("front end", side)
-            main.wait_event(lane.front_done)
-            mark("pass start", main)
-            pas.launch(main)
-            lane.pass_done.record(main)
-            mark("pass end", main)
-            side.wait_event(lane.pass_done)
-            sel.launch(side)
-            lane.done.record(side)
-            mark("select end", side)
+
+        def launch() -> None:
+            with self.device:
+                mark("front start", side)
+                front.launch(side)
+                lane.front_done.record(side)
+                mark("front end", side)
+                main.wait_event(lane.front_done)
+                mark("pass start", main)
+                pas.launch(main)
+                lane.pass_done.record(main)
+                mark("pass end", main)
+                side.wait_event(lane.pass_done)
+                sel.launch(side)
+                lane.done.record(side)
+                mark("select end", side)
+
+        self._check(launch)
         self.mma_batches += 1
         self.queued_batches += 1
 
@@ -1083,7 +1094,7 @@ class GpuIndex(Index):
         types) GEMM + top-k for up to MAXQ queries per launch, else fused graphs of up to
         FUSED_MAX_Q queries. ``dense``: every row below ``high`` is eligible (the kernels
         then skip the namespace check). ``defer``: leave the last launch running and
-        its wait in ``self._finisher``."""
+        its wait among the pending searches (``self._pending``)."""
         kp = _pow2(k)
         use_gemm = USE_GEMM and self.dtype != "int8" and len(qs) >= GEMM_MIN_Q
         step = MAXQ if use_gemm else self._fused_qb(FUSED_MAX_Q, kp)
@@ -1170,7 +1181,8 @@ class GpuIndex(Index):
         def done() -> None:
             with self.device, self.stream:
                 t_wait = time.perf_counter_ns()
-                self.stream.synchronize()
+                # its own end, not the stream's: a batch queued behind it runs on that stream
+                end.synchronize()
                 if timed:
                     t_end = time.perf_counter_ns()
                     dev = self.cp.cuda.get_elapsed_time(ev0, ev1) * 1000

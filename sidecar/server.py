@@ -473,6 +473,7 @@ class Server:
                     log.info("reclaimed %d slot(s) of clients that went away", n)
                 _ipc.drain(self.bell)  # bounded: posts never pile up under constant load
                 if now - pace.last_work > 50_000_000:
+                    d.settle()  # nothing compacts under a batch in flight (see Dispatcher._awaits_cohort)
                     self._compact_if_fragmented()
                 continue  # poll again before sleeping: the drain may have taken a new request's post
             sleep_ns = pace.sleep_ns(now)
