@@ -23,7 +23,9 @@ Prints per-side medians and the mean per-round difference B - A with its standar
 writes ``DIR/ab_sidecars.json``.
 ``--env-a`` / ``--env-b`` set environment variables for one side's sidecar process (the same
 package on both sides then compares two settings); each side's ``index.batch_timing`` from its
-``stats`` (``KALOS_BATCH_TIMING=1``) is printed and saved at the end. With ``--arena-docs``
+``stats`` (``KALOS_BATCH_TIMING=1``) is printed and saved at the end, and with it the
+dispatcher's "return" phase among the phases: per batched member, the time from its slot's
+previous answer to its next request's pickup (how long the clients take to come back). With ``--arena-docs``
 both sidecars keep a document arena (``KALOS_ARENA=1``) and the throughput clients read their
 documents from it, as clients of a sidecar with a resident kernel do (``gpu_recall.py``'s 32
 processes); without, the documents come inline in each answer.

@@ -72,6 +72,13 @@ GATHER_US: Final = int(os.environ.get("KALOS_GATHER_US", "0") or 0)
 # stopped recalling drops out of the count this long after its last recall.
 COHORT_WINDOW_NS: Final = 5_000_000
 
+# Diagnostics (KALOS_BATCH_TIMING=1, as the GPU index's batch timing): the "return" phase, per
+# member of a batched recall, from the post of its slot's previous answer to the pickup of
+# this request: how long a client took to come back (its wake-up and its own work between two
+# recalls), which decides whether it makes the next batch queued behind the running one
+# (session 26: ~14 queries per batch with 32 processes where 16 would give 40k/s).
+RETURN_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") == "1"
+
 # ops answered from host state alone: they run beside the index's resident kernel
 _HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CONTINUE})
 
@@ -115,7 +122,7 @@ class _Batch:
 class Dispatcher:
     def __init__(self, mm: Any, layout: Layout, resp_sems: list[Any], service: Service,
                  stats: Stats, *, max_batch: int = 64, describe: Callable[[], dict[str, Any]],
-                 gather_us: int = GATHER_US) -> None:  # fmt: skip
+                 gather_us: int = GATHER_US, return_timing: bool = RETURN_TIMING) -> None:  # fmt: skip
         if gather_us < 0:
             raise ValueError(f"gather_us must be >= 0, got {gather_us}")
         self.gather_ns = gather_us * 1000
@@ -142,6 +149,8 @@ class Dispatcher:
         self.lone = 0
         # slot -> when its last batched recall was picked up (see _queue_behind)
         self._seen: dict[int, int] = {}
+        # slot -> when its last batched answer was posted (RETURN_TIMING; None: off)
+        self._posted: dict[int, int] | None = {} if return_timing else None
         self._specs: dict[tuple[int, int, int], SlotSpec] = {}
         lay = layout
         base = np.frombuffer(mm, np.uint8)
@@ -596,6 +605,12 @@ class Dispatcher:
         seen, now = self._seen, time.perf_counter_ns()
         for i, _, _ in part:
             seen[i] = now
+        posted = self._posted
+        if posted is not None:  # (diagnostics, see RETURN_TIMING)
+            for i, _, t0 in part:
+                t = posted.pop(i, None)
+                if t is not None:
+                    self._phases_due.append(("return", (t0 - t) / 1000))
         if len(part) > 1:
             self.stats.batches += 1
             self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
@@ -630,6 +645,9 @@ class Dispatcher:
             for i in posts:
                 _ipc.post(self.sems[i])
             t_posted = time.perf_counter_ns()
+            if self._posted is not None:
+                for i in posts:
+                    self._posted[i] = t_posted
             if b.part:
                 self._phases_due.append(("answer", (t_posted - t_answer) / 1000))
             # the stats after the posts: no client waits for them

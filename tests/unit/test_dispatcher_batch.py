@@ -674,6 +674,29 @@ def test_a_failure_answering_the_batch_in_flight_leaves_the_queued_batch_known(m
         read(i)
 
 
+@pytest.mark.parametrize("timing", [True, False])
+def test_return_timing_measures_each_clients_way_back(timing: bool) -> None:
+    """With the diagnostics on, each batched member's pickup records how long after its slot's
+    previous answer was posted it came back (the "return" phase; the client here sleeps
+    ~20 ms between its recalls); off (the control), nothing is recorded."""
+    lay, mm, svc, _index, _log, _states, request, read, _answered = _gather_rig(2)
+    stats = Stats()
+    d = Dispatcher(mm, lay, [_Sem(), _Sem()], svc, stats, max_batch=64, describe=lambda: {},
+                   return_timing=timing)  # fmt: skip
+    request(0)
+    assert d.poll() == 1 and d.settle() == 1
+    read(0)
+    time.sleep(0.02)
+    request(0)
+    assert d.poll() == 1 and d.settle() == 1
+    read(0)
+    if timing:
+        ret = stats.phases["return"].summary()
+        assert ret["count"] == 1 and 20_000 <= ret["p50_us"] < 2_000_000, ret
+    else:
+        assert "return" not in stats.phases
+
+
 def test_gather_us_must_not_be_negative() -> None:
     lay = Layout(n_slots=2, dim=4, payload_size=1 << 12, blob_size=1 << 12)
     mm = mmap.mmap(-1, lay.segment_size)
