@@ -391,10 +391,10 @@ class GpuIndex(Index):
         self.desc_addr = self._desc_np.ctypes.data
         self._check(lambda: cp.cuda.runtime.hostRegister(self.desc_addr, 4096, 3))
         self._desc_u64 = np.frombuffer(self._desc_mm, np.uint64)
-        # select_cands raises this flag (past the descriptor, same registered page)
-        assert _DESC_SIZE <= 4000
-        self._overflow = np.frombuffer(self._desc_mm, np.int32, 1, 4000)
-        self._overflow_addr = self.desc_addr + 4000
+        # select_cands raises this flag (lane 0's, past both lanes' descriptors, same page)
+        assert _LANE_DESC[1] + _DESC_SIZE <= _LANE_OVERFLOW[0]
+        self._overflow = np.frombuffer(self._desc_mm, np.int32, 1, _LANE_OVERFLOW[0])
+        self._overflow_addr = self.desc_addr + _LANE_OVERFLOW[0]
         # int8: candidates land here (registered host memory), then get re-scored into the slot
         self._cand_mm = mmap.mmap(-1, 2 * MAXQ * CAND_MAX * 4)
         cand = np.frombuffer(self._cand_mm, np.int32)
