@@ -375,12 +375,14 @@ def _gather_rig(n_slots: int, cls: type = _DeferredIndex):  # type: ignore[no-un
         REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seqs[i], Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
         states[i] = SlotState.REQUEST
 
-    def read(i: int) -> None:
+    def read(i: int, added: np.ndarray | None = None) -> None:
+        """Check slot ``i``'s answer against the rows (and the rows ``added`` since, if any)."""
         off = lay.slot_offset(i)
         resp = Response.unpack(mm[off : off + CTL_SIZE])
         assert states[i] == SlotState.RESPONSE and resp.seq == seqs[i], (i, states[i], resp)
         got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset).tolist()
-        assert sorted(got) == sorted(np.argsort(-(data @ q[i]))[:k].tolist())
+        rows = data if added is None else np.vstack([data, added])
+        assert sorted(got) == sorted(np.argsort(-(rows @ q[i]))[:k].tolist())
         answered.append((i, seqs[i], got))
 
     return lay, mm, svc, index, log, states, request, read, answered
@@ -597,7 +599,7 @@ def test_a_write_arriving_while_a_cohort_gathers_is_answered_after_the_batch_in_
     for i in (0, 1):
         read(i)
     assert d.settle() == 1
-    read(2)
+    read(2, added=np.ones((1, dim), np.float32))  # over the rows with the write (row 40 may rank)
 
 
 def test_a_queued_launch_counts_queries_not_members(monkeypatch: pytest.MonkeyPatch) -> None:
