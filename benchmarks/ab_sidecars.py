@@ -2,6 +2,7 @@
 
     python -P benchmarks/ab_sidecars.py --a /tmp/site_main --b /tmp/site_branch [--rows 1000000]
         [--rounds 6] [--procs 32] [--duration 3] [--device cuda] [--env-a K=V ...] [--env-b K=V ...]
+        [--client-env-a K=V ...] [--client-env-b K=V ...]
         --out DIR
 
 A and B are directories that hold an installed ``kalos_retrievers`` (``pip install --no-deps
@@ -22,7 +23,9 @@ times 2,000 batch-1 recalls (``batch1_p50_us``: the resident kernel's path once 
 Prints per-side medians and the mean per-round difference B - A with its standard error;
 writes ``DIR/ab_sidecars.json``.
 ``--env-a`` / ``--env-b`` set environment variables for one side's sidecar process (the same
-package on both sides then compares two settings); each side's ``index.batch_timing`` from its
+package on both sides then compares two settings), and ``--client-env-a`` / ``--client-env-b``
+those of the clients while that side is timed (``KALOS_SPIN_US=0``: clients that block on
+their semaphores instead of spinning); each side's ``index.batch_timing`` from its
 ``stats`` (``KALOS_BATCH_TIMING=1``) is printed and saved at the end, and with it the
 dispatcher's "return" phase among the phases: per batched member, the time from its slot's
 previous answer to its next request's pickup (how long the clients take to come back). With ``--arena-docs``
@@ -37,7 +40,8 @@ import argparse
 import json
 import os
 import sys
-from contextlib import ExitStack
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,30 +53,37 @@ from kalos_retrievers import Sidecar
 DIM, K, BATCH = 768, 10, 64
 
 
-def start(path: str, device: str, rows: np.ndarray, env: dict[str, str] | None = None,
-          doorbell: bool = False) -> Sidecar:  # fmt: skip
-    """A sidecar whose process imports the package under ``path``, loaded with ``rows``, with
-    ``env`` added to its environment (and its resident kernel off unless ``doorbell``)."""
-    env = env or {}
-    saved = {v: os.environ.get(v) for v in ("PYTHONPATH", "KALOS_DOORBELL", *env)}
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(path).resolve()), saved["PYTHONPATH"]) if p)
-    if doorbell:
-        os.environ.pop("KALOS_DOORBELL", None)
-    else:
-        os.environ["KALOS_DOORBELL"] = "0"
-    os.environ.update(env)
+@contextmanager
+def environ(env: Mapping[str, str | None]) -> Iterator[None]:
+    """``os.environ`` with ``env`` set (a value of None: removed) inside the block; restored
+    after. Processes started inside (a sidecar, the spawned throughput workers) inherit it."""
+    saved = {v: os.environ.get(v) for v in env}
     try:
-        sc = Sidecar(dim=DIM, device=device, slots=40, max_batch=64, payload_kb=8192,
-                     log_level="WARNING", startup_timeout=300).start()  # fmt: skip
+        for v, value in env.items():
+            if value is None:
+                os.environ.pop(v, None)
+            else:
+                os.environ[v] = value
+        yield
     finally:
         for v, value in saved.items():
             if value is None:
                 os.environ.pop(v, None)
             else:
                 os.environ[v] = value
+
+
+def start(path: str, device: str, rows: np.ndarray, env: dict[str, str] | None = None,
+          doorbell: bool = False) -> Sidecar:  # fmt: skip
+    """A sidecar whose process imports the package under ``path``, loaded with ``rows``, with
+    ``env`` added to its environment (and its resident kernel off unless ``doorbell``)."""
+    pythonpath = os.pathsep.join(p for p in (str(Path(path).resolve()), os.environ.get("PYTHONPATH")) if p)
+    with environ({"PYTHONPATH": pythonpath, "KALOS_DOORBELL": None if doorbell else "0", **(env or {})}):
+        sc = Sidecar(dim=DIM, device=device, slots=40, max_batch=64, payload_kb=8192,
+                     log_level="WARNING", startup_timeout=300).start()  # fmt: skip
     assert sc.proc is not None
-    env = Path(f"/proc/{sc.proc.pid}/environ").read_bytes().split(b"\0")
-    got = next((e.decode().split("=", 1)[1] for e in env if e.startswith(b"PYTHONPATH=")), "")
+    proc_env = Path(f"/proc/{sc.proc.pid}/environ").read_bytes().split(b"\0")
+    got = next((e.decode().split("=", 1)[1] for e in proc_env if e.startswith(b"PYTHONPATH=")), "")
     assert got.startswith(str(Path(path).resolve())), got  # the sidecar runs package ``path``
     with sc.client(timeout=600) as c:
         load(c, rows, progress=False)
@@ -101,19 +112,26 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--env-a", nargs="*", default=[], metavar="K=V", help="environment of A's sidecar")
     ap.add_argument("--env-b", nargs="*", default=[], metavar="K=V", help="environment of B's sidecar")
+    ap.add_argument("--client-env-a", nargs="*", default=[], metavar="K=V",
+                    help="environment of the clients while A is timed (e.g. KALOS_SPIN_US=0)")  # fmt: skip
+    ap.add_argument("--client-env-b", nargs="*", default=[], metavar="K=V",
+                    help="environment of the clients while B is timed")  # fmt: skip
     ap.add_argument("--arena-docs", action="store_true", help="clients read documents from the arena")
     ap.add_argument("--doorbell", action="store_true",
                     help="keep the resident kernels (one side's stopped while the other runs)")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     envs = {"a": dict(e.split("=", 1) for e in args.env_a), "b": dict(e.split("=", 1) for e in args.env_b)}
+    client_envs = {"a": dict(e.split("=", 1) for e in args.client_env_a),
+                   "b": dict(e.split("=", 1) for e in args.client_env_b)}  # fmt: skip
     if args.arena_docs:
         for env in envs.values():
             env.setdefault("KALOS_ARENA", "1")
     rows = make_data(args.rows, DIM, 2)
     queries = make_data(16 * BATCH, DIM, 3)
     res: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "a": args.a, "b": args.b,
-                           "rows": args.rows, "procs": args.procs, "env": envs, "arena_docs": args.arena_docs,
+                           "rows": args.rows, "procs": args.procs, "env": envs,
+                           "client_env": client_envs, "arena_docs": args.arena_docs,
                            "doorbell": args.doorbell, "rounds": []}  # fmt: skip
     with ExitStack() as stack:
         sides = {}
@@ -127,13 +145,14 @@ def main() -> int:
                 sc = sides[label]
                 if args.doorbell:
                     quiesce(sides["b" if label == "a" else "a"], queries)
-                with sc.client(timeout=30) as c:
+                with environ(client_envs[label]), sc.client(timeout=30) as c:
                     b64 = time_calls(lambda i: c.recall_batch(queries[(i % 16) * BATCH : (i % 16 + 1) * BATCH], K),
                                      200, 20)  # fmt: skip
                     b1 = None
                     if args.doorbell:
                         b1 = time_calls(lambda i: c.recall(queries[i % len(queries)], K), 2000, 200)
-                thr = throughput(sc.name, DIM, K, args.procs, args.duration, True if args.arena_docs else None)
+                with environ(client_envs[label]):
+                    thr = throughput(sc.name, DIM, K, args.procs, args.duration, True if args.arena_docs else None)
                 rnd[label] = {"batch64_p50_us": b64["p50_us"], "procs_per_s": thr["recalls_per_s"],
                               "procs_p99_us": thr["p99_us"]}  # fmt: skip
                 if b1 is not None:

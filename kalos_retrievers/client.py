@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import mmap
+import numbers
 import os
 import random
 import threading
@@ -113,6 +114,21 @@ _SPIN_PROBE_EVERY = 8  # while long-wait spins do not pay, still try one call in
 # A GPU sidecar's recall expected within this many spin windows is spun through, not slept
 # through, while few requests wait (at most _SPIN_CROWD, ours included): see KalosClient._wait.
 _FULL_SPIN_WINDOWS = 4
+
+
+def _default_spin_us(env: str | None) -> float:
+    """``spin_us`` when the caller gives none: ``KALOS_SPIN_US`` from the environment (so a
+    deployment can tune or stop the spin without touching code), else 300 on x86-64 and 0
+    elsewhere (the spin path relies on x86-64's store ordering)."""
+    if env is None or not env.strip():
+        return 300.0 if _X86 else 0.0
+    try:
+        us = float(env)
+    except ValueError:
+        raise ValueError(f"KALOS_SPIN_US={env!r} must be a number of microseconds >= 0") from None
+    if not 0 <= us < float("inf"):
+        raise ValueError(f"KALOS_SPIN_US={env!r} must be a number of microseconds >= 0")
+    return us
 
 
 def _cores_from(affinity: int, cpu_max: str | None) -> int:
@@ -402,7 +418,7 @@ class KalosClient:
             within 4 x ``spin_us`` while few other requests wait, which spin through the
             whole wait (the Python after a sleep ran up to 2x slower). Default 300 on
             x86-64, 0 elsewhere (the spin path relies on x86-64's store ordering; 0 never
-            spins).
+            spins), or ``KALOS_SPIN_US`` from the environment when set.
         max_slots: most slots this client holds at once (= its concurrent calls).
         lazy: don't connect now; connect on the first call. Adapters use this so that building
             a chain never fails because the sidecar is not up yet.
@@ -445,7 +461,9 @@ class KalosClient:
         self._dim = dim
         self.timeout = float(timeout)
         if spin_us is None:
-            spin_us = 300.0 if os.uname().machine in ("x86_64", "AMD64") else 0.0
+            spin_us = _default_spin_us(os.environ.get("KALOS_SPIN_US"))
+        elif not isinstance(spin_us, numbers.Real) or not 0 <= spin_us < float("inf"):
+            raise ValueError(f"spin_us={spin_us!r} must be a number >= 0")
         self.spin_ns = int(spin_us * 1000)
         self._typical_wait_ns = 0
         self._spin_payoff = 1.0  # share of recent long-wait spins that caught their answer

@@ -5,13 +5,16 @@ Pure logic, no shared memory: the clock is passed in (ns), and the client is bui
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 
 import numpy as np
+import pytest
 from kalos_retrievers.sidecar.server import _IDLE_WAIT_NS, _PACE_MAX_GAP_NS, Pace
 
+import kalos_retrievers.client as client_module
 from kalos_retrievers.client import KalosClient
 from kalos_retrievers.protocol import SlotState
 
@@ -338,3 +341,34 @@ def test_the_spin_crowd_counts_the_cores_a_quota_allows() -> None:
     assert _cores_from(4, "800000 100000") == 4  # a quota above the affinity: the affinity
     assert _cores_from(16, "abc 100000") == 16 and _cores_from(16, "") == 16 and _cores_from(16, "1 2 3") == 16
     assert _cores_from(0, None) == 1
+
+
+@pytest.mark.parametrize(("env", "spin_ns"), [("0", 0), ("150.5", 150_500), (" 40 ", 40_000)])
+def test_client_spin_defaults_to_kalos_spin_us(env: str, spin_ns: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KALOS_SPIN_US sets the spin of clients built without ``spin_us`` (a deployment's knob);
+    an explicit ``spin_us`` wins; unset or empty, the platform's default."""
+    monkeypatch.setenv("KALOS_SPIN_US", env)
+    with contextlib.closing(KalosClient("kalos-unit-lazy", dim=4, lazy=True)) as c:
+        assert c.spin_ns == spin_ns
+    with contextlib.closing(KalosClient("kalos-unit-lazy", dim=4, spin_us=7, lazy=True)) as c:
+        assert c.spin_ns == 7_000
+    for unset in ("", None):
+        if unset is None:
+            monkeypatch.delenv("KALOS_SPIN_US")
+        else:
+            monkeypatch.setenv("KALOS_SPIN_US", unset)
+        with contextlib.closing(KalosClient("kalos-unit-lazy", dim=4, lazy=True)) as c:
+            assert c.spin_ns == (300_000 if client_module._X86 else 0)
+
+
+@pytest.mark.parametrize("env", ["fast", "-1", "inf", "nan"])
+def test_a_bad_kalos_spin_us_is_refused_by_name(env: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KALOS_SPIN_US", env)
+    with pytest.raises(ValueError, match="KALOS_SPIN_US"):
+        KalosClient("kalos-unit-lazy", dim=4, lazy=True)
+
+
+@pytest.mark.parametrize("spin_us", [-1, float("nan"), "300", [1]])
+def test_a_bad_spin_us_is_refused(spin_us: object) -> None:
+    with pytest.raises(ValueError, match="spin_us"):
+        KalosClient("kalos-unit-lazy", dim=4, spin_us=spin_us, lazy=True)  # type: ignore[arg-type]
