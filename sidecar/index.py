@@ -149,6 +149,36 @@ class Index(abc.ABC):
         """Whether the search left running has finished on the device (False where unknown)."""
         return False
 
+    # The sweep (a GPU index with KALOS_SWEEP=1, sidecar/sweep.py): batches join a scan of the
+    # rows that keeps running, and are answered once it has covered every row for them. The
+    # dispatcher joins them (``token``: its batch), pumps the scan while it is busy, and
+    # answers the tokens ``sweep_finished`` returns. These defaults: no sweep.
+    sweeps = False  # whether this index may take batches into a sweep
+    def sweep_can_join(self, n: int, k: int, high: int, ns: int, dense: bool) -> bool:
+        """Whether :meth:`sweep_join` would take ``n`` queries (``k`` results over rows below
+        ``high`` in namespace ``ns``; ``dense``: every row below ``high`` is eligible) now."""
+        return False
+
+    def sweep_join(self, specs: list[SlotSpec], k: int, high: int, ns: int, dense: bool, token: Any) -> None:
+        raise RuntimeError(f"{type(self).__name__} has no sweep")
+
+    def sweep_pump(self) -> int:
+        """Keep the sweep's scan going (call often while :attr:`sweep_busy`)."""
+        return 0
+
+    def sweep_finished(self) -> list[Any]:
+        """The tokens of the batches the sweep answered since the last call."""
+        return []
+
+    def sweep_settle(self) -> None:  # noqa: B027 - optional hook
+        """Scan until every batch in the sweep is answered (then :meth:`sweep_finished`
+        returns them)."""
+
+    @property
+    def sweep_busy(self) -> bool:
+        """Whether batches are in the sweep, or answered and not yet taken."""
+        return False
+
     @property
     def defers(self) -> bool:
         """Whether :meth:`launch_slots` of a batch returns before its search is done (so the

@@ -660,3 +660,124 @@ def test_out_of_device_memory_is_a_clear_error_and_service_continues() -> None:
     assert svc.rows.live == 3000  # nothing of the refused write went in
     rows, _ = svc.recall(data[:1], 1, "", None)
     assert svc.rows.ids[rows[0, 0]] == "0"
+
+
+def _sweep_on(idx, monkeypatch, chunks: int) -> None:  # type: ignore[no-untyped-def]
+    """The sweep (sidecar/sweep.py, off by default) on for ``idx``, with ``chunks`` ranges."""
+    from kalos_retrievers.sidecar import index_gpu
+
+    monkeypatch.setattr(index_gpu, "SWEEP", True)
+    idx._sweep_chunks = chunks
+
+
+def _run_sweep(idx, svc, batches, rng, pause_s: float = 0.0) -> list[int]:  # type: ignore[no-untyped-def]
+    """Join ``batches`` ((specs, queries, k), answers poisoned) one by one at random moments
+    while pumping the sweep, until every one is answered; the tokens (batch numbers) in the
+    order the sweep finished them."""
+    import time
+
+    ns, _, dense, _ = svc.eligible("", None)
+    high = svc.rows.high
+    waiting, done = list(range(len(batches))), []
+    end = time.monotonic() + 120
+    while waiting or idx.sweep_busy:
+        assert time.monotonic() < end, ("sweep stuck", waiting, idx.describe().get("sweep"))
+        if waiting and rng.random() < 0.4:
+            part, q, k = batches[waiting[0]]
+            if idx.sweep_can_join(len(q), k, high, ns, dense):
+                idx.sweep_join(part, k, high, ns, dense, waiting.pop(0))
+        idx.sweep_pump()
+        done += idx.sweep_finished()
+        if pause_s and rng.random() < 0.3:
+            time.sleep(pause_s)
+    return done
+
+
+@pytest.mark.parametrize(("metric", "dim", "n", "chunks"),
+                         [("cosine", 768, 200_003, 4), ("ip", 97, 400_009, 3), ("l2", 384, 200_003, 7),
+                          ("cosine", 33, 1_001, 4)])  # fmt: skip
+def test_batches_in_the_sweep_are_exact(metric: str, dim: int, n: int, chunks: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Float16 batches of 1 to 33 queries (k 1 to 100) join the sweep at random passes, so
+    that each starts at some range and scans the others after it, beside batches at other
+    ranges in the same passes (sidecar/sweep.py): every answer is exact against the
+    float16-rounded reference and every element written. Then the pool is reused: a second
+    round on the same sweep."""
+    rng = np.random.default_rng()
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    svc = make(dim, metric, dtype="float16")
+    put(svc, data)
+    idx = svc.index
+    _sweep_on(idx, monkeypatch, chunks)
+    plan = [(3, 10), (11, 10), (16, 37), (1, 10), (7, 1), (16, 100), (2, 10), (33, 10), (5, 10), (9, 10), (1, 1)]
+    _mm, specs = _segment(idx, sum(b for b, _ in plan), dim, 100)
+    stored = _as_stored(data, metric)
+    del data
+    ref_metric = "l2" if metric == "l2" else "ip"
+    atol = 5e-3 if metric == "l2" else 1e-3
+    for round_ in range(2):
+        batches, at = [], 0
+        for b, k in plan:
+            part = specs[at : at + b]
+            at += b
+            q = rng.standard_normal((b, dim)).astype(np.float32)
+            for sp, x in zip(part, q, strict=True):
+                sp.queries[0] = x
+                sp.rows.fill(0x7F7F7F7F)
+                sp.scores.fill(np.nan)
+            batches.append((part, q, k))
+        overflows = idx.threshold_overflows
+        done = _run_sweep(idx, svc, batches, rng, pause_s=0.0002 * round_)
+        assert sorted(done) == list(range(len(plan))), done
+        assert idx.threshold_overflows == overflows  # answered by the sweep, not the fallback
+        for j, (part, q, k) in enumerate(batches):
+            ref_i, ref_s = reference_topk(stored, _as_stored(q, metric), k, ref_metric)
+            for r, sp in enumerate(part):
+                got = [svc.rows.ids[x] for x in sp.rows[0, :k]]  # raises on an unwritten (poisoned) row
+                assert_topk_equal(got, sp.scores[0, :k], [str(i) for i in ref_i[r]], ref_s[r], atol=atol,
+                                  context=f"round {round_} batch {j} q{r} k={k}")  # fmt: skip
+    sw = idx.describe()["sweep"]
+    assert sw["batches"] == 2 * len(plan) and sw["in_sweep"] == 0 and sw["passes"] >= 2 * min(chunks, 4), sw
+    idx.detach_segment()
+
+
+def test_the_sweep_falls_back_exactly_and_settles_before_rows_change(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A batch in the sweep whose candidate lists overflow (every row ties) is answered by the
+    exact path from its own descriptor; an upsert while batches are in the sweep settles them
+    first (answered from the rows as they were, reported by sweep_finished); a batch for other
+    rows waits until the sweep is empty; a full pool refuses."""
+    rng = np.random.default_rng()
+    n, dim = 40_003, 64
+    same = np.tile(rng.standard_normal((1, dim)).astype(np.float32), (n, 1))
+    svc = make(dim, dtype="float16")
+    put(svc, same)
+    idx = svc.index
+    _sweep_on(idx, monkeypatch, 4)
+    _mm, specs = _segment(idx, 80, dim, 10)
+    ns, _, dense, _ = svc.eligible("", None)
+    high = svc.rows.high
+    qa = rng.standard_normal((5, dim)).astype(np.float32)
+    for sp, x in zip(specs[:5], qa, strict=True):
+        sp.queries[0] = x
+        sp.rows.fill(0x7F7F7F7F)
+    before = idx.threshold_overflows
+    assert idx.sweep_can_join(5, 10, high, ns, dense)
+    idx.sweep_join(specs[:5], 10, high, ns, dense, "a")
+    assert not idx.sweep_can_join(1, 10, high + 1, ns, dense)  # other rows: not while busy
+    assert not idx.sweep_can_join(60, 10, high, ns, dense)  # 5 + 60 > 64 positions
+    put(svc, rng.standard_normal((1, dim)).astype(np.float32), ["new"])  # settles the sweep
+    assert idx.sweep_finished() == ["a"] and not idx.sweep_busy
+    assert idx.threshold_overflows == before + 1
+    unit = same[0] / np.linalg.norm(same[0])
+    for sp, x in zip(specs[:5], qa, strict=True):
+        rows = sp.rows[0].tolist()
+        assert len(set(rows)) == 10 and all(0 <= r < n for r in rows), rows
+        assert np.allclose(sp.scores[0], unit @ (x / np.linalg.norm(x)), atol=2e-3), sp.scores
+    # the sweep is empty: the new row count is welcome, and 8 lanes take 8 batches, not 9
+    high = svc.rows.high
+    for j in range(8):
+        assert idx.sweep_can_join(1, 10, high, ns, dense)
+        idx.sweep_join(specs[10 + j : 11 + j], 10, high, ns, dense, j)
+    assert not idx.sweep_can_join(1, 10, high, ns, dense)
+    idx._finish_all()
+    assert sorted(idx.sweep_finished()) == list(range(8))
+    idx.detach_segment()

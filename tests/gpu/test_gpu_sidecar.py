@@ -145,6 +145,41 @@ def test_float16_cohorts_queued_behind_each_other_get_their_own_answers(start_si
     assert index["mma_path"] and index["queued_batches"] > 0, index
 
 
+def test_float16_batches_in_the_sweep_get_their_own_answers(start_sidecar, monkeypatch) -> None:
+    """With the sweep on (KALOS_SWEEP=1, 3 ranges), 16 client processes' batched recalls join
+    the running scan (the index's ``sweep`` counts them, nothing is queued behind) and every
+    client gets its own row back, while upserts from this process settle the sweep between
+    batches and are found at once."""
+    monkeypatch.setenv("KALOS_SWEEP", "1")
+    monkeypatch.setenv("KALOS_SWEEP_CHUNKS", "3")
+    dim, rows = 768, 200_003
+    data = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float16", slots=24)
+    with sc.client() as c:
+        for s in range(0, rows, 8192):
+            c.upsert([str(i) for i in range(s, min(rows, s + 8192))], data[s : s + 8192])
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=recall_row_worker, args=(sc.name, dim, s, 400, q, rows)) for s in range(16)]
+    for p in procs:
+        p.start()
+    rng = np.random.default_rng()
+    with sc.client() as c:
+        for j in range(20):  # writes while the crowd recalls: each settles the sweep first
+            v = rng.standard_normal(dim).astype(np.float32)
+            c.upsert([f"w{j}"], v[None])
+            assert c.recall(v, k=1).ids == [f"w{j}"]
+    misrouted = sum(q.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert misrouted == 0
+    with sc.client() as c:
+        index = c.stats()["index"]
+    assert index["sweep"] is not None and index["sweep"]["batches"] > 0 and index["sweep"]["in_sweep"] == 0, index
+    assert index["queued_batches"] == 0, index
+
+
 def test_auto_picks_the_gpu_and_says_so(start_sidecar) -> None:
     sc = start_sidecar(dim=16, device="auto")
     with sc.client() as c:
