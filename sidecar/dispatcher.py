@@ -535,11 +535,16 @@ class Dispatcher:
         return self._answer_swept()
 
     def _answer_swept(self) -> int:
+        """Answer the batches the sweep has finished; how many requests. (The index hands each
+        over once: one whose answer fails is logged, and the others are still answered.)"""
         n = 0
         for b in self.service.index.sweep_finished():
             b.finished = True
             self._phases_due.append(("search", (time.perf_counter_ns() - b.t_launch) / 1000))
-            self._answer_batch(b)
+            try:
+                self._answer_batch(b)
+            except Exception:  # (a post that failed): the rest must not stay BUSY for ever
+                log.exception("answering a batch of the sweep failed")
             n += len(b.part)
         return n
 

@@ -271,17 +271,22 @@ class Sweep:
         off = lane * _DESC_STRIDE
         idx._write_desc(k, high, ns, 0, qs, rows, scores, out_ld, off, page=self._page)
         self._overflow[lane] = 0
-        launches = self._front_launches(m, high)
         side = self.side
 
         def launch() -> None:
+            launches = self._front_launches(m, high)
             with idx.device:
                 with side:
                     for fn in launches:
                         fn()
                 self._front[lane].record(side)
 
-        idx._check(launch)
+        try:
+            idx._check(launch)
+        except BaseException:  # nothing joined: the positions and the lane are free again
+            self.positions.give(start)
+            self._lanes_free.append(lane)
+            raise
         self.plan.add(m)
         self.batches += 1
 

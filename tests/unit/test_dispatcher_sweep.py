@@ -118,7 +118,7 @@ class _SweepingIndex(CpuIndex):
         return bool(self.plan.members or self._done)
 
 
-def _rig(n_slots: int, dim: int = 5, rows: int = 41, k: int = 3):  # type: ignore[no-untyped-def]
+def _rig(n_slots: int, dim: int = 5, rows: int = 41, k: int = 3, max_batch: int = 64):  # type: ignore[no-untyped-def]
     lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
     mm = mmap.mmap(-1, lay.segment_size)
     index = _SweepingIndex(dim, METRICS["ip"])
@@ -127,7 +127,8 @@ def _rig(n_slots: int, dim: int = 5, rows: int = 41, k: int = 3):  # type: ignor
     data = rng.standard_normal((rows, dim)).astype(np.float32)
     svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [""] * rows,
                 "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
-    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=max_batch,
+                   describe=lambda: {})  # fmt: skip
     states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
     q = rng.standard_normal((n_slots, dim)).astype(np.float32)
     seqs = [0] * n_slots
@@ -266,3 +267,25 @@ def test_reclaim_leaves_slots_in_the_sweep_alone(sweeping: bool) -> None:
         assert n == 0 and states[1] == SlotState.BUSY
     else:
         assert n == 1 and states[1] == SlotState.FREE
+
+
+def test_a_failed_answer_leaves_the_other_finished_batches_answered(caplog: pytest.LogCaptureFixture) -> None:
+    """Two batches (one member each: ``max_batch`` 1) join at the same pass and leave at the
+    same pass; posting the first one's answer fails: it is logged, and the second batch is
+    still answered (the index hands each over once)."""
+    d, index, _svc, _states, request, answered, _lay, _mm = _rig(4, max_batch=1)
+    request(0)
+    request(1)
+    d.poll()
+    assert index.log == ["join 1", "join 1", "pass 0"], index.log
+
+    class _Broken(_Sem):
+        def release(self) -> None:
+            raise OSError("semaphore gone")
+
+    d.sems[0] = _Broken()
+    for _ in range(4):
+        d.poll()
+    assert index.log[-3:] == ["pass 3", "leave 1", "leave 1"], index.log
+    assert "answering a batch of the sweep failed" in caplog.text
+    assert answered(1), index.log
