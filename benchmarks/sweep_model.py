@@ -100,7 +100,9 @@ def main() -> int:
                     t_start = t  # (the first answers: the pool is filling up before)
                     answered = 0
                     lat.clear()
-                for tok in done:
+                for tok, err in done:
+                    if err is not None:
+                        raise err
                     for i in tok:
                         busy[i], ready_at[i] = False, t + ret
                         lat.append((t - t_join[i]) / 1000)

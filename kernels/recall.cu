@@ -2913,6 +2913,24 @@ __global__ void doorbell_probe_blocks(int* bell, int* done, int* stop, const uns
 // sticky error state. Launched only when the sidecar runs with KALOS_FAULT_INJECT=illegal_address.
 __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
 
+// sweep_enter<<<1, 256>>>: a batch's n queries enter the sweep's pool (sidecar/sweep.py) on the
+// index's stream, between two passes: their thresholds, their squared norms (L2) and empty
+// candidate lists. Each threshold is lowered by a hair (1e-5 of it plus 1e-6): the pass may
+// score in another mma_filter instantiation than the sample the threshold came from (another
+// pool size), so a row must not fall short of its own sample score by a rounding difference;
+// the extra candidates only widen the list select_cands takes the exact top-k of. (-inf stays
+// -inf.) A position leaves with its threshold set to NaN, which no score reaches.
+__global__ void sweep_enter(const float* __restrict__ tau_in, float* __restrict__ tau_out,
+                            const float* __restrict__ qn2_in, float* __restrict__ qn2_out,
+                            int* __restrict__ ccount, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float t = tau_in[i];
+        tau_out[i] = t - fabsf(t) * 1e-5f - 1e-6f;
+        qn2_out[i] = qn2_in[i];
+        ccount[i] = 0;
+    }
+}
+
 // ------------------------------------------------------------------------------------------
 // Explicit instantiations so that `nvcc -c` (CI) compiles every kernel the sidecar uses.
 // The sidecar asks NVRTC for the same names through name_expressions.

@@ -538,11 +538,14 @@ class Dispatcher:
         """Answer the batches the sweep has finished; how many requests. (The index hands each
         over once: one whose answer fails is logged, and the others are still answered.)"""
         n = 0
-        for b in self.service.index.sweep_finished():
+        for b, err in self.service.index.sweep_finished():
             b.finished = True
             self._phases_due.append(("search", (time.perf_counter_ns() - b.t_launch) / 1000))
             try:
-                self._answer_batch(b)
+                if err is None:
+                    self._answer_batch(b)
+                else:  # nothing was written for it: its members get the error
+                    self._fail_all(b.part, err)
             except Exception:  # (a post that failed): the rest must not stay BUSY for ever
                 log.exception("answering a batch of the sweep failed")
             n += len(b.part)
@@ -559,14 +562,19 @@ class Dispatcher:
     def _sweep_groups(self, groups: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> int:
         """Join every group the sweep takes (in parts of at most ``SWEEP_MAX_Q`` queries and
         ``max_batch`` members), removing them from ``groups``; the rest stays for the usual
-        path. A part that finds the sweep full waits for it (keeping it going) while it is
-        busy; a batch in flight the usual way is answered first (the two do not mix). Returns
-        how many requests were answered meanwhile."""
+        path: a part the sweep could never take (``sweep_fits``), and, while the sweep is
+        empty, a lone query (the usual path answers it sooner). A part that finds the sweep
+        full waits for it (keeping it going); a batch in flight the usual way is answered
+        first (the two do not mix). If keeping the sweep going fails, the parts not launched
+        get the error. Returns how many requests were answered meanwhile."""
         svc = self.service
         answered = 0
         for key in list(groups):
             k, flags = key
-            members = groups[key]
+            members = groups.pop(key)
+            if not svc.index.sweep_busy and sum(req.n_items for _, req, _ in members) < 2:
+                groups[key] = members
+                continue
             parts, part, nq = [], [], 0
             for m in members:
                 q = m[1].n_items
@@ -576,13 +584,22 @@ class Dispatcher:
                 part.append(m)
                 nq += q
             parts.append(part)
-            left = []
-            for part in parts:
+            left: list[tuple[int, Request, int]] = []
+            for j, part in enumerate(parts):
                 n = sum(req.n_items for _, req, _ in part)
-                if self._inflight is not None:
-                    answered += self._settle_batch()
-                while not svc.sweep_can_join(k, n) and svc.index.sweep_busy:
-                    answered += self._sweep_tick()
+                if not svc.sweep_fits(k, n):
+                    left += part
+                    continue
+                try:
+                    if self._inflight is not None:
+                        answered += self._settle_batch()
+                    while not svc.sweep_can_join(k, n) and svc.index.sweep_busy:
+                        answered += self._sweep_tick()
+                except FatalDeviceError:
+                    raise
+                except Exception as e:  # the parts not launched get it (picked up, they are BUSY)
+                    self._fail_all([m for p in parts[j:] for m in p], e)
+                    break
                 if not svc.sweep_can_join(k, n):
                     left += part
                     continue
@@ -593,8 +610,6 @@ class Dispatcher:
                     answered += len(b.part)
             if left:
                 groups[key] = left
-            else:
-                del groups[key]
         return answered
 
     def _finish(self, b: _Batch) -> None:

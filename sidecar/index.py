@@ -159,6 +159,11 @@ class Index(abc.ABC):
         ``high`` in namespace ``ns``; ``dense``: every row below ``high`` is eligible) now."""
         return False
 
+    def sweep_fits(self, n: int, k: int, high: int) -> bool:
+        """Whether such a batch could ever join the sweep, whatever it holds now (False: the
+        usual path, without waiting for the sweep)."""
+        return False
+
     def sweep_join(self, specs: list[SlotSpec], k: int, high: int, ns: int, dense: bool, token: Any) -> None:
         raise RuntimeError(f"{type(self).__name__} has no sweep")
 
@@ -166,8 +171,9 @@ class Index(abc.ABC):
         """Keep the sweep's scan going (call often while :attr:`sweep_busy`)."""
         return 0
 
-    def sweep_finished(self) -> list[Any]:
-        """The tokens of the batches the sweep answered since the last call."""
+    def sweep_finished(self) -> list[tuple[Any, Exception | None]]:
+        """(token, None) for each batch the sweep answered since the last call, (token, error)
+        for one it could not answer (nothing written: the caller answers with the error)."""
         return []
 
     def sweep_settle(self) -> None:  # noqa: B027 - optional hook

@@ -422,6 +422,7 @@ class GpuIndex(Index):
         self._lanes: list[_Lane | None] = [None, None]
         self.queued_batches = 0  # batches queued behind another (diagnostics and tests)
         self._sweep: Any = None  # the sweep (sidecar/sweep.py), made at its first use
+        self._sweep_off = False  # its buffers did not fit: not tried again
         self._mma_end: Any = None  # the end event of the mma batch just launched (see _run)
         # the resident kernel (doorbell_topk): its control block in registered host memory,
         # its device words, its own stream; enabled by enable_doorbell()
@@ -468,6 +469,7 @@ class GpuIndex(Index):
         exprs.append(kernels.expression("doorbell_topk", t, self.tpr, m))
         if self.dtype == "float16":
             exprs += [kernels.expression("mma_filter", nt, m) for nt in _MMA_NT]
+            exprs.append("sweep_enter")
         try:
             kernels.compile_kernels(exprs)
         except kernels.KernelCompileError as e:
@@ -970,14 +972,30 @@ class GpuIndex(Index):
         """Whether ``sweep_join`` would take a batch of ``n`` queries now (``KALOS_SWEEP=1``,
         float16 rows through mma_filter, no other search in flight, room in the sweep, the
         same rows and namespace as the batches in it)."""
-        if not self.sweeps or self._pending:
+        if not self.sweep_fits(n, k, high) or self._pending:
             return False
         sw = self._sweep
         if sw is None:
             from .sweep import Sweep
 
-            sw = self._sweep = self._check(lambda: Sweep(self, self._sweep_chunks))
+            # (its set-up synchronizes: the resident kernel, which never ends on its own, first)
+            self.pause_doorbell()
+            try:
+                sw = self._sweep = self._check(lambda: Sweep(self, self._sweep_chunks))
+            except IndexCapacityError as e:  # no room for its buffers: the usual paths only
+                log.warning("the sweep is off: %s", e)
+                self._sweep_off = True
+                return False
         return sw.can_join(n, k, high, NS_ANY if dense else ns)
+
+    def sweep_fits(self, n: int, k: int, high: int) -> bool:
+        """Whether a batch of ``n`` queries (``k`` results over rows below ``high``) could ever
+        join the sweep (whatever it holds now): the sweep on, at most half the pool, a
+        threshold sample that fits, the pool's queries in shared memory."""
+        from .sweep import POOL
+
+        return (self.sweeps and 1 <= n <= POOL // 2 and high > 0 and self._tau_sample(k, high) is not None
+                and self._mma_smem_ok(POOL))  # fmt: skip
 
     def sweep_join(self, specs: list[SlotSpec], k: int, high: int, ns: int, dense: bool, token: Any) -> None:
         """Start a batch in the sweep (``sweep_can_join`` must have said yes); its answers are
@@ -989,16 +1007,17 @@ class GpuIndex(Index):
     def sweep_pump(self) -> int:
         """Launch the sweep's next passes when the stream has room (call often while
         ``sweep_busy``); how many were launched."""
-        return 0 if self._sweep is None else self._sweep.pump()
+        return 0 if self._sweep is None else self._check(self._sweep.pump)
 
-    def sweep_finished(self) -> list[Any]:
-        """The tokens of the sweep's batches answered since the last call."""
+    def sweep_finished(self) -> list[tuple[Any, Exception | None]]:
+        """(token, None) for each of the sweep's batches answered since the last call; (token,
+        error) for one whose exact fallback failed (its answers are not written)."""
         return [] if self._sweep is None else self._check(self._sweep.finished)
 
     @property
     def sweeps(self) -> bool:  # type: ignore[override]
         return bool(SWEEP and self.seg_addr and self.mma_ok and USE_MMA and USE_THRESHOLD_TOPK
-                    and self.dtype == "float16")  # fmt: skip
+                    and self.dtype == "float16" and not self._sweep_off)  # fmt: skip
 
     def sweep_settle(self) -> None:
         if self._sweep is not None and self._sweep.busy:

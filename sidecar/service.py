@@ -191,6 +191,12 @@ class Service:
         kk = min(k, eligible)
         return kk > 0 and cands is None and self.index.sweep_can_join(n, kk, self.rows.high, ns, dense)
 
+    def sweep_fits(self, k: int, n: int) -> bool:
+        """Whether such a recall (default namespace, no filter) could ever join the sweep."""
+        _, cands, _, eligible = self.eligible("", None)
+        kk = min(k, eligible)
+        return kk > 0 and cands is None and self.index.sweep_fits(n, kk, self.rows.high)
+
     def launch_recall(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any,
                       check_finite: bool = True, behind: bool = False, sweep: Any = None) -> int:  # fmt: skip
         """:meth:`recall_slots` without waiting: the results are in the slots after

@@ -42,6 +42,7 @@ from typing import Any, Final
 import numpy as np
 
 from . import cuda_kernels as kernels
+from .index import FatalDeviceError
 from .index_gpu import _MMA_NT, _PARAMS_SIZE, CAND_CAP, SELECT_GATHER, SIDE_RESERVE, TAU_SAMPLE_MAX
 
 POOL: Final = 64  # query positions (KALOS_MAXQ: a Params holds that many per query)
@@ -146,21 +147,26 @@ class Plan:
         m.left, m.joined = self.chunks, False
         self.members.append(m)
 
-    def next_pass(self) -> tuple[int, list[Member], list[Member]]:
-        """(range, joining, leaving) of the next pass; the plan moves past it."""
-        c = self.cursor
-        self.cursor = (c + 1) % self.chunks
+    def peek(self) -> tuple[int, list[Member], list[Member]]:
+        """(range, joining, leaving) of the next pass, the plan unchanged (``advance`` once the
+        pass is launched: a launch that fails leaves the plan as it was)."""
         joining = [m for m in self.members if not m.joined]
+        leaving = [m for m in self.members if m.left == 1]
+        return self.cursor, joining, leaving
+
+    def advance(self) -> tuple[int, list[Member], list[Member]]:
+        """Move past the next pass; its (range, joining, leaving)."""
+        c, joining, leaving = self.peek()
+        self.cursor = (c + 1) % self.chunks
         for m in joining:
             m.joined, m.first = True, c
-        leaving = []
         for m in self.members:
             m.left -= 1
-            if m.left == 0:
-                leaving.append(m)
         if leaving:
             self.members = [m for m in self.members if m.left]
         return c, joining, leaving
+
+    next_pass = advance
 
     def restart(self) -> None:
         """Back to range 0 (the sweep is empty: a new scan may have other bounds)."""
@@ -188,7 +194,7 @@ class Sweep:
         self._lanes_free = list(range(LANES - 1, -1, -1))
         self._passes: deque[Any] = deque()  # end events of the passes on the stream
         self._leaving: deque[tuple[Member, Any]] = deque()  # (member, its selection's end)
-        self._answered: list[Any] = []  # tokens settled but not yet taken by finished()
+        self._answered: list[tuple[Any, Exception | None]] = []  # settled, not yet taken by finished()
         self.passes = 0
         self.positions_sum = 0  # positions the passes covered (their mean: what they cost)
         self.batches = 0
@@ -197,20 +203,20 @@ class Sweep:
         self.chunks = chunks
         with idx.device:
             self.qbuf_h = cp.zeros((POOL, ld), cp.float16)
-            self.tau = cp.full(POOL, np.inf, cp.float32)
+            self.tau = cp.full(POOL, np.nan, cp.float32)  # NaN: a free position (no score reaches it)
             self.cand_k = cp.empty(POOL * cap, cp.float32)
             self.cand_v = cp.empty(POOL * cap, cp.int32)
             self.cand_count = cp.zeros(POOL, cp.int32)
             self.params = cp.zeros(_PARAMS_SIZE, cp.uint8)  # the passes' (ns, qnorm2 per position)
-            self.inf = cp.full(POOL, np.inf, cp.float32)
+            self.off = cp.full(POOL, np.nan, cp.float32)
             self.sample = cp.empty(POOL * TAU_SAMPLE_MAX, cp.float32)
             self.lane_params = [cp.zeros(_PARAMS_SIZE, cp.uint8) for _ in range(LANES)]
             self.lane_qbuf = cp.zeros((POOL, ld), cp.float32)  # prep's float32 copy (unused here)
             self.lane_qbuf_i8 = cp.zeros((POOL, ld), cp.int8)
             self.lane_tau = cp.zeros(LANES * POOL, cp.float32)  # each lane's thresholds, held aside
             # the fills ran on the legacy stream, which the index's non-blocking streams do not
-            # wait for (cand_count must read 0 and tau +inf at the first pass)
-            idx.device.synchronize()
+            # wait for (cand_count must read 0 and tau NaN at the first pass)
+            cp.cuda.Stream.null.synchronize()
             # the joining batches' front work and the leaving batches' selections on streams
             # of their own: a front queued behind a selection would wait for the pass that
             # selection waits for, and the next pass for that front
@@ -302,15 +308,19 @@ class Sweep:
             launched += 1
         return launched
 
-    def finished(self) -> list[Any]:
-        """The tokens of the batches whose answers are written since the last call (in the
-        order they left), their positions and lanes free again. A batch whose candidate list
-        overflowed is answered here by the exact path first."""
+    def finished(self) -> list[tuple[Any, Exception | None]]:
+        """(token, None) for each batch whose answers are written since the last call (in the
+        order they left), (token, error) for one that could not be answered; their positions
+        and lanes are free again. A batch whose candidate list overflowed is answered here by
+        the exact path first."""
         out, self._answered = self._answered, []
-        while self._leaving and self._leaving[0][1].done:
-            m, _ = self._leaving.popleft()
-            self._release(m)
-            out.append(m.token)
+        try:
+            while self._leaving and self._leaving[0][1].done:
+                m, _ = self._leaving.popleft()
+                out.append((m.token, self._release(m)))
+        except BaseException:  # (a fatal device error) nothing collected is dropped
+            self._answered = out + self._answered
+            raise
         return out
 
     def settle(self) -> None:
@@ -321,10 +331,10 @@ class Sweep:
             if self._passes:
                 self.idx._check(self._passes[-1].synchronize)
         while self._leaving:
-            m, end = self._leaving.popleft()
+            m, end = self._leaving[0]
             self.idx._check(end.synchronize)
-            self._release(m)
-            self._answered.append(m.token)
+            self._leaving.popleft()
+            self._answered.append((m.token, self._release(m)))
         self._passes.clear()
 
     def close(self) -> None:
@@ -384,22 +394,23 @@ class Sweep:
         ]  # fmt: skip
 
     def _launch_pass(self) -> None:
-        """The next pass: the joining batches' thresholds (and L2 norms) copied into the pool
-        after their front work, the pass over the next range for every position in use, then
-        for each batch whose last range it was: its thresholds to +inf and its selection on
-        the side stream."""
+        """The next pass: the joining batches enter the pool after their front work
+        (``sweep_enter``: thresholds, L2 norms, empty lists), the pass over the next range for
+        every position in use; then for each batch whose last range it was: its thresholds
+        to NaN and its selection on the selection stream (a batch whose selection cannot be
+        launched is reported failed)."""
         idx, cp = self.idx, self.cp
-        c, joining, leaving = self.plan.next_pass()
-        main, sel = idx.stream, self.side_sel
-        memcpy = cp.cuda.runtime.memcpyAsync
-        d2d = 3  # cudaMemcpyDeviceToDevice
+        c, joining, leaving = self.plan.peek()
+        main = idx.stream
+        enter = kernels.get_kernel("sweep_enter")
         with idx.device:
             for m in joining:
                 main.wait_event(self._front[m.lane])
-                memcpy(self.tau.data.ptr + 4 * m.start, self.lane_tau.data.ptr + 4 * POOL * m.lane,
-                       4 * m.n, d2d, main.ptr)  # fmt: skip
-                memcpy(self.params.data.ptr + _PARAMS_QNORM2 + 4 * m.start,
-                       self.lane_params[m.lane].data.ptr + _PARAMS_QNORM2, 4 * m.n, d2d, main.ptr)  # fmt: skip
+                qn2_in = np.uint64(self.lane_params[m.lane].data.ptr + _PARAMS_QNORM2)
+                qn2_out = np.uint64(self.params.data.ptr + _PARAMS_QNORM2 + 4 * m.start)
+                with main:
+                    enter((1,), (kernels.BLOCK,), (self.lane_tau[m.lane * POOL :], self.tau[m.start :], qn2_in,
+                                                   qn2_out, self.cand_count[m.start :], np.int32(m.n)))  # fmt: skip
             nq = self.positions.high
             nt = _nt(nq)
             mma = kernels.get_kernel("mma_filter", nt, idx.metric)
@@ -408,23 +419,38 @@ class Sweep:
                 mma.max_dynamic_shared_size_bytes = smem
             r0, r1 = self.bounds[c]
             with main:
-                mma((self._grid(mma, smem, nt),), (kernels.BLOCK,),
+                mma((self._grid(mma, smem),), (kernels.BLOCK,),
                     (idx.data, np.int32(idx.ld), np.int32(idx.lds), np.int32(r1), idx.ns, idx.sqnorm,
                      self.params, self.qbuf_h, self.tau, self.cand_k, self.cand_v, self.cand_count,
                      np.int32(CAND_CAP), np.uint64(0), np.int32(0), np.int32(r0), np.int32(nq)),
                     shared_mem=smem)  # fmt: skip
             end = cp.cuda.Event(block=False, disable_timing=True)
             end.record(main)
-            self._passes.append(end)
-            self.passes += 1
-            self.positions_sum += nq
-            for m in leaving:
-                memcpy(self.tau.data.ptr + 4 * m.start, self.inf.data.ptr, 4 * m.n, d2d, main.ptr)
-                sel.wait_event(end)
-                self._select(m)
-                done = self._done[m.lane]
-                done.record(sel)
-                self._leaving.append((m, done))
+        self.plan.advance()  # the pass is on the stream: its members have scanned range c
+        self._passes.append(end)
+        self.passes += 1
+        self.positions_sum += nq
+        for m in leaving:
+            try:
+                idx._check(lambda m=m: self._leave(m, end))
+            except FatalDeviceError:
+                raise
+            except Exception as e:  # not selected: its answers are not written
+                self._free(m)
+                self._answered.append((m.token, e))
+
+    def _leave(self, m: Member, end: Any) -> None:
+        """``m``'s last pass is ``end``: no later pass appends for it, and its selection
+        follows that pass on the selection stream."""
+        cp, main, sel = self.cp, self.idx.stream, self.side_sel
+        with self.idx.device:
+            cp.cuda.runtime.memcpyAsync(self.tau.data.ptr + 4 * m.start, self.off.data.ptr, 4 * m.n,
+                                        3, main.ptr)  # fmt: skip  # (3: device to device)
+            sel.wait_event(end)
+            self._select(m)
+            done = self._done[m.lane]
+            done.record(sel)
+        self._leaving.append((m, done))
 
     def _select(self, m: Member) -> None:
         idx = self.idx
@@ -439,35 +465,44 @@ class Sweep:
                  np.int32(cap), self.lane_params[m.lane], np.uint64(self.page_addr + _OVERFLOW_AT + 4 * m.lane)),
                 shared_mem=sel_smem)  # fmt: skip
 
-    def _grid(self, mma: Any, smem: int, nt: int) -> int:
+    def _grid(self, mma: Any, smem: int) -> int:
         """Blocks of a pass: every SM filled once (as GpuIndex._mma_launches), less the slots
-        left to the side stream's kernels for the smallest tile."""
+        left to the side streams' kernels (whatever the pool's size: batches join and leave
+        beside every pass)."""
         idx = self.idx
         by_regs = 65536 // (max(1, mma.num_regs) * kernels.BLOCK)
         by_smem = idx.smem_per_sm // (smem + 1024 + 1024)
         grid = max(1, min(by_regs, by_smem, 8)) * idx.sms
-        if nt == _MMA_NT[0]:
-            grid = max(idx.sms, grid - SIDE_RESERVE)
-        return grid
+        return max(idx.sms, grid - SIDE_RESERVE)
 
-    def _release(self, m: Member) -> None:
+    def _release(self, m: Member) -> Exception | None:
         """A batch's selection is done: run the exact path if its list overflowed, then free
-        its positions and lane."""
-        if self._overflow[m.lane]:
-            self.overflows += 1
-            idx = self.idx
-            idx.threshold_overflows += 1
-            # every search still running finishes first: the exact path uses the index's own
-            # buffers and stream
-            idx._check(idx.device.synchronize)
-            desc = self.page_addr + m.lane * _DESC_STRIDE
-            wait = idx._check(lambda: idx._gemm_topk(m.n, m.k, self.high, threshold=False, desc_addr=desc))
-            idx._check(wait)
-            self._overflow[m.lane] = 0
+        its positions and lane. The exact path's error, if it failed (its answers are then not
+        written); a fatal device error is raised."""
+        err = None
+        try:
+            if self._overflow[m.lane]:
+                self.overflows += 1
+                idx = self.idx
+                idx.threshold_overflows += 1
+                # every search still running finishes first: the exact path uses the index's
+                # own buffers and stream
+                idx._check(idx.device.synchronize)
+                desc = self.page_addr + m.lane * _DESC_STRIDE
+                wait = idx._check(lambda: idx._gemm_topk(m.n, m.k, self.high, threshold=False, desc_addr=desc))
+                idx._check(wait)
+        except FatalDeviceError:
+            raise
+        except Exception as e:
+            err = e
+        finally:
+            self._free(m)
+        return err
+
+    def _free(self, m: Member) -> None:
+        self._overflow[m.lane] = 0
         self.positions.give(m.start)
         self._lanes_free.append(m.lane)
-
-
 
 def _nt(n: int) -> int:
     """The mma_filter instantiation (n-tiles of 8 queries) for ``n`` positions."""

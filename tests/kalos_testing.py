@@ -19,6 +19,17 @@ def normalize(x: np.ndarray) -> np.ndarray:
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
+def as_float16_stored(x: np.ndarray, metric: str) -> np.ndarray:
+    """Vectors as a float16 GPU index's batched path multiplies them: normalized first for
+    cosine, then rounded to float16 (rows when stored, queries by prep_queries), as float64.
+    A reference over these (metric "ip" for cosine) is what that path must match within
+    ~1e-3, where one over the float32 data differs in the 10th/11th neighbour now and then."""
+    x = np.asarray(x, np.float64)
+    if metric == "cosine":
+        x = x / np.linalg.norm(x, axis=-1, keepdims=True)
+    return x.astype(np.float16).astype(np.float64)
+
+
 def reference_scores(data: np.ndarray, queries: np.ndarray, metric: str) -> np.ndarray:
     """(q, n) float64 similarity scores, as Kalos defines them (higher is better)."""
     d = np.asarray(data, np.float64)

@@ -687,7 +687,9 @@ def _run_sweep(idx, svc, batches, rng, pause_s: float = 0.0) -> list[int]:  # ty
             if idx.sweep_can_join(len(q), k, high, ns, dense):
                 idx.sweep_join(part, k, high, ns, dense, waiting.pop(0))
         idx.sweep_pump()
-        done += idx.sweep_finished()
+        for token, err in idx.sweep_finished():
+            assert err is None, (token, err)
+            done.append(token)
         if pause_s and rng.random() < 0.3:
             time.sleep(pause_s)
     return done
@@ -697,7 +699,7 @@ def _run_sweep(idx, svc, batches, rng, pause_s: float = 0.0) -> list[int]:  # ty
                          [("cosine", 768, 200_003, 4), ("ip", 97, 400_009, 3), ("l2", 384, 200_003, 7),
                           ("cosine", 33, 1_001, 4)])  # fmt: skip
 def test_batches_in_the_sweep_are_exact(metric: str, dim: int, n: int, chunks: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Float16 batches of 1 to 33 queries (k 1 to 100) join the sweep at random passes, so
+    """Float16 batches of 1 to 32 queries (k 1 to 100) join the sweep at random passes, so
     that each starts at some range and scans the others after it, beside batches at other
     ranges in the same passes (sidecar/sweep.py): every answer is exact against the
     float16-rounded reference and every element written. Then the pool is reused: a second
@@ -708,7 +710,7 @@ def test_batches_in_the_sweep_are_exact(metric: str, dim: int, n: int, chunks: i
     put(svc, data)
     idx = svc.index
     _sweep_on(idx, monkeypatch, chunks)
-    plan = [(3, 10), (11, 10), (16, 37), (1, 10), (7, 1), (16, 100), (2, 10), (33, 10), (5, 10), (9, 10), (1, 1)]
+    plan = [(3, 10), (11, 10), (16, 37), (1, 10), (7, 1), (16, 100), (2, 10), (32, 10), (5, 10), (9, 10), (1, 1)]
     _mm, specs = _segment(idx, sum(b for b, _ in plan), dim, 100)
     stored = _as_stored(data, metric)
     del data
@@ -753,6 +755,8 @@ def test_the_sweep_falls_back_exactly_and_settles_before_rows_change(monkeypatch
     idx = svc.index
     _sweep_on(idx, monkeypatch, 4)
     _mm, specs = _segment(idx, 80, dim, 10)
+    for sp in specs:  # every slot a query (a zero query has no direction)
+        sp.queries[0] = rng.standard_normal(dim)
     ns, _, dense, _ = svc.eligible("", None)
     high = svc.rows.high
     qa = rng.standard_normal((5, dim)).astype(np.float32)
@@ -763,10 +767,12 @@ def test_the_sweep_falls_back_exactly_and_settles_before_rows_change(monkeypatch
     assert idx.sweep_can_join(5, 10, high, ns, dense)
     idx.sweep_join(specs[:5], 10, high, ns, dense, "a")
     assert not idx.sweep_can_join(1, 10, high + 1, ns, dense)  # other rows: not while busy
-    assert not idx.sweep_can_join(60, 10, high, ns, dense)  # 5 + 60 > 64 positions
+    assert not idx.sweep_can_join(33, 10, high, ns, dense)  # more than half the pool at once
+    idx.sweep_join(specs[40:72], 10, high, ns, dense, "b")  # 5 + 32 positions
+    assert idx.sweep_can_join(27, 10, high, ns, dense) and not idx.sweep_can_join(28, 10, high, ns, dense)
     put(svc, rng.standard_normal((1, dim)).astype(np.float32), ["new"])  # settles the sweep
-    assert idx.sweep_finished() == ["a"] and not idx.sweep_busy
-    assert idx.threshold_overflows == before + 1
+    assert idx.sweep_finished() == [("a", None), ("b", None)] and not idx.sweep_busy
+    assert idx.threshold_overflows == before + 2
     unit = same[0] / np.linalg.norm(same[0])
     for sp, x in zip(specs[:5], qa, strict=True):
         rows = sp.rows[0].tolist()
@@ -779,5 +785,5 @@ def test_the_sweep_falls_back_exactly_and_settles_before_rows_change(monkeypatch
         idx.sweep_join(specs[10 + j : 11 + j], 10, high, ns, dense, j)
     assert not idx.sweep_can_join(1, 10, high, ns, dense)
     idx._finish_all()
-    assert sorted(idx.sweep_finished()) == list(range(8))
+    assert sorted(t for t, _ in idx.sweep_finished()) == list(range(8))
     idx.detach_segment()

@@ -62,6 +62,9 @@ class _SweepingIndex(CpuIndex):
         self._work: dict[int, tuple] = {}  # id(member) -> (specs, k, high, ns, dense)
         self._done: list = []
 
+    def sweep_fits(self, n: int, k: int, high: int) -> bool:
+        return 1 <= n <= 32
+
     def sweep_can_join(self, n, k, high, ns, dense) -> bool:  # type: ignore[no-untyped-def]
         if len(self.plan.members) >= self.lanes:
             return False
@@ -87,7 +90,7 @@ class _SweepingIndex(CpuIndex):
         self._work[id(m)] = (specs, k, high, ns, None, dense)
         self.log.append(f"join {len(specs)}")
         if self.early:
-            self._done.append(token)
+            self._done.append((token, None))
 
     def sweep_pump(self) -> int:
         for _ in range(self.passes_per_pump if self.plan.members else 0):
@@ -102,7 +105,7 @@ class _SweepingIndex(CpuIndex):
             self.positions.give(m.start)
             self.log.append(f"leave {m.n}")
             if not self.early:
-                self._done.append(m.token)
+                self._done.append((m.token, None))
 
     def sweep_finished(self) -> list:
         out, self._done = self._done, []
@@ -213,16 +216,36 @@ def test_a_full_sweep_is_kept_going_until_a_batch_can_join() -> None:
     d, index, _svc, _states, request, answered, _lay, _mm = _rig(4)
     index.lanes = 1
     request(0)
+    request(3)
     d.poll()
     request(1)
     request(2)
     d.poll()
-    assert answered(0)
-    assert index.log[:6] == ["join 1", "pass 0", "pass 1", "pass 2", "pass 3", "leave 1"], index.log
+    assert answered(0) and answered(3)
+    assert index.log[:6] == ["join 2", "pass 0", "pass 1", "pass 2", "pass 3", "leave 2"], index.log
     assert index.log[6] == "join 2", index.log
     while index.sweep_busy:
         d.poll()
     assert answered(1) and answered(2)
+
+
+def test_a_lone_query_takes_the_usual_path_unless_the_sweep_scans() -> None:
+    """One query with the sweep empty is searched the usual way (sooner than a whole scan in
+    ranges); one that comes while the sweep scans joins it."""
+    d, index, _svc, _states, request, answered, _lay, _mm = _rig(4)
+    request(0)
+    d.poll()
+    d.settle()
+    assert answered(0) and index.log == [], index.log
+    request(1)
+    request(2)
+    d.poll()
+    request(0)
+    d.poll()
+    assert index.log == ["join 2", "pass 0", "join 1", "pass 1"], index.log
+    while index.sweep_busy:
+        d.poll()
+    assert answered(0) and answered(1) and answered(2)
 
 
 def test_a_write_settles_the_sweep_first() -> None:
@@ -231,6 +254,7 @@ def test_a_write_settles_the_sweep_first() -> None:
     new rows."""
     d, index, svc, states, request, answered, lay, mm = _rig(4)
     request(0)
+    request(1)
     d.poll()
     dim = svc.dim
     off = lay.slot_offset(3)
@@ -242,8 +266,8 @@ def test_a_write_settles_the_sweep_first() -> None:
     states[3] = SlotState.REQUEST
     rows_before = svc.rows.live
     d.poll()
-    assert "settle" in index.log and index.log.index("settle") < index.log.index("leave 1")
-    assert answered(0)  # from the rows before the write (the new row would have won)
+    assert "settle" in index.log and index.log.index("settle") < index.log.index("leave 2")
+    assert answered(0) and answered(1)  # from the rows before the write (the new row would have won)
     assert states[3] == SlotState.RESPONSE and svc.rows.live == rows_before + 1
     assert not index.sweep_busy
 
@@ -255,6 +279,7 @@ def test_reclaim_leaves_slots_in_the_sweep_alone(sweeping: bool) -> None:
     settled first, the same slot is reclaimed."""
     d, index, _svc, states, request, _answered, _lay, _mm = _rig(3)
     request(1)
+    request(2)
     d.poll()
     assert states[1] == SlotState.BUSY and index.sweep_busy
     if not sweeping:
@@ -266,7 +291,7 @@ def test_reclaim_leaves_slots_in_the_sweep_alone(sweeping: bool) -> None:
     if sweeping:
         assert n == 0 and states[1] == SlotState.BUSY
     else:
-        assert n == 1 and states[1] == SlotState.FREE
+        assert n == 2 and states[1] == SlotState.FREE  # (slot 2 too: answered, its owner gone)
 
 
 def test_a_failed_answer_leaves_the_other_finished_batches_answered(caplog: pytest.LogCaptureFixture) -> None:

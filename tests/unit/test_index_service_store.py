@@ -115,8 +115,12 @@ def test_compaction_moves_tail_rows_into_holes_without_changing_answers() -> Non
         pass
     assert svc.fragmentation() == 0 and svc.rows.high == 1001
     after = svc.recall(q, 50, "", None)
-    assert [[svc.rows.ids[r] for r in rr] for rr in after[0]] == ids_before
     np.testing.assert_allclose(after[1], before[1])
+    # tie-tolerant: two rows with the same float32 score (~0.1% of runs at 5-d) may swap, as
+    # the search breaks ties by row position and compaction moves rows
+    for j in range(4):
+        assert_topk_equal([svc.rows.ids[r] for r in after[0][j]], after[1][j], ids_before[j], before[1][j],
+                          atol=1e-6, context=f"q{j}")  # fmt: skip
 
 
 @pytest.mark.parametrize(
