@@ -23,10 +23,11 @@ Pieces (``Sweep`` holds the device side, the rest is pure and tested on the CPU)
   it.
 * ``Sweep``: the device buffers (the pool's queries, thresholds and candidate lists; each
   batch's own parameters, descriptor and sample), and the launches: a batch's prep, sample and
-  thresholds on a side stream as it joins (its thresholds held aside, and copied into the pool
-  on the index's stream just before its first pass: a pass already running must not see them
-  mid-range), each pass on the index's stream, and after a batch's last pass its thresholds
-  set to +inf (no later pass appends for it) and its selection on the side stream.
+  thresholds on a side stream as it joins (its thresholds held aside, and entered into the
+  pool by ``sweep_enter`` on the index's stream just before its first pass: a pass already
+  running must not see them mid-range), each pass on the index's stream, and after a batch's
+  last pass its thresholds set to NaN (no score reaches NaN: no later pass appends for it)
+  and its selection on a second side stream. A free position holds a NaN threshold too.
 
 Opt-in (``KALOS_SWEEP=1``) until measured on the GPU.
 """
