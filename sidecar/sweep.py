@@ -215,9 +215,10 @@ class Sweep:
             self.lane_qbuf = cp.zeros((POOL, ld), cp.float32)  # prep's float32 copy (unused here)
             self.lane_qbuf_i8 = cp.zeros((POOL, ld), cp.int8)
             self.lane_tau = cp.zeros(LANES * POOL, cp.float32)  # each lane's thresholds, held aside
-            # the fills ran on the legacy stream, which the index's non-blocking streams do not
-            # wait for (cand_count must read 0 and tau NaN at the first pass)
-            cp.cuda.Stream.null.synchronize()
+            # the fills ran on the current stream (the legacy one here), which the index's
+            # non-blocking streams do not wait for (cand_count must read 0 and tau NaN at the
+            # first pass); not the whole device: a resident kernel never ends on its own
+            cp.cuda.get_current_stream().synchronize()
             # the joining batches' front work and the leaving batches' selections on streams
             # of their own: a front queued behind a selection would wait for the pass that
             # selection waits for, and the next pass for that front
