@@ -324,9 +324,10 @@ class GpuIndex(Index):
         super().__init__(dim, metric)
         # the environment's settings first: a bad one fails before a CUDA context exists
         tpr = tpr_override(os.environ)
-        from .sweep import sweep_chunks
+        from .sweep import sweep_chunks, sweep_lead_us
 
-        self._sweep_chunks = sweep_chunks(os.environ) if SWEEP else 4  # (tests may set it)
+        self._sweep_chunks = sweep_chunks(os.environ) if SWEEP else 4  # (tests may set these)
+        self._sweep_lead_us = sweep_lead_us(os.environ) if SWEEP else 0
         self.bell_per_sm = bell_blocks_per_sm(os.environ)
         self.rescore_factor = rescore_factor(os.environ) if dtype == "int8" else RESCORE_FACTOR
         import cupy as cp
@@ -981,7 +982,7 @@ class GpuIndex(Index):
             # (its set-up synchronizes: the resident kernel, which never ends on its own, first)
             self.pause_doorbell()
             try:
-                sw = self._sweep = self._check(lambda: Sweep(self, self._sweep_chunks))
+                sw = self._sweep = self._check(lambda: Sweep(self, self._sweep_chunks, self._sweep_lead_us))
             except IndexCapacityError as e:  # no room for its buffers: the usual paths only
                 log.warning("the sweep is off: %s", e)
                 self._sweep_off = True

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -66,6 +67,20 @@ def sweep_chunks(env: Mapping[str, str]) -> int:
         raise ValueError(f"KALOS_SWEEP_CHUNKS={raw!r} must be an integer from 1 to 64") from None
     if not 1 <= n <= 64:
         raise ValueError(f"KALOS_SWEEP_CHUNKS={raw!r} must be an integer from 1 to 64")
+    return n
+
+
+def sweep_lead_us(env: Mapping[str, str]) -> int:
+    """``KALOS_SWEEP_LEAD_US``: how long before the running pass is expected to end the next
+    is launched (default 0: as soon as fewer than two are on the stream, a whole pass ahead).
+    See ``Sweep.pump``."""
+    raw = env.get("KALOS_SWEEP_LEAD_US", "0")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"KALOS_SWEEP_LEAD_US={raw!r} must be an integer from 0 to 10000") from None
+    if not 0 <= n <= 10_000:
+        raise ValueError(f"KALOS_SWEEP_LEAD_US={raw!r} must be an integer from 0 to 10000")
     return n
 
 
@@ -148,26 +163,36 @@ class Plan:
         m.left, m.joined = self.chunks, False
         self.members.append(m)
 
-    def peek(self) -> tuple[int, list[Member], list[Member]]:
-        """(range, joining, leaving) of the next pass, the plan unchanged (``advance`` once the
-        pass is launched: a launch that fails leaves the plan as it was)."""
-        joining = [m for m in self.members if not m.joined]
-        leaving = [m for m in self.members if m.left == 1]
+    def peek(self, ready: Callable[[Member], bool] | None = None) -> tuple[int, list[Member], list[Member]]:
+        """(range, joining, leaving) of the next pass, the plan unchanged (``advance`` with it
+        once the pass is launched: a launch that fails leaves the plan as it was). A member
+        added since the last pass joins if ``ready`` says so (default: all do); one that does
+        not waits for a later pass."""
+        joining = [m for m in self.members if not m.joined and (ready is None or ready(m))]
+        leaving = [m for m in self.members if (m.joined or m in joining) and m.left == 1]
         return self.cursor, joining, leaving
 
-    def advance(self) -> tuple[int, list[Member], list[Member]]:
-        """Move past the next pass; its (range, joining, leaving)."""
-        c, joining, leaving = self.peek()
+    def advance(self, step: tuple[int, list[Member], list[Member]]) -> tuple[int, list[Member], list[Member]]:
+        """Move past the pass ``peek`` described (``step``); returns it."""
+        c, joining, leaving = step
+        assert c == self.cursor
         self.cursor = (c + 1) % self.chunks
         for m in joining:
             m.joined, m.first = True, c
         for m in self.members:
-            m.left -= 1
+            if m.joined:
+                m.left -= 1
         if leaving:
             self.members = [m for m in self.members if m.left]
-        return c, joining, leaving
+        return step
 
-    next_pass = advance
+    def next_pass(self, ready: Callable[[Member], bool] | None = None) -> tuple[int, list[Member], list[Member]]:
+        """``advance(peek(ready))``: the next pass, and the plan past it."""
+        return self.advance(self.peek(ready))
+
+    def scanning(self, ready: Callable[[Member], bool] | None = None) -> bool:
+        """Whether the next pass would scan for anyone (a member joined, or one ready to)."""
+        return any(m.joined or ready is None or ready(m) for m in self.members)
 
     def restart(self) -> None:
         """Back to range 0 (the sweep is empty: a new scan may have other bounds)."""
@@ -184,7 +209,7 @@ class Sweep:
     stream) and takes the batches that are answered from ``finished``. Before rows change it
     ``settle``s. One thread only."""
 
-    def __init__(self, idx: Any, chunks: int) -> None:
+    def __init__(self, idx: Any, chunks: int, lead_us: int = 0) -> None:
         cp = idx.cp
         self.idx, self.cp = idx, cp
         self.plan = Plan(chunks)
@@ -193,9 +218,12 @@ class Sweep:
         self.ns = 0
         self.bounds: list[tuple[int, int]] = []
         self._lanes_free = list(range(LANES - 1, -1, -1))
-        self._passes: deque[Any] = deque()  # end events of the passes on the stream
+        self._passes: deque[tuple[Any, Any]] = deque()  # (start, end) events of the passes on the stream
         self._leaving: deque[tuple[Member, Any]] = deque()  # (member, its selection's end)
         self._answered: list[tuple[Any, Exception | None]] = []  # settled, not yet taken by finished()
+        self.lead_ns = 1000 * lead_us
+        self.pass_us = 0.0  # the passes' mean duration on the device (an average over the last ~8)
+        self._since = 0  # when the pass now running started (about)
         self.passes = 0
         self.positions_sum = 0  # positions the passes covered (their mean: what they cost)
         self.batches = 0
@@ -299,16 +327,36 @@ class Sweep:
         self.batches += 1
 
     def pump(self) -> int:
-        """Launch passes until ``IN_FLIGHT`` are on the stream (or no batch needs one); return
-        how many were launched."""
+        """Launch the next pass when it is due; return how many were launched (0 or 1, or 2
+        when the stream was empty).
+
+        With ``lead_us`` 0: whenever fewer than ``IN_FLIGHT`` passes are on the stream, so the
+        next is queued a whole pass ahead, with every batch that joined by then (its front
+        work may still be running: the pass waits for it). With a lead: the next pass is
+        launched only ``lead_us`` before the running one is expected to end (the passes'
+        measured mean), with the batches whose front work is done by then: a batch that
+        comes during a pass joins the next one instead of the one after."""
         q = self._passes
-        while q and q[0].done:
-            q.popleft()
+        now = time.perf_counter_ns()
+        while q and q[0][1].done:
+            t0, t1 = q.popleft()
+            ms = self.cp.cuda.get_elapsed_time(t0, t1)
+            self.pass_us += (1000 * ms - self.pass_us) / 8 if self.pass_us else 1000 * ms
+            if q:
+                self._since = now  # the next one runs from (about) now
         launched = 0
-        while len(q) < IN_FLIGHT and self.plan.members:
-            self.idx._check(self._launch_pass)
+        ready = self._front_done if self.lead_ns else None
+        while len(q) < IN_FLIGHT and self.plan.scanning(ready):
+            if q and self.lead_ns and now < self._since + int(1000 * self.pass_us) - self.lead_ns:
+                break  # not due yet
+            if not q:
+                self._since = now
+            self.idx._check(lambda: self._launch_pass(ready))
             launched += 1
         return launched
+
+    def _front_done(self, m: Member) -> bool:
+        return bool(self._front[m.lane].done)
 
     def finished(self) -> list[tuple[Any, Exception | None]]:
         """(token, None) for each batch whose answers are written since the last call (in the
@@ -329,9 +377,10 @@ class Sweep:
         """Scan until every batch in the sweep is answered (``finished`` then returns them):
         before rows change, or another kind of search uses the device."""
         while self.plan.members:
-            self.pump()
-            if self._passes:
-                self.idx._check(self._passes[-1].synchronize)
+            if not self.pump() and self._passes:
+                self.idx._check(self._passes[0][1].synchronize)
+            elif not self._passes:  # (nothing due: the fronts are still running)
+                self.idx._check(self._front[self.plan.members[-1].lane].synchronize)
         while self._leaving:
             m, end = self._leaving[0]
             self.idx._check(end.synchronize)
@@ -346,7 +395,8 @@ class Sweep:
             self.cp.cuda.runtime.hostUnregister(self.page_addr)
 
     def describe(self) -> dict[str, Any]:
-        return {"chunks": self.chunks, "batches": self.batches, "passes": self.passes,
+        return {"chunks": self.chunks, "lead_us": self.lead_ns // 1000, "pass_us": round(self.pass_us, 1),
+                "batches": self.batches, "passes": self.passes,
                 "positions_mean": round(self.positions_sum / max(1, self.passes), 2),
                 "overflows": self.overflows, "in_sweep": len(self.plan.members) + len(self._leaving)}  # fmt: skip
 
@@ -395,14 +445,15 @@ class Sweep:
                                                  np.int32(sample), ltau), shared_mem=sample * 8),
         ]  # fmt: skip
 
-    def _launch_pass(self) -> None:
+    def _launch_pass(self, ready: Callable[[Member], bool] | None = None) -> None:
         """The next pass: the joining batches enter the pool after their front work
         (``sweep_enter``: thresholds, L2 norms, empty lists), the pass over the next range for
         every position in use; then for each batch whose last range it was: its thresholds
         to NaN and its selection on the selection stream (a batch whose selection cannot be
         launched is reported failed)."""
         idx, cp = self.idx, self.cp
-        c, joining, leaving = self.plan.peek()
+        step = self.plan.peek(ready)
+        c, joining, leaving = step
         main = idx.stream
         enter = kernels.get_kernel("sweep_enter")
         with idx.device:
@@ -420,16 +471,18 @@ class Sweep:
             if smem > max(48 * 1024, mma.max_dynamic_shared_size_bytes):
                 mma.max_dynamic_shared_size_bytes = smem
             r0, r1 = self.bounds[c]
+            start = cp.cuda.Event(block=False)
+            start.record(main)
             with main:
                 mma((self._grid(mma, smem),), (kernels.BLOCK,),
                     (idx.data, np.int32(idx.ld), np.int32(idx.lds), np.int32(r1), idx.ns, idx.sqnorm,
                      self.params, self.qbuf_h, self.tau, self.cand_k, self.cand_v, self.cand_count,
                      np.int32(CAND_CAP), np.uint64(0), np.int32(0), np.int32(r0), np.int32(nq)),
                     shared_mem=smem)  # fmt: skip
-            end = cp.cuda.Event(block=False, disable_timing=True)
+            end = cp.cuda.Event(block=False)
             end.record(main)
-        self.plan.advance()  # the pass is on the stream: its members have scanned range c
-        self._passes.append(end)
+        self.plan.advance(step)  # the pass is on the stream: its members have scanned range c
+        self._passes.append((start, end))
         self.passes += 1
         self.positions_sum += nq
         for m in leaving:

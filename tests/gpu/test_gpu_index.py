@@ -662,12 +662,14 @@ def test_out_of_device_memory_is_a_clear_error_and_service_continues() -> None:
     assert svc.rows.ids[rows[0, 0]] == "0"
 
 
-def _sweep_on(idx, monkeypatch, chunks: int) -> None:  # type: ignore[no-untyped-def]
-    """The sweep (sidecar/sweep.py, off by default) on for ``idx``, with ``chunks`` ranges."""
+def _sweep_on(idx, monkeypatch, chunks: int, lead_us: int = 0) -> None:  # type: ignore[no-untyped-def]
+    """The sweep (sidecar/sweep.py, off by default) on for ``idx``, with ``chunks`` ranges and
+    each pass launched ``lead_us`` before the last is expected to end (0: a pass ahead)."""
     from kalos_retrievers.sidecar import index_gpu
 
     monkeypatch.setattr(index_gpu, "SWEEP", True)
     idx._sweep_chunks = chunks
+    idx._sweep_lead_us = lead_us
 
 
 def _run_sweep(idx, svc, batches, rng, pause_s: float = 0.0) -> list[int]:  # type: ignore[no-untyped-def]
@@ -695,10 +697,11 @@ def _run_sweep(idx, svc, batches, rng, pause_s: float = 0.0) -> list[int]:  # ty
     return done
 
 
-@pytest.mark.parametrize(("metric", "dim", "n", "chunks"),
-                         [("cosine", 768, 200_003, 4), ("ip", 97, 400_009, 3), ("l2", 384, 200_003, 7),
-                          ("cosine", 33, 1_001, 4)])  # fmt: skip
-def test_batches_in_the_sweep_are_exact(metric: str, dim: int, n: int, chunks: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("metric", "dim", "n", "chunks", "lead_us"),
+                         [("cosine", 768, 200_003, 4, 0), ("ip", 97, 400_009, 3, 0), ("l2", 384, 200_003, 7, 0),
+                          ("cosine", 33, 1_001, 4, 0), ("cosine", 768, 400_009, 5, 20)])  # fmt: skip
+def test_batches_in_the_sweep_are_exact(metric: str, dim: int, n: int, chunks: int, lead_us: int,  # type: ignore[no-untyped-def]
+                                        monkeypatch) -> None:  # fmt: skip
     """Float16 batches of 1 to 32 queries (k 1 to 100) join the sweep at random passes, so
     that each starts at some range and scans the others after it, beside batches at other
     ranges in the same passes (sidecar/sweep.py): every answer is exact against the
@@ -709,7 +712,7 @@ def test_batches_in_the_sweep_are_exact(metric: str, dim: int, n: int, chunks: i
     svc = make(dim, metric, dtype="float16")
     put(svc, data)
     idx = svc.index
-    _sweep_on(idx, monkeypatch, chunks)
+    _sweep_on(idx, monkeypatch, chunks, lead_us)
     plan = [(3, 10), (11, 10), (16, 37), (1, 10), (7, 1), (16, 100), (2, 10), (32, 10), (5, 10), (9, 10), (1, 1)]
     _mm, specs = _segment(idx, sum(b for b, _ in plan), dim, 100)
     stored = _as_stored(data, metric)

@@ -141,6 +141,7 @@ def fake_cupy() -> Any:
     null = FakeStream()
     cuda = SimpleNamespace(
         Stream=FakeStream, Event=FakeEvent, get_current_stream=lambda: null,
+        get_elapsed_time=lambda a, b: 0.1,  # ms: every pass took 100 µs
         runtime=SimpleNamespace(memcpyAsync=_memcpy, hostRegister=lambda *a: None, hostUnregister=lambda *a: None),
     )  # fmt: skip
     cuda.Stream.null = null  # type: ignore[attr-defined]
@@ -312,3 +313,36 @@ def test_joins_are_refused_without_room_and_give_back_what_a_failed_launch_took(
     with pytest.raises(RuntimeError, match="launch failed"):
         sw.join(specs[32:40], k, rows, -2, "lost")
     assert len(sw._lanes_free) == free and sw.positions.high == 32 and len(sw.plan.members) == 1
+
+
+def test_with_a_lead_the_next_pass_waits_until_due_and_takes_only_ready_batches(rig, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``lead_us``: with one pass running, the next is launched only ``lead_us`` before the
+    running one is expected to end (the passes' measured 100 µs here), not a pass ahead; a
+    batch whose front work is not done by then waits for a later pass, and joins one once it
+    is."""
+    sw, _idx, specs, log, rows, k, _mm = rig
+    clock = [0]
+    monkeypatch.setattr(sweep.time, "perf_counter_ns", lambda: clock[0])
+    sw.lead_ns = 25_000
+    sw.join(specs[:2], k, rows, -2, "a")
+    assert sw.pump() == 2  # nothing measured yet: two on the stream, as without a lead
+    sw._passes[1][1].done = False  # the first pass has ended at t = 0 (measured: 100 µs), the second runs
+    sw.join(specs[2:5], k, rows, -2, "b")
+    sw._front[sw.plan.members[-1].lane].done = False  # b's front work still runs
+    log.clear()
+    assert sw.pump() == 0 and sw.pass_us == 100.0  # the second runs from t = 0; one on the stream
+    clock[0] = 60_000
+    assert sw.pump() == 0  # due at 100 - 25 = 75 µs
+    clock[0] = 80_000
+    assert sw.pump() == 1  # due: launched, without b (its front is not done)
+    assert [n for n, _ in log] == ["mma_filter"] and int(log[0][1][16]) == 5  # (positions 0-4 covered)
+    assert not sw.plan.members[-1].joined
+    sw._front[sw.plan.members[-1].lane].done = True
+    for ev in sw._passes:
+        ev[1].done = True
+    log.clear()
+    clock[0] = 200_000
+    sw.pump()
+    assert [n for n, _ in log][:2] == ["sweep_enter", "mma_filter"] and sw.plan.members[-1].joined
+    sw.settle()
+    assert [t for t, _ in sw.finished()] == ["a", "b"]

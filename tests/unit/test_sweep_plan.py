@@ -147,11 +147,12 @@ def test_the_sweep_in_numpy_answers_every_batch_exactly(chunks: int) -> None:
                 sample = scores[j][:64]
                 tau[j] = float(np.sort(sample)[::-1][k - 1]) if k <= len(sample) else -np.inf
                 cand[j] = []
-        if not plan.members:
+        if not plan.scanning():
             continue
-        c, _, leaving = plan.next_pass()
+        # a batch whose front work is not done waits for a later pass (KALOS_SWEEP_LEAD_US)
+        c, _, leaving = plan.next_pass(lambda m: rng.random() < 0.7)
         r0, r1 = bounds[c]
-        for m in plan.members + leaving:
+        for m in [m for m in plan.members if m.joined] + leaving:
             for j in range(m.start, m.start + m.n):
                 s = scores[j][r0:r1]
                 cand[j] += [(float(v), r0 + int(i)) for i, v in enumerate(s) if v >= tau[j]]
@@ -170,3 +171,21 @@ def test_the_sweep_in_numpy_answers_every_batch_exactly(chunks: int) -> None:
     assert answered > 100
     if chunks > 1:
         assert short_missed > 0
+
+
+def test_a_member_not_ready_waits_without_counting_passes() -> None:
+    plan = Plan(3)
+    a, b = Member("a", 0, 1, 1, 0), Member("b", 1, 1, 1, 1)
+    plan.add(a)
+    plan.next_pass()
+    plan.add(b)
+    assert plan.next_pass(lambda m: False) == (1, [], [])
+    assert not b.joined and b.left == 3 and a.left == 1
+    assert plan.next_pass() == (2, [b], [a]) and b.first == 2
+    assert [plan.next_pass()[2] for _ in range(2)] == [[], [b]]
+    # one range: a member joins and leaves in one pass, once it is ready
+    one = Plan(1)
+    m = Member("m", 0, 1, 1, 0)
+    one.add(m)
+    assert one.peek(lambda m: False) == (0, [], []) and not one.scanning(lambda m: False)
+    assert one.scanning() and one.next_pass() == (0, [m], [m]) and one.members == []
