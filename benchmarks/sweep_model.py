@@ -1,7 +1,7 @@
 """The sweep in process, with clients that come back a fixed time after each answer (issue 3).
 
     python -P benchmarks/sweep_model.py [--rows 1000000] [--clients 32] [--chunks 3,4,6]
-        [--return-us 0,150,300] [--duration 2] --out DIR
+        [--return-us 0,150,300] [--lead-us 0,25] [--duration 2] --out DIR
 
 An in-process GpuIndex holds ``--rows`` random unit rows (768-d float16, cosine, k = 10) and
 a registered segment with one one-query slot per client. ``--clients`` virtual clients recall
@@ -9,7 +9,7 @@ through the sweep (sidecar/sweep.py) as the dispatcher drives it: each loop join
 client that is ready as one batch (at most 32 queries), keeps the scan going and takes the
 batches it finished; a client answered at t is ready again at t + ``--return-us`` (the
 wake-up and the client's own work, which the real sidecar's clients take). For each number of
-ranges and each return time it reports recalls/s, the latency from join to answer (p50 / p99),
+ranges, lead (``KALOS_SWEEP_LEAD_US``) and return time it reports recalls/s, the latency from join to answer (p50 / p99),
 passes per second and the mean pool positions a pass covered, and checks that the last
 answers match ``GpuIndex.search``. What the sweep can do with the sidecar's Python and the
 clients' processes taken out; ``ab_sidecars.py --env-b KALOS_SWEEP=1`` measures it with them.
@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--chunks", default="3,4,6")
     ap.add_argument("--return-us", default="0,150,300")
+    ap.add_argument("--lead-us", default="0,25")
     ap.add_argument("--duration", type=float, default=2.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -67,8 +68,8 @@ def main() -> int:
         specs.append(SlotSpec(qv, rows, scores, base + off, base + off + 4 * dim, base + off + 4 * dim + 4 * k))
     ref_rows, _ = idx.search(q, k, n, 0, None, True)
 
-    def run(chunks: int, ret_us: float) -> dict[str, Any]:
-        idx._sweep_chunks = chunks
+    def run(chunks: int, lead_us: int, ret_us: float) -> dict[str, Any]:
+        idx._sweep_chunks, idx._sweep_lead_us = chunks, lead_us
         if idx._sweep is not None:  # a new sweep for this number of ranges
             idx._sweep.close()
             idx._sweep = None
@@ -112,7 +113,7 @@ def main() -> int:
         span = (time.perf_counter_ns() - (t_start or 0)) / 1e9
         sw = idx.describe()["sweep"]
         got = np.array([sp.rows[0] for sp in specs])
-        return {"chunks": chunks, "return_us": ret_us, "recalls_per_s": round(answered / span, 1),
+        return {"chunks": chunks, "lead_us": lead_us, "return_us": ret_us, "pass_us": sw["pass_us"], "recalls_per_s": round(answered / span, 1),
                 "latency_p50_us": round(float(np.median(lat)), 1) if lat else None,
                 "latency_p99_us": round(float(np.percentile(lat, 99)), 1) if lat else None,
                 "joins": joins, "passes_per_s": round(sw["passes"] / span, 1),
@@ -121,10 +122,11 @@ def main() -> int:
 
     out: dict[str, Any] = {"rows": n, "dim": dim, "k": k, "clients": nc, "device": idx.device_name, "runs": []}
     for chunks in [int(x) for x in args.chunks.split(",") if x]:
-        for ret_us in [float(x) for x in args.return_us.split(",") if x]:
-            r = run(chunks, ret_us)
-            out["runs"].append(r)
-            print(json.dumps(r), flush=True)
+        for lead_us in [int(x) for x in args.lead_us.split(",") if x]:
+            for ret_us in [float(x) for x in args.return_us.split(",") if x]:
+                r = run(chunks, lead_us, ret_us)
+                out["runs"].append(r)
+                print(json.dumps(r), flush=True)
     idx.detach_segment()
     idx.close()
     Path(args.out).mkdir(parents=True, exist_ok=True)
