@@ -9,7 +9,8 @@ through the sweep (sidecar/sweep.py) as the dispatcher drives it: each loop join
 client that is ready as one batch (at most 32 queries), keeps the scan going and takes the
 batches it finished; a client answered at t is ready again at t + ``--return-us`` (the
 wake-up and the client's own work, which the real sidecar's clients take). For each number of
-ranges, lead (``KALOS_SWEEP_LEAD_US``) and return time it reports recalls/s, the latency from join to answer (p50 / p99),
+ranges, lead (``KALOS_SWEEP_LEAD_US``) and return time it reports recalls/s, the latency from
+join to answer (p50 / p99),
 passes per second and the mean pool positions a pass covered, and checks that the last
 answers match ``GpuIndex.search``. What the sweep can do with the sidecar's Python and the
 clients' processes taken out; ``ab_sidecars.py --env-b KALOS_SWEEP=1`` measures it with them.
@@ -113,7 +114,8 @@ def main() -> int:
         span = (time.perf_counter_ns() - (t_start or 0)) / 1e9
         sw = idx.describe()["sweep"]
         got = np.array([sp.rows[0] for sp in specs])
-        return {"chunks": chunks, "lead_us": lead_us, "return_us": ret_us, "pass_us": sw["pass_us"], "recalls_per_s": round(answered / span, 1),
+        return {"chunks": chunks, "lead_us": lead_us, "return_us": ret_us, "pass_us": sw["pass_us"],
+                "recalls_per_s": round(answered / span, 1),
                 "latency_p50_us": round(float(np.median(lat)), 1) if lat else None,
                 "latency_p99_us": round(float(np.percentile(lat, 99)), 1) if lat else None,
                 "joins": joins, "passes_per_s": round(sw["passes"] / span, 1),
