@@ -154,6 +154,7 @@ class Index(abc.ABC):
     # dispatcher joins them (``token``: its batch), pumps the scan while it is busy, and
     # answers the tokens ``sweep_finished`` returns. These defaults: no sweep.
     sweeps = False  # whether this index may take batches into a sweep
+
     def sweep_can_join(self, n: int, k: int, high: int, ns: int, dense: bool) -> bool:
         """Whether :meth:`sweep_join` would take ``n`` queries (``k`` results over rows below
         ``high`` in namespace ``ns``; ``dense``: every row below ``high`` is eligible) now."""

@@ -983,8 +983,10 @@ class GpuIndex(Index):
             self.pause_doorbell()
             try:
                 sw = self._sweep = self._check(lambda: Sweep(self, self._sweep_chunks, self._sweep_lead_us))
-            except IndexCapacityError as e:  # no room for its buffers: the usual paths only
-                log.warning("the sweep is off: %s", e)
+            except FatalDeviceError:
+                raise
+            except Exception as e:  # (no room for its buffers, ...): the usual paths only
+                log.warning("the sweep is off: %s: %s", type(e).__name__, e)
                 self._sweep_off = True
                 return False
         return sw.can_join(n, k, high, NS_ANY if dense else ns)
