@@ -4,8 +4,10 @@ Every kernel launch is checked against the kernel's parameter list read from ker
 (count, and pointer / integer / 64-bit kinds); device memory is host memory here, so the
 copies the sweep enqueues (``memcpyAsync``) really happen and their effects are checked (a
 batch's thresholds set to NaN when it leaves); and the bookkeeping is followed through joins,
-passes, leaving, the exact fallback's report and settling. What it cannot check is what the
-kernels compute: the GPU tests (tests/gpu/test_gpu_index.py) do."""
+passes, leaving, the exact fallback's report and settling. The default float16 batch path's
+launches (``GpuIndex._mma_launches``) are checked the same way: ``mma_filter`` took two
+parameters for the sweep. What it cannot check is what the kernels compute: the GPU tests
+(tests/gpu/test_gpu_index.py) do."""
 
 from __future__ import annotations
 
@@ -346,3 +348,24 @@ def test_with_a_lead_the_next_pass_waits_until_due_and_takes_only_ready_batches(
     assert [n for n, _ in log][:2] == ["sweep_enter", "mma_filter"] and sw.plan.members[-1].joined
     sw.settle()
     assert [t for t, _ in sw.finished()] == ["a", "b"]
+
+
+def test_the_mma_paths_launches_match_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched float16 path's five launches (``GpuIndex._mma_launches``: what every
+    float16 batch runs, and what a queued batch runs in its lane) against recall.cu's
+    parameter lists: mma_filter's took two more parameters (row0, nq_arg) for the sweep."""
+    log: list[tuple[str, tuple]] = []
+    monkeypatch.setattr(index_gpu.kernels, "get_kernel", lambda name, *t: FakeKernel(name, log))
+    idx = FakeIndex(16, 5003)
+    ptr = _dev(np.zeros(8, np.float32))
+    lane = SimpleNamespace(desc_addr=1 << 20, params=ptr, qbuf=ptr, qbuf_h=ptr, qbuf_i8=ptr, tau=ptr, cand_k=ptr,
+                           cand_v=ptr, cand_count=ptr, sample_buf=ptr, overflow_addr=1 << 21)  # fmt: skip
+    launches = GpuIndex._mma_launches(idx, 16, 10, 1024, lane, 32)  # type: ignore[arg-type]
+    assert launches is not None
+    assert [stage for stage, _ in launches] == ["prep", "sample", "tau", "pass", "select"]
+    for _, launch in launches:
+        launch()
+    assert [name for name, _ in log] == ["prep_queries", "mma_filter", "tau_scores", "mma_filter", "select_cands"]
+    sample, pas = log[1][1], log[3][1]
+    assert int(sample[3]) == 1024 and int(pas[3]) == -1  # the sample's rows; the pass: prep's row count
+    assert (int(pas[15]), int(pas[16])) == (0, 0)  # from row 0, p->n_queries: as before the sweep
