@@ -57,31 +57,35 @@ _DESC_STRIDE: Final = 2048  # each lane's descriptor in the sweep's registered p
 _OVERFLOW_AT: Final = LANES * _DESC_STRIDE  # the lanes' overflow flags, 4 bytes each
 
 
-def sweep_chunks(env: Mapping[str, str]) -> int:
-    """``KALOS_SWEEP_CHUNKS``: ranges per scan (default 4). More ranges: a returning batch waits
-    less for the next one, and each pass pays its launch and its tail once more."""
-    raw = env.get("KALOS_SWEEP_CHUNKS", "4")
+def _env_int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    """``env[name]`` as an integer from ``lo`` to ``hi``; ``default`` when unset or blank.
+
+    Raises:
+        ValueError: anything else (named, with the range).
+    """
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
     try:
         n = int(raw)
     except ValueError:
-        raise ValueError(f"KALOS_SWEEP_CHUNKS={raw!r} must be an integer from 1 to 64") from None
-    if not 1 <= n <= 64:
-        raise ValueError(f"KALOS_SWEEP_CHUNKS={raw!r} must be an integer from 1 to 64")
+        n = lo - 1
+    if not lo <= n <= hi:
+        raise ValueError(f"{name}={raw!r}: expected an integer from {lo} to {hi}")
     return n
+
+
+def sweep_chunks(env: Mapping[str, str]) -> int:
+    """``KALOS_SWEEP_CHUNKS``: ranges per scan (default 4). More ranges: a returning batch waits
+    less for the next one, and each pass pays its launch and its tail once more."""
+    return _env_int(env, "KALOS_SWEEP_CHUNKS", 4, 1, 64)
 
 
 def sweep_lead_us(env: Mapping[str, str]) -> int:
     """``KALOS_SWEEP_LEAD_US``: how long before the running pass is expected to end the next
     is launched (default 0: as soon as fewer than two are on the stream, a whole pass ahead).
     See ``Sweep.pump``."""
-    raw = env.get("KALOS_SWEEP_LEAD_US", "0")
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"KALOS_SWEEP_LEAD_US={raw!r} must be an integer from 0 to 10000") from None
-    if not 0 <= n <= 10_000:
-        raise ValueError(f"KALOS_SWEEP_LEAD_US={raw!r} must be an integer from 0 to 10000")
-    return n
+    return _env_int(env, "KALOS_SWEEP_LEAD_US", 0, 0, 10_000)
 
 
 def chunk_bounds(high: int, chunks: int) -> list[tuple[int, int]]:

@@ -19,6 +19,16 @@ def normalize(x: np.ndarray) -> np.ndarray:
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
+class PostCounter:
+    """A stand-in for a slot's response semaphore in dispatcher tests: counts its posts."""
+
+    def __init__(self) -> None:
+        self.posts = 0
+
+    def release(self) -> None:
+        self.posts += 1
+
+
 def as_float16_stored(x: np.ndarray, metric: str) -> np.ndarray:
     """Vectors as a float16 GPU index's batched path multiplies them: normalized first for
     cosine, then rounded to float16 (rows when stored, queries by prep_queries), as float64.

@@ -18,6 +18,7 @@ from kalos_retrievers.sidecar.index import CpuIndex
 from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.stats import Stats
 from kalos_retrievers.sidecar.store import NullStore
+from kalos_testing import PostCounter as _Sem
 
 from kalos_retrievers.arena import ArenaView, ArenaWriter
 from kalos_retrievers.protocol import (
@@ -37,14 +38,6 @@ from kalos_retrievers.protocol import (
     align8,
     decode_docs_blob,
 )
-
-
-class _Sem:
-    def __init__(self) -> None:
-        self.posts = 0
-
-    def release(self) -> None:
-        self.posts += 1
 
 
 def _ip_service(dim: int, rows: int) -> tuple[Service, np.ndarray]:

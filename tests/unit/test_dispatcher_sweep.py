@@ -17,6 +17,7 @@ from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.stats import Stats
 from kalos_retrievers.sidecar.store import NullStore
 from kalos_retrievers.sidecar.sweep import Member, Plan, Positions
+from kalos_testing import PostCounter as _Sem
 
 from kalos_retrievers.protocol import (
     CTL_SIZE,
@@ -30,14 +31,6 @@ from kalos_retrievers.protocol import (
     SlotState,
     align8,
 )
-
-
-class _Sem:
-    def __init__(self) -> None:
-        self.posts = 0
-
-    def release(self) -> None:
-        self.posts += 1
 
 
 class _SweepingIndex(CpuIndex):

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from kalos_testing import PostCounter as _Sem
 
 from kalos_retrievers.arena import ArenaWriter
 from kalos_retrievers.protocol import (
@@ -349,14 +350,6 @@ class _Counting:
             return out
 
         return counted
-
-
-class _Sem:
-    def __init__(self) -> None:
-        self.posts = 0
-
-    def release(self) -> None:
-        self.posts += 1
 
 
 def _service(rows: int, *, dim: int = DIM, arena: bool = True, metric: str = "cosine") -> Service:

@@ -10,7 +10,15 @@ import itertools
 
 import numpy as np
 import pytest
-from kalos_retrievers.sidecar.sweep import ROW_ALIGN, Member, Plan, Positions, chunk_bounds, sweep_chunks
+from kalos_retrievers.sidecar.sweep import (
+    ROW_ALIGN,
+    Member,
+    Plan,
+    Positions,
+    chunk_bounds,
+    sweep_chunks,
+    sweep_lead_us,
+)
 
 
 def test_positions_are_taken_lowest_first_and_reused() -> None:
@@ -68,12 +76,16 @@ def test_chunk_bounds_cover_the_rows_once_in_aligned_ranges(high: int, chunks: i
     assert chunk_bounds(0, chunks) == []
 
 
-def test_sweep_chunks_from_the_environment() -> None:
-    assert sweep_chunks({}) == 4
+def test_sweep_settings_from_the_environment() -> None:
+    assert sweep_chunks({}) == 4 and sweep_chunks({"KALOS_SWEEP_CHUNKS": " "}) == 4
     assert sweep_chunks({"KALOS_SWEEP_CHUNKS": "8"}) == 8
-    for bad in ("0", "65", "four", ""):
-        with pytest.raises(ValueError, match="KALOS_SWEEP_CHUNKS"):
+    for bad in ("0", "65", "four", "4.5"):
+        with pytest.raises(ValueError, match=r"KALOS_SWEEP_CHUNKS='.*': expected an integer from 1 to 64"):
             sweep_chunks({"KALOS_SWEEP_CHUNKS": bad})
+    assert sweep_lead_us({}) == 0 and sweep_lead_us({"KALOS_SWEEP_LEAD_US": "25"}) == 25
+    for bad in ("-1", "10001", "soon"):
+        with pytest.raises(ValueError, match="KALOS_SWEEP_LEAD_US"):
+            sweep_lead_us({"KALOS_SWEEP_LEAD_US": bad})
 
 
 def test_each_member_scans_every_range_once_from_where_it_joined() -> None:
