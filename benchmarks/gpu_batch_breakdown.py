@@ -31,24 +31,10 @@ from kalos_retrievers.protocol import Metric
 def slot_path(idx: Any, q: np.ndarray, nb: int, k: int, n: int, reps: int = 30) -> dict[str, Any]:
     """``search_slots`` for ``nb`` slots of one query each, in a registered segment: wall time,
     and the traced stages (GPU and host microseconds from the previous mark, medians)."""
-    import mmap
-
     import cupy as cp
-    from kalos_retrievers.sidecar.index import SlotSpec
+    from kalos_retrievers.sidecar.bench import one_query_slots
 
-    dim = q.shape[1]
-    per = 4 * dim + 8 * k
-    mm = mmap.mmap(-1, -(-nb * per // 4096) * 4096)
-    idx.attach_segment(mm)
-    base = np.frombuffer(mm, np.uint8).ctypes.data
-    specs = []
-    for j in range(nb):
-        off = j * per
-        qv = np.frombuffer(mm, np.float32, dim, off).reshape(1, dim)
-        qv[:] = q[j % len(q)]
-        rows = np.frombuffer(mm, np.int32, k, off + 4 * dim).reshape(1, k)
-        scores = np.frombuffer(mm, np.float32, k, off + 4 * dim + 4 * k).reshape(1, k)
-        specs.append(SlotSpec(qv, rows, scores, base + off, base + off + 4 * dim, base + off + 4 * dim + 4 * k))
+    _mm, specs = one_query_slots(idx, nb, q.shape[1], k, q)
     walls, stages = [], {}
     for i in range(reps + 3):
         idx.trace = []

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import mmap
 import os
 import time
 from pathlib import Path
@@ -57,8 +56,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     import cupy as cp
-    from kalos_retrievers.sidecar.bench import make_data
-    from kalos_retrievers.sidecar.index import SlotSpec
+    from kalos_retrievers.sidecar.bench import make_data, one_query_slots
     from kalos_retrievers.sidecar.index_gpu import SIDE_RESERVE, GpuIndex
 
     from kalos_retrievers.protocol import Metric
@@ -70,19 +68,8 @@ def main() -> int:
         chunk = make_data(min(65536, n - s0), dim, 3 + s0)
         idx.set_rows(np.arange(s0, s0 + len(chunk)), chunk, np.zeros(len(chunk), np.int32))
     nb = max(batches)
-    per = 4 * dim + 8 * k
-    mm = mmap.mmap(-1, -(-nb * per // 4096) * 4096)
-    idx.attach_segment(mm)
-    base = np.frombuffer(mm, np.uint8).ctypes.data
     q = make_data(nb, dim, 4)
-    specs = []
-    for j in range(nb):
-        off = j * per
-        qv = np.frombuffer(mm, np.float32, dim, off).reshape(1, dim)
-        qv[:] = q[j]
-        rows = np.frombuffer(mm, np.int32, k, off + 4 * dim).reshape(1, k)
-        scores = np.frombuffer(mm, np.float32, k, off + 4 * dim + 4 * k).reshape(1, k)
-        specs.append(SlotSpec(qv, rows, scores, base + off, base + off + 4 * dim, base + off + 4 * dim + 4 * k))
+    _mm, specs = one_query_slots(idx, nb, dim, k, q)
     s = idx.stream
     med = lambda v: round(float(np.median(v)), 1)  # noqa: E731
 

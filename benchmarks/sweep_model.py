@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import time
 from pathlib import Path
@@ -42,8 +41,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     from kalos_retrievers.sidecar import index_gpu
-    from kalos_retrievers.sidecar.bench import make_data
-    from kalos_retrievers.sidecar.index import SlotSpec
+    from kalos_retrievers.sidecar.bench import make_data, one_query_slots
     from kalos_retrievers.sidecar.index_gpu import GpuIndex
 
     from kalos_retrievers.protocol import Metric
@@ -54,19 +52,8 @@ def main() -> int:
     for s0 in range(0, n, 65536):
         chunk = make_data(min(65536, n - s0), dim, 3 + s0)
         idx.set_rows(np.arange(s0, s0 + len(chunk)), chunk, np.zeros(len(chunk), np.int32))
-    per = 4 * dim + 8 * k
-    mm = mmap.mmap(-1, -(-nc * per // 4096) * 4096)
-    idx.attach_segment(mm)
-    base = np.frombuffer(mm, np.uint8).ctypes.data
     q = make_data(nc, dim, 4)
-    specs = []
-    for j in range(nc):
-        off = j * per
-        qv = np.frombuffer(mm, np.float32, dim, off).reshape(1, dim)
-        qv[:] = q[j]
-        rows = np.frombuffer(mm, np.int32, k, off + 4 * dim).reshape(1, k)
-        scores = np.frombuffer(mm, np.float32, k, off + 4 * dim + 4 * k).reshape(1, k)
-        specs.append(SlotSpec(qv, rows, scores, base + off, base + off + 4 * dim, base + off + 4 * dim + 4 * k))
+    _mm, specs = one_query_slots(idx, nc, dim, k, q)
     ref_rows, _ = idx.search(q, k, n, 0, None, True)
 
     def run(chunks: int, lead_us: int, ret_us: float) -> dict[str, Any]:

@@ -98,6 +98,32 @@ def percentiles(us: np.ndarray) -> dict[str, float]:
     }
 
 
+def one_query_slots(idx: Any, n: int, dim: int, k: int, queries: np.ndarray | None = None) -> tuple[Any, list[Any]]:
+    """``n`` one-query slots (the query, then ``k`` rows and ``k`` scores; 128-byte aligned,
+    as the sidecar's payloads are) in an anonymous map registered with ``idx`` as the
+    sidecar's segment is (``attach_segment``): what the GPU benchmarks and tests hand to
+    ``launch_slots``. ``queries`` (one row per slot, reused in turn) are written in. Returns
+    (the map, one ``SlotSpec`` per slot); the map must outlive the specs."""
+    import mmap
+
+    from .index import SlotSpec
+
+    per = -(-(4 * dim + 8 * k) // 128) * 128
+    mm = mmap.mmap(-1, -(-n * per // 4096) * 4096)
+    idx.attach_segment(mm)
+    base = np.frombuffer(mm, np.uint8).ctypes.data
+    specs = []
+    for j in range(n):
+        off = j * per
+        qv = np.frombuffer(mm, np.float32, dim, off).reshape(1, dim)
+        if queries is not None:
+            qv[:] = queries[j % len(queries)]
+        rows = np.frombuffer(mm, np.int32, k, off + 4 * dim).reshape(1, k)
+        scores = np.frombuffer(mm, np.float32, k, off + 4 * dim + 4 * k).reshape(1, k)
+        specs.append(SlotSpec(qv, rows, scores, base + off, base + off + 4 * dim, base + off + 4 * dim + 4 * k))
+    return mm, specs
+
+
 def time_calls(fn: Callable[[int], Any], calls: int, warmup: int) -> dict[str, float]:
     """Time ``fn(i)`` per call (perf_counter_ns); returns percentiles in microseconds."""
     for i in range(warmup):

@@ -235,22 +235,9 @@ def test_mma_path_is_exact_at_float16_precision(metric: str, dim: int, monkeypat
 def _segment(idx, n_slots: int, dim: int, k: int):  # type: ignore[no-untyped-def]
     """``n_slots`` one-query slots (query, then k rows, then k scores) in an anonymous map
     registered with ``idx`` as the sidecar's segment is; returns (map, specs)."""
-    import mmap
+    from kalos_retrievers.sidecar.bench import one_query_slots
 
-    from kalos_retrievers.sidecar.index import SlotSpec
-
-    per = -(-(4 * dim + 8 * k) // 128) * 128
-    mm = mmap.mmap(-1, -(-n_slots * per // 4096) * 4096)
-    idx.attach_segment(mm)
-    base = np.frombuffer(mm, np.uint8).ctypes.data
-    specs = []
-    for j in range(n_slots):
-        off = j * per
-        qv = np.frombuffer(mm, np.float32, dim, off).reshape(1, dim)
-        rows = np.frombuffer(mm, np.int32, k, off + 4 * dim).reshape(1, k)
-        scores = np.frombuffer(mm, np.float32, k, off + 4 * dim + 4 * k).reshape(1, k)
-        specs.append(SlotSpec(qv, rows, scores, base + off, base + off + 4 * dim, base + off + 4 * dim + 4 * k))
-    return mm, specs
+    return one_query_slots(idx, n_slots, dim, k)
 
 
 def _launch(svc, specs, q, k: int, behind: bool) -> None:  # type: ignore[no-untyped-def]

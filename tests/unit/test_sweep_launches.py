@@ -12,6 +12,7 @@ parameters for the sweep. What it cannot check is what the kernels compute: the 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import re
 from types import SimpleNamespace
@@ -369,3 +370,23 @@ def test_the_mma_paths_launches_match_the_kernels(monkeypatch: pytest.MonkeyPatc
     sample, pas = log[1][1], log[3][1]
     assert int(sample[3]) == 1024 and int(pas[3]) == -1  # the sample's rows; the pass: prep's row count
     assert (int(pas[15]), int(pas[16])) == (0, 0)  # from row 0, p->n_queries: as before the sweep
+
+
+def test_one_query_slots_lay_out_aligned_slots_in_a_registered_map() -> None:
+    """The slots the GPU benchmarks and tests hand to launch_slots (sidecar/bench.py):
+    registered as the segment, 128-byte aligned, each spec's addresses its own views', the
+    queries written in turn."""
+    from kalos_retrievers.sidecar.bench import one_query_slots
+
+    attached: list = []
+    idx = SimpleNamespace(attach_segment=attached.append)
+    q = np.arange(2 * 97, dtype=np.float32).reshape(2, 97)
+    mm, specs = one_query_slots(idx, 5, 97, 11, q)
+    assert attached == [mm] and len(specs) == 5
+    for j, sp in enumerate(specs):
+        assert sp.q_addr % 128 == 0 and sp.q_addr == sp.queries.ctypes.data
+        assert sp.rows_addr == sp.rows.ctypes.data and sp.scores_addr == sp.scores.ctypes.data
+        assert sp.rows.shape == (1, 11) and sp.scores.shape == (1, 11)
+        assert (sp.queries[0] == q[j % 2]).all()
+    ends = sorted((sp.q_addr, sp.scores_addr + 4 * 11) for sp in specs)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends))  # no two slots overlap
