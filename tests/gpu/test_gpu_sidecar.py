@@ -54,6 +54,26 @@ def test_zero_copy_recall_matches_reference(start_sidecar) -> None:
     c.close()
 
 
+def _crowd(name: str, dim: int, calls: int, rows: int = 4001, procs: int = 16):  # type: ignore[no-untyped-def]
+    """Start ``procs`` client processes that each recall stored rows by themselves ``calls``
+    times (``recall_row_worker``); returns the wait for them, which asserts they exited
+    cleanly and returns how many answers were not the query's own row (misrouted)."""
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    ps = [ctx.Process(target=recall_row_worker, args=(name, dim, s, calls, q, rows)) for s in range(procs)]
+    for p in ps:
+        p.start()
+
+    def wait(timeout: float) -> int:
+        misrouted = sum(q.get(timeout=timeout) for _ in ps)
+        for p in ps:
+            p.join(60)
+            assert p.exitcode == 0
+        return misrouted
+
+    return wait
+
+
 def test_float16_default_recall_and_filters(start_sidecar) -> None:
     rng = np.random.default_rng()
     n, dim = 30_007, 768
@@ -117,16 +137,7 @@ def test_concurrent_clients_get_their_own_answers(start_sidecar) -> None:
     sc = start_sidecar(dim=dim, device="cuda", dtype="float32", slots=24)
     with sc.client() as c:
         c.upsert([str(i) for i in range(len(data))], data)
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=recall_row_worker, args=(sc.name, dim, s, 500, q)) for s in range(16)]
-    for p in procs:
-        p.start()
-    misrouted = sum(q.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    assert misrouted == 0
+    assert _crowd(sc.name, dim, 500)(120) == 0
     with sc.client() as c:
         assert c.stats()["batches"] > 0  # requests found together were answered together
 
@@ -141,16 +152,7 @@ def test_float16_cohorts_queued_behind_each_other_get_their_own_answers(start_si
     with sc.client() as c:
         for s in range(0, rows, 8192):
             c.upsert([str(i) for i in range(s, min(rows, s + 8192))], data[s : s + 8192])
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=recall_row_worker, args=(sc.name, dim, s, 400, q, rows)) for s in range(16)]
-    for p in procs:
-        p.start()
-    misrouted = sum(q.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    assert misrouted == 0
+    assert _crowd(sc.name, dim, 400, rows)(300) == 0
     with sc.client() as c:
         index = c.stats()["index"]
     assert index["mma_path"] and index["queued_batches"] > 0, index
@@ -169,22 +171,14 @@ def test_float16_batches_in_the_sweep_get_their_own_answers(start_sidecar, monke
     with sc.client() as c:
         for s in range(0, rows, 8192):
             c.upsert([str(i) for i in range(s, min(rows, s + 8192))], data[s : s + 8192])
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=recall_row_worker, args=(sc.name, dim, s, 400, q, rows)) for s in range(16)]
-    for p in procs:
-        p.start()
+    wait = _crowd(sc.name, dim, 400, rows)
     rng = np.random.default_rng()
     with sc.client() as c:
         for j in range(20):  # writes while the crowd recalls: each settles the sweep first
             v = rng.standard_normal(dim).astype(np.float32)
             c.upsert([f"w{j}"], v[None])
             assert c.recall(v, k=1).ids == [f"w{j}"]
-    misrouted = sum(q.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    assert misrouted == 0
+    assert wait(300) == 0
     with sc.client() as c:
         index = c.stats()["index"]
     assert index["sweep"] is not None and index["sweep"]["batches"] > 0 and index["sweep"]["in_sweep"] == 0, index
