@@ -240,6 +240,35 @@ def _segment(idx, n_slots: int, dim: int, k: int):  # type: ignore[no-untyped-de
     return one_query_slots(idx, n_slots, dim, k)
 
 
+def _poisoned_batches(specs, plan, rng, dim: int):  # type: ignore[no-untyped-def]
+    """For each (queries, k) of ``plan``: random queries written into the next slots of
+    ``specs``, their answers poisoned; returns [(slots, queries, k)]."""
+    batches, at = [], 0
+    for b, k in plan:
+        part = specs[at : at + b]
+        at += b
+        q = rng.standard_normal((b, dim)).astype(np.float32)
+        for sp, x in zip(part, q, strict=True):
+            sp.queries[0] = x
+            sp.rows.fill(0x7F7F7F7F)
+            sp.scores.fill(np.nan)
+        batches.append((part, q, k))
+    return batches
+
+
+def _check_batches(svc, batches, stored: np.ndarray, metric: str, context: str = "") -> None:  # type: ignore[no-untyped-def]
+    """Every answer of ``batches`` (from _poisoned_batches) against the float16-rounded
+    reference over ``stored`` (_as_stored rows); an unwritten (poisoned) row raises."""
+    ref_metric = "l2" if metric == "l2" else "ip"
+    atol = 5e-3 if metric == "l2" else 1e-3
+    for j, (part, q, k) in enumerate(batches):
+        ref_i, ref_s = reference_topk(stored, _as_stored(q, metric), k, ref_metric)
+        for r, sp in enumerate(part):
+            got = [svc.rows.ids[x] for x in sp.rows[0, :k]]
+            assert_topk_equal(got, sp.scores[0, :k], [str(i) for i in ref_i[r]], ref_s[r], atol=atol,
+                              context=f"{context}batch {j} q{r} k={k}")  # fmt: skip
+
+
 def _launch(svc, specs, q, k: int, behind: bool) -> None:  # type: ignore[no-untyped-def]
     """Write ``q`` into ``specs``' slots, poison their answers, launch them (``behind``:
     queued behind the search left running, which the index must say it can do)."""
@@ -271,20 +300,9 @@ def test_batches_queued_behind_each_other_are_exact(metric: str, dim: int, n: in
     _mm, specs = _segment(idx, sum(b for b, _ in plan), dim, 100)
     stored = _as_stored(data, metric)
     del data
-    ref_metric = "l2" if metric == "l2" else "ip"
-    atol = 5e-3 if metric == "l2" else 1e-3
     ns, cands, dense, _ = svc.eligible("", None)
     high = svc.rows.high
-    batches, at = [], 0
-    for b, k in plan:  # every batch's queries in its own slots, answers poisoned, before the chain
-        part = specs[at : at + b]
-        at += b
-        q = rng.standard_normal((b, dim)).astype(np.float32)
-        for sp, x in zip(part, q, strict=True):
-            sp.queries[0] = x
-            sp.rows.fill(0x7F7F7F7F)
-            sp.scores.fill(np.nan)
-        batches.append((part, q, k))
+    batches = _poisoned_batches(specs, plan, rng, dim)  # every batch in its own slots, before the chain
     queued, overflows = idx.queued_batches, idx.threshold_overflows
     idx.launch_slots(batches[0][0], batches[0][2], high, ns, cands, dense)
     for part, q, k in batches[1:]:
@@ -294,12 +312,7 @@ def test_batches_queued_behind_each_other_are_exact(metric: str, dim: int, n: in
     idx.finish_slots()
     assert idx.queued_batches == queued + len(plan) - 1
     assert idx.threshold_overflows == overflows  # answered by the queued path, not the fallback
-    for j, (part, q, k) in enumerate(batches):
-        ref_i, ref_s = reference_topk(stored, _as_stored(q, metric), k, ref_metric)
-        for r, sp in enumerate(part):
-            got = [svc.rows.ids[x] for x in sp.rows[0, :k]]  # raises on an unwritten (poisoned) row
-            assert_topk_equal(got, sp.scores[0, :k], [str(i) for i in ref_i[r]], ref_s[r], atol=atol,
-                              context=f"batch {j} q{r} k={k}")  # fmt: skip
+    _check_batches(svc, batches, stored, metric)
     idx.detach_segment()
 
 
@@ -704,29 +717,13 @@ def test_batches_in_the_sweep_are_exact(metric: str, dim: int, n: int, chunks: i
     _mm, specs = _segment(idx, sum(b for b, _ in plan), dim, 100)
     stored = _as_stored(data, metric)
     del data
-    ref_metric = "l2" if metric == "l2" else "ip"
-    atol = 5e-3 if metric == "l2" else 1e-3
     for round_ in range(2):
-        batches, at = [], 0
-        for b, k in plan:
-            part = specs[at : at + b]
-            at += b
-            q = rng.standard_normal((b, dim)).astype(np.float32)
-            for sp, x in zip(part, q, strict=True):
-                sp.queries[0] = x
-                sp.rows.fill(0x7F7F7F7F)
-                sp.scores.fill(np.nan)
-            batches.append((part, q, k))
+        batches = _poisoned_batches(specs, plan, rng, dim)
         overflows = idx.threshold_overflows
         done = _run_sweep(idx, svc, batches, rng, pause_s=0.0002 * round_)
         assert sorted(done) == list(range(len(plan))), done
         assert idx.threshold_overflows == overflows  # answered by the sweep, not the fallback
-        for j, (part, q, k) in enumerate(batches):
-            ref_i, ref_s = reference_topk(stored, _as_stored(q, metric), k, ref_metric)
-            for r, sp in enumerate(part):
-                got = [svc.rows.ids[x] for x in sp.rows[0, :k]]  # raises on an unwritten (poisoned) row
-                assert_topk_equal(got, sp.scores[0, :k], [str(i) for i in ref_i[r]], ref_s[r], atol=atol,
-                                  context=f"round {round_} batch {j} q{r} k={k}")  # fmt: skip
+        _check_batches(svc, batches, stored, metric, f"round {round_} ")
     sw = idx.describe()["sweep"]
     assert sw["batches"] == 2 * len(plan) and sw["in_sweep"] == 0 and sw["passes"] >= 2 * min(chunks, 4), sw
     idx.detach_segment()
