@@ -33,7 +33,9 @@ def as_float16_stored(x: np.ndarray, metric: str) -> np.ndarray:
     """Vectors as a float16 GPU index's batched path multiplies them: normalized first for
     cosine, then rounded to float16 (rows when stored, queries by prep_queries), as float64.
     A reference over these (metric "ip" for cosine) is what that path must match within
-    ~1e-3, where one over the float32 data differs in the 10th/11th neighbour now and then."""
+    ~1e-3, where one over the float32 data differs in the 10th/11th neighbour now and then.
+    For L2 the kernel takes the squared norms from the float32 vectors, not these (~1e-4
+    apart: inside the tolerance)."""
     x = np.asarray(x, np.float64)
     if metric == "cosine":
         x = x / np.linalg.norm(x, axis=-1, keepdims=True)

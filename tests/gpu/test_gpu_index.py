@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kalos_testing import as_float16_stored as _as_stored  # (rows and queries as the float16 batched path sees them)
 from kalos_testing import assert_topk_equal, recall_at_k, reference_topk
 
 from kalos_retrievers.protocol import METRICS, Invalid, Status
@@ -170,16 +171,6 @@ def test_threshold_topk_overflow_falls_back_exactly(dtype: str) -> None:
     tail = rng.standard_normal((20_011, dim)).astype(np.float32)
     put(svc, tail, [f"t{i}" for i in range(len(tail))], ns="tail")
     check(svc, tail, q, 10, ns="tail", id_of=lambda i: f"t{i}", atol=atol)
-
-
-def _as_stored(x: np.ndarray, metric: str) -> np.ndarray:
-    """Vectors as the float16 batched path multiplies them: normalized first for cosine, then
-    rounded to float16 (rows when stored, queries by prep_queries). For L2 the kernel takes
-    the squared norms from the float32 vectors, not these (~1e-4 apart: inside the tolerance)."""
-    x = np.asarray(x, np.float64)
-    if metric == "cosine":
-        x = x / np.linalg.norm(x, axis=1, keepdims=True)
-    return x.astype(np.float16).astype(np.float64)
 
 
 @pytest.mark.parametrize(("metric", "dim"), [("cosine", 768), ("ip", 97), ("l2", 768), ("cosine", 3)])
