@@ -134,7 +134,7 @@ def main() -> int:
             grid = max(1, min(by_regs, idx.smem_per_sm // (smem + 2048), 8)) * idx.sms
             fargs = (idx.data, np.int32(idx.ld), np.int32(idx.lds), np.int32(-1), idx.ns, idx.sqnorm, idx.params,
                      idx.qbuf_h, idx.tau, idx.cand_k, idx.cand_v, idx.cand_count, np.int32(index_gpu.CAND_CAP),
-                     np.uint64(0), np.int32(0), np.int32(0), np.int32(0))  # fmt: skip
+                     np.uint64(0), np.int32(0))  # fmt: skip
 
             def go(f: Any = f, grid: int = grid, fargs: tuple = fargs, smem: int = smem) -> None:
                 idx.cand_count.fill(0)

@@ -2613,12 +2613,9 @@ select_cands(const float* __restrict__ ck, const int* __restrict__ cv, int* __re
 // GEMM).
 //   grid (G), block KALOS_BLOCK; dynamic shared memory: 8 * NT * lds halves (the queries).
 //
-// Rows [row0, nrows); nrows < 0: [row0, p->n_rows) (prep's count, so one captured graph serves
-// any count). With dump != nullptr it scores rows [0, nrows) (row0 0) and writes the raw dot
-// products to dump[q * dump_ld + row] instead: the sample tau_scores takes the thresholds from.
-// nq_arg > 0 scores that many queries instead of p->n_queries: a sweep's pass over one chunk of
-// rows for every query of its pool (GpuIndex sweep; free positions hold tau = +inf, so that
-// nothing is appended for them).
+// nrows < 0: rows [0, p->n_rows) (prep's count, so one captured graph serves any count). With
+// dump != nullptr it scores rows [0, nrows) and writes the raw dot products to
+// dump[q * dump_ld + row] instead: the sample tau_scores takes the thresholds from.
 //
 // Layout. Each warp takes tiles of 16 * MT rows in a grid stride. Lane (g = lane / 4,
 // t = lane % 4) loads 16 bytes (8 halves) of rows g, g+8 (and g+16, g+24) at column
@@ -2666,11 +2663,11 @@ __global__ void __launch_bounds__(KALOS_BLOCK, KALOS_MMA_MINB)
 mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const int* __restrict__ ns,
            const float* __restrict__ sqnorm, const Params* __restrict__ p, const __half* __restrict__ qh,
            const float* __restrict__ tau, float* __restrict__ ck, int* __restrict__ cv,
-           int* __restrict__ ccount, int cap, float* __restrict__ dump, int dump_ld, int row0, int nq_arg) {
+           int* __restrict__ ccount, int cap, float* __restrict__ dump, int dump_ld) {
     extern __shared__ uint4 mma_smem[];
     __half* qs = reinterpret_cast<__half*>(mma_smem);
     __shared__ float s_tau[8 * NT], s_qn2[8 * NT];
-    const int nq = nq_arg > 0 ? nq_arg : p->n_queries, my_ns = p->ns_id;
+    const int nq = p->n_queries, my_ns = p->ns_id;
     if (nrows < 0) nrows = p->n_rows;
     const unsigned char* mask = p->mask;
     const int cpr = ld / 8;  // 16-byte chunks per row (ld is a multiple of 8)
@@ -2695,11 +2692,11 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
     constexpr int MT = KALOS_MMA_MT ? KALOS_MMA_MT : (NT == 4 ? 2 : 1), H = 2 * MT;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int wpb = blockDim.x / 32;
-    const int tiles = nrows > row0 ? (nrows - row0 + 16 * MT - 1) / (16 * MT) : 0;
+    const int tiles = (nrows + 16 * MT - 1) / (16 * MT);
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const uint4* rows16 = reinterpret_cast<const uint4*>(data);
     for (int tile = blockIdx.x * wpb + warp; tile < tiles; tile += gridDim.x * wpb) {
-        const int r0 = row0 + tile * 16 * MT;
+        const int r0 = tile * 16 * MT;
         bool rok[H];
 #pragma unroll
         for (int h = 0; h < H; h++) rok[h] = r0 + g + 8 * h < nrows;
@@ -2913,24 +2910,6 @@ __global__ void doorbell_probe_blocks(int* bell, int* done, int* stop, const uns
 // sticky error state. Launched only when the sidecar runs with KALOS_FAULT_INJECT=illegal_address.
 __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
 
-// sweep_enter<<<1, 256>>>: a batch's n queries enter the sweep's pool (sidecar/sweep.py) on the
-// index's stream, between two passes: their thresholds, their squared norms (L2) and empty
-// candidate lists. Each threshold is lowered by a hair (1e-5 of it plus 1e-6): the pass may
-// score in another mma_filter instantiation than the sample the threshold came from (another
-// pool size), so a row must not fall short of its own sample score by a rounding difference;
-// the extra candidates only widen the list select_cands takes the exact top-k of. (-inf stays
-// -inf.) A position leaves with its threshold set to NaN, which no score reaches.
-__global__ void sweep_enter(const float* __restrict__ tau_in, float* __restrict__ tau_out,
-                            const float* __restrict__ qn2_in, float* __restrict__ qn2_out,
-                            int* __restrict__ ccount, int n) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float t = tau_in[i];
-        tau_out[i] = t - fabsf(t) * 1e-5f - 1e-6f;
-        qn2_out[i] = qn2_in[i];
-        ccount[i] = 0;
-    }
-}
-
 // ------------------------------------------------------------------------------------------
 // Explicit instantiations so that `nvcc -c` (CI) compiles every kernel the sidecar uses.
 // The sidecar asks NVRTC for the same names through name_expressions.
@@ -2944,7 +2923,7 @@ template __global__ void topk_scores<0>(const float*, int, const int*, const flo
 template __global__ void tau_scores<0>(const float*, int, const int*, const float*, const Params*, int, float*);
 template __global__ void filter_scores<0>(const float*, int, const int*, const float*, const Params*, const float*, float*, int*, int*, int);
 template __global__ void select_cands<0>(const float*, const int*, int*, int, const Params*, int*);
-#define MMA(NT, M) template __global__ void mma_filter<NT, M>(const __half*, int, int, int, const int*, const float*, const Params*, const __half*, const float*, float*, int*, int*, int, float*, int, int, int);
+#define MMA(NT, M) template __global__ void mma_filter<NT, M>(const __half*, int, int, int, const int*, const float*, const Params*, const __half*, const float*, float*, int*, int*, int, float*, int);
 MMA(2, 0) MMA(4, 1) MMA(8, 2)
 template __global__ void set_rows<__half>(const float*, const long long*, int, int, int, __half*, float*, float*);
 template __global__ void set_rows<signed char>(const float*, const long long*, int, int, int, signed char*, float*, float*);

@@ -72,10 +72,6 @@ GATHER_US: Final = int(os.environ.get("KALOS_GATHER_US", "0") or 0)
 # stopped recalling drops out of the count this long after its last recall.
 COHORT_WINDOW_NS: Final = 5_000_000
 
-# Most queries of one batch joining the sweep (the sweep's pool holds 64 at once; smaller
-# parts leave room for the next returning clients).
-SWEEP_MAX_Q: Final = 32
-
 # Diagnostics (KALOS_BATCH_TIMING=1, as the GPU index's batch timing): the "return" phase, per
 # member of a batched recall, from the post of its slot's previous answer to the pickup of
 # this request: how long a client took to come back (its wake-up and its own work between two
@@ -224,14 +220,7 @@ class Dispatcher:
         any) is stopped before a request that uses the device or the rows (the serve loop
         starts it again before it sleeps); DOORBELL slots it left are answered by the next
         poll."""
-        index = self.service.index
-        swept = self._answer_swept() if index.sweep_busy else 0
         ready = self.waiting()
-        if not len(ready) and index.sweep_busy:
-            index.sweep_pump()  # the sweep still scans: keep it going (settle() waits for it)
-            return swept
-        if not len(ready) and swept:
-            return swept
         if not len(ready):
             b = self._inflight
             if b is not None and not b.finished and self._awaits_cohort():
@@ -248,11 +237,7 @@ class Dispatcher:
         self._taken.clear()
         groups: dict[tuple[int, int], list[tuple[int, Request, int]]] = {}
         self._pick_up(ready, groups, take)
-        n = len(ready) + swept
-        if groups and index.sweeps:
-            n += self._sweep_groups(groups)  # leaves in groups what the sweep did not take
-        if index.sweep_busy:
-            index.sweep_pump()  # the batches that joined above start with the next pass
+        n = len(ready)
         b = self._inflight
         if b is not None and not b.finished and self.gather_ns and groups:
             n += self._gather(b, groups)
@@ -507,12 +492,8 @@ class Dispatcher:
             self.settle()
 
     def settle(self) -> int:
-        """Finish and answer the batch in flight and the sweep's batches, if any; return how
-        many requests that was. Call before anything that changes rows or the segment."""
-        return self._settle_batch() + self._settle_sweep()
-
-    def _settle_batch(self) -> int:
-        """Finish and answer the batch in flight, if any; how many requests that was."""
+        """Finish and answer the batch in flight, if any; return how many requests that was.
+        Call before anything that changes rows or the segment."""
         prev, self._inflight = self._inflight, None
         if prev is None:
             return 0
@@ -520,97 +501,6 @@ class Dispatcher:
             self._finish(prev)
         self._answer_batch(prev)
         return len(prev.part)
-
-    # ------------------------------------------------------------------ the sweep
-    # With a GPU index's sweep (KALOS_SWEEP=1, sidecar/sweep.py), batched recalls in the
-    # default namespace join a scan of the rows that keeps running instead of queueing behind
-    # a whole pass: each poll keeps the scan going and answers the batches it has finished.
-
-    def _sweep_tick(self) -> int:
-        """Keep the sweep's scan going and answer the batches it finished; how many requests."""
-        idx = self.service.index
-        if not idx.sweep_busy:
-            return 0
-        idx.sweep_pump()
-        return self._answer_swept()
-
-    def _answer_swept(self) -> int:
-        """Answer the batches the sweep has finished; how many requests. (The index hands each
-        over once: one whose answer fails is logged, and the others are still answered.)"""
-        n = 0
-        for b, err in self.service.index.sweep_finished():
-            b.finished = True
-            self._phases_due.append(("search", (time.perf_counter_ns() - b.t_launch) / 1000))
-            try:
-                if err is None:
-                    self._answer_batch(b)
-                else:  # nothing was written for it: its members get the error
-                    self._fail_all(b.part, err)
-            except Exception:  # (a post that failed): the rest must not stay BUSY for ever
-                log.exception("answering a batch of the sweep failed")
-            n += len(b.part)
-        return n
-
-    def _settle_sweep(self) -> int:
-        """Scan until every batch in the sweep is answered; how many requests that was."""
-        idx = self.service.index
-        if not idx.sweep_busy:
-            return 0
-        idx.sweep_settle()
-        return self._answer_swept()
-
-    def _sweep_groups(self, groups: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> int:
-        """Join every group the sweep takes (in parts of at most ``SWEEP_MAX_Q`` queries and
-        ``max_batch`` members), removing them from ``groups``; the rest stays for the usual
-        path: a part the sweep could never take (``sweep_fits``), and, while the sweep is
-        empty, a lone query (the usual path answers it sooner). A part that finds the sweep
-        full waits for it (keeping it going); a batch in flight the usual way is answered
-        first (the two do not mix). If keeping the sweep going fails, the parts not launched
-        get the error. Returns how many requests were answered meanwhile."""
-        svc = self.service
-        answered = 0
-        for key in list(groups):
-            k, flags = key
-            members = groups.pop(key)
-            if not svc.index.sweep_busy and sum(req.n_items for _, req, _ in members) < 2:
-                groups[key] = members
-                continue
-            parts, part, nq = [], [], 0
-            for m in members:
-                q = m[1].n_items
-                if part and (nq + q > SWEEP_MAX_Q or len(part) >= self.max_batch):
-                    parts.append(part)
-                    part, nq = [], 0
-                part.append(m)
-                nq += q
-            parts.append(part)
-            left: list[tuple[int, Request, int]] = []
-            for j, part in enumerate(parts):
-                n = sum(req.n_items for _, req, _ in part)
-                if not svc.sweep_fits(k, n):
-                    left += part
-                    continue
-                try:
-                    if self._inflight is not None:
-                        answered += self._settle_batch()
-                    while not svc.sweep_can_join(k, n) and svc.index.sweep_busy:
-                        answered += self._sweep_tick()
-                except FatalDeviceError:
-                    raise
-                except Exception as e:  # the parts not launched get it (picked up, they are BUSY)
-                    self._fail_all([m for p in parts[j:] for m in p], e)
-                    break
-                if not svc.sweep_can_join(k, n):
-                    left += part
-                    continue
-                b = self._launch_batch(part, k, flags, sweep=True)
-                if b is not None and not b.kk:  # no rows to search: nothing joined, answer it now
-                    b.finished = True
-                    self._answer_batch(b)
-                    answered += len(b.part)
-            if left:
-                groups[key] = left
-        return answered
 
     def _finish(self, b: _Batch) -> None:
         """Wait for ``b``'s search. On failure its members get the error now and no answer
@@ -672,7 +562,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ answering
     def _launch_batch(self, part: list[tuple[int, Request, int]], k: int, flags: int,
-                      behind: bool = False, sweep: bool = False) -> _Batch | None:  # fmt: skip
+                      behind: bool = False) -> _Batch | None:  # fmt: skip
         # Members whose queries are not finite are refused one by one, not the whole batch
         # with them (a hostile client must not fail its neighbours' recalls). A client that
         # writes NaN after this check only spoils its own rows of the batched search.
@@ -727,18 +617,15 @@ class Dispatcher:
         ts = time.perf_counter_ns()
         # from finding the request, or from the end of work this pass did before it
         self._phases_due.append(("pickup", (ts - max(part[0][2], self._busy_until)) / 1000))
-        b = _Batch(part, specs, 0, flags, ts, 0)
         try:
             self.service.index.pause_doorbell()
-            b.kk = self.service.launch_recall(specs, k, "", None, check_finite=False, behind=behind,
-                                              sweep=b if sweep else None)  # fmt: skip
+            kk = self.service.launch_recall(specs, k, "", None, check_finite=False, behind=behind)
         except FatalDeviceError:
             raise
         except Exception as e:  # the members still waiting get it, not those refused above
             self._fail_all(part, e)
             return None
-        b.t_launched = time.perf_counter_ns()
-        return b
+        return _Batch(part, specs, kk, flags, ts, time.perf_counter_ns())
 
     def _answer_batch(self, b: _Batch) -> None:
         """Write every member's answer, then post their semaphores. A post wakes a blocked
@@ -1006,8 +893,7 @@ class Dispatcher:
         n = 0
         # a batch in flight (kept so while the next cohort comes, see _awaits_cohort) holds
         # its members BUSY until it is answered
-        idx = self.service.index
-        held = idx.doorbell_running or self._inflight is not None or idx.sweep_busy
+        held = self.service.index.doorbell_running or self._inflight is not None
         for i in np.flatnonzero(self.states != SlotState.FREE).tolist():
             st = self.states[i]
             if st in (SlotState.REQUEST, SlotState.DOORBELL) or (st == SlotState.BUSY and held):

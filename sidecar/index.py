@@ -149,43 +149,6 @@ class Index(abc.ABC):
         """Whether the search left running has finished on the device (False where unknown)."""
         return False
 
-    # The sweep (a GPU index with KALOS_SWEEP=1, sidecar/sweep.py): batches join a scan of the
-    # rows that keeps running, and are answered once it has covered every row for them. The
-    # dispatcher joins them (``token``: its batch), pumps the scan while it is busy, and
-    # answers the tokens ``sweep_finished`` returns. These defaults: no sweep.
-    sweeps = False  # whether this index may take batches into a sweep
-
-    def sweep_can_join(self, n: int, k: int, high: int, ns: int, dense: bool) -> bool:
-        """Whether :meth:`sweep_join` would take ``n`` queries (``k`` results over rows below
-        ``high`` in namespace ``ns``; ``dense``: every row below ``high`` is eligible) now."""
-        return False
-
-    def sweep_fits(self, n: int, k: int, high: int) -> bool:
-        """Whether such a batch could ever join the sweep, whatever it holds now (False: the
-        usual path, without waiting for the sweep)."""
-        return False
-
-    def sweep_join(self, specs: list[SlotSpec], k: int, high: int, ns: int, dense: bool, token: Any) -> None:
-        raise RuntimeError(f"{type(self).__name__} has no sweep")
-
-    def sweep_pump(self) -> int:
-        """Keep the sweep's scan going (call often while :attr:`sweep_busy`)."""
-        return 0
-
-    def sweep_finished(self) -> list[tuple[Any, Exception | None]]:
-        """(token, None) for each batch the sweep answered since the last call, (token, error)
-        for one it could not answer (nothing written: the caller answers with the error)."""
-        return []
-
-    def sweep_settle(self) -> None:  # noqa: B027 - optional hook
-        """Scan until every batch in the sweep is answered (then :meth:`sweep_finished`
-        returns them)."""
-
-    @property
-    def sweep_busy(self) -> bool:
-        """Whether batches are in the sweep, or answered and not yet taken."""
-        return False
-
     @property
     def defers(self) -> bool:
         """Whether :meth:`launch_slots` of a batch returns before its search is done (so the

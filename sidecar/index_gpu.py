@@ -88,9 +88,6 @@ TAU_SAMPLE_MAX: Final = 16384
 # its resident block slots free (KALOS_SIDE_RESERVE) for those side kernels.
 QUEUE_BEHIND: Final = os.environ.get("KALOS_QUEUE_BEHIND", "1") != "0"
 SIDE_RESERVE: Final = max(0, int(os.environ.get("KALOS_SIDE_RESERVE", "32")))
-# Experimental, off: float16 batches join a running scan of the rows at chunk boundaries
-# (sidecar/sweep.py; KALOS_SWEEP_CHUNKS ranges per scan).
-SWEEP: Final = os.environ.get("KALOS_SWEEP", "0") == "1"
 SELECT_GATHER: Final = 2048  # as in kernels/recall.cu
 # as in kernels/recall.cu: tickets, bounds, counts per query; next row, direction, the batch-1
 # lists' tag and how many blocks' heads and lists follow (LL_WORDS_PER_BLOCK words each: a
@@ -324,10 +321,6 @@ class GpuIndex(Index):
         super().__init__(dim, metric)
         # the environment's settings first: a bad one fails before a CUDA context exists
         tpr = tpr_override(os.environ)
-        from .sweep import sweep_chunks, sweep_lead_us
-
-        self._sweep_chunks = sweep_chunks(os.environ) if SWEEP else 4  # (tests may set these)
-        self._sweep_lead_us = sweep_lead_us(os.environ) if SWEEP else 0
         self.bell_per_sm = bell_blocks_per_sm(os.environ)
         self.rescore_factor = rescore_factor(os.environ) if dtype == "int8" else RESCORE_FACTOR
         import cupy as cp
@@ -422,8 +415,6 @@ class GpuIndex(Index):
         self._pending: deque[_Pending] = deque()
         self._lanes: list[_Lane | None] = [None, None]
         self.queued_batches = 0  # batches queued behind another (diagnostics and tests)
-        self._sweep: Any = None  # the sweep (sidecar/sweep.py), made at its first use
-        self._sweep_off = False  # its buffers did not fit: not tried again
         self._mma_end: Any = None  # the end event of the mma batch just launched (see _run)
         # the resident kernel (doorbell_topk): its control block in registered host memory,
         # its device words, its own stream; enabled by enable_doorbell()
@@ -470,7 +461,6 @@ class GpuIndex(Index):
         exprs.append(kernels.expression("doorbell_topk", t, self.tpr, m))
         if self.dtype == "float16":
             exprs += [kernels.expression("mma_filter", nt, m) for nt in _MMA_NT]
-            exprs.append("sweep_enter")
         try:
             kernels.compile_kernels(exprs)
         except kernels.KernelCompileError as e:
@@ -699,7 +689,6 @@ class GpuIndex(Index):
                  gemm_stream=self.gemm_stream_note or "ordered",
                  threshold_topk=USE_THRESHOLD_TOPK, threshold_overflows=self.threshold_overflows,
                  mma_batches=self.mma_batches, queued_batches=self.queued_batches,
-                 sweep=None if self._sweep is None else self._sweep.describe(),
                  doorbell_k=self.doorbell_k, doorbell_running=self.doorbell_running,
                  doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served())  # fmt: skip
         if self.batch_times:
@@ -921,14 +910,11 @@ class GpuIndex(Index):
         return g
 
     def _write_desc(self, k: int, high: int, ns: int, mask_addr: int, qs: list[int],
-                    rows: list[int], scores: list[int], out_ld: int, off: int = 0,
-                    page: Any = None) -> None:  # fmt: skip
-        """Fill the descriptor at byte ``off`` of its page (lane 1's at 2048), or of ``page``
-        (another registered mmap: the sweep's)."""
+                    rows: list[int], scores: list[int], out_ld: int, off: int = 0) -> None:  # fmt: skip
+        """Fill the descriptor at byte ``off`` of its page (lane 1's at 2048)."""
         n = len(qs)
-        mm = self._desc_mm if page is None else page
-        _DESC_HEAD.pack_into(mm, off, n, k, high, ns, mask_addr, out_ld, 0)
-        u, w = (self._desc_u64 if page is None else np.frombuffer(page, np.uint64)), off // 8
+        _DESC_HEAD.pack_into(self._desc_mm, off, n, k, high, ns, mask_addr, out_ld, 0)
+        u, w = self._desc_u64, off // 8
         u[w + _DESC_Q // 8 : w + _DESC_Q // 8 + n] = qs
         u[w + _DESC_ROWS // 8 : w + _DESC_ROWS // 8 + n] = rows
         u[w + _DESC_SCORES // 8 : w + _DESC_SCORES // 8 + n] = scores
@@ -962,73 +948,8 @@ class GpuIndex(Index):
             self._check(self._pending.popleft().wait)
 
     def _finish_all(self) -> None:
-        """Finish every search in flight: the pending ones and the sweep's (whose batches
-        ``sweep_finished`` then reports)."""
         while self._pending:
             self.finish_slots()
-        self.sweep_settle()
-
-    # ------------------------------------------------------------------ the sweep (sidecar/sweep.py)
-    def sweep_can_join(self, n: int, k: int, high: int, ns: int, dense: bool) -> bool:
-        """Whether ``sweep_join`` would take a batch of ``n`` queries now (``KALOS_SWEEP=1``,
-        float16 rows through mma_filter, no other search in flight, room in the sweep, the
-        same rows and namespace as the batches in it)."""
-        if not self.sweep_fits(n, k, high) or self._pending:
-            return False
-        sw = self._sweep
-        if sw is None:
-            from .sweep import Sweep
-
-            # (its set-up synchronizes: the resident kernel, which never ends on its own, first)
-            self.pause_doorbell()
-            try:
-                sw = self._sweep = self._check(lambda: Sweep(self, self._sweep_chunks, self._sweep_lead_us))
-            except FatalDeviceError:
-                raise
-            except Exception as e:  # (no room for its buffers, ...): the usual paths only
-                log.warning("the sweep is off: %s: %s", type(e).__name__, e)
-                self._sweep_off = True
-                return False
-        return sw.can_join(n, k, high, NS_ANY if dense else ns)
-
-    def sweep_fits(self, n: int, k: int, high: int) -> bool:
-        """Whether a batch of ``n`` queries (``k`` results over rows below ``high``) could ever
-        join the sweep (whatever it holds now): the sweep on, at most half the pool, a
-        threshold sample that fits, the pool's queries in shared memory."""
-        from .sweep import POOL
-
-        return (self.sweeps and 1 <= n <= POOL // 2 and high > 0 and self._tau_sample(k, high) is not None
-                and self._mma_smem_ok(POOL))  # fmt: skip
-
-    def sweep_join(self, specs: list[SlotSpec], k: int, high: int, ns: int, dense: bool, token: Any) -> None:
-        """Start a batch in the sweep (``sweep_can_join`` must have said yes); its answers are
-        written into the slots by the device, and ``sweep_finished`` returns ``token`` then."""
-        assert self._sweep is not None
-        self._sweep.join(specs, k, high, NS_ANY if dense else ns, token)
-        self.mma_batches += 1
-
-    def sweep_pump(self) -> int:
-        """Launch the sweep's next passes when the stream has room (call often while
-        ``sweep_busy``); how many were launched."""
-        return 0 if self._sweep is None else self._check(self._sweep.pump)
-
-    def sweep_finished(self) -> list[tuple[Any, Exception | None]]:
-        """(token, None) for each of the sweep's batches answered since the last call; (token,
-        error) for one whose exact fallback failed (its answers are not written)."""
-        return [] if self._sweep is None else self._check(self._sweep.finished)
-
-    @property
-    def sweeps(self) -> bool:  # type: ignore[override]
-        return bool(SWEEP and self.seg_addr and self.mma_ok and USE_MMA and USE_THRESHOLD_TOPK
-                    and self.dtype == "float16" and not self._sweep_off)  # fmt: skip
-
-    def sweep_settle(self) -> None:
-        if self._sweep is not None and self._sweep.busy:
-            self._check(self._sweep.settle)
-
-    @property
-    def sweep_busy(self) -> bool:
-        return self._sweep is not None and self._sweep.pending
 
     def pending_done(self) -> bool:
         """Whether the device has finished the oldest search left running (False when none is,
@@ -1045,8 +966,6 @@ class GpuIndex(Index):
         if not (QUEUE_BEHIND and self.seg_addr and self.mma_ok and USE_MMA and USE_THRESHOLD_TOPK):
             return False
         if len(self._pending) != 1 or self._pending[0].end is None or not 1 <= n <= MAXQ:
-            return False
-        if self._sweep is not None and self._sweep.busy:
             return False
         sample = self._tau_sample(k, high)
         return sample is not None and self._mma_smem_ok(n)
@@ -1350,14 +1269,13 @@ class GpuIndex(Index):
                                                            np.int32(self.ld), np.uint64(0), np.uint64(0),
                                                            np.uint64(0)))),
             ("sample", lambda: mma((dump_grid,), (kernels.BLOCK,), (*common, np.int32(dump_rows), *rest,
-                                                                    ln.sample_buf, np.int32(sample), np.int32(0),
-                                                                    np.int32(0)),
+                                                                    ln.sample_buf, np.int32(sample)),
                                    shared_mem=smem)),
             ("tau", lambda: tau((n,), (kernels.BLOCK,), (ln.sample_buf, np.int32(sample), self.ns,
                                                          self.sqnorm, ln.params, np.int32(sample), ln.tau),
                                 shared_mem=sample * 8)),
             ("pass", lambda: mma((grid,), (kernels.BLOCK,), (*common, np.int32(-1), *rest, np.uint64(0),
-                                                             np.int32(0), np.int32(0), np.int32(0)), shared_mem=smem)),
+                                                             np.int32(0)), shared_mem=smem)),
             ("select", lambda: sel((n,), (kernels.BLOCK,), (ln.cand_k, ln.cand_v, ln.cand_count,
                                                             np.int32(CAND_CAP), ln.params,
                                                             np.uint64(ln.overflow_addr)),
@@ -1558,8 +1476,6 @@ class GpuIndex(Index):
             return
         self.detach_segment()
         self._closed = True
-        if self._sweep is not None:
-            self._sweep.close()
         if self.exact is not None:
             self._drop_exact()
         for addr in (self.desc_addr, self.cand_addr, self._bell_addr, self._arena_table[0]):

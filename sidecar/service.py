@@ -184,28 +184,13 @@ class Service:
         kk = min(k, eligible)
         return kk > 0 and cands is None and self.index.queues_behind(n, kk, self.rows.high)
 
-    def sweep_can_join(self, k: int, n: int) -> bool:
-        """Whether a recall of ``n`` queries in the default namespace, without a filter, can
-        join the index's sweep now (see :meth:`Index.sweep_can_join`)."""
-        ns, cands, dense, eligible = self.eligible("", None)
-        kk = min(k, eligible)
-        return kk > 0 and cands is None and self.index.sweep_can_join(n, kk, self.rows.high, ns, dense)
-
-    def sweep_fits(self, k: int, n: int) -> bool:
-        """Whether such a recall (default namespace, no filter) could ever join the sweep."""
-        _, cands, _, eligible = self.eligible("", None)
-        kk = min(k, eligible)
-        return kk > 0 and cands is None and self.index.sweep_fits(n, kk, self.rows.high)
-
     def launch_recall(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any,
-                      check_finite: bool = True, behind: bool = False, sweep: Any = None) -> int:  # fmt: skip
+                      check_finite: bool = True, behind: bool = False) -> int:  # fmt: skip
         """:meth:`recall_slots` without waiting: the results are in the slots after
         :meth:`finish` (a backend that cannot search asynchronously has finished already).
         Nothing may change rows in between. ``behind``: queued behind the search left running
         (:meth:`queues_behind` must have said it can be); :meth:`finish` then finishes the
-        older one first. ``sweep``: a token; the recall joins the index's sweep
-        (:meth:`sweep_can_join` must have said it can), and the index's ``sweep_finished``
-        returns the token once the results are in the slots."""
+        older one first."""
         flt = _filter(flt)
         ns_id, cands, dense, n = self.eligible(namespace, flt)
         kk = min(k, n)
@@ -213,9 +198,7 @@ class Service:
             for sp in specs:
                 if not np.isfinite(sp.queries).all():
                     raise Invalid(Status.BAD_REQUEST, "queries contain NaN or infinity")
-        if kk and sweep is not None:
-            self.index.sweep_join(specs, kk, self.rows.high, ns_id, dense, sweep)
-        elif kk and behind:
+        if kk and behind:
             self.index.launch_slots(specs, kk, self.rows.high, ns_id, cands, dense, behind=True)
         elif kk:
             self.index.launch_slots(specs, kk, self.rows.high, ns_id, cands, dense)

@@ -11,7 +11,7 @@ import re
 import struct
 
 import pytest
-from kalos_retrievers.sidecar import cuda_kernels, index, index_gpu, sweep
+from kalos_retrievers.sidecar import cuda_kernels, index, index_gpu
 
 from kalos_retrievers.protocol import CTL_OFFSETS, Flag, Metric, Op, RespFlag, SlotState
 
@@ -145,10 +145,6 @@ def test_desc_and_params_layouts() -> None:
     assert last[1] + last[2] == index_gpu._DESC_SIZE
     params = struct_fields("Params")
     assert params[-1][1] + params[-1][2] <= index_gpu._PARAMS_SIZE  # the device buffer holds it
-    # the sweep's copies into its passes' Params (ns_id, qnorm2 per position) and its descriptors
-    at = {n: off for n, off, _ in params}
-    assert (at["ns_id"], at["qnorm2"]) == (sweep._PARAMS_NS, sweep._PARAMS_QNORM2)
-    assert index_gpu._DESC_SIZE <= sweep._DESC_STRIDE and sweep.POOL == index_gpu.MAXQ
 
 
 def test_the_reader_sees_a_changed_layout() -> None:

@@ -1,0 +1,150 @@
+"""The batched float16 path's kernel launches (``GpuIndex._mma_launches``: what every
+float16 batch runs, and what a queued batch runs in its lane) run on the CPU against a
+stand-in for CuPy's kernels: each launch is checked against the kernel's parameter list read
+from kernels/recall.cu (count, and pointer / integer / 64-bit / float kinds), so that a
+kernel whose parameters change without its launch fails CI, which has no GPU. What it cannot
+check is what the kernels compute: the GPU tests (tests/gpu/test_gpu_index.py) do."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from kalos_retrievers.sidecar import cuda_kernels, index_gpu
+from kalos_retrievers.sidecar.index_gpu import GpuIndex
+
+SOURCE = cuda_kernels.packaged_source()
+
+
+def kernel_params(name: str) -> list[str]:
+    """The parameter kinds of ``__global__ ... name(...)`` in recall.cu: "ptr", "i32", "u64",
+    "f32" (template parameters aside)."""
+    m = re.search(rf"(?:__global__[^;{{]*?\b|^){name}\((.*?)\)\s*{{", SOURCE, re.S | re.M)
+    assert m is not None, f"kernel {name} not found in recall.cu"
+    kinds = []
+    for raw in m.group(1).split(","):
+        p = " ".join(raw.split())
+        if "*" in p:
+            kinds.append("ptr")
+        elif re.match(r"(const )?int\b", p):
+            kinds.append("i32")
+        elif re.match(r"(const )?(u64|unsigned long long)\b", p):
+            kinds.append("u64")
+        elif re.match(r"(const )?float\b", p):
+            kinds.append("f32")
+        else:
+            raise AssertionError(f"{name}: cannot read the parameter {p!r}")
+    return kinds
+
+
+def test_the_parameter_reader_reads_the_kernels_the_mma_path_launches() -> None:
+    assert kernel_params("select_cands") == ["ptr", "ptr", "ptr", "i32", "ptr", "ptr"]
+    assert len(kernel_params("mma_filter")) == 15 and kernel_params("mma_filter")[-2:] == ["ptr", "i32"]
+    assert len(kernel_params("prep_queries")) == 10 and len(kernel_params("tau_scores")) == 7
+
+
+def test_the_launch_check_refuses_a_wrong_argument_list() -> None:
+    """The negative control of the checks below: a launch with an argument missing, or an
+    integer where a pointer goes, fails."""
+    log: list = []
+    sel = FakeKernel("select_cands", log)
+    ptr = _dev(np.zeros(4, np.float32))
+    good = (ptr, ptr, ptr, np.int32(8), ptr, np.uint64(1))
+    sel((1,), (256,), good)
+    with pytest.raises(AssertionError):
+        sel((1,), (256,), good[:-1])
+    with pytest.raises(AssertionError, match="argument 0"):
+        sel((1,), (256,), (np.int32(0), *good[1:]))
+    assert len(log) == 1
+
+
+# ------------------------------------------------------------------ a stand-in for CuPy
+
+
+class DevArray(np.ndarray):
+    """Device memory stood in for by host memory: ``.data.ptr`` is the address."""
+
+    @property
+    def data(self) -> Any:  # type: ignore[override]
+        return SimpleNamespace(ptr=self.ctypes.data)
+
+
+def _dev(a: np.ndarray) -> DevArray:
+    return np.ascontiguousarray(a).view(DevArray)
+
+
+class FakeKernel:
+    """A kernel launch checked against recall.cu's parameter list, then recorded."""
+
+    def __init__(self, name: str, log: list[tuple[str, tuple]]) -> None:
+        self.name, self.log = name, log
+        self.kinds = kernel_params(name)
+        self.max_dynamic_shared_size_bytes = 48 * 1024
+        self.num_regs = 64
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        assert len(args) == len(self.kinds), (self.name, len(args), len(self.kinds))
+        for i, (a, kind) in enumerate(zip(args, self.kinds, strict=True)):
+            ok = {"ptr": isinstance(a, (DevArray, np.uint64)), "i32": isinstance(a, np.int32),
+                  "u64": isinstance(a, np.uint64), "f32": isinstance(a, np.float32)}[kind]  # fmt: skip
+            assert ok, f"{self.name} argument {i}: {type(a).__name__} for a {kind} parameter"
+        assert shared_mem <= max(48 * 1024, self.max_dynamic_shared_size_bytes), (self.name, shared_mem)
+        assert all(isinstance(x, int) and x > 0 for x in grid + block), (self.name, grid, block)
+        self.log.append((self.name, args))
+
+
+class FakeIndex:
+    """What ``_mma_launches`` reads of a GpuIndex, over host memory."""
+
+    _mma_smem_ok = lambda self, n: True  # noqa: E731
+
+    def __init__(self, dim: int, rows: int) -> None:
+        self.dim, self.ld, self.lds, self.metric = dim, dim, dim + 8, 0
+        self.capacity, self.sms, self.smem_per_sm = rows, 132, 228 * 1024
+        self.data = _dev(np.zeros((rows, dim), np.float16))
+        self.ns, self.sqnorm = _dev(np.zeros(rows, np.int32)), _dev(np.zeros(rows, np.float32))
+
+
+def test_the_mma_paths_launches_match_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched float16 path's five launches (``GpuIndex._mma_launches``: what every
+    float16 batch runs, and what a queued batch runs in its lane) against recall.cu's
+    parameter lists."""
+    log: list[tuple[str, tuple]] = []
+    monkeypatch.setattr(index_gpu.kernels, "get_kernel", lambda name, *t: FakeKernel(name, log))
+    idx = FakeIndex(16, 5003)
+    ptr = _dev(np.zeros(8, np.float32))
+    lane = SimpleNamespace(desc_addr=1 << 20, params=ptr, qbuf=ptr, qbuf_h=ptr, qbuf_i8=ptr, tau=ptr, cand_k=ptr,
+                           cand_v=ptr, cand_count=ptr, sample_buf=ptr, overflow_addr=1 << 21)  # fmt: skip
+    launches = GpuIndex._mma_launches(idx, 16, 10, 1024, lane, 32)  # type: ignore[arg-type]
+    assert launches is not None
+    assert [stage for stage, _ in launches] == ["prep", "sample", "tau", "pass", "select"]
+    for _, launch in launches:
+        launch()
+    assert [name for name, _ in log] == ["prep_queries", "mma_filter", "tau_scores", "mma_filter", "select_cands"]
+    sample, pas = log[1][1], log[3][1]
+    assert int(sample[3]) == 1024 and int(pas[3]) == -1  # the sample's rows; the pass: prep's row count
+    assert isinstance(sample[13], DevArray) and pas[13] == np.uint64(0)  # only the sample dumps scores
+
+
+def test_one_query_slots_lay_out_aligned_slots_in_a_registered_map() -> None:
+    """The slots the GPU benchmarks and tests hand to launch_slots (sidecar/bench.py):
+    registered as the segment, 128-byte aligned, each spec's addresses its own views', the
+    queries written in turn."""
+    from kalos_retrievers.sidecar.bench import one_query_slots
+
+    attached: list = []
+    idx = SimpleNamespace(attach_segment=attached.append)
+    q = np.arange(2 * 97, dtype=np.float32).reshape(2, 97)
+    mm, specs = one_query_slots(idx, 5, 97, 11, q)
+    assert attached == [mm] and len(specs) == 5
+    for j, sp in enumerate(specs):
+        assert sp.q_addr % 128 == 0 and sp.q_addr == sp.queries.ctypes.data
+        assert sp.rows_addr == sp.rows.ctypes.data and sp.scores_addr == sp.scores.ctypes.data
+        assert sp.rows.shape == (1, 11) and sp.scores.shape == (1, 11)
+        assert (sp.queries[0] == q[j % 2]).all()
+    ends = sorted((sp.q_addr, sp.scores_addr + 4 * 11) for sp in specs)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends))  # no two slots overlap
