@@ -31,7 +31,9 @@ resident kernel re-scores on the device, reading only its candidates' rows of th
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
 import mmap
 import os
 import struct
@@ -77,6 +79,9 @@ USE_MMA: Final = os.environ.get("KALOS_MMA", "1") != "0"
 USE_THRESHOLD_TOPK: Final = os.environ.get("KALOS_THRESHOLD_TOPK", "1") != "0"
 CAND_CAP: Final = 8192
 TAU_SAMPLE_MAX: Final = 16384
+# The most likely a query's candidate list may overflow (into the exact fallback, ~ms) for the
+# sample size tau_sample picks (see there).
+OVERFLOW_P: Final = 1e-6
 # A float16 batch may be queued behind the batch the device is still searching (queues_behind):
 # its own buffers (a second lane), its prep, sample and thresholds on a side stream while the
 # earlier pass runs, its pass right after that pass, its selection beside the next one. With 32
@@ -261,6 +266,47 @@ def _pow2(x: int) -> int:
     while p < x:
         p <<= 1
     return p
+
+
+@functools.cache
+def _sample_lambda(k: int) -> float:
+    """The least λ (at least 3k) with P(Poisson(λ) < k) <= OVERFLOW_P, to a hundredth above."""
+    lo, hi = 3.0 * k, 3.0 * k
+    while _poisson_below(hi, k) > OVERFLOW_P:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 0.01:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _poisson_below(mid, k) > OVERFLOW_P else (lo, mid)
+    return hi
+
+
+def _poisson_below(lam: float, k: int) -> float:
+    """P(Poisson(lam) < k)."""
+    return sum(math.exp(j * math.log(lam) - lam - math.lgamma(j + 1)) for j in range(k))
+
+
+def tau_sample(k: int, high: int) -> int | None:
+    """How many rows (a power of two, from row 0) give a query's threshold for the threshold
+    top-k: its k-th best score among them (tau_scores); every row scoring at least that is a
+    candidate, and a list of more than CAND_CAP candidates overflows into the exact fallback.
+    None: more rows than tau_scores' shared memory holds (large k on many rows).
+
+    With the rows in no order related to the query (other orders only cost the fallback's
+    time), the share of rows reaching the k-th best of S sampled rows is above p exactly when
+    fewer than k of the S lie in the top p of all rows: a list overflows with probability
+    P(Binomial(S, CAND_CAP / high) < k), which P(Poisson(S * CAND_CAP / high) < k) bounds
+    here. S is the least power of two with S * CAND_CAP / high >= 3k (about CAND_CAP / 3
+    candidates expected per query; None if that does not fit), raised where it fits until
+    that ratio reaches λ_k, whose Poisson tail is OVERFLOW_P (λ_1 = 13.8; from k = 13 on 3k
+    is enough). At 3k alone (before session 28) k = 1 overflowed for up to one query in 20
+    (e^-3; 1 in 67 at 1M rows, 1 in 211 at 200k: the power of two rounds up), so that a
+    batch of 16 such queries took the exact path up to 56% of the time. The raised sample
+    fits TAU_SAMPLE_MAX up to ~9.7M rows at k = 1."""
+    base = _pow2(max(2, -(-3 * k * high // CAND_CAP)))
+    if base > TAU_SAMPLE_MAX:
+        return None
+    safe = _pow2(math.ceil(_sample_lambda(k) * high / CAND_CAP))
+    return min(max(base, min(safe, TAU_SAMPLE_MAX)), _pow2(high))
 
 
 class _Lane:
@@ -1141,13 +1187,8 @@ class GpuIndex(Index):
         return self._gemm_topk(n, k, high)
 
     def _tau_sample(self, k: int, high: int) -> int | None:
-        """Rows (a power of two, from row 0) whose scores give the threshold top-k its
-        thresholds: about cap / 3 candidates expected per query. None: too many for the
-        shared memory of tau_scores (large k on many rows)."""
-        sample = _pow2(max(2, -(-3 * k * high // CAND_CAP)))
-        if sample > TAU_SAMPLE_MAX:
-            return None
-        return min(sample, _pow2(high))
+        """The threshold's sample of rows for ``k`` results over ``high`` rows (tau_sample)."""
+        return tau_sample(k, high)
 
     def _mma_topk(self, n: int, k: int, high: int) -> Callable[[], None] | None:
         """Float16 batches: the captured graph of prep_queries, mma_filter over a sample
