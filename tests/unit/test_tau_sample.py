@@ -1,7 +1,7 @@
 """The threshold top-k's sample size (``index_gpu.tau_sample``): how many rows give each query
 its threshold, and so how often its candidate list overflows into the exact fallback. The
 overflow probability is computed exactly here (binomial), not from the Poisson bound the
-sidecar uses, over row counts and k from 1 to 1024; the rule of sessions 6-27 (3k) is the
+sidecar uses, over row counts and k from 1 to 1024; the rule before session 28 (3k) is the
 negative control."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def overflow_p(sample: int, k: int, high: int) -> float:
 
 
 def three_k(k: int, high: int) -> int | None:
-    """The sample of sessions 6-27: about CAND_CAP / 3 candidates expected per query."""
+    """The sample before session 28: about CAND_CAP / 3 candidates expected per query."""
     s = _pow2(max(2, -(-3 * k * high // CAND_CAP)))
     return None if s > TAU_SAMPLE_MAX else min(s, _pow2(high))
 
