@@ -142,16 +142,22 @@ def test_concurrent_clients_get_their_own_answers(start_sidecar) -> None:
         assert c.stats()["batches"] > 0  # requests found together were answered together
 
 
-def test_float16_cohorts_queued_behind_each_other_get_their_own_answers(start_sidecar) -> None:
-    """16 client processes recalling float16 rows (the mma path): a batch that gathers while
-    another is on the device is queued behind it (the index's ``queued_batches``), and every
-    client still gets its own row back."""
-    dim, rows = 768, 60_001
+def _float16_rows(start_sidecar, dim: int = 768, rows: int = 60_001):  # type: ignore[no-untyped-def]
+    """A GPU sidecar holding ``rows`` float16 rows of ``dim`` (the crowd's: ids "0".., data
+    seed 0) and slots for 16 clients and this process; returns (sidecar, dim, rows)."""
     data = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
     sc = start_sidecar(dim=dim, device="cuda", dtype="float16", slots=24)
     with sc.client() as c:
         for s in range(0, rows, 8192):
             c.upsert([str(i) for i in range(s, min(rows, s + 8192))], data[s : s + 8192])
+    return sc, dim, rows
+
+
+def test_float16_cohorts_queued_behind_each_other_get_their_own_answers(start_sidecar) -> None:
+    """16 client processes recalling float16 rows (the mma path): a batch that gathers while
+    another is on the device is queued behind it (the index's ``queued_batches``), and every
+    client still gets its own row back."""
+    sc, dim, rows = _float16_rows(start_sidecar)
     assert _crowd(sc.name, dim, 400, rows)(300) == 0
     with sc.client() as c:
         index = c.stats()["index"]
@@ -163,12 +169,7 @@ def test_writes_while_a_float16_crowd_recalls_are_found_at_once(start_sidecar) -
     process upserts a row at a time and recalls it: each write waits for the batches in
     flight (they answer from the rows as they were), is found by the next recall, and every
     client still gets its own row back."""
-    dim, rows = 768, 60_001
-    data = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
-    sc = start_sidecar(dim=dim, device="cuda", dtype="float16", slots=24)
-    with sc.client() as c:
-        for s in range(0, rows, 8192):
-            c.upsert([str(i) for i in range(s, min(rows, s + 8192))], data[s : s + 8192])
+    sc, dim, rows = _float16_rows(start_sidecar)
     wait = _crowd(sc.name, dim, 400, rows)
     rng = np.random.default_rng()
     with sc.client() as c:
