@@ -247,7 +247,7 @@ def _poisoned_batches(specs, plan, rng, dim: int):  # type: ignore[no-untyped-de
     return batches
 
 
-def _check_batches(svc, batches, stored: np.ndarray, metric: str, context: str = "") -> None:  # type: ignore[no-untyped-def]
+def _check_batches(svc, batches, stored: np.ndarray, metric: str) -> None:  # type: ignore[no-untyped-def]
     """Every answer of ``batches`` (from _poisoned_batches) against the float16-rounded
     reference over ``stored`` (_as_stored rows); an unwritten (poisoned) row raises."""
     ref_metric = "l2" if metric == "l2" else "ip"
@@ -257,7 +257,7 @@ def _check_batches(svc, batches, stored: np.ndarray, metric: str, context: str =
         for r, sp in enumerate(part):
             got = [svc.rows.ids[x] for x in sp.rows[0, :k]]
             assert_topk_equal(got, sp.scores[0, :k], [str(i) for i in ref_i[r]], ref_s[r], atol=atol,
-                              context=f"{context}batch {j} q{r} k={k}")  # fmt: skip
+                              context=f"batch {j} q{r} k={k}")  # fmt: skip
 
 
 def _launch(svc, specs, q, k: int, behind: bool) -> None:  # type: ignore[no-untyped-def]
