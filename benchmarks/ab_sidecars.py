@@ -25,8 +25,10 @@ writes ``DIR/ab_sidecars.json``.
 ``--env-a`` / ``--env-b`` set environment variables for one side's sidecar process (the same
 package on both sides then compares two settings), and ``--client-env-a`` / ``--client-env-b``
 those of the clients while that side is timed (``KALOS_SPIN_US=0``: clients that block on
-their semaphores instead of spinning); each side's ``index.batch_timing`` from its
-``stats`` (``KALOS_BATCH_TIMING=1``) is printed and saved at the end, and with it the
+their semaphores instead of spinning); each side's ``index.batch_timing`` and
+``index.queued_timing`` (the batches queued behind another: pass, front, lead and gap, see
+``index_gpu.queued_timing``) from its ``stats`` (``KALOS_BATCH_TIMING=1``) are printed and
+saved at the end, and with them the
 dispatcher's "return" phase among the phases: per batched member, the time from its slot's
 previous answer to its next request's pickup (how long the clients take to come back). With ``--arena-docs``
 both sidecars keep a document arena (``KALOS_ARENA=1``) and the throughput clients read their
@@ -162,7 +164,9 @@ def main() -> int:
         for label, sc in sides.items():
             with sc.client(timeout=30) as c:
                 st = c.stats()
-            res[f"stats_{label}"] = {"phases": st.get("phases"), "index": st.get("index", {}).get("batch_timing")}
+            ix = st.get("index", {})
+            res[f"stats_{label}"] = {"phases": st.get("phases"), "index": ix.get("batch_timing"),
+                                     "queued": ix.get("queued_timing")}  # fmt: skip
             print(label, json.dumps(res[f"stats_{label}"]), flush=True)
     summary = {}
     for key in ("batch64_p50_us", "procs_per_s", "procs_p99_us", *(("batch1_p50_us",) if args.doorbell else ())):

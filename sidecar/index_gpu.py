@@ -39,7 +39,7 @@ import os
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -148,7 +148,9 @@ DOORBELL_MAX_K: Final = 1024
 USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") == "1"
 # Diagnostics for batched recalls through mma_filter (benchmarks/ab_sidecars.py --env-a): "1" times
 # each batch (CUDA events around its graph, and the host's clock from the launch to the end of
-# the wait) and reports the medians in describe()["batch_timing"]. (S14-3, 32 processes at 1M
+# the wait) and reports the medians in describe()["batch_timing"]; for batches queued behind
+# another, their pass, front and place against the pass ahead in describe()["queued_timing"]
+# (see queued_timing). (S14-3, 32 processes at 1M
 # rows: the device took 431 us per batch of ~16 and the host was ready when it ended; waiting by
 # polling the end event instead of synchronizing was tried there and lost 1,670 recalls/s.)
 BATCH_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") == "1"
@@ -307,6 +309,35 @@ def tau_sample(k: int, high: int) -> int | None:
         return None
     safe = _pow2(math.ceil(_sample_lambda(k) * high / CAND_CAP))
     return min(max(base, min(safe, TAU_SAMPLE_MAX)), _pow2(high))
+
+
+def queued_timing(times: Sequence[tuple[int, float, float, float, float]]) -> dict[str, float]:
+    """Summarize KALOS_BATCH_TIMING's records of batches queued behind another, each
+    (queries, pass us, front us, lead us, gap us), for ``describe()["queued_timing"]``.
+
+    ``lead`` is how long before the end of the pass ahead the batch was launched, ``gap`` how
+    long the device's stream idled between that pass and this one (NaN both when the pass
+    ahead was not timed). With every batch queued in time, the passes follow each other and
+    ``period`` (pass + gap) is the pass alone; ``late_share`` counts the passes that waited
+    more than 5 µs for their front (their prep, sample and thresholds) or their launch."""
+    t = np.asarray(times, dtype=np.float64).reshape(-1, 5)
+    out: dict[str, float] = {"batches": len(t)}
+    if not len(t):
+        return out
+    out["queries_mean"] = round(float(t[:, 0].mean()), 2)
+    for j, name in ((1, "pass"), (2, "front")):
+        out[f"{name}_p50_us"] = round(float(np.median(t[:, j])), 1)
+        out[f"{name}_mean_us"] = round(float(t[:, j].mean()), 1)
+    known = t[~np.isnan(t[:, 4])]
+    out["followed"] = len(known)  # batches whose pass ahead was timed
+    if len(known):
+        for j, name in ((3, "lead"), (4, "gap")):
+            out[f"{name}_p50_us"] = round(float(np.median(known[:, j])), 1)
+            out[f"{name}_mean_us"] = round(float(known[:, j].mean()), 1)
+        out["gap_p90_us"] = round(float(np.percentile(known[:, 4], 90)), 1)
+        out["period_mean_us"] = round(float((known[:, 1] + known[:, 4]).mean()), 1)
+        out["late_share"] = round(float((known[:, 4] > 5.0).mean()), 3)
+    return out
 
 
 class _Lane:
@@ -486,6 +517,10 @@ class GpuIndex(Index):
         self.trace: list[tuple[str, Any, int]] | None = None
         # KALOS_BATCH_TIMING: per mma batch (queries, device us, launch-to-wait-end us, wait us)
         self.batch_times: list[tuple[int, float, float, float]] | None = [] if BATCH_TIMING else None
+        # and per batch queued behind another (queries, pass us, front us, lead us, gap us; see
+        # _launch_behind), with the timed end event of the last pass on the index's stream
+        self.queued_times: list[tuple[int, float, float, float, float]] | None = [] if BATCH_TIMING else None
+        self._pass_end_ev: Any = None
         self.gemm_stream_note = ""
         self._closed = False
         self.seg_addr = 0
@@ -744,6 +779,8 @@ class GpuIndex(Index):
             d["batch_timing"] = {"batches": len(t), "queries_mean": round(float(t[:, 0].mean()), 2),
                                  **{f"{name}_{kind}_us": round(float(f(t[:, j])), 1)
                                     for j, name in cols for kind, f in kinds}}  # fmt: skip
+        if self.queued_times:
+            d["queued_timing"] = queued_timing(self.queued_times)
         return d
 
     # ------------------------------------------------------------------ rows
@@ -1033,6 +1070,7 @@ class GpuIndex(Index):
             self._launch_behind(specs, k, high, NS_ANY if dense else ns, n)
             return
         self._finish_all()
+        self._pass_end_ev = None  # what runs next on the stream may not be a timed pass
         if not self.seg_addr:  # no segment registered (direct use): the host path
             super().search_slots(specs, k, high, ns, candidates, dense)
             return
@@ -1100,18 +1138,31 @@ class GpuIndex(Index):
         front, pas, sel = parts
         main, side = self.stream, lane.side
         mark = self._mark_on
+        timed = self.queued_times is not None and len(self.queued_times) < 1_000_000
+        # KALOS_BATCH_TIMING: the front's start and end on the side stream, the pass's start
+        # (when the stream reaches it: the earlier pass and this front both done) and end
+        evs = [self.cp.cuda.Event() for _ in range(4)] if timed else None
+        prev_end = self._pass_end_ev
 
         def launch() -> None:
             with self.device:
                 mark("front start", side)
+                if evs:
+                    evs[0].record(side)
                 front.launch(side)
                 lane.front_done.record(side)
                 mark("front end", side)
+                if evs:
+                    evs[1].record(side)
                 main.wait_event(lane.front_done)
                 mark("pass start", main)
+                if evs:
+                    evs[2].record(main)
                 pas.launch(main)
                 lane.pass_done.record(main)
                 mark("pass end", main)
+                if evs:
+                    evs[3].record(main)
                 side.wait_event(lane.pass_done)
                 sel.launch(side)
                 lane.done.record(side)
@@ -1120,10 +1171,14 @@ class GpuIndex(Index):
         self._check(launch)
         self.mma_batches += 1
         self.queued_batches += 1
+        if evs:
+            self._pass_end_ev = evs[3]
 
         def done() -> None:
             with self.device:
                 lane.done.synchronize()
+                if evs:
+                    self._time_queued(n, evs, prev_end)
                 if lane.overflow[0]:  # (ties, adversarial data): the exact path for this batch
                     self.threshold_overflows += 1
                     # every search still running finishes first: the fallback uses lane 0's
@@ -1216,6 +1271,7 @@ class GpuIndex(Index):
         end = self.cp.cuda.Event(block=False, disable_timing=True)
         end.record(self.stream)
         self._mma_end = end
+        self._pass_end_ev = ev1  # (None unless timed) what a batch queued behind this follows
         t_launch = time.perf_counter_ns()
         self.mma_batches += 1
 
@@ -1234,6 +1290,20 @@ class GpuIndex(Index):
                     self._gemm_topk(n, k, high, threshold=False)()
 
         return done
+
+    def _time_queued(self, n: int, evs: list[Any], prev_end: Any) -> None:
+        """Record a finished queued batch's times (KALOS_BATCH_TIMING) from its four events
+        (front start and end, pass start and end) and the end of the pass before it (None if
+        that was not timed): lead, how long before that end the batch was launched (its front
+        started); gap, how long the device's stream idled between that end and this pass."""
+        ms = self.cp.cuda.get_elapsed_time
+        front_start, front_end, pass_start, pass_end = evs
+        lead = gap = float("nan")
+        if prev_end is not None:
+            lead = ms(front_start, prev_end) * 1000
+            gap = ms(prev_end, pass_start) * 1000
+        self.queued_times.append(  # type: ignore[union-attr]
+            (n, ms(pass_start, pass_end) * 1000, ms(front_start, front_end) * 1000, lead, gap))
 
     def _mma_smem_ok(self, n: int) -> bool:
         """Whether ``n`` queries fit in mma_filter's shared memory (dims near 7200 may not)."""

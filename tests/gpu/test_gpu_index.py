@@ -307,6 +307,41 @@ def test_batches_queued_behind_each_other_are_exact(metric: str, dim: int, n: in
     idx.detach_segment()
 
 
+def test_queued_batches_are_timed_when_asked() -> None:
+    """With KALOS_BATCH_TIMING's lists in place, every batch queued behind another records
+    its pass, its front and where it stood against the pass ahead (describe()'s
+    queued_timing): the pass ahead timed each time, the stream never idle for less than
+    nothing between two passes, and the answers still exact."""
+    rng = np.random.default_rng()
+    n, dim = 300_007, 768
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    svc = make(dim, dtype="float16")
+    put(svc, data)
+    idx = svc.index
+    idx.batch_times, idx.queued_times = [], []  # what KALOS_BATCH_TIMING=1 sets at start
+    plan = [(5, 10), (16, 10), (9, 10), (13, 10)]
+    _mm, specs = _segment(idx, sum(b for b, _ in plan), dim, 10)
+    stored = _as_stored(data, "cosine")
+    del data
+    ns, cands, dense, _ = svc.eligible("", None)
+    high = svc.rows.high
+    batches = _poisoned_batches(specs, plan, rng, dim)
+    idx.launch_slots(batches[0][0], batches[0][2], high, ns, cands, dense)
+    for part, q, k in batches[1:]:
+        assert idx.queues_behind(len(q), k, high)
+        idx.launch_slots(part, k, high, ns, cands, dense, behind=True)
+        idx.finish_slots()
+    idx.finish_slots()
+    _check_batches(svc, batches, stored, "cosine")
+    assert [t[0] for t in idx.queued_times] == [16, 9, 13]
+    for _, pass_us, front_us, lead_us, gap_us in idx.queued_times:
+        assert 10.0 < pass_us < 50_000.0 and 0.0 < front_us < 50_000.0
+        assert np.isfinite(lead_us) and gap_us >= -1.0  # (events resolve ~0.5 µs)
+    qt = idx.describe()["queued_timing"]
+    assert qt["batches"] == 3 and qt["followed"] == 3 and qt["queries_mean"] == round(38 / 3, 2)
+    idx.detach_segment()
+
+
 def test_queued_batches_that_overflow_fall_back_exactly() -> None:
     """A queued batch whose candidate lists overflow (every row ties) is answered by the exact
     fallback from its own lane's descriptor, as is the batch it was queued behind."""
