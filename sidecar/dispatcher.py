@@ -20,7 +20,6 @@ import math
 import os
 import struct
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -72,18 +71,6 @@ GATHER_US: Final = int(os.environ.get("KALOS_GATHER_US", "0") or 0)
 # that recall in turn. Never past the device's end of the batch in flight; a client that
 # stopped recalling drops out of the count this long after its last recall.
 COHORT_WINDOW_NS: Final = 5_000_000
-
-# ... unless the pass in flight is due to end within this many µs (KALOS_QUEUE_LEAD_US; 0, off:
-# wait until the device is done with it). The queued batch's front (its prep, sample and
-# thresholds, ~50-75 µs beside a pass) must run before its pass can start: launched only once
-# the device was done, it left the device idle for the front and the launch. S29-3, 32
-# processes at 1M rows: half the queued batches were launched after the pass ahead had ended,
-# the stream idled 90 µs per pass on average (55 µs median) and a pass came every ~479 µs
-# against a pass of ~390. The pass's end is estimated from the host's clock: the batch ahead
-# started when the one before it finished, and a pass takes the least finish-to-finish
-# interval of the last PASS_WINDOW queued batches (an interval is one pass plus any idle time).
-QUEUE_LEAD_NS: Final = max(0, int(os.environ.get("KALOS_QUEUE_LEAD_US", "0") or 0)) * 1000
-PASS_WINDOW: Final = 16
 
 # Diagnostics (KALOS_BATCH_TIMING=1, as the GPU index's batch timing): the "return" phase, per
 # member of a batched recall, from the post of its slot's previous answer to the pickup of
@@ -162,10 +149,6 @@ class Dispatcher:
         self.lone = 0
         # slot -> when its last batched recall was picked up (see _queue_behind)
         self._seen: dict[int, int] = {}
-        # the batch _queue_behind last launched and when the batch it was queued behind
-        # finished (its pass's start, near enough); finish-to-finish intervals of such chains
-        self._chain: tuple[_Batch, int] | None = None
-        self._pass_ns: deque[int] = deque(maxlen=PASS_WINDOW)
         # slot -> when its last batched answer was posted (RETURN_TIMING; None: off)
         self._posted: dict[int, int] | None = {} if return_timing else None
         self._specs: dict[tuple[int, int, int], SlotSpec] = {}
@@ -338,8 +321,7 @@ class Dispatcher:
 
         Before the launch it takes the requests that keep arriving until every client seen
         lately (``COHORT_WINDOW_NS``) and not in ``b`` has one waiting, or the device is done
-        with ``b``, or (``KALOS_QUEUE_LEAD_US``) ``b``'s pass is due to end within that lead
-        (:meth:`_queue_deadline`): with 32 client processes at 1M rows, two cohorts take turns, and the
+        with ``b``: with 32 client processes at 1M rows, two cohorts take turns, and the
         cohort answered at the start of ``b``'s search comes back during it. Queued then, its
         pass starts the moment ``b``'s ends (prep and thresholds already done beside it), where
         launching after ``b`` ended left the device idle for the late pickups and the launch
@@ -355,10 +337,7 @@ class Dispatcher:
         expect = min(sum(1 for i in seen if i not in inflight), self.max_batch)
         got = 0
         index = self.service.index
-        due = self._queue_deadline(b)
         while len(members) < expect and not index.pending_done():
-            if time.perf_counter_ns() >= due:
-                break  # the pass in flight ends soon: launch whoever is here
             late = self.waiting()
             if not len(late):
                 continue
@@ -376,26 +355,8 @@ class Dispatcher:
         finally:  # b is answered even if this launch failed fatally
             self._inflight = c  # first: c stays known (settled later) if answering b fails
             self._finish(b)
-            self._chained(b, c)
             self._answer_batch(b)
         return got
-
-    def _queue_deadline(self, b: _Batch) -> float:
-        """When (host ns) to stop waiting for ``b``'s successor's cohort: QUEUE_LEAD_NS
-        before ``b``'s pass is estimated to end, if ``b`` was itself queued behind a batch
-        whose finish was seen and a pass time is known; else never (infinity)."""
-        if not QUEUE_LEAD_NS or self._chain is None or self._chain[0] is not b or not self._pass_ns:
-            return math.inf
-        return self._chain[1] + min(self._pass_ns) - QUEUE_LEAD_NS
-
-    def _chained(self, b: _Batch, c: _Batch | None) -> None:
-        """``b`` has just finished with ``c`` queued behind it (None: the launch failed):
-        record the finish-to-finish interval if ``b`` was queued behind the batch finished
-        last, and ``c``'s start."""
-        now = time.perf_counter_ns()
-        if self._chain is not None and self._chain[0] is b:
-            self._pass_ns.append(now - self._chain[1])
-        self._chain = None if c is None else (c, now)
 
     def _lone(self, i: int) -> bool:
         """Answer slot ``i``'s request the short way if it is a batch-1 recall in the default

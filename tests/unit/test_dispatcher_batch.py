@@ -546,47 +546,6 @@ def test_a_queued_launch_waits_no_longer_than_the_search_in_flight(monkeypatch: 
         read(i)
 
 
-@pytest.mark.parametrize("lead_us", [0, 10**9])
-def test_a_queued_launch_leaves_latecomers_once_the_pass_ahead_is_due_to_end(
-    lead_us: int,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """With KALOS_QUEUE_LEAD_US, once two queued batches have followed each other (a pass
-    time known, the batch in flight queued behind one whose finish was seen), the dispatcher
-    stops waiting for the rest of a cohort when the pass in flight is due to end within the
-    lead (here: a lead so long that it already is) and launches whoever is waiting; the
-    latecomer goes in the next batch. The negative control (lead 0, the default) waits for
-    it. Every client is answered right either way."""
-    monkeypatch.setattr(dispatcher_module, "QUEUE_LEAD_NS", lead_us * 1000)
-    d, (_lay, _mm, _svc, index, log, _states, request, read, answered) = _queue_rig(4, monkeypatch)
-    request(0)
-    request(1)
-    assert d.poll() == 2
-    for cohort, back in (((2, 3), False), ((0, 1), True)):  # two queued batches in a chain
-        for i in cohort:
-            if back:
-                read(i)
-            request(i)
-        assert d.poll() == 2
-        assert log[-2:] == ["queue 2", "finish"], log
-    assert len(d._pass_ns) == 1  # one finish-to-finish interval: the pass time is known
-    read(2)
-    read(3)
-    request(2)
-    index.arrivals.append(lambda: request(3))  # comes back while the dispatcher waits
-    log.clear()
-    n = d.poll()
-    if lead_us:
-        assert n == 1 and log == ["queue 1", "finish"], log  # 3 is left for the next batch
-        assert d.poll() == 1 and log[-2:] == ["queue 1", "finish"], log
-    else:
-        assert n == 2 and log == ["queue 2", "finish"], log
-    assert d.settle() >= 1
-    for i in (0, 1, 2, 3):
-        read(i)
-    assert sorted(a[:2] for a in answered) == sorted((i, s) for i in range(4) for s in (2, 3)), answered
-
-
 def test_a_batch_in_flight_stays_so_while_the_device_searches_and_nothing_waits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
