@@ -28,12 +28,12 @@ those of the clients while that side is timed (``KALOS_SPIN_US=0``: clients that
 their semaphores instead of spinning); each side's ``index.batch_timing`` and
 ``index.queued_timing`` (the batches queued behind another: pass, front, lead and gap, see
 ``index_gpu.queued_timing``) from its ``stats`` (``KALOS_BATCH_TIMING=1``) are printed and
-saved at the end, and with them the
-dispatcher's "return" phase among the phases: per batched member, the time from its slot's
-previous answer to its next request's pickup (how long the clients take to come back). With ``--arena-docs``
-both sidecars keep a document arena (``KALOS_ARENA=1``) and the throughput clients read their
-documents from it, as clients of a sidecar with a resident kernel do (``gpu_recall.py``'s 32
-processes); without, the documents come inline in each answer.
+saved at the end, and with them the dispatcher's "return" phase among the phases: per
+batched member, the time from its slot's previous answer to its next request's pickup (how
+long the clients take to come back). With ``--arena-docs`` both sidecars keep a document
+arena (``KALOS_ARENA=1``) and the throughput clients read their documents from it, as
+clients of a sidecar with a resident kernel do (``gpu_recall.py``'s 32 processes); without,
+the documents come inline in each answer.
 """
 
 from __future__ import annotations

@@ -315,11 +315,12 @@ def queued_timing(times: Sequence[tuple[int, float, float, float, float]]) -> di
     """Summarize KALOS_BATCH_TIMING's records of batches queued behind another, each
     (queries, pass us, front us, lead us, gap us), for ``describe()["queued_timing"]``.
 
-    ``lead`` is how long before the end of the pass ahead the batch was launched, ``gap`` how
-    long the device's stream idled between that pass and this one (NaN both when the pass
-    ahead was not timed). With every batch queued in time, the passes follow each other and
-    ``period`` (pass + gap) is the pass alone; ``late_share`` counts the passes that waited
-    more than 5 µs for their front (their prep, sample and thresholds) or their launch."""
+    ``lead`` is how long before the end of the pass ahead the batch's front started on the
+    device (its launch, near enough), ``gap`` how long the device's stream idled between that
+    pass and this one (NaN both when the pass ahead was not timed). With every batch queued in
+    time, the passes follow each other and ``period`` (pass + gap) is the pass alone;
+    ``late_share`` is the fraction of passes that waited more than 5 µs for their front
+    (their prep, sample and thresholds) or their launch."""
     t = np.asarray(times, dtype=np.float64).reshape(-1, 5)
     out: dict[str, float] = {"batches": len(t)}
     if not len(t):
@@ -1150,19 +1151,19 @@ class GpuIndex(Index):
                 if evs:
                     evs[0].record(side)
                 front.launch(side)
+                if evs:  # (before front_done / pass_done: lane.done then follows them)
+                    evs[1].record(side)
                 lane.front_done.record(side)
                 mark("front end", side)
-                if evs:
-                    evs[1].record(side)
                 main.wait_event(lane.front_done)
                 mark("pass start", main)
                 if evs:
                     evs[2].record(main)
                 pas.launch(main)
-                lane.pass_done.record(main)
-                mark("pass end", main)
                 if evs:
                     evs[3].record(main)
+                lane.pass_done.record(main)
+                mark("pass end", main)
                 side.wait_event(lane.pass_done)
                 sel.launch(side)
                 lane.done.record(side)
@@ -1184,6 +1185,7 @@ class GpuIndex(Index):
                     # every search still running finishes first: the fallback uses lane 0's
                     # buffers, and a batch queued behind this one may hold them
                     self.device.synchronize()
+                    self._pass_end_ev = None  # the fallback runs on the stream: no idle time to time
                     self._gemm_topk(n, k, high, threshold=False, desc_addr=lane.desc_addr)()
 
         self._pending.append(_Pending(done, i, lane.done))
@@ -1287,6 +1289,7 @@ class GpuIndex(Index):
                 self._mark("mma end")
                 if self._overflow[0]:
                     self.threshold_overflows += 1
+                    self._pass_end_ev = None  # (as in _launch_behind's fallback)
                     self._gemm_topk(n, k, high, threshold=False)()
 
         return done
@@ -1294,16 +1297,18 @@ class GpuIndex(Index):
     def _time_queued(self, n: int, evs: list[Any], prev_end: Any) -> None:
         """Record a finished queued batch's times (KALOS_BATCH_TIMING) from its four events
         (front start and end, pass start and end) and the end of the pass before it (None if
-        that was not timed): lead, how long before that end the batch was launched (its front
-        started); gap, how long the device's stream idled between that end and this pass."""
+        that was not timed): lead, how long before that end the batch's front started on the
+        device (its launch, near enough); gap, how long the device's stream idled between
+        that end and this pass. All four events precede ``lane.done`` in stream order, so
+        they are complete when its done() calls this."""
         ms = self.cp.cuda.get_elapsed_time
         front_start, front_end, pass_start, pass_end = evs
         lead = gap = float("nan")
         if prev_end is not None:
             lead = ms(front_start, prev_end) * 1000
             gap = ms(prev_end, pass_start) * 1000
-        self.queued_times.append(  # type: ignore[union-attr]
-            (n, ms(pass_start, pass_end) * 1000, ms(front_start, front_end) * 1000, lead, gap))
+        pass_us, front_us = ms(pass_start, pass_end) * 1000, ms(front_start, front_end) * 1000
+        self.queued_times.append((n, pass_us, front_us, lead, gap))  # type: ignore[union-attr]
 
     def _mma_smem_ok(self, n: int) -> bool:
         """Whether ``n`` queries fit in mma_filter's shared memory (dims near 7200 may not)."""

@@ -327,16 +327,20 @@ def test_queued_batches_are_timed_when_asked() -> None:
     high = svc.rows.high
     batches = _poisoned_batches(specs, plan, rng, dim)
     idx.launch_slots(batches[0][0], batches[0][2], high, ns, cands, dense)
+    ends = [idx._pass_end_ev]
     for part, q, k in batches[1:]:
         assert idx.queues_behind(len(q), k, high)
         idx.launch_slots(part, k, high, ns, cands, dense, behind=True)
+        ends.append(idx._pass_end_ev)  # each queued pass is the one the next follows
         idx.finish_slots()
     idx.finish_slots()
+    assert all(e is not None for e in ends) and len({id(e) for e in ends}) == len(ends)
     _check_batches(svc, batches, stored, "cosine")
     assert [t[0] for t in idx.queued_times] == [16, 9, 13]
     for _, pass_us, front_us, lead_us, gap_us in idx.queued_times:
         assert 10.0 < pass_us < 50_000.0 and 0.0 < front_us < 50_000.0
-        assert np.isfinite(lead_us) and gap_us >= -1.0  # (events resolve ~0.5 µs)
+        # a pass starts after both the pass ahead and its own front (events resolve ~0.5 µs)
+        assert np.isfinite(lead_us) and gap_us >= -1.0 and gap_us >= front_us - lead_us - 2.0
     qt = idx.describe()["queued_timing"]
     assert qt["batches"] == 3 and qt["followed"] == 3 and qt["queries_mean"] == round(38 / 3, 2)
     idx.detach_segment()
