@@ -150,9 +150,10 @@ USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") == "1"
 # each batch (CUDA events around its graph, and the host's clock from the launch to the end of
 # the wait) and reports the medians in describe()["batch_timing"]; for batches queued behind
 # another, their pass, front and place against the pass ahead in describe()["queued_timing"]
-# (see queued_timing). (S14-3, 32 processes at 1M
-# rows: the device took 431 us per batch of ~16 and the host was ready when it ended; waiting by
-# polling the end event instead of synchronizing was tried there and lost 1,670 recalls/s.)
+# (see queued_timing). (S14-3, 32 processes at 1M rows: the device took 431 us per batch of
+# ~16 and the host was ready when it ended; waiting by polling the end event instead of
+# synchronizing was tried there and lost 1,670 recalls/s. S29-3: the queued passes ~390 us,
+# the device idle ~90 us before each on average.)
 BATCH_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") == "1"
 _DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then is a fault
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
