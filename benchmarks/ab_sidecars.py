@@ -3,6 +3,7 @@
     python -P benchmarks/ab_sidecars.py --a /tmp/site_main --b /tmp/site_branch [--rows 1000000]
         [--rounds 6] [--procs 32] [--duration 3] [--device cuda] [--env-a K=V ...] [--env-b K=V ...]
         [--client-env-a K=V ...] [--client-env-b K=V ...]
+        [--sidecar-cpus-a LIST] [--sidecar-cpus-b LIST] [--client-cpus-a LIST] [--client-cpus-b LIST]
         --out DIR
 
 A and B are directories that hold an installed ``kalos_retrievers`` (``pip install --no-deps
@@ -33,7 +34,11 @@ batched member, the time from its slot's previous answer to its next request's p
 long the clients take to come back). With ``--arena-docs`` both sidecars keep a document
 arena (``KALOS_ARENA=1``) and the throughput clients read their documents from it, as
 clients of a sidecar with a resident kernel do (``gpu_recall.py``'s 32 processes); without,
-the documents come inline in each answer.
+the documents come inline in each answer. ``--sidecar-cpus-a`` / ``--sidecar-cpus-b`` (a CPU
+list such as ``15`` or ``0-14``) start that side's sidecar with that CPU affinity (its process
+and its children inherit it, as under ``taskset -c``), and ``--client-cpus-a`` /
+``--client-cpus-b`` give this process and the throughput workers that affinity while that side
+is timed: a sidecar on a core of its own, and the clients kept off it.
 """
 
 from __future__ import annotations
@@ -53,6 +58,30 @@ from kalos_retrievers.sidecar.bench import load, machine, make_data, throughput,
 from kalos_retrievers import Sidecar
 
 DIM, K, BATCH = 768, 10, 64
+
+
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a list such as ``0-14`` or ``3,5,7-9``."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+@contextmanager
+def affinity(cpus: set[int] | None) -> Iterator[None]:
+    """This process's CPU affinity set to ``cpus`` inside the block (None: unchanged); the
+    processes it starts meanwhile keep it."""
+    if cpus is None:
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 @contextmanager
@@ -76,17 +105,20 @@ def environ(env: Mapping[str, str | None]) -> Iterator[None]:
 
 
 def start(path: str, device: str, rows: np.ndarray, env: dict[str, str] | None = None,
-          doorbell: bool = False) -> Sidecar:  # fmt: skip
+          doorbell: bool = False, cpus: set[int] | None = None) -> Sidecar:  # fmt: skip
     """A sidecar whose process imports the package under ``path``, loaded with ``rows``, with
-    ``env`` added to its environment (and its resident kernel off unless ``doorbell``)."""
+    ``env`` added to its environment (and its resident kernel off unless ``doorbell``), run on
+    ``cpus`` (None: any)."""
     pythonpath = os.pathsep.join(p for p in (str(Path(path).resolve()), os.environ.get("PYTHONPATH")) if p)
-    with environ({"PYTHONPATH": pythonpath, "KALOS_DOORBELL": None if doorbell else "0", **(env or {})}):
+    with (environ({"PYTHONPATH": pythonpath, "KALOS_DOORBELL": None if doorbell else "0", **(env or {})}),
+          affinity(cpus)):  # fmt: skip
         sc = Sidecar(dim=DIM, device=device, slots=40, max_batch=64, payload_kb=8192,
                      log_level="WARNING", startup_timeout=300).start()  # fmt: skip
     assert sc.proc is not None
     proc_env = Path(f"/proc/{sc.proc.pid}/environ").read_bytes().split(b"\0")
     got = next((e.decode().split("=", 1)[1] for e in proc_env if e.startswith(b"PYTHONPATH=")), "")
     assert got.startswith(str(Path(path).resolve())), got  # the sidecar runs package ``path``
+    assert cpus is None or os.sched_getaffinity(sc.proc.pid) == cpus, os.sched_getaffinity(sc.proc.pid)
     with sc.client(timeout=600) as c:
         load(c, rows, progress=False)
         assert c.count() == len(rows)
@@ -118,6 +150,11 @@ def main() -> int:
                     help="environment of the clients while A is timed (e.g. KALOS_SPIN_US=0)")  # fmt: skip
     ap.add_argument("--client-env-b", nargs="*", default=[], metavar="K=V",
                     help="environment of the clients while B is timed")  # fmt: skip
+    for side in ("a", "b"):
+        ap.add_argument(f"--sidecar-cpus-{side}", type=cpu_list, metavar="LIST",
+                        help=f"CPUs of {side.upper()}'s sidecar (e.g. 15)")  # fmt: skip
+        ap.add_argument(f"--client-cpus-{side}", type=cpu_list, metavar="LIST",
+                        help=f"CPUs of the clients while {side.upper()} is timed (e.g. 0-14)")  # fmt: skip
     ap.add_argument("--arena-docs", action="store_true", help="clients read documents from the arena")
     ap.add_argument("--doorbell", action="store_true",
                     help="keep the resident kernels (one side's stopped while the other runs)")  # fmt: skip
@@ -134,11 +171,13 @@ def main() -> int:
     res: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "a": args.a, "b": args.b,
                            "rows": args.rows, "procs": args.procs, "env": envs,
                            "client_env": client_envs, "arena_docs": args.arena_docs,
+                           "cpus": {f"{who}_{side}": sorted(c) for who in ("sidecar", "client") for side in "ab"
+                                    if (c := getattr(args, f"{who}_cpus_{side}")) is not None},
                            "doorbell": args.doorbell, "rounds": []}  # fmt: skip
     with ExitStack() as stack:
         sides = {}
         for label, path in (("a", args.a), ("b", args.b)):
-            sc = start(path, args.device, rows, envs[label], args.doorbell)
+            sc = start(path, args.device, rows, envs[label], args.doorbell, getattr(args, f"sidecar_cpus_{label}"))
             stack.callback(sc.stop)
             sides[label] = sc
         for r in range(args.rounds):
@@ -147,13 +186,14 @@ def main() -> int:
                 sc = sides[label]
                 if args.doorbell:
                     quiesce(sides["b" if label == "a" else "a"], queries)
-                with environ(client_envs[label]), sc.client(timeout=30) as c:
+                cpus = getattr(args, f"client_cpus_{label}")
+                with affinity(cpus), environ(client_envs[label]), sc.client(timeout=30) as c:
                     b64 = time_calls(lambda i: c.recall_batch(queries[(i % 16) * BATCH : (i % 16 + 1) * BATCH], K),
                                      200, 20)  # fmt: skip
                     b1 = None
                     if args.doorbell:
                         b1 = time_calls(lambda i: c.recall(queries[i % len(queries)], K), 2000, 200)
-                with environ(client_envs[label]):
+                with affinity(cpus), environ(client_envs[label]):
                     thr = throughput(sc.name, DIM, K, args.procs, args.duration, True if args.arena_docs else None)
                 rnd[label] = {"batch64_p50_us": b64["p50_us"], "procs_per_s": thr["recalls_per_s"],
                               "procs_p99_us": thr["p99_us"]}  # fmt: skip
