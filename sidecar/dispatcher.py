@@ -72,7 +72,8 @@ GATHER_US: Final = int(os.environ.get("KALOS_GATHER_US", "0") or 0)
 # stopped recalling drops out of the count this long after its last recall.
 COHORT_WINDOW_NS: Final = 5_000_000
 
-# Diagnostics (KALOS_BATCH_TIMING=1, as the GPU index's batch timing): the "return" phase, per
+# Diagnostics (KALOS_BATCH_TIMING=1, as the GPU index's batch timing; the sidecar then also times
+# its garbage collections, stats.time_gc, and _queue_behind its waits): the "return" phase, per
 # member of a batched recall, from the post of its slot's previous answer to the pickup of
 # this request: how long a client took to come back (its wake-up and its own work between two
 # recalls), which decides whether it makes the next batch queued behind the running one
@@ -151,6 +152,7 @@ class Dispatcher:
         self._seen: dict[int, int] = {}
         # slot -> when its last batched answer was posted (RETURN_TIMING; None: off)
         self._posted: dict[int, int] | None = {} if return_timing else None
+        self.timing = return_timing  # the diagnostics of RETURN_TIMING (also: _queue_behind's waits)
         self._specs: dict[tuple[int, int, int], SlotSpec] = {}
         lay = layout
         base = np.frombuffer(mm, np.uint8)
@@ -337,6 +339,7 @@ class Dispatcher:
         expect = min(sum(1 for i in seen if i not in inflight), self.max_batch)
         got = 0
         index = self.service.index
+        t_wait = time.perf_counter_ns()
         while len(members) < expect and not index.pending_done():
             late = self.waiting()
             if not len(late):
@@ -350,10 +353,15 @@ class Dispatcher:
         del groups[(k, flags)]
         self._inflight = None
         c = None
+        t_launch = time.perf_counter_ns()
         try:
             c = self._launch_batch(members, k, flags, behind=True)
         finally:  # b is answered even if this launch failed fatally
             self._inflight = c  # first: c stays known (settled later) if answering b fails
+            if self.timing:  # how long the cohort was waited for, by what ended the wait; the launch
+                wait = "cohort_wait" if len(members) >= expect else "device_wait"
+                self._phases_due.append((wait, (t_launch - t_wait) / 1000))
+                self._phases_due.append(("queue_launch", (time.perf_counter_ns() - t_launch) / 1000))
             self._finish(b)
             self._answer_batch(b)
         return got

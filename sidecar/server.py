@@ -20,6 +20,7 @@ refused with a STOPPING status, and the segment and semaphores are removed.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import random
@@ -28,7 +29,7 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -55,7 +56,7 @@ from . import blas
 from .dispatcher import Dispatcher
 from .index import CpuIndex, FatalDeviceError, Index
 from .service import Service
-from .stats import Stats
+from .stats import Stats, time_gc
 from .store import NullStore, SqliteStore, StoreOpenError
 
 log = logging.getLogger("kalos.sidecar")
@@ -176,6 +177,7 @@ class Server:
         # a second, spurious re-publication).
         self._publish_lock = threading.Lock()
         self._fatal = False
+        self._untime_gc: Callable[[], None] | None = None  # stops timing collections (see time_gc)
         self.arena: ArenaWriter | None = None
         self._arena_segs: dict[int, _ipc.Segment] = {}
         self._arena_tried = False
@@ -284,6 +286,8 @@ class Server:
                      "sidecar's Python", k)  # fmt: skip
         self.dispatcher = Dispatcher(seg.mm, lay, self.resp_sems, self.service, self.stats,
                                      max_batch=cfg.max_batch, describe=self.describe)  # fmt: skip
+        if self.dispatcher.timing and self._untime_gc is None:  # (diagnostics: KALOS_BATCH_TIMING=1)
+            self._untime_gc = time_gc(self.stats)
         log.info("segment %s: %d slots of %d KiB (%.1f MiB in all), dim=%d, metric=%s",
                  name, lay.n_slots, lay.slot_size // 1024, lay.segment_size / 2**20, cfg.dim,
                  cfg.metric)  # fmt: skip
@@ -431,6 +435,8 @@ class Server:
             signal.signal(signal.SIGINT, self._on_signal)
         pace = Pace(int(self.cfg.spin_us * 1000))
         next_housekeeping = 0
+        if GC_OFF:  # (an experiment, see GC_OFF)
+            gc.disable()
         while not self._stop.is_set():
             if self._republish.is_set():
                 self._do_republish()
@@ -673,6 +679,9 @@ class Server:
     def close(self) -> None:
         """Refuse what is pending, remove the IPC objects, close the store. Idempotent."""
         self._stop.set()
+        if self._untime_gc is not None:
+            self._untime_gc()
+            self._untime_gc = None
         if self._metrics is not None:
             with contextlib.suppress(Exception):
                 self._metrics.shutdown()
@@ -734,6 +743,9 @@ def arena_segments_to_close(segs: Mapping[int, Any], version: int) -> list[int]:
 
 _IDLE_WAIT_NS = 50_000_000  # longest doorbell wait: housekeeping and stop run between waits
 LONE_RECALLS = 4  # lone batch-1 recalls in a row after which the resident kernel is started
+# An experiment (KALOS_GC=off): the serve loop runs with Python's garbage collector disabled,
+# to measure what its pauses cost the batches (KALOS_BATCH_TIMING=1 times them: stats.time_gc).
+GC_OFF = os.environ.get("KALOS_GC") == "off"
 DOORBELL_IDLE_S = float(os.environ.get("KALOS_DOORBELL_IDLE_S", "5"))  # stopped after this idle
 _PACE_MIN_MARGIN_NS = 250_000  # a timed wait oversleeps by ~0.1 ms on a small VM
 _PACE_MAX_GAP_NS = 100_000_000  # longer gaps are not predicted: the sidecar just sleeps

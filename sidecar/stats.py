@@ -7,10 +7,12 @@ The same numbers feed ``kalos-sidecar stats`` and the Prometheus text endpoint.
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
@@ -138,3 +140,23 @@ class Stats:
             kind = "counter" if name.endswith("_total") else "gauge"
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {v}"]
         return "\n".join(out) + "\n"
+
+
+def time_gc(stats: Stats) -> Callable[[], None]:
+    """Record each of this process's garbage collections in ``stats`` as the phase "gc0",
+    "gc1" or "gc2" (its generation), from its start to its end; return the function that
+    stops recording.
+
+    Diagnostics (the sidecar does it with ``KALOS_BATCH_TIMING=1``): the serve loop is one
+    Python thread, so a collection that runs while a batch waits to be launched or answered
+    delays that batch by its whole pause."""
+    started = [0]
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter_ns()
+        else:
+            stats.phase(f"gc{info['generation']}", (time.perf_counter_ns() - started[0]) / 1000)
+
+    gc.callbacks.append(timed)
+    return lambda: gc.callbacks.remove(timed)

@@ -546,6 +546,38 @@ def test_a_queued_launch_waits_no_longer_than_the_search_in_flight(monkeypatch: 
         read(i)
 
 
+@pytest.mark.parametrize(("timing", "back"), [(True, True), (True, False), (False, True)])
+def test_a_queued_launch_is_timed_by_what_ended_its_wait(
+    timing: bool, back: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the diagnostics on (``KALOS_BATCH_TIMING=1``), a batch queued behind another records
+    how long the dispatcher waited for its cohort, as "cohort_wait" when the whole cohort came
+    back and "device_wait" when the device's end cut the wait short, and its launch as
+    "queue_launch". Off (the negative control), none of them."""
+    d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(5, monkeypatch)
+    d.timing = timing
+    for i in (0, 1):
+        request(i)
+    assert d.poll() == 2
+    request(2)
+    if back:
+        index.arrivals += [lambda: request(3), lambda: request(4)]
+    else:
+        index.done_after = 3  # 3 and 4 stay away
+    assert d.poll() == (3 if back else 1)
+    assert log == ["launch 2", f"queue {3 if back else 1}", "finish"], log
+    phases = d.stats.phases
+    assert ("cohort_wait" in phases) == (timing and back), phases.keys()
+    assert ("device_wait" in phases) == (timing and not back), phases.keys()
+    assert ("queue_launch" in phases) == timing, phases.keys()
+    if timing:
+        wait = phases["cohort_wait" if back else "device_wait"]
+        assert wait.count == 1 and phases["queue_launch"].count == 1
+    assert d.settle() == (3 if back else 1)
+    for i in range(5 if back else 3):
+        read(i)
+
+
 def test_a_batch_in_flight_stays_so_while_the_device_searches_and_nothing_waits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
