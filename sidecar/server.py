@@ -20,7 +20,6 @@ refused with a STOPPING status, and the segment and semaphores are removed.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import random
@@ -435,8 +434,12 @@ class Server:
             signal.signal(signal.SIGINT, self._on_signal)
         pace = Pace(int(self.cfg.spin_us * 1000))
         next_housekeeping = 0
-        if GC_OFF:  # (an experiment, see GC_OFF)
-            gc.disable()
+        profile = None
+        if PROFILE:  # (diagnostics, see PROFILE)
+            import cProfile
+
+            profile = cProfile.Profile()
+            profile.enable()
         while not self._stop.is_set():
             if self._republish.is_set():
                 self._do_republish()
@@ -491,6 +494,9 @@ class Server:
                 continue
             if _ipc.wait(self.bell, min(sleep_ns, _IDLE_WAIT_NS) / 1e9):
                 _ipc.drain(self.bell)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(PROFILE)
         self.close()
 
     def _resume_doorbell_if_idle(self) -> None:
@@ -743,9 +749,9 @@ def arena_segments_to_close(segs: Mapping[int, Any], version: int) -> list[int]:
 
 _IDLE_WAIT_NS = 50_000_000  # longest doorbell wait: housekeeping and stop run between waits
 LONE_RECALLS = 4  # lone batch-1 recalls in a row after which the resident kernel is started
-# An experiment (KALOS_GC=off): the serve loop runs with Python's garbage collector disabled,
-# to measure what its pauses cost the batches (KALOS_BATCH_TIMING=1 times them: stats.time_gc).
-GC_OFF = os.environ.get("KALOS_GC") == "off"
+# Diagnostics (KALOS_PROFILE=FILE): the serve loop runs under cProfile, its statistics written
+# to FILE (pstats' format) when it stops: where the sidecar's own time goes under a real load.
+PROFILE = os.environ.get("KALOS_PROFILE", "")
 DOORBELL_IDLE_S = float(os.environ.get("KALOS_DOORBELL_IDLE_S", "5"))  # stopped after this idle
 _PACE_MIN_MARGIN_NS = 250_000  # a timed wait oversleeps by ~0.1 ms on a small VM
 _PACE_MAX_GAP_NS = 100_000_000  # longer gaps are not predicted: the sidecar just sleeps
