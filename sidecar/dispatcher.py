@@ -153,6 +153,7 @@ class Dispatcher:
         # slot -> when its last batched answer was posted (RETURN_TIMING; None: off)
         self._posted: dict[int, int] | None = {} if return_timing else None
         self.timing = return_timing  # the diagnostics of RETURN_TIMING (also: _queue_behind's waits)
+        self.profile: Any = None  # a cProfile.Profile enabled around each queued launch (KALOS_PROFILE)
         self._specs: dict[tuple[int, int, int], SlotSpec] = {}
         lay = layout
         base = np.frombuffer(mm, np.uint8)
@@ -354,9 +355,14 @@ class Dispatcher:
         self._inflight = None
         c = None
         t_launch = time.perf_counter_ns()
+        profile = self.profile
         try:
+            if profile is not None:
+                profile.enable()
             c = self._launch_batch(members, k, flags, behind=True)
         finally:  # b is answered even if this launch failed fatally
+            if profile is not None:
+                profile.disable()
             self._inflight = c  # first: c stays known (settled later) if answering b fails
             if self.timing:  # how long the cohort was waited for, by what ended the wait; the launch
                 wait = "cohort_wait" if len(members) >= expect else "device_wait"

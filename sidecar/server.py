@@ -285,6 +285,10 @@ class Server:
                      "sidecar's Python", k)  # fmt: skip
         self.dispatcher = Dispatcher(seg.mm, lay, self.resp_sems, self.service, self.stats,
                                      max_batch=cfg.max_batch, describe=self.describe)  # fmt: skip
+        if PROFILE:
+            import cProfile
+
+            self.dispatcher.profile = cProfile.Profile()
         if self.dispatcher.timing and self._untime_gc is None:  # (diagnostics: KALOS_BATCH_TIMING=1)
             self._untime_gc = time_gc(self.stats)
         log.info("segment %s: %d slots of %d KiB (%.1f MiB in all), dim=%d, metric=%s",
@@ -434,12 +438,6 @@ class Server:
             signal.signal(signal.SIGINT, self._on_signal)
         pace = Pace(int(self.cfg.spin_us * 1000))
         next_housekeeping = 0
-        profile = None
-        if PROFILE:  # (diagnostics, see PROFILE)
-            import cProfile
-
-            profile = cProfile.Profile()
-            profile.enable()
         while not self._stop.is_set():
             if self._republish.is_set():
                 self._do_republish()
@@ -494,9 +492,8 @@ class Server:
                 continue
             if _ipc.wait(self.bell, min(sleep_ns, _IDLE_WAIT_NS) / 1e9):
                 _ipc.drain(self.bell)
-        if profile is not None:
-            profile.disable()
-            profile.dump_stats(PROFILE)
+        if self.dispatcher is not None and self.dispatcher.profile is not None:
+            self.dispatcher.profile.dump_stats(PROFILE)
         self.close()
 
     def _resume_doorbell_if_idle(self) -> None:
@@ -749,8 +746,9 @@ def arena_segments_to_close(segs: Mapping[int, Any], version: int) -> list[int]:
 
 _IDLE_WAIT_NS = 50_000_000  # longest doorbell wait: housekeeping and stop run between waits
 LONE_RECALLS = 4  # lone batch-1 recalls in a row after which the resident kernel is started
-# Diagnostics (KALOS_PROFILE=FILE): the serve loop runs under cProfile, its statistics written
-# to FILE (pstats' format) when it stops: where the sidecar's own time goes under a real load.
+# Diagnostics (KALOS_PROFILE=FILE): the dispatcher's launches of batches queued behind another
+# run under cProfile (Dispatcher.profile), its statistics written to FILE (pstats' format) when
+# the serve loop stops: where the host's time goes between a cohort's last request and its pass.
 PROFILE = os.environ.get("KALOS_PROFILE", "")
 DOORBELL_IDLE_S = float(os.environ.get("KALOS_DOORBELL_IDLE_S", "5"))  # stopped after this idle
 _PACE_MIN_MARGIN_NS = 250_000  # a timed wait oversleeps by ~0.1 ms on a small VM

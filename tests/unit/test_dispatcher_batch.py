@@ -578,6 +578,35 @@ def test_a_queued_launch_is_timed_by_what_ended_its_wait(
         read(i)
 
 
+@pytest.mark.parametrize("profiled", [True, False])
+def test_a_queued_launch_runs_under_the_profiler_when_asked(profiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Dispatcher.profile`` (the sidecar sets it with ``KALOS_PROFILE``) is enabled around each
+    launch of a batch queued behind another, and only there: its statistics hold the launch
+    and not the wait for the cohort. Without one (the negative control) nothing is profiled."""
+    import cProfile
+    import pstats
+
+    d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(4, monkeypatch)
+    prof = cProfile.Profile()
+    d.profile = prof if profiled else None
+    for i in (0, 1):
+        request(i)
+    assert d.poll() == 2
+    request(2)
+    index.arrivals.append(lambda: request(3))
+    assert d.poll() == 2 and log == ["launch 2", "queue 2", "finish"], log
+    assert d.settle() == 2
+    for i in range(4):
+        read(i)
+    if not profiled:
+        with pytest.raises(TypeError):  # (an empty profile has no statistics)
+            pstats.Stats(prof)
+        return
+    names = {fn[2] for fn in pstats.Stats(prof).stats}  # type: ignore[attr-defined]
+    assert "_launch_batch" in names and "launch_slots" in names, names
+    assert "pending_done" not in names and "waiting" not in names, names
+
+
 def test_a_batch_in_flight_stays_so_while_the_device_searches_and_nothing_waits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
