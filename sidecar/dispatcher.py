@@ -577,6 +577,46 @@ class Dispatcher:
     # ------------------------------------------------------------------ answering
     def _launch_batch(self, part: list[tuple[int, Request, int]], k: int, flags: int,
                       behind: bool = False) -> _Batch | None:  # fmt: skip
+        taken = self._taken
+        if all(i in taken for i, _, _ in part):  # every query checked by _hotpath.take already
+            taken.difference_update([i for i, _, _ in part])
+        else:
+            part = self._finite_members(part)
+            if not part:
+                return None
+        if self.pending:  # an abandoned answer's rest is void once its slot asks anew (as in _one)
+            for i, _, _ in part:
+                self.pending.pop(i, None)
+        seen, now, spec = self._seen, time.perf_counter_ns(), self._spec
+        specs = []
+        for i, req, _ in part:
+            seen[i] = now
+            specs.append(spec(i, req))
+        posted = self._posted
+        if posted is not None:  # (diagnostics, see RETURN_TIMING)
+            for i, _, t0 in part:
+                t = posted.pop(i, None)
+                if t is not None:
+                    self._phases_due.append(("return", (t0 - t) / 1000))
+        if len(part) > 1:
+            self.stats.batches += 1
+            self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
+        ts = time.perf_counter_ns()
+        # from finding the request, or from the end of work this pass did before it
+        self._phases_due.append(("pickup", (ts - max(part[0][2], self._busy_until)) / 1000))
+        try:
+            self.service.index.pause_doorbell()
+            kk = self.service.launch_recall(specs, k, "", None, check_finite=False, behind=behind)
+        except FatalDeviceError:
+            raise
+        except Exception as e:  # the members still waiting get it, not those refused above
+            self._fail_all(part, e)
+            return None
+        return _Batch(part, specs, kk, flags, ts, time.perf_counter_ns())
+
+    def _finite_members(self, part: list[tuple[int, Request, int]]) -> list[tuple[int, Request, int]]:
+        """``part`` less the members whose queries are not finite, each answered BAD_REQUEST;
+        forgets which members _hotpath.take took (it checked theirs)."""
         # Members whose queries are not finite are refused one by one, not the whole batch
         # with them (a hostile client must not fail its neighbours' recalls). A client that
         # writes NaN after this check only spoils its own rows of the batched search.
@@ -609,37 +649,7 @@ class Dispatcher:
                 keep.append((i, req, t0))
             else:
                 self._error(i, req, Status.BAD_REQUEST, "queries contain NaN or infinity", t0)
-        part = keep
-        if not part:
-            return None
-        if self.pending:  # an abandoned answer's rest is void once its slot asks anew (as in _one)
-            for i, _, _ in part:
-                self.pending.pop(i, None)
-        specs = [self._spec(i, req) for i, req, _ in part]
-        seen, now = self._seen, time.perf_counter_ns()
-        for i, _, _ in part:
-            seen[i] = now
-        posted = self._posted
-        if posted is not None:  # (diagnostics, see RETURN_TIMING)
-            for i, _, t0 in part:
-                t = posted.pop(i, None)
-                if t is not None:
-                    self._phases_due.append(("return", (t0 - t) / 1000))
-        if len(part) > 1:
-            self.stats.batches += 1
-            self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
-        ts = time.perf_counter_ns()
-        # from finding the request, or from the end of work this pass did before it
-        self._phases_due.append(("pickup", (ts - max(part[0][2], self._busy_until)) / 1000))
-        try:
-            self.service.index.pause_doorbell()
-            kk = self.service.launch_recall(specs, k, "", None, check_finite=False, behind=behind)
-        except FatalDeviceError:
-            raise
-        except Exception as e:  # the members still waiting get it, not those refused above
-            self._fail_all(part, e)
-            return None
-        return _Batch(part, specs, kk, flags, ts, time.perf_counter_ns())
+        return keep
 
     def _answer_batch(self, b: _Batch) -> None:
         """Write every member's answer, then post their semaphores. A post wakes a blocked

@@ -288,6 +288,7 @@ def _poisson_below(lam: float, k: int) -> float:
     return sum(math.exp(j * math.log(lam) - lam - math.lgamma(j + 1)) for j in range(k))
 
 
+@functools.lru_cache(maxsize=256)  # asked two or three times per batch, with few distinct (k, high)
 def tau_sample(k: int, high: int) -> int | None:
     """How many rows (a power of two, from row 0) give a query's threshold for the threshold
     top-k: its k-th best score among them (tau_scores); every row scoring at least that is a
@@ -455,6 +456,7 @@ class GpuIndex(Index):
         self.mma_batches = 0  # batches answered by mma_filter (diagnostics and tests)
         # mma_filter's shared-memory row stride for the queries: ld padded to 32 mod 64 halves
         self.lds = self.ld + (32 - self.ld % 64) % 64
+        self._smem_ok: dict[int, bool] = {}  # queries per batch -> _mma_smem_ok
         self.smem_per_sm = int(props.get("sharedMemPerMultiprocessor", self.smem_optin))
         # what decides how many blocks of the resident kernel can be on an SM at once
         self.sm_limits = SmLimits(int(props.get("regsPerMultiprocessor", 65536)), self.smem_per_sm,
@@ -1006,13 +1008,22 @@ class GpuIndex(Index):
 
     def _addresses(self, specs: list[SlotSpec]) -> tuple[list[int], list[int], list[int], int]:
         """Every query's address, and where its rows and scores go, in the order of ``specs``;
-        and the rows' stride (results per query)."""
+        and the rows' stride (results per query). (A batch-1 member's are its spec's own: with
+        32 client processes every queued launch has ~15 of them, and the general way cost
+        ~25 µs of the launch under cProfile, S30-4.)"""
         qs, rows, scores = [], [], []
+        q_ld = 4 * self.dim
         for s in specs:
             n = len(s.queries)
-            qs += [s.q_addr + 4 * self.dim * j for j in range(n)]
-            rows += [s.rows_addr + 4 * s.rows.shape[1] * j for j in range(n)]
-            scores += [s.scores_addr + 4 * s.scores.shape[1] * j for j in range(n)]
+            if n == 1:
+                qs.append(s.q_addr)
+                rows.append(s.rows_addr)
+                scores.append(s.scores_addr)
+                continue
+            r_ld, s_ld = 4 * s.rows.shape[1], 4 * s.scores.shape[1]
+            qs += [s.q_addr + q_ld * j for j in range(n)]
+            rows += [s.rows_addr + r_ld * j for j in range(n)]
+            scores += [s.scores_addr + s_ld * j for j in range(n)]
         return qs, rows, scores, specs[0].rows.shape[1]
 
     def search_slots(
@@ -1312,10 +1323,14 @@ class GpuIndex(Index):
         self.queued_times.append((n, pass_us, front_us, lead, gap))  # type: ignore[union-attr]
 
     def _mma_smem_ok(self, n: int) -> bool:
-        """Whether ``n`` queries fit in mma_filter's shared memory (dims near 7200 may not)."""
-        nt = next(t for t in _MMA_NT if 8 * t >= n)
-        mma = kernels.get_kernel("mma_filter", nt, self.metric)
-        return 8 * nt * self.lds * 2 + mma.shared_size_bytes <= self.smem_optin
+        """Whether ``n`` queries fit in mma_filter's shared memory (dims near 7200 may not).
+        (Remembered per ``n``: asked two or three times per queued batch.)"""
+        ok = self._smem_ok.get(n)
+        if ok is None:
+            nt = next(t for t in _MMA_NT if 8 * t >= n)
+            mma = kernels.get_kernel("mma_filter", nt, self.metric)
+            ok = self._smem_ok[n] = 8 * nt * self.lds * 2 + mma.shared_size_bytes <= self.smem_optin
+        return ok
 
     def _mma_graph(self, n: int, k: int, sample: int) -> Any:
         """The captured mma path for ``n`` queries, ``k`` and a ``sample`` of rows (None when
