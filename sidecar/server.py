@@ -177,6 +177,7 @@ class Server:
         self._publish_lock = threading.Lock()
         self._fatal = False
         self._untime_gc: Callable[[], None] | None = None  # stops timing collections (see time_gc)
+        self._profile: Any = None  # the queued launches' cProfile.Profile (KALOS_PROFILE)
         self.arena: ArenaWriter | None = None
         self._arena_segs: dict[int, _ipc.Segment] = {}
         self._arena_tried = False
@@ -285,10 +286,12 @@ class Server:
                      "sidecar's Python", k)  # fmt: skip
         self.dispatcher = Dispatcher(seg.mm, lay, self.resp_sems, self.service, self.stats,
                                      max_batch=cfg.max_batch, describe=self.describe)  # fmt: skip
-        if PROFILE:
-            import cProfile
+        if PROFILE:  # (diagnostics; one profile across re-publications)
+            if self._profile is None:
+                import cProfile
 
-            self.dispatcher.profile = cProfile.Profile()
+                self._profile = cProfile.Profile()
+            self.dispatcher.profile = self._profile
         if self.dispatcher.timing and self._untime_gc is None:  # (diagnostics: KALOS_BATCH_TIMING=1)
             self._untime_gc = time_gc(self.stats)
         log.info("segment %s: %d slots of %d KiB (%.1f MiB in all), dim=%d, metric=%s",
@@ -492,8 +495,8 @@ class Server:
                 continue
             if _ipc.wait(self.bell, min(sleep_ns, _IDLE_WAIT_NS) / 1e9):
                 _ipc.drain(self.bell)
-        if self.dispatcher is not None and self.dispatcher.profile is not None:
-            self.dispatcher.profile.dump_stats(PROFILE)
+        if self._profile is not None:
+            self._profile.dump_stats(PROFILE)
         self.close()
 
     def _resume_doorbell_if_idle(self) -> None:
