@@ -351,14 +351,18 @@ class Dispatcher:
                 return got  # b was settled for a write, or another batch formed: the usual path
         if self._inflight is not b or not self._queues(groups):
             return got
+        profile = self.profile
+        if profile is not None:  # (before the batch leaves groups: enable may raise)
+            try:
+                profile.enable()
+            except ValueError:  # another profiler holds the interpreter's (Python 3.12+)
+                log.warning("KALOS_PROFILE: the profiler could not start; not profiling", exc_info=True)
+                self.profile = profile = None
         del groups[(k, flags)]
         self._inflight = None
         c = None
         t_launch = time.perf_counter_ns()
-        profile = self.profile
         try:
-            if profile is not None:
-                profile.enable()
             c = self._launch_batch(members, k, flags, behind=True)
         finally:  # b is answered even if this launch failed fatally
             if profile is not None:
@@ -578,7 +582,7 @@ class Dispatcher:
     def _launch_batch(self, part: list[tuple[int, Request, int]], k: int, flags: int,
                       behind: bool = False) -> _Batch | None:  # fmt: skip
         taken = self._taken
-        if all(i in taken for i, _, _ in part):  # every query checked by _hotpath.take already
+        if part and all(i in taken for i, _, _ in part):  # every query checked by _hotpath.take already
             taken.difference_update([i for i, _, _ in part])
         else:
             part = self._finite_members(part)
@@ -609,7 +613,7 @@ class Dispatcher:
             kk = self.service.launch_recall(specs, k, "", None, check_finite=False, behind=behind)
         except FatalDeviceError:
             raise
-        except Exception as e:  # the members still waiting get it, not those refused above
+        except Exception as e:  # the members still waiting get it, not those _finite_members refused
             self._fail_all(part, e)
             return None
         return _Batch(part, specs, kk, flags, ts, time.perf_counter_ns())

@@ -495,8 +495,6 @@ class Server:
                 continue
             if _ipc.wait(self.bell, min(sleep_ns, _IDLE_WAIT_NS) / 1e9):
                 _ipc.drain(self.bell)
-        if self._profile is not None:
-            self._profile.dump_stats(PROFILE)
         self.close()
 
     def _resume_doorbell_if_idle(self) -> None:
@@ -688,6 +686,12 @@ class Server:
         if self._untime_gc is not None:
             self._untime_gc()
             self._untime_gc = None
+        if self._profile is not None:  # (KALOS_PROFILE: written however the sidecar stops)
+            profile, self._profile = self._profile, None
+            try:
+                profile.dump_stats(PROFILE)
+            except Exception:  # diagnostics must not keep the sidecar from closing
+                log.exception("KALOS_PROFILE: could not write %s", PROFILE)
         if self._metrics is not None:
             with contextlib.suppress(Exception):
                 self._metrics.shutdown()

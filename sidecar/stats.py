@@ -144,19 +144,22 @@ class Stats:
 
 def time_gc(stats: Stats) -> Callable[[], None]:
     """Record each of this process's garbage collections in ``stats`` as the phase "gc0",
-    "gc1" or "gc2" (its generation), from its start to its end; return the function that
-    stops recording.
+    "gc1" or "gc2" (its generation; all three are there from the start, at count 0), from its
+    start to its end; return the function that stops recording.
 
     Diagnostics (the sidecar does it with ``KALOS_BATCH_TIMING=1``): the serve loop is one
     Python thread, so a collection that runs while a batch waits to be launched or answered
     delays that batch by its whole pause."""
     started = [0]
+    # The histograms exist before the first collection: a collection can run anywhere, in the
+    # middle of the stats' own snapshot too, and must never add a key to the dict it iterates.
+    hists = [stats.phases.setdefault(f"gc{g}", Histogram()) for g in range(3)]
 
     def timed(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             started[0] = time.perf_counter_ns()
         else:
-            stats.phase(f"gc{info['generation']}", (time.perf_counter_ns() - started[0]) / 1000)
+            hists[min(info["generation"], 2)].record((time.perf_counter_ns() - started[0]) / 1000)
 
     gc.callbacks.append(timed)
     return lambda: gc.callbacks.remove(timed)

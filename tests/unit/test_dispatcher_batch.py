@@ -607,6 +607,36 @@ def test_a_queued_launch_runs_under_the_profiler_when_asked(profiled: bool, monk
     assert "pending_done" not in names and "waiting" not in names, names
 
 
+def test_a_profiler_that_cannot_start_leaves_the_queued_batch_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profiler whose ``enable`` fails (another profiler holds Python 3.12's slot) is dropped
+    with a warning; the batch it was to profile is launched and answered all the same."""
+
+    class Refusing:
+        def enable(self) -> None:
+            raise ValueError("another profiling tool is already active")
+
+        def disable(self) -> None:
+            raise AssertionError("never enabled")
+
+    d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(4, monkeypatch)
+    d.profile = Refusing()
+    for i in (0, 1):
+        request(i)
+    assert d.poll() == 2
+    request(2)
+    index.arrivals.append(lambda: request(3))
+    assert d.poll() == 2 and log == ["launch 2", "queue 2", "finish"], log
+    assert d.profile is None
+    assert d.settle() == 2
+    for i in range(4):
+        read(i)
+
+
+def test_an_empty_batch_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    d, (_lay, _mm, _svc, _index, log, _states, _request, _read, _answered) = _queue_rig(2, monkeypatch)
+    assert d._launch_batch([], 2, 0) is None and log == []
+
+
 def test_a_batch_in_flight_stays_so_while_the_device_searches_and_nothing_waits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
