@@ -578,17 +578,11 @@ def test_a_queued_launch_is_timed_by_what_ended_its_wait(
         read(i)
 
 
-@pytest.mark.parametrize("profiled", [True, False])
-def test_a_queued_launch_runs_under_the_profiler_when_asked(profiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``Dispatcher.profile`` (the sidecar sets it with ``KALOS_PROFILE``) is enabled around each
-    launch of a batch queued behind another, and only there: its statistics hold the launch
-    and not the wait for the cohort. Without one (the negative control) nothing is profiled."""
-    import cProfile
-    import pstats
-
+def _two_cohorts_of_two(profile, monkeypatch: pytest.MonkeyPatch) -> Dispatcher:  # type: ignore[no-untyped-def]
+    """Slots 0-1 launched, then 2-3 queued behind them with ``profile`` as the dispatcher's
+    profiler, every answer checked; the dispatcher after."""
     d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(4, monkeypatch)
-    prof = cProfile.Profile()
-    d.profile = prof if profiled else None
+    d.profile = profile
     for i in (0, 1):
         request(i)
     assert d.poll() == 2
@@ -598,6 +592,19 @@ def test_a_queued_launch_runs_under_the_profiler_when_asked(profiled: bool, monk
     assert d.settle() == 2
     for i in range(4):
         read(i)
+    return d
+
+
+@pytest.mark.parametrize("profiled", [True, False])
+def test_a_queued_launch_runs_under_the_profiler_when_asked(profiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Dispatcher.profile`` (the sidecar sets it with ``KALOS_PROFILE``) is enabled around each
+    launch of a batch queued behind another, and only there: its statistics hold the launch
+    and not the wait for the cohort. Without one (the negative control) nothing is profiled."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    _two_cohorts_of_two(prof if profiled else None, monkeypatch)
     if not profiled:
         with pytest.raises(TypeError):  # (an empty profile has no statistics)
             pstats.Stats(prof)
@@ -618,18 +625,7 @@ def test_a_profiler_that_cannot_start_leaves_the_queued_batch_launched(monkeypat
         def disable(self) -> None:
             raise AssertionError("never enabled")
 
-    d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(4, monkeypatch)
-    d.profile = Refusing()
-    for i in (0, 1):
-        request(i)
-    assert d.poll() == 2
-    request(2)
-    index.arrivals.append(lambda: request(3))
-    assert d.poll() == 2 and log == ["launch 2", "queue 2", "finish"], log
-    assert d.profile is None
-    assert d.settle() == 2
-    for i in range(4):
-        read(i)
+    assert _two_cohorts_of_two(Refusing(), monkeypatch).profile is None
 
 
 def test_an_empty_batch_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
