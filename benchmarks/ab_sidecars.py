@@ -31,7 +31,9 @@ their semaphores instead of spinning); each side's ``index.batch_timing`` and
 ``index_gpu.queued_timing``) from its ``stats`` (``KALOS_BATCH_TIMING=1``) are printed and
 saved at the end, and with them the dispatcher's "return" phase among the phases: per
 batched member, the time from its slot's previous answer to its next request's pickup (how
-long the clients take to come back). With ``--arena-docs`` both sidecars keep a document
+long the clients take to come back), and the serve loop's scheduler figures during the
+rounds (``serve_thread``, Linux: how long it waited runnable for a CPU, how often it was
+preempted). With ``--arena-docs`` both sidecars keep a document
 arena (``KALOS_ARENA=1``) and the throughput clients read their documents from it, as
 clients of a sidecar with a resident kernel do (``gpu_recall.py``'s 32 processes); without,
 the documents come inline in each answer. ``--sidecar-cpus-a`` / ``--sidecar-cpus-b`` (a CPU
@@ -180,6 +182,10 @@ def main() -> int:
             sc = start(path, args.device, rows, envs[label], args.doorbell, getattr(args, f"sidecar_cpus_{label}"))
             stack.callback(sc.stop)
             sides[label] = sc
+        sched0 = {}  # each serve loop's scheduler figures before the rounds (see thread_sched)
+        for label, sc in sides.items():
+            with sc.client(timeout=30) as c:
+                sched0[label] = c.stats().get("serve_thread")
         for r in range(args.rounds):
             rnd: dict[str, Any] = {}
             for label in ("a", "b") if r % 2 == 0 else ("b", "a"):
@@ -207,6 +213,9 @@ def main() -> int:
             ix = st.get("index", {})
             res[f"stats_{label}"] = {"phases": st.get("phases"), "index": ix.get("batch_timing"),
                                      "queued": ix.get("queued_timing")}  # fmt: skip
+            s0, s1 = sched0[label], st.get("serve_thread")
+            if s0 and s1:  # the serve loop during the rounds: how long it waited for a CPU
+                res[f"stats_{label}"]["serve_thread"] = {key: s1[key] - s0[key] for key in s1}
             print(label, json.dumps(res[f"stats_{label}"]), flush=True)
     summary = {}
     for key in ("batch64_p50_us", "procs_per_s", "procs_p99_us", *(("batch1_p50_us",) if args.doorbell else ())):

@@ -371,10 +371,27 @@ class Dispatcher:
             if self.timing:  # how long the cohort was waited for, by what ended the wait; the launch
                 wait = "cohort_wait" if len(members) >= expect else "device_wait"
                 self._phases_due.append((wait, (t_launch - t_wait) / 1000))
-                self._phases_due.append(("queue_launch", (time.perf_counter_ns() - t_launch) / 1000))
+                self._time_launch(t_launch, c is not None)
             self._finish(b)
             self._answer_batch(b)
         return got
+
+    def _time_launch(self, t_launch: int, launched: bool) -> None:
+        """Note a queued launch that began at ``t_launch`` as the phase "queue_launch", and,
+        where the index stamped it (``behind_stamps``: the GPU index with KALOS_BATCH_TIMING),
+        its parts: "ql_dispatch" (the dispatcher and the service up to the index),
+        "ql_prep" (the index's Python before its CUDA calls), "ql_cuda" (those calls, with the
+        timing's own events) and "ql_after" (the dispatcher's bookkeeping after the launch)."""
+        t_end = time.perf_counter_ns()
+        due = self._phases_due
+        due.append(("queue_launch", (t_end - t_launch) / 1000))
+        st = getattr(self.service.index, "behind_stamps", None)
+        if launched and st is not None and t_launch <= st[0] <= st[2] <= t_end:  # this launch's
+            t_in, t_cuda, t_out = st
+            due.append(("ql_dispatch", (t_in - t_launch) / 1000))
+            due.append(("ql_prep", (t_cuda - t_in) / 1000))
+            due.append(("ql_cuda", (t_out - t_cuda) / 1000))
+            due.append(("ql_after", (t_end - t_out) / 1000))
 
     def _lone(self, i: int) -> bool:
         """Answer slot ``i``'s request the short way if it is a batch-1 recall in the default
@@ -588,14 +605,27 @@ class Dispatcher:
             part = self._finite_members(part)
             if not part:
                 return None
+        spec = self._spec
+        specs = [spec(i, req) for i, req, _ in part]
+        ts = time.perf_counter_ns()
+        try:
+            self.service.index.pause_doorbell()
+            kk = self.service.launch_recall(specs, k, "", None, check_finite=False, behind=behind)
+        except FatalDeviceError:
+            raise
+        except Exception as e:  # the members still waiting get it, not those _finite_members refused
+            self._fail_all(part, e)
+            return None
+        t_launched = time.perf_counter_ns()
+        # The bookkeeping after the launch, while the device searches: with 32 client processes
+        # each queued launch follows the last member of its cohort, and the device may be idle
+        # until it is made.
         if self.pending:  # an abandoned answer's rest is void once its slot asks anew (as in _one)
             for i, _, _ in part:
                 self.pending.pop(i, None)
-        seen, now, spec = self._seen, time.perf_counter_ns(), self._spec
-        specs = []
-        for i, req, _ in part:
-            seen[i] = now
-            specs.append(spec(i, req))
+        seen = self._seen
+        for i, _, _ in part:
+            seen[i] = ts
         posted = self._posted
         if posted is not None:  # (diagnostics, see RETURN_TIMING)
             for i, _, t0 in part:
@@ -605,18 +635,9 @@ class Dispatcher:
         if len(part) > 1:
             self.stats.batches += 1
             self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
-        ts = time.perf_counter_ns()
         # from finding the request, or from the end of work this pass did before it
         self._phases_due.append(("pickup", (ts - max(part[0][2], self._busy_until)) / 1000))
-        try:
-            self.service.index.pause_doorbell()
-            kk = self.service.launch_recall(specs, k, "", None, check_finite=False, behind=behind)
-        except FatalDeviceError:
-            raise
-        except Exception as e:  # the members still waiting get it, not those _finite_members refused
-            self._fail_all(part, e)
-            return None
-        return _Batch(part, specs, kk, flags, ts, time.perf_counter_ns())
+        return _Batch(part, specs, kk, flags, ts, t_launched)
 
     def _finite_members(self, part: list[tuple[int, Request, int]]) -> list[tuple[int, Request, int]]:
         """``part`` less the members whose queries are not finite, each answered BAD_REQUEST;

@@ -524,6 +524,9 @@ class GpuIndex(Index):
         # and per batch queued behind another (queries, pass us, front us, lead us, gap us; see
         # _launch_behind), with the timed end event of the last pass on the index's stream
         self.queued_times: list[tuple[int, float, float, float, float]] | None = [] if BATCH_TIMING else None
+        # and the host's clock (perf_counter_ns) around the last queued launch: entered
+        # _launch_behind, began its CUDA calls, returned (the dispatcher's "ql_*" phases)
+        self.behind_stamps: tuple[int, int, int] | None = None
         self._pass_end_ev: Any = None
         self.gemm_stream_note = ""
         self._closed = False
@@ -1120,6 +1123,7 @@ class GpuIndex(Index):
         lane's side stream (in the block slots the running pass leaves free), the pass on the
         index's stream after both that side work and everything before it, the selection on
         the side stream after the pass."""
+        t_in = time.perf_counter_ns()
         i = 1 - self._pending[-1].lane
         lane = self._check(lambda: self._lane(i))
         sample = self._tau_sample(k, high)
@@ -1152,10 +1156,11 @@ class GpuIndex(Index):
         main, side = self.stream, lane.side
         mark = self._mark_on
         timed = self.queued_times is not None and len(self.queued_times) < 1_000_000
+        prev_end = self._pass_end_ev
+        t_cuda = time.perf_counter_ns()
         # KALOS_BATCH_TIMING: the front's start and end on the side stream, the pass's start
         # (when the stream reaches it: the earlier pass and this front both done) and end
         evs = [self.cp.cuda.Event() for _ in range(4)] if timed else None
-        prev_end = self._pass_end_ev
 
         def launch() -> None:
             with self.device:
@@ -1186,6 +1191,7 @@ class GpuIndex(Index):
         self.queued_batches += 1
         if evs:
             self._pass_end_ev = evs[3]
+            self.behind_stamps = (t_in, t_cuda, time.perf_counter_ns())
 
         def done() -> None:
             with self.device:

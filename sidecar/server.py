@@ -55,7 +55,7 @@ from . import blas
 from .dispatcher import Dispatcher
 from .index import CpuIndex, FatalDeviceError, Index
 from .service import Service
-from .stats import Stats, time_gc
+from .stats import Stats, thread_sched, time_gc
 from .store import NullStore, SqliteStore, StoreOpenError
 
 log = logging.getLogger("kalos.sidecar")
@@ -178,6 +178,7 @@ class Server:
         self._fatal = False
         self._untime_gc: Callable[[], None] | None = None  # stops timing collections (see time_gc)
         self._profile: Any = None  # the queued launches' cProfile.Profile (KALOS_PROFILE)
+        self._serve_tid: int | None = None  # the serve loop's thread (native id), once it runs
         self.arena: ArenaWriter | None = None
         self._arena_segs: dict[int, _ipc.Segment] = {}
         self._arena_tried = False
@@ -439,6 +440,7 @@ class Server:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
+        self._serve_tid = threading.get_native_id()  # (describe()'s "serve_thread")
         pace = Pace(int(self.cfg.spin_us * 1000))
         next_housekeeping = 0
         while not self._stop.is_set():
@@ -596,6 +598,7 @@ class Server:
             "blas_threads": blas.get_threads(),
             "index": idx,
             "device_bytes": idx.get("device_bytes", 0),
+            **({"serve_thread": st} if (st := thread_sched(self._serve_tid)) is not None else {}),
         }
 
     # ------------------------------------------------------------------ maintenance

@@ -163,3 +163,24 @@ def time_gc(stats: Stats) -> Callable[[], None]:
 
     gc.callbacks.append(timed)
     return lambda: gc.callbacks.remove(timed)
+
+
+def thread_sched(tid: int | None) -> dict[str, int] | None:
+    """What the kernel's scheduler says of thread ``tid`` of this process (Linux; None
+    elsewhere, or for no thread): ``cpu_ns`` it ran, ``runqueue_ns`` it waited runnable for a
+    CPU (time taken from it by other processes: on a host whose cores the clients fill, every
+    such wait delays the batch the sidecar was about to launch or answer), ``timeslices``, and
+    its ``voluntary_switches`` (it slept) and ``involuntary_switches`` (it was preempted).
+    Cumulative since the thread started; the sidecar reports its serve loop's."""
+    if tid is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            cpu, wait, slices = (int(x) for x in f.read().split()[:3])
+        with open(f"/proc/self/task/{tid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        return {"cpu_ns": cpu, "runqueue_ns": wait, "timeslices": slices,
+                "voluntary_switches": int(status["voluntary_ctxt_switches"]),
+                "involuntary_switches": int(status["nonvoluntary_ctxt_switches"])}  # fmt: skip
+    except (OSError, ValueError, KeyError):  # not Linux, no schedstat, or the thread is gone
+        return None

@@ -7,6 +7,8 @@ buffers poisoned before each call, so an element the kernels did not write fails
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from kalos_testing import as_float16_stored as _as_stored  # (rows and queries as the float16 batched path sees them)
@@ -328,10 +330,16 @@ def test_queued_batches_are_timed_when_asked() -> None:
     batches = _poisoned_batches(specs, plan, rng, dim)
     idx.launch_slots(batches[0][0], batches[0][2], high, ns, cands, dense)
     ends = [idx._pass_end_ev]
+    assert idx.behind_stamps is None  # (a launch not queued behind another is not stamped)
     for part, q, k in batches[1:]:
         assert idx.queues_behind(len(q), k, high)
+        t0 = time.perf_counter_ns()
         idx.launch_slots(part, k, high, ns, cands, dense, behind=True)
+        t1 = time.perf_counter_ns()
         ends.append(idx._pass_end_ev)  # each queued pass is the one the next follows
+        # the host's clock in the launch: entered, began the CUDA calls, returned
+        st = idx.behind_stamps
+        assert st is not None and t0 <= st[0] <= st[1] <= st[2] <= t1, (t0, st, t1)
         idx.finish_slots()
     idx.finish_slots()
     assert all(e is not None for e in ends) and len({id(e) for e in ends}) == len(ends)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import pstats
+import sys
 
 import numpy as np
 import pytest
@@ -53,3 +54,16 @@ def test_profile_is_written_when_the_sidecar_stops(start_sidecar, monkeypatch, t
     assert out.exists()
     with pytest.raises(TypeError):  # (an empty profile: pstats finds no statistics in it)
         pstats.Stats(str(out))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_stats_report_the_serve_loops_scheduler_figures(start_sidecar) -> None:
+    """``stats()["serve_thread"]``: the serve loop's own CPU time and switches (not the
+    thread that happens to build the stats), growing as it answers."""
+    sc = start_sidecar(dim=5)
+    with sc.client() as c:
+        first = c.stats()["serve_thread"]
+    second = _churn(sc)["serve_thread"]
+    assert set(first) == {"cpu_ns", "runqueue_ns", "timeslices", "voluntary_switches", "involuntary_switches"}
+    assert second["cpu_ns"] > first["cpu_ns"] > 0
+    assert second["timeslices"] > first["timeslices"]

@@ -442,10 +442,21 @@ class _QueueingIndex(_DeferredIndex):
         self.asked = 0
         self.arrivals: list = []
         self.max_n = 64  # the most queries a queued batch may have (a device's shared memory)
+        # "fresh": each queued launch stamps behind_stamps as the GPU index does with
+        # KALOS_BATCH_TIMING; "stale": stamps left from some earlier launch; None: none
+        self.stamps: str | None = None
+        self.behind_stamps: tuple[int, int, int] | None = None
 
     def launch_slots(self, specs, k, high, ns, candidates, dense, behind=False) -> None:  # type: ignore[no-untyped-def]
         if behind:
+            t_in = time.perf_counter_ns()
             assert self.queues_behind(sum(len(s.queries) for s in specs), k, high)
+            if self.stamps == "fresh":
+                t_cuda = time.perf_counter_ns()
+                time.sleep(0.002)  # the "CUDA calls": the longest part, so that its share shows
+                self.behind_stamps = (t_in, t_cuda, time.perf_counter_ns())
+            elif self.stamps == "stale":
+                self.behind_stamps = (1, 2, 3)
         while self.queue and not behind:
             self.finish_slots()
         for s in specs:
@@ -575,6 +586,36 @@ def test_a_queued_launch_is_timed_by_what_ended_its_wait(
         assert wait.count == 1 and phases["queue_launch"].count == 1
     assert d.settle() == (3 if back else 1)
     for i in range(5 if back else 3):
+        read(i)
+
+
+@pytest.mark.parametrize("stamps", ["fresh", "stale", None])
+def test_a_timed_queued_launch_is_split_where_the_index_stamped_it(
+    stamps: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the index stamped the queued launch (``behind_stamps``, the GPU index with
+    ``KALOS_BATCH_TIMING``), "queue_launch" is split into its parts: "ql_dispatch" up to the
+    index, "ql_prep" and "ql_cuda" inside it, "ql_after" once it returned; they add up to the
+    whole. Stamps of some earlier launch, or none (negative controls): no parts."""
+    d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(4, monkeypatch)
+    d.timing = True
+    index.stamps = stamps
+    for i in (0, 1):
+        request(i)
+    assert d.poll() == 2
+    request(2)
+    index.arrivals.append(lambda: request(3))
+    assert d.poll() == 2 and log == ["launch 2", "queue 2", "finish"], log
+    phases = d.stats.phases
+    parts = ("ql_dispatch", "ql_prep", "ql_cuda", "ql_after")
+    assert all((p in phases) == (stamps == "fresh") for p in parts), phases.keys()
+    if stamps == "fresh":
+        assert all(phases[p].count == 1 for p in (*parts, "queue_launch"))
+        total = phases["queue_launch"].sum_us
+        assert phases["ql_cuda"].sum_us >= 2000  # the index's "CUDA calls" slept 2 ms
+        assert sum(phases[p].sum_us for p in parts) == pytest.approx(total, abs=1.0)
+    assert d.settle() == 2
+    for i in range(4):
         read(i)
 
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import gc
+import sys
+import threading
+import time
 
-from kalos_retrievers.sidecar.stats import Stats, time_gc
+import pytest
+from kalos_retrievers.sidecar.stats import Stats, thread_sched, time_gc
 
 
 def test_garbage_collections_are_timed_until_stopped() -> None:
@@ -25,3 +29,24 @@ def test_garbage_collections_are_timed_until_stopped() -> None:
     gc.collect(2)
     assert {name: h.count for name, h in stats.phases.items()} == counts
     assert not any(getattr(c, "__qualname__", "").startswith("time_gc") for c in gc.callbacks)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_thread_sched_reports_a_threads_cpu_time_and_switches() -> None:
+    """A thread's scheduler figures grow as it runs and sleeps; no thread, or one that is not
+    there (the negative controls), gives None."""
+    tid = threading.get_native_id()
+    before = thread_sched(tid)
+    assert before is not None and set(before) == {"cpu_ns", "runqueue_ns", "timeslices", "voluntary_switches",
+                                                  "involuntary_switches"}  # fmt: skip
+    end = time.perf_counter() + 0.02
+    while time.perf_counter() < end:  # 20 ms on the CPU
+        pass
+    time.sleep(0.001)  # one voluntary switch at least
+    after = thread_sched(tid)
+    assert after is not None
+    assert after["cpu_ns"] - before["cpu_ns"] >= 15_000_000
+    assert after["voluntary_switches"] > before["voluntary_switches"]
+    assert all(after[k] >= before[k] >= 0 for k in before)
+    assert thread_sched(None) is None
+    assert thread_sched(2**31 - 1) is None  # (above any pid_max: no such thread)
