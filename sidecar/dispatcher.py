@@ -78,7 +78,7 @@ COHORT_WINDOW_NS: Final = 5_000_000
 # this request: how long a client took to come back (its wake-up and its own work between two
 # recalls), which decides whether it makes the next batch queued behind the running one
 # (session 26: ~14 queries per batch with 32 processes where 16 would give 40k/s).
-RETURN_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") == "1"
+RETURN_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") in ("1", "host")
 
 # ops answered from host state alone: they run beside the index's resident kernel
 _HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CONTINUE})
