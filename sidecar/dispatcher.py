@@ -72,8 +72,9 @@ GATHER_US: Final = int(os.environ.get("KALOS_GATHER_US", "0") or 0)
 # stopped recalling drops out of the count this long after its last recall.
 COHORT_WINDOW_NS: Final = 5_000_000
 
-# Diagnostics (KALOS_BATCH_TIMING=1, as the GPU index's batch timing; the sidecar then also times
-# its garbage collections, stats.time_gc, and _queue_behind its waits): the "return" phase, per
+# Diagnostics (KALOS_BATCH_TIMING=1 or "host", as the GPU index's batch timing; the sidecar then
+# also times its garbage collections, stats.time_gc, and _queue_behind its waits and launches):
+# the "return" phase, per
 # member of a batched recall, from the post of its slot's previous answer to the pickup of
 # this request: how long a client took to come back (its wake-up and its own work between two
 # recalls), which decides whether it makes the next batch queued behind the running one

@@ -47,7 +47,6 @@ import numpy as np
 from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE
 from kalos_retrievers.protocol import Metric
 
-from . import cuda_driver
 from . import cuda_kernels as kernels
 from .index import (
     NS_ANY,
@@ -155,17 +154,10 @@ USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") == "1"
 # ~16 and the host was ready when it ended; waiting by polling the end event instead of
 # synchronizing was tried there and lost 1,670 recalls/s. S29-3: the queued passes ~390 us,
 # the device idle ~90 us before each on average.) "host": the host's clock only (the
-# dispatcher's phases, behind_stamps), with every launch made as without the timing ("1"'s
-# events need a queued batch's three launches, see QUEUE_GRAPH).
+# dispatcher's phases, behind_stamps), without the events: each queued launch made as in
+# service (S31-2: "1"'s events cost the launch ~17 µs of host time, "ql_cuda" 40 against 23).
 BATCH_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") == "1"
 HOST_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") in ("1", "host")
-# A batch queued behind another is launched as one CUDA graph (front, pass and selection, its
-# pass waiting on the pass ahead through an external event: cuda_driver.py), where three
-# graph launches and five event calls took ~40 µs of host time per queued batch with the
-# timing's events (S31-1: "ql_cuda", of a ~93 µs launch), all of it after the cohort's last
-# member came back. KALOS_QUEUE_GRAPH=0, the timing's events (KALOS_BATCH_TIMING=1) or a
-# trace: the three launches.
-QUEUE_GRAPH: Final = os.environ.get("KALOS_QUEUE_GRAPH", "1") != "0"
 _DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then is a fault
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
@@ -393,10 +385,6 @@ class _Lane:
             self.side = cp.cuda.Stream(non_blocking=True, priority=-5)
             ev = lambda: cp.cuda.Event(block=False, disable_timing=True)  # noqa: E731
             self.front_done, self.pass_done, self.done = ev(), ev(), ev()
-            # the end of the last pass that used this lane's buffers, recorded where that pass
-            # ran (a queued graph's external record node; after a plain batch's graph on the
-            # index's stream): what a batch queued behind it waits for (QUEUE_GRAPH)
-            self.pass_end = ev()
 
 
 class _Pending(NamedTuple):
@@ -543,7 +531,6 @@ class GpuIndex(Index):
         # _launch_behind, began its CUDA calls, returned (the dispatcher's "ql_*" phases)
         self.behind_stamps: tuple[int, int, int] | None = None
         self.stamp_behind = HOST_TIMING
-        self.queue_graph = QUEUE_GRAPH and cuda_driver.available()  # (else the three launches)
         self._pass_end_ev: Any = None
         self.gemm_stream_note = ""
         self._closed = False
@@ -1139,18 +1126,12 @@ class GpuIndex(Index):
         the lane that search does not hold. On the device: prep, sample and thresholds on the
         lane's side stream (in the block slots the running pass leaves free), the pass on the
         index's stream after both that side work and everything before it, the selection on
-        the side stream after the pass. One graph launch (QUEUE_GRAPH:
-        :meth:`_launch_behind_graph`), or, with the timing's events or a trace, three (front,
-        pass, selection) with the events between them."""
+        the side stream after the pass."""
         t_in = time.perf_counter_ns()
         i = 1 - self._pending[-1].lane
         lane = self._check(lambda: self._lane(i))
         sample = self._tau_sample(k, high)
         assert sample is not None
-        timed = self.queued_times is not None and len(self.queued_times) < 1_000_000
-        if self.queue_graph and not timed and self.trace is None:
-            self._launch_behind_graph(specs, k, high, ns, n, i, lane, sample, t_in)
-            return
         key = (-2, i, n, k, sample)
         parts = self.graphs.get(key)
         if parts is None:
@@ -1178,8 +1159,8 @@ class GpuIndex(Index):
         front, pas, sel = parts
         main, side = self.stream, lane.side
         mark = self._mark_on
+        timed = self.queued_times is not None and len(self.queued_times) < 1_000_000
         prev_end = self._pass_end_ev
-        ahead = self._lanes[1 - i]
         t_cuda = time.perf_counter_ns()
         # KALOS_BATCH_TIMING: the front's start and end on the side stream, the pass's start
         # (when the stream reaches it: the earlier pass and this front both done) and end
@@ -1196,8 +1177,6 @@ class GpuIndex(Index):
                 lane.front_done.record(side)
                 mark("front end", side)
                 main.wait_event(lane.front_done)
-                if self.queue_graph:  # the pass ahead may have run in a queued graph, off this stream
-                    main.wait_event(ahead.pass_end)
                 mark("pass start", main)
                 if evs:
                     evs[2].record(main)
@@ -1205,8 +1184,6 @@ class GpuIndex(Index):
                 if evs:
                     evs[3].record(main)
                 lane.pass_done.record(main)
-                if self.queue_graph:  # (a batch queued behind this one may be one graph)
-                    lane.pass_end.record(main)
                 mark("pass end", main)
                 side.wait_event(lane.pass_done)
                 sel.launch(side)
@@ -1214,16 +1191,10 @@ class GpuIndex(Index):
                 mark("select end", side)
 
         self._check(launch)
-        if evs:
-            self._pass_end_ev = evs[3]
-        self._queued(n, k, high, i, lane, evs, prev_end, t_in, t_cuda)
-
-    def _queued(self, n: int, k: int, high: int, i: int, lane: _Lane, evs: list[Any] | None, prev_end: Any,
-                t_in: int, t_cuda: int) -> None:  # fmt: skip
-        """Count a queued batch just launched (on lane ``i``), stamp it (see behind_stamps) and
-        leave its wait among the pending searches."""
         self.mma_batches += 1
         self.queued_batches += 1
+        if evs:
+            self._pass_end_ev = evs[3]
         if self.stamp_behind or evs:
             self.behind_stamps = (t_in, t_cuda, time.perf_counter_ns())
 
@@ -1241,65 +1212,6 @@ class GpuIndex(Index):
                     self._gemm_topk(n, k, high, threshold=False, desc_addr=lane.desc_addr)()
 
         self._pending.append(_Pending(done, i, lane.done))
-
-    def _launch_behind_graph(self, specs: list[SlotSpec], k: int, high: int, ns: int, n: int, i: int,
-                             lane: _Lane, sample: int, t_in: int) -> None:  # fmt: skip
-        """:meth:`_launch_behind` as one graph launch (QUEUE_GRAPH; see :meth:`_queued_graph`)
-        and one event record (the batch's end, for its wait)."""
-        key = (-3, i, n, k, sample)
-        graph = self.graphs.get(key)
-        if graph is None:
-            ahead = self._check(lambda: self._lane(1 - i))  # (made before the capture: it allocates)
-            launches = self._mma_launches(n, k, sample, lane, SIDE_RESERVE)
-            assert launches is not None
-            if len(self.graphs) >= GRAPH_CACHE:
-                self.graphs.clear()
-            graph = self.graphs[key] = self._check(lambda: self._queued_graph(lane, ahead, launches))
-        qs, rows, scores, out_ld = self._addresses(specs)
-        self._write_desc(k, high, ns, 0, qs, rows, scores, out_ld, lane.desc_off)
-        lane.overflow[0] = 0
-        t_cuda = time.perf_counter_ns()
-        side = lane.side
-
-        def launch() -> None:
-            with self.device:
-                graph.launch(side)
-                lane.done.record(side)
-
-        self._check(launch)
-        self._queued(n, k, high, i, lane, None, None, t_in, t_cuda)
-
-    def _queued_graph(self, lane: _Lane, ahead: _Lane, launches: tuple[tuple[str, Callable[[], None]], ...]) -> Any:
-        """Capture a queued batch's kernels (``launches``, from :meth:`_mma_launches`) as one
-        graph, launched on ``lane``'s side stream: the front (prep, sample, thresholds) at
-        once, beside the pass ahead; the pass after both the front and ``ahead.pass_end`` (the
-        pass ahead's end: an external event wait, resolved at each launch); then its own end
-        recorded in ``lane.pass_end`` (an external record, what the next queued batch waits
-        for) and the selection. Inside the capture the index's stream carries the pass (it
-        joins the capture through ``front_done`` and leaves it through ``pass_done``), so the
-        pass runs as before, and the side stream the rest."""
-        main, side = self.stream, lane.side
-        (_, front0), (_, front1), (_, front2), (_, pas), (_, sel) = launches
-        with self.device:
-            side.begin_capture()
-            try:
-                with side:
-                    front0()
-                    front1()
-                    front2()
-                lane.front_done.record(side)
-                main.wait_event(lane.front_done)
-                cuda_driver.wait_external(main, ahead.pass_end, self.cp.cuda.runtime)
-                with main:
-                    pas()
-                cuda_driver.record_external(lane.pass_end, main)
-                lane.pass_done.record(main)
-                side.wait_event(lane.pass_done)
-                with side:
-                    sel()
-            finally:
-                graph = side.end_capture()
-        return graph
 
     def _run(self, qs: list[int], rows: list[int], scores: list[int], k: int, high: int,
              ns: int, mask_addr: int, out_ld: int, dense: bool = False,
@@ -1378,8 +1290,6 @@ class GpuIndex(Index):
             ev0 = self.cp.cuda.Event()
             ev0.record(self.stream)
         graph.launch(self.stream)
-        if self.queue_graph and QUEUE_BEHIND:  # what a batch queued behind this one waits for
-            self._lanes[0].pass_end.record(self.stream)  # (_mma_graph made lane 0)
         if timed:
             ev1 = self.cp.cuda.Event()
             ev1.record(self.stream)
