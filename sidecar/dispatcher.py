@@ -118,7 +118,9 @@ class _Batch:
     flags: int
     t_launch: int  # launch started
     t_launched: int  # launch returned (the device may still be searching)
+    picked_from: int = 0  # the "pickup" phase's start (its first request, or the work before it)
     finished: bool = False  # the device is done with it (answers not written yet)
+    booked: bool = False  # its bookkeeping is done (Dispatcher._book)
 
 
 class Dispatcher:
@@ -375,6 +377,8 @@ class Dispatcher:
                 self._time_launch(t_launch, c is not None)
             self._finish(b)
             self._answer_batch(b)
+        if c is not None:
+            self._book(c)
         return got
 
     def _time_launch(self, t_launch: int, launched: bool) -> None:
@@ -524,6 +528,8 @@ class Dispatcher:
         finally:  # the previous batch is answered even if this launch failed fatally
             if prev is not None:
                 self._answer_batch(prev)
+        if self._inflight is not None:
+            self._book(self._inflight)
         if not self.service.index.defers and not self.lone:
             self.settle()
 
@@ -617,14 +623,24 @@ class Dispatcher:
         except Exception as e:  # the members still waiting get it, not those _finite_members refused
             self._fail_all(part, e)
             return None
-        t_launched = time.perf_counter_ns()
-        # The bookkeeping after the launch, while the device searches: with 32 client processes
-        # each queued launch follows the last member of its cohort, and the device may be idle
-        # until it is made.
+        # from finding the request, or from the end of work this pass did before it
+        picked_from = max(part[0][2], self._busy_until)
+        return _Batch(part, specs, kk, flags, ts, time.perf_counter_ns(), picked_from)
+
+    def _book(self, b: _Batch) -> None:
+        """The bookkeeping of launched batch ``b``, once: the rest of an abandoned answer in
+        its slots voided, its clients noted as seen (the next cohort's count, _queue_behind),
+        its stats and phases. The callers make it after the answers that follow the launch
+        (the batch ahead's: its clients wait for them, and with 32 client processes the next
+        cohort is theirs), :meth:`_answer_batch` before ``b``'s own at the latest."""
+        if b.booked:
+            return
+        b.booked = True
+        part = b.part
         if self.pending:  # an abandoned answer's rest is void once its slot asks anew (as in _one)
             for i, _, _ in part:
                 self.pending.pop(i, None)
-        seen = self._seen
+        seen, ts = self._seen, b.t_launch
         for i, _, _ in part:
             seen[i] = ts
         posted = self._posted
@@ -636,9 +652,8 @@ class Dispatcher:
         if len(part) > 1:
             self.stats.batches += 1
             self.stats.batched_queries += sum(req.n_items for _, req, _ in part)
-        # from finding the request, or from the end of work this pass did before it
-        self._phases_due.append(("pickup", (ts - max(part[0][2], self._busy_until)) / 1000))
-        return _Batch(part, specs, kk, flags, ts, t_launched)
+        if part:
+            self._phases_due.append(("pickup", (ts - b.picked_from) / 1000))
 
     def _finite_members(self, part: list[tuple[int, Request, int]]) -> list[tuple[int, Request, int]]:
         """``part`` less the members whose queries are not finite, each answered BAD_REQUEST;
@@ -683,6 +698,7 @@ class Dispatcher:
         preemption): posting as each answer is written left the rest of the batch waiting
         behind those wake-ups; written first, the answers are there for every client that
         spins, and the posts follow in one burst."""
+        self._book(b)  # (where its caller has not: before its answers, which it may void)
         t_answer = time.perf_counter_ns()
         self._posts, self._records = [], []
         try:

@@ -589,6 +589,47 @@ def test_a_queued_launch_is_timed_by_what_ended_its_wait(
         read(i)
 
 
+@pytest.mark.parametrize("queued", [True, False])
+def test_a_launched_batch_is_booked_after_the_answers_of_the_batch_ahead(
+    queued: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bookkeeping of a batch launched while another waits to be answered (queued behind
+    it, or launched after it finished: the pipeline) waits until that batch's answers are
+    posted: its stats, its clients counted as seen, its pickup phase. Those clients are the
+    next cohort, and the host's time before their answers is on their way back. Booked at the
+    launch, as before (the negative control, checked by hand), the batch was counted before
+    the first of those posts."""
+    d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(4, monkeypatch)
+    index.can_queue = queued
+    for i in (0, 1):
+        request(i)
+    assert d.poll() == 2
+    before = d.stats.batches  # slots 0-1 counted (nothing was answered after their launch)
+    at_posts: list[tuple[int, bool]] = []
+
+    class Noting(_Sem):
+        def release(self) -> None:
+            super().release()
+            at_posts.append((d.stats.batches, 2 in d._seen and d._seen[2] > seen_2))
+
+    seen_2 = d._seen[2]  # (from the rig's first batch of every slot)
+    for i in (0, 1):
+        d.sems[i] = Noting()
+    request(2)
+    if queued:
+        index.arrivals.append(lambda: request(3))
+    else:
+        request(3)
+    assert d.poll() == 2
+    assert log == ["launch 2", "queue 2", "finish"] if queued else ["launch 2", "finish", "launch 2"], log
+    assert at_posts == [(before, False), (before, False)]  # 2-3 not booked yet when 0-1 were posted
+    assert d.stats.batches == before + 1 and d._seen[2] > seen_2  # booked once they were
+    assert d.stats.phases["pickup"].count == 3  # the rig's batch, 0-1, 2-3
+    assert d.settle() == 2
+    for i in range(4):
+        read(i)
+
+
 @pytest.mark.parametrize("stamps", ["fresh", "stale", None])
 def test_a_timed_queued_launch_is_split_where_the_index_stamped_it(
     stamps: str | None, monkeypatch: pytest.MonkeyPatch
