@@ -31,9 +31,10 @@ their semaphores instead of spinning); each side's ``index.batch_timing`` and
 ``index_gpu.queued_timing``) from its ``stats`` (``KALOS_BATCH_TIMING=1``) are printed and
 saved at the end, and with them the dispatcher's "return" phase among the phases: per
 batched member, the time from its slot's previous answer to its next request's pickup (how
-long the clients take to come back), and the serve loop's scheduler figures during the
+long the clients take to come back), and each serve loop's scheduler figures over all the
 rounds (``serve_thread``, Linux: how long it waited runnable for a CPU, how often it was
-preempted). With ``--arena-docs`` both sidecars keep a document
+preempted; its own side's turns, the other side's while it idles, and the ``recall_batch``
+timing together). With ``--arena-docs`` both sidecars keep a document
 arena (``KALOS_ARENA=1``) and the throughput clients read their documents from it, as
 clients of a sidecar with a resident kernel do (``gpu_recall.py``'s 32 processes); without,
 the documents come inline in each answer. ``--sidecar-cpus-a`` / ``--sidecar-cpus-b`` (a CPU

@@ -51,7 +51,7 @@ from kalos_retrievers.protocol import (
 
 from .index import FatalDeviceError, SlotSpec
 from .service import Service
-from .stats import Stats
+from .stats import HOST_TIMING, Stats
 
 try:  # the batch-1 recall's take and arena answer in C (sidecar/_hotpath.c); optional
     from . import _hotpath
@@ -79,7 +79,7 @@ COHORT_WINDOW_NS: Final = 5_000_000
 # this request: how long a client took to come back (its wake-up and its own work between two
 # recalls), which decides whether it makes the next batch queued behind the running one
 # (session 26: ~14 queries per batch with 32 processes where 16 would give 40k/s).
-RETURN_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") in ("1", "host")
+RETURN_TIMING: Final = HOST_TIMING
 
 # ops answered from host state alone: they run beside the index's resident kernel
 _HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CONTINUE})
@@ -118,7 +118,7 @@ class _Batch:
     flags: int
     t_launch: int  # launch started
     t_launched: int  # launch returned (the device may still be searching)
-    picked_from: int = 0  # the "pickup" phase's start (its first request, or the work before it)
+    picked_from: int  # the "pickup" phase's start (its first request, or the work before it)
     finished: bool = False  # the device is done with it (answers not written yet)
     booked: bool = False  # its bookkeeping is done (Dispatcher._book)
 
@@ -386,7 +386,8 @@ class Dispatcher:
         where the index stamped it (``behind_stamps``: the GPU index with KALOS_BATCH_TIMING),
         its parts: "ql_dispatch" (the dispatcher and the service up to the index),
         "ql_prep" (the index's Python before its CUDA calls), "ql_cuda" (those calls, with the
-        timing's own events) and "ql_after" (the dispatcher's bookkeeping after the launch)."""
+        timing's own events) and "ql_after" (the way back to here; the batch's bookkeeping
+        waits for the answers of the batch ahead, see _book)."""
         t_end = time.perf_counter_ns()
         due = self._phases_due
         due.append(("queue_launch", (t_end - t_launch) / 1000))
@@ -768,7 +769,7 @@ class Dispatcher:
         measured on the H200 host yet). Return the members it left
         (other shapes, and what answer1 declines: a row that fails a check, an answer in
         parts), for the Python path to answer or refuse with its message. Nothing is left in
-        ``pending`` by an answer that fits, as from :meth:`_respond` (the launch cleared it)."""
+        ``pending`` by an answer that fits, as from :meth:`_respond` (:meth:`_book` cleared it)."""
         rows = self.service.rows
         a = rows.arena
         arena = None if a is None else (a.table_bytes, a.rows_cap, a.version)

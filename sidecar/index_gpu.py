@@ -57,6 +57,7 @@ from .index import (
     normalize_rows,
     topk_rows,
 )
+from .stats import HOST_TIMING
 
 log = logging.getLogger("kalos.sidecar")
 
@@ -153,11 +154,10 @@ USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") == "1"
 # (see queued_timing). (S14-3, 32 processes at 1M rows: the device took 431 us per batch of
 # ~16 and the host was ready when it ended; waiting by polling the end event instead of
 # synchronizing was tried there and lost 1,670 recalls/s. S29-3: the queued passes ~390 us,
-# the device idle ~90 us before each on average.) "host": the host's clock only (the
-# dispatcher's phases, behind_stamps), without the events: each queued launch made as in
-# service (S31-2: "1"'s events cost the launch ~17 µs of host time, "ql_cuda" 40 against 23).
+# the device idle ~90 us before each on average.) "host" (stats.HOST_TIMING): the host's clock
+# only (the dispatcher's phases, behind_stamps), without the events: each queued launch made as
+# in service (S31-2: "1"'s events cost the launch ~17 µs of host time, "ql_cuda" 40 against 23).
 BATCH_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") == "1"
-HOST_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") in ("1", "host")
 _DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then is a fault
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ

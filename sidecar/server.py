@@ -293,7 +293,7 @@ class Server:
 
                 self._profile = cProfile.Profile()
             self.dispatcher.profile = self._profile
-        if self.dispatcher.timing and self._untime_gc is None:  # (diagnostics: KALOS_BATCH_TIMING=1)
+        if self.dispatcher.timing and self._untime_gc is None:  # (diagnostics: KALOS_BATCH_TIMING=1 / host)
             self._untime_gc = time_gc(self.stats)
         log.info("segment %s: %d slots of %d KiB (%.1f MiB in all), dim=%d, metric=%s",
                  name, lay.n_slots, lay.slot_size // 1024, lay.segment_size / 2**20, cfg.dim,
@@ -497,6 +497,7 @@ class Server:
                 continue
             if _ipc.wait(self.bell, min(sleep_ns, _IDLE_WAIT_NS) / 1e9):
                 _ipc.drain(self.bell)
+        self._serve_tid = None  # (a later thread could take its id)
         self.close()
 
     def _resume_doorbell_if_idle(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import threading
 import time
 from collections import Counter
@@ -18,6 +19,11 @@ from typing import Any, Final
 import numpy as np
 
 from kalos_retrievers.protocol import OP_NAMES, STATUS_NAMES
+
+# KALOS_BATCH_TIMING=1 or "host": the sidecar's timing diagnostics on the host's clock (the
+# dispatcher's waits, launches and clients' returns, the collector's pauses, the GPU index's
+# stamps of its queued launches); "1" adds the GPU index's CUDA events (docs/deployment.md).
+HOST_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") in ("1", "host")
 
 _BUCKETS_PER_DECADE: Final = 27
 _DECADES: Final = 8  # 1 µs .. 100 s
@@ -147,7 +153,7 @@ def time_gc(stats: Stats) -> Callable[[], None]:
     "gc1" or "gc2" (its generation; all three are there from the start, at count 0), from its
     start to its end; return the function that stops recording.
 
-    Diagnostics (the sidecar does it with ``KALOS_BATCH_TIMING=1``): the serve loop is one
+    Diagnostics (the sidecar does it with ``KALOS_BATCH_TIMING=1`` or ``host``): the serve loop is one
     Python thread, so a collection that runs while a batch waits to be launched or answered
     delays that batch by its whole pause."""
     started = [0]
@@ -167,9 +173,10 @@ def time_gc(stats: Stats) -> Callable[[], None]:
 
 def thread_sched(tid: int | None) -> dict[str, int] | None:
     """What the kernel's scheduler says of thread ``tid`` of this process (Linux; None
-    elsewhere, or for no thread): ``cpu_ns`` it ran, ``runqueue_ns`` it waited runnable for a
-    CPU (time taken from it by other processes: on a host whose cores the clients fill, every
-    such wait delays the batch the sidecar was about to launch or answer), ``timeslices``, and
+    elsewhere, for no thread, or where the kernel keeps no schedstat): ``cpu_ns`` it ran,
+    ``runqueue_ns`` it waited runnable for a CPU (time other threads took from it, the
+    sidecar's own among them: on a host whose cores the clients fill, every such wait delays
+    the batch the sidecar was about to launch or answer), ``timeslices``, and
     its ``voluntary_switches`` (it slept) and ``involuntary_switches`` (it was preempted).
     Cumulative since the thread started; the sidecar reports its serve loop's."""
     if tid is None:

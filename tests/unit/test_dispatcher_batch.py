@@ -626,6 +626,7 @@ def test_a_launched_batch_is_booked_after_the_answers_of_the_batch_ahead(
     assert d.stats.batches == before + 1 and d._seen[2] > seen_2  # booked once they were
     assert d.stats.phases["pickup"].count == 3  # the rig's batch, 0-1, 2-3
     assert d.settle() == 2
+    assert d.stats.batches == before + 1 and d.stats.phases["pickup"].count == 3  # (once)
     for i in range(4):
         read(i)
 
@@ -823,17 +824,22 @@ def test_a_failure_answering_the_batch_in_flight_leaves_no_request_picked_up_una
 def test_a_failure_answering_the_batch_in_flight_leaves_the_queued_batch_known(monkeypatch: pytest.MonkeyPatch) -> None:
     """Answering the batch in flight fails after the next batch was queued behind it (here its
     member's semaphore post): the queued batch stays in flight, so the serve loop's settle
-    answers it; before the fix it was launched and then forgotten, its clients BUSY forever."""
+    answers it; before the fix it was launched and then forgotten, its clients BUSY forever.
+    Its bookkeeping, which waited for those answers, is made once, before its own answers
+    (``_answer_batch`` books a batch its caller did not)."""
     d, (_lay, _mm, _svc, _index, log, _states, request, read, _answered) = _queue_rig(3, monkeypatch)
     d.sems[0] = _BrokenSem()
     request(0)
     assert d.poll() == 1
     request(1)
     request(2)
+    batches, pickups = d.stats.batches, d.stats.phases["pickup"].count
     with contextlib.suppress(RuntimeError):  # as the serve loop: the failed pass logged, then settle
         d.poll()
     assert log[-3:] == ["launch 1", "queue 2", "finish"], log
+    assert d.stats.batches == batches  # (the failure came before the queued batch's bookkeeping)
     assert d.settle() == 2
+    assert d.stats.batches == batches + 1 and d.stats.phases["pickup"].count == pickups + 1
     for i in (1, 2):
         read(i)
 
