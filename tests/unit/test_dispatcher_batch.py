@@ -639,15 +639,7 @@ def test_a_timed_queued_launch_is_split_where_the_index_stamped_it(
     ``KALOS_BATCH_TIMING``), "queue_launch" is split into its parts: "ql_dispatch" up to the
     index, "ql_prep" and "ql_cuda" inside it, "ql_after" once it returned; they add up to the
     whole. Stamps of some earlier launch, or none (negative controls): no parts."""
-    d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(4, monkeypatch)
-    d.timing = True
-    index.stamps = stamps
-    for i in (0, 1):
-        request(i)
-    assert d.poll() == 2
-    request(2)
-    index.arrivals.append(lambda: request(3))
-    assert d.poll() == 2 and log == ["launch 2", "queue 2", "finish"], log
+    d = _two_cohorts_of_two(None, monkeypatch, timing=True, stamps=stamps)
     phases = d.stats.phases
     parts = ("ql_dispatch", "ql_prep", "ql_cuda", "ql_after")
     assert all((p in phases) == (stamps == "fresh") for p in parts), phases.keys()
@@ -656,16 +648,17 @@ def test_a_timed_queued_launch_is_split_where_the_index_stamped_it(
         total = phases["queue_launch"].sum_us
         assert phases["ql_cuda"].sum_us >= 2000  # the index's "CUDA calls" slept 2 ms
         assert sum(phases[p].sum_us for p in parts) == pytest.approx(total, abs=1.0)
-    assert d.settle() == 2
-    for i in range(4):
-        read(i)
 
 
-def _two_cohorts_of_two(profile, monkeypatch: pytest.MonkeyPatch) -> Dispatcher:  # type: ignore[no-untyped-def]
+def _two_cohorts_of_two(profile, monkeypatch: pytest.MonkeyPatch, timing: bool = False,  # type: ignore[no-untyped-def]
+                        stamps: str | None = None) -> Dispatcher:  # fmt: skip
     """Slots 0-1 launched, then 2-3 queued behind them with ``profile`` as the dispatcher's
-    profiler, every answer checked; the dispatcher after."""
+    profiler, ``timing`` its diagnostics and ``stamps`` the index's (_QueueingIndex), every
+    answer checked; the dispatcher after."""
     d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(4, monkeypatch)
     d.profile = profile
+    d.timing = timing
+    index.stamps = stamps
     for i in (0, 1):
         request(i)
     assert d.poll() == 2
