@@ -135,6 +135,13 @@ class Index(abc.ABC):
             raise RuntimeError(f"{type(self).__name__} does not queue searches behind each other")
         self.search_slots(specs, k, high, ns, candidates, dense)
 
+    def launch_behind_slots(self, slots: list[int], table: np.ndarray, k: int, high: int, ns: int) -> None:
+        """:meth:`launch_slots` with ``behind=True`` for one query per slot of ``slots``, whose
+        query, rows and scores addresses are row ``slot`` of ``table`` (u64); the rows below
+        ``high`` in namespace ``ns`` (NS_ANY: all of them). Only where :meth:`queues_behind`
+        said so; this default never queues."""
+        raise RuntimeError(f"{type(self).__name__} does not queue searches behind each other")
+
     def finish_slots(self) -> None:  # noqa: B027 - optional hook
         """Wait until the oldest :meth:`launch_slots` left running has written its results."""
 

@@ -59,6 +59,11 @@ from .index import (
 )
 from .stats import HOST_TIMING
 
+try:  # a queued batch's descriptor and CUDA calls in C (sidecar/_launch.c); optional
+    from . import _launch
+except ImportError:  # not built (no compiler at install): the same writes and calls in Python
+    _launch = None  # type: ignore[assignment]
+
 log = logging.getLogger("kalos.sidecar")
 
 MAXQ: Final = 64  # KALOS_MAXQ
@@ -93,6 +98,11 @@ OVERFLOW_P: Final = 1e-6
 # KALOS_QUEUE_BEHIND=0 turns it off. The pass of up to 16 queries then leaves SIDE_RESERVE of
 # its resident block slots free (KALOS_SIDE_RESERVE) for those side kernels.
 QUEUE_BEHIND: Final = os.environ.get("KALOS_QUEUE_BEHIND", "1") != "0"
+# The launch of a batch queued behind another from its members' slot numbers in C (_launch.c,
+# launch_behind_slots): its descriptor, then its eight CUDA calls through the driver. In Python
+# that launch took ~73 µs of host time (S31-2), most of it per member, and the device waits
+# for it whenever the cohort's last client comes back late. KALOS_QUEUE_C=0: the Python way.
+QUEUE_C: Final = os.environ.get("KALOS_QUEUE_C", "1") != "0"
 SIDE_RESERVE: Final = max(0, int(os.environ.get("KALOS_SIDE_RESERVE", "32")))
 SELECT_GATHER: Final = 2048  # as in kernels/recall.cu
 # as in kernels/recall.cu: tickets, bounds, counts per query; next row, direction, the batch-1
@@ -346,6 +356,25 @@ def queued_timing(times: Sequence[tuple[int, float, float, float, float]]) -> di
     return out
 
 
+@functools.cache
+def _driver_calls() -> tuple[int, int, int] | None:
+    """The addresses of the CUDA driver's cuGraphLaunch, cuEventRecord and cuStreamWaitEvent
+    for _launch.run (libcuda, which CuPy's runtime loaded already), or None where they cannot be
+    found. The runtime's handles that CuPy holds (cudaGraphExec_t, cudaStream_t, cudaEvent_t) are
+    the driver's (CUgraphExec, CUstream, CUevent), and the runtime makes its primary context the
+    serve loop's current one, which the driver's calls use."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fns = tuple(ctypes.cast(getattr(lib, f), ctypes.c_void_p).value
+                    for f in ("cuGraphLaunch", "cuEventRecord", "cuStreamWaitEvent"))  # fmt: skip
+    except (OSError, AttributeError):
+        log.warning("the CUDA driver's launch functions were not found: queued launches through CuPy")
+        return None
+    return fns if all(fns) else None  # type: ignore[return-value]
+
+
 class _Lane:
     """The buffers of one batched float16 search, so that a second batch can be queued behind
     a first still on the device (:meth:`GpuIndex.queues_behind`). Lane 0 holds the index's own
@@ -499,6 +528,8 @@ class GpuIndex(Index):
         self._pending: deque[_Pending] = deque()
         self._lanes: list[_Lane | None] = [None, None]
         self.queued_batches = 0  # batches queued behind another (diagnostics and tests)
+        self.queued_c = 0  # of which launched by _launch.run (KALOS_QUEUE_C)
+        self._queue_c_failed = False  # a plan's first call failed: the CuPy calls from then on
         self._mma_end: Any = None  # the end event of the mma batch just launched (see _run)
         # the resident kernel (doorbell_topk): its control block in registered host memory,
         # its device words, its own stream; enabled by enable_doorbell()
@@ -780,7 +811,7 @@ class GpuIndex(Index):
                  gemm_path=USE_GEMM, mma_path=USE_MMA and USE_THRESHOLD_TOPK and self.mma_ok,
                  gemm_stream=self.gemm_stream_note or "ordered",
                  threshold_topk=USE_THRESHOLD_TOPK, threshold_overflows=self.threshold_overflows,
-                 mma_batches=self.mma_batches, queued_batches=self.queued_batches,
+                 mma_batches=self.mma_batches, queued_batches=self.queued_batches, queued_c=self.queued_c,
                  doorbell_k=self.doorbell_k, doorbell_running=self.doorbell_running,
                  doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served())  # fmt: skip
         if self.batch_times:
@@ -1087,7 +1118,7 @@ class GpuIndex(Index):
             n = sum(len(s.queries) for s in specs)
             if candidates is not None or not self.queues_behind(n, k, high):
                 raise RuntimeError("launch_slots(behind=True) for a search that cannot queue behind")
-            self._launch_behind(specs, k, high, NS_ANY if dense else ns, n)
+            self._launch_behind(k, high, NS_ANY if dense else ns, n, specs=specs)
             return
         self._finish_all()
         self._pass_end_ev = None  # what runs next on the stream may not be a timed pass
@@ -1121,42 +1152,95 @@ class GpuIndex(Index):
             self._inject_fault()
         del mask_dev
 
-    def _launch_behind(self, specs: list[SlotSpec], k: int, high: int, ns: int, n: int) -> None:
+    def launch_behind_slots(self, slots: list[int], table: np.ndarray, k: int, high: int, ns: int) -> None:
+        """:meth:`launch_slots` with ``behind=True`` for one query per slot of ``slots`` (the
+        dispatcher's batch-1 members; their slot numbers, not their specs), each slot's query,
+        rows and scores addresses in row ``slot`` of ``table`` (u64, one row of three per slot of
+        the registered segment), over the rows below ``high`` in namespace ``ns`` (NS_ANY:
+        every row). The descriptor is written and the CUDA calls made in C where _launch is
+        built (KALOS_QUEUE_C): ~1 µs for what took ~25 µs of Python per ~15 members."""
+        n = len(slots)
+        if not self.queues_behind(n, k, high):
+            raise RuntimeError("launch_behind_slots for a search that cannot queue behind")
+        self._launch_behind(k, high, ns, n, slots=slots, table=table)
+
+    def _behind_parts(self, i: int, lane: _Lane, n: int, k: int, sample: int) -> tuple[Any, Any, Any, bytes | None]:
+        """The three graphs of a batch of ``n`` queries queued in lane ``i`` (front: prep,
+        sample and thresholds; the pass; the selection) and the plan of their CUDA calls for
+        _launch.run (None where it cannot be made: see :meth:`_queue_plan`), captured once."""
+        key = (-2, i, n, k, sample)
+        parts = self.graphs.get(key)
+        if parts is not None:
+            return parts
+        launches = self._mma_launches(n, k, sample, lane, SIDE_RESERVE)
+        assert launches is not None
+        if len(self.graphs) >= GRAPH_CACHE:
+            self.graphs.clear()
+        captured = []
+
+        def capture(group: tuple) -> None:
+            with self.device, self.stream:
+                self.stream.begin_capture()
+                try:
+                    for _, launch in group:
+                        launch()
+                finally:
+                    captured.append(self.stream.end_capture())
+
+        for group in (launches[:3], launches[3:4], launches[4:]):
+            self._check(lambda g=group: capture(g))
+        parts = self.graphs[key] = (*captured, self._queue_plan(captured, lane))
+        return parts
+
+    def _queue_plan(self, graphs: list[Any], lane: _Lane) -> bytes | None:
+        """The queued launch's eight CUDA calls as _launch.run's plan: the front on the lane's
+        side stream and its end recorded; the index's stream waits for it, runs the pass and
+        records its end; the side stream waits for that and runs the selection, then records
+        ``lane.done``. None without _launch, with KALOS_QUEUE_C=0, where the driver's functions
+        cannot be found or a graph has no executable handle: the calls are then made through
+        CuPy, as with the timing's events or a trace."""
+        fns = _driver_calls() if QUEUE_C and _launch is not None else None
+        if fns is None:
+            return None
+        execs = []
+        for g in graphs:
+            instantiate = getattr(g, "_ensure_instantiate", None)  # (CuPy may instantiate lazily)
+            if instantiate is not None:
+                self._check(instantiate)
+            execs.append(int(getattr(g, "graphExec", 0) or 0))
+        if not all(execs):
+            return None
+        c = _launch.CONSTANTS
+        graph, record, wait = c["OP_GRAPH"], c["OP_RECORD"], c["OP_WAIT"]
+        front, pas, sel = execs
+        side, main = lane.side.ptr, self.stream.ptr
+        fd, pd, done = lane.front_done.ptr, lane.pass_done.ptr, lane.done.ptr
+        ops = [(graph, front, side), (record, fd, side), (wait, main, fd), (graph, pas, main),
+               (record, pd, main), (wait, side, pd), (graph, sel, side), (record, done, side)]  # fmt: skip
+        return np.array([*fns, len(ops), *(x for op in ops for x in op)], np.uint64).tobytes()
+
+    def _launch_behind(self, k: int, high: int, ns: int, n: int, specs: list[SlotSpec] | None = None,
+                       slots: list[int] | None = None, table: np.ndarray | None = None) -> None:  # fmt: skip
         """Queue a batch of ``n`` queries behind the search left running (see launch_slots), in
-        the lane that search does not hold. On the device: prep, sample and thresholds on the
-        lane's side stream (in the block slots the running pass leaves free), the pass on the
-        index's stream after both that side work and everything before it, the selection on
-        the side stream after the pass."""
+        the lane that search does not hold: ``specs``' queries, or one per slot of ``slots``
+        (see launch_behind_slots). On the device: prep, sample and thresholds on the lane's
+        side stream (in the block slots the running pass leaves free), the pass on the index's
+        stream after both that side work and everything before it, the selection on the side
+        stream after the pass."""
         t_in = time.perf_counter_ns()
         i = 1 - self._pending[-1].lane
         lane = self._check(lambda: self._lane(i))
         sample = self._tau_sample(k, high)
         assert sample is not None
-        key = (-2, i, n, k, sample)
-        parts = self.graphs.get(key)
-        if parts is None:
-            launches = self._mma_launches(n, k, sample, lane, SIDE_RESERVE)
-            assert launches is not None
-            if len(self.graphs) >= GRAPH_CACHE:
-                self.graphs.clear()
-            captured = []
-
-            def capture(group: tuple) -> None:
-                with self.device, self.stream:
-                    self.stream.begin_capture()
-                    try:
-                        for _, launch in group:
-                            launch()
-                    finally:
-                        captured.append(self.stream.end_capture())
-
-            for group in (launches[:3], launches[3:4], launches[4:]):
-                self._check(lambda g=group: capture(g))
-            parts = self.graphs[key] = tuple(captured)
-        qs, rows, scores, out_ld = self._addresses(specs)
-        self._write_desc(k, high, ns, 0, qs, rows, scores, out_ld, lane.desc_off)
-        lane.overflow[0] = 0
-        front, pas, sel = parts
+        front, pas, sel, plan = self._behind_parts(i, lane, n, k, sample)
+        if slots is not None:
+            assert table is not None
+            self._write_desc_slots(i, k, high, ns, slots, table, QUEUE_C and _launch is not None)
+        else:
+            assert specs is not None
+            qs, rows, scores, out_ld = self._addresses(specs)
+            self._write_desc(k, high, ns, 0, qs, rows, scores, out_ld, lane.desc_off)
+            lane.overflow[0] = 0
         main, side = self.stream, lane.side
         mark = self._mark_on
         timed = self.queued_times is not None and len(self.queued_times) < 1_000_000
@@ -1190,7 +1274,16 @@ class GpuIndex(Index):
                 lane.done.record(side)
                 mark("select end", side)
 
-        self._check(launch)
+        if plan is not None and not evs and self.trace is None and not self._queue_c_failed:
+            with self.device:
+                failed = _launch.run(plan)
+            if failed is not None:
+                self._queue_call_failed(*failed)
+                self._check(launch)  # (nothing was enqueued: the first call failed)
+            else:
+                self.queued_c += 1
+        else:
+            self._check(launch)
         self.mma_batches += 1
         self.queued_batches += 1
         if evs:
@@ -1212,6 +1305,30 @@ class GpuIndex(Index):
                     self._gemm_topk(n, k, high, threshold=False, desc_addr=lane.desc_addr)()
 
         self._pending.append(_Pending(done, i, lane.done))
+
+    def _write_desc_slots(self, i: int, k: int, high: int, ns: int, slots: list[int], table: np.ndarray,
+                          c: bool) -> None:  # fmt: skip
+        """Lane ``i``'s descriptor for one query per slot of ``slots`` (each slot's addresses
+        in its row of ``table``; results ``k`` apart), and its overflow flag cleared: by
+        _launch.desc where ``c``, else in Python, byte for byte the same."""
+        if c:
+            _launch.desc(self._desc_mm, _LANE_DESC[i], k, high, ns, k, slots, table, _LANE_OVERFLOW[i], MAXQ)
+            return
+        qs, rows, scores = (table[slots, j].tolist() for j in range(3))
+        self._write_desc(k, high, ns, 0, qs, rows, scores, k, _LANE_DESC[i])
+        struct.pack_into("<i", self._desc_mm, _LANE_OVERFLOW[i], 0)
+
+    def _queue_call_failed(self, rc: int, at: int) -> None:
+        """A CUDA call of _launch.run's plan returned ``rc`` (a CUresult), the ``at``-th of
+        the plan. A context error that stops everything, or a call failing after others were
+        enqueued (the batch's work half on the device), is fatal. The first call failing
+        otherwise (nothing enqueued; e.g. no current context on this thread) turns the C calls
+        off, logged once, and the caller makes them through CuPy."""
+        msg = f"CUDA driver error {rc} in the queued launch's call {at} on {self.name}"
+        if rc in _STICKY or at:
+            raise FatalDeviceError(msg)
+        log.warning("%s; making the queued launches' CUDA calls through CuPy from now on", msg)
+        self._queue_c_failed = True
 
     def _run(self, qs: list[int], rows: list[int], scores: list[int], k: int, high: int,
              ns: int, mask_addr: int, out_ld: int, dense: bool = False,

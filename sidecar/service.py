@@ -204,6 +204,17 @@ class Service:
             self.index.launch_slots(specs, kk, self.rows.high, ns_id, cands, dense)
         return kk
 
+    def launch_queued(self, slots: list[int], table: np.ndarray, k: int) -> int:
+        """:meth:`launch_recall` with ``behind=True`` of one query per slot of ``slots`` in the
+        default namespace without a filter (the dispatcher's batch-1 members, their queries
+        checked already), through the index's ``launch_behind_slots``: each slot's addresses
+        are row ``slot`` of ``table``, so no spec is made before the launch. Returns k'."""
+        ns_id, _, dense, n = self.eligible("", None)
+        kk = min(k, n)
+        if kk:
+            self.index.launch_behind_slots(slots, table, kk, self.rows.high, NS_ANY if dense else ns_id)
+        return kk
+
     def doorbell_useful(self) -> bool:
         """Whether starting the index's resident kernel now could answer anything: it has one,
         it is stopped, and the default namespace has rows (it declines every recall of an

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from kalos_retrievers.sidecar.index import NS_ANY
 from kalos_testing import as_float16_stored as _as_stored  # (rows and queries as the float16 batched path sees them)
 from kalos_testing import assert_topk_equal, recall_at_k, reference_topk
 
@@ -283,7 +284,13 @@ def test_batches_queued_behind_each_other_are_exact(metric: str, dim: int, n: in
     lists; prep and thresholds beside the earlier pass, the selection beside the next): a
     chain of them, of 1 to 33 queries and k from 1 to 100, each launched while the one before
     still searches (enough rows that a pass outlasts the host's launch; every answer checked
-    after the chain), is exact against the float16-rounded reference, every element written."""
+    after the chain), is exact against the float16-rounded reference, every element written.
+    Every other batch goes the dispatcher's way for batch-1 members (launch_behind_slots: the
+    descriptor from slot numbers and the CUDA calls in C, sidecar/_launch.c), the rest from
+    their specs through CuPy: the two ways interleave in one chain."""
+    from kalos_retrievers.sidecar import index_gpu
+
+    assert index_gpu._launch is not None and index_gpu.QUEUE_C, "the C launch is built on the GPU machine"
     rng = np.random.default_rng()
     data = rng.standard_normal((n, dim)).astype(np.float32)
     svc = make(dim, metric, dtype="float16")
@@ -296,22 +303,28 @@ def test_batches_queued_behind_each_other_are_exact(metric: str, dim: int, n: in
     ns, cands, dense, _ = svc.eligible("", None)
     high = svc.rows.high
     batches = _poisoned_batches(specs, plan, rng, dim)  # every batch in its own slots, before the chain
-    queued, overflows = idx.queued_batches, idx.threshold_overflows
+    queued, overflows, in_c = idx.queued_batches, idx.threshold_overflows, idx.queued_c
+    table = np.array([(s.q_addr, s.rows_addr, s.scores_addr) for s in specs], np.uint64)
+    slot_of = {id(s): j for j, s in enumerate(specs)}
     # KALOS_BATCH_TIMING=host stamps each queued launch on the host's clock (no events); not
     # asked (the other metrics: the negative control), none, whatever the environment says
     idx.stamp_behind = metric == "ip"
     idx.batch_times = idx.queued_times = None
     idx.launch_slots(batches[0][0], batches[0][2], high, ns, cands, dense)
-    for part, q, k in batches[1:]:
+    for j, (part, q, k) in enumerate(batches[1:]):
         assert idx.queues_behind(len(q), k, high)
         t0 = time.perf_counter_ns()
-        idx.launch_slots(part, k, high, ns, cands, dense, behind=True)
+        if j % 2:
+            idx.launch_slots(part, k, high, ns, cands, dense, behind=True)
+        else:
+            idx.launch_behind_slots([slot_of[id(s)] for s in part], table, k, high, NS_ANY if dense else ns)
         st = idx.behind_stamps
         assert (st is not None) == idx.stamp_behind
         assert st is None or t0 <= st[0] <= st[1] <= st[2] <= time.perf_counter_ns()
         idx.finish_slots()  # the older one
     idx.finish_slots()
     assert idx.queued_batches == queued + len(plan) - 1
+    assert idx.queued_c == in_c + (len(plan) - 1 + 1) // 2  # the slot numbers' launches: C's calls
     assert idx.threshold_overflows == overflows  # answered by the queued path, not the fallback
     _check_batches(svc, batches, stored, metric)
     idx.detach_segment()

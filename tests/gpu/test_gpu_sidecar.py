@@ -156,12 +156,13 @@ def _float16_rows(start_sidecar, dim: int = 768, rows: int = 60_001):  # type: i
 def test_float16_cohorts_queued_behind_each_other_get_their_own_answers(start_sidecar) -> None:
     """16 client processes recalling float16 rows (the mma path): a batch that gathers while
     another is on the device is queued behind it (the index's ``queued_batches``), and every
-    client still gets its own row back."""
+    client still gets its own row back. Those queued launches are made from the members' slot
+    numbers in C (sidecar/_launch.c: ``queued_c``), which the GPU machine builds."""
     sc, dim, rows = _float16_rows(start_sidecar)
     assert _crowd(sc.name, dim, 400, rows)(300) == 0
     with sc.client() as c:
         index = c.stats()["index"]
-    assert index["mma_path"] and index["queued_batches"] > 0, index
+    assert index["mma_path"] and index["queued_batches"] > 0 and index["queued_c"] > 0, index
 
 
 def test_writes_while_a_float16_crowd_recalls_are_found_at_once(start_sidecar) -> None:

@@ -5,6 +5,7 @@ not finite gets an error without failing its neighbours."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import time
 import warnings
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from kalos_retrievers.sidecar import dispatcher as dispatcher_module
 from kalos_retrievers.sidecar.dispatcher import Dispatcher, Invalid
-from kalos_retrievers.sidecar.index import CpuIndex
+from kalos_retrievers.sidecar.index import NS_ANY, CpuIndex, SlotSpec
 from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.stats import Stats
 from kalos_retrievers.sidecar.store import NullStore
@@ -446,6 +447,9 @@ class _QueueingIndex(_DeferredIndex):
         # KALOS_BATCH_TIMING; "stale": stamps left from some earlier launch; None: none
         self.stamps: str | None = None
         self.behind_stamps: tuple[int, int, int] | None = None
+        self.slot_launches: list[list[int]] = []  # the slots of each launch_behind_slots
+        self.segment = (0, 0)  # (start, size) of the segment its slots' addresses must lie in
+        self.refuse_slots = False  # launch_behind_slots raises
 
     def launch_slots(self, specs, k, high, ns, candidates, dense, behind=False) -> None:  # type: ignore[no-untyped-def]
         if behind:
@@ -464,6 +468,22 @@ class _QueueingIndex(_DeferredIndex):
         self.log.append(f"{'queue' if behind else 'launch'} {len(specs)}")
         self.queue.append((specs, k, high, ns, candidates, dense))
         self.asked = 0
+
+    def launch_behind_slots(self, slots, table, k, high, ns) -> None:  # type: ignore[no-untyped-def]
+        """As the GPU index: each slot's query read, and its results written, at the addresses
+        in its row of ``table`` (checked to lie in the segment, ``self.segment``: (start, size))."""
+        self.slot_launches.append(list(slots))
+        if self.refuse_slots:
+            raise RuntimeError("the device refused the queued launch")
+        start, size = self.segment
+        specs = []
+        for i in slots:
+            q, r, s = (int(a) for a in table[i])
+            assert all(start <= a and a + 4 * max(self.dim, k) <= start + size for a in (q, r, s)), (i, table[i])
+            at = lambda a, ct, n: np.ctypeslib.as_array((ct * n).from_address(a)).reshape(1, n)  # noqa: E731
+            specs.append(SlotSpec(at(q, ctypes.c_float, self.dim), at(r, ctypes.c_int32, k), at(s, ctypes.c_float, k),
+                                  q, r, s))  # fmt: skip
+        self.launch_slots(specs, k, high, ns, None, ns == NS_ANY, behind=True)
 
     def finish_slots(self) -> None:
         if self.queue:
@@ -491,6 +511,7 @@ def _queue_rig(n_slots: int, monkeypatch: pytest.MonkeyPatch):  # type: ignore[n
     rig = _gather_rig(n_slots, _QueueingIndex)
     lay, mm, svc, index, log, _states, request, read, answered = rig
     d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
+    index.segment = (d.base_addr, lay.segment_size)
     for i in range(n_slots):
         request(i)
     index.done_after = 0  # (nothing to wait for: every client's request is there)
@@ -538,6 +559,68 @@ def test_a_returning_cohort_is_queued_behind_the_batch_in_flight(
     for i in (3, 4, 5):
         read(i)
     assert sorted(a[:2] for a in answered) == [(i, 2) for i in range(6)]
+
+
+@pytest.mark.parametrize("hot", [True, False])
+def test_a_queued_batch_of_taken_members_is_launched_from_their_slot_numbers(
+    hot: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Members that _hotpath.take took (batch-1 recalls in the default namespace, checked) are
+    queued through Service.launch_queued: the index gets their slot numbers and the
+    dispatcher's table of slot addresses, no specs (their specs are made after the launch, for
+    the answers). The answers are each client's own. Without the C take (the negative control),
+    the specs' way, as before."""
+    if not hot:
+        monkeypatch.setattr(dispatcher_module, "_hotpath", None)
+    elif dispatcher_module._hotpath is None:
+        pytest.skip("the C extension is not built here")
+    d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(7, monkeypatch)
+    for i in (0, 1, 2):
+        request(i)
+    assert d.poll() == 3
+    for i in (5, 3, 6, 4):
+        request(i)
+    assert d.poll() == 4
+    assert log == ["launch 3", "queue 4", "finish"], log
+    assert index.slot_launches == ([[3, 4, 5, 6]] if hot else []), index.slot_launches
+    assert d.settle() == 4
+    for i in range(7):
+        read(i)
+    assert d._inflight is None and not d._taken
+
+
+@pytest.mark.parametrize("refuse", [True, False])
+def test_a_failed_launch_from_slot_numbers_fails_its_members_only(
+    refuse: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch from slot numbers that raises answers its members INTERNAL with the error's
+    message; the batch in flight is still answered, and the next batch launches as usual.
+    The control: the same launch not refused answers everyone."""
+    if dispatcher_module._hotpath is None:
+        pytest.skip("the C extension is not built here")
+    d, (lay, mm, _svc, index, _log, states, request, read, _answered) = _queue_rig(5, monkeypatch)
+    index.refuse_slots = refuse
+    for i in (0, 1):
+        request(i)
+    assert d.poll() == 2
+    for i in (2, 3, 4):
+        request(i)
+    assert d.poll() == 3
+    assert index.slot_launches == [[2, 3, 4]]
+    for i in (0, 1):
+        read(i)
+    assert d.settle() == (0 if refuse else 3)
+    for i in (2, 3, 4):
+        if not refuse:
+            read(i)
+            continue
+        off = lay.slot_offset(i)
+        resp = Response.unpack(mm[off : off + CTL_SIZE])
+        blob = bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len])
+        assert states[i] == SlotState.ERROR and resp.status == Status.INTERNAL and b"refused" in blob, resp
+    request(2)
+    assert d.poll() == 1 and d.settle() == 1
+    read(2)
 
 
 def test_a_queued_launch_waits_no_longer_than_the_search_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
