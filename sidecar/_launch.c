@@ -12,9 +12,10 @@
  *   desc(page, off, k, high, ns, out_ld, slots, table, overflow_off, maxq)
  *       write the descriptor at byte ``off`` of ``page`` (struct Desc of kernels/recall.cu:
  *       n, k, n_rows, ns_id, mask 0, out_ld, seq 0, then the queries', rows' and scores'
- *       addresses, ``maxq`` of each) for one query per slot of ``slots``, each slot's three
- *       addresses read from ``table`` (u64: query, rows, scores for every slot of the
- *       segment), and clear the lane's overflow flag (an i32 at ``overflow_off``);
+ *       addresses, ``maxq`` of each) for one query per slot of ``slots`` (Python ints), each
+ *       slot's three addresses read from ``table`` (a C-contiguous uint64 array of shape
+ *       (n_slots, 3): query, rows, scores), and clear the lane's overflow flag (an i32 at
+ *       ``overflow_off``);
  *   run(plan)
  *       make the plan's CUDA driver calls in order (cuGraphLaunch, cuEventRecord,
  *       cuStreamWaitEvent through the function pointers at its head) and return None, or at
@@ -60,9 +61,9 @@ PyDoc_STRVAR(desc_doc,
 "desc(page, off, k, high, ns, out_ld, slots, table, overflow_off, maxq) -> None\n\n"
 "Write a queued batch's descriptor at byte ``off`` of ``page`` (writable): one query per slot\n"
 "of ``slots`` (a list of slot numbers, 1 to ``maxq`` of them), each query's, rows' and scores'\n"
-"addresses taken from ``table`` (u64 triples, one per slot of the segment); then clear the i32\n"
-"overflow flag at ``overflow_off`` of ``page``. Raises, having written nothing, where a value\n"
-"does not fit.");
+"addresses taken from ``table`` (uint64, C-contiguous, one row of 3 per slot of the segment);\n"
+"then clear the i32 overflow flag at ``overflow_off`` of ``page``. Raises, having written\n"
+"nothing, where a value does not fit.");
 
 static PyObject* desc(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     (void)self;
@@ -88,7 +89,7 @@ static PyObject* desc(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     }
     Py_buffer pb, tb;
     if (PyObject_GetBuffer(args[0], &pb, PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(args[7], &tb, PyBUF_SIMPLE) < 0) {
+    if (PyObject_GetBuffer(args[7], &tb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyBuffer_Release(&pb);
         return NULL;
     }
@@ -99,8 +100,10 @@ static PyObject* desc(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_ValueError, "the descriptor or the overflow flag does not fit the page");
         goto done;
     }
-    if (tb.len % 24) {
-        PyErr_SetString(PyExc_ValueError, "table: u64 triples (query, rows, scores) per slot");
+    const char* f = tb.format ? tb.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (tb.ndim != 2 || tb.shape[1] != 3 || tb.itemsize != 8 || (strcmp(f, "Q") && strcmp(f, "L"))) {
+        PyErr_SetString(PyExc_ValueError, "table: a C-contiguous (n_slots, 3) array of uint64 (query, rows, scores)");
         goto done;
     }
     Py_ssize_t n_slots = tb.len / 24;

@@ -1203,11 +1203,12 @@ class GpuIndex(Index):
         if fns is None:
             return None
         execs = []
-        for g in graphs:
-            instantiate = getattr(g, "_ensure_instantiate", None)  # (CuPy may instantiate lazily)
-            if instantiate is not None:
-                self._check(instantiate)
-            execs.append(int(getattr(g, "graphExec", 0) or 0))
+        with self.device:  # (where CuPy's launch would instantiate it)
+            for g in graphs:
+                instantiate = getattr(g, "_ensure_instantiate", None)  # (CuPy may instantiate lazily)
+                if instantiate is not None:
+                    self._check(instantiate)
+                execs.append(int(getattr(g, "graphExec", 0) or 0))
         if not all(execs):
             return None
         c = _launch.CONSTANTS
@@ -1310,7 +1311,9 @@ class GpuIndex(Index):
                           c: bool) -> None:  # fmt: skip
         """Lane ``i``'s descriptor for one query per slot of ``slots`` (each slot's addresses
         in its row of ``table``; results ``k`` apart), and its overflow flag cleared: by
-        _launch.desc where ``c``, else in Python, byte for byte the same."""
+        _launch.desc where ``c``, else in Python, byte for byte the same. (The descriptor's
+        out_ld is ``k`` here, the specs' row length on their way; no kernel reads it for a
+        queued batch: each query's rows and scores have their own addresses.)"""
         if c:
             _launch.desc(self._desc_mm, _LANE_DESC[i], k, high, ns, k, slots, table, _LANE_OVERFLOW[i], MAXQ)
             return
@@ -1324,6 +1327,7 @@ class GpuIndex(Index):
         enqueued (the batch's work half on the device), is fatal. The first call failing
         otherwise (nothing enqueued; e.g. no current context on this thread) turns the C calls
         off, logged once, and the caller makes them through CuPy."""
+        # (_STICKY holds the runtime's codes; the driver's are the same numbers for those)
         msg = f"CUDA driver error {rc} in the queued launch's call {at} on {self.name}"
         if rc in _STICKY or at:
             raise FatalDeviceError(msg)

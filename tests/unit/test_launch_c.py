@@ -9,6 +9,7 @@ makes. What the GPU does with them: tests/gpu/test_gpu_index.py (chains through 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import struct
@@ -89,7 +90,16 @@ def _desc_args(mm, **over):  # type: ignore[no-untyped-def]
         ({"off": 4096 - 32}, ValueError),  # past the page
         ({"overflow_off": 2048 + 40}, ValueError),  # inside the descriptor
         ({"overflow_off": 4094}, ValueError),
-        ({"table": np.zeros(10, np.uint64)}, ValueError),  # not triples
+        ({"table": np.zeros(30, np.uint64)}, ValueError),  # not (n, 3)
+        ({"table": np.zeros((N_SLOTS, 3), np.int64).view(np.float64)}, ValueError),  # not uint64
+        ({"table": np.zeros((N_SLOTS, 3), np.uint32)}, ValueError),
+        ({"table": np.zeros((N_SLOTS, 3), np.int64)}, ValueError),
+        ({"table": np.zeros((3, N_SLOTS), np.uint64).T}, ValueError),  # not C-contiguous
+        ({"table": b"\0" * 24 * N_SLOTS}, ValueError),  # bytes: no shape
+        ({"ns": 2**31}, ValueError),
+        ({"out_ld": 0}, ValueError),
+        ({"maxq": 0}, ValueError),
+        ({"maxq": 1025}, ValueError),
         ({"k": 0}, ValueError),
         ({"high": -1}, ValueError),
         ({"high": 2**31}, ValueError),
@@ -135,7 +145,8 @@ def _plan(driver: _Driver, monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, dict
     graphs = [SimpleNamespace(graphExec=h[g]) for g in ("front", "pass", "sel")]
     lane = SimpleNamespace(side=SimpleNamespace(ptr=h["side"]), front_done=SimpleNamespace(ptr=h["fd"]),
                            pass_done=SimpleNamespace(ptr=h["pd"]), done=SimpleNamespace(ptr=h["done"]))  # fmt: skip
-    idx = SimpleNamespace(stream=SimpleNamespace(ptr=h["main"]), _check=lambda fn: fn())
+    idx = SimpleNamespace(stream=SimpleNamespace(ptr=h["main"]), _check=lambda fn: fn(),
+                          device=contextlib.nullcontext())  # fmt: skip
     plan = GpuIndex._queue_plan(idx, graphs, lane)
     assert plan is not None
     return plan, h
@@ -170,7 +181,7 @@ def test_no_plan_without_the_c_path_or_an_executable_graph(monkeypatch: pytest.M
     _plan(driver, monkeypatch)
     lane = SimpleNamespace(side=SimpleNamespace(ptr=1), front_done=SimpleNamespace(ptr=2),
                            pass_done=SimpleNamespace(ptr=3), done=SimpleNamespace(ptr=4))  # fmt: skip
-    idx = SimpleNamespace(stream=SimpleNamespace(ptr=5), _check=lambda fn: fn())
+    idx = SimpleNamespace(stream=SimpleNamespace(ptr=5), _check=lambda fn: fn(), device=contextlib.nullcontext())
     graphs = [SimpleNamespace(graphExec=g) for g in (6, 7, 8)]
     assert GpuIndex._queue_plan(idx, graphs, lane) is not None
     assert GpuIndex._queue_plan(idx, [*graphs[:2], SimpleNamespace(graphExec=0)], lane) is None
