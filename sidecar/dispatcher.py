@@ -615,7 +615,7 @@ class Dispatcher:
         slots = [i for i, _, _ in part]
         if part and taken.issuperset(slots):  # every query checked by _hotpath.take already
             taken.difference_update(slots)
-            if behind:
+            if behind and self.service.index.queues_from_slots:
                 return self._launch_queued(part, slots, k, flags)
         else:
             part = self._finite_members(part)

@@ -135,6 +135,10 @@ class Index(abc.ABC):
             raise RuntimeError(f"{type(self).__name__} does not queue searches behind each other")
         self.search_slots(specs, k, high, ns, candidates, dense)
 
+    # Whether a batch queued behind another is best launched from its members' slot numbers
+    # (:meth:`launch_behind_slots`) than from their specs: the GPU index with its C launch.
+    queues_from_slots = False
+
     def launch_behind_slots(self, slots: list[int], table: np.ndarray, k: int, high: int, ns: int) -> None:
         """:meth:`launch_slots` with ``behind=True`` for one query per slot of ``slots``, whose
         query, rows and scores addresses are row ``slot`` of ``table`` (u64); the rows below

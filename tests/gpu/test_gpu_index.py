@@ -324,7 +324,7 @@ def test_batches_queued_behind_each_other_are_exact(metric: str, dim: int, n: in
         idx.finish_slots()  # the older one
     idx.finish_slots()
     assert idx.queued_batches == queued + len(plan) - 1
-    assert idx.queued_c == in_c + (len(plan) - 1 + 1) // 2  # the slot numbers' launches: C's calls
+    assert idx.queued_c == in_c + len(plan) - 1  # both ways' CUDA calls made by _launch.run
     assert idx.threshold_overflows == overflows  # answered by the queued path, not the fallback
     _check_batches(svc, batches, stored, metric)
     idx.detach_segment()

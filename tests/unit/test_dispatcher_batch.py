@@ -469,6 +469,8 @@ class _QueueingIndex(_DeferredIndex):
         self.queue.append((specs, k, high, ns, candidates, dense))
         self.asked = 0
 
+    queues_from_slots = True  # type: ignore[assignment]  # (as the GPU index with its C launch)
+
     def launch_behind_slots(self, slots, table, k, high, ns) -> None:  # type: ignore[no-untyped-def]
         """As the GPU index: each slot's query read, and its results written, at the addresses
         in its row of ``table`` (checked to lie in the segment, ``self.segment``: (start, size))."""
@@ -561,20 +563,22 @@ def test_a_returning_cohort_is_queued_behind_the_batch_in_flight(
     assert sorted(a[:2] for a in answered) == [(i, 2) for i in range(6)]
 
 
-@pytest.mark.parametrize("hot", [True, False])
+@pytest.mark.parametrize(("hot", "from_slots"), [(True, True), (True, False), (False, True)])
 def test_a_queued_batch_of_taken_members_is_launched_from_their_slot_numbers(
-    hot: bool, monkeypatch: pytest.MonkeyPatch
+    hot: bool, from_slots: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Members that _hotpath.take took (batch-1 recalls in the default namespace, checked) are
-    queued through Service.launch_queued: the index gets their slot numbers and the
-    dispatcher's table of slot addresses, no specs (their specs are made after the launch, for
-    the answers). The answers are each client's own. Without the C take (the negative control),
-    the specs' way, as before."""
+    queued through Service.launch_queued where the index prefers it (``queues_from_slots``: the
+    GPU index with its C launch): the index gets their slot numbers and the dispatcher's table
+    of slot addresses, no specs (their specs are made after the launch, for the answers). The
+    answers are each client's own. Without the C take, or where the index does not prefer it
+    (the negative controls), the specs' way, as before."""
     if not hot:
         monkeypatch.setattr(dispatcher_module, "_hotpath", None)
     elif dispatcher_module._hotpath is None:
         pytest.skip("the C extension is not built here")
     d, (_lay, _mm, _svc, index, log, _states, request, read, _answered) = _queue_rig(7, monkeypatch)
+    index.queues_from_slots = from_slots
     for i in (0, 1, 2):
         request(i)
     assert d.poll() == 3
@@ -582,7 +586,7 @@ def test_a_queued_batch_of_taken_members_is_launched_from_their_slot_numbers(
         request(i)
     assert d.poll() == 4
     assert log == ["launch 3", "queue 4", "finish"], log
-    assert index.slot_launches == ([[3, 4, 5, 6]] if hot else []), index.slot_launches
+    assert index.slot_launches == ([[3, 4, 5, 6]] if hot and from_slots else []), index.slot_launches
     assert d.settle() == 4
     for i in range(7):
         read(i)
