@@ -61,6 +61,8 @@ from kalos_retrievers.sidecar.bench import load, machine, make_data, throughput,
 from kalos_retrievers import Sidecar
 
 DIM, K, BATCH = 768, 10, 64
+# what sidecar.bench.throughput says of the clients' CPU, per recall (Linux with schedstat)
+CLIENT_KEYS = ("client_cpu_us_per_recall", "client_runqueue_us_per_recall", "client_cores")
 
 
 def cpu_list(text: str) -> set[int]:
@@ -204,6 +206,9 @@ def main() -> int:
                     thr = throughput(sc.name, DIM, K, args.procs, args.duration, True if args.arena_docs else None)
                 rnd[label] = {"batch64_p50_us": b64["p50_us"], "procs_per_s": thr["recalls_per_s"],
                               "procs_p99_us": thr["p99_us"]}  # fmt: skip
+                for key in CLIENT_KEYS:  # the clients' CPU per recall (where schedstat is kept)
+                    if key in thr:
+                        rnd[label][key] = thr[key]
                 if b1 is not None:
                     rnd[label]["batch1_p50_us"] = b1["p50_us"]
             res["rounds"].append(rnd)
@@ -219,7 +224,9 @@ def main() -> int:
                 res[f"stats_{label}"]["serve_thread"] = {key: s1[key] - s0[key] for key in s1}
             print(label, json.dumps(res[f"stats_{label}"]), flush=True)
     summary = {}
-    for key in ("batch64_p50_us", "procs_per_s", "procs_p99_us", *(("batch1_p50_us",) if args.doorbell else ())):
+    keys = ["batch64_p50_us", "procs_per_s", "procs_p99_us", *(("batch1_p50_us",) if args.doorbell else ())]
+    keys += [key for key in CLIENT_KEYS if all(key in rd[s] for rd in res["rounds"] for s in "ab")]
+    for key in keys:
         a = np.array([rd["a"][key] for rd in res["rounds"]])
         b = np.array([rd["b"][key] for rd in res["rounds"]])
         d = b - a

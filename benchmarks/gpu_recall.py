@@ -347,6 +347,9 @@ def main() -> int:
              f"{b64s['p50_us']} / {b64s['wait_p50_us']}", ""),
             ("1M, 32 procs: recalls/s", ">= 40000", f"{thr['recalls_per_s']}", ok(thr["recalls_per_s"] >= 40000)),
             ("1M, 32 procs: p99 (us)", "<= 2000", f"{thr['p99_us']}", ok(thr["p99_us"] <= 2000)),
+            ("1M, 32 procs: clients' CPU / run-queue wait per recall (us), cores", "",
+             f"{thr.get('client_cpu_us_per_recall', '-')} / {thr.get('client_runqueue_us_per_recall', '-')}, "
+             f"{thr.get('client_cores', '-')}", ""),
             ("bulk load 1M x 768 via client, durable (s)", "report", f"{res['bulk_load_1m_durable_s']}", ""),
             ("sidecar start reloading 1M rows (s)", "report", f"{res['reload_1m_s']}", ""),
         ]  # fmt: skip

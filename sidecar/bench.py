@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import platform
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -140,14 +141,18 @@ def _throughput_worker(name: str, dim: int, k: int, seed: int, duration: float, 
                        out: Any, arena_docs: bool | None = None) -> None:  # fmt: skip
     from kalos_retrievers.client import KalosClient
 
+    from .stats import thread_sched
+
     qs = make_data(256, dim, seed)
     lat: list[float] = []
+    tid = threading.get_native_id()
     with KalosClient(name, dim=dim, timeout=10, arena_docs=arena_docs) as c:
         for i in range(20):
             c.recall(qs[i], k)
         while time.time() < start_at:  # all workers start together (wall clock across procs)
             time.sleep(0.001)
         end = time.perf_counter() + duration
+        s0 = thread_sched(tid)
         i = 0
         while True:
             t0 = time.perf_counter_ns()
@@ -157,13 +162,21 @@ def _throughput_worker(name: str, dim: int, k: int, seed: int, duration: float, 
             i += 1
             if t1 / 1e9 > end:
                 break
-    out.put(np.asarray(lat, np.float64))
+        s1 = thread_sched(tid)
+    sched = None if s0 is None or s1 is None else (s1["cpu_ns"] - s0["cpu_ns"], s1["runqueue_ns"] - s0["runqueue_ns"])
+    out.put((np.asarray(lat, np.float64), sched))
 
 
 def throughput(name: str, dim: int, k: int, procs: int, duration: float,
                arena_docs: bool | None = None) -> dict[str, float]:  # fmt: skip
     """``procs`` client processes issuing batch-1 recalls back to back for ``duration`` s
-    (``arena_docs``: the clients' setting, see :class:`KalosClient`)."""
+    (``arena_docs``: the clients' setting, see :class:`KalosClient`).
+
+    Besides the latencies and the rate: where the kernel keeps per-thread schedstat (Linux),
+    the clients' CPU time per recall (``client_cpu_us_per_recall``: their Python, their spins,
+    their system calls), how many cores that kept busy (``client_cores``), and how long per
+    recall they waited runnable for a core (``client_runqueue_us_per_recall``): with more
+    client processes than cores, whether the clients' side is what holds the rate."""
     ctx = mp.get_context("spawn")
     q: Any = ctx.Queue()
     start_at = time.time() + 3.0 + 0.1 * procs
@@ -171,13 +184,19 @@ def throughput(name: str, dim: int, k: int, procs: int, duration: float,
           for i in range(procs)]  # fmt: skip
     for p in ps:
         p.start()
-    lats = [q.get(timeout=duration + 120) for _ in ps]
+    got = [q.get(timeout=duration + 120) for _ in ps]
     for p in ps:
         p.join(30)
-    allv = np.concatenate(lats)
+    allv = np.concatenate([lat for lat, _ in got])
     res = percentiles(allv)
     res["procs"] = procs
     res["recalls_per_s"] = round(len(allv) / duration, 1)
+    scheds = [sc for _, sc in got]
+    if len(allv) and all(sc is not None for sc in scheds):
+        cpu, runq = (sum(sc[j] for sc in scheds) for j in (0, 1))  # type: ignore[index]
+        res["client_cpu_us_per_recall"] = round(cpu / len(allv) / 1000, 2)
+        res["client_runqueue_us_per_recall"] = round(runq / len(allv) / 1000, 2)
+        res["client_cores"] = round(cpu / 1e9 / duration, 2)
     return res
 
 
