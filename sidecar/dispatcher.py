@@ -611,51 +611,45 @@ class Dispatcher:
     # ------------------------------------------------------------------ answering
     def _launch_batch(self, part: list[tuple[int, Request, int]], k: int, flags: int,
                       behind: bool = False) -> _Batch | None:  # fmt: skip
+        """Launch ``part``'s search (``behind``: queued behind the one in flight, which the
+        index must have said it can do) and return it as a batch in flight; None if no member
+        is left to search or the launch failed (its members then have their answer). A queued
+        batch whose members are all batch-1 recalls _hotpath.take took goes from their slot
+        numbers where the index prefers it (Service.launch_queued, the GPU index's C launch),
+        their specs made after the launch, while the device searches: per member, the specs
+        and their addresses were ~20 µs of the ~37 µs of Python before a queued launch's CUDA
+        calls with 32 client processes (S31-2)."""
         taken = self._taken
         slots = [i for i, _, _ in part]
-        if part and taken.issuperset(slots):  # every query checked by _hotpath.take already
+        specs: list[SlotSpec] | None = None
+        hot = bool(part) and taken.issuperset(slots)  # every query checked by _hotpath.take already
+        if hot:
             taken.difference_update(slots)
-            if behind and self.service.index.queues_from_slots:
-                return self._launch_queued(part, slots, k, flags)
         else:
             part = self._finite_members(part)
             if not part:
                 return None
-        spec = self._spec
-        specs = [spec(i, req) for i, req, _ in part]
+        svc, spec = self.service, self._spec
+        if not (hot and behind and svc.index.queues_from_slots):
+            specs = [spec(i, req) for i, req, _ in part]
         ts = time.perf_counter_ns()
         try:
-            self.service.index.pause_doorbell()
-            kk = self.service.launch_recall(specs, k, "", None, check_finite=False, behind=behind)
+            svc.index.pause_doorbell()
+            if specs is None:
+                kk = svc.launch_queued(slots, self._slot_table, k)
+            else:
+                kk = svc.launch_recall(specs, k, "", None, check_finite=False, behind=behind)
         except FatalDeviceError:
             raise
         except Exception as e:  # the members still waiting get it, not those _finite_members refused
             self._fail_all(part, e)
             return None
+        t_launched = time.perf_counter_ns()
+        if specs is None:
+            specs = [spec(i, req) for i, req, _ in part]
         # from finding the request, or from the end of work this pass did before it
         picked_from = max(part[0][2], self._busy_until)
-        return _Batch(part, specs, kk, flags, ts, time.perf_counter_ns(), picked_from)
-
-    def _launch_queued(self, part: list[tuple[int, Request, int]], slots: list[int], k: int,
-                       flags: int) -> _Batch | None:  # fmt: skip
-        """:meth:`_launch_batch` of a batch queued behind another whose members are all batch-1
-        recalls _hotpath.take took: launched from their slot numbers (Service.launch_queued),
-        their specs made after the launch, while the device searches. (Per member, the specs
-        and their addresses were ~20 µs of the ~37 µs of Python before a queued launch's CUDA
-        calls with 32 client processes, S31-2.)"""
-        ts = time.perf_counter_ns()
-        try:
-            self.service.index.pause_doorbell()
-            kk = self.service.launch_queued(slots, self._slot_table, k)
-        except FatalDeviceError:
-            raise
-        except Exception as e:
-            self._fail_all(part, e)
-            return None
-        t_launched = time.perf_counter_ns()
-        spec = self._spec
-        specs = [spec(i, req) for i, req, _ in part]
-        return _Batch(part, specs, kk, flags, ts, t_launched, max(part[0][2], self._busy_until))
+        return _Batch(part, specs, kk, flags, ts, t_launched, picked_from)
 
     def _book(self, b: _Batch) -> None:
         """The bookkeeping of launched batch ``b``, once: the rest of an abandoned answer in

@@ -356,6 +356,11 @@ def queued_timing(times: Sequence[tuple[int, float, float, float, float]]) -> di
     return out
 
 
+def _c_launch() -> bool:
+    """Whether queued launches go through _launch: built, and KALOS_QUEUE_C not 0."""
+    return QUEUE_C and _launch is not None
+
+
 @functools.cache
 def _driver_calls() -> tuple[int, int, int] | None:
     """The addresses of the CUDA driver's cuGraphLaunch, cuEventRecord and cuStreamWaitEvent
@@ -1156,7 +1161,7 @@ class GpuIndex(Index):
     def queues_from_slots(self) -> bool:  # type: ignore[override]
         """Where the C launch is there (its descriptor from slot numbers: ~1 µs; in Python,
         from a table of addresses, ~25 µs per ~15 members, more than from their specs)."""
-        return QUEUE_C and _launch is not None
+        return _c_launch()
 
     def launch_behind_slots(self, slots: list[int], table: np.ndarray, k: int, high: int, ns: int) -> None:
         """:meth:`launch_slots` with ``behind=True`` for one query per slot of ``slots`` (the
@@ -1205,7 +1210,7 @@ class GpuIndex(Index):
         ``lane.done``. None without _launch, with KALOS_QUEUE_C=0, where the driver's functions
         cannot be found or a graph has no executable handle: the calls are then made through
         CuPy, as with the timing's events or a trace."""
-        fns = _driver_calls() if QUEUE_C and _launch is not None else None
+        fns = _driver_calls() if _c_launch() else None
         if fns is None:
             return None
         execs = []
@@ -1242,7 +1247,7 @@ class GpuIndex(Index):
         front, pas, sel, plan = self._behind_parts(i, lane, n, k, sample)
         if slots is not None:
             assert table is not None
-            self._write_desc_slots(i, k, high, ns, slots, table, QUEUE_C and _launch is not None)
+            self._write_desc_slots(i, k, high, ns, slots, table, _c_launch())
         else:
             assert specs is not None
             qs, rows, scores, out_ld = self._addresses(specs)
