@@ -416,7 +416,9 @@ class KalosClient:
             sleeps through most of the expected wait and spins across the expected answer
             instead, for at most 4 x ``spin_us``; except a GPU sidecar's recalls expected
             within 4 x ``spin_us`` while few other requests wait, which spin through the
-            whole wait (the Python after a sleep ran up to 2x slower). Default 300 on
+            whole wait (the Python after a sleep ran up to 2x slower). While many requests
+            wait (more than a quarter of the cores' worth, ours included), a call whose
+            answer is not expected within 2 x ``spin_us`` blocks outright. Default 300 on
             x86-64, 0 elsewhere (the spin path relies on x86-64's store ordering; 0 never
             spins), or ``KALOS_SPIN_US`` from the environment when set.
         max_slots: most slots this client holds at once (= its concurrent calls).
@@ -1256,15 +1258,21 @@ class KalosClient:
           wait made the call's own Python after it (and the next call's before it) slow: on
           the H200 host a 64-query batch took 1044 µs p50 with a sleep and 889 µs spinning, of
           which the wait itself 749 and 742 µs (S11-4; four of five sessions' runs alike).
-          With many clients waiting, spinning through would take the cores the sidecar's
-          own thread needs; they sleep as below.
-        * Recalls that typically take longer (a CPU index over many rows: milliseconds):
+        * Recalls that typically take longer (a CPU index over many rows: milliseconds), while
+          at most ``_SPIN_CROWD`` requests wait:
           spinning through the whole wait would take a core from the sidecar, and blocking
           through it costs a wake-up when the answer comes (on a small VM ~0.1 ms p50, over
           1 ms p90). So block on the semaphore through most of the expected wait (a timed
           wait: an early answer still wakes us), spin across the expected completion for a
           bounded window, and block again if the answer is late (see ``_sleep_then_spin``).
           Other ops, whose duration the typical recall wait says nothing about, just block.
+        * A crowd's long waits (more than ``_SPIN_CROWD`` requests waiting, ours included):
+          block through the whole wait. The answer comes with whichever batch the request
+          joins, a pass or two of the device later, and no spin window placed around the
+          typical wait catches it reliably, and 32 clients spinning around ~800 µs waits on
+          16 cores took the cores that the serve loop and the clients just woken needed (on
+          the H200 host, clients spinning 50 µs around such waits instead of 300 made 32
+          processes' recalls ~1k/s faster and their p99 0.33 ms shorter, S32-4).
         * With ``spin_ns == 0``: block only.
 
         Blocking always checks the deadline and, every few ms, that the sidecar is alive.
@@ -1283,12 +1291,12 @@ class KalosClient:
             # sidecar's search runs on the cores a spinning client would take
             extend = recall and conn.header.backend != "cpu"
             answered = self._spin(slot, t_sent + self._short_spin_ns(typical, extend))
-        elif (self.spin_ns and recall and typical <= _FULL_SPIN_WINDOWS * self.spin_ns
-              and conn.header.backend != "cpu" and conn.waiting_requests() <= _SPIN_CROWD):  # fmt: skip
-            answered = self._spin(slot, min(t_sent + typical + self._margin_ns(typical), int(deadline * 1e9)))
-        elif self.spin_ns and recall:
-            answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical)
-        else:
+        elif self.spin_ns and recall and conn.waiting_requests() <= _SPIN_CROWD:
+            if typical <= _FULL_SPIN_WINDOWS * self.spin_ns and conn.header.backend != "cpu":
+                answered = self._spin(slot, min(t_sent + typical + self._margin_ns(typical), int(deadline * 1e9)))
+            else:
+                answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical)
+        else:  # other ops, spin_us=0, or a crowd's long wait: block
             answered = False
         if not answered:
             self._block(conn, slot, seq, deadline)
