@@ -4,7 +4,7 @@
         [--rounds 6] [--procs 32] [--duration 3] [--device cuda] [--env-a K=V ...] [--env-b K=V ...]
         [--client-env-a K=V ...] [--client-env-b K=V ...]
         [--sidecar-cpus-a LIST] [--sidecar-cpus-b LIST] [--client-cpus-a LIST] [--client-cpus-b LIST]
-        --out DIR
+        [--client-a DIR] [--client-b DIR] --out DIR
 
 A and B are directories that hold an installed ``kalos_retrievers`` (``pip install --no-deps
 --target DIR``); each sidecar process runs with its directory first on ``PYTHONPATH``, while
@@ -37,7 +37,11 @@ preempted; its own side's turns, the other side's while it idles, and the ``reca
 timing together). With ``--arena-docs`` both sidecars keep a document
 arena (``KALOS_ARENA=1``) and the throughput clients read their documents from it, as
 clients of a sidecar with a resident kernel do (``gpu_recall.py``'s 32 processes); without,
-the documents come inline in each answer. ``--sidecar-cpus-a`` / ``--sidecar-cpus-b`` (a CPU
+the documents come inline in each answer. ``--client-a`` / ``--client-b`` (a directory holding
+an installed ``kalos_retrievers``, as ``--a``) give the throughput workers that client library
+while that side is timed (``bench.throughput``'s ``client_path``): the same sidecar package on
+both sides then compares two client libraries; this process's own timing of
+``recall_batch(64)`` keeps its own library. ``--sidecar-cpus-a`` / ``--sidecar-cpus-b`` (a CPU
 list such as ``15`` or ``0-14``) start that side's sidecar with that CPU affinity (its process
 and its children inherit it, as under ``taskset -c``), and ``--client-cpus-a`` /
 ``--client-cpus-b`` give this process and the throughput workers that affinity while that side
@@ -160,6 +164,9 @@ def main() -> int:
                         help=f"CPUs of {side.upper()}'s sidecar (e.g. 15)")  # fmt: skip
         ap.add_argument(f"--client-cpus-{side}", type=cpu_list, metavar="LIST",
                         help=f"CPUs of the clients while {side.upper()} is timed (e.g. 0-14)")  # fmt: skip
+        ap.add_argument(f"--client-{side}", metavar="DIR",
+                        help=f"client library of the throughput workers while {side.upper()} is timed "
+                             "(an installed package's directory; default: this process's)")  # fmt: skip
     ap.add_argument("--arena-docs", action="store_true", help="clients read documents from the arena")
     ap.add_argument("--doorbell", action="store_true",
                     help="keep the resident kernels (one side's stopped while the other runs)")  # fmt: skip
@@ -178,6 +185,7 @@ def main() -> int:
                            "client_env": client_envs, "arena_docs": args.arena_docs,
                            "cpus": {f"{who}_{side}": sorted(c) for who in ("sidecar", "client") for side in "ab"
                                     if (c := getattr(args, f"{who}_cpus_{side}")) is not None},
+                           "client_pkg": {"a": args.client_a, "b": args.client_b},
                            "doorbell": args.doorbell, "rounds": []}  # fmt: skip
     with ExitStack() as stack:
         sides = {}
@@ -203,7 +211,8 @@ def main() -> int:
                     if args.doorbell:
                         b1 = time_calls(lambda i: c.recall(queries[i % len(queries)], K), 2000, 200)
                 with affinity(cpus), environ(client_envs[label]):
-                    thr = throughput(sc.name, DIM, K, args.procs, args.duration, True if args.arena_docs else None)
+                    thr = throughput(sc.name, DIM, K, args.procs, args.duration, True if args.arena_docs else None,
+                                     getattr(args, f"client_{label}"))  # fmt: skip
                 rnd[label] = {"batch64_p50_us": b64["p50_us"], "procs_per_s": thr["recalls_per_s"],
                               "procs_p99_us": thr["p99_us"]}  # fmt: skip
                 for key in CLIENT_KEYS:  # the clients' CPU per recall (where schedstat is kept)

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -168,9 +169,15 @@ def _throughput_worker(name: str, dim: int, k: int, seed: int, duration: float, 
 
 
 def throughput(name: str, dim: int, k: int, procs: int, duration: float,
-               arena_docs: bool | None = None) -> dict[str, float]:  # fmt: skip
+               arena_docs: bool | None = None, client_path: str | None = None) -> dict[str, float]:  # fmt: skip
     """``procs`` client processes issuing batch-1 recalls back to back for ``duration`` s
     (``arena_docs``: the clients' setting, see :class:`KalosClient`).
+
+    ``client_path``: a directory holding an installed ``kalos_retrievers`` (``pip install
+    --no-deps --target DIR``) that the client processes import instead of this process's own,
+    so that two client libraries can be compared against one sidecar. A spawned process takes
+    its parent's ``sys.path`` at its start (``PYTHONPATH`` would not reach it), so the
+    directory is put first on this process's path while they start, and taken off after.
 
     Besides the latencies and the rate: where the kernel keeps per-thread schedstat (Linux),
     the clients' CPU time per recall (``client_cpu_us_per_recall``: their Python, their spins,
@@ -182,8 +189,16 @@ def throughput(name: str, dim: int, k: int, procs: int, duration: float,
     start_at = time.time() + 3.0 + 0.1 * procs
     ps = [ctx.Process(target=_throughput_worker, args=(name, dim, k, 1000 + i, duration, start_at, q, arena_docs))
           for i in range(procs)]  # fmt: skip
-    for p in ps:
-        p.start()
+    saved = list(sys.path)
+    if client_path is not None:
+        if not (Path(client_path) / "kalos_retrievers" / "client.py").is_file():
+            raise ValueError(f"client_path={client_path!r} holds no installed kalos_retrievers")
+        sys.path.insert(0, str(Path(client_path).resolve()))
+    try:
+        for p in ps:
+            p.start()
+    finally:
+        sys.path[:] = saved
     got = [q.get(timeout=duration + 120) for _ in ps]
     for p in ps:
         p.join(30)
