@@ -1,7 +1,8 @@
 """The optional C extensions (everything else is in pyproject.toml).
 
-``kalos_retrievers._fastpath`` is the client's batch-1 recall to a GPU sidecar's resident
-kernel in C (see kalos_retrievers/_fastpath.c); ``kalos_retrievers.sidecar._hotpath`` is the
+``kalos_retrievers._fastpath`` is the client's batch-1 recall in C: to a GPU sidecar's resident
+kernel, or the request and the answer around the sidecar's wait (see
+kalos_retrievers/_fastpath.c); ``kalos_retrievers.sidecar._hotpath`` is the
 sidecar's batch-1 recall (taking the request, writing an arena answer; see
 sidecar/_hotpath.c); ``kalos_retrievers.sidecar._launch`` is a GPU sidecar's launch of a batch
 queued behind another (its descriptor and CUDA driver calls; see sidecar/_launch.c). All are

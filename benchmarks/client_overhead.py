@@ -1,6 +1,6 @@
 """The client library's own Python per recall, with an instant responder (issue 3).
 
-    python -P benchmarks/client_overhead.py [--k 10] [--batch 1] [--calls 20000] [--profile]
+    python -P benchmarks/client_overhead.py [--k 10] [--batch 1] [--calls 20000] [--profile] [--no-c]
 
 On the H200 machine a batch-1 recall at 1M rows took ~420 µs end to end through
 ``KalosClient.recall`` while the resident kernel's round trip, driven by a bare Python loop in
@@ -15,6 +15,8 @@ request, the copy of rows and scores, the arena reads of the documents, the resu
 (The request still posts the sidecar's doorbell, as batches do; batch-1 recalls to a GPU
 kernel post nothing.) Printed: p50 per call in µs, for a numpy query and, at batch 1, the same
 query as a list of floats (what an ``Embeddings`` returns), and reading every hit's text.
+A batch-1 recall's request is written and its answer read by the client's C extension
+(``_fastpath.request1`` / ``answer1``) where it is built; ``--no-c`` times the Python path.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 
 os.environ["KALOS_ARENA"] = "1"  # the spawned sidecar keeps a document arena
 
+import kalos_retrievers.client as client_module
 from kalos_retrievers import KalosClient
 from kalos_retrievers.protocol import RESPONSE_OFFSET, RESPONSE_STRUCT, Response, SlotState
 
@@ -53,7 +56,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--calls", type=int, default=20_000)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-c", action="store_true", help="the client's Python path (its C extension not used)")
     a = ap.parse_args()
+    if a.no_c:
+        client_module._fastpath = None
     k, b = a.k, a.batch
     rng = np.random.default_rng(0)
     v = rng.standard_normal((ROWS, DIM)).astype(np.float32)
@@ -67,13 +73,14 @@ def main() -> None:
         resp = Response.unpack(slot.ctl)
         blob = bytes(slot.blob[: resp.resp_len])
 
-        def instant(conn: Any, s: Any, seq: int, deadline: float, *, recall: bool, doorbell: bool = False) -> Response:
+        def instant(conn: Any, s: Any, seq: int, deadline: float, *, recall: bool, doorbell: bool = False,
+                    check: bool = True) -> Response | None:  # fmt: skip
             s.rows[: k * b], s.scores[: k * b] = rows, scores
             s.blob[: len(blob)] = blob
             RESPONSE_STRUCT.pack_into(s.ctl, RESPONSE_OFFSET, seq, resp.status, resp.n_results, resp.resp_len,
                                       resp.resp_flags)  # fmt: skip
             s.state[0] = SlotState.RESPONSE
-            return Response(seq, resp.status, resp.n_results, resp.resp_len, resp.resp_flags)
+            return Response(seq, resp.status, resp.n_results, resp.resp_len, resp.resp_flags) if check else None
 
         c._wait = instant  # type: ignore[method-assign]
         n = a.calls if b == 1 else max(1, a.calls // 10)

@@ -1,4 +1,10 @@
-/* The batch-1 recall to a GPU sidecar's resident kernel, in C: the client library's hot path.
+/* The batch-1 recall in C: the client library's hot path.
+ *
+ * recall1: to a GPU sidecar's resident kernel, below. request1 / answer1: a recall the sidecar
+ * answers (no resident kernel takes it): request1 writes the same request words and query with
+ * the state REQUEST; the client posts the sidecar's doorbell and waits in Python as for any
+ * request (its spin, sleep and block, the deadline and the sidecar's death); answer1 then reads
+ * the answer as recall1 does, or leaves it, untouched, to the Python path.
  *
  * `KalosClient.recall` of one query (the default namespace, no filter, documents from the
  * arena) writes the query and the request words into its slot, sets DOORBELL, spins on the
@@ -130,6 +136,112 @@ done:
     return out;
 }
 
+/* The buffers of a call: the slot (writable), the query (C-contiguous, with its format) and,
+   for recall1, the header. Each getter releases what it took when it fails. */
+typedef struct { Py_buffer sb, qb, hb; int has_q, has_h; } Bufs;
+
+static void release(Bufs* b) {
+    PyBuffer_Release(&b->sb);
+    if (b->has_q) PyBuffer_Release(&b->qb);
+    if (b->has_h) PyBuffer_Release(&b->hb);
+}
+
+/* Take the slot and the query's buffers: 1 when taken, 0 when the query is strided (the caller
+   copies it: nothing is written), -1 with an exception. */
+static int get_slot_query(PyObject* slot, PyObject* query, Bufs* b) {
+    b->has_q = b->has_h = 0;
+    if (PyObject_GetBuffer(slot, &b->sb, PyBUF_WRITABLE) < 0) return -1;
+    if (PyObject_GetBuffer(query, &b->qb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&b->sb);
+        /* a strided query (numpy says ValueError, others BufferError): the caller copies it */
+        if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_ValueError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    b->has_q = 1;
+    return 1;
+}
+
+/* 1 when the query is ``dim`` float32 values, all finite (the caller writes it), 0 when it is
+   not one this handles (nothing is written), -1 with an exception when the slot does not fit
+   the layout. */
+static int check_query(const Bufs* b, const Layout* lay, long long k) {
+    const long long qbytes = 4 * lay->dim;
+    const char* fmt = b->qb.format ? b->qb.format : "B";
+    if (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@') fmt++;
+    if (b->qb.len != qbytes || strcmp(fmt, "f") != 0) return 0;  /* not dim float32 values */
+    if (lay->payload < CTL_SIZE || lay->payload + qbytes > b->sb.len || lay->rows + 4 * k > b->sb.len ||
+        lay->scores + 4 * k > b->sb.len || lay->blob + lay->blob_size > b->sb.len) {
+        PyErr_SetString(PyExc_ValueError, "the query or the slot does not fit the layout");
+        return -1;
+    }
+    return all_finite((const char*)b->qb.buf, lay->dim);
+}
+
+/* The request words and the query, before the state word (which the caller stores). */
+static void write_request(char* s, const Layout* lay, const void* q, uint64_t seq, long long k, uint64_t deadline) {
+    const long long qbytes = 4 * lay->dim;
+    memcpy(s + lay->payload, q, (size_t)qbytes);
+    st64(s + OFF_SEQ, seq);
+    st32(s + OFF_OP, OP_RECALL);
+    st32(s + OFF_FLAGS, (uint32_t)lay->flags);
+    st32(s + OFF_TOP_K, (uint32_t)k);
+    st32(s + OFF_N_ITEMS, 1);
+    st64(s + OFF_VEC_LEN, (uint64_t)qbytes);
+    st64(s + OFF_ARGS_LEN, 0);
+    st64(s + OFF_DEADLINE, deadline);
+}
+
+/* The answer in the slot whose state word read ``st``: the result tuple when it is one this
+   handles (the slot's state then CLAIMED again), else ``waited`` as an int (left unread for
+   Python). Each answer word is read from shared memory once (volatile: the compiler may not
+   read it again), then checked and used from the copy: what another process writes meanwhile
+   cannot pass the checks and then change what is read. */
+static PyObject* read_answer(char* s, const Layout* lay, uint32_t st, uint64_t seq, long long k, uint64_t waited,
+                             PyObject* arena, PyObject* info) {
+    const volatile char* vs = s;
+    const uint64_t resp_seq = *(const volatile uint64_t*)(vs + OFF_RESP_SEQ);
+    const uint32_t status = *(const volatile uint32_t*)(vs + OFF_STATUS);
+    const uint32_t n = *(const volatile uint32_t*)(vs + OFF_N_RESULTS);
+    const uint64_t len = *(const volatile uint64_t*)(vs + OFF_RESP_LEN);
+    const uint64_t flags = *(const volatile uint64_t*)(vs + OFF_RESP_FLAGS);
+    if (st != ST_RESPONSE || resp_seq != seq || status != 0 || (flags & RESP_MORE) || n > (uint64_t)k ||
+        len > (uint64_t)lay->blob_size)
+        return PyLong_FromUnsignedLongLong((unsigned long long)waited);
+    PyObject* rows = PyByteArray_FromStringAndSize(s + lay->rows, 4 * (Py_ssize_t)n);
+    PyObject* scores = PyByteArray_FromStringAndSize(s + lay->scores, 4 * (Py_ssize_t)n);
+    PyObject* blob = PyBytes_FromStringAndSize(s + lay->blob, (Py_ssize_t)len);
+    PyObject* docs = NULL;
+    if (rows && scores && blob) {
+        if ((flags & (RESP_ARENA_DOCS | RESP_ARENA_ENTRIES)) == (RESP_ARENA_DOCS | RESP_ARENA_ENTRIES))
+            docs = entry_docs(PyBytes_AsString(blob), len, n, arena, info);
+        else
+            docs = Py_NewRef(Py_None);
+    }
+    if (!docs) {
+        Py_XDECREF(rows);
+        Py_XDECREF(scores);
+        Py_XDECREF(blob);
+        return NULL;
+    }
+    __atomic_store_n((uint32_t*)s, (uint32_t)ST_CLAIMED, __ATOMIC_RELEASE);  /* read: ours again */
+    return Py_BuildValue("(KIKNNNN)", (unsigned long long)waited, (unsigned int)n, (unsigned long long)flags,
+                         rows, scores, blob, docs);  /* N: steals */
+}
+
+/* seq, k and deadline_ns from args[0..2]; -1 with an exception when one is bad. */
+static int read_words(PyObject* const* args, unsigned long long* seq, long long* k, unsigned long long* deadline) {
+    *seq = PyLong_AsUnsignedLongLong(args[0]);
+    *k = PyLong_AsLongLong(args[1]);
+    *deadline = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred()) return -1;
+    if (*k <= 0 || *k > 0x7fffffff) {
+        PyErr_SetString(PyExc_ValueError, "k must be positive");
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(recall1_doc,
 "recall1(slot, query, layout, seq, k, deadline_ns, spin_ns, header, arena, arena_info)\n"
 "\n"
@@ -153,60 +265,37 @@ static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
         return NULL;
     }
     Layout lay;
-    if (read_layout(args[2], &lay) < 0) return NULL;
-    unsigned long long seq = PyLong_AsUnsignedLongLong(args[3]);
-    long long k = PyLong_AsLongLong(args[4]);
-    unsigned long long deadline = PyLong_AsUnsignedLongLong(args[5]);
+    unsigned long long seq, deadline;
+    long long k;
+    if (read_layout(args[2], &lay) < 0 || read_words(args + 3, &seq, &k, &deadline) < 0) return NULL;
     long long spin = PyLong_AsLongLong(args[6]);
-    if (PyErr_Occurred()) return NULL;
-    if (k <= 0 || k > 0x7fffffff || spin < 0) {
-        PyErr_SetString(PyExc_ValueError, "k must be positive and spin_ns not negative");
+    if (spin == -1 && PyErr_Occurred()) return NULL;
+    if (spin < 0) {
+        PyErr_SetString(PyExc_ValueError, "spin_ns must not be negative");
         return NULL;
     }
-    Py_buffer sb, qb, hb;
-    if (PyObject_GetBuffer(args[0], &sb, PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(args[1], &qb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&sb);
-        /* a strided query (numpy says ValueError, others BufferError): the caller copies it */
-        if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_ValueError)) return NULL;
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    if (PyObject_GetBuffer(args[7], &hb, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&sb);
-        PyBuffer_Release(&qb);
+    Bufs b;
+    int got = get_slot_query(args[0], args[1], &b);
+    if (got <= 0) return got < 0 ? NULL : Py_NewRef(Py_None);
+    if (PyObject_GetBuffer(args[7], &b.hb, PyBUF_SIMPLE) < 0) {
+        release(&b);
         return NULL;
     }
+    b.has_h = 1;
     PyObject* result = NULL;
-    const long long qbytes = 4 * lay.dim;
-    const char* fmt = qb.format ? qb.format : "B";
-    if (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@') fmt++;
-    if (qb.len != qbytes || strcmp(fmt, "f") != 0) {  /* not dim float32 values: not handled here */
-        result = Py_NewRef(Py_None);
+    if ((lay.bell_word + 1) * 4 > b.hb.len) {
+        PyErr_SetString(PyExc_ValueError, "recall1: the header does not fit the layout");
         goto out;
     }
-    if (lay.payload < CTL_SIZE || lay.payload + qbytes > sb.len ||
-        lay.rows + 4 * k > sb.len || lay.scores + 4 * k > sb.len || lay.blob + lay.blob_size > sb.len ||
-        (lay.bell_word + 1) * 4 > hb.len) {
-        PyErr_SetString(PyExc_ValueError, "recall1: the query, the slot or the header does not fit the layout");
+    int ok = check_query(&b, &lay, k);
+    if (ok <= 0) {
+        result = ok < 0 ? NULL : Py_NewRef(Py_None);
         goto out;
     }
-    char* s = (char*)sb.buf;
-    if (!all_finite((const char*)qb.buf, lay.dim)) {
-        result = Py_NewRef(Py_None);
-        goto out;
-    }
-    memcpy(s + lay.payload, qb.buf, (size_t)qbytes);
-    st64(s + OFF_SEQ, seq);
-    st32(s + OFF_OP, OP_RECALL);
-    st32(s + OFF_FLAGS, (uint32_t)lay.flags);
-    st32(s + OFF_TOP_K, (uint32_t)k);
-    st32(s + OFF_N_ITEMS, 1);
-    st64(s + OFF_VEC_LEN, (uint64_t)qbytes);
-    st64(s + OFF_ARGS_LEN, 0);
-    st64(s + OFF_DEADLINE, deadline);
+    char* s = (char*)b.sb.buf;
+    write_request(s, &lay, b.qb.buf, seq, k, deadline);
     uint32_t* state = (uint32_t*)s;
-    const uint32_t* bell = (const uint32_t*)hb.buf + lay.bell_word;
+    const uint32_t* bell = (const uint32_t*)b.hb.buf + lay.bell_word;
     uint32_t st = 0;
     uint64_t t0, t1;
     Py_BEGIN_ALLOW_THREADS
@@ -228,48 +317,95 @@ static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     }
     t1 = now_ns();
     Py_END_ALLOW_THREADS
-    /* each answer word read from shared memory once (volatile: the compiler may not read it
-       again), then checked and used from the copy: what another process writes meanwhile
-       cannot pass the checks and then change what is read */
-    const volatile char* vs = s;
-    const uint64_t resp_seq = *(const volatile uint64_t*)(vs + OFF_RESP_SEQ);
-    const uint32_t status = *(const volatile uint32_t*)(vs + OFF_STATUS);
-    const uint32_t n = *(const volatile uint32_t*)(vs + OFF_N_RESULTS);
-    const uint64_t len = *(const volatile uint64_t*)(vs + OFF_RESP_LEN);
-    const uint64_t flags = *(const volatile uint64_t*)(vs + OFF_RESP_FLAGS);
-    if (st != ST_RESPONSE || resp_seq != seq || status != 0 || (flags & RESP_MORE) || n > (uint64_t)k ||
-        len > (uint64_t)lay.blob_size) {
-        result = PyLong_FromUnsignedLongLong((unsigned long long)(t1 - t0));
-        goto out;
-    }
-    PyObject* rows = PyByteArray_FromStringAndSize(s + lay.rows, 4 * (Py_ssize_t)n);
-    PyObject* scores = PyByteArray_FromStringAndSize(s + lay.scores, 4 * (Py_ssize_t)n);
-    PyObject* blob = PyBytes_FromStringAndSize(s + lay.blob, (Py_ssize_t)len);
-    PyObject* docs = NULL;
-    if (rows && scores && blob) {
-        if ((flags & (RESP_ARENA_DOCS | RESP_ARENA_ENTRIES)) == (RESP_ARENA_DOCS | RESP_ARENA_ENTRIES))
-            docs = entry_docs(PyBytes_AsString(blob), len, n, args[8], args[9]);
-        else
-            docs = Py_NewRef(Py_None);
-    }
-    if (docs) {
-        __atomic_store_n(state, (uint32_t)ST_CLAIMED, __ATOMIC_RELEASE);  /* read: ours again */
-        result = Py_BuildValue("(KIKNNNN)", (unsigned long long)(t1 - t0), (unsigned int)n,
-                               (unsigned long long)flags, rows, scores, blob, docs);  /* N: steals */
-    } else {
-        Py_XDECREF(rows);
-        Py_XDECREF(scores);
-        Py_XDECREF(blob);
-    }
+    result = read_answer(s, &lay, st, seq, k, t1 - t0, args[8], args[9]);
 out:
+    release(&b);
+    return result;
+}
+
+PyDoc_STRVAR(request1_doc,
+"request1(slot, query, layout, seq, k, deadline_ns)\n"
+"\n"
+"Write a batch-1 recall into ``slot`` as a REQUEST, for the sidecar (whose doorbell semaphore\n"
+"the caller then posts, and whose answer it waits for as usual, then reads with ``answer1``).\n"
+"Returns True once written; None, having written nothing, when ``query`` is not ``dim`` finite\n"
+"float32 values in one C-contiguous buffer (the caller takes its general path).\n");
+
+static PyObject* request1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "request1 takes 6 arguments");
+        return NULL;
+    }
+    Layout lay;
+    unsigned long long seq, deadline;
+    long long k;
+    if (read_layout(args[2], &lay) < 0 || read_words(args + 3, &seq, &k, &deadline) < 0) return NULL;
+    Bufs b;
+    int got = get_slot_query(args[0], args[1], &b);
+    if (got <= 0) return got < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject* result = NULL;
+    int ok = check_query(&b, &lay, k);
+    if (ok > 0) {
+        char* s = (char*)b.sb.buf;
+        write_request(s, &lay, b.qb.buf, seq, k, deadline);
+        /* the words above before the state word (a release store: in program order on x86) */
+        __atomic_store_n((uint32_t*)s, (uint32_t)ST_REQUEST, __ATOMIC_RELEASE);
+        result = Py_NewRef(Py_True);
+    } else if (ok == 0) {
+        result = Py_NewRef(Py_None);
+    }
+    release(&b);
+    return result;
+}
+
+PyDoc_STRVAR(answer1_doc,
+"answer1(slot, layout, seq, k, waited_ns, arena, arena_info)\n"
+"\n"
+"Read the answer to the batch-1 recall ``seq`` that ``request1`` wrote, once the caller has\n"
+"seen the slot's state change: what ``recall1`` returns for an answer it handles (the slot's\n"
+"state then CLAIMED again; ``waited_ns`` is passed through as the first item), or None, with\n"
+"the slot untouched, for any other (an error, a continuation, a sequence or length that does\n"
+"not check): the caller reads it as usual.\n");
+
+static PyObject* answer1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "answer1 takes 7 arguments");
+        return NULL;
+    }
+    Layout lay;
+    if (read_layout(args[1], &lay) < 0) return NULL;
+    unsigned long long seq = PyLong_AsUnsignedLongLong(args[2]);
+    long long k = PyLong_AsLongLong(args[3]);
+    unsigned long long waited = PyLong_AsUnsignedLongLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (k <= 0 || k > 0x7fffffff) {
+        PyErr_SetString(PyExc_ValueError, "k must be positive");
+        return NULL;
+    }
+    Py_buffer sb;
+    if (PyObject_GetBuffer(args[0], &sb, PyBUF_WRITABLE) < 0) return NULL;
+    PyObject* result = NULL;
+    if (lay.rows + 4 * k > sb.len || lay.scores + 4 * k > sb.len || lay.blob + lay.blob_size > sb.len) {
+        PyErr_SetString(PyExc_ValueError, "answer1: the slot does not fit the layout");
+    } else {
+        char* s = (char*)sb.buf;
+        const uint32_t st = __atomic_load_n((const uint32_t*)s, __ATOMIC_ACQUIRE);
+        result = read_answer(s, &lay, st, seq, k, waited, args[5], args[6]);
+        if (result && PyLong_Check(result)) {  /* not one read here: None, for Python to read */
+            Py_DECREF(result);
+            result = Py_NewRef(Py_None);
+        }
+    }
     PyBuffer_Release(&sb);
-    PyBuffer_Release(&qb);
-    PyBuffer_Release(&hb);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"recall1", (PyCFunction)(void (*)(void))recall1, METH_FASTCALL, recall1_doc},
+    {"request1", (PyCFunction)(void (*)(void))request1, METH_FASTCALL, request1_doc},
+    {"answer1", (PyCFunction)(void (*)(void))answer1, METH_FASTCALL, answer1_doc},
     {NULL, NULL, 0, NULL},
 };
 

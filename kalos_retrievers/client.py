@@ -86,7 +86,7 @@ from .protocol import (
 )
 from .results import RecallResult, Record
 
-try:  # the batch-1 recall to a resident GPU kernel in C (optional: see _fastpath.c, setup.py)
+try:  # the batch-1 recall in C (optional: see _fastpath.c, setup.py)
     from . import _fastpath
 except ImportError:  # not compiled here: the Python path does the same
     _fastpath = None  # type: ignore[assignment]
@@ -630,12 +630,14 @@ class KalosClient:
         if type(k) is not int or not 0 < k <= header.max_k:
             return None
         arena = self._arena()
-        # the resident kernel's recalls in C, where it is built: it checks the query is finite
-        fast = _fastpath is not None and arena is not None and k <= conn.doorbell_k()
+        # in C where it is built (the request written and the answer read; the resident
+        # kernel's recalls waited for there too): it checks the query is finite
+        fast = _fastpath is not None and arena is not None
+        bell = fast and k <= conn.doorbell_k()
         if fast and type(query) is np.ndarray and query.ndim == 1 and query.dtype is _F32:
-            # _fastpath.recall1 checks the length and finiteness of a float32 vector (and
-            # writes nothing, so the general path refuses a wrong one); other dtypes are
-            # converted below first, so that they too take the C path
+            # _fastpath checks the length and finiteness of a float32 vector (and writes
+            # nothing, so the general path refuses a wrong one); other dtypes are converted
+            # below first, so that they too take the C path
             q = query
         elif type(query) is np.ndarray and query.shape == (dim,) and query.dtype == _F32:
             # the sum of the elements times 2**-100 is finite exactly when every element is:
@@ -668,7 +670,7 @@ class KalosClient:
             return None
         try:
             if fast:
-                rep = self._recall_fast(conn, slot, q, k, deadline, arena)  # type: ignore[arg-type]
+                rep = self._recall_fast(conn, slot, q, k, deadline, arena, bell)  # type: ignore[arg-type]
                 if rep is None:
                     return None  # nothing was written: the general path copies or refuses q
                 if type(rep) is RecallResult:
@@ -690,27 +692,50 @@ class KalosClient:
         return res
 
     def _recall_fast(
-        self, conn: _Conn, slot: _Slot, q: np.ndarray, k: int, deadline: float, arena: ArenaView
+        self, conn: _Conn, slot: _Slot, q: np.ndarray, k: int, deadline: float, arena: ArenaView, bell: bool
     ) -> RecallResult | _Reply | None:
-        """:meth:`_recall_one`'s exchange with a resident kernel through ``_fastpath.recall1``
-        (the slot in hand, released by the caller). A :class:`RecallResult` when the C code
-        read the whole answer and its documents; the answer as a :class:`_Reply` when it was
-        written and then read by Python (the answer not within the C spin, or one the C code
-        leaves to Python: see _fastpath.c), for the caller to check and split; None when
-        nothing was written (``q`` is not finite, or not one contiguous float32 vector)."""
+        """:meth:`_recall_one`'s exchange in C (the slot in hand, released by the caller).
+
+        With ``bell`` (a resident kernel takes the recall), ``_fastpath.recall1`` writes the
+        DOORBELL request and spins for the kernel's answer. Without, ``_fastpath.request1``
+        writes a REQUEST, we post the sidecar's doorbell and wait as :meth:`_wait` decides
+        (spin, sleep or block, the deadline and the sidecar's death checked as on the Python
+        path), and ``_fastpath.answer1`` reads the answer. (On the H200 host the Python steps
+        around the wait cost ~10 µs more per recall than C's, S18-3; a crowd's clients take them
+        between an answer and their next request.)
+
+        A :class:`RecallResult` when the C code read the whole answer and its documents; the
+        answer as a :class:`_Reply` when it was written and then read by Python (the answer not
+        within the C spin, or one the C code leaves to Python: see _fastpath.c), for the
+        caller to check and split; None when nothing was written (``q`` is not finite, or not
+        one contiguous float32 vector)."""
         if slot.sem.value:  # posts left by responses we saw by spinning (as in _roundtrip)
             _ipc.drain(slot.sem)
         slot.seq = seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
         buf, info = arena.fast
-        args = (conn.fast_layout, seq, k, int(deadline * 1e9), _FAST_SPIN_NS, conn.hdr, buf, info)
-        out = _fastpath.recall1(slot.mem, q, *args)
-        if out is None and not q.flags.c_contiguous:  # a strided view: its copy, as on the Python path
-            out = _fastpath.recall1(slot.mem, np.ascontiguousarray(q), *args)
+        deadline_ns = int(deadline * 1e9)
+        if bell:
+            args = (conn.fast_layout, seq, k, deadline_ns, _FAST_SPIN_NS, conn.hdr, buf, info)
+            out = _fastpath.recall1(slot.mem, q, *args)
+            if out is None and not q.flags.c_contiguous:  # a strided view: its copy, as on the Python path
+                out = _fastpath.recall1(slot.mem, np.ascontiguousarray(q), *args)
+        else:
+            out = _fastpath.request1(slot.mem, q, conn.fast_layout, seq, k, deadline_ns)
+            if out is None and not q.flags.c_contiguous:
+                out = _fastpath.request1(slot.mem, np.ascontiguousarray(q), conn.fast_layout, seq, k, deadline_ns)
+            if out is not None:
+                _ipc.post(conn.bell)
+                t_sent = time.monotonic_ns()
+                self._wait(conn, slot, seq, deadline, recall=True, check=False)
+                waited = time.monotonic_ns() - t_sent
+                out = _fastpath.answer1(slot.mem, conn.fast_layout, seq, k, waited, buf, info)
+                if out is None:  # an answer C leaves to Python: read (and continued) there
+                    out = waited
         if out is None:
             return None
-        if type(out) is int:  # written (and spun on for `out` ns): Python waits for and reads the answer
+        if type(out) is int:  # written (and waited on for `out` ns): Python waits for and reads the answer
             return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, 0,
-                                   deadline, sent=(seq, out))  # fmt: skip
+                                   deadline, sent=(seq, out, bell))  # fmt: skip
         waited, n, rflags, rows_b, scores_b, blob, docs = out
         self._observe_wait(waited)
         rows, scores = np.frombuffer(rows_b, _I32LE), np.frombuffer(scores_b, _F32LE)  # (writable)
@@ -1201,15 +1226,16 @@ class KalosClient:
         self, conn: _Conn, slot: _Slot, op: int, flags: int, top_k: int, n_items: int,
         vec_len: int, args_len: int, deadline: float, sent: tuple[int, int] | None = None,
     ) -> _Reply:  # fmt: skip
-        """Write the request (unless ``sent``: the sequence number of a DOORBELL request
-        already written by ``_fastpath``, and how long it has waited, ns), wait for the answer,
-        read it, and continue it while it says MORE."""
+        """Write the request (unless ``sent``: the sequence number of a request already
+        written by ``_fastpath``, how long it has waited (ns), and whether it was a DOORBELL
+        one; a REQUEST one was posted for), wait for the answer, read it, and continue it
+        while it says MORE."""
         chunks: list[bytes] = []
         rows = scores = None
         while True:
             waited = 0
             if sent is not None:
-                (seq, waited), bell, sent = sent, True, None
+                (seq, waited, bell), sent = sent, None
             else:
                 if slot.sem.value:  # posts left by responses we saw by spinning (sem_getvalue)
                     _ipc.drain(slot.sem)
@@ -1245,7 +1271,7 @@ class KalosClient:
                 raise ProtocolError("response continues without end")
 
     def _wait(self, conn: _Conn, slot: _Slot, seq: int, deadline: float, *, recall: bool,
-              doorbell: bool = False) -> Response:  # fmt: skip
+              doorbell: bool = False, check: bool = True) -> Response | None:  # fmt: skip
         """Wait for the answer to ``seq``, in up to three phases.
 
         * Answers that typically come within two spin windows (a ping, a GPU index): spin on
@@ -1281,6 +1307,9 @@ class KalosClient:
         a margin; that spin's hits and misses do not move ``_spin_payoff``, which judges only
         the spins after a sleep). A response seen by spinning leaves its semaphore post behind; the next
         round trip drains it.
+
+        Returns the response words, checked against ``seq``; with ``check=False`` None (the
+        caller reads and checks them itself: ``_fastpath.answer1``).
         """
         t_sent = time.monotonic_ns()
         typical = self._typical_wait_ns
@@ -1300,7 +1329,7 @@ class KalosClient:
             answered = False
         if not answered:
             self._block(conn, slot, seq, deadline)
-        return self._check_seq(slot, seq)
+        return self._check_seq(slot, seq) if check else None
 
     def _short_spin_ns(self, typical_ns: int, extend: bool) -> int:
         """How long to spin for an answer expected within two spin windows: one window, or,

@@ -40,7 +40,46 @@ def arenas(name: str) -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob(f"kalos-{name}-docs.*"))
 
 
-def test_arena_documents_equal_inline_documents_across_versions(start_sidecar, monkeypatch) -> None:
+# A batch-1 recall's answer is read in C (``_fastpath.answer1``, documents by entry) where the
+# extension is built, and in Python (``ArenaView``) otherwise or when C leaves it: the tests of
+# the arena's rules run both ways ("python": the extension taken away).
+PATHS = ["c", "python"]
+
+
+class CountingFastpath:
+    """``_fastpath`` with ``answer1`` watched: ``on_docs(n)`` for each answer whose documents C
+    read (``n`` of them); with ``drop_docs`` set, the first such answer's documents are dropped
+    (as C does when an entry does not check), leaving them to Python."""
+
+    def __init__(self, real: object, on_docs, drop_docs: bool = False) -> None:  # type: ignore[no-untyped-def]
+        self._real, self._on_docs, self._drop = real, on_docs, drop_docs
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+    def answer1(self, *a):  # type: ignore[no-untyped-def]
+        out = self._real.answer1(*a)  # type: ignore[attr-defined]
+        if type(out) is tuple and out[-1] is not None:
+            if self._drop:
+                self._drop = False
+                return (*out[:-1], None)
+            self._on_docs(len(out[-1]))
+        return out
+
+
+def use_path(monkeypatch, path: str, on_docs=lambda n: None, drop_docs: bool = False) -> None:  # type: ignore[no-untyped-def]
+    import kalos_retrievers.client as client_module
+
+    if path == "python":
+        monkeypatch.setattr(client_module, "_fastpath", None)
+    elif client_module._fastpath is None:
+        pytest.skip("the C extension is not built here")
+    else:
+        monkeypatch.setattr(client_module, "_fastpath", CountingFastpath(client_module._fastpath, on_docs, drop_docs))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_arena_documents_equal_inline_documents_across_versions(start_sidecar, monkeypatch, path: str) -> None:
     """Batches too (their hits checked in vectorized passes); results read lazily keep
     reading the version they were answered from after the arena has moved on."""
     rng = np.random.default_rng()
@@ -59,6 +98,7 @@ def test_arena_documents_equal_inline_documents_across_versions(start_sidecar, m
         return real_entry_docs(self, blob, n)
 
     monkeypatch.setattr(ArenaView, "entry_docs", counted)  # (a v1.3 sidecar answers with entries)
+    use_path(monkeypatch, path, read.append)
     early = None
     for batch in range(6):  # long texts: the arena's heap fills and moves to new versions
         n = 301
@@ -87,12 +127,15 @@ def test_arena_documents_equal_inline_documents_across_versions(start_sidecar, m
     arena.close()
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("entries", [True, False], ids=["entries", "generations"])
-def test_a_row_changed_after_the_answer_is_asked_for_again(start_sidecar, monkeypatch, entries: bool) -> None:
+def test_a_row_changed_after_the_answer_is_asked_for_again(start_sidecar, monkeypatch, entries: bool,
+                                                           path: str) -> None:  # fmt: skip
     """The client takes a document from the arena only as the answer named it (by entry from
     a v1.3 sidecar; by generation from an older one, simulated by the flags the connection
-    asks with); when it is not there (simulated: the view finds nothing) it repeats the recall
-    with the documents inline, and the result is still right."""
+    asks with); when it is not there (simulated: the view finds nothing, and on the C path C
+    found nothing either) it repeats the recall with the documents inline, and the result is
+    still right."""
     from kalos_retrievers.protocol import Flag
 
     dim = 6
@@ -100,10 +143,13 @@ def test_a_row_changed_after_the_answer_is_asked_for_again(start_sidecar, monkey
     c = sc.client(arena_docs=True)
     data = np.eye(dim, dtype=np.float32)
     c.upsert([f"r{i}" for i in range(dim)], data, texts=[f"t{i}" for i in range(dim)])
-    assert c._conn.arena_flags == Flag.ARENA_DOCS | Flag.ARENA_ENTRIES  # type: ignore[union-attr]
-    if not entries:
-        c._conn.arena_flags = Flag.ARENA_DOCS  # type: ignore[union-attr]  # as to a v1.2 sidecar
+    conn = c._conn
+    assert conn is not None and conn.arena_flags == Flag.ARENA_DOCS | Flag.ARENA_ENTRIES
+    if not entries:  # as to a v1.2 sidecar (the C path's flags are the layout's)
+        conn.arena_flags = Flag.ARENA_DOCS
+        conn.fast_layout = (*conn.fast_layout[:6], int(Flag.ARENA_DOCS), conn.fast_layout[7])
     assert c.recall(data[2], 1)[0].text == "t2" and c.arena_retries == 0
+    use_path(monkeypatch, path, drop_docs=True)
     calls = []
     method = "entry_docs" if entries else "docs"
     real = getattr(ArenaView, method)
@@ -117,6 +163,7 @@ def test_a_row_changed_after_the_answer_is_asked_for_again(start_sidecar, monkey
     assert r.ids[0] == "r4" and r[0].text == "t4"
     assert c.arena_retries == 1 and len(calls) == 1  # the retry carried its documents inline
     monkeypatch.undo()
+    use_path(monkeypatch, path)
     # a real rewrite: the generation moves on, an old answer's generation no longer matches
     view = c._conn.arena()  # type: ignore[union-attr]
     r = c.recall(data[1], 1)
@@ -129,7 +176,8 @@ def test_a_row_changed_after_the_answer_is_asked_for_again(start_sidecar, monkey
     c.close()
 
 
-def test_a_v12_sidecar_is_asked_for_generations_not_entries(start_sidecar, monkeypatch) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_a_v12_sidecar_is_asked_for_generations_not_entries(start_sidecar, monkeypatch, path: str) -> None:
     """ARENA_ENTRIES is protocol v1.3, and a v1.2 sidecar refuses flags it does not know: a
     client whose sidecar's header says minor 2 asks for generations (flag ARENA_DOCS alone),
     batch-1 and batches, and reads the documents by generation. Without the header's say
@@ -147,6 +195,7 @@ def test_a_v12_sidecar_is_asked_for_generations_not_entries(start_sidecar, monke
         real = getattr(ArenaView, method)
         monkeypatch.setattr(ArenaView, method,
                             lambda self, *a, _m=method, _real=real: used.append(_m) or _real(self, *a))  # fmt: skip
+    use_path(monkeypatch, path, lambda n: used.append("entry_docs"))  # C reads by entry only
     real_decode = client_module.decode_header
     for minor, want_flags, want_used in ((2, Flag.ARENA_DOCS, "docs"),
                                          (None, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES, "entry_docs")):  # fmt: skip

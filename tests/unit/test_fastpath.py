@@ -260,3 +260,120 @@ def test_documents_whose_entries_do_not_check_come_back_as_none(what: str) -> No
     t.join()
     assert type(out) is tuple and out[-1] is None and out[-2] == bytes(blob)
     assert rig.state[0] == SlotState.CLAIMED
+
+
+# -- request1 / answer1: a REQUEST for the sidecar written in C, its answer read in C after the
+# -- Python wait (the batch-1 recall when no resident kernel takes it)
+
+
+def request(rig: Rig, q: np.ndarray, seq: int = 31, deadline_ns: int = 123_456_789) -> object:
+    return fp.request1(rig.slot, q, rig.layout, seq, K, deadline_ns)
+
+
+def answer(rig: Rig, seq: int = 31, waited: int = 4321, arena: bool = True) -> object:
+    buf, info = rig.arena.fast
+    return fp.answer1(rig.slot, rig.layout, seq, K, waited, buf if arena else None, info)
+
+
+def test_request1_writes_the_request_words_and_query_then_request_state() -> None:
+    rig, q = Rig(), query()
+    assert request(rig, q, seq=2**64 - 3) is True
+    assert rig.state[0] == SlotState.REQUEST
+    assert REQUEST_STRUCT.unpack_from(rig.slot, REQUEST_OFFSET) == (
+        2**64 - 3, Op.RECALL, int(FLAGS), K, 1, 4 * DIM, 0, 123_456_789)  # fmt: skip
+    assert np.array_equal(np.frombuffer(rig.slot, np.float32, DIM, rig.lay.payload_offset), q)
+
+
+def test_request1_writes_what_recall1_writes() -> None:
+    """The same request words and query as the DOORBELL path (only the state differs)."""
+    a, b, q = Rig(), Rig(), query()
+    assert request(a, q, seq=5, deadline_ns=77) is True
+    assert type(b.call(q, seq=5, deadline_ns=77, spin_ns=0)) is int
+    a.state[0] = b.state[0] = 0
+    end = a.lay.payload_offset + 4 * DIM
+    assert bytes(a.slot[:end]) == bytes(b.slot[:end])
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "strided", "float64", "int32", "short"])
+def test_request1_leaves_a_query_it_does_not_take_to_python_with_nothing_written(bad: str) -> None:
+    rig, q = Rig(), query()
+    before = bytes(rig.slot)
+    if bad == "nan":
+        q[3] = np.nan
+    elif bad == "inf":
+        q[-1] = np.inf
+    elif bad == "strided":
+        q = np.repeat(q, 2)[::2]
+    elif bad == "float64":
+        q = q.astype(np.float64)[: DIM // 2]
+    elif bad == "int32":
+        q = q.astype(np.int32)
+    else:
+        q = q[:-1]
+    assert request(rig, q) is None
+    assert bytes(rig.slot) == before
+
+
+def test_answer1_reads_an_ok_answer_as_recall1_does_and_claims_the_slot() -> None:
+    rig, rows = Rig(), [7, 3, 40, 0, 12]
+    assert request(rig, query()) is True
+    rig.respond(31, rows)
+    out = answer(rig, waited=98765)
+    assert type(out) is tuple
+    waited, n, rflags, rb, sb, blob, docs = out
+    assert (waited, n, rflags) == (98765, 5, RespFlag.ARENA_DOCS | RespFlag.ARENA_ENTRIES)
+    assert np.frombuffer(rb, np.int32).tolist() == rows
+    assert np.allclose(np.frombuffer(sb, np.float32), [1.0 - i / 8 for i in range(5)])
+    assert blob == rig.arena_w.refs(rows, True)
+    assert docs == [f"document {r}".encode() for r in rows]
+    assert rig.state[0] == SlotState.CLAIMED
+    # documents whose entries do not check are left to Python (None), the answer still read
+    assert request(rig, query(), seq=32) is True
+    bad = bytearray(rig.arena_w.refs(rows, True))
+    struct.pack_into("<I", bad, 8 + 12, 3)  # an odd generation: a row being rewritten
+    rig.respond(32, rows, blob=bytes(bad))
+    out = answer(rig, seq=32)
+    assert type(out) is tuple and out[-1] is None and out[-2] == bytes(bad)
+
+
+@pytest.mark.parametrize("what", ["not answered", "busy", "error status", "error state", "other seq", "more",
+                                  "n over k", "blob too long"])  # fmt: skip
+def test_answer1_leaves_any_other_answer_to_python_untouched(what: str) -> None:
+    rig = Rig()
+    assert request(rig, query()) is True
+    if what == "busy":
+        rig.state[0] = SlotState.BUSY
+    elif what == "error status":
+        rig.respond(31, [1], status=Status.BAD_REQUEST)
+    elif what == "error state":
+        rig.respond(31, [1], state=SlotState.ERROR)
+    elif what == "other seq":
+        rig.respond(30, [1])
+    elif what == "more":
+        rig.respond(31, [1], flags=RespFlag.ARENA_DOCS | RespFlag.ARENA_ENTRIES | RespFlag.MORE)
+    elif what == "n over k":
+        rig.respond(31, [1, 2, 3], n=K + 1)
+    elif what == "blob too long":
+        rig.respond(31, [1])
+        struct.pack_into("<Q", rig.slot, CTL_OFFSETS["resp_len"], rig.lay.blob_size + 1)
+    before = bytes(rig.slot)
+    assert answer(rig) is None
+    assert bytes(rig.slot) == before  # the state too: Python reads it
+
+
+def test_request1_and_answer1_refuse_a_slot_the_layout_does_not_fit_and_a_bad_k() -> None:
+    rig = Rig()
+    small = memoryview(bytearray(rig.lay.payload_offset + 4 * DIM - 1))
+    with pytest.raises(ValueError, match="does not fit"):
+        fp.request1(small, query(), rig.layout, 1, K, 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        fp.answer1(memoryview(bytearray(rig.lay.blob_offset)), rig.layout, 1, K, 0, None, rig.arena.fast[1])
+    for k in (0, -1, 2**31):
+        with pytest.raises(ValueError, match="k must be positive"):
+            fp.request1(rig.slot, query(), rig.layout, 1, k, 0)
+        with pytest.raises(ValueError, match="k must be positive"):
+            fp.answer1(rig.slot, rig.layout, 1, k, 0, None, rig.arena.fast[1])
+    with pytest.raises(TypeError, match="takes 6 arguments"):
+        fp.request1(rig.slot, query(), rig.layout, 1, K)
+    with pytest.raises(TypeError, match="takes 7 arguments"):
+        fp.answer1(rig.slot, rig.layout, 1, K, 0, None)
