@@ -220,6 +220,8 @@ def main() -> int:
                         rnd[label][key] = thr[key]
                 if b1 is not None:
                     rnd[label]["batch1_p50_us"] = b1["p50_us"]
+                if "client_package" in thr:  # (a worker of an older package does not say)
+                    rnd[label]["client_package"] = thr["client_package"]
             res["rounds"].append(rnd)
             print(json.dumps({"round": r, **rnd}), flush=True)
         for label, sc in sides.items():

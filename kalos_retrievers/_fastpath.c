@@ -162,17 +162,25 @@ static int get_slot_query(PyObject* slot, PyObject* query, Bufs* b) {
     return 1;
 }
 
+/* 1 when the answer's areas lie in a slot of ``len`` bytes past its control words. */
+static int answer_fits(const Layout* lay, long long k, Py_ssize_t len) {
+    return len >= CTL_SIZE && lay->rows >= CTL_SIZE && lay->scores >= CTL_SIZE && lay->blob >= CTL_SIZE &&
+           lay->rows + 4 * k <= len && lay->scores + 4 * k <= len && lay->blob + lay->blob_size <= len;
+}
+
 /* 1 when the query is ``dim`` float32 values, all finite (the caller writes it), 0 when it is
-   not one this handles (nothing is written), -1 with an exception when the slot does not fit
-   the layout. */
-static int check_query(const Bufs* b, const Layout* lay, long long k) {
+   not one this handles (nothing is written), -1 with an exception when the slot (or, given,
+   the header of ``hdr_len`` bytes: recall1's) does not fit the layout. In this order, as
+   recall1 always did: the query's format and length, the bounds, the finiteness. */
+static int check_query(const Bufs* b, const Layout* lay, long long k, Py_ssize_t hdr_len) {
     const long long qbytes = 4 * lay->dim;
     const char* fmt = b->qb.format ? b->qb.format : "B";
     if (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@') fmt++;
     if (b->qb.len != qbytes || strcmp(fmt, "f") != 0) return 0;  /* not dim float32 values */
-    if (lay->payload < CTL_SIZE || lay->payload + qbytes > b->sb.len || lay->rows + 4 * k > b->sb.len ||
-        lay->scores + 4 * k > b->sb.len || lay->blob + lay->blob_size > b->sb.len) {
-        PyErr_SetString(PyExc_ValueError, "the query or the slot does not fit the layout");
+    if (lay->payload < CTL_SIZE || lay->payload + qbytes > b->sb.len || !answer_fits(lay, k, b->sb.len) ||
+        (hdr_len >= 0 && (lay->bell_word + 1) * 4 > hdr_len)) {
+        PyErr_SetString(PyExc_ValueError, hdr_len >= 0 ? "recall1: the query, the slot or the header does not fit the layout"
+                                                       : "request1: the query or the slot does not fit the layout");
         return -1;
     }
     return all_finite((const char*)b->qb.buf, lay->dim);
@@ -283,11 +291,7 @@ static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     }
     b.has_h = 1;
     PyObject* result = NULL;
-    if ((lay.bell_word + 1) * 4 > b.hb.len) {
-        PyErr_SetString(PyExc_ValueError, "recall1: the header does not fit the layout");
-        goto out;
-    }
-    int ok = check_query(&b, &lay, k);
+    int ok = check_query(&b, &lay, k, b.hb.len);
     if (ok <= 0) {
         result = ok < 0 ? NULL : Py_NewRef(Py_None);
         goto out;
@@ -345,7 +349,7 @@ static PyObject* request1(PyObject* self, PyObject* const* args, Py_ssize_t narg
     int got = get_slot_query(args[0], args[1], &b);
     if (got <= 0) return got < 0 ? NULL : Py_NewRef(Py_None);
     PyObject* result = NULL;
-    int ok = check_query(&b, &lay, k);
+    int ok = check_query(&b, &lay, k, -1);
     if (ok > 0) {
         char* s = (char*)b.sb.buf;
         write_request(s, &lay, b.qb.buf, seq, k, deadline);
@@ -387,7 +391,7 @@ static PyObject* answer1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     Py_buffer sb;
     if (PyObject_GetBuffer(args[0], &sb, PyBUF_WRITABLE) < 0) return NULL;
     PyObject* result = NULL;
-    if (lay.rows + 4 * k > sb.len || lay.scores + 4 * k > sb.len || lay.blob + lay.blob_size > sb.len) {
+    if (!answer_fits(&lay, k, sb.len)) {  /* the control words too: read_answer reads and writes them */
         PyErr_SetString(PyExc_ValueError, "answer1: the slot does not fit the layout");
     } else {
         char* s = (char*)sb.buf;

@@ -417,8 +417,8 @@ class KalosClient:
             instead, for at most 4 x ``spin_us``; except a GPU sidecar's recalls expected
             within 4 x ``spin_us`` while few other requests wait, which spin through the
             whole wait (the Python after a sleep ran up to 2x slower). While many requests
-            wait (more than a quarter of the cores' worth, ours included), a call whose
-            answer is not expected within 2 x ``spin_us`` blocks outright. Default 300 on
+            wait on a GPU sidecar (more than a quarter of the cores' worth, ours included), a
+            call whose answer is not expected within 2 x ``spin_us`` blocks outright. Default 300 on
             x86-64, 0 elsewhere (the spin path relies on x86-64's store ordering; 0 never
             spins), or ``KALOS_SPIN_US`` from the environment when set.
         max_slots: most slots this client holds at once (= its concurrent calls).
@@ -729,13 +729,14 @@ class KalosClient:
                 self._wait(conn, slot, seq, deadline, recall=True, check=False)
                 waited = time.monotonic_ns() - t_sent
                 out = _fastpath.answer1(slot.mem, conn.fast_layout, seq, k, waited, buf, info)
-                if out is None:  # an answer C leaves to Python: read (and continued) there
-                    out = waited
+                if out is None:  # an answer C leaves to Python: read (and continued) there, not waited for again
+                    return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, 0,
+                                           deadline, sent=(seq, waited, False, True))  # fmt: skip
         if out is None:
             return None
-        if type(out) is int:  # written (and waited on for `out` ns): Python waits for and reads the answer
+        if type(out) is int:  # written (and spun on for `out` ns): Python waits for and reads the answer
             return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, 0,
-                                   deadline, sent=(seq, out, bell))  # fmt: skip
+                                   deadline, sent=(seq, out, True, False))  # fmt: skip
         waited, n, rflags, rows_b, scores_b, blob, docs = out
         self._observe_wait(waited)
         rows, scores = np.frombuffer(rows_b, _I32LE), np.frombuffer(scores_b, _F32LE)  # (writable)
@@ -1227,15 +1228,15 @@ class KalosClient:
         vec_len: int, args_len: int, deadline: float, sent: tuple[int, int] | None = None,
     ) -> _Reply:  # fmt: skip
         """Write the request (unless ``sent``: the sequence number of a request already
-        written by ``_fastpath``, how long it has waited (ns), and whether it was a DOORBELL
-        one; a REQUEST one was posted for), wait for the answer, read it, and continue it
-        while it says MORE."""
+        written by ``_fastpath``, how long it has waited (ns), whether it was a DOORBELL one
+        (a REQUEST one was posted for), and whether its answer is there already), wait for
+        the answer, read it, and continue it while it says MORE."""
         chunks: list[bytes] = []
         rows = scores = None
         while True:
-            waited = 0
+            waited, answered = 0, False
             if sent is not None:
-                (seq, waited, bell), sent = sent, None
+                (seq, waited, bell, answered), sent = sent, None
             else:
                 if slot.sem.value:  # posts left by responses we saw by spinning (sem_getvalue)
                     _ipc.drain(slot.sem)
@@ -1253,7 +1254,10 @@ class KalosClient:
                     slot.state[0] = SlotState.REQUEST
                     _ipc.post(conn.bell)
             t_sent = time.monotonic_ns() - waited
-            resp = self._wait(conn, slot, seq, deadline, recall=op == Op.RECALL, doorbell=bell)
+            if answered:
+                resp = self._check_seq(slot, seq)
+            else:
+                resp = self._wait(conn, slot, seq, deadline, recall=op == Op.RECALL, doorbell=bell)
             if op == Op.RECALL:  # writes wait for an fsync: they say nothing about recall times
                 self._observe_wait(time.monotonic_ns() - t_sent)
             if resp.resp_len > conn.layout.blob_size:
@@ -1284,21 +1288,23 @@ class KalosClient:
           wait made the call's own Python after it (and the next call's before it) slow: on
           the H200 host a 64-query batch took 1044 µs p50 with a sleep and 889 µs spinning, of
           which the wait itself 749 and 742 µs (S11-4; four of five sessions' runs alike).
-        * Recalls that typically take longer (a CPU index over many rows: milliseconds), while
-          at most ``_SPIN_CROWD`` requests wait:
+        * Recalls that typically take longer (a CPU index over many rows: milliseconds; a GPU
+          sidecar's while at most ``_SPIN_CROWD`` requests wait):
           spinning through the whole wait would take a core from the sidecar, and blocking
           through it costs a wake-up when the answer comes (on a small VM ~0.1 ms p50, over
           1 ms p90). So block on the semaphore through most of the expected wait (a timed
           wait: an early answer still wakes us), spin across the expected completion for a
           bounded window, and block again if the answer is late (see ``_sleep_then_spin``).
           Other ops, whose duration the typical recall wait says nothing about, just block.
-        * A crowd's long waits (more than ``_SPIN_CROWD`` requests waiting, ours included):
-          block through the whole wait. The answer comes with whichever batch the request
-          joins, a pass or two of the device later, and no spin window placed around the
+        * A GPU sidecar's crowd's long waits (more than ``_SPIN_CROWD`` requests waiting, ours
+          included): block through the whole wait. The answer comes with whichever batch the
+          request joins, a pass or two of the device later, and no spin window placed around the
           typical wait catches it reliably, and 32 clients spinning around ~800 µs waits on
           16 cores took the cores that the serve loop and the clients just woken needed (on
           the H200 host, clients spinning 50 µs around such waits instead of 300 made 32
-          processes' recalls ~1k/s faster and their p99 0.33 ms shorter, S32-4).
+          processes' recalls ~1k/s faster and their p99 0.33 ms shorter, S32-4). A CPU
+          sidecar's clients keep the sleep-then-spin, whose payoff rule already stops spins
+          that miss: nothing measured there says blocking would be better.
         * With ``spin_ns == 0``: block only.
 
         Blocking always checks the deadline and, every few ms, that the sidecar is alive.
@@ -1320,12 +1326,14 @@ class KalosClient:
             # sidecar's search runs on the cores a spinning client would take
             extend = recall and conn.header.backend != "cpu"
             answered = self._spin(slot, t_sent + self._short_spin_ns(typical, extend))
+        elif self.spin_ns and recall and conn.header.backend == "cpu":
+            answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical)
         elif self.spin_ns and recall and conn.waiting_requests() <= _SPIN_CROWD:
-            if typical <= _FULL_SPIN_WINDOWS * self.spin_ns and conn.header.backend != "cpu":
+            if typical <= _FULL_SPIN_WINDOWS * self.spin_ns:
                 answered = self._spin(slot, min(t_sent + typical + self._margin_ns(typical), int(deadline * 1e9)))
             else:
                 answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical)
-        else:  # other ops, spin_us=0, or a crowd's long wait: block
+        else:  # other ops, spin_us=0, or a GPU sidecar's crowd, whose long waits block
             answered = False
         if not answered:
             self._block(conn, slot, seq, deadline)

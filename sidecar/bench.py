@@ -23,6 +23,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import queue
 import sys
 import threading
 import time
@@ -165,7 +166,27 @@ def _throughput_worker(name: str, dim: int, k: int, seed: int, duration: float, 
                 break
         s1 = thread_sched(tid)
     sched = None if s0 is None or s1 is None else (s1["cpu_ns"] - s0["cpu_ns"], s1["runqueue_ns"] - s0["runqueue_ns"])
-    out.put((np.asarray(lat, np.float64), sched))
+    out.put((np.asarray(lat, np.float64), sched, os.path.dirname(sys.modules[KalosClient.__module__].__file__ or "")))
+
+
+def _results(q: Any, ps: list[Any], end: float) -> list[Any]:
+    """One result from each of the processes ``ps``, from ``q``; a process that exits with an
+    error before reporting (an import error, no sidecar) fails the run at once, not at the end
+    of a long timeout (monotonic ``end``)."""
+    got: list[Any] = []
+    while len(got) < len(ps):
+        try:
+            got.append(q.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        failed = sorted({p.exitcode for p in ps if p.exitcode not in (None, 0)})
+        if failed:
+            raise RuntimeError(f"a client process exited with {failed} before reporting ({len(got)} of "
+                               f"{len(ps)} reported): see its traceback above")  # fmt: skip
+        if time.monotonic() > end:
+            raise TimeoutError(f"{len(ps) - len(got)} of {len(ps)} client processes did not report in time")
+    return got
 
 
 def throughput(name: str, dim: int, k: int, procs: int, duration: float,
@@ -183,7 +204,8 @@ def throughput(name: str, dim: int, k: int, procs: int, duration: float,
     the clients' CPU time per recall (``client_cpu_us_per_recall``: their Python, their spins,
     their system calls), how many cores that kept busy (``client_cores``), and how long per
     recall they waited runnable for a core (``client_runqueue_us_per_recall``): with more
-    client processes than cores, whether the clients' side is what holds the rate."""
+    client processes than cores, whether the clients' side is what holds the rate. And the
+    directory the clients' library was imported from (``client_package``)."""
     ctx = mp.get_context("spawn")
     q: Any = ctx.Queue()
     start_at = time.time() + 3.0 + 0.1 * procs
@@ -199,14 +221,18 @@ def throughput(name: str, dim: int, k: int, procs: int, duration: float,
             p.start()
     finally:
         sys.path[:] = saved
-    got = [q.get(timeout=duration + 120) for _ in ps]
+    got = _results(q, ps, time.monotonic() + (start_at - time.time()) + duration + 120)
     for p in ps:
         p.join(30)
-    allv = np.concatenate([lat for lat, _ in got])
+    allv = np.concatenate([g[0] for g in got])
     res = percentiles(allv)
     res["procs"] = procs
     res["recalls_per_s"] = round(len(allv) / duration, 1)
-    scheds = [sc for _, sc in got]
+    scheds = [g[1] for g in got]
+    # where the clients' library came from (a worker of an older package reports nothing)
+    pkgs = sorted({g[2] for g in got if len(g) > 2})
+    if pkgs:
+        res["client_package"] = pkgs[0] if len(pkgs) == 1 else pkgs  # type: ignore[assignment]
     if len(allv) and all(sc is not None for sc in scheds):
         cpu, runq = (sum(sc[j] for sc in scheds) for j in (0, 1))  # type: ignore[index]
         res["client_cpu_us_per_recall"] = round(cpu / len(allv) / 1000, 2)

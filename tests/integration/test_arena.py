@@ -98,7 +98,8 @@ def test_arena_documents_equal_inline_documents_across_versions(start_sidecar, m
         return real_entry_docs(self, blob, n)
 
     monkeypatch.setattr(ArenaView, "entry_docs", counted)  # (a v1.3 sidecar answers with entries)
-    use_path(monkeypatch, path, read.append)
+    in_c: list[int] = []  # the batch-1 recalls whose documents C read
+    use_path(monkeypatch, path, lambda n: (in_c.append(n), read.append(n)))
     early = None
     for batch in range(6):  # long texts: the arena's heap fills and moves to new versions
         n = 301
@@ -123,6 +124,7 @@ def test_arena_documents_equal_inline_documents_across_versions(start_sidecar, m
     for a, b in zip(*early, strict=True):
         assert [(h.id, h.text, h.metadata) for h in a] == [(h.id, h.text, h.metadata) for h in b]
     assert arena.arena_retries == 0
+    assert in_c == ([5] * 6 if path == "c" else [])  # on the C path, C read them
     inline.close()
     arena.close()
 
@@ -195,7 +197,8 @@ def test_a_v12_sidecar_is_asked_for_generations_not_entries(start_sidecar, monke
         real = getattr(ArenaView, method)
         monkeypatch.setattr(ArenaView, method,
                             lambda self, *a, _m=method, _real=real: used.append(_m) or _real(self, *a))  # fmt: skip
-    use_path(monkeypatch, path, lambda n: used.append("entry_docs"))  # C reads by entry only
+    in_c: list[int] = []
+    use_path(monkeypatch, path, lambda n: (in_c.append(n), used.append("entry_docs")))  # C reads by entry only
     real_decode = client_module.decode_header
     for minor, want_flags, want_used in ((2, Flag.ARENA_DOCS, "docs"),
                                          (None, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES, "entry_docs")):  # fmt: skip
@@ -213,6 +216,7 @@ def test_a_v12_sidecar_is_asked_for_generations_not_entries(start_sidecar, monke
             assert c.recall(data[3], 2)[0].text == "t3"
             assert [r[0].text for r in c.recall_batch(data[:3], 2)] == ["t0", "t1", "t2"]
             assert used == [want_used, want_used] and c.arena_retries == 0
+    assert in_c == ([2] if path == "c" else [])  # by entry from the v1.3 sidecar only
 
 
 def test_entries_are_not_asked_of_a_connection_that_does_not_speak_v13(start_sidecar) -> None:

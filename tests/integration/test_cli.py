@@ -175,6 +175,7 @@ def test_bench_prints_its_table_and_writes_json(tmp_path) -> None:
     assert res["added_over_numpy_paired"]["calls"] == 60
     thr = res["throughput"]
     assert thr["procs"] == 2 and thr["recalls_per_s"] > 0
+    assert Path(thr["client_package"]).name == "kalos_retrievers"  # where the clients' library came from
     # the clients' CPU per recall (Linux with per-thread schedstat): each recall costs its
     # client some CPU (a round trip, at least its Python), and two clients keep at most two cores
     # plus rounding busy

@@ -275,6 +275,20 @@ def answer(rig: Rig, seq: int = 31, waited: int = 4321, arena: bool = True) -> o
     return fp.answer1(rig.slot, rig.layout, seq, K, waited, buf if arena else None, info)
 
 
+def test_recall1_with_a_short_header_still_leaves_a_query_it_does_not_take_to_python() -> None:
+    """The query's format and length are checked before the bounds (a wrong query: None, as
+    always), the bounds (the header's included) before the finiteness."""
+    rig = Rig()
+    buf, info = rig.arena.fast
+    short = bytearray(4 * BELL_WORD)  # the doorbell word just past its end
+    for q in (query().astype(np.float64)[: DIM // 2], query()[:-1]):
+        assert fp.recall1(rig.slot, q, rig.layout, 1, K, 0, 0, short, buf, info) is None
+    nan = query()
+    nan[0] = np.nan
+    with pytest.raises(ValueError, match="the query, the slot or the header does not fit"):
+        fp.recall1(rig.slot, nan, rig.layout, 1, K, 0, 0, short, buf, info)
+
+
 def test_request1_writes_the_request_words_and_query_then_request_state() -> None:
     rig, q = Rig(), query()
     assert request(rig, q, seq=2**64 - 3) is True
@@ -368,6 +382,14 @@ def test_request1_and_answer1_refuse_a_slot_the_layout_does_not_fit_and_a_bad_k(
         fp.request1(small, query(), rig.layout, 1, K, 0)
     with pytest.raises(ValueError, match="does not fit"):
         fp.answer1(memoryview(bytearray(rig.lay.blob_offset)), rig.layout, 1, K, 0, None, rig.arena.fast[1])
+    # a slot shorter than its control words, with a layout whose areas would fit in it: refused,
+    # not read (the answer's words lie in the first 128 bytes)
+    tiny = (4, 0, 0, 0, 0, 0, 0, 3)
+    for slot_len in (8, 127):
+        with pytest.raises(ValueError, match="does not fit"):
+            fp.answer1(memoryview(bytearray(slot_len)), tiny, 1, 1, 0, None, rig.arena.fast[1])
+    with pytest.raises(ValueError, match="does not fit"):  # areas inside the control words
+        fp.answer1(rig.slot, (DIM, *[rig.layout[1]] * 1, 64, *rig.layout[3:]), 1, K, 0, None, rig.arena.fast[1])
     for k in (0, -1, 2**31):
         with pytest.raises(ValueError, match="k must be positive"):
             fp.request1(rig.slot, query(), rig.layout, 1, k, 0)
