@@ -1225,7 +1225,7 @@ class KalosClient:
 
     def _roundtrip(
         self, conn: _Conn, slot: _Slot, op: int, flags: int, top_k: int, n_items: int,
-        vec_len: int, args_len: int, deadline: float, sent: tuple[int, int] | None = None,
+        vec_len: int, args_len: int, deadline: float, sent: tuple[int, int, bool, bool] | None = None,
     ) -> _Reply:  # fmt: skip
         """Write the request (unless ``sent``: the sequence number of a request already
         written by ``_fastpath``, how long it has waited (ns), whether it was a DOORBELL one
