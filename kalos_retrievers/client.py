@@ -1254,10 +1254,9 @@ class KalosClient:
                     slot.state[0] = SlotState.REQUEST
                     _ipc.post(conn.bell)
             t_sent = time.monotonic_ns() - waited
-            if answered:
-                resp = self._check_seq(slot, seq)
-            else:
-                resp = self._wait(conn, slot, seq, deadline, recall=op == Op.RECALL, doorbell=bell)
+            resp = (self._check_seq(slot, seq) if answered
+                    else self._wait(conn, slot, seq, deadline, recall=op == Op.RECALL, doorbell=bell))  # fmt: skip
+            assert resp is not None  # (_wait with check=True: the words, checked)
             if op == Op.RECALL:  # writes wait for an fsync: they say nothing about recall times
                 self._observe_wait(time.monotonic_ns() - t_sent)
             if resp.resp_len > conn.layout.blob_size:
