@@ -157,7 +157,8 @@ def _usable_cores() -> int:
     return _cores_from(affinity, cpu_max)
 
 
-_SPIN_CROWD: Final = max(1, _usable_cores() // 4)
+_CORES: Final = _usable_cores()
+_SPIN_CROWD: Final = max(1, _CORES // 4)
 _DOORBELL: Final = np.uint32(SlotState.DOORBELL)
 _HANDOVER_NS = 2_000_000  # a DOORBELL the stopped kernel left: block if the sidecar has not taken it by then
 _BACKOFF_MIN = 0.05
@@ -416,9 +417,9 @@ class KalosClient:
             sleeps through most of the expected wait and spins across the expected answer
             instead, for at most 4 x ``spin_us``; except a GPU sidecar's recalls expected
             within 4 x ``spin_us`` while few other requests wait, which spin through the
-            whole wait (the Python after a sleep ran up to 2x slower). While many requests
-            wait on a GPU sidecar (more than a quarter of the cores' worth, ours included), a
-            call whose answer is not expected within 2 x ``spin_us`` blocks outright. Default 300 on
+            whole wait (the Python after a sleep ran up to 2x slower). While more requests wait
+            on a GPU sidecar than this process has cores (ours included), a call whose answer
+            is not expected within 2 x ``spin_us`` blocks outright. Default 300 on
             x86-64, 0 elsewhere (the spin path relies on x86-64's store ordering; 0 never
             spins), or ``KALOS_SPIN_US`` from the environment when set.
         max_slots: most slots this client holds at once (= its concurrent calls).
@@ -1287,23 +1288,25 @@ class KalosClient:
           wait made the call's own Python after it (and the next call's before it) slow: on
           the H200 host a 64-query batch took 1044 µs p50 with a sleep and 889 µs spinning, of
           which the wait itself 749 and 742 µs (S11-4; four of five sessions' runs alike).
-        * Recalls that typically take longer (a CPU index over many rows: milliseconds; a GPU
-          sidecar's while at most ``_SPIN_CROWD`` requests wait):
+        * Recalls that typically take longer (a CPU index over many rows: milliseconds), and a
+          GPU sidecar's while more than ``_SPIN_CROWD`` but at most ``_CORES`` requests wait:
           spinning through the whole wait would take a core from the sidecar, and blocking
           through it costs a wake-up when the answer comes (on a small VM ~0.1 ms p50, over
           1 ms p90). So block on the semaphore through most of the expected wait (a timed
           wait: an early answer still wakes us), spin across the expected completion for a
           bounded window, and block again if the answer is late (see ``_sleep_then_spin``).
           Other ops, whose duration the typical recall wait says nothing about, just block.
-        * A GPU sidecar's crowd's long waits (more than ``_SPIN_CROWD`` requests waiting, ours
-          included): block through the whole wait. The answer comes with whichever batch the
-          request joins, a pass or two of the device later, and no spin window placed around the
-          typical wait catches it reliably, and 32 clients spinning around ~800 µs waits on
-          16 cores took the cores that the serve loop and the clients just woken needed (on
-          the H200 host, clients spinning 50 µs around such waits instead of 300 made 32
-          processes' recalls ~1k/s faster and their p99 0.33 ms shorter, S32-4). A CPU
-          sidecar's clients keep the sleep-then-spin, whose payoff rule already stops spins
-          that miss: nothing measured there says blocking would be better.
+        * A GPU sidecar's crowd larger than the cores (more than ``_CORES`` requests waiting,
+          ours included: if each spun, they would oversubscribe the cores), for answers not
+          expected within two spin windows: block through the whole wait. The answer comes
+          with whichever batch the request joins, a pass or two of the device later; no spin
+          window placed around the typical wait catches it reliably, and 32 clients spinning
+          around ~800 µs waits on 16 cores took the cores that the serve loop and the clients
+          just woken needed (on the H200 host, clients spinning 50 µs around such waits
+          instead of 300 made 32 processes' recalls ~1k/s faster and their p99 0.33 ms
+          shorter, S32-4). A smaller crowd leaves cores to spin on and sleeps, then spins, as
+          before; so do a CPU sidecar's clients, whose payoff rule already stops spins that
+          miss (nothing measured there says blocking would be better).
         * With ``spin_ns == 0``: block only.
 
         Blocking always checks the deadline and, every few ms, that the sidecar is alive.
@@ -1327,12 +1330,12 @@ class KalosClient:
             answered = self._spin(slot, t_sent + self._short_spin_ns(typical, extend))
         elif self.spin_ns and recall and conn.header.backend == "cpu":
             answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical)
-        elif self.spin_ns and recall and conn.waiting_requests() <= _SPIN_CROWD:
-            if typical <= _FULL_SPIN_WINDOWS * self.spin_ns:
+        elif self.spin_ns and recall and (waiting := conn.waiting_requests()) <= _CORES:
+            if waiting <= _SPIN_CROWD and typical <= _FULL_SPIN_WINDOWS * self.spin_ns:
                 answered = self._spin(slot, min(t_sent + typical + self._margin_ns(typical), int(deadline * 1e9)))
             else:
                 answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical)
-        else:  # other ops, spin_us=0, or a GPU sidecar's crowd, whose long waits block
+        else:  # other ops, spin_us=0, or a GPU sidecar's crowd larger than the cores: block
             answered = False
         if not answered:
             self._block(conn, slot, seq, deadline)

@@ -271,9 +271,10 @@ class _RouteConn:
 def test_a_gpu_recall_within_four_windows_spins_through_unless_crowded() -> None:
     """A GPU sidecar's recall expected within 4 spin windows (a 64-query batch at 1M rows) is
     spun for from the send to past its expected answer, unless more than a quarter of the
-    cores' worth of requests wait; from a CPU sidecar, longer, or not a recall: never. In a
-    GPU sidecar's crowd, a recall not expected within 2 windows blocks outright (no
-    sleep-then-spin); a CPU sidecar's clients sleep, then spin, as they did."""
+    cores' worth of requests wait; from a CPU sidecar, longer, or not a recall: never. While
+    more requests wait on a GPU sidecar than there are cores, a recall not expected within 2
+    windows blocks outright (no sleep-then-spin); a CPU sidecar's clients sleep, then spin, as
+    they did."""
     import kalos_retrievers.client as C
 
     c = KalosClient("kalos-unit-lazy", dim=4, spin_us=300, lazy=True)
@@ -293,17 +294,19 @@ def test_a_gpu_recall_within_four_windows_spins_through_unless_crowded() -> None
         kind, left = route("cuda", 1, 900)
         assert kind == "spin" and 900 * US < left <= 900 * US + 300 * US  # past the answer, by a margin
         assert route("cuda", C._SPIN_CROWD, 1200)[0] == "spin"
-        assert route("cuda", C._SPIN_CROWD + 1, 900)[0] == "block"  # crowded: the cores go to the others
+        if C._SPIN_CROWD < C._CORES:  # crowded: the cores go to the sidecar
+            assert route("cuda", C._SPIN_CROWD + 1, 900)[0] == "sleep"
         assert route("cuda", 1, 1201)[0] == "sleep"  # longer than 4 windows
         assert route("cpu", 1, 900)[0] == "sleep"  # a CPU sidecar's search needs the cores
-        # a GPU sidecar's crowd's long waits: no spin at all
-        assert route("cuda", C._SPIN_CROWD + 1, 1201)[0] == "block"
-        assert route("cuda", 31 * C._SPIN_CROWD, 5000)[0] == "block"
-        assert route("cuda", C._SPIN_CROWD, 5000)[0] == "sleep"  # at the crowd's edge: not yet
+        # a GPU sidecar's crowd of more requests than cores, long waits: no spin at all
+        for waiting in (C._CORES + 1, 2 * C._CORES + 3):
+            assert route("cuda", waiting, 900)[0] == "block"
+            assert route("cuda", waiting, 5000)[0] == "block"
+        assert route("cuda", C._CORES, 5000)[0] == "sleep"  # at the edge: not yet
         # a CPU sidecar's: sleep, then spin where spins pay (the payoff rule), crowd or not
-        assert route("cpu", C._SPIN_CROWD + 1, 1201)[0] == "sleep"
-        assert route("cpu", 31 * C._SPIN_CROWD, 5000)[0] == "sleep"
-        kind, left = route("cuda", 31 * C._SPIN_CROWD, 100)
+        assert route("cpu", C._CORES + 1, 1201)[0] == "sleep"
+        assert route("cpu", 2 * C._CORES + 3, 5000)[0] == "sleep"
+        kind, left = route("cuda", 2 * C._CORES + 3, 100)
         assert kind == "spin" and left <= 300 * US  # short waits still spin, crowd or not
         assert route("cuda", 1, 900, recall=False)[0] == "block"  # other ops: block
         c.spin_ns = 0
