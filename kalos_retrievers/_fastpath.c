@@ -237,11 +237,12 @@ static PyObject* read_answer(char* s, const Layout* lay, uint32_t st, uint64_t s
                          rows, scores, blob, docs);  /* N: steals */
 }
 
-/* seq, k and deadline_ns from args[0..2]; -1 with an exception when one is bad. */
-static int read_words(PyObject* const* args, unsigned long long* seq, long long* k, unsigned long long* deadline) {
+/* seq, k and a time in ns (recall1's and request1's deadline, answer1's wait) from args[0..2];
+   -1 with an exception when one is bad. */
+static int read_words(PyObject* const* args, unsigned long long* seq, long long* k, unsigned long long* ns) {
     *seq = PyLong_AsUnsignedLongLong(args[0]);
     *k = PyLong_AsLongLong(args[1]);
-    *deadline = PyLong_AsUnsignedLongLong(args[2]);
+    *ns = PyLong_AsUnsignedLongLong(args[2]);
     if (PyErr_Occurred()) return -1;
     if (*k <= 0 || *k > 0x7fffffff) {
         PyErr_SetString(PyExc_ValueError, "k must be positive");
@@ -379,15 +380,9 @@ static PyObject* answer1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
         return NULL;
     }
     Layout lay;
-    if (read_layout(args[1], &lay) < 0) return NULL;
-    unsigned long long seq = PyLong_AsUnsignedLongLong(args[2]);
-    long long k = PyLong_AsLongLong(args[3]);
-    unsigned long long waited = PyLong_AsUnsignedLongLong(args[4]);
-    if (PyErr_Occurred()) return NULL;
-    if (k <= 0 || k > 0x7fffffff) {
-        PyErr_SetString(PyExc_ValueError, "k must be positive");
-        return NULL;
-    }
+    unsigned long long seq, waited;
+    long long k;
+    if (read_layout(args[1], &lay) < 0 || read_words(args + 2, &seq, &k, &waited) < 0) return NULL;
     Py_buffer sb;
     if (PyObject_GetBuffer(args[0], &sb, PyBUF_WRITABLE) < 0) return NULL;
     PyObject* result = NULL;
