@@ -199,6 +199,9 @@ def throughput(name: str, dim: int, k: int, procs: int, duration: float,
     so that two client libraries can be compared against one sidecar. A spawned process takes
     its parent's ``sys.path`` at its start (``PYTHONPATH`` would not reach it), so the
     directory is put first on this process's path while they start, and taken off after.
+    Everything the workers import comes from there: this function's ``_throughput_worker``
+    (which must take the same arguments) and the main script's own imports, which a spawned
+    process runs again.
 
     Besides the latencies and the rate: where the kernel keeps per-thread schedstat (Linux),
     the clients' CPU time per recall (``client_cpu_us_per_recall``: their Python, their spins,
