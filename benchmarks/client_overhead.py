@@ -13,8 +13,11 @@ arena generations) is kept, and the client's wait is then replaced by a function
 that answer into the slot at once. Every other step is the real client: argument checks, the
 request, the copy of rows and scores, the arena reads of the documents, the result objects.
 (The request still posts the sidecar's doorbell, as batches do; batch-1 recalls to a GPU
-kernel post nothing.) Printed: p50 per call in µs, for a numpy query and, at batch 1, the same
-query as a list of floats (what an ``Embeddings`` returns), and reading every hit's text.
+kernel post nothing. The sidecar is stopped, SIGSTOP, while the calls are timed: awake it
+would take the requests too, and its late answers overwrite the slot's words under the
+client, whose C path reads them back from the slot.) Printed: p50 per call in µs, for a numpy
+query and, at batch 1, the same query as a list of floats (what an ``Embeddings`` returns),
+and reading every hit's text.
 A batch-1 recall's request is written and its answer read by the client's C extension
 (``_fastpath.request1`` / ``answer1``) where it is built; ``--no-c`` times the Python path.
 """
@@ -25,6 +28,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import signal
 import statistics
 import time
 from collections.abc import Callable
@@ -83,26 +87,37 @@ def main() -> None:
             return Response(seq, resp.status, resp.n_results, resp.resp_len, resp.resp_flags) if check else None
 
         c._wait = instant  # type: ignore[method-assign]
-        n = a.calls if b == 1 else max(1, a.calls // 10)
-        if b == 1:
-            q, ql = queries[0], queries[0].tolist()
-            figures = {"recall (numpy query)": lambda: c.recall(q, k), "recall (list query)": lambda: c.recall(ql, k),
-                       "recall + read every hit's text": lambda: [h.text for h in c.recall(q, k)]}  # fmt: skip
-        else:
-            figures = {f"recall_batch({b})": lambda: c.recall_batch(queries, k),
-                       f"recall_batch({b}) + read each first hit's text":
-                           lambda: [r[0].text for r in c.recall_batch(queries, k)]}  # fmt: skip
-        for name, fn in figures.items():
-            p50_us(fn, n // 10)  # warm-up
-            print(f"{name}: p50 {p50_us(fn, n)} us")
-        if a.profile:
-            fn = next(iter(figures.values()))
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(n):
-                fn()
-            pr.disable()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(20)
+        sidecar = owner._process
+        assert sidecar is not None
+        sidecar.kill(signal.SIGSTOP)  # it holds its lock (alive to the client) and answers nothing
+        try:
+            timed(a, c, queries, k, b)
+        finally:
+            sidecar.kill(signal.SIGCONT)  # (stopped, it would not stop when asked)
+
+
+def timed(a: argparse.Namespace, c: KalosClient, queries: np.ndarray, k: int, b: int) -> None:
+    """Time the calls (and profile them, with ``--profile``); print the figures."""
+    n = a.calls if b == 1 else max(1, a.calls // 10)
+    if b == 1:
+        q, ql = queries[0], queries[0].tolist()
+        figures = {"recall (numpy query)": lambda: c.recall(q, k), "recall (list query)": lambda: c.recall(ql, k),
+                   "recall + read every hit's text": lambda: [h.text for h in c.recall(q, k)]}  # fmt: skip
+    else:
+        figures = {f"recall_batch({b})": lambda: c.recall_batch(queries, k),
+                   f"recall_batch({b}) + read each first hit's text":
+                       lambda: [r[0].text for r in c.recall_batch(queries, k)]}  # fmt: skip
+    for name, fn in figures.items():
+        p50_us(fn, n // 10)  # warm-up
+        print(f"{name}: p50 {p50_us(fn, n)} us")
+    if a.profile:
+        fn = next(iter(figures.values()))
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(n):
+            fn()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":
