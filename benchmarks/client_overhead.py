@@ -1,6 +1,6 @@
 """The client library's own Python per recall, with an instant responder (issue 3).
 
-    python -P benchmarks/client_overhead.py [--k 10] [--batch 1] [--calls 20000] [--profile] [--no-c]
+    python -P benchmarks/client_overhead.py [--k 10] [--batch 1] [--calls 20000] [--profile] [--no-c] [--inline]
 
 On the H200 machine a batch-1 recall at 1M rows took ~420 µs end to end through
 ``KalosClient.recall`` while the resident kernel's round trip, driven by a bare Python loop in
@@ -20,6 +20,8 @@ query and, at batch 1, the same query as a list of floats (what an ``Embeddings`
 and reading every hit's text.
 A batch-1 recall's request is written and its answer read by the client's C extension
 (``_fastpath.request1`` / ``answer1``) where it is built; ``--no-c`` times the Python path.
+``--inline``: the client asks for its documents inline (what a CPU sidecar without an arena,
+its default, answers), decoded by Python from the answer's blob.
 """
 
 from __future__ import annotations
@@ -61,13 +63,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20_000)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-c", action="store_true", help="the client's Python path (its C extension not used)")
+    ap.add_argument("--inline", action="store_true", help="documents inline in the answer, not from the arena")
     a = ap.parse_args()
     if a.no_c:
         client_module._fastpath = None
     k, b = a.k, a.batch
     rng = np.random.default_rng(0)
     v = rng.standard_normal((ROWS, DIM)).astype(np.float32)
-    with KalosClient.spawn(dim=DIM, device="cpu") as owner, KalosClient(owner.name, arena_docs=True) as c:
+    with KalosClient.spawn(dim=DIM, device="cpu") as owner, KalosClient(owner.name, arena_docs=not a.inline) as c:
         owner.upsert([f"id{i}" for i in range(ROWS)], v, texts=[f"text {i} " * 5 for i in range(ROWS)],
                      metadatas=[{"i": i, "topic": "t"} for i in range(ROWS)])  # fmt: skip
         queries = v[:b] + 0.01

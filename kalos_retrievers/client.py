@@ -158,6 +158,7 @@ def _usable_cores() -> int:
 
 
 _CORES: Final = _usable_cores()
+_NO_ARENA: Final = (None, (0, 0, 0))  # _fastpath's arena and arena_info when documents come inline
 _SPIN_CROWD: Final = max(1, _CORES // 4)
 _DOORBELL: Final = np.uint32(SlotState.DOORBELL)
 _HANDOVER_NS = 2_000_000  # a DOORBELL the stopped kernel left: block if the sidecar has not taken it by then
@@ -226,10 +227,13 @@ class _Conn:
         self.arena_flags = Flag.ARENA_DOCS | (Flag.ARENA_ENTRIES if header.version_minor >= 3 else 0)
         # q . tiny is finite exactly when every element of q is (see _recall_one)
         self.tiny = np.full(header.dim, 2.0**-100, np.float32)
-        # what _fastpath.recall1 needs of the layout, and the header it reads doorbell_k from
+        # what _fastpath needs of the layout (with the flags of a recall whose documents come
+        # from the arena, and of one whose documents come inline), and the header it reads
+        # doorbell_k from
         lay = self.layout
         self.fast_layout = (header.dim, lay.payload_offset, lay.rows_offset, lay.scores_offset, lay.blob_offset,
                             lay.blob_size, int(self.arena_flags), _DOORBELL_K_WORD)  # fmt: skip
+        self.fast_layout_inline = (*self.fast_layout[:6], 0, _DOORBELL_K_WORD)
         self.hdr = memoryview(seg.mm)[: 4 * (_DOORBELL_CAP_WORD + 1)]
 
     def doorbell_k(self) -> int:
@@ -632,9 +636,10 @@ class KalosClient:
             return None
         arena = self._arena()
         # in C where it is built (the request written and the answer read; the resident
-        # kernel's recalls waited for there too): it checks the query is finite
-        fast = _fastpath is not None and arena is not None
-        bell = fast and k <= conn.doorbell_k()
+        # kernel's recalls, whose documents come from the arena, waited for there too): it
+        # checks the query is finite. (x86-64 only, as the spin paths and the arena.)
+        fast = _fastpath is not None and _X86
+        bell = fast and arena is not None and k <= conn.doorbell_k()
         if fast and type(query) is np.ndarray and query.ndim == 1 and query.dtype is _F32:
             # _fastpath checks the length and finiteness of a float32 vector (and writes
             # nothing, so the general path refuses a wrong one); other dtypes are converted
@@ -693,7 +698,7 @@ class KalosClient:
         return res
 
     def _recall_fast(
-        self, conn: _Conn, slot: _Slot, q: np.ndarray, k: int, deadline: float, arena: ArenaView, bell: bool
+        self, conn: _Conn, slot: _Slot, q: np.ndarray, k: int, deadline: float, arena: ArenaView | None, bell: bool
     ) -> RecallResult | _Reply | None:
         """:meth:`_recall_one`'s exchange in C (the slot in hand, released by the caller).
 
@@ -701,9 +706,10 @@ class KalosClient:
         DOORBELL request and spins for the kernel's answer. Without, ``_fastpath.request1``
         writes a REQUEST, we post the sidecar's doorbell and wait as :meth:`_wait` decides
         (spin, sleep or block, the deadline and the sidecar's death checked as on the Python
-        path), and ``_fastpath.answer1`` reads the answer. (On the H200 host the Python steps
-        around the wait cost ~10 µs more per recall than C's, S18-3; a crowd's clients take them
-        between an answer and their next request.)
+        path), and ``_fastpath.answer1`` reads the answer: with ``arena``, its documents too;
+        without, the answer's blob, whose inline documents Python decodes. (On the H200 host the
+        Python steps around the wait cost ~10 µs more per recall than C's, S18-3; a crowd's
+        clients take them between an answer and their next request.)
 
         A :class:`RecallResult` when the C code read the whole answer and its documents; the
         answer as a :class:`_Reply` when it was written and then read by Python (the answer not
@@ -713,7 +719,8 @@ class KalosClient:
         if slot.sem.value:  # posts left by responses we saw by spinning (as in _roundtrip)
             _ipc.drain(slot.sem)
         slot.seq = seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
-        buf, info = arena.fast
+        buf, info = arena.fast if arena is not None else _NO_ARENA
+        layout, flags = (conn.fast_layout, conn.arena_flags) if arena is not None else (conn.fast_layout_inline, 0)
         deadline_ns = int(deadline * 1e9)
         if bell:
             args = (conn.fast_layout, seq, k, deadline_ns, _FAST_SPIN_NS, conn.hdr, buf, info)
@@ -721,18 +728,18 @@ class KalosClient:
             if out is None and not q.flags.c_contiguous:  # a strided view: its copy, as on the Python path
                 out = _fastpath.recall1(slot.mem, np.ascontiguousarray(q), *args)
         else:
-            out = _fastpath.request1(slot.mem, q, conn.fast_layout, seq, k, deadline_ns)
+            out = _fastpath.request1(slot.mem, q, layout, seq, k, deadline_ns)
             if out is None and not q.flags.c_contiguous:
-                out = _fastpath.request1(slot.mem, np.ascontiguousarray(q), conn.fast_layout, seq, k, deadline_ns)
+                out = _fastpath.request1(slot.mem, np.ascontiguousarray(q), layout, seq, k, deadline_ns)
             if out is not None:
                 _ipc.post(conn.bell)
                 t_sent = time.monotonic_ns()
                 self._wait(conn, slot, seq, deadline, recall=True, check=False)
                 waited = time.monotonic_ns() - t_sent
-                out = _fastpath.answer1(slot.mem, conn.fast_layout, seq, k, waited, buf, info)
+                out = _fastpath.answer1(slot.mem, layout, seq, k, waited, buf, info)
                 if out is None:  # an answer C leaves to Python: read (and continued) there, not waited for again
-                    return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, 0,
-                                           deadline, sent=(seq, waited, False, True))  # fmt: skip
+                    return self._roundtrip(conn, slot, Op.RECALL, flags, k, 1, 4 * conn.header.dim, 0, deadline,
+                                           sent=(seq, waited, False, True))  # fmt: skip
         if out is None:
             return None
         if type(out) is int:  # written (and spun on for `out` ns): Python waits for and reads the answer

@@ -1,9 +1,10 @@
 """``KalosClient.recall`` of one query that the sidecar itself answers (no resident kernel takes
 it), through the client's C path: ``_fastpath.request1`` writes the REQUEST, the client posts
 and waits as on the Python path, ``_fastpath.answer1`` reads the answer. Against a real CPU
-sidecar keeping a document arena (``KALOS_ARENA=1``: the C path needs one). Each test runs on
-both paths ("python": the extension taken away), so that the Python path is the reference and
-the negative control of what the C path must do the same."""
+sidecar, with a document arena (``KALOS_ARENA=1``: C reads the documents too) and without
+(the default on a CPU: the documents come inline, and Python decodes them from the blob C
+copied). Each test runs on both paths ("python": the extension taken away), so that the
+Python path is the reference and the negative control of what the C path must do the same."""
 
 from __future__ import annotations
 
@@ -49,9 +50,14 @@ class Counted:
         return out
 
 
-@pytest.fixture(autouse=True)
-def _arena_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KALOS_ARENA", "1")
+@pytest.fixture(autouse=True, params=["arena", "inline"])
+def docs_from(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where the recalls' documents come from: the sidecar's arena, or inline in the answer."""
+    if request.param == "arena":
+        monkeypatch.setenv("KALOS_ARENA", "1")
+    else:
+        monkeypatch.delenv("KALOS_ARENA", raising=False)
+    return str(request.param)
 
 
 def loaded(start_sidecar, rng: np.random.Generator):  # type: ignore[no-untyped-def]
@@ -68,7 +74,7 @@ def use(monkeypatch: pytest.MonkeyPatch, path: str, counted: Counted) -> None:
 
 
 @pytest.mark.parametrize("leave", [False, True], ids=["read-in-c", "left-to-python"])
-def test_the_c_path_gives_what_the_python_path_and_inline_documents_give(start_sidecar, monkeypatch,
+def test_the_c_path_gives_what_the_python_path_and_inline_documents_give(start_sidecar, monkeypatch, docs_from: str,
                                                                          leave: bool) -> None:  # fmt: skip
     """Every recall's request written by request1 and its answer read by answer1 (or, when
     answer1 leaves it, read by Python from the wait on, not waited for again); results equal the
@@ -80,7 +86,7 @@ def test_the_c_path_gives_what_the_python_path_and_inline_documents_give(start_s
     queries = [wide[j, ::2] if j % 4 == 0 else wide[j, :DIM].copy() for j in range(len(wide))]  # some strided
     ks = [1, 3, 10, N, N + 5]
     with sc.client(arena_docs=True) as c, sc.client(arena_docs=False) as plain:
-        assert c._arena() is not None  # the arena is there: the C path applies
+        assert (c._arena() is not None) == (docs_from == "arena")
         c.recall(queries[1], 1)  # (a fresh client's first call claims its slots: the general path)
         observed, waits = [], []
         real_observe, real_wait = c._observe_wait, c._wait
