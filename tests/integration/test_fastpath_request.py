@@ -16,7 +16,7 @@ import pytest
 
 import kalos_retrievers.client as client_module
 from kalos_retrievers.errors import RequestRejected, SidecarTimeout, SidecarUnavailable
-from kalos_retrievers.protocol import RESPONSE_OFFSET, RESPONSE_STRUCT, SlotState, Status
+from kalos_retrievers.protocol import RESPONSE_OFFSET, RESPONSE_STRUCT, Flag, SlotState, Status
 
 pytestmark = pytest.mark.timeout(120)
 fastpath = pytest.importorskip("kalos_retrievers._fastpath", reason="the C extension is not built here")
@@ -25,13 +25,16 @@ if not client_module._X86:
 
 DIM, N = 11, 157
 PATHS = ["c", "python"]
+FLAGS_ARENA = Flag.ARENA_DOCS | Flag.ARENA_ENTRIES  # a v1.3 sidecar's arena recall
 
 
 class Counted:
-    """``_fastpath`` with ``request1`` / ``answer1`` counted (``read``: answers C read whole)."""
+    """``_fastpath`` with ``request1`` / ``answer1`` counted (``read``: answers C read whole;
+    ``flags``: the request flags of each layout request1 was given)."""
 
     def __init__(self, leave: bool = False) -> None:
         self.requests = self.answers = self.read = 0
+        self.flags: set[int] = set()
         self.leave = leave  # answer1 leaves every answer to Python (as for one it does not take)
 
     def recall1(self, *a: object) -> object:
@@ -39,6 +42,7 @@ class Counted:
 
     def request1(self, *a: object) -> object:
         self.requests += 1
+        self.flags.add(a[2][6])  # type: ignore[index]
         return fastpath.request1(*a)
 
     def answer1(self, *a: object) -> object:
@@ -50,7 +54,7 @@ class Counted:
         return out
 
 
-@pytest.fixture(autouse=True, params=["arena", "inline"])
+@pytest.fixture(params=["arena", "inline"])
 def docs_from(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Where the recalls' documents come from: the sidecar's arena, or inline in the answer."""
     if request.param == "arena":
@@ -111,7 +115,7 @@ def test_the_c_path_gives_what_the_python_path_and_inline_documents_give(start_s
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_an_error_answer_is_raised_and_the_slot_reused(start_sidecar, monkeypatch, path: str) -> None:
+def test_an_error_answer_is_raised_and_the_slot_reused(start_sidecar, monkeypatch, docs_from: str, path: str) -> None:
     """An answer with an error status (written by a stand-in wait, as a sidecar would) raises
     the Python path's error, and the slot goes back into circulation."""
     rng = np.random.default_rng()
@@ -145,7 +149,7 @@ def test_an_error_answer_is_raised_and_the_slot_reused(start_sidecar, monkeypatc
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_paused_sidecar_times_out_and_the_slot_stays_out_until_answered(start_sidecar, monkeypatch,
+def test_a_paused_sidecar_times_out_and_the_slot_stays_out_until_answered(start_sidecar, monkeypatch, docs_from: str,
                                                                           path: str) -> None:  # fmt: skip
     """The deadline holds on the C path as on the Python one: SidecarTimeout, the slot left out
     of circulation (a late answer must not be read as another call's), and back once the
@@ -157,7 +161,8 @@ def test_a_paused_sidecar_times_out_and_the_slot_stays_out_until_answered(start_
         conn = c._conn
         assert conn is not None
         free = len(conn.free)
-        use(monkeypatch, path, Counted())
+        counted = Counted()
+        use(monkeypatch, path, counted)
         q = rng.standard_normal(DIM).astype(np.float32)
         want = c.recall(q, 4).ids
         sc.kill(signal.SIGSTOP)
@@ -175,21 +180,74 @@ def test_a_paused_sidecar_times_out_and_the_slot_stays_out_until_answered(start_
             c.recall(q, 4)
             time.sleep(0.01)
         assert len(conn.free) == free  # answered late, then recovered
+    assert (counted.requests >= 2) == (path == "c")  # (the one before the pause, the one timed out)
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_sidecar_killed_during_the_wait_is_reported_at_once(start_sidecar, monkeypatch, path: str) -> None:
+def test_a_sidecar_killed_during_the_wait_is_reported_at_once(start_sidecar, monkeypatch, docs_from: str,
+                                                             path: str) -> None:  # fmt: skip
     rng = np.random.default_rng()
     sc = loaded(start_sidecar, rng)
     with sc.client(arena_docs=True, spin_us=0, timeout=30) as c:
         c.ping()
-        use(monkeypatch, path, Counted())
+        counted = Counted()
+        use(monkeypatch, path, counted)
         sc.kill(signal.SIGSTOP)
         sc.kill(signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(SidecarUnavailable):
             c.recall(rng.standard_normal(DIM).astype(np.float32), 3)
         assert time.monotonic() - t0 < 10  # not the 30 s deadline
+    assert counted.requests == (1 if path == "c" else 0)
     assert sc.proc is not None
     sc.proc.wait(10)
     start_sidecar(dim=DIM, name=sc.name)  # removes what the killed sidecar left in /dev/shm
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_client_taking_documents_inline_from_a_sidecar_with_an_arena_asks_for_them_inline(
+    start_sidecar, monkeypatch, path: str
+) -> None:
+    """The C path's request flags are the client's: with ``arena_docs=False`` none, even when
+    the sidecar keeps an arena (asked for arena entries, the answers would name documents the
+    client does not read, and every recall would be asked again inline: ``arena_retries``)."""
+    monkeypatch.setenv("KALOS_ARENA", "1")
+    rng = np.random.default_rng()
+    sc = loaded(start_sidecar, rng)
+    counted = Counted()
+    with sc.client(arena_docs=False) as c, sc.client(arena_docs=True) as reference:
+        c.ping(), reference.ping()  # (a fresh client's first call claims its slots: the general path)
+        assert c._arena() is None and reference._arena() is not None
+        use(monkeypatch, path, counted)
+        qs = rng.standard_normal((13, DIM)).astype(np.float32)
+        got = [c.recall(q, 7) for q in qs]
+        assert c.arena_retries == 0
+        for r, w in zip(got, [reference.recall(q, 7) for q in qs], strict=True):
+            assert r.ids == w.ids and [h.text for h in r] == [h.text for h in w]
+    assert counted.flags == ({0, int(FLAGS_ARENA)} if path == "c" else set())
+    assert counted.requests == (2 * len(qs) if path == "c" else 0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_answers_that_continue_are_read_whole(start_sidecar, monkeypatch, path: str) -> None:
+    """Inline documents that do not fit the slot's blob come in several answers (MORE): the C
+    path leaves such an answer to Python, which reads it and asks for the rest; results equal
+    the Python path's and a reference client's."""
+    rng = np.random.default_rng()
+    sc = start_sidecar(dim=DIM, blob_kb=8)
+    n = 601
+    with sc.client() as c:
+        c.upsert([f"m{i}" for i in range(n)], rng.standard_normal((n, DIM)).astype(np.float32),
+                 texts=[f"memory {i} " + "y" * int(rng.integers(1, 300)) for i in range(n)])  # fmt: skip
+    counted = Counted()
+    qs = rng.standard_normal((9, DIM)).astype(np.float32)
+    ks = [1, 10, 200, 500, 1024]
+    with sc.client(arena_docs=False) as c, sc.client(arena_docs=False) as reference:
+        c.ping()
+        want = [reference.recall(q, ks[j % len(ks)]) for j, q in enumerate(qs)]
+        use(monkeypatch, path, counted)
+        got = [c.recall(q, ks[j % len(ks)]) for j, q in enumerate(qs)]
+    for r, w in zip(got, want, strict=True):
+        assert r.ids == w.ids and [h.text for h in r] == [h.text for h in w]
+    if path == "c":
+        assert counted.answers == len(qs) and 0 < counted.read < counted.answers  # some continued

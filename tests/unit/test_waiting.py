@@ -315,6 +315,36 @@ def test_a_gpu_recall_within_four_windows_spins_through_unless_crowded() -> None
         c.close()
 
 
+def test_the_crowd_bands_on_a_16_core_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the H200 host's 16 cores (4 = a quarter): a GPU recall expected within 4 spin windows
+    spins through with up to 4 requests waiting, sleeps then spins with 5 to 16, and blocks
+    outright with 17 or more (more than the cores: the 32-process crowd); one expected beyond 4
+    windows sleeps then spins up to 16 and blocks beyond. Independent of this machine's cores."""
+    import kalos_retrievers.client as C
+
+    monkeypatch.setattr(C, "_CORES", 16)
+    monkeypatch.setattr(C, "_SPIN_CROWD", 4)
+    c = KalosClient("kalos-unit-lazy", dim=4, spin_us=300, lazy=True)
+    seen: list[str] = []
+    c._spin = lambda slot, until: seen.append("spin") or True  # type: ignore[method-assign]
+    c._sleep_then_spin = lambda *a: seen.append("sleep") or True  # type: ignore[method-assign]
+    c._block = lambda *a, **k: seen.append("block") or True  # type: ignore[method-assign]
+    c._check_seq = lambda slot, seq: None  # type: ignore[method-assign]
+
+    def route(waiting: int, typical_us: int) -> str:
+        seen.clear()
+        c._typical_wait_ns = typical_us * US
+        c._wait(_RouteConn("cuda", waiting), None, 1, time.monotonic() + 10, recall=True)  # type: ignore[arg-type]
+        return seen[0]
+
+    try:
+        assert [route(w, 900) for w in (1, 4, 5, 16, 17, 31)] == ["spin", "spin", "sleep", "sleep", "block", "block"]
+        assert [route(w, 5000) for w in (1, 4, 5, 16, 17, 31)] == ["sleep"] * 4 + ["block"] * 2
+        assert [route(w, 100) for w in (1, 17, 31)] == ["spin"] * 3  # short waits spin, crowd or not
+    finally:
+        c.close()
+
+
 def test_waiting_requests_counts_request_busy_and_doorbell_slots() -> None:
     """The crowd a client sees: slots whose state is REQUEST, BUSY or DOORBELL, read from every
     slot's state word in the segment (5 slots of an odd layout)."""
