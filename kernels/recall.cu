@@ -2777,6 +2777,460 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 }
 
 // ------------------------------------------------------------------------------------------
+// carousel_topk<NT, METRIC>: a scan that never ends, which queries board and leave (EXPERIMENT:
+// benchmarks/carousel_probe.py and tests/gpu/test_carousel.py only; the sidecar does not launch
+// it). Float16 rows, top-k up to CAR_KMAX, up to 8 * NT queries in flight at once.
+//
+// Why: with 32 client processes at 1M rows the sidecar's batches settle into two cohorts that
+// each pay a whole pass (~385 µs): a client answered at the end of one pass cannot be in the
+// next, which was launched behind it, so every recall costs two passes and 32 clients cannot
+// pass 32 / (2 x 385 µs) = ~41.5k recalls/s (gpu-notes, sessions 26-32). Here the rows are read
+// round and round by a resident grid, and a query joins wherever the scan is: it is answered
+// after one full turn from its boarding, so a client's cycle is one pass plus its own return.
+// Session 28's sweep (the same idea driven by the host's loop, 4 row ranges) lost: its queries
+// boarded only at range boundaries and each range was a launch from Python. Here nothing of
+// the host is on the path: block 0 takes requests from the slots and answers them, every other
+// block boards them at its own next step.
+//
+// Blocks. Block 0 is the conductor: it polls the request slots (host memory, mapped) for
+// state CAR_REQUEST, installs each in a free position (its query as halves, normalized for
+// cosine, in pos_q; its k, slot and namespace in pinfo; then gen[p] + 1), and when every other
+// block has finished with a position (done[p]), merges their lists and writes rows, scores and
+// state CAR_DONE into the slot. Blocks 1 .. G own fixed, contiguous ranges of the rows in tiles
+// of 16 * MT rows and go round their range a step at a time (each warp one tile per step). At a
+// step's start a block boards every position whose gen has moved (loads its query into shared
+// memory) and gives it the whole turn: `steps` steps, after which it has scored every row of
+// the range once, wherever it boarded. Positions are independent of each other and of the
+// other blocks: no grid-wide barrier anywhere.
+//
+// The top-k. Each block keeps, per position, a list of (score, row) packed as sel_pack (one
+// u64: larger is better, ties by smaller row) in device memory, `lists`, and a threshold in
+// shared memory: the k-th best the list has held (-inf at boarding). A row scoring at or above
+// the threshold is appended. After a step a list that might not hold one more step's rows
+// (CAR_CAP - CAR_STEP_ROWS) is cut to its best k by one warp, which raises the threshold; at
+// the end of the turn the list's best k go to res[p][block]. A block's best k over its range
+// hold the global top-k's members from that range, so the conductor's top-k of every block's
+// best k is exact (ties: any k of the tied, as the other paths).
+//
+// Memory order. The conductor writes pos_q and pinfo, fences, then bumps gen[p] (atomic); a
+// block reads gen (volatile), fences, then reads pos_q and pinfo through L2 (__ldcg: L1 may
+// hold the position's previous query). A block writes res, fences, then adds to done[p]; the
+// conductor reads done (volatile), fences, reads res through L2. gen[p] moves only when every
+// block has finished the position's previous query, so each block boards every query once.
+//
+// Slot (host memory, slot_bytes apart from slot0; little endian u32 words):
+//   [0] state: CAR_REQUEST (the client, after everything else) -> CAR_TAKEN (conductor) ->
+//       CAR_DONE or CAR_ERROR (conductor, after the results and words below)
+//   [1] k   [2] namespace id (NS_ANY: every row)   [3] seq (echoed into [5])
+//   [4] results (out)   [5] seq (out)   [6] ns on the GPU from boarding to answer (out)
+//   float32 query[dim] at byte 32 (16-byte aligned); int32 rows[k] at rows_off, float32
+//   scores[k] at scores_off (best first; past the results: -1 and -inf).
+// hctl (host memory): [0] stop (the host sets it; the conductor then tells the blocks and every
+// block returns; positions in flight are abandoned, their slots left CAR_TAKEN), [2..3] the
+// number of answers (u64, written by the conductor).
+// dctl (device memory, zeroed before the launch): [0] stop seen, [1, 1 + P) gen, [1 + P, 1 + 2P)
+// done. pinfo (device, [P][4]): k, slot, namespace, |q|^2 bits.
+#define CAR_IDLE 0u
+#define CAR_REQUEST 1u
+#define CAR_TAKEN 2u
+#define CAR_DONE 3u
+#define CAR_ERROR 4u
+#define CAR_HEAD_BYTES 32
+#ifndef CAR_KMAX
+#define CAR_KMAX 32                      // largest k (one result per lane of a warp)
+#endif
+#define CAR_STEP_ROWS (KALOS_BLOCK / 32 * 32)  // rows a block scores per step at most (MT = 2)
+#define CAR_CAP (2 * CAR_STEP_ROWS + CAR_KMAX)  // a list's room (u64 each)
+#ifndef KALOS_CAR_MINB
+#define KALOS_CAR_MINB 2
+#endif
+
+__device__ __forceinline__ u64 warp_max64(u64 x) {
+    unsigned int hi = (unsigned int)(x >> 32);
+#if __CUDA_ARCH__ >= 800
+    const unsigned int mh = __reduce_max_sync(0xffffffffu, hi);
+    const unsigned int ml = __reduce_max_sync(0xffffffffu, hi == mh ? (unsigned int)x : 0u);
+#else
+    unsigned int mh = hi;
+    for (int o = 16; o > 0; o >>= 1) mh = max(mh, __shfl_xor_sync(0xffffffffu, mh, o));
+    unsigned int ml = hi == mh ? (unsigned int)x : 0u;
+    for (int o = 16; o > 0; o >>= 1) ml = max(ml, __shfl_xor_sync(0xffffffffu, ml, o));
+#endif
+    return ((u64)mh << 32) | ml;
+}
+
+// The best k (<= 32) of the n distinct words src[0, n) (0: no entry, below every real one), by
+// one warp: lane r returns the r-th best (0 past the last). k rounds, each a pass over the
+// words for the largest below the last one taken. L2: read through L2 (another block wrote them).
+__device__ u64 car_best(const u64* src, int n, int k, bool l2) {
+    const int lane = threadIdx.x & 31;
+    u64 prev = ~0ull, mine = 0ull;
+    for (int r = 0; r < k; r++) {
+        u64 best = 0ull;
+        for (int i = lane; i < n; i += 32) {
+            const u64 x = l2 ? __ldcg(src + i) : src[i];
+            if (x < prev && x > best) best = x;
+        }
+        best = warp_max64(best);
+        if (lane == r) mine = best;
+        if (best == 0ull) break;  // (warp-uniform) no more entries
+        prev = best;
+    }
+    return mine;
+}
+
+template <int NT, int METRIC>
+__global__ void __launch_bounds__(KALOS_BLOCK, KALOS_CAR_MINB)
+carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const int* __restrict__ ns,
+              const float* __restrict__ sqnorm, int dim, u64 slot0, int slot_bytes, int n_slots,
+              int rows_off, int scores_off, int mode, unsigned int* hctl, unsigned int* dctl, int* pinfo,
+              __half* pos_q, u64* lists, u64* res) {
+    constexpr int P = 8 * NT;
+    constexpr int MT = 2, H = 2 * MT;  // two m16 tiles per warp tile: 32 rows (mma_filter's choice above 16 queries)
+    static_assert(P <= 32, "one position per lane of a warp");
+    extern __shared__ uint4 car_smem[];
+    __shared__ float s_thr[P], s_qn2[P];
+    __shared__ int s_cnt[P], s_rem[P], s_k[P], s_ns[P];
+    __shared__ unsigned int s_gen[P];
+    __shared__ unsigned int s_join, s_act, s_stop, s_fin;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wpb = blockDim.x >> 5;
+    volatile unsigned int* gen = dctl + 1;
+    volatile unsigned int* done = dctl + 1 + P;
+
+    if (blockIdx.x == 0) {
+        // ---------------------------------------------------------------- the conductor
+        u64* scratch = reinterpret_cast<u64*>(car_smem);  // G * CAR_KMAX words for a merge
+        __shared__ u64 s_wbest[KALOS_BLOCK / 32][32];
+        __shared__ int s_slot[P], s_nreq;
+        __shared__ unsigned int s_busy, s_ready;
+        __shared__ u64 s_t0[P];
+        const int G = gridDim.x - 1;
+        u64 answered = 0;
+        if (threadIdx.x == 0) s_busy = 0u;
+        __syncthreads();
+        for (;;) {
+            // the stop word, finished positions, new requests: one round trip of PCIe for warp 0
+            if (warp == 0) {
+                const unsigned int stop = lane == 0 ? hload(hctl, mode) : 0u;
+                const unsigned int busy = s_busy;
+                const bool fin = lane < P && ((busy >> lane) & 1u) && done[lane] == (unsigned int)G;
+                const unsigned int ready = __ballot_sync(0xffffffffu, fin);
+                // requests: up to 64 slots, two per lane, both loads in flight
+                unsigned int st0 = 0u, st1 = 0u;
+                if (lane < n_slots) st0 = hload(reinterpret_cast<const unsigned int*>(slot0 + (u64)lane * slot_bytes), mode);
+                if (lane + 32 < n_slots) st1 = hload(reinterpret_cast<const unsigned int*>(slot0 + (u64)(lane + 32) * slot_bytes), mode);
+                const unsigned int r0 = __ballot_sync(0xffffffffu, st0 == CAR_REQUEST);
+                const unsigned int r1 = __ballot_sync(0xffffffffu, st1 == CAR_REQUEST);
+                const unsigned int any_stop = __ballot_sync(0xffffffffu, stop != 0u);
+                if (lane == 0) {
+                    s_stop = any_stop ? 1u : 0u;
+                    s_ready = ready;
+                    // free positions: not busy, and not finishing now (freed after its answer)
+                    unsigned int free_ = ~busy & (P == 32 ? 0xffffffffu : ((1u << P) - 1u));
+                    int n = 0;
+                    for (int h = 0; h < 2 && free_; h++) {
+                        unsigned int r = h ? r1 : r0;
+                        while (r && free_) {
+                            const int s = __ffs(r) - 1 + 32 * h;
+                            const int p = __ffs(free_) - 1;
+                            r &= r - 1;
+                            free_ &= free_ - 1;
+                            s_slot[n++] = s | (p << 8);
+                        }
+                    }
+                    s_nreq = n;
+                }
+            }
+            __syncthreads();
+            if (s_stop) {
+                if (threadIdx.x == 0) { atomicExch(dctl, 1u); __threadfence(); }
+                return;
+            }
+            // answer every finished position: each block's best k, merged
+            for (unsigned int ready = s_ready; ready; ready &= ready - 1) {
+                const int p = __ffs(ready) - 1;
+                __threadfence();  // done[p] seen before the blocks' lists are read
+                const int k = __ldcg(pinfo + 4 * p), slot = __ldcg(pinfo + 4 * p + 1);
+                const int n = G * k;
+                const u64* src = res + (size_t)p * G * CAR_KMAX;
+                for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                    const int b = i / k, j = i - b * k;
+                    scratch[i] = __ldcg(src + (size_t)b * CAR_KMAX + j);
+                }
+                __syncthreads();
+                // each warp its share's best k, then warp 0 the best k of those
+                const int per = (n + wpb - 1) / wpb;
+                const int lo = min(n, warp * per), hi = min(n, lo + per);
+                s_wbest[warp][lane] = car_best(scratch + lo, hi - lo, k, false);
+                __syncthreads();
+                if (warp == 0) {
+                    const u64 best = car_best(&s_wbest[0][0], 32 * wpb, k, false);
+                    unsigned char* sb = reinterpret_cast<unsigned char*>(slot0 + (u64)slot * slot_bytes);
+                    const unsigned int nres = __popc(__ballot_sync(0xffffffffu, lane < k && best != 0ull));
+                    if (lane < k) {
+                        hstore(reinterpret_cast<int*>(sb + rows_off) + lane,
+                               best ? sel_pack_val(best) : -1, mode);
+                        hstore(reinterpret_cast<unsigned int*>(sb + scores_off) + lane,
+                               __float_as_uint(best ? sel_pack_key(best) : neg_inf()), mode);
+                    }
+                    unsigned int* w = reinterpret_cast<unsigned int*>(sb);
+                    if (lane == 0) {
+                        hstore(w + 4, nres, mode);
+                        hstore(w + 5, hload(w + 3, mode), mode);
+                        hstore(w + 6, (unsigned int)(global_ns() - s_t0[p]), mode);
+                    }
+                    __threadfence_system();
+                    __syncwarp();
+                    if (lane == 0) {
+                        hstore(w, CAR_DONE, mode);  // last
+                        answered++;
+                        hstore(reinterpret_cast<u64*>(hctl + 2), answered, mode);
+                        done[p] = 0u;  // (every block has added to it; none will before gen moves)
+                        s_busy &= ~(1u << p);
+                    }
+                }
+                __syncthreads();
+            }
+            // board the new requests: warp w takes requests w, w + wpb, ...
+            const int nreq = s_nreq;
+            for (int r = warp; r < nreq; r += wpb) {
+                const int s = s_slot[r] & 255, p = s_slot[r] >> 8;
+                unsigned int* w = reinterpret_cast<unsigned int*>(slot0 + (u64)s * slot_bytes);
+                const float* q = reinterpret_cast<const float*>(slot0 + (u64)s * slot_bytes + CAR_HEAD_BYTES);
+                const unsigned int k = hload(w + 1, mode);
+                const int qns = hload(reinterpret_cast<const int*>(w + 2), mode);
+                // the query: 4 floats a load, every load of the lane in flight before its use
+                float part = 0.f;
+                for (int i = 4 * lane; i < dim; i += 128) {
+                    float v[4];
+                    if (i + 3 < dim) {
+                        const uint4 u = hload4(q + i, mode);
+                        v[0] = __uint_as_float(u.x); v[1] = __uint_as_float(u.y);
+                        v[2] = __uint_as_float(u.z); v[3] = __uint_as_float(u.w);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < 4; j++) v[j] = i + j < dim ? hload(q + i + j, mode) : 0.f;
+                    }
+#pragma unroll
+                    for (int j = 0; j < 4; j++) part += v[j] * v[j];
+                    __half2* d = reinterpret_cast<__half2*>(pos_q + (size_t)p * ld + i);
+                    d[0] = __floats2half2_rn(v[0], v[1]);
+                    d[1] = __floats2half2_rn(v[2], v[3]);
+                }
+                for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+                const bool ok = k >= 1u && k <= (unsigned int)CAR_KMAX && isfinite(part);
+                if (ok && METRIC == METRIC_COSINE && part > 0.f) {
+                    // normalize: the halves again from the floats (read back from host memory
+                    // would be another round trip; scaling the halves would round twice)
+                    const float sc = rsqrtf(part);
+                    for (int i = 4 * lane; i < dim; i += 128) {
+                        float v[4];
+                        if (i + 3 < dim) {
+                            const uint4 u = hload4(q + i, mode);
+                            v[0] = __uint_as_float(u.x); v[1] = __uint_as_float(u.y);
+                            v[2] = __uint_as_float(u.z); v[3] = __uint_as_float(u.w);
+                        } else {
+#pragma unroll
+                            for (int j = 0; j < 4; j++) v[j] = i + j < dim ? hload(q + i + j, mode) : 0.f;
+                        }
+                        __half2* d = reinterpret_cast<__half2*>(pos_q + (size_t)p * ld + i);
+                        d[0] = __floats2half2_rn(v[0] * sc, v[1] * sc);
+                        d[1] = __floats2half2_rn(v[2] * sc, v[3] * sc);
+                    }
+                }
+                for (int i = dim + lane; i < ld; i += 32) pos_q[(size_t)p * ld + i] = __float2half(0.f);
+                if (!ok) {  // k out of range or a query that is not finite: refused at once
+                    __syncwarp();
+                    if (lane == 0) {
+                        hstore(w + 4, 0u, mode);
+                        hstore(w + 5, hload(w + 3, mode), mode);
+                        __threadfence_system();
+                        hstore(w, CAR_ERROR, mode);
+                    }
+                    continue;
+                }
+                if (lane == 0) {
+                    pinfo[4 * p] = (int)k;
+                    pinfo[4 * p + 1] = s;
+                    pinfo[4 * p + 2] = qns;
+                    pinfo[4 * p + 3] = __float_as_int(METRIC == METRIC_COSINE && part > 0.f ? 1.f : part);
+                    hstore(w, CAR_TAKEN, mode);
+                    s_t0[p] = global_ns();
+                }
+                __threadfence();  // the query and its words before gen
+                __syncwarp();
+                if (lane == 0) {
+                    atomicAdd(dctl + 1 + p, 1u);
+                    atomicOr(&s_busy, 1u << p);
+                }
+            }
+            __syncthreads();
+        }
+    }
+
+    // -------------------------------------------------------------------- the scanning blocks
+    __half* qs = reinterpret_cast<__half*>(car_smem);
+    const int b = blockIdx.x - 1, G = gridDim.x - 1;
+    const int rows_per_tile = 16 * MT;
+    const int tiles_total = (nrows + rows_per_tile - 1) / rows_per_tile;
+    const int t_lo = (int)((long long)tiles_total * b / G), t_hi = (int)((long long)tiles_total * (b + 1) / G);
+    const int steps = max(1, (t_hi - t_lo + wpb - 1) / wpb);
+    u64* mylists = lists + (size_t)b * P * CAR_CAP;
+    if (threadIdx.x < P) { s_gen[threadIdx.x] = 0u; s_rem[threadIdx.x] = 0; s_cnt[threadIdx.x] = 0; }
+    int step = 0;
+    const int cpr = ld / 8;
+    const uint4* rows16 = reinterpret_cast<const uint4*>(data);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (;;) {
+        // (every thread has read the last step's words before warp 0 writes them again)
+        __syncthreads();
+        // the step's start: stop? positions to board?
+        if (warp == 0) {
+            bool join = false;
+            if (lane < P && s_rem[lane] == 0) {
+                const unsigned int g = gen[lane];
+                if (g != s_gen[lane]) {
+                    __threadfence();  // gen before the query and its words
+                    s_gen[lane] = g;
+                    s_rem[lane] = steps;
+                    s_cnt[lane] = 0;
+                    s_thr[lane] = neg_inf();
+                    s_k[lane] = __ldcg(pinfo + 4 * lane);
+                    s_ns[lane] = __ldcg(pinfo + 4 * lane + 2);
+                    s_qn2[lane] = __int_as_float(__ldcg(pinfo + 4 * lane + 3));
+                    join = true;
+                }
+            }
+            const unsigned int jm = __ballot_sync(0xffffffffu, join);
+            const unsigned int am = __ballot_sync(0xffffffffu, lane < P && s_rem[lane] > 0);
+            if (lane == 0) {
+                s_join = jm;
+                s_act = am;
+                s_stop = *reinterpret_cast<volatile unsigned int*>(dctl);
+            }
+        }
+        __syncthreads();
+        if (s_stop) return;
+        const unsigned int act = s_act;
+        if (s_join) {  // the boarding positions' queries into shared memory, through L2
+            const unsigned int jm = s_join;
+            for (int i = threadIdx.x; i < P * cpr; i += blockDim.x) {
+                const int q = i / cpr, c = i - q * cpr;
+                if ((jm >> q) & 1u)
+                    *reinterpret_cast<uint4*>(qs + (size_t)q * lds + 8 * c) =
+                        __ldcg(reinterpret_cast<const uint4*>(pos_q + (size_t)q * ld) + c);
+            }
+            __syncthreads();
+        }
+        if (act == 0u) {  // nothing aboard: wait for a boarding (the turn starts wherever it comes)
+            __nanosleep(500);
+            continue;
+        }
+        // this step's tile for each warp: score it against every aboard position
+        const int tile = t_lo + step * wpb + warp;
+        if (tile < t_hi) {
+            const int t = lane & 3, g = lane >> 2;
+            const int r0 = tile * rows_per_tile;
+            bool rok[H];
+#pragma unroll
+            for (int h = 0; h < H; h++) rok[h] = r0 + g + 8 * h < nrows;
+            const uint4* rp = rows16 + (size_t)(r0 + g) * cpr;
+            float acc[MT][NT][4];
+#pragma unroll
+            for (int m = 0; m < MT; m++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[m][j][e] = 0.f;
+            constexpr int S = KALOS_MMA_STEPS;
+            for (int k0 = 0; k0 < ld; k0 += 32 * S) {
+                uint4 a[S][H];
+#pragma unroll
+                for (int u = 0; u < S; u++) {
+                    const int kc = k0 + 32 * u + 8 * t;
+#pragma unroll
+                    for (int h = 0; h < H; h++) a[u][h] = (kc < ld && rok[h]) ? __ldg(rp + (size_t)8 * h * cpr + kc / 8) : zero;
+                }
+#pragma unroll
+                for (int u = 0; u < S; u++) {
+                    if (k0 + 32 * u >= ld) break;
+                    const int kc = k0 + 32 * u + 8 * t;
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        if (((act >> (8 * j)) & 0xffu) == 0u) continue;  // (warp-uniform) no position of this n-tile aboard
+                        const uint4 bq = kc < ld ? *reinterpret_cast<const uint4*>(qs + (size_t)(8 * j + g) * lds + kc) : zero;
+#pragma unroll
+                        for (int m = 0; m < MT; m++)
+                            mma16816(acc[m][j], a[u][2 * m].x, a[u][2 * m + 1].x, a[u][2 * m].y, a[u][2 * m + 1].y, bq.x, bq.y);
+#pragma unroll
+                        for (int m = 0; m < MT; m++)
+                            mma16816(acc[m][j], a[u][2 * m].z, a[u][2 * m + 1].z, a[u][2 * m].w, a[u][2 * m + 1].w, bq.z, bq.w);
+                    }
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < H; h++) {
+                const int row = r0 + g + 8 * h;
+                if (!rok[h]) continue;
+                const int rns = ns != nullptr ? ns[row] : NS_ANY;
+                const float sqn = METRIC == METRIC_L2 ? sqnorm[row] : 0.f;
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int q = 8 * j + 2 * t + e;
+                        if (!((act >> q) & 1u)) continue;
+                        if (s_ns[q] != NS_ANY && rns != s_ns[q]) continue;
+                        float sc = acc[h >> 1][j][2 * (h & 1) + e];
+                        if (METRIC == METRIC_L2) sc = -sqrtf(fmaxf(s_qn2[q] + sqn - 2.f * sc, 0.f));
+                        if (sc >= s_thr[q]) {
+                            const int at = atomicAdd(&s_cnt[q], 1);
+                            mylists[(size_t)q * CAR_CAP + at] = sel_pack(sc, row);
+                        }
+                    }
+            }
+        }
+        __syncthreads();
+        // the step's end: each aboard position one step nearer the end of its turn; a list that
+        // might not hold another step cut to its best k; a finished turn's best k to res
+        if (threadIdx.x < P && ((act >> threadIdx.x) & 1u)) s_rem[threadIdx.x]--;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned int fin = 0u;
+            for (int q = 0; q < P; q++)
+                if (((act >> q) & 1u) && (s_rem[q] == 0 || s_cnt[q] > CAR_CAP - CAR_STEP_ROWS)) fin |= 1u << q;
+            s_fin = fin;
+        }
+        __syncthreads();
+        const unsigned int fin = s_fin;
+        if (fin) {
+            for (int q = warp; q < P; q += wpb) {
+                if (!((fin >> q) & 1u)) continue;
+                const int k = s_k[q], n = s_cnt[q];
+                const u64 best = car_best(mylists + (size_t)q * CAR_CAP, n, k, false);
+                __syncwarp();
+                if (s_rem[q] == 0) {  // the turn is over: its best k for the conductor
+                    if (lane < k) res[((size_t)q * G + b) * CAR_KMAX + lane] = best;
+                    __threadfence();
+                } else {
+                    if (lane < k) mylists[(size_t)q * CAR_CAP + lane] = best;
+                    const u64 kth = __shfl_sync(0xffffffffu, best, k - 1);
+                    if (lane == 0) {
+                        s_cnt[q] = min(n, k);
+                        if (kth != 0ull) s_thr[q] = sel_pack_key(kth);
+                    }
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x < P && ((fin >> threadIdx.x) & 1u) && s_rem[threadIdx.x] == 0)
+                atomicAdd(dctl + 1 + P + threadIdx.x, 1u);
+        }
+        step = step + 1 == steps ? 0 : step + 1;
+    }
+}
+
+// ------------------------------------------------------------------------------------------
 // Row maintenance: writes of upserts, compaction moves, reads for MMR.
 
 // dst[rows[i]] = convert(src[i]) for n rows; src float32 [n][dim], dst T [.][ld] (pad zeroed).
@@ -2925,6 +3379,8 @@ template __global__ void filter_scores<0>(const float*, int, const int*, const f
 template __global__ void select_cands<0>(const float*, const int*, int*, int, const Params*, int*);
 #define MMA(NT, M) template __global__ void mma_filter<NT, M>(const __half*, int, int, int, const int*, const float*, const Params*, const __half*, const float*, float*, int*, int*, int, float*, int);
 MMA(2, 0) MMA(4, 1) MMA(8, 2)
+#define CAROUSEL(NT, M) template __global__ void carousel_topk<NT, M>(const __half*, int, int, int, const int*, const float*, int, u64, int, int, int, int, int, unsigned int*, unsigned int*, int*, __half*, u64*, u64*);
+CAROUSEL(4, 0) CAROUSEL(4, 1) CAROUSEL(4, 2)
 template __global__ void set_rows<__half>(const float*, const long long*, int, int, int, __half*, float*, float*);
 template __global__ void set_rows<signed char>(const float*, const long long*, int, int, int, signed char*, float*, float*);
 template __global__ void move_rows<float>(float*, int*, float*, float*, const long long*, const long long*, int, int);

@@ -1,0 +1,305 @@
+"""The carousel: a resident scan that queries board wherever it is (EXPERIMENT).
+
+Not used by the sidecar yet. ``benchmarks/carousel_probe.py`` measures it in process and
+``tests/gpu/test_carousel.py`` checks its answers; docs/gpu-notes.md (session 34) says why it
+exists and what would decide its use.
+
+Why: with 32 client processes at 1M rows, the sidecar's queued batches settle into two cohorts,
+and each cohort pays a whole pass over the rows. A client answered at the end of one pass
+cannot be in the next one, which was launched behind it, so every recall costs two passes
+(~2 x 385 µs on the H200). 32 clients then cannot pass ~41.5k recalls/s; the table measured
+36.6k. In the carousel the rows are read round and round by a resident grid, and a query
+boards wherever the scan is. It is answered one full turn later, so a client's cycle is one
+turn plus its own way back. ``carousel_topk`` in kernels/recall.cu describes the kernel: its
+conductor block, its scanning blocks, the per-block lists and the memory order.
+
+Here: :class:`Slots`, request slots in host memory registered with the device (mapped) in the
+kernel's own small layout (not the sidecar's protocol slots: wiring the kernel to those is the
+next step), and :class:`Carousel`, which compiles, sizes and launches the kernel over float16
+rows already on the device, and stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import time
+from collections.abc import Callable
+from typing import Any, Final, NamedTuple
+
+import numpy as np
+
+from . import cuda_kernels as kernels
+from .index import NS_ANY
+
+IDLE: Final = 0
+REQUEST: Final = 1  # written by the client, after everything else
+TAKEN: Final = 2  # the conductor has the request
+DONE: Final = 3  # answered: results and words are in
+ERROR: Final = 4  # refused: k outside [1, KMAX] or a query that is not finite
+
+KMAX: Final = 32  # CAR_KMAX in recall.cu: the largest k
+HEAD: Final = 32  # CAR_HEAD_BYTES: the slot's words before the query
+POSITIONS: Final = 32  # 8 * NT for the instantiation used (NT = 4)
+MAX_SLOTS: Final = 64  # the conductor polls up to 64 slots (two per lane of a warp)
+_NT: Final = 4
+_STEP_ROWS: Final = kernels.BLOCK // 32 * 32  # CAR_STEP_ROWS
+_CAP: Final = 2 * _STEP_ROWS + KMAX  # CAR_CAP: a block's list per position (u64 each)
+_HOST_MODE: Final = 7  # BELL_LDCV | BELL_STWT | BELL_FENCE: the resident kernel's default
+
+# slot words (u32): [0] state [1] k [2] namespace [3] seq; out: [4] results [5] seq [6] ns aboard
+W_STATE, W_K, W_NS, W_SEQ, W_RESULTS, W_RESP_SEQ, W_NS_ABOARD = range(7)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class Slots:
+    """``n`` request slots for queries of ``dim`` floats, in anonymous shared memory registered
+    with the device (mapped), so the kernel reads and writes them in place.
+
+    A client writes its query, k, namespace and seq, then the state word REQUEST
+    (:meth:`send`); the kernel sets TAKEN, then DONE (or ERROR) after the results. x86-64
+    keeps a thread's stores in order, so the state word, written last, is seen last.
+    """
+
+    def __init__(self, cp: Any, n: int, dim: int) -> None:
+        if not 1 <= n <= MAX_SLOTS:
+            raise ValueError(f"slots: 1 to {MAX_SLOTS}, not {n}")
+        if dim < 1:
+            raise ValueError(f"dim must be positive, not {dim}")
+        self.cp = cp
+        self.n, self.dim = n, dim
+        self.rows_off = HEAD + _round_up(4 * dim, 16)
+        self.scores_off = self.rows_off + 4 * KMAX
+        self.slot_bytes = _round_up(self.scores_off + 4 * KMAX, 128)
+        self._mm = mmap.mmap(-1, _round_up(n * self.slot_bytes, mmap.PAGESIZE))
+        self.buf = np.frombuffer(self._mm, np.uint8)
+        self.addr = self.buf.ctypes.data
+        cp.cuda.runtime.hostRegister(self.addr, len(self._mm), 3)  # portable | mapped
+        self._registered = True
+        stride = self.slot_bytes // 4
+
+        def view(dtype: Any, off: int, count: int) -> np.ndarray:  # [n, count] at byte off of each slot
+            return np.frombuffer(self._mm, dtype, n * stride).reshape(n, stride)[:, off // 4 : off // 4 + count]
+
+        self.words = np.frombuffer(self._mm, np.uint32, n * stride).reshape(n, stride)
+        self.queries = view(np.float32, HEAD, dim)
+        self.rows = view(np.int32, self.rows_off, KMAX)
+        self.scores = view(np.float32, self.scores_off, KMAX)
+
+    def send(self, i: int, query: np.ndarray, k: int, ns: int = NS_ANY, seq: int = 0) -> None:
+        """Ask slot ``i``'s question (the slot must not hold a request in flight). The results
+        area is poisoned first, so an element the kernel did not write shows."""
+        if self.words[i, W_STATE] in (REQUEST, TAKEN):
+            raise RuntimeError(f"slot {i} still has a request in flight")
+        self.rows[i] = -7
+        self.scores[i] = np.nan
+        self.queries[i] = query
+        w = self.words[i]
+        w[W_K] = k
+        w[W_NS] = np.int32(ns).view(np.uint32)
+        w[W_SEQ] = seq & 0xFFFFFFFF
+        w[W_RESULTS] = 0xFFFFFFFF
+        w[W_STATE] = REQUEST  # last
+
+    def state(self, i: int) -> int:
+        return int(self.words[i, W_STATE])
+
+    def result(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Slot ``i``'s answer (state DONE): rows and scores, best first, the whole k written
+        (past the results: -1 and -inf)."""
+        k = int(self.words[i, W_K])
+        return self.rows[i, :k].copy(), self.scores[i, :k].copy()
+
+    def close(self) -> None:
+        if self._registered:
+            self.cp.cuda.runtime.hostUnregister(self.addr)
+            self._registered = False
+        del self.words, self.queries, self.rows, self.scores, self.buf
+        with contextlib.suppress(BufferError):  # a caller still holds a view: the map goes with the last one
+            self._mm.close()
+
+
+class Carousel:
+    """``carousel_topk`` over float16 rows ``data`` (a CuPy array [n_rows, ld], ld a multiple
+    of 8 with zeros past ``dim``), answering the requests written into ``slots``.
+
+    ``ns``: the rows' namespace ids (int32 on the device) for requests that name one; None when
+    every request asks NS_ANY. ``sqnorm``: the rows' squared norms (float32), for ``metric`` 2
+    (L2). The grid is every block the device can hold at once (all must be resident: the
+    blocks wait on each other), at most ``per_sm`` per SM; block 0 is the conductor.
+    """
+
+    def __init__(self, cp: Any, data: Any, dim: int, metric: int, slots: Slots, *, ns: Any = None,
+                 sqnorm: Any = None, per_sm: int = 2, stream: Any = None) -> None:  # fmt: skip
+        if data.dtype != cp.float16 or data.ndim != 2 or data.shape[1] % 8 or data.shape[1] < dim:
+            raise ValueError("data must be float16 [n_rows, ld] with ld a multiple of 8 and at least dim")
+        if metric == 2 and sqnorm is None:
+            raise ValueError("the L2 metric needs the rows' squared norms (sqnorm)")
+        if slots.dim != dim:
+            raise ValueError(f"slots hold {slots.dim}-d queries, not {dim}")
+        self.cp, self.data, self.dim, self.metric, self.slots = cp, data, dim, metric, slots
+        self.n_rows, self.ld = int(data.shape[0]), int(data.shape[1])
+        self.lds = self.ld + (32 - self.ld % 64) % 64  # mma_filter's padded stride
+        name = kernels.expression("carousel_topk", _NT, metric)
+        kernels.compile_kernels([name])
+        self.kernel = kern = kernels.get_kernel("carousel_topk", _NT, metric)
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        sms = int(props["multiProcessorCount"])
+        from .index_gpu import SmLimits, resident_blocks_per_sm
+
+        limits = SmLimits(int(props.get("regsPerMultiprocessor", 65536)),
+                          int(props.get("sharedMemPerMultiprocessor", 48 * 1024)),
+                          int(props.get("maxThreadsPerMultiProcessor", 1024)),
+                          int(props.get("reservedSharedMemPerBlock", 1024)))  # fmt: skip
+        regs = int(getattr(kern, "num_regs", 0) or 255)
+        static = int(getattr(kern, "shared_size_bytes", 0) or 8192)
+        # the scanning blocks' queries, or the conductor's merge of every block's best k
+        blocks = per_sm * sms
+        self.smem = max(POSITIONS * self.lds * 2, blocks * KMAX * 8)
+        if self.smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
+            kern.max_dynamic_shared_size_bytes = self.smem
+        fit = resident_blocks_per_sm(per_sm, regs, kernels.BLOCK, self.smem, static, limits)
+        if fit < 1:
+            raise RuntimeError(f"carousel_topk does not fit on an SM ({regs} registers, {self.smem + static} bytes)")
+        self.grid = fit * sms
+        self.scanners = self.grid - 1
+        self.stream = stream or cp.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self.dctl = cp.zeros(1 + 2 * POSITIONS, cp.uint32)
+            self.pinfo = cp.zeros(4 * POSITIONS, cp.int32)
+            self.pos_q = cp.zeros(POSITIONS * self.ld, cp.float16)
+            self.lists = cp.zeros(self.scanners * POSITIONS * _CAP, cp.uint64)
+            self.res = cp.zeros(POSITIONS * self.scanners * KMAX, cp.uint64)
+        self.ns = ns
+        self.sqnorm = sqnorm
+        self._hmm = mmap.mmap(-1, mmap.PAGESIZE)
+        self.hctl = np.frombuffer(self._hmm, np.uint32)
+        self._haddr = self.hctl.ctypes.data
+        cp.cuda.runtime.hostRegister(self._haddr, mmap.PAGESIZE, 3)
+        self.running = False
+
+    def args(self) -> tuple[Any, ...]:
+        """The kernel's arguments, in carousel_topk's order (tests/unit/test_carousel.py checks
+        them against the kernel's parameter list in recall.cu)."""
+        s = self.slots
+        return (self.data, np.int32(self.ld), np.int32(self.lds), np.int32(self.n_rows),
+                self.ns if self.ns is not None else np.uint64(0),
+                self.sqnorm if self.sqnorm is not None else np.uint64(0), np.int32(self.dim),
+                np.uint64(s.addr), np.int32(s.slot_bytes), np.int32(s.n), np.int32(s.rows_off),
+                np.int32(s.scores_off), np.int32(_HOST_MODE), np.uint64(self._haddr), self.dctl,
+                self.pinfo, self.pos_q, self.lists, self.res)  # fmt: skip
+
+    def start(self) -> None:
+        """Launch the kernel (it runs until :meth:`stop`)."""
+        self.hctl[:] = 0
+        with self.stream:
+            self.dctl.fill(0)
+            self.kernel((self.grid,), (kernels.BLOCK,), self.args(), shared_mem=self.smem)
+        self.running = True
+
+    @property
+    def answered(self) -> int:
+        """Answers the conductor has written since the launch."""
+        return int(self.hctl[2:4].view(np.uint64)[0])
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Tell the kernel to stop and wait for it, at most ``timeout`` s (requests still aboard
+        are abandoned: their slots stay TAKEN).
+
+        Raises:
+            TimeoutError: the kernel did not return: the device is stuck with it, and only the
+                process's exit frees it.
+        """
+        if not self.running:
+            return
+        self.hctl[0] = 1
+        end = time.monotonic() + timeout
+        while not self.stream.done:
+            if time.monotonic() > end:
+                raise TimeoutError(f"carousel_topk did not stop within {timeout} s")
+            time.sleep(0.0005)
+        self.stream.synchronize()  # (raises the kernel's error, if it had one)
+        self.running = False
+
+    def close(self) -> None:
+        self.stop()
+        if self._haddr:
+            self.cp.cuda.runtime.hostUnregister(self._haddr)
+            self._haddr = 0
+            del self.hctl
+            self._hmm.close()
+
+
+class Answer(NamedTuple):
+    """One request's outcome (:func:`drive`)."""
+
+    j: int  # the request's number
+    slot: int  # the slot (client) that sent it
+    state: int  # DONE or ERROR
+    sent_ns: int  # perf_counter_ns at its send
+    seen_ns: int  # perf_counter_ns when the driver saw the answer
+    aboard_ns: int  # the kernel's time from boarding to answer (GPU clock)
+    n: int  # results
+    rows: np.ndarray | None  # all k (None unless kept)
+    scores: np.ndarray | None
+
+
+def drive(slots: Slots, next_request: Callable[[int], tuple[np.ndarray, int, int] | None], *,
+          clients: int | None = None, until: float | None = None, return_ns: int = 0, timeout: float = 30.0,
+          keep: Callable[[int], bool] = lambda j: True) -> list[Answer]:  # fmt: skip
+    """Clients in one thread: each slot (the first ``clients``; all by default) is a client that
+    sends request j = 0, 1, 2, ...
+    (``next_request(j)``: query, k, namespace; None: no more) and, ``return_ns`` after each
+    answer, the next one. Ends when the requests are done (or ``until``, a perf_counter time,
+    has passed: no more sends) and every request sent has its answer.
+
+    Raises:
+        TimeoutError: a request had no answer ``timeout`` s after its send.
+    """
+    n = slots.n if clients is None else clients
+    if not 1 <= n <= slots.n:
+        raise ValueError(f"clients: 1 to {slots.n}, not {clients}")
+    sent = np.zeros(n, np.int64)
+    due = np.zeros(n, np.int64)
+    job = np.full(n, -1, np.int64)
+    words = slots.words[:n]
+    out: list[Answer] = []
+    j = 0
+    more = True
+    limit = int(timeout * 1e9)
+    while True:
+        now = time.perf_counter_ns()
+        inflight = job >= 0
+        st = words[:, W_STATE]
+        for i in np.flatnonzero(inflight & ((st == DONE) | (st == ERROR))):
+            w = words[i]
+            r = s = None
+            if keep(int(job[i])):
+                r, s = slots.result(i)
+            out.append(Answer(int(job[i]), int(i), int(w[W_STATE]), int(sent[i]), now, int(w[W_NS_ABOARD]),
+                              int(w[W_RESULTS]), r, s))  # fmt: skip
+            job[i] = -1
+            due[i] = now + return_ns
+        if until is not None and time.perf_counter() >= until:
+            more = False
+        idle = job < 0
+        if more:
+            for i in np.flatnonzero(idle & (due <= now)):
+                req = next_request(j)
+                if req is None:
+                    more = False
+                    break
+                q, k, ns = req
+                slots.send(int(i), q, k, ns, seq=j)
+                sent[i] = time.perf_counter_ns()
+                job[i] = j
+                j += 1
+        elif idle.all():
+            return out
+        late = (job >= 0) & (now - sent > limit)
+        if late.any():
+            raise TimeoutError(f"requests {sorted(job[late].tolist())} had no answer within {timeout} s "
+                               f"({len(out)} answered)")  # fmt: skip

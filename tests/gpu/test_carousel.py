@@ -1,0 +1,196 @@
+"""The carousel (``carousel_topk``, sidecar/carousel.py) on the GPU, in process, against a float64
+reference over the same float16 rows: a crowd of clients boarding and leaving a scan that
+never stops, odd sizes, every k up to KMAX, more clients than positions, namespaces,
+refusals, and a stop and a second launch.
+
+Fresh random data every run. The rows are float16 (the kernel's only type); the reference
+multiplies them, and the query as the kernel rounds it, in float64, so scores agree within
+1e-3 and rows up to ties at the k-th (``assert_topk_equal``). Every request's results area is
+poisoned before it is sent (``Slots.send``): an element the kernel did not write fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kalos_testing import as_float16_stored, assert_topk_equal
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+METRICS = {"cosine": 0, "ip": 1, "l2": 2}
+NS_ANY = -2
+
+
+class Rig:
+    """Random rows on the device (float16, as a GPU index stores them: normalized first for
+    cosine), slots, and the kernel running over them."""
+
+    def __init__(self, metric: str, dim: int, rows: int, n_slots: int = 40, ns: np.ndarray | None = None,
+                 seed: int | None = None) -> None:  # fmt: skip
+        import cupy as cp
+        from kalos_retrievers.sidecar.carousel import Carousel, Slots
+
+        self.cp, self.metric, self.dim = cp, metric, dim
+        rng = np.random.default_rng(seed)
+        self.rng = rng
+        raw = rng.standard_normal((rows, dim)).astype(np.float32)
+        self.stored = as_float16_stored(raw, metric)  # float64 of what the device holds
+        ld = -(-dim // 8) * 8
+        host = np.zeros((rows, ld), np.float16)
+        host[:, :dim] = self.stored
+        self.data = cp.asarray(host)
+        self.sqnorm = cp.asarray((raw.astype(np.float64) ** 2).sum(1).astype(np.float32))  # as GpuIndex: from float32
+        self.sqn = cp.asnumpy(self.sqnorm).astype(np.float64)
+        self.ns = ns
+        self.slots = Slots(cp, n_slots, dim)
+        self.car = Carousel(cp, self.data, dim, METRICS[metric], self.slots, sqnorm=self.sqnorm,
+                            ns=cp.asarray(ns, cp.int32) if ns is not None else None)  # fmt: skip
+        self.car.start()
+
+    def close(self) -> None:
+        self.car.close()
+        self.slots.close()
+
+    def reference(self, q: np.ndarray, k: int, ns: int = NS_ANY) -> tuple[list[int], np.ndarray]:
+        qq = as_float16_stored(q[None, :], self.metric)[0]
+        dot = self.stored @ qq
+        if self.metric == "l2":
+            qn2 = float((q.astype(np.float32).astype(np.float64) ** 2).sum())
+            s = -np.sqrt(np.maximum(qn2 + self.sqn - 2 * dot, 0))
+        else:
+            s = dot
+        if ns != NS_ANY:
+            s = np.where(self.ns == ns, s, -np.inf)
+        order = np.argsort(-s, kind="stable")[: min(k, int(np.isfinite(s).sum()))]
+        return order.tolist(), s[order]
+
+    def check(self, answers: list, requests: list, atol: float = 1e-3) -> None:
+        from kalos_retrievers.sidecar.carousel import DONE
+
+        assert sorted(a.j for a in answers) == list(range(len(requests)))
+        for a in answers:
+            q, k, ns = requests[a.j]
+            want, want_s = self.reference(q, k, ns)
+            ctx = f"request {a.j} k={k} ns={ns}"
+            assert a.state == DONE and a.n == len(want), (ctx, a.state, a.n, len(want))
+            assert_topk_equal(a.rows[: a.n].tolist(), a.scores[: a.n], want, want_s, atol=atol, context=ctx)
+            # the rest of the k written too: no result there
+            assert (a.rows[a.n :] == -1).all() and np.isneginf(a.scores[a.n :]).all(), ctx
+
+
+def _queries(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    return rng.standard_normal((n, dim)).astype(np.float32)
+
+
+CROWDS = [("cosine", 768, 20011), ("ip", 97, 5003), ("l2", 768, 100003), ("cosine", 3, 37)]
+
+
+@pytest.mark.parametrize(("metric", "dim", "rows"), CROWDS)
+def test_a_crowd_boarding_the_carousel_gets_exact_answers(metric: str, dim: int, rows: int) -> None:
+    from kalos_retrievers.sidecar.carousel import drive
+
+    rig = Rig(metric, dim, rows)
+    try:
+        n = 150 if rows > 50000 else 400
+        qs = _queries(rig.rng, n, dim)
+        ks = [(1, 10, 32, 7, 3)[j % 5] for j in range(n)]
+        requests = [(qs[j], min(ks[j], rows), NS_ANY) for j in range(n)]
+        # 40 clients for 32 positions (some wait in their slots), half of them coming back at once
+        answers = drive(rig.slots, lambda j: requests[j] if j < n else None, return_ns=30_000)
+        rig.check(answers, requests)
+        assert rig.car.answered == n
+        # a turn is at least one step of each block; at most a few ms on an H200 at these sizes
+        assert all(0 < a.aboard_ns < 50_000_000 for a in answers)
+    finally:
+        rig.close()
+
+
+def test_k_beyond_the_rows_and_one_client_alone() -> None:
+    from kalos_retrievers.sidecar.carousel import drive
+
+    rig = Rig("cosine", 96, 11, n_slots=1)
+    try:
+        qs = _queries(rig.rng, 20, 96)
+        requests = [(qs[j], 32 if j % 2 else 11, NS_ANY) for j in range(20)]
+        answers = drive(rig.slots, lambda j: requests[j] if j < 20 else None)
+        rig.check(answers, requests)
+    finally:
+        rig.close()
+
+
+def test_namespaces_give_the_true_top_k_among_their_rows() -> None:
+    from kalos_retrievers.sidecar.carousel import drive
+
+    rng = np.random.default_rng()
+    rows = 30011
+    ns = rng.integers(0, 3, rows).astype(np.int32)
+    ns[rng.choice(rows, 25, replace=False)] = 7  # a namespace with fewer rows than k
+    ns[rng.choice(rows, 500, replace=False)] = -1  # deleted rows: in no namespace
+    rig = Rig("ip", 129, rows, ns=ns)
+    try:
+        qs = _queries(rig.rng, 160, 129)
+        names = (1, NS_ANY, 7, 5, 0)  # 5: no row at all
+        requests = [(qs[j], (10, 32, 32, 4, 1)[j % 5], names[j % 5]) for j in range(160)]
+        answers = drive(rig.slots, lambda j: requests[j] if j < 160 else None)
+        rig.check(answers, requests)
+        # (NS_ANY takes deleted rows too: the sidecar passes NS_ANY only when its namespace
+        # covers every row without holes, as for the other kernels)
+        assert {a.n for a in answers if requests[a.j][2] == 5} == {0}
+        assert {a.n for a in answers if requests[a.j][2] == 7} == {25}
+    finally:
+        rig.close()
+
+
+def test_refused_requests_and_the_carousel_serves_on() -> None:
+    from kalos_retrievers.sidecar.carousel import DONE, ERROR, drive
+
+    rig = Rig("cosine", 64, 4099)
+    try:
+        qs = _queries(rig.rng, 30, 64)
+        bad = qs[3].copy()
+        bad[5] = np.nan
+        inf = qs[4].copy()
+        inf[0] = np.inf
+        requests = [(qs[j], 10, NS_ANY) for j in range(30)]
+        requests[1] = (qs[1], 0, NS_ANY)
+        requests[2] = (qs[2], 33, NS_ANY)
+        requests[3] = (bad, 10, NS_ANY)
+        requests[4] = (inf, 10, NS_ANY)
+        answers = drive(rig.slots, lambda j: requests[j] if j < 30 else None)
+        refused = sorted(a.j for a in answers if a.state == ERROR)
+        assert refused == [1, 2, 3, 4]
+        assert all(a.n == 0 for a in answers if a.state == ERROR)
+        good = [a for a in answers if a.state == DONE]
+        assert len(good) == 26
+        for a in good:
+            want, want_s = rig.reference(*requests[a.j])
+            assert_topk_equal(a.rows[: a.n].tolist(), a.scores[: a.n], want, want_s, atol=1e-3, context=str(a.j))
+    finally:
+        rig.close()
+
+
+def test_a_stop_returns_and_a_second_launch_serves_exactly() -> None:
+    import time
+
+    from kalos_retrievers.sidecar.carousel import DONE, REQUEST, TAKEN, drive
+
+    rig = Rig("l2", 200, 65537)
+    try:
+        qs = _queries(rig.rng, 64, 200)
+        first = [(qs[j], 10, NS_ANY) for j in range(32)]
+        rig.check(drive(rig.slots, lambda j: first[j] if j < 32 else None), first)
+        # a stop with requests aboard: the kernel returns; their slots stay TAKEN (abandoned)
+        for i in range(8):
+            rig.slots.send(i, qs[i], 10)
+        t0 = time.monotonic()
+        while (rig.slots.words[:8, 0] == REQUEST).any() and time.monotonic() - t0 < 5:
+            pass
+        rig.car.stop(timeout=10)
+        assert not rig.car.running
+        assert set(rig.slots.words[:8, 0].tolist()) <= {TAKEN, DONE}
+        rig.slots.words[:8, 0] = 0
+        rig.car.start()
+        second = [(qs[32 + j], 32, NS_ANY) for j in range(32)]
+        rig.check(drive(rig.slots, lambda j: second[j] if j < 32 else None), second)
+    finally:
+        rig.close()
