@@ -2840,10 +2840,11 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 #define CAR_KMAX 32                      // largest k (one result per lane of a warp)
 #endif
 #define CAR_STEP_ROWS (KALOS_BLOCK / 32 * 32)  // rows a block scores per step at most (MT = 2)
-#define CAR_CAP (2 * CAR_STEP_ROWS + CAR_KMAX)  // a list's room (u64 each)
+#define CAR_CAP (2 * CAR_STEP_ROWS + CAR_KMAX)  // a list's room (u64 each; a multiple of 32: car_best_regs)
 #ifndef KALOS_CAR_MINB
 #define KALOS_CAR_MINB 2
 #endif
+static_assert(CAR_CAP % 32 == 0 && CAR_KMAX <= 32, "car_best_regs holds a list in CAR_CAP / 32 words per lane");
 
 __device__ __forceinline__ u64 warp_max64(u64 x) {
     unsigned int hi = (unsigned int)(x >> 32);
@@ -2871,6 +2872,29 @@ __device__ u64 car_best(const u64* src, int n, int k, bool l2) {
             const u64 x = l2 ? __ldcg(src + i) : src[i];
             if (x < prev && x > best) best = x;
         }
+        best = warp_max64(best);
+        if (lane == r) mine = best;
+        if (best == 0ull) break;  // (warp-uniform) no more entries
+        prev = best;
+    }
+    return mine;
+}
+
+// car_best over a block's own list (n <= 32 * R), each lane's words held in registers: one pass
+// of loads, then k rounds of R compares and one warp max each. (Loaded again every round, a
+// list of ~512 words after a boarding's first steps took k rounds of 16 dependent loads per
+// lane, a few µs with the whole block waiting at the step's end.)
+template <int R>
+__device__ u64 car_best_regs(const u64* src, int n, int k) {
+    const int lane = threadIdx.x & 31;
+    u64 x[R];
+#pragma unroll
+    for (int j = 0; j < R; j++) x[j] = lane + 32 * j < n ? src[lane + 32 * j] : 0ull;
+    u64 prev = ~0ull, mine = 0ull;
+    for (int r = 0; r < k; r++) {
+        u64 best = 0ull;
+#pragma unroll
+        for (int j = 0; j < R; j++) best = (x[j] < prev && x[j] > best) ? x[j] : best;
         best = warp_max64(best);
         if (lane == r) mine = best;
         if (best == 0ull) break;  // (warp-uniform) no more entries
@@ -3208,7 +3232,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
             for (int q = warp; q < P; q += wpb) {
                 if (!((fin >> q) & 1u)) continue;
                 const int k = s_k[q], n = s_cnt[q];
-                const u64 best = car_best(mylists + (size_t)q * CAR_CAP, n, k, false);
+                const u64 best = car_best_regs<CAR_CAP / 32>(mylists + (size_t)q * CAR_CAP, n, k);
                 __syncwarp();
                 if (s_rem[q] == 0) {  // the turn is over: its best k for the conductor
                     if (lane < k) res[((size_t)q * G + b) * CAR_KMAX + lane] = best;
