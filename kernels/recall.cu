@@ -3024,7 +3024,11 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 const float* q = reinterpret_cast<const float*>(slot0 + (u64)s * slot_bytes + CAR_HEAD_BYTES);
                 const unsigned int k = hload(w + 1, mode);
                 const int qns = hload(reinterpret_cast<const int*>(w + 2), mode);
-                // the query: 4 floats a load, every load of the lane in flight before its use
+                // the query: 4 floats a load, every load of the lane in flight before its use,
+                // staged in this warp's part of the shared memory (the merges' scratch, free
+                // while boarding: 4 x dim bytes a warp, at most half of the 2 x 32 x lds bytes
+                // the host gives), then normalized for cosine and stored as halves
+                float* stage = reinterpret_cast<float*>(car_smem) + (size_t)warp * dim;
                 float part = 0.f;
                 for (int i = 4 * lane; i < dim; i += 128) {
                     float v[4];
@@ -3037,33 +3041,16 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                         for (int j = 0; j < 4; j++) v[j] = i + j < dim ? hload(q + i + j, mode) : 0.f;
                     }
 #pragma unroll
-                    for (int j = 0; j < 4; j++) part += v[j] * v[j];
-                    __half2* d = reinterpret_cast<__half2*>(pos_q + (size_t)p * ld + i);
-                    d[0] = __floats2half2_rn(v[0], v[1]);
-                    d[1] = __floats2half2_rn(v[2], v[3]);
-                }
-                for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-                const bool ok = k >= 1u && k <= (unsigned int)CAR_KMAX && isfinite(part);
-                if (ok && METRIC == METRIC_COSINE && part > 0.f) {
-                    // normalize: the halves again from the floats (read back from host memory
-                    // would be another round trip; scaling the halves would round twice)
-                    const float sc = rsqrtf(part);
-                    for (int i = 4 * lane; i < dim; i += 128) {
-                        float v[4];
-                        if (i + 3 < dim) {
-                            const uint4 u = hload4(q + i, mode);
-                            v[0] = __uint_as_float(u.x); v[1] = __uint_as_float(u.y);
-                            v[2] = __uint_as_float(u.z); v[3] = __uint_as_float(u.w);
-                        } else {
-#pragma unroll
-                            for (int j = 0; j < 4; j++) v[j] = i + j < dim ? hload(q + i + j, mode) : 0.f;
-                        }
-                        __half2* d = reinterpret_cast<__half2*>(pos_q + (size_t)p * ld + i);
-                        d[0] = __floats2half2_rn(v[0] * sc, v[1] * sc);
-                        d[1] = __floats2half2_rn(v[2] * sc, v[3] * sc);
+                    for (int j = 0; j < 4; j++) {
+                        part += v[j] * v[j];
+                        if (i + j < dim) stage[i + j] = v[j];
                     }
                 }
-                for (int i = dim + lane; i < ld; i += 32) pos_q[(size_t)p * ld + i] = __float2half(0.f);
+                for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+                __syncwarp();
+                const bool ok = k >= 1u && k <= (unsigned int)CAR_KMAX && isfinite(part);
+                const float sc = METRIC == METRIC_COSINE && part > 0.f ? rsqrtf(part) : 1.f;
+                for (int i = lane; i < ld; i += 32) pos_q[(size_t)p * ld + i] = __float2half(i < dim ? stage[i] * sc : 0.f);
                 if (!ok) {  // k out of range or a query that is not finite: refused at once
                     __syncwarp();
                     if (lane == 0) {
