@@ -2825,11 +2825,15 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 //   [4] results (out)   [5] seq (out)   [6] ns on the GPU from boarding to answer (out)
 //   float32 query[dim] at byte 32 (16-byte aligned); int32 rows[k] at rows_off, float32
 //   scores[k] at scores_off (best first; past the results: -1 and -inf).
+// A request is refused (CAR_ERROR, 0 results) when its k is outside [1, CAR_KMAX], its query is
+// not finite (or, for ip and L2, holds a value float16 cannot: |x| > 65504), or it names a
+// namespace and the launch has no namespace array.
 // hctl (host memory): [0] stop (the host sets it; the conductor then tells the blocks and every
 // block returns; positions in flight are abandoned, their slots left CAR_TAKEN), [2..3] the
-// number of answers (u64, written by the conductor).
+// number of answers (u64, written by the conductor), [4] how many scanning blocks have started
+// (the conductor's copy: the host checks that every block is resident).
 // dctl (device memory, zeroed before the launch): [0] stop seen, [1, 1 + P) gen, [1 + P, 1 + 2P)
-// done. pinfo (device, [P][4]): k, slot, namespace, |q|^2 bits.
+// done, [1 + 2P] scanning blocks started. pinfo (device, [P][4]): k, slot, namespace, |q|^2 bits.
 #define CAR_IDLE 0u
 #define CAR_REQUEST 1u
 #define CAR_TAKEN 2u
@@ -2927,16 +2931,21 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
         u64* scratch = reinterpret_cast<u64*>(car_smem);  // G * CAR_KMAX words for a merge
         __shared__ u64 s_wbest[KALOS_BLOCK / 32][32];
         __shared__ int s_slot[P], s_nreq;
-        __shared__ unsigned int s_busy, s_ready;
+        __shared__ unsigned int s_busy, s_ready, s_seq[P];
         __shared__ u64 s_t0[P];
         const int G = gridDim.x - 1;
         u64 answered = 0;
+        unsigned int rot = 0u, started = 0u;  // (warp 0's lane 0) where the slots' order starts; blocks seen started
         if (threadIdx.x == 0) s_busy = 0u;
         __syncthreads();
         for (;;) {
             // the stop word, finished positions, new requests: one round trip of PCIe for warp 0
             if (warp == 0) {
                 const unsigned int stop = lane == 0 ? hload(hctl, mode) : 0u;
+                if (lane == 0) {
+                    const unsigned int st = *reinterpret_cast<volatile unsigned int*>(dctl + 1 + 2 * P);
+                    if (st != started) { started = st; hstore(hctl + 4, st, mode); }
+                }
                 const unsigned int busy = s_busy;
                 const bool fin = lane < P && ((busy >> lane) & 1u) && done[lane] == (unsigned int)G;
                 const unsigned int ready = __ballot_sync(0xffffffffu, fin);
@@ -2950,20 +2959,22 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 if (lane == 0) {
                     s_stop = any_stop ? 1u : 0u;
                     s_ready = ready;
-                    // free positions: not busy, and not finishing now (freed after its answer)
+                    // free positions: not busy, and not finishing now (freed after its answer).
+                    // The slots are taken in order from `rot`, which moves on each round: from
+                    // slot 0 every time, slots 32-63 would wait while 0-31 kept the positions full.
                     unsigned int free_ = ~busy & (P == 32 ? 0xffffffffu : ((1u << P) - 1u));
+                    u64 req = ((u64)r1 << 32) | r0;
+                    req = rot ? (req >> rot) | (req << (64 - rot)) : req;  // bit i: slot (i + rot) % 64
                     int n = 0;
-                    for (int h = 0; h < 2 && free_; h++) {
-                        unsigned int r = h ? r1 : r0;
-                        while (r && free_) {
-                            const int s = __ffs(r) - 1 + 32 * h;
-                            const int p = __ffs(free_) - 1;
-                            r &= r - 1;
-                            free_ &= free_ - 1;
-                            s_slot[n++] = s | (p << 8);
-                        }
+                    while (req && free_) {
+                        const int s = (__ffsll((long long)req) - 1 + rot) & 63;
+                        const int p = __ffs(free_) - 1;
+                        req &= req - 1;
+                        free_ &= free_ - 1;
+                        s_slot[n++] = s | (p << 8);
                     }
                     s_nreq = n;
+                    rot = (rot + 7) & 63;
                 }
             }
             __syncthreads();
@@ -3001,7 +3012,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                     unsigned int* w = reinterpret_cast<unsigned int*>(sb);
                     if (lane == 0) {
                         hstore(w + 4, nres, mode);
-                        hstore(w + 5, hload(w + 3, mode), mode);
+                        hstore(w + 5, s_seq[p], mode);
                         hstore(w + 6, (unsigned int)(global_ns() - s_t0[p]), mode);
                     }
                     __threadfence_system();
@@ -3024,12 +3035,13 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 const float* q = reinterpret_cast<const float*>(slot0 + (u64)s * slot_bytes + CAR_HEAD_BYTES);
                 const unsigned int k = hload(w + 1, mode);
                 const int qns = hload(reinterpret_cast<const int*>(w + 2), mode);
+                const unsigned int seq = hload(w + 3, mode);
                 // the query: 4 floats a load, every load of the lane in flight before its use,
                 // staged in this warp's part of the shared memory (the merges' scratch, free
                 // while boarding: 4 x dim bytes a warp, at most half of the 2 x 32 x lds bytes
                 // the host gives), then normalized for cosine and stored as halves
                 float* stage = reinterpret_cast<float*>(car_smem) + (size_t)warp * dim;
-                float part = 0.f;
+                float part = 0.f, amax = 0.f;
                 for (int i = 4 * lane; i < dim; i += 128) {
                     float v[4];
                     if (i + 3 < dim) {
@@ -3043,19 +3055,24 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
 #pragma unroll
                     for (int j = 0; j < 4; j++) {
                         part += v[j] * v[j];
+                        amax = fmaxf(amax, fabsf(v[j]));
                         if (i + j < dim) stage[i + j] = v[j];
                     }
                 }
-                for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+                for (int o = 16; o > 0; o >>= 1) {
+                    part += __shfl_xor_sync(0xffffffffu, part, o);
+                    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                }
                 __syncwarp();
-                const bool ok = k >= 1u && k <= (unsigned int)CAR_KMAX && isfinite(part);
+                const bool ok = k >= 1u && k <= (unsigned int)CAR_KMAX && isfinite(part) &&
+                                (METRIC == METRIC_COSINE || amax <= 65504.f) && (ns != nullptr || qns == NS_ANY);
                 const float sc = METRIC == METRIC_COSINE && part > 0.f ? rsqrtf(part) : 1.f;
                 for (int i = lane; i < ld; i += 32) pos_q[(size_t)p * ld + i] = __float2half(i < dim ? stage[i] * sc : 0.f);
                 if (!ok) {  // k out of range or a query that is not finite: refused at once
                     __syncwarp();
                     if (lane == 0) {
                         hstore(w + 4, 0u, mode);
-                        hstore(w + 5, hload(w + 3, mode), mode);
+                        hstore(w + 5, seq, mode);
                         __threadfence_system();
                         hstore(w, CAR_ERROR, mode);
                     }
@@ -3068,6 +3085,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                     pinfo[4 * p + 3] = __float_as_int(METRIC == METRIC_COSINE && part > 0.f ? 1.f : part);
                     hstore(w, CAR_TAKEN, mode);
                     s_t0[p] = global_ns();
+                    s_seq[p] = seq;
                 }
                 __threadfence();  // the query and its words before gen
                 __syncwarp();
@@ -3089,6 +3107,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
     const int steps = max(1, (t_hi - t_lo + wpb - 1) / wpb);
     u64* mylists = lists + (size_t)b * P * CAR_CAP;
     if (threadIdx.x < P) { s_gen[threadIdx.x] = 0u; s_rem[threadIdx.x] = 0; s_cnt[threadIdx.x] = 0; }
+    if (threadIdx.x == 0) atomicAdd(dctl + 1 + 2 * P, 1u);  // started (see hctl[4])
     int step = 0;
     const int cpr = ld / 8;
     const uint4* rows16 = reinterpret_cast<const uint4*>(data);

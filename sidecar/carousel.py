@@ -36,7 +36,8 @@ IDLE: Final = 0
 REQUEST: Final = 1  # written by the client, after everything else
 TAKEN: Final = 2  # the conductor has the request
 DONE: Final = 3  # answered: results and words are in
-ERROR: Final = 4  # refused: k outside [1, KMAX] or a query that is not finite
+# refused: k outside [1, KMAX], a query not finite (or beyond float16 for ip / L2), a namespace without ns
+ERROR: Final = 4
 
 KMAX: Final = 32  # CAR_KMAX in recall.cu: the largest k
 HEAD: Final = 32  # CAR_HEAD_BYTES: the slot's words before the query
@@ -45,7 +46,7 @@ MAX_SLOTS: Final = 64  # the conductor polls up to 64 slots (two per lane of a w
 _NT: Final = 4
 _STEP_ROWS: Final = kernels.BLOCK // 32 * 32  # CAR_STEP_ROWS
 _CAP: Final = 2 * _STEP_ROWS + KMAX  # CAR_CAP: a block's list per position (u64 each)
-_HOST_MODE: Final = 7  # BELL_LDCV | BELL_STWT | BELL_FENCE: the resident kernel's default
+_HOST_MODE: Final = 3  # BELL_LDCV | BELL_STWT: host memory as the resident kernel touches it (its FENCE bit is its own)
 
 # slot words (u32): [0] state [1] k [2] namespace [3] seq; out: [4] results [5] seq [6] ns aboard
 W_STATE, W_K, W_NS, W_SEQ, W_RESULTS, W_RESP_SEQ, W_NS_ABOARD = range(7)
@@ -129,11 +130,13 @@ class Carousel:
     ``ns``: the rows' namespace ids (int32 on the device) for requests that name one; None when
     every request asks NS_ANY. ``sqnorm``: the rows' squared norms (float32), for ``metric`` 2
     (L2). The grid is every block the device can hold at once (all must be resident: the
-    blocks wait on each other), at most ``per_sm`` per SM; block 0 is the conductor.
+    blocks wait on each other), at most ``per_sm`` per SM and ``max_blocks`` in all (tests: few
+    blocks make long turns, whose lists are cut many times); block 0 is the conductor.
     """
 
     def __init__(self, cp: Any, data: Any, dim: int, metric: int, slots: Slots, *, ns: Any = None,
-                 sqnorm: Any = None, per_sm: int = 2, stream: Any = None) -> None:  # fmt: skip
+                 sqnorm: Any = None, per_sm: int = 2, max_blocks: int | None = None,
+                 stream: Any = None) -> None:  # fmt: skip
         if data.dtype != cp.float16 or data.ndim != 2 or data.shape[1] % 8 or data.shape[1] < dim:
             raise ValueError("data must be float16 [n_rows, ld] with ld a multiple of 8 and at least dim")
         if metric == 2 and sqnorm is None:
@@ -164,11 +167,13 @@ class Carousel:
         fit = resident_blocks_per_sm(per_sm, regs, kernels.BLOCK, self.smem, static, limits)
         if fit < 1:
             raise RuntimeError(f"carousel_topk does not fit on an SM ({regs} registers, {self.smem + static} bytes)")
-        self.grid = fit * sms
+        self.grid = fit * sms if max_blocks is None else min(fit * sms, max_blocks)
+        if self.grid < 2:
+            raise ValueError(f"the carousel needs a conductor and a scanning block, not a grid of {self.grid}")
         self.scanners = self.grid - 1
         self.stream = stream or cp.cuda.Stream(non_blocking=True)
         with self.stream:
-            self.dctl = cp.zeros(1 + 2 * POSITIONS, cp.uint32)
+            self.dctl = cp.zeros(2 + 2 * POSITIONS, cp.uint32)
             self.pinfo = cp.zeros(4 * POSITIONS, cp.int32)
             self.pos_q = cp.zeros(POSITIONS * self.ld, cp.float16)
             self.lists = cp.zeros(self.scanners * POSITIONS * _CAP, cp.uint64)
@@ -192,13 +197,29 @@ class Carousel:
                 np.int32(s.scores_off), np.int32(_HOST_MODE), np.uint64(self._haddr), self.dctl,
                 self.pinfo, self.pos_q, self.lists, self.res)  # fmt: skip
 
-    def start(self) -> None:
-        """Launch the kernel (it runs until :meth:`stop`)."""
+    def start(self, timeout: float = 5.0) -> None:
+        """Launch the kernel (it runs until :meth:`stop`) behind the work queued so far on the
+        current stream (the rows' and namespaces' copies), and wait until every scanning block
+        has started: a block that is not resident would never finish a turn.
+
+        Raises:
+            RuntimeError: not every block started within ``timeout`` s (the kernel is stopped).
+        """
+        cp = self.cp
         self.hctl[:] = 0
+        self.stream.wait_event(cp.cuda.get_current_stream().record())
         with self.stream:
             self.dctl.fill(0)
             self.kernel((self.grid,), (kernels.BLOCK,), self.args(), shared_mem=self.smem)
         self.running = True
+        end = time.monotonic() + timeout
+        while int(self.hctl[4]) != self.scanners:
+            if time.monotonic() > end:
+                started = int(self.hctl[4])
+                self.stop()
+                raise RuntimeError(f"only {started} of the carousel's {self.scanners} scanning blocks started: "
+                                   "they must all be resident at once")  # fmt: skip
+            time.sleep(0.0001)
 
     @property
     def answered(self) -> int:
@@ -276,6 +297,8 @@ def drive(slots: Slots, next_request: Callable[[int], tuple[np.ndarray, int, int
         st = words[:, W_STATE]
         for i in np.flatnonzero(inflight & ((st == DONE) | (st == ERROR))):
             w = words[i]
+            if int(w[W_RESP_SEQ]) != int(job[i]) & 0xFFFFFFFF:
+                raise RuntimeError(f"slot {i}: an answer for request {int(w[W_RESP_SEQ])}, not {int(job[i])}")
             r = s = None
             if keep(int(job[i])):
                 r, s = slots.result(i)

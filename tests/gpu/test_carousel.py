@@ -26,14 +26,15 @@ class Rig:
     cosine), slots, and the kernel running over them."""
 
     def __init__(self, metric: str, dim: int, rows: int, n_slots: int = 40, ns: np.ndarray | None = None,
-                 seed: int | None = None) -> None:  # fmt: skip
+                 raw: np.ndarray | None = None, max_blocks: int | None = None) -> None:  # fmt: skip
         import cupy as cp
         from kalos_retrievers.sidecar.carousel import Carousel, Slots
 
         self.cp, self.metric, self.dim = cp, metric, dim
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng()
         self.rng = rng
-        raw = rng.standard_normal((rows, dim)).astype(np.float32)
+        if raw is None:
+            raw = rng.standard_normal((rows, dim)).astype(np.float32)
         self.stored = as_float16_stored(raw, metric)  # float64 of what the device holds
         ld = -(-dim // 8) * 8
         host = np.zeros((rows, ld), np.float16)
@@ -44,7 +45,7 @@ class Rig:
         self.ns = ns
         self.slots = Slots(cp, n_slots, dim)
         self.car = Carousel(cp, self.data, dim, METRICS[metric], self.slots, sqnorm=self.sqnorm,
-                            ns=cp.asarray(ns, cp.int32) if ns is not None else None)  # fmt: skip
+                            ns=cp.asarray(ns, cp.int32) if ns is not None else None, max_blocks=max_blocks)  # fmt: skip
         self.car.start()
 
     def close(self) -> None:
@@ -98,9 +99,60 @@ def test_a_crowd_boarding_the_carousel_gets_exact_answers(metric: str, dim: int,
         # 40 clients for 32 positions (some wait in their slots), half of them coming back at once
         answers = drive(rig.slots, lambda j: requests[j] if j < n else None, return_ns=30_000)
         rig.check(answers, requests)
-        assert rig.car.answered == n
+        _answered(rig, n)
         # a turn is at least one step of each block; at most a few ms on an H200 at these sizes
         assert all(0 < a.aboard_ns < 50_000_000 for a in answers)
+    finally:
+        rig.close()
+
+
+def _answered(rig: Rig, n: int) -> None:
+    """The conductor's count of answers reaches n (it is written just after each answer's state)."""
+    import time
+
+    end = time.monotonic() + 1
+    while rig.car.answered < n and time.monotonic() < end:
+        pass
+    assert rig.car.answered == n
+
+
+@pytest.mark.parametrize(("metric", "max_blocks"), [("cosine", 9), ("l2", 3)])
+def test_long_turns_cut_their_lists_and_stay_exact(metric: str, max_blocks: int) -> None:
+    """Few blocks over 100k rows: turns of ~50-400 steps, so every position's list is cut to
+    its best k many times (its threshold raised each time), and queries board at every step
+    of a turn. (With the whole grid, a block's turn at these sizes is 1-2 steps: no cut.)"""
+    from kalos_retrievers.sidecar.carousel import drive
+
+    rig = Rig(metric, 96, 100_003, max_blocks=max_blocks)
+    try:
+        n = 120
+        qs = _queries(rig.rng, n, 96)
+        requests = [(qs[j], (32, 1, 10, 17)[j % 4], NS_ANY) for j in range(n)]
+        answers = drive(rig.slots, lambda j: requests[j] if j < n else None, return_ns=100_000, timeout=60)
+        rig.check(answers, requests)
+    finally:
+        rig.close()
+
+
+def test_tied_rows_across_blocks_come_back_smallest_row_first() -> None:
+    """Copies of one row spread over the blocks' ranges score exactly alike; the answer takes
+    the k with the smallest row numbers, in that order (score descending, then row: the other
+    paths' order), including when k cuts the copies."""
+    from kalos_retrievers.sidecar.carousel import drive
+
+    rows, dim = 50_021, 64
+    raw = np.random.default_rng().standard_normal((rows, dim)).astype(np.float32)
+    copies = [7, 4096, 12_345, 20_000, 33_333, 49_999]
+    raw[copies] = raw[7]
+    rig = Rig("cosine", dim, rows, raw=raw, max_blocks=7)
+    try:
+        requests = [(raw[7], k, NS_ANY) for k in (1, 3, 6, 8)]
+        answers = drive(rig.slots, lambda j: requests[j] if j < len(requests) else None)
+        for a in sorted(answers, key=lambda a: a.j):
+            k = requests[a.j][1]
+            assert a.rows[: min(k, 6)].tolist() == copies[: min(k, 6)], (k, a.rows)
+            assert len(set(a.scores[: min(k, 6)].tolist())) == 1
+        rig.check(answers, requests)
     finally:
         rig.close()
 
@@ -124,8 +176,9 @@ def test_namespaces_give_the_true_top_k_among_their_rows() -> None:
     rng = np.random.default_rng()
     rows = 30011
     ns = rng.integers(0, 3, rows).astype(np.int32)
-    ns[rng.choice(rows, 25, replace=False)] = 7  # a namespace with fewer rows than k
-    ns[rng.choice(rows, 500, replace=False)] = -1  # deleted rows: in no namespace
+    perm = rng.permutation(rows)
+    ns[perm[:25]] = 7  # a namespace with fewer rows than k
+    ns[perm[25:525]] = -1  # deleted rows: in no namespace
     rig = Rig("ip", 129, rows, ns=ns)
     try:
         qs = _queries(rig.rng, 160, 129)
@@ -156,12 +209,15 @@ def test_refused_requests_and_the_carousel_serves_on() -> None:
         requests[2] = (qs[2], 33, NS_ANY)
         requests[3] = (bad, 10, NS_ANY)
         requests[4] = (inf, 10, NS_ANY)
+        requests[5] = (qs[5], 10, 3)  # a namespace, and the launch has no namespace array
+        big = qs[6] * 1e6  # cosine: normalized before it is rounded to float16, so it is served
+        requests[6] = (big, 10, NS_ANY)
         answers = drive(rig.slots, lambda j: requests[j] if j < 30 else None)
         refused = sorted(a.j for a in answers if a.state == ERROR)
-        assert refused == [1, 2, 3, 4]
+        assert refused == [1, 2, 3, 4, 5]
         assert all(a.n == 0 for a in answers if a.state == ERROR)
         good = [a for a in answers if a.state == DONE]
-        assert len(good) == 26
+        assert len(good) == 25
         for a in good:
             want, want_s = rig.reference(*requests[a.j])
             assert_topk_equal(a.rows[: a.n].tolist(), a.scores[: a.n], want, want_s, atol=1e-3, context=str(a.j))
@@ -192,5 +248,22 @@ def test_a_stop_returns_and_a_second_launch_serves_exactly() -> None:
         rig.car.start()
         second = [(qs[32 + j], 32, NS_ANY) for j in range(32)]
         rig.check(drive(rig.slots, lambda j: second[j] if j < 32 else None), second)
+    finally:
+        rig.close()
+
+
+def test_inner_product_refuses_a_query_float16_cannot_hold() -> None:
+    from kalos_retrievers.sidecar.carousel import DONE, ERROR, drive
+
+    rig = Rig("ip", 40, 3001)
+    try:
+        q = _queries(rig.rng, 2, 40)
+        big = q[0].copy()
+        big[3] = 70_000.0  # above float16's largest, 65504
+        requests = [(big, 5, NS_ANY), (q[1] * 1000, 5, NS_ANY)]
+        answers = sorted(drive(rig.slots, lambda j: requests[j] if j < 2 else None), key=lambda a: a.j)
+        assert [a.state for a in answers] == [ERROR, DONE]
+        want, want_s = rig.reference(*requests[1])
+        assert_topk_equal(answers[1].rows[:5].tolist(), answers[1].scores[:5], want, want_s, atol=0.5, context="x1000")
     finally:
         rig.close()

@@ -5,6 +5,7 @@ does. What the kernel computes is for the GPU tests (tests/gpu/test_carousel.py)
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import re
 import threading
@@ -76,7 +77,7 @@ class FakeCupy:
             },  # fmt: skip
         )
         self.cuda = SimpleNamespace(runtime=runtime, Device=lambda: SimpleNamespace(id=0),
-                                    Stream=lambda non_blocking=True: _Stream())  # fmt: skip
+                                    Stream=lambda non_blocking=True: _Stream(), get_current_stream=_Stream)  # fmt: skip
 
     @staticmethod
     def zeros(shape: Any, dtype: Any) -> DevArray:
@@ -95,11 +96,30 @@ class _Stream:
     def synchronize(self) -> None:
         return None
 
+    def record(self) -> object:
+        return self
+
+    def wait_event(self, event: object) -> None:
+        self.waited = event
+
+
+class CarouselKernel(FakeKernel):
+    """The launch checked, and then ``started`` of its scanning blocks reported started, as the
+    conductor does (hctl[4], host memory)."""
+
+    started: int | None = None  # None: all of them
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        super().__call__(grid, block, args, shared_mem)
+        hctl = dict(zip(_param_names("carousel_topk"), args, strict=True))["hctl"]
+        words = np.ctypeslib.as_array((ctypes.c_uint32 * 8).from_address(int(hctl)))
+        words[4] = grid[0] - 1 if self.started is None else self.started
+
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeCupy, list]:
     log: list = []
-    kern = FakeKernel("carousel_topk", log)
+    kern = CarouselKernel("carousel_topk", log)
     kern.num_regs = 112  # what ptxas reports for sm_90 (nvcc -Xptxas -v)
     monkeypatch.setattr(cuda_kernels, "compile_kernels", lambda names: None)
     monkeypatch.setattr(cuda_kernels, "get_kernel", lambda name, *t: kern)
@@ -131,6 +151,25 @@ def test_the_launch_matches_the_kernels_parameters(fake: tuple[FakeCupy, list], 
     car.close()
     slots.close()
     assert cp.registered == {}
+
+
+def test_a_launch_with_a_block_not_resident_fails(fake: tuple[FakeCupy, list], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One scanning block short (it waits for room behind blocks that never end): start()
+    stops the kernel and says so; the control is the test above, where all of them start."""
+    cp, _ = fake
+    monkeypatch.setattr(CarouselKernel, "started", 262)
+    slots = Slots(cp, 2, 8)
+    car = Carousel(cp, dev(np.zeros((100, 8), np.float16)), 8, 1, slots)
+    with pytest.raises(RuntimeError, match="only 262 of the carousel's 263 scanning blocks started"):
+        car.start(timeout=0.05)
+    assert car.hctl[0] == 1 and not car.running  # told to stop
+    car.close()
+    slots.close()
+    # a capped grid (tests' long turns) and its floor
+    car = Carousel(cp, dev(np.zeros((100, 8), np.float16)), 8, 1, Slots(cp, 2, 8), max_blocks=9)
+    assert car.grid == 9 and car.scanners == 8
+    with pytest.raises(ValueError, match="a grid of 1"):
+        Carousel(cp, dev(np.zeros((100, 8), np.float16)), 8, 1, Slots(cp, 2, 8), max_blocks=1)
 
 
 def test_the_launch_refuses_what_the_kernel_cannot_take(fake: tuple[FakeCupy, list]) -> None:
@@ -180,6 +219,7 @@ class Conductor(threading.Thread):
         self.slots, self.data = slots, data
         self.stop = threading.Event()
         self.pause = threading.Event()
+        self.wrong_seq = False
 
     def run(self) -> None:
         s = self.slots
@@ -199,7 +239,7 @@ class Conductor(threading.Thread):
                 top = np.argsort(-sc, kind="stable")[:k]
                 s.rows[i, :k] = top
                 s.scores[i, :k] = sc[top]
-                w[4], w[5], w[6] = len(top), w[3], 1000
+                w[4], w[5], w[6] = len(top), w[3] + self.wrong_seq, 1000
                 w[0] = DONE
             time.sleep(0.0001)
 
@@ -250,6 +290,12 @@ def test_drive_fails_a_request_that_has_no_answer_in_time(fake: tuple[FakeCupy, 
         cond.pause.set()
         with pytest.raises(TimeoutError, match=r"no answer within 0\.2 s"):
             drive(slots, lambda j: (data[0], 1, NS_ANY) if j < 3 else None, timeout=0.2)
+        # an answer that echoes another request's seq is not taken for this one's
+        slots.words[:, 0] = 0
+        cond.wrong_seq = True
+        cond.pause.clear()
+        with pytest.raises(RuntimeError, match="an answer for request"):
+            drive(slots, lambda j: (data[0], 1, NS_ANY) if j < 3 else None, timeout=2)
     finally:
         cond.stop.set()
         cond.join()
