@@ -2789,14 +2789,13 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // after one full turn from its boarding, so a client's cycle is one pass plus its own return.
 // Session 28's sweep (the same idea driven by the host's loop, 4 row ranges) lost: its queries
 // boarded only at range boundaries and each range was a launch from Python. Here nothing of
-// the host is on the path: block 0 takes requests from the slots and answers them, every other
-// block boards them at its own next step.
+// the host is on the path: block 0 takes requests from the slots, every other block boards them
+// at its own next step, and the last of them to finish a query's turn answers it.
 //
 // Blocks. Block 0 is the conductor: it polls the request slots (host memory, mapped) for
-// state CAR_REQUEST, installs each in a free position (its query as halves, normalized for
-// cosine, in pos_q; its k, slot and namespace in pinfo; then gen[p] + 1), and when every other
-// block has finished with a position (done[p]), merges their lists and writes rows, scores and
-// state CAR_DONE into the slot. Blocks 1 .. G own fixed, contiguous ranges of the rows in tiles
+// state CAR_REQUEST and installs each in a free position (its query as halves, normalized for
+// cosine, in pos_q; its k, slot, namespace, seq and boarding time in pinfo; then gen[p] + 1),
+// and frees a position once it is answered. Blocks 1 .. G own fixed, contiguous ranges of the rows in tiles
 // of 16 * MT rows and go round their range a step at a time (each warp one tile per step). At a
 // step's start a block boards every position whose gen has moved (loads its query into shared
 // memory) and gives it the whole turn: `steps` steps, after which it has scored every row of
@@ -2808,19 +2807,25 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // shared memory: the k-th best the list has held (-inf at boarding). A row scoring at or above
 // the threshold is appended. After a step a list that might not hold one more step's rows
 // (CAR_CAP - CAR_STEP_ROWS) is cut to its best k by one warp, which raises the threshold; at
-// the end of the turn the list's best k go to res[p][block]. A block's best k over its range
-// hold the global top-k's members from that range, so the conductor's top-k of every block's
-// best k is exact (ties: any k of the tied, as the other paths).
+// the end of the turn the list's best k go to res (for p: [G][k], dense) and the block adds 1 to
+// done[p]; the block that brings it to G merges every block's best k (car_answer) and writes
+// rows, scores, words and state CAR_DONE into the slot. A block's best k over its range hold
+// the global top-k's members from that range, so the top-k of every block's best k is exact
+// (ties: the smaller row first, as the other paths). The merges are spread over the blocks
+// (~1 in G answers each), where the conductor merging them all, one after the other, would
+// have spent a quarter to a third of its time on them at 50k answers/s (session 34's review).
 //
 // Memory order. The conductor writes pos_q and pinfo, fences, then bumps gen[p] (atomic); a
 // block reads gen (volatile), fences, then reads pos_q and pinfo through L2 (__ldcg: L1 may
 // hold the position's previous query). A block writes res, fences, then adds to done[p]; the
-// conductor reads done (volatile), fences, reads res through L2. gen[p] moves only when every
-// block has finished the position's previous query, so each block boards every query once.
+// block whose add makes G fences, then reads res through L2, answers, and sets done[p] = G + 1
+// after its last read of the position's data; the conductor then sets done[p] = 0, fences, and
+// may install the next query there. gen[p] moves only when every block has finished the
+// position's previous query, so each block boards every query once.
 //
 // Slot (host memory, slot_bytes apart from slot0; little endian u32 words):
 //   [0] state: CAR_REQUEST (the client, after everything else) -> CAR_TAKEN (conductor) ->
-//       CAR_DONE or CAR_ERROR (conductor, after the results and words below)
+//       CAR_DONE (the answering block) or CAR_ERROR (conductor), after the results and words below
 //   [1] k   [2] namespace id (NS_ANY: every row)   [3] seq (echoed into [5])
 //   [4] results (out)   [5] seq (out)   [6] ns on the GPU from boarding to answer (out)
 //   float32 query[dim] at byte 32 (16-byte aligned); int32 rows[k] at rows_off, float32
@@ -2830,16 +2835,19 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // namespace and the launch has no namespace array.
 // hctl (host memory): [0] stop (the host sets it; the conductor then tells the blocks and every
 // block returns; positions in flight are abandoned, their slots left CAR_TAKEN), [2..3] the
-// number of answers (u64, written by the conductor), [4] how many scanning blocks have started
-// (the conductor's copy: the host checks that every block is resident).
+// number of answers (u64, written by the conductor as it frees their positions), [4] how many
+// scanning blocks have started (the conductor's copy: the host checks that every block is
+// resident).
 // dctl (device memory, zeroed before the launch): [0] stop seen, [1, 1 + P) gen, [1 + P, 1 + 2P)
-// done, [1 + 2P] scanning blocks started. pinfo (device, [P][4]): k, slot, namespace, |q|^2 bits.
+// done, [1 + 2P] scanning blocks started. pinfo (device, [P][CAR_PINFO] ints): k, slot,
+// namespace, |q|^2 bits, seq, boarding time (GPU clock, two words).
 #define CAR_IDLE 0u
 #define CAR_REQUEST 1u
 #define CAR_TAKEN 2u
 #define CAR_DONE 3u
 #define CAR_ERROR 4u
 #define CAR_HEAD_BYTES 32
+#define CAR_PINFO 8                      // ints per position in pinfo
 #ifndef CAR_KMAX
 #define CAR_KMAX 32                      // largest k (one result per lane of a warp)
 #endif
@@ -2907,6 +2915,48 @@ __device__ u64 car_best_regs(const u64* src, int n, int k) {
     return mine;
 }
 
+// The answer to position q, by the block that finished its turn last (all threads of the block
+// call it): each warp the best k of its share of the blocks' lists (res, [G][k] for q, read
+// through L2), warp 0 the best k of those, written into the request's slot with its words and,
+// last, the state CAR_DONE; then done_q = G + 1 tells the conductor the position is free.
+__device__ void car_answer(int q, int k, int G, const u64* res, const int* pinfo, unsigned int* done_q,
+                           u64 slot0, int slot_bytes, int rows_off, int scores_off, int mode, u64 (*wbest)[32]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
+    const int n = G * k;
+    const int per = (n + wpb - 1) / wpb;
+    const int lo = min(n, warp * per), hi = min(n, lo + per);
+    wbest[warp][lane] = car_best(res + (size_t)q * G * CAR_KMAX + lo, hi - lo, k, true);
+    __syncthreads();
+    if (warp == 0) {
+        const u64 best = car_best(&wbest[0][0], 32 * wpb, k, false);
+        const int* pi = pinfo + CAR_PINFO * q;
+        const int slot = __ldcg(pi + 1);
+        const unsigned int seq = (unsigned int)__ldcg(pi + 4);
+        const u64 t0 = (u64)(unsigned int)__ldcg(pi + 5) | ((u64)(unsigned int)__ldcg(pi + 6) << 32);
+        unsigned char* sb = reinterpret_cast<unsigned char*>(slot0 + (u64)slot * slot_bytes);
+        unsigned int* w = reinterpret_cast<unsigned int*>(sb);
+        const unsigned int nres = __popc(__ballot_sync(0xffffffffu, lane < k && best != 0ull));
+        if (lane < k) {
+            hstore(reinterpret_cast<int*>(sb + rows_off) + lane, best ? sel_pack_val(best) : -1, mode);
+            hstore(reinterpret_cast<unsigned int*>(sb + scores_off) + lane,
+                   __float_as_uint(best ? sel_pack_key(best) : neg_inf()), mode);
+        }
+        if (lane == 0) {
+            hstore(w + 4, nres, mode);
+            hstore(w + 5, seq, mode);
+            hstore(w + 6, (unsigned int)(global_ns() - t0), mode);
+        }
+        __threadfence_system();
+        __syncwarp();
+        if (lane == 0) {
+            hstore(w, CAR_DONE, mode);  // last
+            __threadfence();
+            atomicExch(done_q, (unsigned int)G + 1u);  // every read of q's data is done: free it
+        }
+    }
+    __syncthreads();  // wbest free for the next merge
+}
+
 template <int NT, int METRIC>
 __global__ void __launch_bounds__(KALOS_BLOCK, KALOS_CAR_MINB)
 carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const int* __restrict__ ns,
@@ -2920,26 +2970,25 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
     __shared__ float s_thr[P], s_qn2[P];
     __shared__ int s_cnt[P], s_rem[P], s_k[P], s_ns[P];
     __shared__ unsigned int s_gen[P];
-    __shared__ unsigned int s_join, s_act, s_stop, s_fin;
+    __shared__ unsigned int s_join, s_act, s_stop, s_fin, s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wpb = blockDim.x >> 5;
     volatile unsigned int* gen = dctl + 1;
     volatile unsigned int* done = dctl + 1 + P;
 
+    __shared__ u64 s_wbest[KALOS_BLOCK / 32][32];  // a merge's best k of each warp's share
+
     if (blockIdx.x == 0) {
         // ---------------------------------------------------------------- the conductor
-        u64* scratch = reinterpret_cast<u64*>(car_smem);  // G * CAR_KMAX words for a merge
-        __shared__ u64 s_wbest[KALOS_BLOCK / 32][32];
         __shared__ int s_slot[P], s_nreq;
-        __shared__ unsigned int s_busy, s_ready, s_seq[P];
-        __shared__ u64 s_t0[P];
+        __shared__ unsigned int s_busy;
         const int G = gridDim.x - 1;
         u64 answered = 0;
         unsigned int rot = 0u, started = 0u;  // (warp 0's lane 0) where the slots' order starts; blocks seen started
         if (threadIdx.x == 0) s_busy = 0u;
         __syncthreads();
         for (;;) {
-            // the stop word, finished positions, new requests: one round trip of PCIe for warp 0
+            // the stop word, answered positions, new requests: one round trip of PCIe for warp 0
             if (warp == 0) {
                 const unsigned int stop = lane == 0 ? hload(hctl, mode) : 0u;
                 if (lane == 0) {
@@ -2947,8 +2996,11 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                     if (st != started) { started = st; hstore(hctl + 4, st, mode); }
                 }
                 const unsigned int busy = s_busy;
-                const bool fin = lane < P && ((busy >> lane) & 1u) && done[lane] == (unsigned int)G;
-                const unsigned int ready = __ballot_sync(0xffffffffu, fin);
+                // a position the last of its blocks has answered (done = G + 1) is free again
+                const bool ans = lane < P && ((busy >> lane) & 1u) && done[lane] == (unsigned int)G + 1u;
+                const unsigned int freed = __ballot_sync(0xffffffffu, ans);
+                if (ans) done[lane] = 0u;
+                __threadfence();  // (done reset before the position's next gen)
                 // requests: up to 64 slots, two per lane, both loads in flight
                 unsigned int st0 = 0u, st1 = 0u;
                 if (lane < n_slots) st0 = hload(reinterpret_cast<const unsigned int*>(slot0 + (u64)lane * slot_bytes), mode);
@@ -2958,11 +3010,15 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 const unsigned int any_stop = __ballot_sync(0xffffffffu, stop != 0u);
                 if (lane == 0) {
                     s_stop = any_stop ? 1u : 0u;
-                    s_ready = ready;
-                    // free positions: not busy, and not finishing now (freed after its answer).
-                    // The slots are taken in order from `rot`, which moves on each round: from
-                    // slot 0 every time, slots 32-63 would wait while 0-31 kept the positions full.
-                    unsigned int free_ = ~busy & (P == 32 ? 0xffffffffu : ((1u << P) - 1u));
+                    if (freed) {
+                        answered += __popc(freed);
+                        hstore(reinterpret_cast<u64*>(hctl + 2), answered, mode);
+                    }
+                    // free positions. The slots are taken in order from `rot`, which moves on
+                    // each round: from slot 0 every time, slots 32-63 would wait while 0-31
+                    // kept the positions full.
+                    const unsigned int now_busy = busy & ~freed;
+                    unsigned int free_ = ~now_busy & (P == 32 ? 0xffffffffu : ((1u << P) - 1u));
                     u64 req = ((u64)r1 << 32) | r0;
                     req = rot ? (req >> rot) | (req << (64 - rot)) : req;  // bit i: slot (i + rot) % 64
                     int n = 0;
@@ -2974,6 +3030,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                         s_slot[n++] = s | (p << 8);
                     }
                     s_nreq = n;
+                    s_busy = now_busy;
                     rot = (rot + 7) & 63;
                 }
             }
@@ -2981,51 +3038,6 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
             if (s_stop) {
                 if (threadIdx.x == 0) { atomicExch(dctl, 1u); __threadfence(); }
                 return;
-            }
-            // answer every finished position: each block's best k, merged
-            for (unsigned int ready = s_ready; ready; ready &= ready - 1) {
-                const int p = __ffs(ready) - 1;
-                __threadfence();  // done[p] seen before the blocks' lists are read
-                const int k = __ldcg(pinfo + 4 * p), slot = __ldcg(pinfo + 4 * p + 1);
-                const int n = G * k;
-                const u64* src = res + (size_t)p * G * CAR_KMAX;
-                for (int i = threadIdx.x; i < n; i += blockDim.x) {
-                    const int b = i / k, j = i - b * k;
-                    scratch[i] = __ldcg(src + (size_t)b * CAR_KMAX + j);
-                }
-                __syncthreads();
-                // each warp its share's best k, then warp 0 the best k of those
-                const int per = (n + wpb - 1) / wpb;
-                const int lo = min(n, warp * per), hi = min(n, lo + per);
-                s_wbest[warp][lane] = car_best(scratch + lo, hi - lo, k, false);
-                __syncthreads();
-                if (warp == 0) {
-                    const u64 best = car_best(&s_wbest[0][0], 32 * wpb, k, false);
-                    unsigned char* sb = reinterpret_cast<unsigned char*>(slot0 + (u64)slot * slot_bytes);
-                    const unsigned int nres = __popc(__ballot_sync(0xffffffffu, lane < k && best != 0ull));
-                    if (lane < k) {
-                        hstore(reinterpret_cast<int*>(sb + rows_off) + lane,
-                               best ? sel_pack_val(best) : -1, mode);
-                        hstore(reinterpret_cast<unsigned int*>(sb + scores_off) + lane,
-                               __float_as_uint(best ? sel_pack_key(best) : neg_inf()), mode);
-                    }
-                    unsigned int* w = reinterpret_cast<unsigned int*>(sb);
-                    if (lane == 0) {
-                        hstore(w + 4, nres, mode);
-                        hstore(w + 5, s_seq[p], mode);
-                        hstore(w + 6, (unsigned int)(global_ns() - s_t0[p]), mode);
-                    }
-                    __threadfence_system();
-                    __syncwarp();
-                    if (lane == 0) {
-                        hstore(w, CAR_DONE, mode);  // last
-                        answered++;
-                        hstore(reinterpret_cast<u64*>(hctl + 2), answered, mode);
-                        done[p] = 0u;  // (every block has added to it; none will before gen moves)
-                        s_busy &= ~(1u << p);
-                    }
-                }
-                __syncthreads();
             }
             // board the new requests: warp w takes requests w, w + wpb, ...
             const int nreq = s_nreq;
@@ -3079,13 +3091,16 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                     continue;
                 }
                 if (lane == 0) {
-                    pinfo[4 * p] = (int)k;
-                    pinfo[4 * p + 1] = s;
-                    pinfo[4 * p + 2] = qns;
-                    pinfo[4 * p + 3] = __float_as_int(METRIC == METRIC_COSINE && part > 0.f ? 1.f : part);
+                    const u64 t0 = global_ns();
+                    int* pi = pinfo + CAR_PINFO * p;
+                    pi[0] = (int)k;
+                    pi[1] = s;
+                    pi[2] = qns;
+                    pi[3] = __float_as_int(METRIC == METRIC_COSINE && part > 0.f ? 1.f : part);
+                    pi[4] = (int)seq;
+                    pi[5] = (int)(unsigned int)t0;
+                    pi[6] = (int)(unsigned int)(t0 >> 32);
                     hstore(w, CAR_TAKEN, mode);
-                    s_t0[p] = global_ns();
-                    s_seq[p] = seq;
                 }
                 __threadfence();  // the query and its words before gen
                 __syncwarp();
@@ -3126,9 +3141,9 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                     s_rem[lane] = steps;
                     s_cnt[lane] = 0;
                     s_thr[lane] = neg_inf();
-                    s_k[lane] = __ldcg(pinfo + 4 * lane);
-                    s_ns[lane] = __ldcg(pinfo + 4 * lane + 2);
-                    s_qn2[lane] = __int_as_float(__ldcg(pinfo + 4 * lane + 3));
+                    s_k[lane] = __ldcg(pinfo + CAR_PINFO * lane);
+                    s_ns[lane] = __ldcg(pinfo + CAR_PINFO * lane + 2);
+                    s_qn2[lane] = __int_as_float(__ldcg(pinfo + CAR_PINFO * lane + 3));
                     join = true;
                 }
             }
@@ -3138,6 +3153,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 s_join = jm;
                 s_act = am;
                 s_stop = *reinterpret_cast<volatile unsigned int*>(dctl);
+                s_last = 0u;
             }
         }
         __syncthreads();
@@ -3240,8 +3256,8 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 const int k = s_k[q], n = s_cnt[q];
                 const u64 best = car_best_regs<CAR_CAP / 32>(mylists + (size_t)q * CAR_CAP, n, k);
                 __syncwarp();
-                if (s_rem[q] == 0) {  // the turn is over: its best k for the conductor
-                    if (lane < k) res[((size_t)q * G + b) * CAR_KMAX + lane] = best;
+                if (s_rem[q] == 0) {  // the turn is over: its best k for the merge ([P][G][k], dense)
+                    if (lane < k) res[(size_t)q * G * CAR_KMAX + (size_t)b * k + lane] = best;
                     __threadfence();
                 } else {
                     if (lane < k) mylists[(size_t)q * CAR_CAP + lane] = best;
@@ -3253,8 +3269,20 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 }
             }
             __syncthreads();
-            if (threadIdx.x < P && ((fin >> threadIdx.x) & 1u) && s_rem[threadIdx.x] == 0)
-                atomicAdd(dctl + 1 + P + threadIdx.x, 1u);
+            // the last block to finish a position's turn merges every block's best k and answers
+            if (threadIdx.x < P && ((fin >> threadIdx.x) & 1u) && s_rem[threadIdx.x] == 0 &&
+                atomicAdd(dctl + 1 + P + threadIdx.x, 1u) == (unsigned int)G - 1u)
+                atomicOr(&s_last, 1u << threadIdx.x);
+            __syncthreads();
+            const unsigned int last = s_last;
+            if (last) {
+                __threadfence();  // done seen complete before the other blocks' lists are read
+                for (unsigned int m = last; m; m &= m - 1) {
+                    const int q = __ffs(m) - 1;
+                    car_answer(q, s_k[q], G, res, pinfo, dctl + 1 + P + q, slot0, slot_bytes, rows_off, scores_off,
+                               mode, s_wbest);
+                }
+            }
         }
         step = step + 1 == steps ? 0 : step + 1;
     }

@@ -41,6 +41,7 @@ ERROR: Final = 4
 
 KMAX: Final = 32  # CAR_KMAX in recall.cu: the largest k
 HEAD: Final = 32  # CAR_HEAD_BYTES: the slot's words before the query
+PINFO: Final = 8  # CAR_PINFO: ints per position in pinfo
 POSITIONS: Final = 32  # 8 * NT for the instantiation used (NT = 4)
 MAX_SLOTS: Final = 64  # the conductor polls up to 64 slots (two per lane of a warp)
 _NT: Final = 4
@@ -159,9 +160,8 @@ class Carousel:
                           int(props.get("reservedSharedMemPerBlock", 1024)))  # fmt: skip
         regs = int(getattr(kern, "num_regs", 0) or 255)
         static = int(getattr(kern, "shared_size_bytes", 0) or 8192)
-        # the scanning blocks' queries, or the conductor's merge of every block's best k
-        blocks = per_sm * sms
-        self.smem = max(POSITIONS * self.lds * 2, blocks * KMAX * 8)
+        # the scanning blocks' queries (the conductor stages a boarding query in half as much)
+        self.smem = POSITIONS * self.lds * 2
         if self.smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
             kern.max_dynamic_shared_size_bytes = self.smem
         fit = resident_blocks_per_sm(per_sm, regs, kernels.BLOCK, self.smem, static, limits)
@@ -174,7 +174,7 @@ class Carousel:
         self.stream = stream or cp.cuda.Stream(non_blocking=True)
         with self.stream:
             self.dctl = cp.zeros(2 + 2 * POSITIONS, cp.uint32)
-            self.pinfo = cp.zeros(4 * POSITIONS, cp.int32)
+            self.pinfo = cp.zeros(PINFO * POSITIONS, cp.int32)
             self.pos_q = cp.zeros(POSITIONS * self.ld, cp.float16)
             self.lists = cp.zeros(self.scanners * POSITIONS * _CAP, cp.uint64)
             self.res = cp.zeros(POSITIONS * self.scanners * KMAX, cp.uint64)

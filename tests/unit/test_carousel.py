@@ -40,6 +40,7 @@ def test_the_host_constants_are_the_kernels() -> None:
         carousel.IDLE, REQUEST, TAKEN, DONE, ERROR]  # fmt: skip
     assert _define("CAR_KMAX") == carousel.KMAX
     assert _define("CAR_HEAD_BYTES") == carousel.HEAD
+    assert _define("CAR_PINFO") == carousel.PINFO
     assert _define("KALOS_BLOCK") == cuda_kernels.BLOCK
     assert re.search(r"#define CAR_CAP \(2 \* CAR_STEP_ROWS \+ CAR_KMAX\)", SOURCE)
     assert re.search(r"#define CAR_STEP_ROWS \(KALOS_BLOCK / 32 \* 32\)", SOURCE)
@@ -47,7 +48,7 @@ def test_the_host_constants_are_the_kernels() -> None:
     # the instantiation the host launches is the one CI compiles, and it has POSITIONS positions
     assert re.search(rf"CAROUSEL\({carousel._NT}, 0\)", SOURCE) and 8 * carousel._NT == carousel.POSITIONS
     # the slot words the kernel reads and writes
-    body = SOURCE[SOURCE.index("carousel_topk(const") :]
+    body = SOURCE[SOURCE.index("__device__ void car_answer(") :]  # (the answer, then the kernel)
     assert "hload(w + 1, mode)" in body and "w + 2" in body and "hstore(w + 4, nres" in body
     assert (carousel.W_K, carousel.W_NS, carousel.W_RESULTS, carousel.W_RESP_SEQ, carousel.W_NS_ABOARD) == (
         1,
@@ -120,7 +121,7 @@ class CarouselKernel(FakeKernel):
 def fake(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeCupy, list]:
     log: list = []
     kern = CarouselKernel("carousel_topk", log)
-    kern.num_regs = 112  # what ptxas reports for sm_90 (nvcc -Xptxas -v)
+    kern.num_regs = 114  # what ptxas reports for sm_90 (nvcc -Xptxas -v)
     monkeypatch.setattr(cuda_kernels, "compile_kernels", lambda names: None)
     monkeypatch.setattr(cuda_kernels, "get_kernel", lambda name, *t: kern)
     return FakeCupy(), log
@@ -142,12 +143,13 @@ def test_the_launch_matches_the_kernels_parameters(fake: tuple[FakeCupy, list], 
     assert got["rows_off"] == slots.rows_off and got["scores_off"] == slots.scores_off
     assert got["hctl"] == car._haddr and car._haddr in cp.registered and slots.addr in cp.registered
     assert got["data"] is data and (got["sqnorm"] is sq if metric == 2 else got["sqnorm"] == 0) and got["ns"] == 0
-    # every block resident (2 per SM on the H200 at 112 registers); the dynamic shared memory
-    # holds the positions' queries and the conductor's merge of every block's best k
+    # every block resident (2 per SM on the H200 at 114 registers); the dynamic shared memory
+    # holds the positions' queries, and the conductor's staging of a query for each warp
     assert car.grid == 264 and car.scanners == 263
-    assert car.smem >= max(carousel.POSITIONS * 160 * 2, car.grid * carousel.KMAX * 8)
+    assert car.smem == carousel.POSITIONS * 160 * 2 >= cuda_kernels.BLOCK // 32 * 4 * dim
     assert len(car.lists) == car.scanners * carousel.POSITIONS * carousel._CAP
     assert len(car.res) == carousel.POSITIONS * car.scanners * carousel.KMAX
+    assert len(car.pinfo) == carousel.POSITIONS * carousel.PINFO and len(car.dctl) == 2 + 2 * carousel.POSITIONS
     car.close()
     slots.close()
     assert cp.registered == {}
