@@ -2852,11 +2852,11 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 #define CAR_KMAX 32                      // largest k (one result per lane of a warp)
 #endif
 #define CAR_STEP_ROWS (KALOS_BLOCK / 32 * 32)  // rows a block scores per step at most (MT = 2)
-#define CAR_CAP (2 * CAR_STEP_ROWS + CAR_KMAX)  // a list's room (u64 each; a multiple of 32: car_best_regs)
+#define CAR_CAP (2 * CAR_STEP_ROWS + CAR_KMAX)  // a list's room (u64 each; a multiple of 32: one chunk of car_best)
 #ifndef KALOS_CAR_MINB
 #define KALOS_CAR_MINB 2
 #endif
-static_assert(CAR_CAP % 32 == 0 && CAR_KMAX <= 32, "car_best_regs holds a list in CAR_CAP / 32 words per lane");
+static_assert(CAR_CAP % 32 == 0 && CAR_KMAX <= 32, "car_best takes a list in one chunk of CAR_CAP / 32 words per lane");
 
 __device__ __forceinline__ u64 warp_max64(u64 x) {
     unsigned int hi = (unsigned int)(x >> 32);
@@ -2873,44 +2873,35 @@ __device__ __forceinline__ u64 warp_max64(u64 x) {
 }
 
 // The best k (<= 32) of the n distinct words src[0, n) (0: no entry, below every real one), by
-// one warp: lane r returns the r-th best (0 past the last). k rounds, each a pass over the
-// words for the largest below the last one taken. L2: read through L2 (another block wrote them).
-__device__ u64 car_best(const u64* src, int n, int k, bool l2) {
+// one warp: lane r returns the r-th best (0 past the last). The words come in chunks of 32 x R,
+// each lane's share of a chunk held in registers with one of the best k so far: one pass of
+// loads per chunk (L2: through L2, for words another block wrote), then k rounds of R + 1
+// compares and one warp max. (Loading the words again each round, as a first version did, put
+// k rounds of dependent loads on the path: a few µs for a block's list of ~512 words, and
+// 45-75 µs predicted for an answer's 263 x 32 words from L2, session 34's second review.)
+template <int R, bool L2>
+__device__ u64 car_best(const u64* src, int n, int k) {
     const int lane = threadIdx.x & 31;
-    u64 prev = ~0ull, mine = 0ull;
-    for (int r = 0; r < k; r++) {
-        u64 best = 0ull;
-        for (int i = lane; i < n; i += 32) {
-            const u64 x = l2 ? __ldcg(src + i) : src[i];
-            if (x < prev && x > best) best = x;
+    u64 mine = 0ull;
+    for (int c0 = 0; c0 < n; c0 += 32 * R) {  // warp-uniform
+        u64 x[R + 1];
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            const int i = c0 + lane + 32 * j;
+            x[j] = i < n ? (L2 ? __ldcg(src + i) : src[i]) : 0ull;
         }
-        best = warp_max64(best);
-        if (lane == r) mine = best;
-        if (best == 0ull) break;  // (warp-uniform) no more entries
-        prev = best;
-    }
-    return mine;
-}
-
-// car_best over a block's own list (n <= 32 * R), each lane's words held in registers: one pass
-// of loads, then k rounds of R compares and one warp max each. (Loaded again every round, a
-// list of ~512 words after a boarding's first steps took k rounds of 16 dependent loads per
-// lane, a few µs with the whole block waiting at the step's end.)
-template <int R>
-__device__ u64 car_best_regs(const u64* src, int n, int k) {
-    const int lane = threadIdx.x & 31;
-    u64 x[R];
+        x[R] = mine;  // (the best k so far, one per lane: distinct from this chunk's words)
+        u64 prev = ~0ull;
+        mine = 0ull;
+        for (int r = 0; r < k; r++) {
+            u64 best = 0ull;
 #pragma unroll
-    for (int j = 0; j < R; j++) x[j] = lane + 32 * j < n ? src[lane + 32 * j] : 0ull;
-    u64 prev = ~0ull, mine = 0ull;
-    for (int r = 0; r < k; r++) {
-        u64 best = 0ull;
-#pragma unroll
-        for (int j = 0; j < R; j++) best = (x[j] < prev && x[j] > best) ? x[j] : best;
-        best = warp_max64(best);
-        if (lane == r) mine = best;
-        if (best == 0ull) break;  // (warp-uniform) no more entries
-        prev = best;
+            for (int j = 0; j <= R; j++) best = (x[j] < prev && x[j] > best) ? x[j] : best;
+            best = warp_max64(best);
+            if (lane == r) mine = best;
+            if (best == 0ull) break;  // (warp-uniform) no more entries
+            prev = best;
+        }
     }
     return mine;
 }
@@ -2925,10 +2916,10 @@ __device__ void car_answer(int q, int k, int G, const u64* res, const int* pinfo
     const int n = G * k;
     const int per = (n + wpb - 1) / wpb;
     const int lo = min(n, warp * per), hi = min(n, lo + per);
-    wbest[warp][lane] = car_best(res + (size_t)q * G * CAR_KMAX + lo, hi - lo, k, true);
+    wbest[warp][lane] = car_best<16, true>(res + (size_t)q * G * CAR_KMAX + lo, hi - lo, k);
     __syncthreads();
     if (warp == 0) {
-        const u64 best = car_best(&wbest[0][0], 32 * wpb, k, false);
+        const u64 best = car_best<KALOS_BLOCK / 32, false>(&wbest[0][0], 32 * wpb, k);
         const int* pi = pinfo + CAR_PINFO * q;
         const int slot = __ldcg(pi + 1);
         const unsigned int seq = (unsigned int)__ldcg(pi + 4);
@@ -3101,10 +3092,12 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                     pi[5] = (int)(unsigned int)t0;
                     pi[6] = (int)(unsigned int)(t0 >> 32);
                     hstore(w, CAR_TAKEN, mode);
+                    __threadfence_system();  // TAKEN in host memory before any block can answer (DONE)
                 }
                 __threadfence();  // the query and its words before gen
                 __syncwarp();
                 if (lane == 0) {
+                    __threadfence();  // (on the thread that moves gen: the warp's writes, released)
                     atomicAdd(dctl + 1 + p, 1u);
                     atomicOr(&s_busy, 1u << p);
                 }
@@ -3254,7 +3247,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
             for (int q = warp; q < P; q += wpb) {
                 if (!((fin >> q) & 1u)) continue;
                 const int k = s_k[q], n = s_cnt[q];
-                const u64 best = car_best_regs<CAR_CAP / 32>(mylists + (size_t)q * CAR_CAP, n, k);
+                const u64 best = car_best<CAR_CAP / 32, false>(mylists + (size_t)q * CAR_CAP, n, k);  // (one chunk)
                 __syncwarp();
                 if (s_rem[q] == 0) {  // the turn is over: its best k for the merge ([P][G][k], dense)
                     if (lane < k) res[(size_t)q * G * CAR_KMAX + (size_t)b * k + lane] = best;
@@ -3270,9 +3263,13 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
             }
             __syncthreads();
             // the last block to finish a position's turn merges every block's best k and answers
-            if (threadIdx.x < P && ((fin >> threadIdx.x) & 1u) && s_rem[threadIdx.x] == 0 &&
-                atomicAdd(dctl + 1 + P + threadIdx.x, 1u) == (unsigned int)G - 1u)
-                atomicOr(&s_last, 1u << threadIdx.x);
+            // (a fence on the adding thread on each side of its add: the release of the lists the
+            // block's other warps wrote and fenced before the barrier, and the last one's acquire)
+            if (threadIdx.x < P && ((fin >> threadIdx.x) & 1u) && s_rem[threadIdx.x] == 0) {
+                __threadfence();
+                if (atomicAdd(dctl + 1 + P + threadIdx.x, 1u) == (unsigned int)G - 1u) atomicOr(&s_last, 1u << threadIdx.x);
+                __threadfence();
+            }
             __syncthreads();
             const unsigned int last = s_last;
             if (last) {

@@ -223,7 +223,8 @@ class Carousel:
 
     @property
     def answered(self) -> int:
-        """Answers the conductor has written since the launch."""
+        """Answers since the launch (counted by the conductor as it frees their positions, a few
+        µs after each answer's state)."""
         return int(self.hctl[2:4].view(np.uint64)[0])
 
     def stop(self, timeout: float = 10.0) -> None:

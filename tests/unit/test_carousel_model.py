@@ -27,6 +27,27 @@ def pack(score: float, row: int) -> tuple[float, int]:
     return (score, -row)
 
 
+def car_best(src: list[tuple[float, int]], k: int, r: int) -> list[tuple[float, int]]:
+    """The kernel's car_best<R>, lane by lane: chunks of 32 x R words, each lane's share held
+    with one of the best k so far, then k rounds of "the warp's largest below the last taken".
+    Returns the best min(k, len(src)), best first."""
+    mine: list = [None] * 32
+    for c0 in range(0, len(src), 32 * r):
+        lanes = [
+            [src[i] for j in range(r) if (i := c0 + lane + 32 * j) < len(src)] + [mine[lane]] for lane in range(32)
+        ]
+        prev = None
+        mine = [None] * 32
+        for rnd in range(k):
+            cands = [x for lane in lanes for x in lane if x is not None and (prev is None or pack(*x) < pack(*prev))]
+            if not cands:
+                break
+            best = max(cands, key=lambda e: pack(*e))
+            mine[rnd] = best
+            prev = best
+    return [m for m in mine[:k] if m is not None]
+
+
 class Block:
     def __init__(self, b: int, g: int, nrows: int) -> None:
         tiles = -(-nrows // TILE)
@@ -64,7 +85,7 @@ class Block:
             self.rem[p] -= 1
             k = conductor.k[p]
             if self.rem[p] == 0 or len(self.lists[p]) > CAP - STEP_ROWS:
-                best = sorted(self.lists[p], key=lambda e: pack(*e), reverse=True)[:k]
+                best = car_best(self.lists[p], k, CAP // 32)
                 if self.rem[p] == 0:
                     conductor.res[p].append(best)
                 else:
@@ -90,8 +111,11 @@ class Conductor:
         freed = []
         for p, lists in self.res.items():
             if len(lists) == g and p in self.query:
-                merged = sorted((e for lst in lists for e in lst), key=lambda e: pack(*e), reverse=True)
-                self.answers[self.query.pop(p)] = merged[: self.k[p]]
+                # car_answer: each of 8 warps its share, chunks of 32 x 16, then one warp the 8 x 32
+                words = [e for lst in lists for e in lst]
+                per = -(-len(words) // 8)
+                shares = [car_best(words[w * per : (w + 1) * per], self.k[p], 16) for w in range(8)]
+                self.answers[self.query.pop(p)] = car_best([e for sh in shares for e in sh], self.k[p], 8)
                 freed.append(p)
         return freed
 
@@ -141,3 +165,13 @@ def test_the_model_fails_a_turn_one_step_short() -> None:
         cond.collect(g)
     wrong = [j for j, got in cond.answers.items() if [s for s, _ in got] != list(np.sort(scores[j])[::-1][:10])]
     assert len(cond.answers) == 5 and wrong
+
+
+@pytest.mark.parametrize("r", [1, 8, 16, 17])
+def test_car_best_takes_the_best_k_across_chunks(r: int) -> None:
+    rng = np.random.default_rng()
+    for n in (0, 1, 31, 32 * r, 32 * r + 1, 3 * 32 * r + 7):
+        words = [(float(s), i) for i, s in enumerate(np.round(rng.standard_normal(n), 1))]  # ties
+        for k in (1, 10, 32):
+            want = sorted(words, key=lambda e: pack(*e), reverse=True)[:k]
+            assert car_best(words, k, r) == want, (n, k)
