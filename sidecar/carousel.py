@@ -162,8 +162,9 @@ class Carousel:
         static = int(getattr(kern, "shared_size_bytes", 0) or 8192)
         # the scanning blocks' queries (the conductor stages a boarding query in half as much)
         self.smem = POSITIONS * self.lds * 2
-        if self.smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
-            kern.max_dynamic_shared_size_bytes = self.smem
+        # (the default allows 48 KB less the static shared memory: compared with 48 KB, a dynamic
+        # size just under it would not be raised, and the launch would fail)
+        kern.max_dynamic_shared_size_bytes = max(kern.max_dynamic_shared_size_bytes, self.smem)
         fit = resident_blocks_per_sm(per_sm, regs, kernels.BLOCK, self.smem, static, limits)
         if fit < 1:
             raise RuntimeError(f"carousel_topk does not fit on an SM ({regs} registers, {self.smem + static} bytes)")
@@ -205,6 +206,8 @@ class Carousel:
         Raises:
             RuntimeError: not every block started within ``timeout`` s (the kernel is stopped).
         """
+        if self.running:
+            raise RuntimeError("the carousel is running already: stop() it first")
         cp = self.cp
         self.hctl[:] = 0
         self.stream.wait_event(cp.cuda.get_current_stream().record())

@@ -136,6 +136,8 @@ def test_the_launch_matches_the_kernels_parameters(fake: tuple[FakeCupy, list], 
     slots = Slots(cp, 7, dim)
     car = Carousel(cp, data, dim, metric, slots, sqnorm=sq)
     car.start()
+    with pytest.raises(RuntimeError, match="running already"):
+        car.start()
     (_, args), = log  # fmt: skip
     got = dict(zip(_param_names("carousel_topk"), args, strict=True))
     assert got["ld"] == 104 and got["lds"] == 160 and got["nrows"] == rows and got["dim"] == dim

@@ -34,11 +34,25 @@ class _Event:
         return None
 
 
+def _device_work(fn: Any) -> Any:
+    """NumPy's ``fn`` as a CuPy call that launches kernels: refused while a carousel runs, as
+    on the GPU, where it would never start (the carousel's blocks hold every SM)."""
+
+    def call(*args: Any, **kw: Any) -> Any:
+        if ThreadCarousel.running:
+            raise RuntimeError("device work launched while the carousel holds every SM: it would hang on a GPU")
+        return fn(*args, **kw)
+
+    return call
+
+
 def _numpy_cupy() -> types.ModuleType:
     cp = types.ModuleType("cupy")
-    for name in ("float16", "float32", "zeros", "empty_like", "asarray", "argsort", "linalg", "random"):
+    for name in ("float16", "float32", "empty_like", "linalg", "random"):
         setattr(cp, name, getattr(np, name))
-    cp.asnumpy = np.asarray  # type: ignore[attr-defined]
+    for name in ("zeros", "asarray", "argsort"):
+        setattr(cp, name, _device_work(getattr(np, name)))
+    cp.asnumpy = _device_work(np.asarray)  # type: ignore[attr-defined]
     cp.cuda = SimpleNamespace(  # type: ignore[attr-defined]
         Device=lambda: SimpleNamespace(synchronize=lambda: None),
         Event=_Event,
@@ -54,6 +68,7 @@ class ThreadCarousel:
     its best row replaced."""
 
     wrong = 0
+    running = False  # (class-wide: what _device_work checks)
 
     def __init__(self, cp: Any, data: np.ndarray, dim: int, metric: int, slots: Any, **kw: Any) -> None:
         self.rows32 = data[:, :dim].astype(np.float32)
@@ -63,6 +78,7 @@ class ThreadCarousel:
         self.count = 0
 
     def start(self) -> None:
+        ThreadCarousel.running = True
         self._t.start()
 
     def _run(self) -> None:
@@ -87,6 +103,7 @@ class ThreadCarousel:
             time.sleep(0.00005)
 
     def close(self) -> None:
+        ThreadCarousel.running = False
         self._stop.set()
         self._t.join()
 
@@ -121,3 +138,17 @@ def test_the_probe_counts_wrong_answers_and_fails(monkeypatch: pytest.MonkeyPatc
     rc, out = _run_probe(monkeypatch, tmp_path, wrong=7)
     assert rc == 1
     assert sum(r["mismatches"] for r in out["runs"]) >= 3
+
+
+def test_device_work_during_the_run_is_refused_by_the_stand_in() -> None:
+    """The control of the guard above: CuPy work while the stand-in runs raises (the probe's
+    references are computed before the launch, which is why the runs above pass)."""
+    cp = _numpy_cupy()
+    car = ThreadCarousel(cp, np.zeros((4, 8), np.float16), 8, 0, SimpleNamespace(words=np.zeros((1, 8), np.uint32)))
+    car.start()
+    try:
+        with pytest.raises(RuntimeError, match="would hang on a GPU"):
+            cp.argsort(np.arange(3))
+    finally:
+        car.close()
+    assert list(cp.argsort(np.arange(3))) == [0, 1, 2]
