@@ -248,21 +248,33 @@ class Conductor(threading.Thread):
             time.sleep(0.0001)
 
 
-def test_drive_sends_every_request_and_collects_every_answer(fake: tuple[FakeCupy, list]) -> None:
-    cp, _ = fake
+@pytest.fixture
+def rig(fake: tuple[FakeCupy, list]) -> Any:
+    """``rig(n_slots, data)``: slots and a Conductor answering them from ``data``, stopped and
+    released after the test."""
+    made: list[tuple[Slots, Conductor]] = []
+
+    def make(n_slots: int, data: np.ndarray) -> tuple[Slots, Conductor]:
+        slots = Slots(fake[0], n_slots, data.shape[1])
+        cond = Conductor(slots, data)
+        cond.start()
+        made.append((slots, cond))
+        return slots, cond
+
+    yield make
+    for slots, cond in made:
+        cond.stop.set()
+        cond.join()
+        slots.close()
+
+
+def test_drive_sends_every_request_and_collects_every_answer(rig: Any) -> None:
     rng = np.random.default_rng(1)
     data = rng.standard_normal((53, 11)).astype(np.float32)
     qs = rng.standard_normal((41, 11)).astype(np.float32)
-    slots = Slots(cp, 6, 11)
-    cond = Conductor(slots, data)
-    cond.start()
-    try:
-        ks = [1 + j % 9 for j in range(40)] + [0]  # the last one refused
-        answers = drive(slots, lambda j: (qs[j], ks[j], NS_ANY) if j < len(ks) else None, clients=4,
-                        return_ns=200_000)  # fmt: skip
-    finally:
-        cond.stop.set()
-        cond.join()
+    slots, _ = rig(6, data)
+    ks = [1 + j % 9 for j in range(40)] + [0]  # the last one refused
+    answers = drive(slots, lambda j: (qs[j], ks[j], NS_ANY) if j < len(ks) else None, clients=4, return_ns=200_000)
     assert sorted(a.j for a in answers) == list(range(41))
     for a in answers:
         if a.j == 40:
@@ -277,49 +289,32 @@ def test_drive_sends_every_request_and_collects_every_answer(fake: tuple[FakeCup
         mine = sorted((a for a in answers if a.slot == slot), key=lambda a: a.sent_ns)
         assert all(b.sent_ns - a.seen_ns >= 200_000 for a, b in itertools.pairwise(mine))
     assert len(slots.words[slots.words[:, 0] == REQUEST]) == 0
-    slots.close()
 
 
-def test_drive_fails_a_request_that_has_no_answer_in_time(fake: tuple[FakeCupy, list]) -> None:
+def test_drive_fails_a_request_that_has_no_answer_in_time(rig: Any) -> None:
     """A kernel that stops answering fails the drive (and the negative control: the same drive
     with the conductor answering succeeds)."""
-    cp, _ = fake
     data = np.eye(8, dtype=np.float32)
-    slots = Slots(cp, 2, 8)
-    cond = Conductor(slots, data)
-    cond.start()
-    try:
-        ok = drive(slots, lambda j: (data[j % 8], 1, NS_ANY) if j < 10 else None, timeout=2)
-        assert len(ok) == 10 and all(int(a.rows[0]) == a.j % 8 for a in ok)
-        cond.pause.set()
-        with pytest.raises(TimeoutError, match=r"no answer within 0\.2 s"):
-            drive(slots, lambda j: (data[0], 1, NS_ANY) if j < 3 else None, timeout=0.2)
-        # an answer that echoes another request's seq is not taken for this one's
-        slots.words[:, 0] = 0
-        cond.wrong_seq = True
-        cond.pause.clear()
-        with pytest.raises(RuntimeError, match="an answer for request"):
-            drive(slots, lambda j: (data[0], 1, NS_ANY) if j < 3 else None, timeout=2)
-    finally:
-        cond.stop.set()
-        cond.join()
-    slots.close()
+    slots, cond = rig(2, data)
+    ok = drive(slots, lambda j: (data[j % 8], 1, NS_ANY) if j < 10 else None, timeout=2)
+    assert len(ok) == 10 and all(int(a.rows[0]) == a.j % 8 for a in ok)
+    cond.pause.set()
+    with pytest.raises(TimeoutError, match=r"no answer within 0\.2 s"):
+        drive(slots, lambda j: (data[0], 1, NS_ANY) if j < 3 else None, timeout=0.2)
+    # an answer that echoes another request's seq is not taken for this one's
+    slots.words[:, 0] = 0
+    cond.wrong_seq = True
+    cond.pause.clear()
+    with pytest.raises(RuntimeError, match="an answer for request"):
+        drive(slots, lambda j: (data[0], 1, NS_ANY) if j < 3 else None, timeout=2)
 
 
-def test_drive_stops_sending_at_its_deadline_and_waits_for_what_is_aboard(fake: tuple[FakeCupy, list]) -> None:
-    cp, _ = fake
+def test_drive_stops_sending_at_its_deadline_and_waits_for_what_is_aboard(rig: Any) -> None:
     data = np.eye(4, dtype=np.float32)
-    slots = Slots(cp, 3, 4)
-    cond = Conductor(slots, data)
-    cond.start()
-    try:
-        t0 = time.perf_counter()
-        answers = drive(slots, lambda j: (data[j % 4], 2, NS_ANY), until=t0 + 0.2)
-    finally:
-        cond.stop.set()
-        cond.join()
+    slots, _ = rig(3, data)
+    t0 = time.perf_counter()
+    answers = drive(slots, lambda j: (data[j % 4], 2, NS_ANY), until=t0 + 0.2)
     assert answers and time.perf_counter() - t0 < 5
     assert sorted(a.j for a in answers) == list(range(len(answers)))  # none lost
     with pytest.raises(ValueError, match="clients"):
         drive(slots, lambda j: None, clients=4)
-    slots.close()
