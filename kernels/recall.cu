@@ -3040,8 +3040,8 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 const int qns = hload(reinterpret_cast<const int*>(w + 2), mode);
                 const unsigned int seq = hload(w + 3, mode);
                 // the query: 4 floats a load, every load of the lane in flight before its use,
-                // staged in this warp's part of the shared memory (the merges' scratch, free
-                // while boarding: 4 x dim bytes a warp, at most half of the 2 x 32 x lds bytes
+                // staged in this warp's part of the dynamic shared memory (the conductor holds
+                // no queries there: 4 x dim bytes a warp, at most half of the 2 x 32 x lds bytes
                 // the host gives), then normalized for cosine and stored as halves
                 float* stage = reinterpret_cast<float*>(car_smem) + (size_t)warp * dim;
                 float part = 0.f, amax = 0.f;
@@ -3071,7 +3071,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                                 (METRIC == METRIC_COSINE || amax <= 65504.f) && (ns != nullptr || qns == NS_ANY);
                 const float sc = METRIC == METRIC_COSINE && part > 0.f ? rsqrtf(part) : 1.f;
                 for (int i = lane; i < ld; i += 32) pos_q[(size_t)p * ld + i] = __float2half(i < dim ? stage[i] * sc : 0.f);
-                if (!ok) {  // k out of range or a query that is not finite: refused at once
+                if (!ok) {  // refused at once (the reasons: above the kernel)
                     __syncwarp();
                     if (lane == 0) {
                         hstore(w + 4, 0u, mode);
