@@ -44,7 +44,7 @@ HEAD: Final = 32  # CAR_HEAD_BYTES: the slot's words before the query
 PINFO: Final = 8  # CAR_PINFO: ints per position in pinfo
 POSITIONS: Final = 32  # 8 * NT for the instantiation used (NT = 4)
 MAX_SLOTS: Final = 64  # the conductor polls up to 64 slots (two per lane of a warp)
-_NT: Final = 4
+NT: Final = 4  # carousel_topk<NT>: 8 * NT positions
 _STEP_ROWS: Final = kernels.BLOCK // 32 * 32  # CAR_STEP_ROWS
 _CAP: Final = 2 * _STEP_ROWS + KMAX  # CAR_CAP: a block's list per position (u64 each)
 _HOST_MODE: Final = 3  # BELL_LDCV | BELL_STWT: host memory as the resident kernel touches it (its FENCE bit is its own)
@@ -133,23 +133,22 @@ class Carousel:
     (L2). The grid is every block the device can hold at once (all must be resident: the
     blocks wait on each other), at most ``per_sm`` per SM and ``max_blocks`` in all (tests: few
     blocks make long turns, whose lists are cut many times); block 0 is the conductor.
+    ``n_rows``: scan only the first ``n_rows`` rows of ``data`` (all by default; a GPU index's
+    rows in use, below its capacity). :meth:`retarget` points a stopped carousel at other rows.
     """
 
     def __init__(self, cp: Any, data: Any, dim: int, metric: int, slots: Slots, *, ns: Any = None,
                  sqnorm: Any = None, per_sm: int = 2, max_blocks: int | None = None,
-                 stream: Any = None) -> None:  # fmt: skip
-        if data.dtype != cp.float16 or data.ndim != 2 or data.shape[1] % 8 or data.shape[1] < dim:
-            raise ValueError("data must be float16 [n_rows, ld] with ld a multiple of 8 and at least dim")
-        if metric == 2 and sqnorm is None:
-            raise ValueError("the L2 metric needs the rows' squared norms (sqnorm)")
+                 stream: Any = None, n_rows: int | None = None) -> None:  # fmt: skip
         if slots.dim != dim:
             raise ValueError(f"slots hold {slots.dim}-d queries, not {dim}")
-        self.cp, self.data, self.dim, self.metric, self.slots = cp, data, dim, metric, slots
-        self.n_rows, self.ld = int(data.shape[0]), int(data.shape[1])
+        self.cp, self.dim, self.metric, self.slots = cp, dim, metric, slots
+        self.running = False
+        self.retarget(data, n_rows, ns, sqnorm)
         self.lds = self.ld + (32 - self.ld % 64) % 64  # mma_filter's padded stride
-        name = kernels.expression("carousel_topk", _NT, metric)
+        name = kernels.expression("carousel_topk", NT, metric)
         kernels.compile_kernels([name])
-        self.kernel = kern = kernels.get_kernel("carousel_topk", _NT, metric)
+        self.kernel = kern = kernels.get_kernel("carousel_topk", NT, metric)
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         sms = int(props["multiProcessorCount"])
         from .index_gpu import SmLimits, resident_blocks_per_sm
@@ -179,13 +178,34 @@ class Carousel:
             self.pos_q = cp.zeros(POSITIONS * self.ld, cp.float16)
             self.lists = cp.zeros(self.scanners * POSITIONS * _CAP, cp.uint64)
             self.res = cp.zeros(POSITIONS * self.scanners * KMAX, cp.uint64)
-        self.ns = ns
-        self.sqnorm = sqnorm
         self._hmm = mmap.mmap(-1, mmap.PAGESIZE)
         self.hctl = np.frombuffer(self._hmm, np.uint32)
         self._haddr = self.hctl.ctypes.data
         cp.cuda.runtime.hostRegister(self._haddr, mmap.PAGESIZE, 3)
-        self.running = False
+
+    def retarget(self, data: Any, n_rows: int | None = None, ns: Any = None, sqnorm: Any = None) -> None:
+        """Scan the first ``n_rows`` (all by default) of ``data`` from the next :meth:`start`
+        (float16 [rows, ld], ld a multiple of 8 and at least dim, the same ld as before), with
+        the rows' namespace ids ``ns`` and squared norms ``sqnorm`` (as in the constructor).
+
+        Raises:
+            RuntimeError: the carousel is running.
+            ValueError: rows it cannot scan.
+        """
+        cp = self.cp
+        if self.running:
+            raise RuntimeError("the carousel is running: stop() it before pointing it at other rows")
+        if data.dtype != cp.float16 or data.ndim != 2 or data.shape[1] % 8 or data.shape[1] < self.dim:
+            raise ValueError("data must be float16 [n_rows, ld] with ld a multiple of 8 and at least dim")
+        if getattr(self, "ld", data.shape[1]) != data.shape[1]:
+            raise ValueError(f"data's rows are {data.shape[1]} wide, not {self.ld}")
+        n = int(data.shape[0]) if n_rows is None else int(n_rows)
+        if not 0 <= n <= data.shape[0]:
+            raise ValueError(f"n_rows must be within the {data.shape[0]} rows of data, not {n_rows}")
+        if self.metric == 2 and sqnorm is None:
+            raise ValueError("the L2 metric needs the rows' squared norms (sqnorm)")
+        self.data, self.n_rows, self.ld = data, n, int(data.shape[1])
+        self.ns, self.sqnorm = ns, sqnorm
 
     def args(self) -> tuple[Any, ...]:
         """The kernel's arguments, in carousel_topk's order (tests/unit/test_carousel.py checks

@@ -36,6 +36,7 @@ from kalos_retrievers.protocol import (
     Flag,
     Invalid,
     Layout,
+    Metric,
     Op,
     Request,
     RespFlag,
@@ -49,7 +50,8 @@ from kalos_retrievers.protocol import (
     validate_request,
 )
 
-from .index import FatalDeviceError, SlotSpec
+from .crowd import Landed
+from .index import NS_ANY, FatalDeviceError, SlotSpec
 from .service import Service
 from .stats import HOST_TIMING, Stats
 
@@ -81,6 +83,13 @@ COHORT_WINDOW_NS: Final = 5_000_000
 # (session 26: ~14 queries per batch with 32 processes where 16 would give 40k/s).
 RETURN_TIMING: Final = HOST_TIMING
 
+# The carousel (an index's ``carousel_k``: the GPU index with KALOS_CAROUSEL=1): started when this
+# many clients (slots) have recalled within COHORT_WINDOW_NS, the request in hand included, and
+# stopped when fewer than half as many have while at most one of its requests is in flight (a
+# client recalling alone is served sooner by the resident kernel or a graph: docs/gpu-notes.md,
+# session 35). KALOS_CAROUSEL_MIN sets it.
+CAROUSEL_MIN: Final = max(2, int(os.environ.get("KALOS_CAROUSEL_MIN", "8") or 8))
+
 # ops answered from host state alone: they run beside the index's resident kernel
 _HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CONTINUE})
 
@@ -88,6 +97,7 @@ _HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CO
 # a scan that evicted the caches, each numpy call's dispatch code runs cold (on a 16-core host
 # the CPU backend's whole answer phase took ~120 us p50), a struct call touches far less.
 _STATE = struct.Struct("<I")
+_F16_MAX: Final = 65504.0  # the largest finite float16 (the carousel refuses ip / L2 queries beyond it)
 _ROWS: dict[int, struct.Struct] = {}
 
 
@@ -151,8 +161,10 @@ class Dispatcher:
         # writes and many processes keep the kernel stopped instead of stopping it for each
         # (S5-4: stopped and restarted around every request, 32 processes went 19.6k -> 5.8k/s).
         self.lone = 0
-        # slot -> when its last batched recall was picked up (see _queue_behind)
+        # slot -> when its last batched recall was picked up (see _queue_behind), or boarded the carousel
         self._seen: dict[int, int] = {}
+        self.crowd_min = CAROUSEL_MIN
+        self._car_idle = (0, 0)  # (the carousel's boardings, when that count last moved: ns)
         # slot -> when its last batched answer was posted (RETURN_TIMING; None: off)
         self._posted: dict[int, int] | None = {} if return_timing else None
         self.timing = return_timing  # the diagnostics of RETURN_TIMING (also: _queue_behind's waits)
@@ -232,7 +244,10 @@ class Dispatcher:
         starts it again before it sleeps); DOORBELL slots it left are answered by the next
         poll."""
         ready = self.waiting()
+        crowd = self.service.index.crowd
         if not len(ready):
+            if crowd is not None and crowd.in_flight:  # answers to take: never a drain here
+                return self._harvest()
             b = self._inflight
             if b is not None and not b.finished and self._awaits_cohort():
                 return 0  # the device still searches b: keep taking requests (see _queue_behind)
@@ -243,12 +258,17 @@ class Dispatcher:
                 return 1
             take = False
         if self._bells:
-            self.lone = self._lone_after(ready)
+            # (one request a pass is a crowd's usual arrival while the carousel runs)
+            self.lone = 0 if self.service.index.carousel_running else self._lone_after(ready)
         self._busy_until = 0  # end of the last answer of this pass (for the "pickup" phase)
         self._taken.clear()
         groups: dict[tuple[int, int], list[tuple[int, Request, int]]] = {}
         self._pick_up(ready, groups, take)
         n = len(ready)
+        if groups and self.service.index.carousel_k:
+            self._to_carousel(groups)
+        if crowd is not None and crowd.in_flight:
+            self._harvest()
         b = self._inflight
         if b is not None and not b.finished and self.gather_ns and groups:
             n += self._gather(b, groups)
@@ -514,6 +534,154 @@ class Dispatcher:
         for i, req, t0 in part:
             self._error(i, req, status, message, t0)
 
+    # ------------------------------------------------------------------ the carousel
+    def _to_carousel(self, groups: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> None:
+        """Hand the recalls in ``groups`` that the index's carousel can answer to it (starting
+        it for a crowd, :data:`CAROUSEL_MIN`; stopping it when the crowd has gone): batch-1
+        recalls in the default namespace that _hotpath.take took (their queries checked
+        finite), k up to ``carousel_k``, without vectors, and for ip and L2 a query float16
+        can hold (the kernel refuses others). What it leaves stays in ``groups`` for the
+        usual path, which drains the carousel and stops it before it launches."""
+        svc = self.service
+        idx, taken = svc.index, self._taken
+        fits = [key for key in groups if key[0] <= idx.carousel_k and not key[1] & Flag.WITH_VECTORS]
+        if not fits:
+            return
+        ns_id, _, dense, n = svc.eligible("", None)
+        if not n:
+            return  # (an empty default namespace: answered at once the usual way)
+        if not self._crowd_holds(groups, fits):
+            return
+        now = time.perf_counter_ns()
+        ns_arg = NS_ANY if dense else ns_id
+        lane = idx.crowd
+        check = svc.metric != Metric.COSINE
+        for key in fits:
+            left = []
+            for m in groups[key]:
+                i = m[0]
+                q = self._first_query[i]
+                if i not in taken or (check and float(np.abs(q).max()) > _F16_MAX):
+                    left.append(m)
+                    continue
+                taken.discard(i)
+                self._seen[i] = now
+                lane.board((m[1], m[2], i), q, key[0], ns_arg)
+            if left:
+                groups[key] = left
+            else:
+                del groups[key]
+
+    def _crowd_holds(self, groups: dict[tuple[int, int], list[tuple[int, Request, int]]],
+                     fits: list[tuple[int, int]]) -> bool:  # fmt: skip
+        """Whether the carousel runs for ``groups`` (recalls it could take under the keys
+        ``fits``): started when :data:`CAROUSEL_MIN` clients have recalled lately, stopped
+        (drained first) when fewer than half as many have and at most one of its requests is
+        still in flight. False: the usual path."""
+        idx = self.service.index
+        if idx.carousel_running and idx.crowd.in_flight > 1:
+            return True  # (a crowd: not worth counting)
+        horizon = time.perf_counter_ns() - COHORT_WINDOW_NS
+        clients = {i for i, t in self._seen.items() if t >= horizon}
+        clients.update(m[0] for key in fits for m in groups[key])
+        if idx.carousel_running:
+            if 2 * len(clients) >= self.crowd_min:
+                return True
+            self.settle()
+            idx.stop_carousel()
+            return False
+        if len(clients) < self.crowd_min:
+            return False
+        self.settle()  # the batch in flight answered first: the carousel takes every SM
+        try:
+            idx.start_carousel(self.service.rows.high)
+        except FatalDeviceError:
+            raise
+        except Exception:  # (no room for its buffers, say): serve without it
+            log.exception("the carousel could not start; serving without it")
+            idx.carousel_k = 0
+            return False
+        return True
+
+    def _harvest(self) -> int:
+        """Answer the carousel's requests it has answered since the last call; return how many."""
+        crowd = self.service.index.crowd
+        return self._answer_landed(crowd.harvest()) if crowd is not None else 0
+
+    def _drain_crowd(self) -> int:
+        """Wait for every request on the carousel and answer it; return how many. (A carousel
+        that stops answering is a device fault: the sidecar exits.)"""
+        crowd = self.service.index.crowd
+        if crowd is None or not crowd.in_flight:
+            return 0
+        try:
+            landed = crowd.drain()
+        except TimeoutError as e:
+            raise FatalDeviceError(str(e)) from None
+        return self._answer_landed(landed)
+
+    def _answer_landed(self, landed: list[Landed]) -> int:
+        """Write the answers of the carousel's requests ``landed``, then post them (as
+        :meth:`_answer_batch`)."""
+        if not landed:
+            return 0
+        t_answer = time.perf_counter_ns()
+        rows = self.service.rows
+        a = rows.arena
+        arena = None if a is None else (a.table_bytes, a.rows_cap, a.version)
+        eligible = self.service.eligible("", None)[3]
+        self._posts, self._records = [], []
+        try:
+            for x in landed:
+                self._land(x, eligible, rows.high, rows.docs, arena)
+        finally:
+            self._post_burst(t_answer, True)
+        self._busy_until = time.perf_counter_ns()
+        return len(landed)
+
+    def _land(self, x: Landed, eligible: int, high: int, docs: Any, arena: Any) -> None:
+        """One answer from the carousel: its rows and scores copied into the request's slot,
+        then answered as a batch's batch-1 member is (_hotpath.answer1, else the Python path).
+        ``eligible``: the default namespace's rows (the rows cannot change while requests are
+        on the carousel: settle drains it first)."""
+        req, t0, i = x.token
+        try:
+            kk = min(req.top_k, eligible)
+            if not x.ok or x.n != kk:
+                raise Invalid(Status.INTERNAL, f"the carousel answered {x.n} of {kk} results"
+                              if x.ok else "the carousel refused the recall")  # fmt: skip
+            spec = self._spec(i, req)
+            spec.rows[0, :kk] = x.rows[:kk]
+            spec.scores[0, :kk] = x.scores[:kk]
+            answered = False
+            if self.hot is not None and not req.flags & Flag.WITH_VECTORS:
+                answered = self.hot.answer1(self._slot_views[i], self._hot_layout, req.seq, req.flags,
+                                            spec.rows[0, :kk], spec.scores[0, :kk], high, docs, arena)  # fmt: skip
+            if answered:
+                self._answered(i, req, Status.OK, t0)
+            else:
+                self._write_hits(i, req, spec, kk, req.flags, t0)
+        except Invalid as e:
+            self._error(i, req, e.status, str(e), t0)
+        except FatalDeviceError:
+            raise
+        except Exception as e:
+            log.exception("internal error answering a recall from the carousel")
+            self._error(i, req, Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
+
+    def stop_idle_carousel(self, now: int, idle_ns: int) -> None:
+        """Housekeeping: drain and stop a carousel that nothing has boarded for ``idle_ns``
+        (it keeps every SM busy polling; the next crowd starts it again)."""
+        idx = self.service.index
+        if not idx.carousel_running:
+            return
+        boarded = idx.crowd.boarded
+        if boarded != self._car_idle[0]:
+            self._car_idle = (boarded, now)
+        elif now - self._car_idle[1] > idle_ns:
+            self.settle()
+            idx.stop_carousel()
+
     # ------------------------------------------------------------------ batches in flight
     def _pipeline(self, part: list[tuple[int, Request, int]], k: int, flags: int) -> None:
         """Launch ``part``'s search, then answer the batch launched before it: the host encodes
@@ -540,15 +708,17 @@ class Dispatcher:
             self.settle()
 
     def settle(self) -> int:
-        """Finish and answer the batch in flight, if any; return how many requests that was.
-        Call before anything that changes rows or the segment."""
+        """Finish and answer the batch in flight, if any, and every request on the carousel;
+        return how many requests that was. Call before anything that changes rows or the
+        segment."""
+        drained = self._drain_crowd()
         prev, self._inflight = self._inflight, None
         if prev is None:
-            return 0
+            return drained
         if not prev.finished:
             self._finish(prev)
         self._answer_batch(prev)
-        return len(prev.part)
+        return drained + len(prev.part)
 
     def _finish(self, b: _Batch) -> None:
         """Wait for ``b``'s search. On failure its members get the error now and no answer
@@ -632,6 +802,7 @@ class Dispatcher:
         svc, spec = self.service, self._spec
         if not (hot and behind and svc.index.queues_from_slots):
             specs = [spec(i, req) for i, req, _ in part]
+        self._drain_crowd()  # (the carousel holds every SM: pause_doorbell stops it)
         ts = time.perf_counter_ns()
         try:
             svc.index.pause_doorbell()
@@ -728,23 +899,32 @@ class Dispatcher:
         try:
             self._answer_members(b)
         finally:
-            # both lists let go first: a post that raises must not leave later answers
-            # appending to a list nobody records
-            posts, records = self._posts, self._records
-            self._posts = self._records = None
+            self._post_burst(t_answer, bool(b.part))
+        self._busy_until = time.perf_counter_ns()
+
+    def _post_burst(self, t_answer: int, timed: bool) -> None:
+        """Post the semaphores of the answers written since ``_posts`` and ``_records`` were
+        set (at ``t_answer``), then record them in the stats; ``timed``: note the "answer"
+        phase."""
+        # both lists let go first: a post that raises must not leave later answers
+        # appending to a list nobody records
+        posts, records = self._posts, self._records
+        self._posts = self._records = None
+        assert posts is not None and records is not None
+        try:
             for i in posts:
                 _ipc.post(self.sems[i])
+        finally:
             t_posted = time.perf_counter_ns()
             if self._posted is not None:
                 for i in posts:
                     self._posted[i] = t_posted
-            if b.part:
+            if timed:
                 self._phases_due.append(("answer", (t_posted - t_answer) / 1000))
             # the stats after the posts: no client waits for them
             for op, status, ns in records:
                 self.stats.record(op, status, ns / 1000)
             self._flush_phases()
-        self._busy_until = time.perf_counter_ns()
 
     def _flush_phases(self) -> None:
         """Record the phases noted since the last flush (kept until the answers are posted: on
@@ -983,7 +1163,8 @@ class Dispatcher:
         n = 0
         # a batch in flight (kept so while the next cohort comes, see _awaits_cohort) holds
         # its members BUSY until it is answered
-        held = self.service.index.doorbell_running or self._inflight is not None
+        idx = self.service.index
+        held = idx.doorbell_running or self._inflight is not None or (idx.crowd is not None and idx.crowd.in_flight)
         for i in np.flatnonzero(self.states != SlotState.FREE).tolist():
             st = self.states[i]
             if st in (SlotState.REQUEST, SlotState.DOORBELL) or (st == SlotState.BUSY and held):

@@ -202,7 +202,24 @@ class Index(abc.ABC):
         return 0
 
     def check_doorbell(self) -> None:  # noqa: B027 - optional hook
-        """Raise the resident kernel's error if it ended without being stopped."""
+        """Raise the resident kernel's error (or the carousel's) if it ended without being
+        stopped."""
+
+    # The carousel (sidecar/carousel.py, the GPU backend with KALOS_CAROUSEL=1): a resident
+    # scan that a crowd's batch-1 recalls board wherever it is; the dispatcher hands them over
+    # through ``crowd`` (a sidecar.crowd.CrowdLane) while it runs. carousel_k: the largest k it
+    # answers (0: none). It holds every SM: :meth:`pause_doorbell` stops it too, and the
+    # dispatcher drains ``crowd`` before any other device work.
+    carousel_k = 0
+    carousel_running = False
+    crowd: Any = None
+
+    def start_carousel(self, high: int) -> None:
+        """Start the carousel over rows [0, high) (the resident kernel stopped first)."""
+        raise NotImplementedError(f"{type(self).__name__} has no carousel")
+
+    def stop_carousel(self) -> None:  # noqa: B027 - optional hook
+        """Stop the carousel once it holds no request (answers not harvested stay in ``crowd``)."""
 
     def detach_segment(self) -> None:  # noqa: B027 - optional hook
         """Called before a segment is unmapped."""

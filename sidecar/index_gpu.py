@@ -47,7 +47,9 @@ import numpy as np
 from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE
 from kalos_retrievers.protocol import Metric
 
+from . import carousel
 from . import cuda_kernels as kernels
+from .crowd import CrowdLane
 from .index import (
     NS_ANY,
     FatalDeviceError,
@@ -169,6 +171,10 @@ USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") == "1"
 # in service (S31-2: "1"'s events cost the launch ~17 µs of host time, "ql_cuda" 40 against 23).
 BATCH_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") == "1"
 _DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then is a fault
+# The carousel for crowds of batch-1 recalls (sidecar/carousel.py, sidecar/crowd.py; float16
+# rows, compute capability 8.0+ for its mma.sync). Off by default: not yet measured on a device
+# (docs/gpu-notes.md, sessions 34-35). KALOS_CAROUSEL=1 turns it on.
+USE_CAROUSEL: Final = os.environ.get("KALOS_CAROUSEL", "0") == "1"
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
 _DESC_SCORES: Final = _DESC_ROWS + 8 * MAXQ
@@ -502,6 +508,12 @@ class GpuIndex(Index):
         # mma_filter can take float16 batches: tensor-core m16n8k16 needs compute capability
         # 8.0 (KALOS_MMA=0, or KALOS_THRESHOLD_TOPK=0 for topk_scores everywhere, turn it off)
         self.mma_ok = dtype == "float16" and int(props.get("major", 0)) >= 8
+        # the carousel (KALOS_CAROUSEL=1): made at its first start_carousel
+        self.carousel_k = carousel.KMAX if USE_CAROUSEL and self.mma_ok else 0
+        self._car: carousel.Carousel | None = None
+        self.crowd: CrowdLane | None = None
+        self.carousel_running = False
+        self.carousel_launches = 0
         self._sample_buf: Any = None  # mma_filter's sample scores (MAXQ x TAU_SAMPLE_MAX)
         # the descriptor lives in registered host memory: written by Python, read by prep
         self._desc_mm = mmap.mmap(-1, 4096)
@@ -589,6 +601,8 @@ class GpuIndex(Index):
         exprs.append(kernels.expression("doorbell_topk", t, self.tpr, m))
         if self.dtype == "float16":
             exprs += [kernels.expression("mma_filter", nt, m) for nt in _MMA_NT]
+            if USE_CAROUSEL:
+                exprs.append(kernels.expression("carousel_topk", carousel.NT, m))
         try:
             kernels.compile_kernels(exprs)
         except kernels.KernelCompileError as e:
@@ -665,7 +679,9 @@ class GpuIndex(Index):
         self._arena_table = (addr, nbytes, arena.rows_cap, arena.version)
 
     def pause_doorbell(self) -> None:
-        """Stop the resident kernel (it answers the request in hand first) and wait for it."""
+        """Stop the resident kernel (it answers the request in hand first) and wait for it;
+        the carousel too (:meth:`stop_carousel`): both hold every SM."""
+        self.stop_carousel()
         if not self.doorbell_running:
             return
         if self.on_doorbell is not None:
@@ -704,16 +720,83 @@ class GpuIndex(Index):
         return int(self._arena_dev.data.ptr)
 
     def check_doorbell(self) -> None:
-        """Housekeeping: a resident kernel that ended without being stopped faulted; raise its
-        error (FatalDeviceError: the sidecar exits and its supervisor restarts it)."""
+        """Housekeeping: a resident kernel (or carousel) that ended without being stopped
+        faulted; raise its error (FatalDeviceError: the sidecar exits and its supervisor
+        restarts it)."""
+        self.check_carousel()
         if self.doorbell_running and self._check(lambda: self.bstream.done):
             self.pause_doorbell()
+
+    # ------------------------------------------------------------------ the carousel
+    def start_carousel(self, high: int) -> None:
+        """Start the carousel over rows [0, ``high``): the resident kernel stopped and every
+        search of ours finished first (the carousel holds every SM until it stops). Requests
+        go through ``crowd`` (sidecar/crowd.py); their namespace id picks the rows (NS_ANY:
+        every row below ``high``, which must then all be live)."""
+        if self.carousel_running:
+            return
+        if not self.carousel_k or self._closed:
+            raise RuntimeError(f"{self.name} has no carousel (KALOS_CAROUSEL=1 and float16 rows turn it on)")
+        self.pause_doorbell()
+        self._finish_all()
+        self._check(self.stream.synchronize)  # (the rows' copies too: the kernel reads them)
+
+        def start() -> None:
+            with self.device:
+                if self._car is None:
+                    slots = carousel.Slots(self.cp, carousel.MAX_SLOTS, self.dim)
+                    try:
+                        self._car = carousel.Carousel(self.cp, self.data, self.dim, self.metric, slots, ns=self.ns,
+                                                      sqnorm=self.sqnorm, n_rows=high)  # fmt: skip
+                    except BaseException:
+                        slots.close()
+                        raise
+                    self.crowd = CrowdLane(slots, self.check_carousel)
+                else:
+                    self._car.retarget(self.data, high, self.ns, self.sqnorm)
+                self._car.start()
+
+        self._check(start)
+        self.carousel_running = True
+        self.carousel_launches += 1
+
+    def check_carousel(self) -> None:
+        """Raise FatalDeviceError if the carousel, running, has ended (it ends only when
+        stopped: anything else is a fault, whose error this raises if CUDA has one)."""
+        car = self._car
+        if not self.carousel_running or car is None or not self._check(lambda: car.stream.done):
+            return
+        self.carousel_running = False
+        car.running = False
+        self._check(car.stream.synchronize)
+        raise FatalDeviceError(f"the carousel on {self.name} ended without being stopped")
+
+    def stop_carousel(self) -> None:
+        """Stop the carousel, once the kernel holds no request (a stop abandons what is aboard;
+        the dispatcher drains ``crowd`` first, and answers not harvested yet stay there)."""
+        if not self.carousel_running:
+            return
+        car, crowd = self._car, self.crowd
+        assert car is not None and crowd is not None
+        end = time.monotonic() + _DOORBELL_STOP_S
+        while crowd.busy():
+            self.check_carousel()
+            if time.monotonic() > end:
+                raise FatalDeviceError(f"the carousel on {self.name} answered nothing for {_DOORBELL_STOP_S:.0f} s")
+            time.sleep(0)
+        try:
+            self._check(lambda: car.stop(_DOORBELL_STOP_S))
+        except TimeoutError as e:
+            raise FatalDeviceError(f"the carousel on {self.name}: {e}") from None
+        finally:
+            self.carousel_running = car.running
 
     def resume_doorbell(self, high: int, ns: int) -> None:
         """(Re)start the resident kernel over rows [0, ``high``) of namespace id ``ns`` (NS_ANY:
         all of them; NS_NONE: the default namespace is empty)."""
         if self.doorbell_running or not self.doorbell_k or not self.seg_addr or self._closed:
             return
+        self.stop_carousel()  # (both hold every SM)
         self._finish_all()
         lay = self._bell_layout
         table, _, arena_rows, arena_version = self._arena_table
@@ -818,7 +901,10 @@ class GpuIndex(Index):
                  threshold_topk=USE_THRESHOLD_TOPK, threshold_overflows=self.threshold_overflows,
                  mma_batches=self.mma_batches, queued_batches=self.queued_batches, queued_c=self.queued_c,
                  doorbell_k=self.doorbell_k, doorbell_running=self.doorbell_running,
-                 doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served())  # fmt: skip
+                 doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served(),
+                 carousel_k=self.carousel_k, carousel_running=self.carousel_running,
+                 carousel_launches=self.carousel_launches,
+                 carousel_boarded=self.crowd.boarded if self.crowd is not None else 0)  # fmt: skip
         if self.batch_times:
             t = np.array(self.batch_times)
             cols = ((1, "device"), (2, "launch_to_ready"), (3, "wait"))
@@ -1751,6 +1837,13 @@ class GpuIndex(Index):
             return
         self.detach_segment()
         self._closed = True
+        car, self._car = self._car, None
+        if car is not None:
+            with contextlib.suppress(Exception):
+                car.close()
+            with contextlib.suppress(Exception):
+                car.slots.close()
+            self.carousel_running = False
         if self.exact is not None:
             self._drop_exact()
         for addr in (self.desc_addr, self.cand_addr, self._bell_addr, self._arena_table[0]):

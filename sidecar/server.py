@@ -475,6 +475,7 @@ class Server:
                 try:
                     self.service.index.check_doorbell()  # type: ignore[union-attr]
                     self._stop_idle_doorbell(now)
+                    d.stop_idle_carousel(now, int(DOORBELL_IDLE_S * 1e9))
                 except FatalDeviceError as e:
                     self._fatal_device(e)
                 except Exception:

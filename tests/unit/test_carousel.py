@@ -8,17 +8,16 @@ from __future__ import annotations
 import ctypes
 import itertools
 import re
-import threading
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+from carousel_fakes import Conductor, FakeCupy
 from kalos_retrievers.sidecar import carousel, cuda_kernels
 from kalos_retrievers.sidecar.carousel import DONE, ERROR, REQUEST, TAKEN, Carousel, Slots, drive
 from kalos_retrievers.sidecar.index import NS_ANY
-from kernel_fakes import SOURCE, DevArray, FakeKernel, dev
+from kernel_fakes import SOURCE, FakeKernel, dev
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,7 +45,7 @@ def test_the_host_constants_are_the_kernels() -> None:
     assert re.search(r"#define CAR_STEP_ROWS \(KALOS_BLOCK / 32 \* 32\)", SOURCE)
     assert carousel._CAP == 2 * (cuda_kernels.BLOCK // 32 * 32) + carousel.KMAX
     # the instantiation the host launches is the one CI compiles, and it has POSITIONS positions
-    assert re.search(rf"CAROUSEL\({carousel._NT}, 0\)", SOURCE) and 8 * carousel._NT == carousel.POSITIONS
+    assert re.search(rf"CAROUSEL\({carousel.NT}, 0\)", SOURCE) and 8 * carousel.NT == carousel.POSITIONS
     # the slot words the kernel reads and writes
     body = SOURCE[SOURCE.index("__device__ void car_answer(") :]  # (the answer, then the kernel)
     assert "hload(w + 1, mode)" in body and "w + 2" in body and "hstore(w + 4, nres" in body
@@ -57,51 +56,6 @@ def test_the_host_constants_are_the_kernels() -> None:
         5,
         6,
     )
-
-
-class FakeCupy:
-    """What Carousel and Slots use of CuPy, over host memory."""
-
-    float16, uint32, int32, uint64 = np.float16, np.uint32, np.int32, np.uint64
-
-    def __init__(self) -> None:
-        self.registered: dict[int, int] = {}
-        runtime = SimpleNamespace(
-            hostRegister=lambda addr, size, flags: self.registered.__setitem__(addr, size),
-            hostUnregister=self.registered.pop,
-            getDeviceProperties=lambda ordinal: {
-                "multiProcessorCount": 132,
-                "regsPerMultiprocessor": 65536,
-                "sharedMemPerMultiprocessor": 233472,
-                "maxThreadsPerMultiProcessor": 2048,
-                "reservedSharedMemPerBlock": 1024,
-            },  # fmt: skip
-        )
-        self.cuda = SimpleNamespace(runtime=runtime, Device=lambda: SimpleNamespace(id=0),
-                                    Stream=lambda non_blocking=True: _Stream(), get_current_stream=_Stream)  # fmt: skip
-
-    @staticmethod
-    def zeros(shape: Any, dtype: Any) -> DevArray:
-        return dev(np.zeros(shape, dtype))
-
-
-class _Stream:
-    done = True
-
-    def __enter__(self) -> _Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def record(self) -> object:
-        return self
-
-    def wait_event(self, event: object) -> None:
-        self.waited = event
 
 
 class CarouselKernel(FakeKernel):
@@ -212,40 +166,6 @@ def test_slots_are_laid_out_as_the_kernel_reads_them(fake: tuple[FakeCupy, list]
         with pytest.raises(RuntimeError, match="in flight"):
             s.send(3, q, 7)
         s.close()
-
-
-class Conductor(threading.Thread):
-    """Answers the slots as carousel_topk's conductor does (exact top-k in numpy), until
-    stopped; ``pause`` stops it answering (a kernel that hangs)."""
-
-    def __init__(self, slots: Slots, data: np.ndarray) -> None:
-        super().__init__(daemon=True)
-        self.slots, self.data = slots, data
-        self.stop = threading.Event()
-        self.pause = threading.Event()
-        self.wrong_seq = False
-
-    def run(self) -> None:
-        s = self.slots
-        while not self.stop.is_set():
-            if self.pause.is_set():
-                time.sleep(0.001)
-                continue
-            for i in np.flatnonzero(s.words[:, 0] == REQUEST):
-                w = s.words[i]
-                w[0] = TAKEN
-                k = int(w[1])
-                if not 1 <= k <= carousel.KMAX:
-                    w[4], w[5] = 0, w[3]
-                    w[0] = ERROR
-                    continue
-                sc = self.data @ s.queries[i]
-                top = np.argsort(-sc, kind="stable")[:k]
-                s.rows[i, :k] = top
-                s.scores[i, :k] = sc[top]
-                w[4], w[5], w[6] = len(top), w[3] + self.wrong_seq, 1000
-                w[0] = DONE
-            time.sleep(0.0001)
 
 
 @pytest.fixture

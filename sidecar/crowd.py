@@ -1,0 +1,136 @@
+"""The crowd's lane: batch-1 recalls handed to the carousel and their answers taken back.
+
+The carousel (``carousel_topk``, sidecar/carousel.py) answers requests written into its own
+small slots (at most 64, 32 aboard at once). With ``KALOS_CAROUSEL=1`` a GPU sidecar runs it
+while a crowd of clients recalls (docs/gpu-notes.md, session 35), and :class:`CrowdLane` is
+the dispatcher's side of it, with no device code of its own:
+
+* :meth:`CrowdLane.board` takes a request the dispatcher picked up (the protocol slot marked
+  BUSY, its query checked finite): the query is copied into a free carousel slot (768
+  floats, ~0.3 µs) with its k, namespace id and a sequence number, then the slot's state
+  REQUEST; with no carousel slot free it waits in a backlog, boarded as slots come free.
+* :meth:`CrowdLane.harvest` returns the answers written since the last call (the kernel's
+  DONE or ERROR), each checked against the sequence number sent, and frees their slots.
+* :meth:`CrowdLane.drain` harvests until nothing is aboard or waiting: before anything that
+  changes the rows, and before the kernel is stopped (a stop abandons what is aboard).
+
+Why the kernel reads its own slots rather than the protocol's (session 34's plan): the
+kernel, its tests and its three reviews stay as they are until a device has measured them,
+and the copy costs far less than the turn (~460 µs) it waits for. The kernel reading the
+protocol slots, as ``doorbell_topk`` does, remains the follow-up if the lane proves worth it.
+
+Not thread-safe: the dispatcher's serve thread alone calls it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .carousel import DONE, ERROR, REQUEST, TAKEN, W_NS_ABOARD, W_RESP_SEQ, W_RESULTS, W_STATE, Slots
+
+
+class Landed(NamedTuple):
+    """One request's outcome from the carousel."""
+
+    token: Any  # what the caller boarded it with
+    ok: bool  # DONE (False: the kernel refused it, ERROR)
+    n: int  # results found (the kernel's count; the rest of the k are -1 / -inf)
+    rows: np.ndarray  # all k, best first (a copy)
+    scores: np.ndarray
+    aboard_ns: int  # the kernel's time from boarding to answer (GPU clock)
+
+
+class CrowdLane:
+    """Requests in flight on the carousel whose slots are ``slots``.
+
+    ``alive``: called while :meth:`drain` waits; it raises if the kernel can no longer answer
+    (it ended, or faulted), so a drain never waits for answers that will not come.
+    """
+
+    def __init__(self, slots: Slots, alive: Callable[[], None] = lambda: None) -> None:
+        self.slots = slots
+        self.alive = alive
+        self._free = list(range(slots.n - 1, -1, -1))  # carousel slots with nothing aboard (a stack)
+        self._aboard: dict[int, tuple[Any, int]] = {}  # carousel slot -> (token, seq sent)
+        self._backlog: deque[tuple[Any, np.ndarray, int, int]] = deque()  # (token, query, k, ns)
+        self._seq = 0
+        self.boarded = 0  # requests written into a carousel slot (diagnostics and tests)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests boarded or waiting to board and not harvested yet."""
+        return len(self._aboard) + len(self._backlog)
+
+    def board(self, token: Any, query: np.ndarray, k: int, ns: int) -> None:
+        """Hand one query (float32 [dim]; read now, or when it boards from the backlog: the
+        caller keeps it unchanged until :meth:`harvest` returns ``token``) to the carousel."""
+        if self._free:
+            self._send(self._free.pop(), token, query, k, ns)
+        else:
+            self._backlog.append((token, query, k, ns))
+
+    def _send(self, c: int, token: Any, query: np.ndarray, k: int, ns: int) -> None:
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        self.slots.send(c, query, k, ns, seq=self._seq)
+        self._aboard[c] = (token, self._seq)
+        self.boarded += 1
+
+    def harvest(self) -> list[Landed]:
+        """The answers written since the last call (none is returned twice), their slots freed
+        and given to the backlog.
+
+        Raises:
+            RuntimeError: an answer echoes another request's sequence number (the kernel and
+                the lane disagree about a slot: nothing from it can be trusted).
+        """
+        if not self._aboard:
+            return []
+        words = self.slots.words
+        st = words[:, W_STATE]
+        out: list[Landed] = []
+        for c in np.flatnonzero((st == DONE) | (st == ERROR)).tolist():
+            held = self._aboard.pop(c, None)
+            if held is None:
+                continue  # (an answer harvested before: the slot stays DONE until its next send)
+            token, seq = held
+            w = words[c]
+            if int(w[W_RESP_SEQ]) != seq:
+                raise RuntimeError(f"carousel slot {c} answered request {int(w[W_RESP_SEQ])}, not {seq}")
+            ok = int(w[W_STATE]) == DONE
+            rows, scores = self.slots.result(c)
+            out.append(Landed(token, ok, int(w[W_RESULTS]) if ok else 0, rows, scores, int(w[W_NS_ABOARD])))
+            self._free.append(c)
+        while self._backlog and self._free:
+            self._send(self._free.pop(), *self._backlog.popleft())
+        return out
+
+    def drain(self, timeout: float = 5.0) -> list[Landed]:
+        """Harvest until nothing is aboard or waiting; return every answer harvested.
+
+        Raises:
+            TimeoutError: an answer did not come within ``timeout`` s of the last one.
+        """
+        out = self.harvest()
+        last = time.monotonic()
+        while self.in_flight:
+            got = self.harvest()
+            if got:
+                out += got
+                last = time.monotonic()
+                continue
+            self.alive()
+            if time.monotonic() - last > timeout:
+                raise TimeoutError(f"the carousel answered none of its {self.in_flight} requests within {timeout} s")
+            time.sleep(0)
+        return out
+
+    def busy(self) -> bool:
+        """Whether any carousel slot still holds a request the kernel has not answered (the
+        kernel may not be stopped then: a stop abandons it)."""
+        st = self.slots.words[:, W_STATE]
+        return bool(((st == REQUEST) | (st == TAKEN)).any())

@@ -1,0 +1,109 @@
+"""Stand-ins for the carousel on the CPU (sidecar/carousel.py): what its Slots and Carousel use
+of CuPy, over host memory, and a thread that answers the slots as ``carousel_topk``'s conductor
+and blocks together do (an exact top-k in numpy, by inner product). What the kernel computes
+is for the GPU tests (tests/gpu/test_carousel.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+from kalos_retrievers.sidecar import carousel
+from kalos_retrievers.sidecar.carousel import DONE, ERROR, REQUEST, TAKEN, Slots
+from kalos_retrievers.sidecar.index import NS_ANY
+from kernel_fakes import DevArray, dev
+
+
+class FakeCupy:
+    """What Carousel and Slots use of CuPy, over host memory."""
+
+    float16, uint32, int32, uint64 = np.float16, np.uint32, np.int32, np.uint64
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        runtime = SimpleNamespace(
+            hostRegister=lambda addr, size, flags: self.registered.__setitem__(addr, size),
+            hostUnregister=self.registered.pop,
+            getDeviceProperties=lambda ordinal: {
+                "multiProcessorCount": 132,
+                "regsPerMultiprocessor": 65536,
+                "sharedMemPerMultiprocessor": 233472,
+                "maxThreadsPerMultiProcessor": 2048,
+                "reservedSharedMemPerBlock": 1024,
+            },  # fmt: skip
+        )
+        self.cuda = SimpleNamespace(runtime=runtime, Device=lambda: SimpleNamespace(id=0),
+                                    Stream=lambda non_blocking=True: _Stream(), get_current_stream=_Stream)  # fmt: skip
+
+    @staticmethod
+    def zeros(shape: Any, dtype: Any) -> DevArray:
+        return dev(np.zeros(shape, dtype))
+
+
+class _Stream:
+    done = True
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record(self) -> object:
+        return self
+
+    def wait_event(self, event: object) -> None:
+        self.waited = event
+
+
+class Conductor(threading.Thread):
+    """Answers the slots as carousel_topk does (the exact top-k by inner product in numpy, ties
+    to the smaller row; past the results -1 and -inf) over the first ``n_rows`` rows of
+    ``data`` (all by default), until stopped. A request naming a namespace id takes the rows
+    whose id in ``ns`` is that one; NS_ANY, every row; one naming a namespace without ``ns``,
+    or with k outside [1, KMAX], is refused (ERROR). ``pause`` stops it answering (a kernel
+    that hangs); ``wrong_seq`` makes it echo the wrong sequence number."""
+
+    def __init__(self, slots: Slots, data: np.ndarray, ns: np.ndarray | None = None,
+                 n_rows: int | None = None) -> None:  # fmt: skip
+        super().__init__(daemon=True)
+        self.slots, self.data, self.ns = slots, data, ns
+        self.n_rows = len(data) if n_rows is None else n_rows
+        self.stop = threading.Event()
+        self.pause = threading.Event()
+        self.wrong_seq = False
+        self.answered = 0
+
+    def run(self) -> None:
+        s = self.slots
+        while not self.stop.is_set():
+            if self.pause.is_set():
+                time.sleep(0.001)
+                continue
+            for i in np.flatnonzero(s.words[:, 0] == REQUEST):
+                w = s.words[i]
+                w[0] = TAKEN
+                k, want = int(w[1]), int(w[2].view(np.int32))
+                if not 1 <= k <= carousel.KMAX or (want != NS_ANY and self.ns is None):
+                    w[4], w[5] = 0, w[3]
+                    w[0] = ERROR
+                    continue
+                sc = self.data[: self.n_rows] @ s.queries[i]
+                if want != NS_ANY:
+                    sc = np.where(self.ns[: self.n_rows] == want, sc, -np.inf)
+                top = np.argsort(-sc, kind="stable")[:k]
+                top = top[np.isfinite(sc[top])]
+                s.rows[i, :k] = -1
+                s.scores[i, :k] = -np.inf
+                s.rows[i, : len(top)] = top
+                s.scores[i, : len(top)] = sc[top]
+                w[4], w[5], w[6] = len(top), w[3] + self.wrong_seq, 1000
+                w[0] = DONE
+                self.answered += 1
+            time.sleep(0.0001)

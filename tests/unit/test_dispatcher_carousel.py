@@ -1,0 +1,366 @@
+"""The dispatcher with an index that has a carousel (sidecar/crowd.py; KALOS_CAROUSEL=1 on a GPU),
+in process: a CPU index whose carousel is a thread answering its slots as the kernel does
+(tests/carousel_fakes.py). A crowd's batch-1 recalls go to the carousel and each gets its own
+exact answer; the carousel starts for a crowd only, and stops when it has gone or sits idle;
+nothing else touches the "device" while it runs (the real one holds every SM), so writes,
+recalls it cannot take and every other request wait until it is drained and stopped."""
+
+from __future__ import annotations
+
+import mmap
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+from carousel_fakes import Conductor, FakeCupy
+from kalos_retrievers.sidecar import carousel
+from kalos_retrievers.sidecar import dispatcher as dispatcher_module
+from kalos_retrievers.sidecar.carousel import Slots
+from kalos_retrievers.sidecar.crowd import CrowdLane
+from kalos_retrievers.sidecar.dispatcher import Dispatcher
+from kalos_retrievers.sidecar.index import CpuIndex
+from kalos_retrievers.sidecar.service import Service
+from kalos_retrievers.sidecar.stats import Stats
+from kalos_retrievers.sidecar.store import NullStore
+from kalos_testing import PostCounter
+
+from kalos_retrievers.arena import ArenaWriter
+from kalos_retrievers.protocol import (
+    CTL_SIZE,
+    HEADER_SIZE,
+    METRICS,
+    REQUEST_OFFSET,
+    REQUEST_STRUCT,
+    Flag,
+    Layout,
+    Op,
+    Response,
+    SlotState,
+    Status,
+    decode_docs_blob,
+    encode_json,
+    encode_recall_args,
+)
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(dispatcher_module._hotpath is None, reason="sidecar/_hotpath.c is not built"),
+]
+
+
+class _CarouselIndex(CpuIndex):
+    """A CPU index (inner product) with a carousel: a Conductor over its rows, started and
+    stopped as GpuIndex does. Every other use of the "device" while the carousel runs fails,
+    and so does a stop while it holds a request (a real stop abandons it)."""
+
+    host_search = False  # (as a GPU index: no short path for lone recalls)
+    carousel_k = carousel.KMAX
+
+    def __init__(self, dim: int, metric: int) -> None:
+        super().__init__(dim, metric)
+        self.slots = Slots(FakeCupy(), carousel.MAX_SLOTS, dim)
+        self.crowd = CrowdLane(self.slots)
+        self.cond: Conductor | None = None
+        self.log: list[str] = []
+
+    def _device(self, what: str) -> None:
+        assert not self.carousel_running, f"{what} while the carousel runs (it holds every SM)"
+        self.log.append(what)
+
+    def start_carousel(self, high: int) -> None:
+        self._device(f"start {high}")
+        self.cond = Conductor(self.slots, self.data, self.ns, n_rows=high)
+        self.cond.start()
+        self.carousel_running = True
+
+    def stop_carousel(self) -> None:
+        if not self.carousel_running:
+            return
+        assert not self.crowd.busy(), "the carousel stopped with requests aboard"
+        assert self.cond is not None
+        self.cond.stop.set()
+        self.cond.join()
+        self.carousel_running = False
+        self.log.append("stop")
+
+    def pause_doorbell(self) -> None:
+        self.stop_carousel()
+
+    def search(self, *a: Any, **kw: Any) -> tuple[np.ndarray, np.ndarray]:
+        self._device("search")
+        return super().search(*a, **kw)
+
+    def set_rows(self, *a: Any) -> None:
+        self._device("write")
+        super().set_rows(*a)
+
+    def clear_rows(self, rows: np.ndarray) -> None:
+        self._device("delete")
+        super().clear_rows(rows)
+
+    def close(self) -> None:
+        if self.cond is not None:
+            self.cond.stop.set()
+            self.cond.join()
+        self.slots.close()
+
+
+class Rig(NamedTuple):
+    d: Dispatcher
+    index: _CarouselIndex
+    svc: Service
+    mm: mmap.mmap
+    lay: Layout
+    states: np.ndarray
+    sems: list[PostCounter]
+    data: np.ndarray
+    arena: ArenaWriter
+
+
+@pytest.fixture
+def rig(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``rig(n_slots, rows, dim=11)``: a dispatcher over an anonymous map and a service over a
+    _CarouselIndex holding ``rows`` random rows (ids r<row>, texts t<row>) and an arena; the
+    clients seen "lately" for as long as a test takes (a slow host must not thin the crowd)."""
+    monkeypatch.setattr(dispatcher_module, "COHORT_WINDOW_NS", 10**15)
+    made: list[_CarouselIndex] = []
+
+    def make(n_slots: int, rows: int, dim: int = 11) -> Rig:
+        lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
+        mm = mmap.mmap(-1, lay.segment_size)
+        index = _CarouselIndex(dim, METRICS["ip"])
+        made.append(index)
+        svc = Service(index, NullStore(), dim=dim, metric=METRICS["ip"])
+        bufs: dict[int, bytearray] = {}
+        arena = ArenaWriter(lambda v, size: bufs.setdefault(v, bytearray(size)), bufs.pop)
+        svc.rows.arena = arena
+        data = np.random.default_rng().standard_normal((rows, dim)).astype(np.float32)
+        svc.upsert({"namespace": "", "ids": [f"r{i}" for i in range(rows)], "texts": [f"t{i}" for i in range(rows)],
+                    "metadatas": [{} for _ in range(rows)]}, data)  # fmt: skip
+        index.log.clear()
+        sems = [PostCounter() for _ in range(n_slots)]
+        d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {})
+        d.crowd_min = 4
+        states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+        return Rig(d, index, svc, mm, lay, states, sems, data, arena)
+
+    yield make
+    for index in made:
+        index.close()
+
+
+def _ask(r: Rig, i: int, q: np.ndarray, k: int, seq: int, flags: int = 0, args: bytes = b"") -> None:
+    off = r.lay.slot_offset(i)
+    np.frombuffer(r.mm, np.float32, r.lay.dim, off + r.lay.payload_offset)[:] = q
+    if args:
+        start = off + r.lay.payload_offset + 4 * r.lay.dim
+        start += -start % 8
+        r.mm[start : start + len(args)] = args
+    REQUEST_STRUCT.pack_into(r.mm, off + REQUEST_OFFSET, seq, Op.RECALL, flags, k, 1, 4 * r.lay.dim, len(args), 0)
+    r.states[i] = SlotState.REQUEST
+
+
+def _answered(r: Rig, slots: list[int], timeout: float = 10.0) -> None:
+    """Poll until every slot of ``slots`` holds an answer."""
+    end = time.monotonic() + timeout
+    while not all(r.states[i] in (SlotState.RESPONSE, SlotState.ERROR) for i in slots):
+        assert time.monotonic() < end, [int(r.states[i]) for i in slots]
+        r.d.poll()
+
+
+def _rows(r: Rig, i: int, n: int) -> list[int]:
+    off = r.lay.slot_offset(i)
+    resp = Response.unpack(r.mm[off : off + CTL_SIZE])
+    assert r.states[i] == SlotState.RESPONSE and resp.status == Status.OK, (i, resp)
+    assert resp.n_results == n
+    return np.frombuffer(r.mm, np.int32, n, off + r.lay.rows_offset).tolist()
+
+
+def _top(data: np.ndarray, q: np.ndarray, k: int, keep: np.ndarray | None = None) -> list[int]:
+    sc = data @ q
+    if keep is not None:
+        sc = np.where(keep, sc, -np.inf)
+    top = np.argsort(-sc, kind="stable")[:k]
+    return top[np.isfinite(sc[top])].tolist()
+
+
+def test_a_crowds_recalls_ride_the_carousel_each_with_its_own_answer(rig: Any) -> None:
+    """Seven clients, three rounds each (k 1 to 32, odd sizes): every recall is answered from
+    the carousel, exactly, its documents inline, its semaphore posted once; nothing else ran
+    on the "device"."""
+    r = rig(7, 301)
+    rng = np.random.default_rng()
+    for rnd in range(3):
+        qs = rng.standard_normal((7, r.lay.dim)).astype(np.float32)
+        ks = [1 + (7 * rnd + i) * 5 % 32 for i in range(7)]
+        for i in range(7):
+            _ask(r, i, qs[i], ks[i], seq=10 * rnd + i)
+        _answered(r, list(range(7)))
+        for i in range(7):
+            assert _rows(r, i, ks[i]) == _top(r.data, qs[i], ks[i]), (rnd, i)
+            off = r.lay.slot_offset(i)
+            resp = Response.unpack(r.mm[off : off + CTL_SIZE])
+            assert resp.seq == 10 * rnd + i
+            views, _ = decode_docs_blob(bytes(r.mm[off + r.lay.blob_offset : off + r.lay.blob_offset + resp.resp_len]),
+                                        r.lay.dim, False)  # fmt: skip
+            assert [bytes(v) for v in views] == [r.arena.get(j) for j in _top(r.data, qs[i], ks[i])]
+    assert r.index.crowd.boarded == 21 and r.index.cond.answered == 21
+    assert r.index.log == ["start 301"], r.index.log
+    assert [s.posts for s in r.sems] == [3] * 7
+    assert r.d.stats.snapshot({})["requests"]["recall/ok"] == 21
+
+
+def test_fewer_clients_than_a_crowd_never_start_it(rig: Any) -> None:
+    """The negative control: three clients (crowd_min 4) are answered the usual way."""
+    r = rig(3, 97)
+    q = np.random.default_rng().standard_normal((3, r.lay.dim)).astype(np.float32)
+    for i in range(3):
+        _ask(r, i, q[i], 5, seq=i)
+    _answered(r, [0, 1, 2])
+    r.d.settle()
+    assert [_rows(r, i, 5) for i in range(3)] == [_top(r.data, q[i], 5) for i in range(3)]
+    assert r.index.crowd.boarded == 0 and "search" in r.index.log and not r.index.carousel_running
+
+
+def test_a_write_waits_for_the_carousel_to_drain_and_stop(rig: Any) -> None:
+    """An upsert arriving while the crowd's recalls are aboard: they are answered from the
+    rows as they were, the carousel stops, then the write runs; the next crowd starts it
+    again over the new rows."""
+    r = rig(6, 53)
+    rng = np.random.default_rng()
+    q = rng.standard_normal((6, r.lay.dim)).astype(np.float32)
+    for i in range(5):
+        _ask(r, i, q[i], 3, seq=i)
+    r.d.poll()  # boarded
+    assert r.index.carousel_running and r.index.crowd.in_flight
+    new = q[:1] * 100  # a row that wins slot 0's recall
+    args = encode_json({"namespace": "", "ids": ["big"], "texts": ["big"], "metadatas": [{}]})
+    off = r.lay.slot_offset(5)
+    np.frombuffer(r.mm, np.float32, r.lay.dim, off + r.lay.payload_offset)[:] = new[0]
+    start = off + r.lay.payload_offset + 4 * r.lay.dim
+    start += -start % 8
+    r.mm[start : start + len(args)] = args
+    REQUEST_STRUCT.pack_into(r.mm, off + REQUEST_OFFSET, 99, Op.UPSERT, 0, 0, 1, 4 * r.lay.dim, len(args), 0)
+    r.states[5] = SlotState.REQUEST
+    _answered(r, list(range(6)))
+    assert r.index.log[-2:] == ["stop", "write"], r.index.log
+    for i in range(5):
+        assert _rows(r, i, 3) == _top(r.data, q[i], 3)  # the rows before the write
+    for i in range(5):
+        _ask(r, i, q[i], 3, seq=10 + i)
+    _answered(r, list(range(5)))
+    both = np.vstack([r.data, new])
+    for i in range(5):
+        got = _rows(r, i, 3)
+        assert got == _top(both, q[i], 3) and (i or got[0] == 53)
+    assert r.index.log.count("start 54") == 1 and r.index.crowd.boarded == 10
+
+
+@pytest.mark.parametrize("odd", ["k above the carousel's", "vectors", "a filter", "a huge ip query"])
+def test_a_recall_the_carousel_cannot_take_waits_for_it_to_stop(odd: str, rig: Any) -> None:
+    """A crowd aboard, and one recall the carousel cannot answer: the crowd is answered, the
+    carousel stopped, and that recall searched the usual way, with its own right answer."""
+    r = rig(6, 211)
+    rng = np.random.default_rng()
+    q = rng.standard_normal((6, r.lay.dim)).astype(np.float32)
+    for i in range(5):
+        _ask(r, i, q[i], 4, seq=i)
+    r.d.poll()
+    assert r.index.carousel_running
+    k, flags, args = 4, 0, b""
+    if odd == "k above the carousel's":
+        k = carousel.KMAX + 3
+    elif odd == "vectors":
+        flags = Flag.WITH_VECTORS
+    elif odd == "a filter":
+        args = encode_recall_args("", encode_json({"absent": 1}))  # (no row has it)
+    else:
+        q[5] *= 1e6  # float16 cannot hold it: the kernel would refuse it
+    _ask(r, 5, q[5], k, seq=5, flags=flags, args=args)
+    _answered(r, list(range(6)))
+    r.d.settle()
+    for i in range(5):
+        assert _rows(r, i, 4) == _top(r.data, q[i], 4)
+    if odd == "a filter":
+        assert _rows(r, 5, 0) == []
+    else:
+        assert _rows(r, 5, k) == _top(r.data, q[5], k)
+    assert "stop" in r.index.log and r.index.crowd.boarded == 5
+
+
+def test_deleted_rows_are_never_returned(rig: Any) -> None:
+    """With holes in the rows the carousel is asked for the default namespace's id, not every
+    row (NS_ANY would take the tombstones)."""
+    r = rig(5, 64)
+    gone = list(range(0, 64, 3))
+    r.svc.delete({"namespace": "", "ids": [f"r{j}" for j in gone]})
+    keep = np.ones(64, bool)
+    keep[gone] = False
+    q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
+    for i in range(5):
+        _ask(r, i, q[i], 32, seq=i)
+    _answered(r, list(range(5)))
+    for i in range(5):
+        got = _rows(r, i, 32)
+        assert got == _top(r.data, q[i], 32, keep) and not set(got) & set(gone)
+    assert r.index.crowd.boarded == 5
+
+
+def test_the_carousel_stops_when_the_crowd_thins_and_when_idle(rig: Any) -> None:
+    r = rig(6, 77)
+    q = np.random.default_rng().standard_normal((6, r.lay.dim)).astype(np.float32)
+    for i in range(6):
+        _ask(r, i, q[i], 2, seq=i)
+    _answered(r, list(range(6)))
+    assert r.index.carousel_running
+    # idle: stopped by housekeeping once nothing has boarded for the idle time
+    r.d.stop_idle_carousel(0, 10)  # (notes the count)
+    assert r.index.carousel_running
+    r.d.stop_idle_carousel(100, 10)
+    assert not r.index.carousel_running and r.index.log[-1] == "stop"
+    # a crowd again, then one client alone once the others have not been seen for a window
+    for i in range(6):
+        _ask(r, i, q[i], 2, seq=10 + i)
+    _answered(r, list(range(6)))
+    assert r.index.carousel_running and r.index.log.count("start 77") == 2
+    r.d._seen = {0: time.perf_counter_ns()}  # (the others' last recalls long ago)
+    _ask(r, 0, q[0], 2, seq=20)
+    _answered(r, [0])
+    assert not r.index.carousel_running and r.index.log[-2:] == ["stop", "search"], r.index.log
+    assert _rows(r, 0, 2) == _top(r.data, q[0], 2)
+
+
+def test_other_requests_are_answered_after_the_carousel_drains(rig: Any) -> None:
+    """A ping amid a crowd: everything aboard is answered first (settle), and the carousel
+    keeps running: a ping needs no device."""
+    r = rig(6, 40)
+    q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
+    for i in range(5):
+        _ask(r, i, q[i], 3, seq=i)
+    r.d.poll()
+    REQUEST_STRUCT.pack_into(r.mm, r.lay.slot_offset(5) + REQUEST_OFFSET, 7, Op.PING, 0, 0, 0, 0, 0, 0)
+    r.states[5] = SlotState.REQUEST
+    r.d.poll()
+    assert all(r.states[i] == SlotState.RESPONSE for i in range(6))
+    assert r.index.carousel_running and r.index.crowd.in_flight == 0
+
+
+def test_reclaim_leaves_a_slot_whose_request_is_aboard(rig: Any, tmp_path: Any) -> None:
+    """A client that died with its recall aboard: its slot is not freed under the carousel
+    (its answer would land in a slot someone else may own by then); once answered, it is.
+    (A plain file's lock bytes are free: every slot's owner looks gone.)"""
+    r = rig(5, 40)
+    q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
+    for i in range(5):
+        _ask(r, i, q[i], 3, seq=i)
+    r.d.poll()
+    assert r.index.carousel_running
+    r.index.cond.pause.set()
+    with open(tmp_path / "locks", "w+b") as f:
+        f.truncate(4096)
+        assert r.d.reclaim(f.fileno()) == 0  # every slot BUSY, its request aboard
+        r.index.cond.pause.clear()
+        _answered(r, list(range(5)))
+        assert r.d.reclaim(f.fileno()) == 5
