@@ -21,7 +21,9 @@ batched path (which is what 32 processes and batches use anyway). With ``--doorb
 their resident kernels, and before each side's turn the other side is sent a batch of two
 queries, which stops its kernel (a batch does; checked in its ``stats``); each turn then also
 times 2,000 batch-1 recalls (``batch1_p50_us``: the resident kernel's path once it has started).
-Prints per-side medians and the mean per-round difference B - A with its standard error;
+A side whose ``--env`` sets ``KALOS_CAROUSEL=1`` (the crowd on the carousel, sidecar/crowd.py)
+leaves its carousel running after its turn, so the other side is quiesced before each turn in
+the same way. Prints per-side medians and the mean per-round difference B - A with its standard error;
 writes ``DIR/ab_sidecars.json``.
 ``--env-a`` / ``--env-b`` set environment variables for one side's sidecar process (the same
 package on both sides then compares two settings), and ``--client-env-a`` / ``--client-env-b``
@@ -135,13 +137,14 @@ def start(path: str, device: str, rows: np.ndarray, env: dict[str, str] | None =
 
 
 def quiesce(sc: Sidecar, queries: np.ndarray) -> None:
-    """Stop ``sc``'s resident kernel (a batch stops it) so that it holds no SM while the other
-    side runs; raise if it still runs."""
+    """Stop ``sc``'s resident kernel and its carousel (a batch stops both) so that neither holds
+    an SM while the other side runs; raise if one still runs."""
     with sc.client(timeout=30) as c:
         c.recall_batch(queries[:2], K)
-        running = c.stats().get("index", {}).get("doorbell_running")
-    if running:
-        raise RuntimeError(f"sidecar {sc.name}'s resident kernel still runs after a batch")
+        index = c.stats().get("index", {})
+    for what in ("doorbell", "carousel"):
+        if index.get(f"{what}_running"):
+            raise RuntimeError(f"sidecar {sc.name}'s {what} kernel still runs after a batch")
 
 
 def main() -> int:
@@ -178,6 +181,9 @@ def main() -> int:
     if args.arena_docs:
         for env in envs.values():
             env.setdefault("KALOS_ARENA", "1")
+    # a side with the carousel (KALOS_CAROUSEL=1) leaves it running after its turn, holding
+    # every SM until it idles out: the other side is quiesced before each turn, as with --doorbell
+    carousel = any(env.get("KALOS_CAROUSEL") == "1" for env in envs.values())
     rows = make_data(args.rows, DIM, 2)
     queries = make_data(16 * BATCH, DIM, 3)
     res: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "a": args.a, "b": args.b,
@@ -201,7 +207,7 @@ def main() -> int:
             rnd: dict[str, Any] = {}
             for label in ("a", "b") if r % 2 == 0 else ("b", "a"):
                 sc = sides[label]
-                if args.doorbell:
+                if args.doorbell or carousel:
                     quiesce(sides["b" if label == "a" else "a"], queries)
                 cpus = getattr(args, f"client_cpus_{label}")
                 with affinity(cpus), environ(client_envs[label]), sc.client(timeout=30) as c:

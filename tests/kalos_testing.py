@@ -115,6 +115,41 @@ def recall_row_worker(name: str, dim: int, seed: int, n_calls: int, out: Any, ro
     out.put(bad)
 
 
+def exact_crowd_worker(name: str, dim: int, metric: str, seed: int, n_calls: int, rows: int, other_every: int,
+                       out: Any) -> None:  # fmt: skip
+    """Child process: ``n_calls`` recalls of random queries (k 1, 10 and 32 in turn) in the
+    default namespace of a GPU sidecar's float16 rows (``rows`` of them, ids "0".., data seed
+    0; every ``other_every``-th in another namespace when nonzero), back to back; the float64
+    references are computed before the first call, so the crowd stays a crowd. Puts the first
+    mismatch's description on ``out`` (or "" when every answer was right)."""
+    from kalos_retrievers import KalosClient
+
+    rng = np.random.default_rng(seed)
+    data = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+    stored = as_float16_stored(data, metric)
+    keep = np.ones(rows, bool)
+    if other_every:
+        keep[::other_every] = False
+    qs = rng.standard_normal((n_calls, dim)).astype(np.float32)
+    ks = [(1, 10, 32)[j % 3] for j in range(n_calls)]
+    ref_metric = "ip" if metric == "cosine" else metric
+    refs = [reference_topk(stored, as_float16_stored(qs[j : j + 1], metric), ks[j], ref_metric, keep)
+            for j in range(n_calls)]  # fmt: skip
+    got = []
+    with KalosClient(name, dim=dim, timeout=60) as c:
+        for j in range(n_calls):
+            r = c.recall(qs[j], k=ks[j])
+            got.append((r.ids, np.asarray(r.scores)))
+    try:
+        for j, (ids, scores) in enumerate(got):
+            ri, rs = refs[j]
+            assert_topk_equal(ids, scores, [str(i) for i in ri[0]], rs[0], atol=2e-3, context=f"call {j}")
+    except AssertionError as e:
+        out.put(str(e))
+        return
+    out.put("")
+
+
 def recall_id_worker(name: str, dim: int, seed: int, n_calls: int, out: Any) -> None:
     """Child process: recall stored vectors by themselves (ids "0".., data seed 0, 4001 rows)
     and count answers whose top id is not the query's own: a response routed to the wrong
