@@ -13,6 +13,9 @@ the dispatcher's side of it, with no device code of its own:
   DONE or ERROR), each checked against the sequence number sent, and frees their slots.
 * :meth:`CrowdLane.drain` harvests until nothing is aboard or waiting: before anything that
   changes the rows, and before the kernel is stopped (a stop abandons what is aboard).
+* :meth:`CrowdLane.quiesce` is the index's side of a stop: it runs the backlog through the
+  kernel and waits for every answer, keeping them for the next :meth:`CrowdLane.harvest`, so a
+  stop from anywhere (not only after the dispatcher's drain) abandons nothing.
 
 Why the kernel reads its own slots rather than the protocol's (session 34's plan): the
 kernel, its tests and its three reviews stay as they are until a device has measured them,
@@ -58,13 +61,14 @@ class CrowdLane:
         self._free = list(range(slots.n - 1, -1, -1))  # carousel slots with nothing aboard (a stack)
         self._aboard: dict[int, tuple[Any, int]] = {}  # carousel slot -> (token, seq sent)
         self._backlog: deque[tuple[Any, np.ndarray, int, int]] = deque()  # (token, query, k, ns)
+        self._landed: list[Landed] = []  # answers taken by quiesce, for the next harvest
         self._seq = 0
         self.boarded = 0  # requests written into a carousel slot (diagnostics and tests)
 
     @property
     def in_flight(self) -> int:
         """Requests boarded or waiting to board and not harvested yet."""
-        return len(self._aboard) + len(self._backlog)
+        return len(self._aboard) + len(self._backlog) + len(self._landed)
 
     def board(self, token: Any, query: np.ndarray, k: int, ns: int) -> None:
         """Hand one query (float32 [dim]; read now, or when it boards from the backlog: the
@@ -88,6 +92,11 @@ class CrowdLane:
             RuntimeError: an answer echoes another request's sequence number (the kernel and
                 the lane disagree about a slot: nothing from it can be trusted).
         """
+        out, self._landed = self._landed, []
+        return out + self._take()
+
+    def _take(self) -> list[Landed]:
+        """The answers written since the last look, their slots freed and given to the backlog."""
         if not self._aboard:
             return []
         words = self.slots.words
@@ -113,21 +122,41 @@ class CrowdLane:
         """Harvest until nothing is aboard or waiting; return every answer harvested.
 
         Raises:
+            TimeoutError: an answer did not come within ``timeout`` s of the last one (what did
+                come is kept for the next :meth:`harvest`, as when ``alive`` raises).
+        """
+        self.quiesce(timeout)
+        return self.harvest()
+
+    def quiesce(self, timeout: float = 5.0) -> None:
+        """Wait until the kernel holds no request and none waits to board (the backlog sent as
+        slots come free), keeping the answers for the next :meth:`harvest`: after this the
+        kernel can be stopped without abandoning anything.
+
+        Raises:
             TimeoutError: an answer did not come within ``timeout`` s of the last one.
         """
-        out = self.harvest()
         last = time.monotonic()
-        while self.in_flight:
-            got = self.harvest()
+        while self._backlog or self.busy():
+            got = self._take()
             if got:
-                out += got
+                self._landed += got
                 last = time.monotonic()
                 continue
             self.alive()
             if time.monotonic() - last > timeout:
                 raise TimeoutError(f"the carousel answered none of its {self.in_flight} requests within {timeout} s")
             time.sleep(0)
-        return out
+
+    def abandon(self) -> list[Any]:
+        """Forget every request not harvested yet (the kernel is gone); return their tokens, for
+        the caller to answer with an error."""
+        tokens = [t for t, _ in self._aboard.values()] + [b[0] for b in self._backlog] + [x.token for x in self._landed]
+        self._aboard.clear()
+        self._backlog.clear()
+        self._landed = []
+        self._free = list(range(self.slots.n - 1, -1, -1))
+        return tokens
 
     def busy(self) -> bool:
         """Whether any carousel slot still holds a request the kernel has not answered (the

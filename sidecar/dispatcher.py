@@ -1187,6 +1187,14 @@ class Dispatcher:
             self.settle()
         except Exception:  # a fatal device error: its members were answered with it
             log.exception("finishing the batch in flight failed")
+        crowd = self.service.index.crowd
+        if crowd is not None and crowd.in_flight:  # the carousel failed: what it answered is
+            try:  # answered, what it held gets the error
+                self._answer_landed(crowd.harvest())
+            except Exception:
+                log.exception("answering the carousel's last answers failed")
+            for req, t0, i in crowd.abandon():
+                self._error(i, req, status, message, t0)
         for i in self.waiting().tolist():
             req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
             self._error(i, req, status, message, time.perf_counter_ns())

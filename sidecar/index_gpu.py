@@ -772,18 +772,17 @@ class GpuIndex(Index):
         raise FatalDeviceError(f"the carousel on {self.name} ended without being stopped")
 
     def stop_carousel(self) -> None:
-        """Stop the carousel, once the kernel holds no request (a stop abandons what is aboard;
-        the dispatcher drains ``crowd`` first, and answers not harvested yet stay there)."""
+        """Stop the carousel once it holds no request and none waits to board (a stop abandons
+        what is aboard: ``crowd.quiesce`` runs the backlog through first, and keeps the answers
+        for the dispatcher's next harvest)."""
         if not self.carousel_running:
             return
         car, crowd = self._car, self.crowd
         assert car is not None and crowd is not None
-        end = time.monotonic() + _DOORBELL_STOP_S
-        while crowd.busy():
-            self.check_carousel()
-            if time.monotonic() > end:
-                raise FatalDeviceError(f"the carousel on {self.name} answered nothing for {_DOORBELL_STOP_S:.0f} s")
-            time.sleep(0)
+        try:
+            crowd.quiesce(_DOORBELL_STOP_S)  # (check_carousel, its alive(), raises if the kernel has ended)
+        except TimeoutError as e:
+            raise FatalDeviceError(f"the carousel on {self.name}: {e}") from None
         try:
             self._check(lambda: car.stop(_DOORBELL_STOP_S))
         except TimeoutError as e:

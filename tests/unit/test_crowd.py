@@ -134,3 +134,31 @@ def test_busy_is_a_request_the_kernel_holds(rig: Any) -> None:
     cond.pause.clear()
     lane.drain()
     assert not lane.busy()
+
+
+def test_quiesce_runs_the_backlog_through_and_keeps_the_answers_for_harvest(rig: Any) -> None:
+    """The index's side of a stop: with more requests than slots, quiesce returns only when the
+    kernel holds nothing and nothing waits, and the next harvest returns every answer once."""
+    rng = np.random.default_rng()
+    data = rng.standard_normal((31, 5)).astype(np.float32)
+    lane, cond = rig(3, data)
+    qs = rng.standard_normal((8, 5)).astype(np.float32)
+    for j in range(8):
+        lane.board(j, qs[j], 4, NS_ANY)
+    lane.quiesce()
+    assert not lane.busy() and cond.answered == 8 and lane.in_flight == 8  # answered, not harvested
+    got = lane.harvest()
+    assert sorted(x.token for x in got) == list(range(8)) and lane.in_flight == 0
+    assert all(x.rows.tolist() == _top(data, qs[x.token], 4) for x in got)
+
+
+def test_abandon_hands_back_every_token_not_harvested(rig: Any) -> None:
+    data = np.eye(6, dtype=np.float32)
+    lane, cond = rig(2, data)
+    lane.board("done", data[1], 1, NS_ANY)
+    lane.quiesce()  # "done" answered, kept
+    cond.pause.set()
+    for t in ("aboard1", "aboard2", "waiting"):
+        lane.board(t, data[2], 1, NS_ANY)
+    assert sorted(lane.abandon()) == ["aboard1", "aboard2", "done", "waiting"]
+    assert lane.in_flight == 0 and lane.harvest() == []

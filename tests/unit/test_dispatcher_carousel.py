@@ -64,6 +64,8 @@ class _CarouselIndex(CpuIndex):
         self.crowd = CrowdLane(self.slots)
         self.cond: Conductor | None = None
         self.log: list[str] = []
+        # a stop must find nothing aboard (the dispatcher drained it); False: quiesce first, as GpuIndex
+        self.strict = True
 
     def _device(self, what: str) -> None:
         assert not self.carousel_running, f"{what} while the carousel runs (it holds every SM)"
@@ -78,6 +80,8 @@ class _CarouselIndex(CpuIndex):
     def stop_carousel(self) -> None:
         if not self.carousel_running:
             return
+        if not self.strict:
+            self.crowd.quiesce(1.0)  # (as GpuIndex: a stop from the index's side abandons nothing)
         assert not self.crowd.busy(), "the carousel stopped with requests aboard"
         assert self.cond is not None
         self.cond.stop.set()
@@ -364,3 +368,48 @@ def test_reclaim_leaves_a_slot_whose_request_is_aboard(rig: Any, tmp_path: Any) 
         r.index.cond.pause.clear()
         _answered(r, list(range(5)))
         assert r.d.reclaim(f.fileno()) == 5
+
+
+@pytest.mark.parametrize("kernel", ["alive", "dead", "dead after two answers"])
+def test_stopping_answers_the_crowd_or_refuses_it_when_the_kernel_is_gone(kernel: str, rig: Any) -> None:
+    """refuse_all (the sidecar stopping) with recalls aboard and waiting: a live carousel answers
+    them all first; one that has stopped answering (its stop fails) leaves each with the
+    stopping error, none unanswered; what it answered before it died is answered."""
+    r = rig(7, 60)
+    r.index.strict = False
+    q = np.random.default_rng().standard_normal((7, r.lay.dim)).astype(np.float32)
+    r.index.slots.close()  # two carousel slots only: a backlog
+    r.index.slots = Slots(FakeCupy(), 2, r.lay.dim)
+    r.index.crowd = lane = CrowdLane(r.index.slots)
+    for i in range(7):
+        _ask(r, i, q[i], 3, seq=i)
+    r.d._seen = dict.fromkeys(range(7), time.perf_counter_ns())  # (a crowd: the carousel starts)
+    r.index.start_carousel = lambda high, f=r.index.start_carousel: (f(high), r.index.cond.pause.set())  # type: ignore[method-assign]
+    r.d.poll()
+    assert r.index.carousel_running and lane.in_flight == 7 and lane.boarded == 2
+    answered: list[int] = []
+    if kernel == "dead after two answers":
+        r.index.cond.pause.clear()
+        while r.index.cond.answered < 2:
+            time.sleep(0.001)
+        r.index.cond.pause.set()
+        answered = [i for i in range(7) if r.index.cond.answered and i in _boarded(lane)]
+    if kernel == "alive":
+        r.index.cond.pause.clear()
+    else:
+        lane.alive = lambda: (_ for _ in ()).throw(RuntimeError("the kernel is gone"))
+    r.d.refuse_all(Status.STOPPING, "the sidecar is stopping")
+    assert all(r.states[i] in (SlotState.RESPONSE, SlotState.ERROR) for i in range(7))
+    for i in range(7):
+        if kernel == "alive" or i in answered:
+            assert _rows(r, i, 3) == _top(r.data, q[i], 3)
+        else:
+            resp = Response.unpack(r.mm[r.lay.slot_offset(i) : r.lay.slot_offset(i) + CTL_SIZE])
+            assert r.states[i] == SlotState.ERROR and resp.status == Status.STOPPING
+    assert [s.posts for s in r.sems] == [1] * 7 and lane.in_flight == 0
+    assert len(answered) == (2 if kernel == "dead after two answers" else 0)
+
+
+def _boarded(lane: CrowdLane) -> set[int]:
+    """The protocol slots of the requests in the carousel's slots (tokens: request, t0, slot)."""
+    return {token[2] for token, _ in lane._aboard.values()}
