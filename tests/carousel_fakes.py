@@ -5,16 +5,50 @@ is for the GPU tests (tests/gpu/test_carousel.py)."""
 
 from __future__ import annotations
 
+import ctypes
+import re
 import threading
 import time
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from kalos_retrievers.sidecar import carousel
+import pytest
+from kalos_retrievers.sidecar import carousel, cuda_kernels
 from kalos_retrievers.sidecar.carousel import DONE, ERROR, REQUEST, TAKEN, Slots
 from kalos_retrievers.sidecar.index import NS_ANY
-from kernel_fakes import DevArray, dev
+from kernel_fakes import SOURCE, DevArray, FakeKernel, dev
+
+
+def param_names(name: str) -> list[str]:
+    """The parameter names of ``name(...)`` in kernels/recall.cu."""
+    m = re.search(rf"^{name}\((.*?)\)\s*{{", SOURCE, re.S | re.M)
+    assert m is not None
+    return [re.findall(r"\w+", p)[-1] for p in m.group(1).split(",")]
+
+
+class CarouselKernel(FakeKernel):
+    """The launch checked, and then ``started`` of its scanning blocks reported started, as the
+    conductor does (hctl[4], host memory)."""
+
+    started: int | None = None  # None: all of them
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        super().__call__(grid, block, args, shared_mem)
+        hctl = dict(zip(param_names("carousel_topk"), args, strict=True))["hctl"]
+        words = np.ctypeslib.as_array((ctypes.c_uint32 * 8).from_address(int(hctl)))
+        words[4] = grid[0] - 1 if self.started is None else self.started
+
+
+def patch_kernels(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeCupy, list, CarouselKernel]:
+    """A FakeCupy, and cuda_kernels' compile and get_kernel patched to give a CarouselKernel
+    (its launches recorded in the list returned)."""
+    log: list = []
+    kern = CarouselKernel("carousel_topk", log)
+    kern.num_regs = 114  # what ptxas reports for sm_90 (nvcc -Xptxas -v)
+    monkeypatch.setattr(cuda_kernels, "compile_kernels", lambda names: None)
+    monkeypatch.setattr(cuda_kernels, "get_kernel", lambda name, *t: kern)
+    return FakeCupy(), log, kern
 
 
 class FakeCupy:

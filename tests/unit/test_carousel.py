@@ -5,7 +5,6 @@ does. What the kernel computes is for the GPU tests (tests/gpu/test_carousel.py)
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import re
 import time
@@ -13,11 +12,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from carousel_fakes import Conductor, FakeCupy
+from carousel_fakes import CarouselKernel, Conductor, FakeCupy, param_names, patch_kernels
 from kalos_retrievers.sidecar import carousel, cuda_kernels
 from kalos_retrievers.sidecar.carousel import DONE, ERROR, REQUEST, TAKEN, Carousel, Slots, drive
 from kalos_retrievers.sidecar.index import NS_ANY
-from kernel_fakes import SOURCE, FakeKernel, dev
+from kernel_fakes import SOURCE, dev
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,12 +25,6 @@ def _define(name: str) -> int:
     m = re.search(rf"^#define {name} \(?(-?\d+)u?\)?", SOURCE, re.M)
     assert m is not None, f"#define {name} not found in recall.cu"
     return int(m.group(1))
-
-
-def _param_names(name: str) -> list[str]:
-    m = re.search(rf"^{name}\((.*?)\)\s*{{", SOURCE, re.S | re.M)
-    assert m is not None
-    return [re.findall(r"\w+", p)[-1] for p in m.group(1).split(",")]
 
 
 def test_the_host_constants_are_the_kernels() -> None:
@@ -58,27 +51,10 @@ def test_the_host_constants_are_the_kernels() -> None:
     )
 
 
-class CarouselKernel(FakeKernel):
-    """The launch checked, and then ``started`` of its scanning blocks reported started, as the
-    conductor does (hctl[4], host memory)."""
-
-    started: int | None = None  # None: all of them
-
-    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
-        super().__call__(grid, block, args, shared_mem)
-        hctl = dict(zip(_param_names("carousel_topk"), args, strict=True))["hctl"]
-        words = np.ctypeslib.as_array((ctypes.c_uint32 * 8).from_address(int(hctl)))
-        words[4] = grid[0] - 1 if self.started is None else self.started
-
-
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeCupy, list]:
-    log: list = []
-    kern = CarouselKernel("carousel_topk", log)
-    kern.num_regs = 114  # what ptxas reports for sm_90 (nvcc -Xptxas -v)
-    monkeypatch.setattr(cuda_kernels, "compile_kernels", lambda names: None)
-    monkeypatch.setattr(cuda_kernels, "get_kernel", lambda name, *t: kern)
-    return FakeCupy(), log
+    cp, log, _ = patch_kernels(monkeypatch)
+    return cp, log
 
 
 @pytest.mark.parametrize("metric", [0, 1, 2])
@@ -93,7 +69,7 @@ def test_the_launch_matches_the_kernels_parameters(fake: tuple[FakeCupy, list], 
     with pytest.raises(RuntimeError, match="running already"):
         car.start()
     (_, args), = log  # fmt: skip
-    got = dict(zip(_param_names("carousel_topk"), args, strict=True))
+    got = dict(zip(param_names("carousel_topk"), args, strict=True))
     assert got["ld"] == 104 and got["lds"] == 160 and got["nrows"] == rows and got["dim"] == dim
     assert got["slot0"] == slots.addr and got["slot_bytes"] == slots.slot_bytes and got["n_slots"] == 7
     assert got["rows_off"] == slots.rows_off and got["scores_off"] == slots.scores_off

@@ -1,0 +1,205 @@
+"""The GPU index's carousel methods (``GpuIndex.start_carousel`` / ``stop_carousel`` /
+``check_carousel``) without a GPU: CuPy stood in for by host memory (tests/carousel_fakes.py),
+and the kernel's launch by a thread that answers its slots as carousel_topk does until the host
+sets its stop word, its stream "done" once that thread has returned. What the kernel computes
+is for tests/gpu/test_carousel.py; here: that a start points the kernel at the index's rows as
+they are now, a stop abandons nothing, and a kernel that ends by itself is a device fault."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from carousel_fakes import CarouselKernel, Conductor, param_names, patch_kernels
+from kalos_retrievers.sidecar import carousel
+from kalos_retrievers.sidecar.index import NS_ANY, FatalDeviceError
+from kalos_retrievers.sidecar.index_gpu import GpuIndex
+from kernel_fakes import dev
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _KernelThread(Conductor):
+    """carousel_topk "running": answers the slots until the host's stop word (hctl[0])."""
+
+    def __init__(self, slots: Any, data: np.ndarray, ns: np.ndarray, n_rows: int, hctl: np.ndarray) -> None:
+        super().__init__(slots, data, ns, n_rows)
+        self.hctl = hctl
+        self.die = threading.Event()  # (a fault: the kernel ends by itself)
+
+    def run(self) -> None:
+        watcher = threading.Thread(target=self._watch, daemon=True)
+        watcher.start()
+        super().run()
+
+    def _watch(self) -> None:
+        while not self.hctl[0] and not self.die.is_set():
+            time.sleep(0.0002)
+        self.stop.set()
+
+
+class _Stream:
+    """A CuPy stream whose work is the kernel thread launched on it (done once it returned)."""
+
+    def __init__(self) -> None:
+        self.kernel: _KernelThread | None = None
+        self.synced = 0
+
+    @property
+    def done(self) -> bool:
+        return self.kernel is None or not self.kernel.is_alive()
+
+    def __enter__(self) -> _Stream:
+        _Stream.current = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        self.synced += 1
+
+    def record(self) -> object:
+        return self
+
+    def wait_event(self, event: object) -> None:
+        return None
+
+
+class _Launching(CarouselKernel):
+    """The launch checked against the kernel's parameters, then run as a _KernelThread."""
+
+    slots: Any = None
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        super().__call__(grid, block, args, shared_mem)
+        a = dict(zip(param_names("carousel_topk"), args, strict=True))
+        hctl = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint32 * 8).from_address(int(a["hctl"])))
+        data = np.asarray(a["data"]).astype(np.float32)
+        k = _KernelThread(self.slots, data, np.asarray(a["ns"]), int(a["nrows"]), hctl)
+        _Stream.current.kernel = k
+        k.start()
+
+
+@pytest.fixture
+def index(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A GpuIndex made without CuPy (the attributes its carousel methods use), holding 53 rows
+    of 16-d float16 in namespace 0, row 7 deleted; its rows' arrays are grown once, as a
+    capacity change does, between the tests' launches if they ask."""
+    cp, log, kern = patch_kernels(monkeypatch)
+    launching = _Launching("carousel_topk", log)
+    launching.num_regs = kern.num_regs
+    monkeypatch.setattr(carousel.kernels, "get_kernel", lambda name, *t: launching)
+    cp.cuda.Stream = lambda non_blocking=True: _Stream()
+    cp.cuda.get_current_stream = _Stream
+    cp.cuda.memory = SimpleNamespace(OutOfMemoryError=MemoryError)
+    cp.cuda.runtime.CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
+    idx = GpuIndex.__new__(GpuIndex)
+    rng = np.random.default_rng()
+    rows = rng.standard_normal((64, 16)).astype(np.float16)
+    ns = np.zeros(64, np.int32)
+    ns[7] = -1
+    ns[53:] = -1
+    idx.__dict__.update(cp=cp, dim=16, metric=1, name="cuda:0", device=_NullContext(),
+                        carousel_k=carousel.KMAX, carousel_running=False, carousel_launches=0, _car=None,
+                        crowd=None, _closed=False, doorbell_running=False, _pending=deque(), stream=_Stream(),
+                        data=dev(rows), ns=dev(ns), sqnorm=dev(np.zeros(64, np.float32)))  # fmt: skip
+    calls: list[str] = []
+    idx.__dict__["_finish_all"] = lambda: calls.append("finish_all")
+    yield idx, launching, calls
+    if idx._car is not None and idx.carousel_running:
+        idx._car.hctl[0] = 1
+        idx._car.stream.kernel.join(5)
+    idx._closed = True  # (no close() at collection: nothing of CuPy to release)
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _start(idx: Any, launching: _Launching, high: int) -> None:
+    # the kernel thread needs the slots, made by the first start: handed over as the launch happens
+    real = carousel.Slots
+
+    def slots(*a: Any, **kw: Any) -> Any:
+        s = real(*a, **kw)
+        launching.slots = s
+        return s
+
+    carousel.Slots, saved = slots, carousel.Slots
+    try:
+        idx.start_carousel(high)
+    finally:
+        carousel.Slots = saved
+
+
+def _top(data: np.ndarray, q: np.ndarray, k: int, keep: np.ndarray) -> list[int]:
+    sc = np.where(keep, data @ q, -np.inf)
+    top = np.argsort(-sc, kind="stable")[:k]
+    return top[np.isfinite(sc[top])].tolist()
+
+
+def test_a_started_carousel_answers_over_the_rows_in_use_and_a_stop_abandons_nothing(index: Any) -> None:
+    idx, launching, calls = index
+    _start(idx, launching, 53)
+    assert idx.carousel_running and idx.carousel_launches == 1 and calls == ["finish_all"]
+    assert idx.stream.synced == 1  # (the rows' copies finished before the launch)
+    data = np.asarray(idx.data).astype(np.float32)
+    keep = (np.asarray(idx.ns) == 0) & (np.arange(64) < 53)
+    rng = np.random.default_rng()
+    qs = rng.standard_normal((80, 16)).astype(np.float32)
+    lane = idx.crowd
+    for j in range(80):  # more than the 64 slots: a backlog
+        lane.board(j, qs[j], 10, 0)
+    idx.stop_carousel()  # quiesces: every request answered before the stop
+    assert not idx.carousel_running and not lane.busy()
+    got = {x.token: x for x in lane.harvest()}
+    assert sorted(got) == list(range(80))
+    assert all(got[j].rows.tolist() == _top(data, qs[j], 10, keep) for j in range(80))
+    # a second start: the same carousel pointed at the rows as they are now (grown, more in use)
+    idx.data = dev(np.vstack([np.asarray(idx.data), np.ones((8, 16), np.float16)]))
+    ns = np.zeros(72, np.int32)
+    ns[7] = -1
+    idx.ns = dev(ns)
+    car = idx._car
+    _start(idx, launching, 72)
+    assert idx._car is car and car.n_rows == 72 and car.data is idx.data and idx.carousel_launches == 2
+    lane.board("ones", np.ones(16, np.float32), 8, NS_ANY)
+    assert sorted(lane.drain()[0].rows.tolist()) == list(range(64, 72))  # the new rows win
+    idx.stop_carousel()
+
+
+def test_a_kernel_that_ends_by_itself_is_a_device_fault(index: Any) -> None:
+    """The carousel ends only when stopped: one that has ended is reported as FatalDeviceError
+    by check_carousel (housekeeping) and by the lane's wait for an answer; the negative control
+    is the running carousel, which check_carousel leaves alone."""
+    idx, launching, _ = index
+    _start(idx, launching, 53)
+    idx.check_carousel()  # running: nothing to say
+    assert idx.carousel_running
+    kernel = idx._car.stream.kernel
+    kernel.pause.set()
+    idx.crowd.board("x", np.ones(16, np.float32), 3, 0)
+    kernel.die.set()
+    kernel.join(5)
+    with pytest.raises(FatalDeviceError, match="ended without being stopped"):
+        idx.crowd.drain(timeout=5)
+    assert not idx.carousel_running
+    idx.check_carousel()  # (said once)
+
+
+def test_there_is_no_carousel_without_the_switch(index: Any) -> None:
+    idx, launching, _ = index
+    idx.carousel_k = 0
+    with pytest.raises(RuntimeError, match="KALOS_CAROUSEL=1"):
+        _start(idx, launching, 53)
+    idx.stop_carousel()  # (nothing to stop)
