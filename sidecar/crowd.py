@@ -46,6 +46,7 @@ class Landed(NamedTuple):
     rows: np.ndarray  # all k, best first (a copy)
     scores: np.ndarray
     aboard_ns: int  # the kernel's time from boarding to answer (GPU clock)
+    why: str = ""  # not ok: why (the kernel refused it, or its answer echoed another request)
 
 
 class CrowdLane:
@@ -88,9 +89,8 @@ class CrowdLane:
         """The answers written since the last call (none is returned twice), their slots freed
         and given to the backlog.
 
-        Raises:
-            RuntimeError: an answer echoes another request's sequence number (the kernel and
-                the lane disagree about a slot: nothing from it can be trusted).
+        An answer that echoes another request's sequence number (the kernel and the lane
+        disagree about its slot) comes back not ok, its rows not to be trusted.
         """
         out, self._landed = self._landed, []
         return out + self._take()
@@ -108,11 +108,14 @@ class CrowdLane:
                 continue  # (an answer harvested before: the slot stays DONE until its next send)
             token, seq = held
             w = words[c]
-            if int(w[W_RESP_SEQ]) != seq:
-                raise RuntimeError(f"carousel slot {c} answered request {int(w[W_RESP_SEQ])}, not {seq}")
-            ok = int(w[W_STATE]) == DONE
             rows, scores = self.slots.result(c)
-            out.append(Landed(token, ok, int(w[W_RESULTS]) if ok else 0, rows, scores, int(w[W_NS_ABOARD])))
+            if int(w[W_RESP_SEQ]) != seq:
+                why = f"carousel slot {c} answered request {int(w[W_RESP_SEQ])}, not {seq}"
+                out.append(Landed(token, False, 0, rows, scores, 0, why))
+            elif int(w[W_STATE]) == DONE:
+                out.append(Landed(token, True, int(w[W_RESULTS]), rows, scores, int(w[W_NS_ABOARD])))
+            else:
+                out.append(Landed(token, False, 0, rows, scores, int(w[W_NS_ABOARD]), "the kernel refused it"))
             self._free.append(c)
         while self._backlog and self._free:
             self._send(self._free.pop(), *self._backlog.popleft())

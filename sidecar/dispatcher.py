@@ -89,6 +89,10 @@ RETURN_TIMING: Final = HOST_TIMING
 # client recalling alone is served sooner by the resident kernel or a graph: docs/gpu-notes.md,
 # session 35). KALOS_CAROUSEL_MIN sets it.
 CAROUSEL_MIN: Final = max(2, int(os.environ.get("KALOS_CAROUSEL_MIN", "8") or 8))
+# After other device work stopped the carousel (a recall it cannot take, a write), it is not
+# started again for this long: a crowd that mixes such recalls in would otherwise pay a drain,
+# a stop and a start for each.
+CAROUSEL_HOLDOFF_NS: Final = 20_000_000
 
 # ops answered from host state alone: they run beside the index's resident kernel
 _HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CONTINUE})
@@ -165,6 +169,7 @@ class Dispatcher:
         self._seen: dict[int, int] = {}
         self.crowd_min = CAROUSEL_MIN
         self._car_idle = (0, 0)  # (the carousel's boardings, when that count last moved: ns)
+        self._car_holdoff = 0  # perf_counter_ns before which the carousel is not started (_yield_device)
         # slot -> when its last batched answer was posted (RETURN_TIMING; None: off)
         self._posted: dict[int, int] | None = {} if return_timing else None
         self.timing = return_timing  # the diagnostics of RETURN_TIMING (also: _queue_behind's waits)
@@ -258,17 +263,28 @@ class Dispatcher:
                 return 1
             take = False
         if self._bells:
-            # (one request a pass is a crowd's usual arrival while the carousel runs)
-            self.lone = 0 if self.service.index.carousel_running else self._lone_after(ready)
+            self.lone = self._lone_after(ready)
         self._busy_until = 0  # end of the last answer of this pass (for the "pickup" phase)
         self._taken.clear()
         groups: dict[tuple[int, int], list[tuple[int, Request, int]]] = {}
         self._pick_up(ready, groups, take)
         n = len(ready)
         if groups and self.service.index.carousel_k:
-            self._to_carousel(groups)
+            try:
+                self._to_carousel(groups)
+            except FatalDeviceError:
+                raise
+            except Exception:  # what did not board stays in groups: the usual path answers it
+                log.exception("handing recalls to the carousel failed")
+        if self.service.index.carousel_running:
+            self.lone = 0  # (one request a pass is a crowd's usual arrival while it runs)
         if crowd is not None and crowd.in_flight:
-            self._harvest()
+            try:
+                self._harvest()
+            except FatalDeviceError:
+                raise
+            except Exception:  # (a post that failed): groups is still launched
+                log.exception("answering the carousel's answers failed")
         b = self._inflight
         if b is not None and not b.finished and self.gather_ns and groups:
             n += self._gather(b, groups)
@@ -509,9 +525,13 @@ class Dispatcher:
             if req.op == Op.RECALL and req.args_len == 0:
                 groups.setdefault((req.top_k, req.flags), []).append((i, req, t0))
                 continue
-            self.settle()  # nothing else runs while a search is in flight (rows could change)
+            host_only = req.op in _HOST_ONLY
+            # nothing else runs while a search is in flight (rows could change); the carousel
+            # keeps what it holds for host-only work
+            self.settle(crowd=not host_only)
             try:
-                if req.op not in _HOST_ONLY:
+                if not host_only:
+                    self._yield_device()
                     self.service.index.pause_doorbell()
                 self._one(i, req, t0)
             except Invalid as e:
@@ -539,58 +559,74 @@ class Dispatcher:
         """Hand the recalls in ``groups`` that the index's carousel can answer to it (starting
         it for a crowd, :data:`CAROUSEL_MIN`; stopping it when the crowd has gone): batch-1
         recalls in the default namespace that _hotpath.take took (their queries checked
-        finite), k up to ``carousel_k``, without vectors, and for ip and L2 a query float16
-        can hold (the kernel refuses others). What it leaves stays in ``groups`` for the
-        usual path, which drains the carousel and stops it before it launches."""
+        finite), k up to ``carousel_k``, without vectors, with a query whose squared norm is
+        finite in float32 and, for ip and L2, that float16 can hold (the kernel refuses
+        others). What it leaves stays in ``groups`` for the usual path, which drains the
+        carousel and stops it before it launches. A member leaves ``groups`` as it boards, so
+        an error part-way leaves each request in exactly one place."""
         svc = self.service
-        idx, taken = svc.index, self._taken
+        idx = svc.index
         fits = [key for key in groups if key[0] <= idx.carousel_k and not key[1] & Flag.WITH_VECTORS]
         if not fits:
             return
         ns_id, _, dense, n = svc.eligible("", None)
         if not n:
             return  # (an empty default namespace: answered at once the usual way)
-        if not self._crowd_holds(groups, fits):
+        board = {key: [m for m in groups[key] if self._boards(m[0])] for key in fits}
+        if not any(board.values()) or not self._crowd_holds(board):
             return
         now = time.perf_counter_ns()
         ns_arg = NS_ANY if dense else ns_id
-        lane = idx.crowd
-        check = svc.metric != Metric.COSINE
-        for key in fits:
-            left = []
-            for m in groups[key]:
+        lane, taken, seen, posted, pending = idx.crowd, self._taken, self._seen, self._posted, self.pending
+        for key, members in board.items():
+            if not members:
+                continue
+            group = groups[key]
+            for m in members:
                 i = m[0]
-                q = self._first_query[i]
-                if i not in taken or (check and float(np.abs(q).max()) > _F16_MAX):
-                    left.append(m)
-                    continue
+                lane.board((m[1], m[2], i), self._first_query[i], key[0], ns_arg)
+                group.remove(m)
                 taken.discard(i)
-                self._seen[i] = now
-                lane.board((m[1], m[2], i), q, key[0], ns_arg)
-            if left:
-                groups[key] = left
-            else:
+                seen[i] = now
+                if pending:  # an abandoned answer's rest is void once its slot asks anew (as _book)
+                    pending.pop(i, None)
+                if posted is not None:  # (diagnostics, see RETURN_TIMING)
+                    t = posted.pop(i, None)
+                    if t is not None:
+                        self._phases_due.append(("return", (m[2] - t) / 1000))
+            if not group:
                 del groups[key]
 
-    def _crowd_holds(self, groups: dict[tuple[int, int], list[tuple[int, Request, int]]],
-                     fits: list[tuple[int, int]]) -> bool:  # fmt: skip
-        """Whether the carousel runs for ``groups`` (recalls it could take under the keys
-        ``fits``): started when :data:`CAROUSEL_MIN` clients have recalled lately, stopped
-        (drained first) when fewer than half as many have and at most one of its requests is
-        still in flight. False: the usual path."""
+    def _boards(self, i: int) -> bool:
+        """Whether slot ``i``'s recall (in a group the carousel takes) can board: taken by
+        _hotpath.take, and a query the kernel will not refuse (float32 squared norm finite,
+        and for ip and L2 every value within float16's range)."""
+        if i not in self._taken:
+            return False
+        q = self._first_query[i]
+        if not math.isfinite(float(q.dot(q))):
+            return False
+        return self.service.metric == Metric.COSINE or float(np.abs(q).max()) <= _F16_MAX
+
+    def _crowd_holds(self, board: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> bool:
+        """Whether the carousel runs for the recalls in ``board`` (those that can board):
+        started when :data:`CAROUSEL_MIN` clients have recalled lately and no other device
+        work stopped it within :data:`CAROUSEL_HOLDOFF_NS`, stopped (drained first) when fewer
+        than half as many have and at most one of its requests is still in flight. False: the
+        usual path."""
         idx = self.service.index
         if idx.carousel_running and idx.crowd.in_flight > 1:
             return True  # (a crowd: not worth counting)
-        horizon = time.perf_counter_ns() - COHORT_WINDOW_NS
+        now = time.perf_counter_ns()
+        horizon = now - COHORT_WINDOW_NS
         clients = {i for i, t in self._seen.items() if t >= horizon}
-        clients.update(m[0] for key in fits for m in groups[key])
+        clients.update(m[0] for members in board.values() for m in members)
         if idx.carousel_running:
             if 2 * len(clients) >= self.crowd_min:
                 return True
-            self.settle()
-            idx.stop_carousel()
+            self._stop_crowd()
             return False
-        if len(clients) < self.crowd_min:
+        if len(clients) < self.crowd_min or now < self._car_holdoff:
             return False
         self.settle()  # the batch in flight answered first: the carousel takes every SM
         try:
@@ -602,6 +638,27 @@ class Dispatcher:
             idx.carousel_k = 0
             return False
         return True
+
+    def _stop_crowd(self) -> None:
+        """Drain the carousel, answer what it held, and stop it (the usual path from here)."""
+        self._drain_crowd()
+        self.service.index.stop_carousel()
+
+    def _yield_device(self) -> None:
+        """Before other device work: drain and stop the carousel if it runs, and keep it from
+        starting again for :data:`CAROUSEL_HOLDOFF_NS` (a crowd that mixes in recalls it cannot
+        take would otherwise stop and start it for each of them)."""
+        if self.service.index.carousel_running:
+            self._car_holdoff = time.perf_counter_ns() + CAROUSEL_HOLDOFF_NS
+            self._stop_crowd()
+        else:
+            self._drain_crowd()
+
+    def crowd_in_flight(self) -> bool:
+        """Whether requests are on the carousel (the serve loop keeps polling, not sleeping:
+        their answers are posted by this loop)."""
+        crowd = self.service.index.crowd
+        return crowd is not None and bool(crowd.in_flight)
 
     def _harvest(self) -> int:
         """Answer the carousel's requests it has answered since the last call; return how many."""
@@ -616,8 +673,15 @@ class Dispatcher:
             return 0
         try:
             landed = crowd.drain()
-        except TimeoutError as e:
-            raise FatalDeviceError(str(e)) from None
+        except Exception as e:  # the carousel cannot answer: what it did is answered, the rest refused
+            with contextlib.suppress(Exception):
+                self._answer_landed(crowd.harvest())
+            t = time.perf_counter_ns()
+            for req, t0, i in crowd.abandon():
+                self._error(i, req, Status.INTERNAL, f"the carousel failed: {e}", t0 or t)
+            if isinstance(e, (FatalDeviceError, TimeoutError)):
+                raise FatalDeviceError(str(e)) from None
+            raise
         return self._answer_landed(landed)
 
     def _answer_landed(self, landed: list[Landed]) -> int:
@@ -649,14 +713,17 @@ class Dispatcher:
             kk = min(req.top_k, eligible)
             if not x.ok or x.n != kk:
                 raise Invalid(Status.INTERNAL, f"the carousel answered {x.n} of {kk} results"
-                              if x.ok else "the carousel refused the recall")  # fmt: skip
+                              if x.ok else f"the carousel did not answer: {x.why}")  # fmt: skip
             spec = self._spec(i, req)
             spec.rows[0, :kk] = x.rows[:kk]
             spec.scores[0, :kk] = x.scores[:kk]
             answered = False
             if self.hot is not None and not req.flags & Flag.WITH_VECTORS:
-                answered = self.hot.answer1(self._slot_views[i], self._hot_layout, req.seq, req.flags,
-                                            spec.rows[0, :kk], spec.scores[0, :kk], high, docs, arena)  # fmt: skip
+                try:
+                    answered = self.hot.answer1(self._slot_views[i], self._hot_layout, req.seq, req.flags,
+                                                spec.rows[0, :kk], spec.scores[0, :kk], high, docs, arena)  # fmt: skip
+                except Exception:  # a bug, in C or in its arguments: the Python path answers instead
+                    log.exception("the C answer path failed; answering in Python")
             if answered:
                 self._answered(i, req, Status.OK, t0)
             else:
@@ -679,8 +746,7 @@ class Dispatcher:
         if boarded != self._car_idle[0]:
             self._car_idle = (boarded, now)
         elif now - self._car_idle[1] > idle_ns:
-            self.settle()
-            idx.stop_carousel()
+            self._stop_crowd()
 
     # ------------------------------------------------------------------ batches in flight
     def _pipeline(self, part: list[tuple[int, Request, int]], k: int, flags: int) -> None:
@@ -707,11 +773,12 @@ class Dispatcher:
         if not self.service.index.defers and not self.lone:
             self.settle()
 
-    def settle(self) -> int:
-        """Finish and answer the batch in flight, if any, and every request on the carousel;
-        return how many requests that was. Call before anything that changes rows or the
-        segment."""
-        drained = self._drain_crowd()
+    def settle(self, crowd: bool = True) -> int:
+        """Finish and answer the batch in flight, if any, and every request on the carousel
+        (``crowd``; False: leave the carousel's to their harvest, for work that needs neither
+        the device nor the rows); return how many requests that was. Call before anything
+        that changes rows or the segment."""
+        drained = self._drain_crowd() if crowd else 0
         prev, self._inflight = self._inflight, None
         if prev is None:
             return drained
@@ -802,7 +869,7 @@ class Dispatcher:
         svc, spec = self.service, self._spec
         if not (hot and behind and svc.index.queues_from_slots):
             specs = [spec(i, req) for i, req, _ in part]
-        self._drain_crowd()  # (the carousel holds every SM: pause_doorbell stops it)
+        self._yield_device()  # (the carousel holds every SM)
         ts = time.perf_counter_ns()
         try:
             svc.index.pause_doorbell()

@@ -768,8 +768,14 @@ class GpuIndex(Index):
             return
         self.carousel_running = False
         car.running = False
-        self._check(car.stream.synchronize)
-        raise FatalDeviceError(f"the carousel on {self.name} ended without being stopped")
+        why = "ended without being stopped"
+        try:
+            self._check(car.stream.synchronize)
+        except FatalDeviceError:
+            raise
+        except Exception as e:  # (any error it ended with: the sidecar restarts all the same)
+            why = f"ended with {type(e).__name__}: {e}"
+        raise FatalDeviceError(f"the carousel on {self.name} {why}")
 
     def stop_carousel(self) -> None:
         """Stop the carousel once it holds no request and none waits to board (a stop abandons
@@ -789,6 +795,7 @@ class GpuIndex(Index):
             raise FatalDeviceError(f"the carousel on {self.name}: {e}") from None
         finally:
             self.carousel_running = car.running
+        car.data = car.ns = car.sqnorm = None  # (the rows' arrays not kept alive: a growth frees the old ones)
 
     def resume_doorbell(self, high: int, ns: int) -> None:
         """(Re)start the resident kernel over rows [0, ``high``) of namespace id ``ns`` (NS_ANY:
@@ -814,7 +821,7 @@ class GpuIndex(Index):
                             lay.blob_offset, self.dim, self.doorbell_k, entries,
                             arena_rows, mode, arena_version, self._exact_reg,
                             self.rescore_factor if self.exact is not None else 0, 0)  # fmt: skip
-        self._bell_mm[_BELL_SERVED:_BELL_SERVED + 8 + _BELL_STAMPS.size] = bytes(8 + _BELL_STAMPS.size)
+        self._bell_mm[_BELL_SERVED : _BELL_SERVED + 8 + _BELL_STAMPS.size] = bytes(8 + _BELL_STAMPS.size)
         cfg = np.frombuffer(self._bell_mm, np.uint8, _BELL_SERVED).copy()
         # (int8: the merge's buffer holds the candidates, then their exact order)
         kp = _pow2(self.doorbell_k * (self.rescore_factor if self.exact is not None else 1))
@@ -879,6 +886,11 @@ class GpuIndex(Index):
     def detach_segment(self) -> None:
         with contextlib.suppress(Exception):
             self.pause_doorbell()
+        if self.seg_addr and (self.doorbell_running or self.carousel_running):
+            # a resident kernel that would not stop: waiting for the device would hang, and
+            # unregistering memory it reads could fault it; the process's exit frees both
+            log.error("a resident kernel on %s did not stop; the segment stays registered", self.name)
+            self.seg_addr, self.seg_size, self._mm_ref = 0, 0, None
         if self.seg_addr:
             with contextlib.suppress(Exception):
                 self._finish_all()  # the searches in flight write into the segment
@@ -1840,8 +1852,9 @@ class GpuIndex(Index):
         if car is not None:
             with contextlib.suppress(Exception):
                 car.close()
-            with contextlib.suppress(Exception):
-                car.slots.close()
+            if not car.running:  # (memory a kernel that would not stop still reads stays registered)
+                with contextlib.suppress(Exception):
+                    car.slots.close()
             self.carousel_running = False
         if self.exact is not None:
             self._drop_exact()

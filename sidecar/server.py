@@ -486,12 +486,14 @@ class Server:
                     log.info("reclaimed %d slot(s) of clients that went away", n)
                 _ipc.drain(self.bell)  # bounded: posts never pile up under constant load
                 if now - pace.last_work > 50_000_000:
-                    d.settle()  # nothing compacts under a batch in flight (see Dispatcher._awaits_cohort)
+                    # nothing compacts under a batch in flight (see Dispatcher._awaits_cohort); a
+                    # carousel that has answered nothing for 50 ms is drained (a fault if it never does)
+                    d.settle()
                     self._compact_if_fragmented()
                 continue  # poll again before sleeping: the drain may have taken a new request's post
             sleep_ns = pace.sleep_ns(now)
-            if not sleep_ns:
-                continue
+            if not sleep_ns or d.crowd_in_flight():
+                continue  # (the carousel's answers are posted by this loop: poll on until they are in)
             # (The resident kernel need not run while we sleep: while it is stopped the header
             # says so, and clients send REQUEST and post the doorbell.)
             if d.settle() or d.waiting().size:

@@ -102,7 +102,10 @@ class Conductor(threading.Thread):
     ``data`` (all by default), until stopped. A request naming a namespace id takes the rows
     whose id in ``ns`` is that one; NS_ANY, every row; one naming a namespace without ``ns``,
     or with k outside [1, KMAX], is refused (ERROR). ``pause`` stops it answering (a kernel
-    that hangs); ``wrong_seq`` makes it echo the wrong sequence number."""
+    that hangs); ``wrong_seq`` makes it echo the wrong sequence number; ``delay`` (s) holds each
+    request that long before answering it (a turn of the rows, so that a request is still
+    aboard when the host does something else); ``short`` answers that many results at most (a
+    kernel that loses rows)."""
 
     def __init__(self, slots: Slots, data: np.ndarray, ns: np.ndarray | None = None,
                  n_rows: int | None = None) -> None:  # fmt: skip
@@ -112,17 +115,24 @@ class Conductor(threading.Thread):
         self.stop = threading.Event()
         self.pause = threading.Event()
         self.wrong_seq = False
+        self.delay = 0.0
+        self.short: int | None = None
         self.answered = 0
 
     def run(self) -> None:
         s = self.slots
+        due: dict[int, float] = {}  # slot -> when its request (TAKEN) is answered
         while not self.stop.is_set():
             if self.pause.is_set():
                 time.sleep(0.001)
                 continue
+            now = time.monotonic()
             for i in np.flatnonzero(s.words[:, 0] == REQUEST):
+                s.words[i, 0] = TAKEN
+                due[int(i)] = now + self.delay
+            for i in [i for i, t in due.items() if t <= now]:
+                del due[i]
                 w = s.words[i]
-                w[0] = TAKEN
                 k, want = int(w[1]), int(w[2].view(np.int32))
                 if not 1 <= k <= carousel.KMAX or (want != NS_ANY and self.ns is None):
                     w[4], w[5] = 0, w[3]
@@ -132,7 +142,7 @@ class Conductor(threading.Thread):
                 if want != NS_ANY:
                     sc = np.where(self.ns[: self.n_rows] == want, sc, -np.inf)
                 top = np.argsort(-sc, kind="stable")[:k]
-                top = top[np.isfinite(sc[top])]
+                top = top[np.isfinite(sc[top])][: self.short]
                 s.rows[i, :k] = -1
                 s.scores[i, :k] = -np.inf
                 s.rows[i, : len(top)] = top

@@ -66,6 +66,7 @@ class _CarouselIndex(CpuIndex):
         self.log: list[str] = []
         # a stop must find nothing aboard (the dispatcher drained it); False: quiesce first, as GpuIndex
         self.strict = True
+        self.turn = 0.0  # the conductor's delay: how long a request stays aboard (s)
 
     def _device(self, what: str) -> None:
         assert not self.carousel_running, f"{what} while the carousel runs (it holds every SM)"
@@ -74,6 +75,7 @@ class _CarouselIndex(CpuIndex):
     def start_carousel(self, high: int) -> None:
         self._device(f"start {high}")
         self.cond = Conductor(self.slots, self.data, self.ns, n_rows=high)
+        self.cond.delay = self.turn
         self.cond.start()
         self.carousel_running = True
 
@@ -252,14 +254,18 @@ def test_a_write_waits_for_the_carousel_to_drain_and_stop(rig: Any) -> None:
     assert r.index.log[-2:] == ["stop", "write"], r.index.log
     for i in range(5):
         assert _rows(r, i, 3) == _top(r.data, q[i], 3)  # the rows before the write
-    for i in range(5):
-        _ask(r, i, q[i], 3, seq=10 + i)
-    _answered(r, list(range(5)))
     both = np.vstack([r.data, new])
-    for i in range(5):
-        got = _rows(r, i, 3)
-        assert got == _top(both, q[i], 3) and (i or got[0] == 53)
-    assert r.index.log.count("start 54") == 1 and r.index.crowd.boarded == 10
+    for rnd in (1, 2):  # right after the write the carousel is held off (the usual path), then it starts again
+        if rnd == 2:
+            r.d._car_holdoff = 0
+        for i in range(5):
+            _ask(r, i, q[i], 3, seq=10 * rnd + i)
+        _answered(r, list(range(5)))
+        for i in range(5):
+            got = _rows(r, i, 3)
+            assert got == _top(both, q[i], 3) and (i or got[0] == 53)
+        assert r.index.log.count("start 54") == rnd - 1, r.index.log
+    assert r.index.crowd.boarded == 10 and r.index.log[3] == "search", r.index.log
 
 
 @pytest.mark.parametrize("odd", ["k above the carousel's", "vectors", "a filter", "a huge ip query"])
@@ -336,10 +342,12 @@ def test_the_carousel_stops_when_the_crowd_thins_and_when_idle(rig: Any) -> None
     assert _rows(r, 0, 2) == _top(r.data, q[0], 2)
 
 
-def test_other_requests_are_answered_after_the_carousel_drains(rig: Any) -> None:
-    """A ping amid a crowd: everything aboard is answered first (settle), and the carousel
-    keeps running: a ping needs no device."""
+def test_a_ping_amid_a_crowd_is_answered_without_waiting_for_it(rig: Any) -> None:
+    """A ping needs neither the device nor the rows: answered at once while the crowd's
+    recalls are still aboard (a turn takes 50 ms here), the carousel left running; the crowd
+    is answered by later passes."""
     r = rig(6, 40)
+    r.index.turn = 0.05
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
     for i in range(5):
         _ask(r, i, q[i], 3, seq=i)
@@ -347,8 +355,10 @@ def test_other_requests_are_answered_after_the_carousel_drains(rig: Any) -> None
     REQUEST_STRUCT.pack_into(r.mm, r.lay.slot_offset(5) + REQUEST_OFFSET, 7, Op.PING, 0, 0, 0, 0, 0, 0)
     r.states[5] = SlotState.REQUEST
     r.d.poll()
-    assert all(r.states[i] == SlotState.RESPONSE for i in range(6))
-    assert r.index.carousel_running and r.index.crowd.in_flight == 0
+    assert r.states[5] == SlotState.RESPONSE
+    assert r.index.carousel_running and r.index.crowd.in_flight == 5
+    _answered(r, list(range(5)))
+    assert [_rows(r, i, 3) for i in range(5)] == [_top(r.data, q[i], 3) for i in range(5)]
 
 
 def test_reclaim_leaves_a_slot_whose_request_is_aboard(rig: Any, tmp_path: Any) -> None:
@@ -373,8 +383,9 @@ def test_reclaim_leaves_a_slot_whose_request_is_aboard(rig: Any, tmp_path: Any) 
 @pytest.mark.parametrize("kernel", ["alive", "dead", "dead after two answers"])
 def test_stopping_answers_the_crowd_or_refuses_it_when_the_kernel_is_gone(kernel: str, rig: Any) -> None:
     """refuse_all (the sidecar stopping) with recalls aboard and waiting: a live carousel answers
-    them all first; one that has stopped answering (its stop fails) leaves each with the
-    stopping error, none unanswered; what it answered before it died is answered."""
+    them all first; one that has stopped answering (its stop fails) leaves each with an error
+    (INTERNAL: the carousel failed), none unanswered; what it answered before it died is
+    answered."""
     r = rig(7, 60)
     r.index.strict = False
     q = np.random.default_rng().standard_normal((7, r.lay.dim)).astype(np.float32)
@@ -403,9 +414,9 @@ def test_stopping_answers_the_crowd_or_refuses_it_when_the_kernel_is_gone(kernel
     for i in range(7):
         if kernel == "alive" or i in answered:
             assert _rows(r, i, 3) == _top(r.data, q[i], 3)
-        else:
+        else:  # refused by settle's drain, which found the carousel failed
             resp = Response.unpack(r.mm[r.lay.slot_offset(i) : r.lay.slot_offset(i) + CTL_SIZE])
-            assert r.states[i] == SlotState.ERROR and resp.status == Status.STOPPING
+            assert r.states[i] == SlotState.ERROR and resp.status == Status.INTERNAL
     assert [s.posts for s in r.sems] == [1] * 7 and lane.in_flight == 0
     assert len(answered) == (2 if kernel == "dead after two answers" else 0)
 
@@ -413,3 +424,140 @@ def test_stopping_answers_the_crowd_or_refuses_it_when_the_kernel_is_gone(kernel
 def _boarded(lane: CrowdLane) -> set[int]:
     """The protocol slots of the requests in the carousel's slots (tokens: request, t0, slot)."""
     return {token[2] for token, _ in lane._aboard.values()}
+
+
+def test_a_pass_with_nothing_waiting_harvests_and_never_waits_for_the_carousel(rig: Any) -> None:
+    """While the crowd's recalls are aboard (a 0.2 s turn here), a pass that finds nothing
+    waiting returns at once: the serve loop keeps taking new requests meanwhile."""
+    r = rig(5, 40)
+    r.index.turn = 0.2
+    q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
+    for i in range(4):
+        _ask(r, i, q[i], 3, seq=i)
+    r.d._seen = dict.fromkeys(range(5), time.perf_counter_ns())
+    r.d.poll()
+    assert r.index.crowd.in_flight == 4 and r.d.crowd_in_flight()
+    t = time.monotonic()
+    assert r.d.poll() == 0
+    _ask(r, 4, q[4], 3, seq=4)
+    assert r.d.poll() == 1 and r.index.crowd.in_flight == 5  # boarded while the others ride
+    assert time.monotonic() - t < 0.1
+    _answered(r, list(range(5)))
+    assert not r.d.crowd_in_flight()
+
+
+def test_the_carousel_stops_for_a_thin_crowd_and_when_idle_only_after_a_drain(rig: Any) -> None:
+    """With requests aboard (a 50 ms turn), a stop for a crowd that thinned and one for
+    idleness each answer them first (the index's stop fails on a request aboard)."""
+    r = rig(6, 77)
+    r.index.turn = 0.05
+    q = np.random.default_rng().standard_normal((6, r.lay.dim)).astype(np.float32)
+    for i in range(6):
+        _ask(r, i, q[i], 2, seq=i)
+    r.d.poll()
+    assert r.index.crowd.in_flight == 6
+    r.d.stop_idle_carousel(0, 10)
+    r.d.stop_idle_carousel(100, 10)  # nothing boarded since: stopped, after its six are answered
+    assert not r.index.carousel_running and all(r.states[i] == SlotState.RESPONSE for i in range(6))
+    r.d._car_holdoff = 0
+    for i in range(6):
+        _ask(r, i, q[i], 2, seq=10 + i)
+    _answered(r, list(range(6)))
+    assert r.index.carousel_running
+    _ask(r, 1, q[1], 2, seq=21)  # one recall aboard (the crowd still counted)
+    r.d.poll()
+    assert r.index.crowd.in_flight == 1
+    r.d._seen = {}  # then the crowd is gone, and a lone client's recall comes while that one rides
+    _ask(r, 0, q[0], 2, seq=20)
+    _answered(r, [0, 1])
+    assert not r.index.carousel_running and r.index.log[-2:] == ["stop", "search"], r.index.log
+    assert [_rows(r, i, 2) for i in range(6)] == [_top(r.data, q[i], 2) for i in range(6)]
+
+
+def test_without_the_c_path_nothing_boards_and_the_carousel_never_starts(rig: Any) -> None:
+    """Only requests _hotpath.take checked can board: without it (KALOS_HOTPATH=0, or not
+    built) a crowd is answered the usual way and the carousel is never started (it would be
+    started and stopped for nothing, pass after pass)."""
+    r = rig(6, 50)
+    r.d.hot = None
+    q = np.random.default_rng().standard_normal((6, r.lay.dim)).astype(np.float32)
+    for rnd in range(3):
+        for i in range(6):
+            _ask(r, i, q[i], 3, seq=10 * rnd + i)
+        _answered(r, list(range(6)))
+        r.d.settle()
+    assert [_rows(r, i, 3) for i in range(6)] == [_top(r.data, q[i], 3) for i in range(6)]
+    assert r.index.crowd.boarded == 0 and not any(e.startswith("start") for e in r.index.log), r.index.log
+
+
+def test_fewer_rows_than_k_and_a_kernel_that_loses_rows(rig: Any) -> None:
+    """Five rows and k 10: the carousel's five are the answer. A kernel that answers fewer
+    than it should is an INTERNAL error for that recall alone, never a short answer."""
+    r = rig(5, 5)
+    q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
+    for i in range(5):
+        _ask(r, i, q[i], 10, seq=i)
+    _answered(r, list(range(5)))
+    assert [_rows(r, i, 5) for i in range(5)] == [_top(r.data, q[i], 10) for i in range(5)]
+    r.index.cond.short = 4
+    for i in range(5):
+        _ask(r, i, q[i], 10, seq=10 + i)
+    _answered(r, list(range(5)))
+    for i in range(5):
+        off = r.lay.slot_offset(i)
+        resp = Response.unpack(r.mm[off : off + CTL_SIZE])
+        blob = bytes(r.mm[off + r.lay.blob_offset : off + r.lay.blob_offset + resp.resp_len])
+        assert r.states[i] == SlotState.ERROR and resp.status == Status.INTERNAL and b"4 of 5" in blob
+
+
+def test_a_wrong_echo_fails_that_recall_only(rig: Any) -> None:
+    r = rig(5, 30)
+    q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
+    for i in range(5):
+        _ask(r, i, q[i], 3, seq=i)
+    r.d._seen = dict.fromkeys(range(5), time.perf_counter_ns())
+    r.index.turn = 0.05
+    r.d.poll()
+    r.index.cond.wrong_seq = True  # (read at answer time: every answer of this crowd)
+    _answered(r, list(range(5)))
+    for i in range(5):
+        off = r.lay.slot_offset(i)
+        resp = Response.unpack(r.mm[off : off + CTL_SIZE])
+        assert r.states[i] == SlotState.ERROR and resp.status == Status.INTERNAL
+    r.index.cond.wrong_seq = False
+    for i in range(5):
+        _ask(r, i, q[i], 3, seq=10 + i)
+    _answered(r, list(range(5)))
+    assert [_rows(r, i, 3) for i in range(5)] == [_top(r.data, q[i], 3) for i in range(5)]
+
+
+def test_the_pass_that_starts_the_carousel_counts_no_lone_recall(rig: Any) -> None:
+    """With a resident kernel on offer, a lone recall in a pass counts towards starting it;
+    the pass whose recall starts the carousel must not (the serve loop would stop the
+    carousel for the resident kernel, and the crowd would ring that from then on)."""
+    r = rig(5, 30)
+    r.index.doorbell_k = 10  # (offered: the dispatcher counts lone recalls)
+    q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
+    r.d.lone = 3
+    r.d._seen = dict.fromkeys(range(5), time.perf_counter_ns())
+    _ask(r, 0, q[0], 3, seq=1, flags=Flag.ARENA_DOCS)
+    r.d.poll()
+    assert r.index.carousel_running and r.d.lone == 0
+    _answered(r, [0])
+
+
+def test_a_recall_on_the_carousel_voids_the_rest_of_an_abandoned_answer(rig: Any) -> None:
+    """A slot whose client abandoned an answer in parts (its rest pending) asks anew: once
+    that recall boards, a CONTINUE finds nothing to continue (as after a batch)."""
+    r = rig(5, 30)
+    r.d.pending[0] = (b"the rest of an old answer", 1, 0)
+    q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
+    for i in range(5):
+        _ask(r, i, q[i], 3, seq=i)
+    _answered(r, list(range(5)))
+    assert r.index.crowd.boarded == 5
+    REQUEST_STRUCT.pack_into(r.mm, r.lay.slot_offset(0) + REQUEST_OFFSET, 9, Op.CONTINUE, 0, 0, 0, 0, 0, 0)
+    r.states[0] = SlotState.REQUEST
+    r.d.poll()
+    resp = Response.unpack(r.mm[r.lay.slot_offset(0) : r.lay.slot_offset(0) + CTL_SIZE])
+    assert r.states[0] == SlotState.ERROR and resp.status == Status.BAD_REQUEST
