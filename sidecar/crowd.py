@@ -64,6 +64,7 @@ class CrowdLane:
         self._backlog: deque[tuple[Any, np.ndarray, int, int]] = deque()  # (token, query, k, ns)
         self._landed: list[Landed] = []  # answers taken by quiesce, for the next harvest
         self._seq = 0
+        self._progress = time.monotonic()  # the last answer, or the first boarding onto an empty lane
         self.boarded = 0  # requests written into a carousel slot (diagnostics and tests)
 
     @property
@@ -80,6 +81,8 @@ class CrowdLane:
             self._backlog.append((token, query, k, ns))
 
     def _send(self, c: int, token: Any, query: np.ndarray, k: int, ns: int) -> None:
+        if not self._aboard:
+            self._progress = time.monotonic()
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         self.slots.send(c, query, k, ns, seq=self._seq)
         self._aboard[c] = (token, self._seq)
@@ -117,9 +120,15 @@ class CrowdLane:
             else:
                 out.append(Landed(token, False, 0, rows, scores, int(w[W_NS_ABOARD]), "the kernel refused it"))
             self._free.append(c)
+        if out:
+            self._progress = time.monotonic()
         while self._backlog and self._free:
             self._send(self._free.pop(), *self._backlog.popleft())
         return out
+
+    def stalled(self, timeout: float) -> bool:
+        """Whether the kernel holds requests and has answered none for ``timeout`` s."""
+        return bool(self._aboard) and time.monotonic() - self._progress > timeout
 
     def drain(self, timeout: float = 5.0) -> list[Landed]:
         """Harvest until nothing is aboard or waiting; return every answer harvested.
@@ -158,7 +167,8 @@ class CrowdLane:
         self._aboard.clear()
         self._backlog.clear()
         self._landed = []
-        self._free = list(range(self.slots.n - 1, -1, -1))
+        st = self.slots.words[:, W_STATE]  # (a slot a kernel still holds is never sent to again)
+        self._free = [c for c in range(self.slots.n - 1, -1, -1) if st[c] not in (REQUEST, TAKEN)]
         return tokens
 
     def busy(self) -> bool:

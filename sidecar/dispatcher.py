@@ -22,7 +22,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import numpy as np
 
@@ -93,6 +93,8 @@ CAROUSEL_MIN: Final = max(2, int(os.environ.get("KALOS_CAROUSEL_MIN", "8") or 8)
 # started again for this long: a crowd that mixes such recalls in would otherwise pay a drain,
 # a stop and a start for each.
 CAROUSEL_HOLDOFF_NS: Final = 20_000_000
+# A carousel that holds requests and answers none of them for this long has failed (a device fault).
+CAROUSEL_STALL_S: Final = 5.0
 
 # ops answered from host state alone: they run beside the index's resident kernel
 _HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CONTINUE})
@@ -102,6 +104,11 @@ _HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CO
 # the CPU backend's whole answer phase took ~120 us p50), a struct call touches far less.
 _STATE = struct.Struct("<I")
 _F16_MAX: Final = 65504.0  # the largest finite float16 (the carousel refuses ip / L2 queries beyond it)
+# the largest |element| of a cosine query the carousel takes, both ways: its float32 sum of squares
+# (at most 65,536 elements) must be a normal number (a zero or subnormal sum leaves the query
+# unnormalized, all its halves zero; an infinite one is refused)
+_COS_MIN: Final = 1e-15
+_COS_MAX: Final = 5e16
 _ROWS: dict[int, struct.Struct] = {}
 
 
@@ -528,8 +535,8 @@ class Dispatcher:
             host_only = req.op in _HOST_ONLY
             # nothing else runs while a search is in flight (rows could change); the carousel
             # keeps what it holds for host-only work
-            self.settle(crowd=not host_only)
             try:
+                self.settle(crowd=not host_only)
                 if not host_only:
                     self._yield_device()
                     self.service.index.pause_doorbell()
@@ -599,14 +606,14 @@ class Dispatcher:
 
     def _boards(self, i: int) -> bool:
         """Whether slot ``i``'s recall (in a group the carousel takes) can board: taken by
-        _hotpath.take, and a query the kernel will not refuse (float32 squared norm finite,
-        and for ip and L2 every value within float16's range)."""
+        _hotpath.take, and a query the kernel will not refuse (cosine: a float32 sum of
+        squares that is a normal number; ip and L2: every value within float16's range)."""
         if i not in self._taken:
             return False
-        q = self._first_query[i]
-        if not math.isfinite(float(q.dot(q))):
-            return False
-        return self.service.metric == Metric.COSINE or float(np.abs(q).max()) <= _F16_MAX
+        amax = float(np.abs(self._first_query[i]).max())  # (finite: take checked the query)
+        if self.service.metric == Metric.COSINE:  # (the kernel normalizes by rsqrt of a float32 sum of squares)
+            return _COS_MIN <= amax <= _COS_MAX
+        return amax <= _F16_MAX
 
     def _crowd_holds(self, board: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> bool:
         """Whether the carousel runs for the recalls in ``board`` (those that can board):
@@ -661,9 +668,17 @@ class Dispatcher:
         return crowd is not None and bool(crowd.in_flight)
 
     def _harvest(self) -> int:
-        """Answer the carousel's requests it has answered since the last call; return how many."""
+        """Answer the carousel's requests it has answered since the last call; return how many.
+        A carousel that has answered nothing for :data:`CAROUSEL_STALL_S` while it held
+        requests is a device fault (FatalDeviceError, its requests refused)."""
         crowd = self.service.index.crowd
-        return self._answer_landed(crowd.harvest()) if crowd is not None else 0
+        if crowd is None:
+            return 0
+        n = self._answer_landed(crowd.harvest())
+        if not n and crowd.stalled(CAROUSEL_STALL_S):
+            self._fail_crowd(TimeoutError(f"the carousel answered none of its {crowd.in_flight} requests "
+                                          f"within {CAROUSEL_STALL_S:.0f} s"))  # fmt: skip
+        return n
 
     def _drain_crowd(self) -> int:
         """Wait for every request on the carousel and answer it; return how many. (A carousel
@@ -672,17 +687,24 @@ class Dispatcher:
         if crowd is None or not crowd.in_flight:
             return 0
         try:
-            landed = crowd.drain()
-        except Exception as e:  # the carousel cannot answer: what it did is answered, the rest refused
-            with contextlib.suppress(Exception):
-                self._answer_landed(crowd.harvest())
-            t = time.perf_counter_ns()
-            for req, t0, i in crowd.abandon():
-                self._error(i, req, Status.INTERNAL, f"the carousel failed: {e}", t0 or t)
-            if isinstance(e, (FatalDeviceError, TimeoutError)):
-                raise FatalDeviceError(str(e)) from None
-            raise
+            landed = crowd.drain(CAROUSEL_STALL_S)
+        except Exception as e:
+            self._fail_crowd(e)
         return self._answer_landed(landed)
+
+    def _fail_crowd(self, e: Exception) -> NoReturn:
+        """The carousel cannot answer (``e``): what it did answer is answered, every other
+        request it held refused; raise FatalDeviceError (``e`` itself if it is not a device
+        fault: a bug)."""
+        crowd = self.service.index.crowd
+        with contextlib.suppress(Exception):
+            self._answer_landed(crowd.harvest())
+        t = time.perf_counter_ns()
+        for req, t0, i in crowd.abandon():
+            self._error(i, req, Status.INTERNAL, f"the carousel failed: {e}", t0 or t)
+        if isinstance(e, (FatalDeviceError, TimeoutError)):
+            raise FatalDeviceError(str(e)) from None
+        raise e
 
     def _answer_landed(self, landed: list[Landed]) -> int:
         """Write the answers of the carousel's requests ``landed``, then post them (as
@@ -869,7 +891,13 @@ class Dispatcher:
         svc, spec = self.service, self._spec
         if not (hot and behind and svc.index.queues_from_slots):
             specs = [spec(i, req) for i, req, _ in part]
-        self._yield_device()  # (the carousel holds every SM)
+        try:
+            self._yield_device()  # (the carousel holds every SM)
+        except FatalDeviceError:
+            raise
+        except Exception as e:  # (a post of the crowd's answers that failed): this batch still gets an answer
+            self._fail_all(part, e)
+            return None
         ts = time.perf_counter_ns()
         try:
             svc.index.pause_doorbell()
@@ -978,9 +1006,15 @@ class Dispatcher:
         posts, records = self._posts, self._records
         self._posts = self._records = None
         assert posts is not None and records is not None
+        failed: Exception | None = None
         try:
-            for i in posts:
-                _ipc.post(self.sems[i])
+            for i in posts:  # every one tried: a failed post must not leave the others' clients asleep
+                try:
+                    _ipc.post(self.sems[i])
+                except Exception as e:
+                    failed = failed or e
+            if failed is not None:
+                raise failed
         finally:
             t_posted = time.perf_counter_ns()
             if self._posted is not None:
@@ -1254,14 +1288,6 @@ class Dispatcher:
             self.settle()
         except Exception:  # a fatal device error: its members were answered with it
             log.exception("finishing the batch in flight failed")
-        crowd = self.service.index.crowd
-        if crowd is not None and crowd.in_flight:  # the carousel failed: what it answered is
-            try:  # answered, what it held gets the error
-                self._answer_landed(crowd.harvest())
-            except Exception:
-                log.exception("answering the carousel's last answers failed")
-            for req, t0, i in crowd.abandon():
-                self._error(i, req, status, message, t0)
         for i in self.waiting().tolist():
             req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
             self._error(i, req, status, message, time.perf_counter_ns())

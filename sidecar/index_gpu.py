@@ -514,6 +514,7 @@ class GpuIndex(Index):
         self.crowd: CrowdLane | None = None
         self.carousel_running = False
         self.carousel_launches = 0
+        self._car_fault = ""  # why the carousel failed ("": it has not): said again by every check
         self._sample_buf: Any = None  # mma_filter's sample scores (MAXQ x TAU_SAMPLE_MAX)
         # the descriptor lives in registered host memory: written by Python, read by prep
         self._desc_mm = mmap.mmap(-1, 4096)
@@ -756,26 +757,35 @@ class GpuIndex(Index):
                     self._car.retarget(self.data, high, self.ns, self.sqnorm)
                 self._car.start()
 
-        self._check(start)
+        try:
+            self._check(start)
+        except FatalDeviceError:
+            raise
+        except BaseException:
+            if self._car is not None and self._car.running:  # launched, and its stop failed too
+                self.carousel_running = True
+                self._car_fault = "could not be started, nor stopped"
+                raise FatalDeviceError(f"the carousel on {self.name} {self._car_fault}") from None
+            raise
         self.carousel_running = True
         self.carousel_launches += 1
 
     def check_carousel(self) -> None:
         """Raise FatalDeviceError if the carousel, running, has ended (it ends only when
         stopped: anything else is a fault, whose error this raises if CUDA has one)."""
+        if self._car_fault:
+            raise FatalDeviceError(f"the carousel on {self.name} {self._car_fault}")
         car = self._car
         if not self.carousel_running or car is None or not self._check(lambda: car.stream.done):
             return
         self.carousel_running = False
         car.running = False
-        why = "ended without being stopped"
+        self._car_fault = "ended without being stopped"
         try:
             self._check(car.stream.synchronize)
-        except FatalDeviceError:
-            raise
         except Exception as e:  # (any error it ended with: the sidecar restarts all the same)
-            why = f"ended with {type(e).__name__}: {e}"
-        raise FatalDeviceError(f"the carousel on {self.name} {why}")
+            self._car_fault = f"ended with {type(e).__name__}: {e}"
+        raise FatalDeviceError(f"the carousel on {self.name} {self._car_fault}")
 
     def stop_carousel(self) -> None:
         """Stop the carousel once it holds no request and none waits to board (a stop abandons
@@ -792,7 +802,8 @@ class GpuIndex(Index):
         try:
             self._check(lambda: car.stop(_DOORBELL_STOP_S))
         except TimeoutError as e:
-            raise FatalDeviceError(f"the carousel on {self.name}: {e}") from None
+            self._car_fault = f"did not stop: {e}"
+            raise FatalDeviceError(f"the carousel on {self.name} {self._car_fault}") from None
         finally:
             self.carousel_running = car.running
         car.data = car.ns = car.sqnorm = None  # (the rows' arrays not kept alive: a growth frees the old ones)
@@ -1849,13 +1860,14 @@ class GpuIndex(Index):
         self.detach_segment()
         self._closed = True
         car, self._car = self._car, None
-        if car is not None:
+        if car is not None and not (car.running and self._car_fault):
             with contextlib.suppress(Exception):
                 car.close()
-            if not car.running:  # (memory a kernel that would not stop still reads stays registered)
+            if not car.running:
                 with contextlib.suppress(Exception):
                     car.slots.close()
-            self.carousel_running = False
+        # (a kernel that would not stop still reads its memory: left registered, the exit frees it)
+        self.carousel_running = False
         if self.exact is not None:
             self._drop_exact()
         for addr in (self.desc_addr, self.cand_addr, self._bell_addr, self._arena_table[0]):

@@ -460,8 +460,8 @@ class Server:
                 log.exception("dispatcher pass failed")
                 try:  # nothing may sleep, reclaim or compact under a batch still in flight
                     d.settle()
-                except FatalDeviceError:
-                    raise
+                except FatalDeviceError as e:
+                    self._fatal_device(e)
                 except Exception:
                     log.exception("answering the batch in flight failed")
             if worked:
@@ -475,11 +475,16 @@ class Server:
                 try:
                     self.service.index.check_doorbell()  # type: ignore[union-attr]
                     self._stop_idle_doorbell(now)
-                    d.stop_idle_carousel(now, int(DOORBELL_IDLE_S * 1e9))
                 except FatalDeviceError as e:
                     self._fatal_device(e)
                 except Exception:
                     self._doorbell_failed()
+                try:
+                    d.stop_idle_carousel(now, int(DOORBELL_IDLE_S * 1e9))
+                except FatalDeviceError as e:
+                    self._fatal_device(e)
+                except Exception:  # (a post of its answers that failed): it is stopped next time
+                    log.exception("stopping the idle carousel failed")
                 n = d.reclaim(self.seg.fd)
                 if n:
                     self.stats.reclaimed_slots += n
@@ -488,7 +493,7 @@ class Server:
                 if now - pace.last_work > 50_000_000:
                     # nothing compacts under a batch in flight (see Dispatcher._awaits_cohort); a
                     # carousel that has answered nothing for 50 ms is drained (a fault if it never does)
-                    d.settle()
+                    self._settle(d)
                     self._compact_if_fragmented()
                 continue  # poll again before sleeping: the drain may have taken a new request's post
             sleep_ns = pace.sleep_ns(now)
@@ -496,12 +501,19 @@ class Server:
                 continue  # (the carousel's answers are posted by this loop: poll on until they are in)
             # (The resident kernel need not run while we sleep: while it is stopped the header
             # says so, and clients send REQUEST and post the doorbell.)
-            if d.settle() or d.waiting().size:
+            if self._settle(d) or d.waiting().size:
                 continue
             if _ipc.wait(self.bell, min(sleep_ns, _IDLE_WAIT_NS) / 1e9):
                 _ipc.drain(self.bell)
         self._serve_tid = None  # (a later thread could take its id)
         self.close()
+
+    def _settle(self, d: Dispatcher) -> int:
+        """``d.settle()``, a device fault in it ending the sidecar as any other does."""
+        try:
+            return d.settle()
+        except FatalDeviceError as e:
+            self._fatal_device(e)
 
     def _resume_doorbell_if_idle(self) -> None:
         """(Re)start the index's resident kernel, unless a request waits (the next pass serves

@@ -98,16 +98,19 @@ def recall_at_k(got: Sequence[Sequence], ref: Sequence[Sequence]) -> float:
     return hits / max(1, sum(len(r) for r in ref))
 
 
-def recall_row_worker(name: str, dim: int, seed: int, n_calls: int, out: Any, rows: int = 4001) -> None:
+def recall_row_worker(name: str, dim: int, seed: int, n_calls: int, out: Any, rows: int = 4001,
+                      start: Any = None) -> None:  # fmt: skip
     """Child process: recall stored vectors (``rows`` of them, ids "0".., data seed 0) by
     themselves and count answers that are not the query's own row (a misrouted response
-    would be one)."""
+    would be one); with ``start`` (a barrier), only once every party has reached it."""
     from kalos_retrievers import KalosClient
 
     rng = np.random.default_rng(seed)
     data = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
     bad = 0
     with KalosClient(name, dim=dim) as c:
+        if start is not None:
+            start.wait()
         for _ in range(n_calls):
             i = int(rng.integers(len(data)))
             r = c.recall(data[i], k=1, docs=False)
@@ -116,34 +119,37 @@ def recall_row_worker(name: str, dim: int, seed: int, n_calls: int, out: Any, ro
 
 
 def exact_crowd_worker(name: str, dim: int, metric: str, seed: int, n_calls: int, rows: int, other_every: int,
-                       out: Any) -> None:  # fmt: skip
+                       out: Any, start: Any = None) -> None:  # fmt: skip
     """Child process: ``n_calls`` recalls of random queries (k 1, 10 and 32 in turn) in the
     default namespace of a GPU sidecar's float16 rows (``rows`` of them, ids "0".., data seed
-    0; every ``other_every``-th in another namespace when nonzero), back to back; the float64
-    references are computed before the first call, so the crowd stays a crowd. Puts the first
+    0; every ``other_every``-th in another namespace when nonzero), back to back. The float64
+    references are computed first, then the worker waits at ``start`` (a barrier shared with
+    the crowd's other workers, if given), so the crowd recalls at once. Puts the first
     mismatch's description on ``out`` (or "" when every answer was right)."""
     from kalos_retrievers import KalosClient
 
     rng = np.random.default_rng(seed)
     data = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
-    stored = as_float16_stored(data, metric)
     keep = np.ones(rows, bool)
     if other_every:
         keep[::other_every] = False
     qs = rng.standard_normal((n_calls, dim)).astype(np.float32)
     ks = [(1, 10, 32)[j % 3] for j in range(n_calls)]
     ref_metric = "ip" if metric == "cosine" else metric
-    refs = [reference_topk(stored, as_float16_stored(qs[j : j + 1], metric), ks[j], ref_metric, keep)
-            for j in range(n_calls)]  # fmt: skip
+    # every query's top 32 at once (stable order: a smaller k's answer is the prefix)
+    ref_i, ref_s = reference_topk(as_float16_stored(data, metric), as_float16_stored(qs, metric), 32, ref_metric,
+                                  keep)  # fmt: skip
     got = []
     with KalosClient(name, dim=dim, timeout=60) as c:
+        if start is not None:
+            start.wait()
         for j in range(n_calls):
             r = c.recall(qs[j], k=ks[j])
             got.append((r.ids, np.asarray(r.scores)))
     try:
         for j, (ids, scores) in enumerate(got):
-            ri, rs = refs[j]
-            assert_topk_equal(ids, scores, [str(i) for i in ri[0]], rs[0], atol=2e-3, context=f"call {j}")
+            k = ks[j]
+            assert_topk_equal(ids, scores, [str(i) for i in ref_i[j, :k]], ref_s[j, :k], atol=2e-3, context=f"call {j}")
     except AssertionError as e:
         out.put(str(e))
         return

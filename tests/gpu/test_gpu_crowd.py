@@ -10,6 +10,7 @@ Each worker computes its float64 references before its first call (tests/kalos_t
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import numpy as np
 import pytest
@@ -35,10 +36,14 @@ def _rows(start_sidecar, dim: int, rows: int, metric: str, other_every: int = 0)
     return sc, data
 
 
-def _start(target, args_of, procs: int):  # type: ignore[no-untyped-def]
+def _start(target, args_of, procs: int, parties: int | None = None, **kw):  # type: ignore[no-untyped-def]
+    """Start ``procs`` worker processes (``target(*args_of(seed), out, start=barrier, **kw)``) that
+    begin recalling together, once all of them (and ``parties - procs`` others: this process,
+    say) have reached the barrier returned; returns (wait for their results, the barrier)."""
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
-    ps = [ctx.Process(target=target, args=(*args_of(s), q)) for s in range(procs)]
+    barrier = ctx.Barrier(parties or procs)
+    ps = [ctx.Process(target=target, args=(*args_of(s), q), kwargs={"start": barrier, **kw}) for s in range(procs)]
     for p in ps:
         p.start()
 
@@ -49,20 +54,20 @@ def _start(target, args_of, procs: int):  # type: ignore[no-untyped-def]
             assert p.exitcode == 0
         return got
 
-    return wait
+    return wait, barrier
 
 
 @pytest.mark.parametrize(("metric", "dim", "other_every"), [("cosine", 768, 7), ("l2", 97, 0), ("ip", 768, 0)])
 def test_a_crowd_on_the_carousel_gets_exact_answers(start_sidecar, monkeypatch, metric: str, dim: int,
                                                     other_every: int) -> None:  # fmt: skip
-    """16 processes x 120 recalls (k 1, 10, 32) over 50,021 float16 rows: every answer matches
+    """16 processes x 240 recalls (k 1, 10, 32) over 50,021 float16 rows: every answer matches
     float64 within float16's tolerance (rows of another namespace never returned), and the
     carousel answered them (the index's counters)."""
     monkeypatch.setenv("KALOS_CAROUSEL", "1")
     monkeypatch.setenv("KALOS_CAROUSEL_MIN", "4")
-    rows, calls = 50_021, 120
+    rows, calls = 50_021, 240
     sc, _ = _rows(start_sidecar, dim, rows, metric, other_every)
-    wait = _start(exact_crowd_worker, lambda s: (sc.name, dim, metric, 100 + s, calls, rows, other_every), 16)
+    wait, _ = _start(exact_crowd_worker, lambda s: (sc.name, dim, metric, 100 + s, calls, rows, other_every), 16)
     assert wait(400) == [""] * 16
     with sc.client() as c:
         index = c.stats()["index"]
@@ -70,21 +75,29 @@ def test_a_crowd_on_the_carousel_gets_exact_answers(start_sidecar, monkeypatch, 
     assert index["carousel_boarded"] >= 16 * calls // 2, index  # most of the crowd rode it
 
 
-def test_writes_in_a_crowd_on_the_carousel_are_found_at_once(start_sidecar, monkeypatch) -> None:
-    """16 processes recall their own rows while this one upserts a row at a time and recalls it:
-    each write drains and stops the carousel (the answers aboard come from the rows as they
-    were), is found by the next recall, and the crowd starts the carousel again."""
+def test_writes_and_other_recalls_in_a_crowd_on_the_carousel(start_sidecar, monkeypatch) -> None:
+    """16 processes recall their own rows (together, from a barrier this process waits at
+    too) while this one upserts a row at a time and recalls it, and asks for k 50 and a
+    batch of 3 (neither can ride the carousel): each of those drains and stops the carousel
+    (the answers aboard come from the rows as they were) instead of hanging on the SMs it
+    holds; the writes are found at once, every client gets its own row back, and the crowd
+    starts the carousel again after the hold-off."""
     monkeypatch.setenv("KALOS_CAROUSEL", "1")
     monkeypatch.setenv("KALOS_CAROUSEL_MIN", "4")
     dim, rows = 768, 60_001
-    sc, _ = _rows(start_sidecar, dim, rows, "cosine")
-    wait = _start(recall_row_worker, lambda s: (sc.name, dim, s, 400), 16)
+    sc, data = _rows(start_sidecar, dim, rows, "cosine")
+    wait, barrier = _start(recall_row_worker, lambda s: (sc.name, dim, s, 10_000), 16, parties=17, rows=rows)
     rng = np.random.default_rng()
     with sc.client() as c:
+        barrier.wait()
+        time.sleep(0.05)  # (the crowd on the carousel by now)
         for j in range(20):
             v = rng.standard_normal(dim).astype(np.float32)
             c.upsert([f"w{j}"], v[None])
             assert c.recall(v, k=1).ids == [f"w{j}"]
+            assert c.recall(data[j], k=50).ids[0] == str(j)
+            assert [r.ids[0] for r in c.recall_batch(data[[j, j + 1, j + 2]], k=5)] == [str(j), str(j + 1), str(j + 2)]
+            time.sleep(0.03)  # (past the hold-off: the crowd starts it again)
     assert wait(300) == [0] * 16
     with sc.client() as c:
         index = c.stats()["index"]
@@ -96,7 +109,7 @@ def test_without_the_switch_the_carousel_never_starts(start_sidecar, monkeypatch
     monkeypatch.delenv("KALOS_CAROUSEL", raising=False)
     dim, rows = 97, 20_011
     sc, _ = _rows(start_sidecar, dim, rows, "cosine")
-    wait = _start(exact_crowd_worker, lambda s: (sc.name, dim, "cosine", 200 + s, 60, rows, 0), 16)
+    wait, _ = _start(exact_crowd_worker, lambda s: (sc.name, dim, "cosine", 200 + s, 60, rows, 0), 16)
     assert wait(400) == [""] * 16
     with sc.client() as c:
         index = c.stats()["index"]

@@ -5,6 +5,7 @@ stops answering are failures, not waits."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -168,3 +169,30 @@ def test_abandon_hands_back_every_token_not_harvested(rig: Any) -> None:
         lane.board(t, data[2], 1, NS_ANY)
     assert sorted(lane.abandon()) == ["aboard1", "aboard2", "done", "waiting"]
     assert lane.in_flight == 0 and lane.harvest() == []
+
+
+def test_a_lane_is_stalled_when_the_kernel_holds_requests_and_answers_none(rig: Any) -> None:
+    data = np.eye(6, dtype=np.float32)
+    lane, cond = rig(2, data)
+    assert not lane.stalled(0.0)  # (nothing aboard)
+    cond.pause.set()
+    lane.board("x", data[1], 1, NS_ANY)
+    assert not lane.stalled(0.05)
+    time.sleep(0.1)
+    assert lane.stalled(0.05) and not lane.stalled(5.0)
+    cond.pause.clear()
+    lane.drain()
+    assert not lane.stalled(0.0)
+
+
+def test_abandon_never_frees_a_slot_the_kernel_still_holds(rig: Any) -> None:
+    data = np.eye(6, dtype=np.float32)
+    lane, cond = rig(3, data)
+    cond.pause.set()
+    lane.board("a", data[1], 1, NS_ANY)
+    lane.abandon()
+    for t in ("b", "c", "d"):  # two slots left: one waits in the backlog, none sent to the held slot
+        lane.board(t, data[2], 1, NS_ANY)
+    assert lane.boarded == 3 and lane.in_flight == 3
+    cond.pause.clear()
+    assert sorted(x.token for x in lane.drain()) == ["b", "c", "d"]

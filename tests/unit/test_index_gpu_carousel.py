@@ -108,6 +108,7 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
     idx.__dict__.update(cp=cp, dim=16, metric=1, name="cuda:0", device=_NullContext(),
                         carousel_k=carousel.KMAX, carousel_running=False, carousel_launches=0, _car=None,
                         crowd=None, _closed=False, doorbell_running=False, _pending=deque(), stream=_Stream(),
+                        _car_fault="",
                         data=dev(rows), ns=dev(ns), sqnorm=dev(np.zeros(64, np.float32)))  # fmt: skip
     calls: list[str] = []
     idx.__dict__["_finish_all"] = lambda: calls.append("finish_all")
@@ -194,7 +195,12 @@ def test_a_kernel_that_ends_by_itself_is_a_device_fault(index: Any) -> None:
     with pytest.raises(FatalDeviceError, match="ended without being stopped"):
         idx.crowd.drain(timeout=5)
     assert not idx.carousel_running
-    idx.check_carousel()  # (said once)
+    with pytest.raises(FatalDeviceError, match="ended without"):  # said again, at once, by every check
+        idx.check_doorbell()
+    t = time.monotonic()
+    with pytest.raises(FatalDeviceError, match="ended without"):
+        idx.crowd.quiesce(timeout=5)  # (a drain after the fault does not wait for the timeout)
+    assert time.monotonic() - t < 1
 
 
 def test_there_is_no_carousel_without_the_switch(index: Any) -> None:
@@ -203,3 +209,57 @@ def test_there_is_no_carousel_without_the_switch(index: Any) -> None:
     with pytest.raises(RuntimeError, match="KALOS_CAROUSEL=1"):
         _start(idx, launching, 53)
     idx.stop_carousel()  # (nothing to stop)
+
+
+def test_pausing_the_resident_kernel_stops_the_carousel_with_nothing_abandoned(index: Any) -> None:
+    """pause_doorbell (before any other device work) stops the carousel too, once the backlog
+    has been through it."""
+    idx, launching, _ = index
+    _start(idx, launching, 53)
+    lane = idx.crowd
+    for j in range(70):
+        lane.board(j, np.ones(16, np.float32), 2, 0)
+    idx.pause_doorbell()
+    assert not idx.carousel_running and sorted(x.token for x in lane.harvest()) == list(range(70))
+
+
+def test_a_carousel_that_will_not_stop_is_a_fault_and_its_memory_stays_registered(
+    index: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel ignores its stop word: the stop fails with FatalDeviceError (and says so
+    again at every check), and close() leaves the slots it still reads registered (the
+    negative control: a stopped carousel's slots are unregistered)."""
+    from kalos_retrievers.sidecar import index_gpu
+
+    idx, launching, _ = index
+    monkeypatch.setattr(index_gpu, "_DOORBELL_STOP_S", 0.2)
+    _start(idx, launching, 53)
+    kernel = idx._car.stream.kernel
+    kernel.hctl = np.ones(8, np.uint32) * 0  # (its own copy of the stop word: never set)
+    with pytest.raises(FatalDeviceError, match="did not stop"):
+        idx.stop_carousel()
+    assert idx.carousel_running
+    with pytest.raises(FatalDeviceError, match="did not stop"):
+        idx.check_carousel()
+    registered = idx.cp.registered
+    slots_addr = idx.crowd.slots.addr
+    assert slots_addr in registered
+    idx.__dict__.update(exact=None, desc_addr=0, cand_addr=0, _bell_addr=0, _arena_table=(0,), graphs={}, seg_addr=0)
+    idx.detach_segment = lambda: None
+    GpuIndex.close(idx)
+    assert slots_addr in registered  # (left registered: the kernel still reads it)
+    kernel.die.set()
+    kernel.join(5)
+
+
+def test_closing_a_stopped_carousel_unregisters_its_memory(index: Any) -> None:
+    idx, launching, _ = index
+    _start(idx, launching, 53)
+    idx.stop_carousel()
+    registered = idx.cp.registered
+    slots_addr, hctl_addr = idx.crowd.slots.addr, idx._car._haddr
+    assert {slots_addr, hctl_addr} <= set(registered)
+    idx.__dict__.update(exact=None, desc_addr=0, cand_addr=0, _bell_addr=0, _arena_table=(0,), graphs={}, seg_addr=0)
+    idx.detach_segment = lambda: None
+    GpuIndex.close(idx)
+    assert not {slots_addr, hctl_addr} & set(registered)
