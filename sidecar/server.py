@@ -717,6 +717,11 @@ class Server:
             self._metrics = None
         seg = self.seg
         if seg is not None:
+            if self.dispatcher is not None and not self._fatal:
+                # what is in flight (a batch, the carousel's recalls) answered before clients
+                # are told the sidecar stops: a client that sees STOPPING stops waiting
+                with contextlib.suppress(Exception):
+                    self.dispatcher.settle()
             with contextlib.suppress(Exception):
                 struct.pack_into("<I", seg.mm, HEADER_OFFSETS["state"], SidecarState.STOPPING)
             if self.dispatcher is not None:

@@ -5,6 +5,7 @@ is for the GPU tests (tests/gpu/test_carousel.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import re
 import threading
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 from kalos_retrievers.sidecar import carousel, cuda_kernels
 from kalos_retrievers.sidecar.carousel import DONE, ERROR, REQUEST, TAKEN, Slots
-from kalos_retrievers.sidecar.index import NS_ANY
+from kalos_retrievers.sidecar.crowd import CrowdLane
+from kalos_retrievers.sidecar.index import NS_ANY, CpuIndex
 from kernel_fakes import SOURCE, DevArray, FakeKernel, dev
 
 
@@ -151,3 +153,73 @@ class Conductor(threading.Thread):
                 w[0] = DONE
                 self.answered += 1
             time.sleep(0.0001)
+
+
+class CarouselCpuIndex(CpuIndex):
+    """A CPU index (inner product) with a carousel: a Conductor over its rows, started and
+    stopped as GpuIndex does. Every other use of the "device" while the carousel runs fails,
+    and so does a stop while it holds a request (a real stop abandons it)."""
+
+    host_search = False  # (as a GPU index: no short path for lone recalls)
+    carousel_k = carousel.KMAX
+
+    def __init__(self, dim: int, metric: int) -> None:
+        super().__init__(dim, metric)
+        self.slots = Slots(FakeCupy(), carousel.MAX_SLOTS, dim)
+        self.crowd = CrowdLane(self.slots)
+        self.cond: Conductor | None = None
+        self.log: list[str] = []
+        self.launches = 0
+        # a stop must find nothing aboard (the dispatcher drained it); False: quiesce first, as GpuIndex
+        self.strict = True
+        self.turn = 0.0  # the conductor's delay: how long a request stays aboard (s)
+
+    def _device(self, what: str) -> None:
+        assert not self.carousel_running, f"{what} while the carousel runs (it holds every SM)"
+        self.log.append(what)
+
+    def start_carousel(self, high: int) -> None:
+        self._device(f"start {high}")
+        self.launches += 1
+        self.cond = Conductor(self.slots, self.data, self.ns, n_rows=high)
+        self.cond.delay = self.turn
+        self.cond.start()
+        self.carousel_running = True
+
+    def stop_carousel(self) -> None:
+        if not self.carousel_running:
+            return
+        if not self.strict:
+            self.crowd.quiesce(1.0)  # (as GpuIndex: a stop from the index's side abandons nothing)
+        assert not self.crowd.busy(), "the carousel stopped with requests aboard"
+        assert self.cond is not None
+        self.cond.stop.set()
+        self.cond.join()
+        self.carousel_running = False
+        self.log.append("stop")
+
+    def pause_doorbell(self) -> None:
+        self.stop_carousel()
+
+    def search(self, *a: Any, **kw: Any) -> tuple[np.ndarray, np.ndarray]:
+        self._device("search")
+        return super().search(*a, **kw)
+
+    def set_rows(self, *a: Any) -> None:
+        self._device("write")
+        super().set_rows(*a)
+
+    def clear_rows(self, rows: np.ndarray) -> None:
+        self._device("delete")
+        super().clear_rows(rows)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "carousel_running": self.carousel_running,
+                "carousel_boarded": self.crowd.boarded, "carousel_launches": self.launches}  # fmt: skip
+
+    def close(self) -> None:
+        if self.cond is not None:
+            self.cond.stop.set()
+            self.cond.join()
+        with contextlib.suppress(BufferError):
+            self.slots.close()

@@ -14,13 +14,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
-from carousel_fakes import Conductor, FakeCupy
+from carousel_fakes import CarouselCpuIndex, FakeCupy
 from kalos_retrievers.sidecar import carousel
 from kalos_retrievers.sidecar import dispatcher as dispatcher_module
 from kalos_retrievers.sidecar.carousel import Slots
 from kalos_retrievers.sidecar.crowd import CrowdLane
 from kalos_retrievers.sidecar.dispatcher import Dispatcher
-from kalos_retrievers.sidecar.index import CpuIndex, FatalDeviceError
+from kalos_retrievers.sidecar.index import FatalDeviceError
 from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.stats import Stats
 from kalos_retrievers.sidecar.store import NullStore
@@ -50,72 +50,9 @@ pytestmark = [
 ]
 
 
-class _CarouselIndex(CpuIndex):
-    """A CPU index (inner product) with a carousel: a Conductor over its rows, started and
-    stopped as GpuIndex does. Every other use of the "device" while the carousel runs fails,
-    and so does a stop while it holds a request (a real stop abandons it)."""
-
-    host_search = False  # (as a GPU index: no short path for lone recalls)
-    carousel_k = carousel.KMAX
-
-    def __init__(self, dim: int, metric: int) -> None:
-        super().__init__(dim, metric)
-        self.slots = Slots(FakeCupy(), carousel.MAX_SLOTS, dim)
-        self.crowd = CrowdLane(self.slots)
-        self.cond: Conductor | None = None
-        self.log: list[str] = []
-        # a stop must find nothing aboard (the dispatcher drained it); False: quiesce first, as GpuIndex
-        self.strict = True
-        self.turn = 0.0  # the conductor's delay: how long a request stays aboard (s)
-
-    def _device(self, what: str) -> None:
-        assert not self.carousel_running, f"{what} while the carousel runs (it holds every SM)"
-        self.log.append(what)
-
-    def start_carousel(self, high: int) -> None:
-        self._device(f"start {high}")
-        self.cond = Conductor(self.slots, self.data, self.ns, n_rows=high)
-        self.cond.delay = self.turn
-        self.cond.start()
-        self.carousel_running = True
-
-    def stop_carousel(self) -> None:
-        if not self.carousel_running:
-            return
-        if not self.strict:
-            self.crowd.quiesce(1.0)  # (as GpuIndex: a stop from the index's side abandons nothing)
-        assert not self.crowd.busy(), "the carousel stopped with requests aboard"
-        assert self.cond is not None
-        self.cond.stop.set()
-        self.cond.join()
-        self.carousel_running = False
-        self.log.append("stop")
-
-    def pause_doorbell(self) -> None:
-        self.stop_carousel()
-
-    def search(self, *a: Any, **kw: Any) -> tuple[np.ndarray, np.ndarray]:
-        self._device("search")
-        return super().search(*a, **kw)
-
-    def set_rows(self, *a: Any) -> None:
-        self._device("write")
-        super().set_rows(*a)
-
-    def clear_rows(self, rows: np.ndarray) -> None:
-        self._device("delete")
-        super().clear_rows(rows)
-
-    def close(self) -> None:
-        if self.cond is not None:
-            self.cond.stop.set()
-            self.cond.join()
-        self.slots.close()
-
-
 class Rig(NamedTuple):
     d: Dispatcher
-    index: _CarouselIndex
+    index: CarouselCpuIndex
     svc: Service
     mm: mmap.mmap
     lay: Layout
@@ -128,15 +65,15 @@ class Rig(NamedTuple):
 @pytest.fixture
 def rig(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """``rig(n_slots, rows, dim=11)``: a dispatcher over an anonymous map and a service over a
-    _CarouselIndex holding ``rows`` random rows (ids r<row>, texts t<row>) and an arena; the
+    CarouselCpuIndex holding ``rows`` random rows (ids r<row>, texts t<row>) and an arena; the
     clients seen "lately" for as long as a test takes (a slow host must not thin the crowd)."""
     monkeypatch.setattr(dispatcher_module, "COHORT_WINDOW_NS", 10**15)
-    made: list[_CarouselIndex] = []
+    made: list[CarouselCpuIndex] = []
 
     def make(n_slots: int, rows: int, dim: int = 11, metric: str = "ip") -> Rig:
         lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 14, blob_size=1 << 14)
         mm = mmap.mmap(-1, lay.segment_size)
-        index = _CarouselIndex(dim, METRICS[metric])
+        index = CarouselCpuIndex(dim, METRICS[metric])
         made.append(index)
         svc = Service(index, NullStore(), dim=dim, metric=METRICS[metric])
         bufs: dict[int, bytearray] = {}

@@ -1,0 +1,183 @@
+"""The serve loop with a carousel, without a GPU: a real ``Server`` (segment, semaphores, serve
+loop, housekeeping) in a thread of this process, its index a CPU index whose carousel is a
+thread answering the kernel's slots (tests/carousel_fakes.py), and real clients in threads.
+A crowd's recalls ride it and come back exact; writes and other recalls amid the crowd wait
+for it to drain and stop (the fake fails any other use of the "device" while it runs); the
+sidecar stopping with recalls aboard answers them; one client alone never starts it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from carousel_fakes import CarouselCpuIndex
+from conftest import unique_name
+from kalos_retrievers.sidecar import dispatcher as dispatcher_module
+from kalos_retrievers.sidecar import server as server_module
+from kalos_retrievers.sidecar.server import ServeConfig, Server
+
+from kalos_retrievers import KalosClient
+from kalos_retrievers.protocol import METRICS
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(dispatcher_module._hotpath is None, reason="sidecar/_hotpath.c is not built"),
+]
+
+DIM = 24
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``served(rows, turn=0.0)``: a Server over a CarouselCpuIndex (inner product) holding
+    ``rows`` random rows (ids "0"..), serving in a thread; returns (server, index, data)."""
+    monkeypatch.setattr(dispatcher_module, "CAROUSEL_MIN", 4)
+    running: list[tuple[Server, threading.Thread]] = []
+
+    def serve(rows: int, turn: float = 0.0) -> tuple[Server, CarouselCpuIndex, np.ndarray]:
+        index = CarouselCpuIndex(DIM, METRICS["ip"])
+        index.strict = False  # (as GpuIndex: a stop from the index's side runs the lane's backlog through)
+        index.turn = turn
+        monkeypatch.setattr(server_module, "make_index", lambda cfg: index)
+        srv = Server(ServeConfig(name=unique_name("crowd"), dim=DIM, metric="ip", device="cpu", slots=20))
+        srv.start()
+        t = threading.Thread(target=srv.serve_forever, daemon=True)
+        t.start()
+        running.append((srv, t))
+        data = np.random.default_rng().standard_normal((rows, DIM)).astype(np.float32)
+        data[:, -1] = 0  # (the last axis is the writes': see test_writes_and_other_recalls_amid_the_crowd)
+        with KalosClient(srv.cfg.name, dim=DIM, timeout=30) as c:
+            c.upsert([str(i) for i in range(rows)], data)
+        return srv, index, data
+
+    yield serve
+    for srv, t in running:
+        srv.stop()
+        t.join(30)
+        assert not t.is_alive()
+
+
+def _top(data: np.ndarray, q: np.ndarray, k: int) -> list[str]:
+    return [str(i) for i in np.argsort(-(data @ q), kind="stable")[:k]]
+
+
+def _crowd(name: str, data: np.ndarray, clients: int, calls: int, errors: list, start: threading.Barrier,
+           k: int = 7) -> list[threading.Thread]:  # fmt: skip
+    """Client threads, each recalling ``calls`` random queries (0 on the last axis, so rows
+    written along it never reach their top k) once all have reached ``start``; any wrong
+    answer or error is appended to ``errors``."""
+
+    def run(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            with KalosClient(name, dim=DIM, timeout=30) as c:
+                start.wait()
+                for _ in range(calls):
+                    q = rng.standard_normal(DIM).astype(np.float32)
+                    q[-1] = 0
+                    got = c.recall(q, k=k).ids
+                    if got != _top(data, q, k):
+                        errors.append(("wrong", got, _top(data, q, k)))
+        except Exception as e:  # (reported by the test)
+            errors.append(("error", repr(e)))
+
+    threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in range(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_a_crowd_rides_the_carousel_through_the_serve_loop(served: Any) -> None:
+    srv, index, data = served(301)
+    errors: list = []
+    start = threading.Barrier(8)
+    threads = _crowd(srv.cfg.name, data, 8, 150, errors, start)
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert index.crowd.boarded > 600 and index.launches >= 1, (index.crowd.boarded, index.log)
+    with KalosClient(srv.cfg.name, dim=DIM) as c:
+        assert c.stats()["index"]["carousel_boarded"] == index.crowd.boarded
+
+
+def test_writes_and_other_recalls_amid_the_crowd(served: Any) -> None:
+    """While 6 clients recall (1 ms turns), this thread writes rows it then finds, recalls with
+    k 40 and in a batch: each of those waits for the carousel to drain and stop (a use of the
+    device while it runs would fail the request), and the crowd starts it again."""
+    srv, index, data = served(211, turn=0.001)
+    errors: list = []
+    start = threading.Barrier(7)
+    axis = np.zeros(DIM, np.float32)
+    axis[-1] = 1
+    threads = _crowd(srv.cfg.name, data, 6, 120, errors, start)
+    with KalosClient(srv.cfg.name, dim=DIM, timeout=30) as c:
+        start.wait()
+        time.sleep(0.02)
+        for j in range(10):
+            c.upsert([f"w{j}"], (axis * (100 + j))[None])  # (each the best along the last axis so far)
+            assert c.recall(axis, k=1).ids == [f"w{j}"]
+            assert c.recall(data[j], k=40).ids == _top(data, data[j], 40)
+            assert [r.ids[0] for r in c.recall_batch(data[[j, j + 1]], k=3)] == [
+                _top(data, data[j], 1)[0],
+                _top(data, data[j + 1], 1)[0],
+            ]
+            time.sleep(0.025)  # (past the hold-off)
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert index.launches >= 2 and "write" in index.log, index.log
+
+
+def test_stopping_the_sidecar_answers_the_recalls_aboard(served: Any) -> None:
+    """Turns of 0.3 s: the sidecar is stopped while all six clients' recalls ride; the first
+    outcome each client sees after the stop is its recall's exact answer (none left to its
+    timeout, none refused), and every client is done within seconds."""
+    srv, index, data = served(97, turn=0.3)
+    rng = np.random.default_rng()
+    outcomes: dict[int, list[tuple[float, Any, list[str]]]] = {i: [] for i in range(6)}
+    start = threading.Barrier(6)
+
+    def loop(i: int) -> None:
+        with KalosClient(srv.cfg.name, dim=DIM, timeout=10) as c:
+            start.wait()
+            while True:
+                q = rng.standard_normal(DIM).astype(np.float32)
+                try:
+                    got: Any = c.recall(q, k=5).ids
+                except Exception as e:
+                    outcomes[i].append((time.monotonic(), e, []))
+                    return
+                outcomes[i].append((time.monotonic(), got, _top(data, q, 5)))
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 20
+    while index.crowd.in_flight < 6:
+        assert time.monotonic() < end, "the crowd never rode the carousel"
+        time.sleep(0.0005)
+    t0 = time.monotonic()
+    srv.stop()
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive()
+    assert time.monotonic() - t0 < 5
+    for i in range(6):
+        after = [(got, want) for t, got, want in outcomes[i] if t >= t0]
+        assert after and after[0][0] == after[0][1], (i, after[:2])  # the recall aboard: answered, exactly
+        assert all(got == want for t, got, want in outcomes[i] if t < t0 and want)
+
+
+def test_one_client_alone_never_starts_it(served: Any) -> None:
+    """The negative control: a lone client's recalls go the usual way."""
+    srv, index, data = served(97)
+    rng = np.random.default_rng()
+    with KalosClient(srv.cfg.name, dim=DIM) as c:
+        for _ in range(50):
+            q = rng.standard_normal(DIM).astype(np.float32)
+            assert c.recall(q, k=5).ids == _top(data, q, 5)
+    assert index.crowd.boarded == 0 and index.launches == 0
