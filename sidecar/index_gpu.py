@@ -740,7 +740,9 @@ class GpuIndex(Index):
             raise RuntimeError(f"{self.name} has no carousel (KALOS_CAROUSEL=1 and float16 rows turn it on)")
         self.pause_doorbell()
         self._finish_all()
-        self._check(self.stream.synchronize)  # (the rows' copies too: the kernel reads them)
+        # every stream of this device idle (a queued batch's side streams too; the rows' copies:
+        # the kernel reads them): a block of ours still running would hold an SM the carousel needs
+        self._check(self.device.synchronize)
 
         def start() -> None:
             with self.device:

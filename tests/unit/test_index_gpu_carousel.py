@@ -120,11 +120,18 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 class _NullContext:
+    """The index's CuPy device: a context that does nothing, and a count of its synchronizations."""
+
+    synced = 0
+
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+    def synchronize(self) -> None:
+        self.synced += 1
 
 
 def _start(idx: Any, launching: _Launching, high: int) -> None:
@@ -153,7 +160,7 @@ def test_a_started_carousel_answers_over_the_rows_in_use_and_a_stop_abandons_not
     idx, launching, calls = index
     _start(idx, launching, 53)
     assert idx.carousel_running and idx.carousel_launches == 1 and calls == ["finish_all"]
-    assert idx.stream.synced == 1  # (the rows' copies finished before the launch)
+    assert idx.device.synced == 1  # (every stream idle, the rows' copies done, before the launch)
     data = np.asarray(idx.data).astype(np.float32)
     keep = (np.asarray(idx.ns) == 0) & (np.arange(64) < 53)
     rng = np.random.default_rng()
