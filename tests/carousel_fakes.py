@@ -29,6 +29,16 @@ def param_names(name: str) -> list[str]:
     return [re.findall(r"\w+", p)[-1] for p in m.group(1).split(",")]
 
 
+def top_ip(data: np.ndarray, q: np.ndarray, k: int, keep: np.ndarray | None = None) -> list[int]:
+    """The Conductor's answer: the rows of the top ``k`` inner products (among ``keep``), best
+    first, ties to the smaller row."""
+    sc = data @ q
+    if keep is not None:
+        sc = np.where(keep, sc, -np.inf)
+    top = np.argsort(-sc, kind="stable")[:k]
+    return top[np.isfinite(sc[top])].tolist()
+
+
 class CarouselKernel(FakeKernel):
     """The launch checked, and then ``started`` of its scanning blocks reported started, as the
     conductor does (hctl[4], host memory)."""

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from carousel_fakes import Conductor, FakeCupy
+from carousel_fakes import top_ip as _top
 from kalos_retrievers.sidecar.carousel import REQUEST, TAKEN, Slots
 from kalos_retrievers.sidecar.crowd import CrowdLane
 from kalos_retrievers.sidecar.index import NS_ANY
@@ -36,14 +37,6 @@ def rig() -> Iterator[Any]:
         cond.stop.set()
         cond.join()
         slots.close()
-
-
-def _top(data: np.ndarray, q: np.ndarray, k: int, keep: np.ndarray | None = None) -> list[int]:
-    sc = data @ q
-    if keep is not None:
-        sc = np.where(keep, sc, -np.inf)
-    top = np.argsort(-sc, kind="stable")[:k]
-    return top[np.isfinite(sc[top])].tolist()
 
 
 def test_more_requests_than_slots_wait_their_turn_and_each_is_answered_once(rig: Any) -> None:

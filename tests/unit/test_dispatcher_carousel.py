@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 from carousel_fakes import CarouselCpuIndex, FakeCupy
+from carousel_fakes import top_ip as _top
 from kalos_retrievers.sidecar import carousel
 from kalos_retrievers.sidecar import dispatcher as dispatcher_module
 from kalos_retrievers.sidecar.carousel import Slots
@@ -105,6 +106,12 @@ def _ask(r: Rig, i: int, q: np.ndarray, k: int, seq: int, flags: int = 0, args: 
     r.states[i] = SlotState.REQUEST
 
 
+def _ask_all(r: Rig, q: np.ndarray, k: int, n: int, seq0: int = 0) -> None:
+    """Slots 0 .. n-1 ask for the top ``k`` of their query ``q[i]`` (seq ``seq0 + i``)."""
+    for i in range(n):
+        _ask(r, i, q[i], k, seq=seq0 + i)
+
+
 def _answered(r: Rig, slots: list[int], timeout: float = 10.0) -> None:
     """Poll until every slot of ``slots`` holds an answer."""
     end = time.monotonic() + timeout
@@ -119,14 +126,6 @@ def _rows(r: Rig, i: int, n: int) -> list[int]:
     assert r.states[i] == SlotState.RESPONSE and resp.status == Status.OK, (i, resp)
     assert resp.n_results == n
     return np.frombuffer(r.mm, np.int32, n, off + r.lay.rows_offset).tolist()
-
-
-def _top(data: np.ndarray, q: np.ndarray, k: int, keep: np.ndarray | None = None) -> list[int]:
-    sc = data @ q
-    if keep is not None:
-        sc = np.where(keep, sc, -np.inf)
-    top = np.argsort(-sc, kind="stable")[:k]
-    return top[np.isfinite(sc[top])].tolist()
 
 
 def test_a_crowds_recalls_ride_the_carousel_each_with_its_own_answer(rig: Any) -> None:
@@ -159,8 +158,7 @@ def test_fewer_clients_than_a_crowd_never_start_it(rig: Any) -> None:
     """The negative control: three clients (crowd_min 4) are answered the usual way."""
     r = rig(3, 97)
     q = np.random.default_rng().standard_normal((3, r.lay.dim)).astype(np.float32)
-    for i in range(3):
-        _ask(r, i, q[i], 5, seq=i)
+    _ask_all(r, q, 5, 3)
     _answered(r, [0, 1, 2])
     r.d.settle()
     assert [_rows(r, i, 5) for i in range(3)] == [_top(r.data, q[i], 5) for i in range(3)]
@@ -174,8 +172,7 @@ def test_a_write_waits_for_the_carousel_to_drain_and_stop(rig: Any) -> None:
     r = rig(6, 53)
     rng = np.random.default_rng()
     q = rng.standard_normal((6, r.lay.dim)).astype(np.float32)
-    for i in range(5):
-        _ask(r, i, q[i], 3, seq=i)
+    _ask_all(r, q, 3, 5)
     r.d.poll()  # boarded
     assert r.index.carousel_running and r.index.crowd.in_flight
     new = q[:1] * 100  # a row that wins slot 0's recall
@@ -212,8 +209,7 @@ def test_a_recall_the_carousel_cannot_take_waits_for_it_to_stop(odd: str, rig: A
     r = rig(6, 211)
     rng = np.random.default_rng()
     q = rng.standard_normal((6, r.lay.dim)).astype(np.float32)
-    for i in range(5):
-        _ask(r, i, q[i], 4, seq=i)
+    _ask_all(r, q, 4, 5)
     r.d.poll()
     assert r.index.carousel_running
     k, flags, args = 4, 0, b""
@@ -246,8 +242,7 @@ def test_deleted_rows_are_never_returned(rig: Any) -> None:
     keep = np.ones(64, bool)
     keep[gone] = False
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
-    for i in range(5):
-        _ask(r, i, q[i], 32, seq=i)
+    _ask_all(r, q, 32, 5)
     _answered(r, list(range(5)))
     for i in range(5):
         got = _rows(r, i, 32)
@@ -258,8 +253,7 @@ def test_deleted_rows_are_never_returned(rig: Any) -> None:
 def test_the_carousel_stops_when_the_crowd_thins_and_when_idle(rig: Any) -> None:
     r = rig(6, 77)
     q = np.random.default_rng().standard_normal((6, r.lay.dim)).astype(np.float32)
-    for i in range(6):
-        _ask(r, i, q[i], 2, seq=i)
+    _ask_all(r, q, 2, 6)
     _answered(r, list(range(6)))
     assert r.index.carousel_running
     # idle: stopped by housekeeping once nothing has boarded for the idle time
@@ -268,8 +262,7 @@ def test_the_carousel_stops_when_the_crowd_thins_and_when_idle(rig: Any) -> None
     r.d.stop_idle_carousel(100, 10)
     assert not r.index.carousel_running and r.index.log[-1] == "stop"
     # a crowd again, then one client alone once the others have not been seen for a window
-    for i in range(6):
-        _ask(r, i, q[i], 2, seq=10 + i)
+    _ask_all(r, q, 2, 6, 10)
     _answered(r, list(range(6)))
     assert r.index.carousel_running and r.index.log.count("start 77") == 2
     r.d._seen = {0: time.perf_counter_ns()}  # (the others' last recalls long ago)
@@ -286,8 +279,7 @@ def test_a_ping_amid_a_crowd_is_answered_without_waiting_for_it(rig: Any) -> Non
     r = rig(6, 40)
     r.index.turn = 0.5
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
-    for i in range(5):
-        _ask(r, i, q[i], 3, seq=i)
+    _ask_all(r, q, 3, 5)
     r.d.poll()
     REQUEST_STRUCT.pack_into(r.mm, r.lay.slot_offset(5) + REQUEST_OFFSET, 7, Op.PING, 0, 0, 0, 0, 0, 0)
     r.states[5] = SlotState.REQUEST
@@ -304,8 +296,7 @@ def test_reclaim_leaves_a_slot_whose_request_is_aboard(rig: Any, tmp_path: Any) 
     (A plain file's lock bytes are free: every slot's owner looks gone.)"""
     r = rig(5, 40)
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
-    for i in range(5):
-        _ask(r, i, q[i], 3, seq=i)
+    _ask_all(r, q, 3, 5)
     r.d.poll()
     assert r.index.carousel_running
     r.index.cond.pause.set()
@@ -329,8 +320,7 @@ def test_stopping_answers_the_crowd_or_refuses_it_when_the_kernel_is_gone(kernel
     r.index.slots.close()  # two carousel slots only: a backlog
     r.index.slots = Slots(FakeCupy(), 2, r.lay.dim)
     r.index.crowd = lane = CrowdLane(r.index.slots)
-    for i in range(7):
-        _ask(r, i, q[i], 3, seq=i)
+    _ask_all(r, q, 3, 7)
     r.d._seen = dict.fromkeys(range(7), time.perf_counter_ns())  # (a crowd: the carousel starts)
     r.index.start_carousel = lambda high, f=r.index.start_carousel: (f(high), r.index.cond.pause.set())  # type: ignore[method-assign]
     r.d.poll()
@@ -369,8 +359,7 @@ def test_a_pass_with_nothing_waiting_harvests_and_never_waits_for_the_carousel(r
     r = rig(5, 40)
     r.index.turn = 1.0
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
-    for i in range(4):
-        _ask(r, i, q[i], 3, seq=i)
+    _ask_all(r, q, 3, 4)
     r.d._seen = dict.fromkeys(range(5), time.perf_counter_ns())
     r.d.poll()
     assert r.index.crowd.in_flight == 4 and r.d.crowd_in_flight()
@@ -389,16 +378,14 @@ def test_the_carousel_stops_for_a_thin_crowd_and_when_idle_only_after_a_drain(ri
     r = rig(6, 77)
     r.index.turn = 0.05
     q = np.random.default_rng().standard_normal((6, r.lay.dim)).astype(np.float32)
-    for i in range(6):
-        _ask(r, i, q[i], 2, seq=i)
+    _ask_all(r, q, 2, 6)
     r.d.poll()
     assert r.index.crowd.in_flight == 6
     r.d.stop_idle_carousel(0, 10)
     r.d.stop_idle_carousel(100, 10)  # nothing boarded since: stopped, after its six are answered
     assert not r.index.carousel_running and all(r.states[i] == SlotState.RESPONSE for i in range(6))
     r.d._car_holdoff = 0
-    for i in range(6):
-        _ask(r, i, q[i], 2, seq=10 + i)
+    _ask_all(r, q, 2, 6, 10)
     _answered(r, list(range(6)))
     assert r.index.carousel_running
     _ask(r, 1, q[1], 2, seq=21)  # one recall aboard (the crowd still counted)
@@ -432,13 +419,11 @@ def test_fewer_rows_than_k_and_a_kernel_that_loses_rows(rig: Any) -> None:
     than it should is an INTERNAL error for that recall alone, never a short answer."""
     r = rig(5, 5)
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
-    for i in range(5):
-        _ask(r, i, q[i], 10, seq=i)
+    _ask_all(r, q, 10, 5)
     _answered(r, list(range(5)))
     assert [_rows(r, i, 5) for i in range(5)] == [_top(r.data, q[i], 10) for i in range(5)]
     r.index.cond.short = 4
-    for i in range(5):
-        _ask(r, i, q[i], 10, seq=10 + i)
+    _ask_all(r, q, 10, 5, 10)
     _answered(r, list(range(5)))
     for i in range(5):
         off = r.lay.slot_offset(i)
@@ -450,8 +435,7 @@ def test_fewer_rows_than_k_and_a_kernel_that_loses_rows(rig: Any) -> None:
 def test_a_wrong_echo_fails_that_recall_only(rig: Any) -> None:
     r = rig(5, 30)
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
-    for i in range(5):
-        _ask(r, i, q[i], 3, seq=i)
+    _ask_all(r, q, 3, 5)
     r.d._seen = dict.fromkeys(range(5), time.perf_counter_ns())
     r.index.start_carousel = lambda high, f=r.index.start_carousel: (f(high), setattr(r.index.cond, "wrong_seq", True))  # type: ignore[method-assign]
     r.d.poll()
@@ -461,8 +445,7 @@ def test_a_wrong_echo_fails_that_recall_only(rig: Any) -> None:
         resp = Response.unpack(r.mm[off : off + CTL_SIZE])
         assert r.states[i] == SlotState.ERROR and resp.status == Status.INTERNAL
     r.index.cond.wrong_seq = False
-    for i in range(5):
-        _ask(r, i, q[i], 3, seq=10 + i)
+    _ask_all(r, q, 3, 5, 10)
     _answered(r, list(range(5)))
     assert [_rows(r, i, 3) for i in range(5)] == [_top(r.data, q[i], 3) for i in range(5)]
 
@@ -488,8 +471,7 @@ def test_a_recall_on_the_carousel_voids_the_rest_of_an_abandoned_answer(rig: Any
     r = rig(5, 30)
     r.d.pending[0] = (b"the rest of an old answer", 1, 0)
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
-    for i in range(5):
-        _ask(r, i, q[i], 3, seq=i)
+    _ask_all(r, q, 3, 5)
     _answered(r, list(range(5)))
     assert r.index.crowd.boarded == 5
     REQUEST_STRUCT.pack_into(r.mm, r.lay.slot_offset(0) + REQUEST_OFFSET, 9, Op.CONTINUE, 0, 0, 0, 0, 0, 0)
@@ -522,8 +504,7 @@ def test_a_failed_post_while_the_carousel_yields_the_device_strands_nobody(rig: 
     r.d.sems = r.sems
     r.index.turn = 0.05
     q = np.random.default_rng().standard_normal((6, r.lay.dim)).astype(np.float32)
-    for i in range(5):
-        _ask(r, i, q[i], 3, seq=i)
+    _ask_all(r, q, 3, 5)
     r.d.poll()
     _ask(r, 5, q[5], carousel.KMAX + 1, seq=5)
     _FailingSem.fail = 1
@@ -542,8 +523,7 @@ def test_a_carousel_that_answers_nothing_is_a_device_fault_and_its_recalls_refus
     r = rig(5, 40)
     r.index.turn = 30.0
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
-    for i in range(5):
-        _ask(r, i, q[i], 3, seq=i)
+    _ask_all(r, q, 3, 5)
     r.d.poll()
     assert r.d.poll() == 0  # (not yet stalled)
     time.sleep(0.3)
@@ -569,7 +549,6 @@ def test_only_queries_the_kernel_takes_board(metric: str, scale: float, boards: 
     r = rig(5, 40, metric=metric)
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
     q[0] *= np.float32(scale)
-    for i in range(5):
-        _ask(r, i, q[i], 3, seq=i)
+    _ask_all(r, q, 3, 5)
     _answered(r, list(range(5)))
     assert r.index.crowd.boarded == (5 if boards else 4)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from carousel_fakes import CarouselKernel, Conductor, param_names, patch_kernels
+from carousel_fakes import top_ip as _top
 from kalos_retrievers.sidecar import carousel
 from kalos_retrievers.sidecar.index import NS_ANY, FatalDeviceError
 from kalos_retrievers.sidecar.index_gpu import GpuIndex
@@ -148,12 +149,6 @@ def _start(idx: Any, launching: _Launching, high: int) -> None:
         idx.start_carousel(high)
     finally:
         carousel.Slots = saved
-
-
-def _top(data: np.ndarray, q: np.ndarray, k: int, keep: np.ndarray) -> list[int]:
-    sc = np.where(keep, data @ q, -np.inf)
-    top = np.argsort(-sc, kind="stable")[:k]
-    return top[np.isfinite(sc[top])].tolist()
 
 
 def test_a_started_carousel_answers_over_the_rows_in_use_and_a_stop_abandons_nothing(index: Any) -> None:
