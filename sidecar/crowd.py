@@ -84,7 +84,7 @@ class CrowdLane:
         if not self._aboard:
             self._progress = time.monotonic()
         self._seq = (self._seq + 1) & 0xFFFFFFFF
-        self.slots.send(c, query, k, ns, seq=self._seq)
+        self.slots.send(c, query, k, ns, seq=self._seq, poison=False)
         self._aboard[c] = (token, self._seq)
         self.boarded += 1
 
