@@ -2948,46 +2948,6 @@ __device__ void car_answer(int q, int k, int G, const u64* res, const int* pinfo
     __syncthreads();  // wbest free for the next merge
 }
 
-// One warp tile's scores against the first NA n-tiles of positions (NA a compile-time count:
-// carousel_topk switches on the n-tiles aboard), as mma_filter's loop computes them. Session 35
-// measured the first carousel, whose loop skipped an n-tile with no position aboard by a branch
-// inside it, at 926 µs a turn with 32 aboard (430 with one) against mma_filter's 425 µs for 32
-// queries (S35-1): the branch kept the query fragments' shared-memory loads from being issued
-// ahead of the mma. KALOS_CAR_SWITCH=0 builds that first loop (benchmarks compare them).
-#ifndef KALOS_CAR_SWITCH
-#define KALOS_CAR_SWITCH 1
-#endif
-template <int NA, int NT, int MT>
-__device__ __forceinline__ void car_mma(float (&acc)[MT][NT][4], const uint4* rp, const bool (&rok)[2 * MT], int cpr,
-                                        int ld, int lds, const __half* qs, int t, int g) {
-    constexpr int S = KALOS_MMA_STEPS, H = 2 * MT;
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    for (int k0 = 0; k0 < ld; k0 += 32 * S) {  // warp-uniform
-        uint4 a[S][H];
-#pragma unroll
-        for (int u = 0; u < S; u++) {
-            const int kc = k0 + 32 * u + 8 * t;
-#pragma unroll
-            for (int h = 0; h < H; h++) a[u][h] = (kc < ld && rok[h]) ? __ldg(rp + (size_t)8 * h * cpr + kc / 8) : zero;
-        }
-#pragma unroll
-        for (int u = 0; u < S; u++) {
-            if (k0 + 32 * u >= ld) break;  // warp-uniform
-            const int kc = k0 + 32 * u + 8 * t;
-#pragma unroll
-            for (int j = 0; j < NA; j++) {
-                const uint4 b = kc < ld ? *reinterpret_cast<const uint4*>(qs + (size_t)(8 * j + g) * lds + kc) : zero;
-#pragma unroll
-                for (int m = 0; m < MT; m++)
-                    mma16816(acc[m][j], a[u][2 * m].x, a[u][2 * m + 1].x, a[u][2 * m].y, a[u][2 * m + 1].y, b.x, b.y);
-#pragma unroll
-                for (int m = 0; m < MT; m++)
-                    mma16816(acc[m][j], a[u][2 * m].z, a[u][2 * m + 1].z, a[u][2 * m].w, a[u][2 * m + 1].w, b.z, b.w);
-            }
-        }
-    }
-}
-
 template <int NT, int METRIC>
 __global__ void __launch_bounds__(KALOS_BLOCK, KALOS_CAR_MINB)
 carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const int* __restrict__ ns,
@@ -3222,18 +3182,6 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 for (int j = 0; j < NT; j++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) acc[m][j][e] = 0.f;
-#if KALOS_CAR_SWITCH
-            // the n-tiles up to the last one with a position aboard, a count fixed at compile
-            // time in each case (positions are taken lowest first): the same loop as
-            // mma_filter's, whose query fragments' loads the compiler issues ahead of the mma
-            const int na = (31 - __clz(act)) / 8 + 1;  // (act != 0 here; warp-uniform)
-            switch (na) {
-                case 1: car_mma<1, NT, MT>(acc, rp, rok, cpr, ld, lds, qs, t, g); break;
-                case 2: car_mma<(2 < NT ? 2 : NT), NT, MT>(acc, rp, rok, cpr, ld, lds, qs, t, g); break;
-                case 3: car_mma<(3 < NT ? 3 : NT), NT, MT>(acc, rp, rok, cpr, ld, lds, qs, t, g); break;
-                default: car_mma<NT, NT, MT>(acc, rp, rok, cpr, ld, lds, qs, t, g); break;
-            }
-#else
             constexpr int S = KALOS_MMA_STEPS;
             for (int k0 = 0; k0 < ld; k0 += 32 * S) {
                 uint4 a[S][H];
@@ -3260,7 +3208,6 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                     }
                 }
             }
-#endif
 #pragma unroll
             for (int h = 0; h < H; h++) {
                 const int row = r0 + g + 8 * h;
