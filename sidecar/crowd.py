@@ -18,9 +18,11 @@ the dispatcher's side of it, with no device code of its own:
   stop from anywhere (not only after the dispatcher's drain) abandons nothing.
 
 Why the kernel reads its own slots rather than the protocol's (session 34's plan): the
-kernel, its tests and its three reviews stay as they are until a device has measured them,
-and the copy costs far less than the turn (~460 µs) it waits for. The kernel reading the
-protocol slots, as ``doorbell_topk`` does, remains the follow-up if the lane proves worth it.
+kernel, its tests and its three reviews stayed as they were until a device measured them, and
+the copy (~5 µs of host time a recall with the rest of the boarding, benchmarks/crowd_host.py)
+costs far less than the turn it waits for (903-926 µs with 32 aboard on the H200, S35-1). The
+kernel reading the protocol slots, as ``doorbell_topk`` does, is worth doing only once the
+turn is short enough for the carousel to be used (it is off by default: docs/gpu-notes.md).
 
 Not thread-safe: the dispatcher's serve thread alone calls it.
 """
