@@ -801,7 +801,8 @@ class GpuIndex(Index):
         try:
             crowd.quiesce(_DOORBELL_STOP_S)  # (check_carousel, its alive(), raises if the kernel has ended)
         except TimeoutError as e:
-            raise FatalDeviceError(f"the carousel on {self.name}: {e}") from None
+            self._car_fault = f"stopped answering: {e}"
+            raise FatalDeviceError(f"the carousel on {self.name} {self._car_fault}") from None
         try:
             self._check(lambda: car.stop(_DOORBELL_STOP_S))
         except TimeoutError as e:
