@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .carousel import DONE, ERROR, REQUEST, TAKEN, W_NS_ABOARD, W_RESP_SEQ, W_RESULTS, W_STATE, Slots
+from .carousel import DONE, ERROR, REQUEST, TAKEN, W_RESP_SEQ, W_RESULTS, W_STATE, Slots
 
 
 class Landed(NamedTuple):
@@ -47,7 +47,6 @@ class Landed(NamedTuple):
     n: int  # results found (the kernel's count; the rest of the k are -1 / -inf)
     rows: np.ndarray  # all k, best first (a copy)
     scores: np.ndarray
-    aboard_ns: int  # the kernel's time from boarding to answer (GPU clock)
     why: str = ""  # not ok: why (the kernel refused it, or its answer echoed another request)
 
 
@@ -116,11 +115,11 @@ class CrowdLane:
             rows, scores = self.slots.result(c)
             if int(w[W_RESP_SEQ]) != seq:
                 why = f"carousel slot {c} answered request {int(w[W_RESP_SEQ])}, not {seq}"
-                out.append(Landed(token, False, 0, rows, scores, 0, why))
+                out.append(Landed(token, False, 0, rows, scores, why))
             elif int(w[W_STATE]) == DONE:
-                out.append(Landed(token, True, int(w[W_RESULTS]), rows, scores, int(w[W_NS_ABOARD])))
+                out.append(Landed(token, True, int(w[W_RESULTS]), rows, scores))
             else:
-                out.append(Landed(token, False, 0, rows, scores, int(w[W_NS_ABOARD]), "the kernel refused it"))
+                out.append(Landed(token, False, 0, rows, scores, "the kernel refused it"))
             self._free.append(c)
         if out:
             self._progress = time.monotonic()
