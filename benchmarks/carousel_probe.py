@@ -24,6 +24,12 @@ The queued batches this would replace cannot pass 32 / (2 x pass): measure the p
 call with ``benchmarks/mma_stages.py --batches 16`` (``queued_us``).
 
 Prints one JSON line per run, a table last, and writes ``DIR/carousel_probe.json``.
+
+``--profile`` builds the kernel with ``-DKALOS_CAR_PROFILE`` (its clock stamped per stage; see
+``car_prof`` in recall.cu), restarts it around each timed run, and adds to the run's line where
+the scanning blocks' cycles went (shares of: a step's start and boarding, the tiles, the step's
+end, the cuts and closing selections, the done counts, the merges; idle), the merges' spread
+over the blocks (a convoy: one block merging most answers) and the conductor's rounds.
 """
 
 from __future__ import annotations
@@ -43,6 +49,40 @@ def _pct(v: list[float], p: float) -> float:
     return round(float(np.percentile(v, p)), 1) if v else float("nan")
 
 
+# car_prof's columns (recall.cu: CP_* for a scanning block, CC_* for the conductor, block 0)
+_CP = ["steps", "start", "idle", "scan", "end", "cut", "done", "merge", "n_merge", "n_cut", "n_final", "list_n",
+       "aboard", "n_idle"]  # fmt: skip
+_CC = ["rounds", "poll", "merge", "board", "n_board", "n_merge"]
+
+
+def _profile(p: np.ndarray, khz: int) -> dict[str, Any]:
+    """Where the cycles went (``p``: car_prof's rows for the grid, block 0 the conductor)."""
+    sc = {name: p[1:, i].astype(np.float64) for i, name in enumerate(_CP)}
+    stages = ["start", "idle", "scan", "end", "cut", "done", "merge"]
+    total = sum(sc[s].sum() for s in stages)
+    steps = max(sc["steps"].sum(), 1.0)
+    us = 1000.0 / khz  # µs per cycle
+    merges = sc["n_merge"]
+    top = np.argsort(-merges)[:3]
+    cond = {name: float(p[0, i]) for i, name in enumerate(_CC)}
+    rounds = max(cond["rounds"], 1.0)
+    return {
+        "share": {s: round(float(sc[s].sum() / total), 4) for s in stages} if total else {},
+        "us_per_step": {s: round(float(sc[s].sum() / steps * us), 3) for s in stages},
+        "steps_per_block": round(float(steps / len(merges)), 1),
+        "aboard_per_step": round(float(sc["aboard"].sum() / steps), 2),
+        "cuts": int(sc["n_cut"].sum()), "finals": int(sc["n_final"].sum()),
+        "list_n_mean": round(float(sc["list_n"].sum() / max(sc["n_cut"].sum() + sc["n_final"].sum(), 1)), 1),
+        "merges": int(merges.sum()), "blocks_merging": int((merges > 0).sum()),
+        "top_mergers": [[int(b) + 1, int(merges[b])] for b in top],
+        "us_per_merge": round(float(sc["merge"].sum() / max(merges.sum(), 1) * us), 3),
+        "conductor": {"rounds": int(cond["rounds"]), "poll_us": round(cond["poll"] / rounds * us, 3),
+                      "board_us": round(cond["board"] / rounds * us, 3), "merges": int(cond["n_merge"]),
+                      "us_per_merge": round(cond["merge"] / max(cond["n_merge"], 1) * us, 3),
+                      "boarded": int(cond["n_board"])},
+    }  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1_000_000)
@@ -53,8 +93,13 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=2.0)
     ap.add_argument("--check", type=int, default=300, help="answers checked exactly per run")
     ap.add_argument("--per-sm", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="stamp the kernel's stages (-DKALOS_CAR_PROFILE)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.profile:
+        os.environ["KALOS_KERNEL_OPTIONS"] = (
+            os.environ.get("KALOS_KERNEL_OPTIONS", "") + " -DKALOS_CAR_PROFILE"
+        ).strip()
     import cupy as cp
     from kalos_retrievers.sidecar.carousel import DONE, Carousel, Slots, drive
     from kalos_retrievers.sidecar.index import NS_ANY
@@ -120,6 +165,13 @@ def main() -> int:
     slots = Slots(cp, max(args.clients, 1), dim)
     car = Carousel(cp, data, dim, 0, slots, per_sm=args.per_sm)
     out["grid"] = car.grid
+    out["kernel_options"] = os.environ.get("KALOS_KERNEL_OPTIONS", "")
+    prof = None
+    if args.profile:
+        from kalos_retrievers.sidecar import cuda_kernels
+
+        prof = cp.ndarray((1024, 16), cp.uint64, memptr=cuda_kernels._modules[-1].get_global("car_prof"))
+        khz = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["clockRate"])
     car.start()
     try:
         plan = [(r, args.clients) for r in (float(x) for x in args.return_us.split(",") if x)] + [(0.0, 1)]
@@ -128,6 +180,10 @@ def main() -> int:
             drive(slots, ask, clients=clients, until=time.perf_counter() + 0.3)  # warm-up
             gc.collect()
             gc.disable()  # (no collection pausing the clients' thread while it is timed)
+            if prof is not None:  # the stamps of this run alone
+                car.stop()
+                prof.fill(0)
+                car.start()
             try:
                 t0 = time.perf_counter()
                 answers = drive(slots, ask, clients=clients, until=t0 + args.duration, return_ns=int(r_us * 1000),
@@ -145,6 +201,10 @@ def main() -> int:
                    "aboard_p50_us": _pct(aboard, 50), "aboard_p99_us": _pct(aboard, 99),
                    "kernel_ceiling_per_s": round(ceiling, 1),
                    "mismatches": mismatches(answers), "checked": min(args.check, len(answers))}  # fmt: skip
+            if prof is not None:
+                car.stop()
+                run["profile"] = _profile(cp.asnumpy(prof[: car.grid]), khz)
+                car.start()
             out["runs"].append(run)
             print(json.dumps(run), flush=True)
     finally:

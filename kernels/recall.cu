@@ -2856,6 +2856,39 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 #ifndef KALOS_CAR_MINB
 #define KALOS_CAR_MINB 2
 #endif
+// Who merges a finished turn's lists and answers: 0, the scanning block that finished it last;
+// 1, the conductor (the clerk). With 0 the merging block is late for every other position
+// aboard while it merges, so it tends to finish their turns last too and merge them as well:
+// a convoy whose cost grows with the positions aboard (benchmarks/carousel_probe.py
+// --profile counts the merges per block).
+#ifndef KALOS_CAR_CLERK
+#define KALOS_CAR_CLERK 0
+#endif
+// A turn's closing selection over a short list (at most 64 entries: the usual case once the
+// threshold has risen) by car_best<2> instead of car_best<CAR_CAP / 32>: k rounds of 3 compares
+// instead of 18 (1: on; 0: the long form always, for an A/B).
+#ifndef KALOS_CAR_SHORT
+#define KALOS_CAR_SHORT 1
+#endif
+// Diagnostics (-DKALOS_CAR_PROFILE; benchmarks/carousel_probe.py --profile): per block, thread
+// 0's clock64 cycles by stage and counts of events, summed in shared memory and stored after
+// every step or round into car_prof[block][CAR_PROF_W]. The CP_* names index a scanning
+// block's row; the conductor's (block 0) uses CC_*.
+#define CAR_PROF_W 16
+enum { CP_STEPS, CP_START, CP_IDLE, CP_SCAN, CP_END, CP_CUT, CP_DONE, CP_MERGE, CP_NMERGE, CP_NCUT, CP_NFINAL,
+       CP_LISTN, CP_ABOARD, CP_NIDLE };
+enum { CC_ROUNDS, CC_POLL, CC_MERGE, CC_BOARD, CC_NBOARD, CC_NMERGE };
+#ifdef KALOS_CAR_PROFILE
+__device__ unsigned long long car_prof[1024 * CAR_PROF_W];
+#define CAR_STAMP(t) const long long t = clock64()
+#define CAR_PROF(i, v) do { if (threadIdx.x == 0) s_prof[i] += (unsigned long long)(v); } while (0)
+#define CAR_FLUSH() do { if (threadIdx.x == 0 && blockIdx.x < 1024) \
+    for (int i_ = 0; i_ < CAR_PROF_W; i_++) car_prof[blockIdx.x * CAR_PROF_W + i_] = s_prof[i_]; } while (0)
+#else
+#define CAR_STAMP(t)
+#define CAR_PROF(i, v) do {} while (0)
+#define CAR_FLUSH() do {} while (0)
+#endif
 static_assert(CAR_CAP % 32 == 0 && CAR_KMAX <= 32, "car_best takes a list in one chunk of CAR_CAP / 32 words per lane");
 
 __device__ __forceinline__ u64 warp_max64(u64 x) {
@@ -2968,17 +3001,22 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
     volatile unsigned int* done = dctl + 1 + P;
 
     __shared__ u64 s_wbest[KALOS_BLOCK / 32][32];  // a merge's best k of each warp's share
+#ifdef KALOS_CAR_PROFILE
+    __shared__ unsigned long long s_prof[CAR_PROF_W];
+    if (threadIdx.x < CAR_PROF_W) s_prof[threadIdx.x] = 0ull;  // (the barriers below order it)
+#endif
 
     if (blockIdx.x == 0) {
         // ---------------------------------------------------------------- the conductor
         __shared__ int s_slot[P], s_nreq;
-        __shared__ unsigned int s_busy;
+        __shared__ unsigned int s_busy, s_due;
         const int G = gridDim.x - 1;
         u64 answered = 0;
         unsigned int rot = 0u, started = 0u;  // (warp 0's lane 0) where the slots' order starts; blocks seen started
         if (threadIdx.x == 0) s_busy = 0u;
         __syncthreads();
         for (;;) {
+            CAR_STAMP(c0);
             // the stop word, answered positions, new requests: one round trip of PCIe for warp 0
             if (warp == 0) {
                 const unsigned int stop = lane == 0 ? hload(hctl, mode) : 0u;
@@ -2988,8 +3026,11 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 }
                 const unsigned int busy = s_busy;
                 // a position the last of its blocks has answered (done = G + 1) is free again
-                const bool ans = lane < P && ((busy >> lane) & 1u) && done[lane] == (unsigned int)G + 1u;
+                const unsigned int dq = lane < P && ((busy >> lane) & 1u) ? done[lane] : 0u;
+                const bool ans = dq == (unsigned int)G + 1u;
                 const unsigned int freed = __ballot_sync(0xffffffffu, ans);
+                // (the clerk) positions every block has finished: this block merges them below
+                const unsigned int due = __ballot_sync(0xffffffffu, KALOS_CAR_CLERK && dq == (unsigned int)G);
                 if (ans) done[lane] = 0u;
                 __threadfence();  // (done reset before the position's next gen)
                 // requests: up to 64 slots, two per lane, both loads in flight
@@ -3001,6 +3042,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 const unsigned int any_stop = __ballot_sync(0xffffffffu, stop != 0u);
                 if (lane == 0) {
                     s_stop = any_stop ? 1u : 0u;
+                    s_due = due;
                     if (freed) {
                         answered += __popc(freed);
                         hstore(reinterpret_cast<u64*>(hctl + 2), answered, mode);
@@ -3026,10 +3068,26 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 }
             }
             __syncthreads();
+            CAR_STAMP(c1);
+            CAR_PROF(CC_POLL, c1 - c0);
             if (s_stop) {
                 if (threadIdx.x == 0) { atomicExch(dctl, 1u); __threadfence(); }
+                CAR_FLUSH();
                 return;
             }
+#if KALOS_CAR_CLERK
+            if (const unsigned int due = s_due) {  // (block-uniform)
+                __threadfence();  // done seen complete before the blocks' lists are read
+                for (unsigned int m = due; m; m &= m - 1) {
+                    const int q = __ffs(m) - 1;
+                    car_answer(q, __ldcg(pinfo + CAR_PINFO * q), G, res, pinfo, dctl + 1 + P + q, slot0, slot_bytes,
+                               rows_off, scores_off, mode, s_wbest);
+                }
+                CAR_PROF(CC_NMERGE, __popc(due));
+            }
+#endif
+            CAR_STAMP(c2);
+            CAR_PROF(CC_MERGE, c2 - c1);
             // board the new requests: warp w takes requests w, w + wpb, ...
             const int nreq = s_nreq;
             for (int r = warp; r < nreq; r += wpb) {
@@ -3103,6 +3161,11 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 }
             }
             __syncthreads();
+            CAR_STAMP(c3);
+            CAR_PROF(CC_BOARD, c3 - c2);
+            CAR_PROF(CC_NBOARD, nreq);
+            CAR_PROF(CC_ROUNDS, 1);
+            CAR_FLUSH();
         }
     }
 
@@ -3123,6 +3186,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
     for (;;) {
         // (every thread has read the last step's words before warp 0 writes them again)
         __syncthreads();
+        CAR_STAMP(t0);
         // the step's start: stop? positions to board?
         if (warp == 0) {
             bool join = false;
@@ -3150,7 +3214,10 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
             }
         }
         __syncthreads();
-        if (s_stop) return;
+        if (s_stop) {
+            CAR_FLUSH();
+            return;
+        }
         const unsigned int act = s_act;
         if (s_join) {  // the boarding positions' queries into shared memory, through L2
             const unsigned int jm = s_join;
@@ -3164,8 +3231,13 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
         }
         if (act == 0u) {  // nothing aboard: wait for a boarding (the turn starts wherever it comes)
             __nanosleep(500);
+            CAR_STAMP(ti);
+            CAR_PROF(CP_IDLE, ti - t0);
+            CAR_PROF(CP_NIDLE, 1);
             continue;
         }
+        CAR_STAMP(t1);
+        CAR_PROF(CP_START, t1 - t0);
         // this step's tile for each warp: score it against every aboard position
         const int tile = t_lo + step * wpb + warp;
         if (tile < t_hi) {
@@ -3231,6 +3303,8 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
             }
         }
         __syncthreads();
+        CAR_STAMP(t2);
+        CAR_PROF(CP_SCAN, t2 - t1);
         // the step's end: each aboard position one step nearer the end of its turn; a list that
         // might not hold another step cut to its best k; a finished turn's best k to res
         if (threadIdx.x < P && ((act >> threadIdx.x) & 1u)) s_rem[threadIdx.x]--;
@@ -3238,16 +3312,26 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
         if (threadIdx.x == 0) {
             unsigned int fin = 0u;
             for (int q = 0; q < P; q++)
-                if (((act >> q) & 1u) && (s_rem[q] == 0 || s_cnt[q] > CAR_CAP - CAR_STEP_ROWS)) fin |= 1u << q;
+                if (((act >> q) & 1u) && (s_rem[q] == 0 || s_cnt[q] > CAR_CAP - CAR_STEP_ROWS)) {
+                    fin |= 1u << q;
+                    CAR_PROF(s_rem[q] == 0 ? CP_NFINAL : CP_NCUT, 1);
+                    CAR_PROF(CP_LISTN, s_cnt[q]);
+                }
             s_fin = fin;
         }
         __syncthreads();
+        CAR_STAMP(t3);
+        CAR_PROF(CP_END, t3 - t2);
+        CAR_PROF(CP_STEPS, 1);
+        CAR_PROF(CP_ABOARD, __popc(act));
         const unsigned int fin = s_fin;
         if (fin) {
             for (int q = warp; q < P; q += wpb) {
                 if (!((fin >> q) & 1u)) continue;
                 const int k = s_k[q], n = s_cnt[q];
-                const u64 best = car_best<CAR_CAP / 32, false>(mylists + (size_t)q * CAR_CAP, n, k);  // (one chunk)
+                const u64* list = mylists + (size_t)q * CAR_CAP;
+                const u64 best = KALOS_CAR_SHORT && n <= 64 ? car_best<2, false>(list, n, k)  // (warp-uniform)
+                                                            : car_best<CAR_CAP / 32, false>(list, n, k);  // (one chunk)
                 __syncwarp();
                 if (s_rem[q] == 0) {  // the turn is over: its best k for the merge ([P][G][k], dense)
                     if (lane < k) res[(size_t)q * G * CAR_KMAX + (size_t)b * k + lane] = best;
@@ -3262,16 +3346,21 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 }
             }
             __syncthreads();
+            CAR_STAMP(t4);
+            CAR_PROF(CP_CUT, t4 - t3);
             // the last block to finish a position's turn merges every block's best k and answers
             // (a fence on the adding thread on each side of its add: the release of the lists the
             // block's other warps wrote and fenced before the barrier, and the last one's acquire)
             if (threadIdx.x < P && ((fin >> threadIdx.x) & 1u) && s_rem[threadIdx.x] == 0) {
                 __threadfence();
-                if (atomicAdd(dctl + 1 + P + threadIdx.x, 1u) == (unsigned int)G - 1u) atomicOr(&s_last, 1u << threadIdx.x);
+                const unsigned int was = atomicAdd(dctl + 1 + P + threadIdx.x, 1u);
+                if (!KALOS_CAR_CLERK && was == (unsigned int)G - 1u) atomicOr(&s_last, 1u << threadIdx.x);
                 __threadfence();
             }
             __syncthreads();
-            const unsigned int last = s_last;
+            CAR_STAMP(t5);
+            CAR_PROF(CP_DONE, t5 - t4);
+            const unsigned int last = s_last;  // (0 with the clerk: the conductor answers)
             if (last) {
                 __threadfence();  // done seen complete before the other blocks' lists are read
                 for (unsigned int m = last; m; m &= m - 1) {
@@ -3279,8 +3368,12 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                     car_answer(q, s_k[q], G, res, pinfo, dctl + 1 + P + q, slot0, slot_bytes, rows_off, scores_off,
                                mode, s_wbest);
                 }
+                CAR_STAMP(t6);
+                CAR_PROF(CP_MERGE, t6 - t5);
+                CAR_PROF(CP_NMERGE, __popc(last));
             }
         }
+        CAR_FLUSH();
         step = step + 1 == steps ? 0 : step + 1;
     }
 }
