@@ -51,7 +51,7 @@ def _pct(v: list[float], p: float) -> float:
 
 # car_prof's columns (recall.cu: CP_* for a scanning block, CC_* for the conductor, block 0)
 _CP = ["steps", "start", "idle", "scan", "end", "cut", "done", "merge", "n_merge", "n_cut", "n_final", "list_n",
-       "aboard", "n_idle"]  # fmt: skip
+       "aboard", "n_idle", "smid", "tiles"]  # fmt: skip
 _CC = ["rounds", "poll", "merge", "board", "n_board", "n_merge"]
 
 
@@ -66,6 +66,14 @@ def _profile(p: np.ndarray, khz: int) -> dict[str, Any]:
     top = np.argsort(-merges)[:3]
     cond = {name: float(p[0, i]) for i, name in enumerate(_CC)}
     rounds = max(cond["rounds"], 1.0)
+    # each block's busy time per step (not idle): a turn ends when its slowest block is done
+    busy = sum(sc[s] for s in stages if s != "idle") / np.maximum(sc["steps"], 1.0) * us
+    slow = np.argsort(-busy)[:3]
+    c_sm = int(p[0, _CP.index("smid")])
+
+    def block(b: int) -> list[Any]:  # [block, SM, busy µs a step, steps, tiles]
+        return [b + 1, int(sc["smid"][b]), round(float(busy[b]), 2), int(sc["steps"][b]), int(sc["tiles"][b])]
+
     return {
         "share": {s: round(float(sc[s].sum() / total), 4) for s in stages} if total else {},
         "us_per_step": {s: round(float(sc[s].sum() / steps * us), 3) for s in stages},
@@ -76,6 +84,10 @@ def _profile(p: np.ndarray, khz: int) -> dict[str, Any]:
         "merges": int(merges.sum()), "blocks_merging": int((merges > 0).sum()),
         "top_mergers": [[int(b) + 1, int(merges[b])] for b in top],
         "us_per_merge": round(float(sc["merge"].sum() / max(merges.sum(), 1) * us), 3),
+        "busy_us_per_step_median": round(float(np.median(busy)), 2),
+        "slowest": [block(int(b)) for b in slow],
+        "conductor_sm": c_sm,
+        "conductor_neighbours": [block(int(b)) for b in np.flatnonzero(sc["smid"] == c_sm)],
         "conductor": {"rounds": int(cond["rounds"]), "poll_us": round(cond["poll"] / rounds * us, 3),
                       "board_us": round(cond["board"] / rounds * us, 3), "merges": int(cond["n_merge"]),
                       "us_per_merge": round(cond["merge"] / max(cond["n_merge"], 1) * us, 3),
@@ -203,10 +215,13 @@ def main() -> int:
                    "mismatches": mismatches(answers), "checked": min(args.check, len(answers))}  # fmt: skip
             if prof is not None:
                 car.stop()
-                run["profile"] = _profile(cp.asnumpy(prof[: car.grid]), khz)
+                raw = cp.asnumpy(prof[: car.grid])
+                run["profile"] = _profile(raw, khz)
                 car.start()
             out["runs"].append(run)
             print(json.dumps(run), flush=True)
+            if prof is not None:
+                run["profile_raw"] = raw.tolist()  # (the JSON file's only)
     finally:
         car.close()
         slots.close()

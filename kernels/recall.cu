@@ -1785,6 +1785,12 @@ __device__ __forceinline__ void hstore(u64* p, u64 v, int mode) {
     else *reinterpret_cast<volatile u64*>(p) = v;
 }
 
+__device__ __forceinline__ unsigned int sm_id() {
+    unsigned int id;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+    return id;
+}
+
 __device__ __forceinline__ u64 global_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -2839,7 +2845,8 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // scanning blocks have started (the conductor's copy: the host checks that every block is
 // resident).
 // dctl (device memory, zeroed before the launch): [0] stop seen, [1, 1 + P) gen, [1 + P, 1 + 2P)
-// done, [1 + 2P] scanning blocks started. pinfo (device, [P][CAR_PINFO] ints): k, slot,
+// done, [1 + 2P] scanning blocks started, [2 + 2P] the conductor's SM + 1, [3 + 2P] the spare
+// block + 1 (KALOS_CAR_SPARE). pinfo (device, [P][CAR_PINFO] ints): k, slot,
 // namespace, |q|^2 bits, seq, boarding time (GPU clock, two words).
 #define CAR_IDLE 0u
 #define CAR_REQUEST 1u
@@ -2870,13 +2877,20 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 #ifndef KALOS_CAR_SHORT
 #define KALOS_CAR_SHORT 1
 #endif
+// The scanning block that shares the conductor's SM scans no rows (1; 0: it scans its share as
+// every block does). The conductor's polling and merges take that SM's issue slots, so its
+// neighbour runs behind the others, and a turn ends only when the last block has finished it.
+// Its share goes to the others; it still boards every position and counts its (empty) turn.
+#ifndef KALOS_CAR_SPARE
+#define KALOS_CAR_SPARE 0
+#endif
 // Diagnostics (-DKALOS_CAR_PROFILE; benchmarks/carousel_probe.py --profile): per block, thread
 // 0's clock64 cycles by stage and counts of events, summed in shared memory and stored after
 // every step or round into car_prof[block][CAR_PROF_W]. The CP_* names index a scanning
 // block's row; the conductor's (block 0) uses CC_*.
 #define CAR_PROF_W 16
 enum { CP_STEPS, CP_START, CP_IDLE, CP_SCAN, CP_END, CP_CUT, CP_DONE, CP_MERGE, CP_NMERGE, CP_NCUT, CP_NFINAL,
-       CP_LISTN, CP_ABOARD, CP_NIDLE };
+       CP_LISTN, CP_ABOARD, CP_NIDLE, CP_SMID, CP_TILES };
 enum { CC_ROUNDS, CC_POLL, CC_MERGE, CC_BOARD, CC_NBOARD, CC_NMERGE };
 #ifdef KALOS_CAR_PROFILE
 __device__ unsigned long long car_prof[1024 * CAR_PROF_W];
@@ -3003,7 +3017,8 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
     __shared__ u64 s_wbest[KALOS_BLOCK / 32][32];  // a merge's best k of each warp's share
 #ifdef KALOS_CAR_PROFILE
     __shared__ unsigned long long s_prof[CAR_PROF_W];
-    if (threadIdx.x < CAR_PROF_W) s_prof[threadIdx.x] = 0ull;  // (the barriers below order it)
+    if (threadIdx.x < CAR_PROF_W) s_prof[threadIdx.x] = 0ull;
+    __syncthreads();
 #endif
 
     if (blockIdx.x == 0) {
@@ -3013,7 +3028,11 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
         const int G = gridDim.x - 1;
         u64 answered = 0;
         unsigned int rot = 0u, started = 0u;  // (warp 0's lane 0) where the slots' order starts; blocks seen started
-        if (threadIdx.x == 0) s_busy = 0u;
+        if (threadIdx.x == 0) {
+            s_busy = 0u;
+            atomicExch(dctl + 2 + 2 * P, sm_id() + 1u);  // for KALOS_CAR_SPARE
+            CAR_PROF(CP_SMID, sm_id());
+        }
         __syncthreads();
         for (;;) {
             CAR_STAMP(c0);
@@ -3172,13 +3191,39 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
     // -------------------------------------------------------------------- the scanning blocks
     __half* qs = reinterpret_cast<__half*>(car_smem);
     const int b = blockIdx.x - 1, G = gridDim.x - 1;
+    int spare = -1;  // the scanning block on the conductor's SM, with KALOS_CAR_SPARE
+#if KALOS_CAR_SPARE
+    __shared__ int s_spare;
+    if (threadIdx.x == 0) {
+        // the conductor's SM (+ 1; it writes it first thing); then, once every scanning block
+        // has started (so the spare, if any, has said so), which block is the spare. A stop
+        // ends the waits: blocks that are not resident start only when these have returned.
+        volatile unsigned int* vd = dctl;
+        unsigned int c;
+        while ((c = vd[2 + 2 * P]) == 0u && vd[0] == 0u) __nanosleep(200);
+        if (c == sm_id() + 1u) atomicExch(dctl + 3 + 2 * P, (unsigned int)b + 1u);
+        __threadfence();  // (the spare's word before its start is counted)
+        atomicAdd(dctl + 1 + 2 * P, 1u);  // started (see hctl[4])
+        while (vd[1 + 2 * P] < (unsigned int)G && vd[0] == 0u) __nanosleep(200);
+        __threadfence();
+        s_spare = (int)vd[3 + 2 * P] - 1;
+    }
+    __syncthreads();
+    spare = s_spare;
+#else
+    if (threadIdx.x == 0) atomicAdd(dctl + 1 + 2 * P, 1u);  // started (see hctl[4])
+#endif
+    // this block's rows: tiles [t_lo, t_hi), a share of the scanning blocks' (the spare's: none)
+    const int Gs = spare >= 0 ? G - 1 : G, bs = spare >= 0 && b > spare ? b - 1 : b;
     const int rows_per_tile = 16 * MT;
     const int tiles_total = (nrows + rows_per_tile - 1) / rows_per_tile;
-    const int t_lo = (int)((long long)tiles_total * b / G), t_hi = (int)((long long)tiles_total * (b + 1) / G);
+    const int t_lo = b == spare ? 0 : (int)((long long)tiles_total * bs / Gs);
+    const int t_hi = b == spare ? 0 : (int)((long long)tiles_total * (bs + 1) / Gs);
     const int steps = max(1, (t_hi - t_lo + wpb - 1) / wpb);
     u64* mylists = lists + (size_t)b * P * CAR_CAP;
     if (threadIdx.x < P) { s_gen[threadIdx.x] = 0u; s_rem[threadIdx.x] = 0; s_cnt[threadIdx.x] = 0; }
-    if (threadIdx.x == 0) atomicAdd(dctl + 1 + 2 * P, 1u);  // started (see hctl[4])
+    CAR_PROF(CP_SMID, sm_id());
+    CAR_PROF(CP_TILES, t_hi - t_lo);
     int step = 0;
     const int cpr = ld / 8;
     const uint4* rows16 = reinterpret_cast<const uint4*>(data);
