@@ -1785,6 +1785,18 @@ __device__ __forceinline__ void hstore(u64* p, u64 v, int mode) {
     else *reinterpret_cast<volatile u64*>(p) = v;
 }
 
+// gpu-scope acquire load and release add (sm_70+): the ordering of a fence without the cost of
+// fence.sc (__threadfence), which waits for every write the thread has in flight (~1-2 µs on an
+// H200 mid-scan: the carousel's profile, session 36).
+__device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release_add(unsigned int* p, unsigned int v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ unsigned int sm_id() {
     unsigned int id;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
@@ -2869,7 +2881,7 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // a convoy whose cost grows with the positions aboard (benchmarks/carousel_probe.py
 // --profile counts the merges per block).
 #ifndef KALOS_CAR_CLERK
-#define KALOS_CAR_CLERK 0
+#define KALOS_CAR_CLERK 1
 #endif
 // A turn's closing selection over a short list (at most 64 entries: the usual case once the
 // threshold has risen) by car_best<2> instead of car_best<CAR_CAP / 32>: k rounds of 3 compares
@@ -3011,7 +3023,6 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
     __shared__ unsigned int s_join, s_act, s_stop, s_fin, s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wpb = blockDim.x >> 5;
-    volatile unsigned int* gen = dctl + 1;
     volatile unsigned int* done = dctl + 1 + P;
 
     __shared__ u64 s_wbest[KALOS_BLOCK / 32][32];  // a merge's best k of each warp's share
@@ -3235,10 +3246,10 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
         // the step's start: stop? positions to board?
         if (warp == 0) {
             bool join = false;
+            const unsigned int stop = lane == 0 ? *reinterpret_cast<volatile unsigned int*>(dctl) : 0u;
             if (lane < P && s_rem[lane] == 0) {
-                const unsigned int g = gen[lane];
+                const unsigned int g = ld_acquire(dctl + 1 + lane);  // gen before the query and its words
                 if (g != s_gen[lane]) {
-                    __threadfence();  // gen before the query and its words
                     s_gen[lane] = g;
                     s_rem[lane] = steps;
                     s_cnt[lane] = 0;
@@ -3254,7 +3265,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
             if (lane == 0) {
                 s_join = jm;
                 s_act = am;
-                s_stop = *reinterpret_cast<volatile unsigned int*>(dctl);
+                s_stop = stop;
                 s_last = 0u;
             }
         }
@@ -3352,17 +3363,20 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
         CAR_PROF(CP_SCAN, t2 - t1);
         // the step's end: each aboard position one step nearer the end of its turn; a list that
         // might not hold another step cut to its best k; a finished turn's best k to res
-        if (threadIdx.x < P && ((act >> threadIdx.x) & 1u)) s_rem[threadIdx.x]--;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned int fin = 0u;
-            for (int q = 0; q < P; q++)
-                if (((act >> q) & 1u) && (s_rem[q] == 0 || s_cnt[q] > CAR_CAP - CAR_STEP_ROWS)) {
-                    fin |= 1u << q;
-                    CAR_PROF(s_rem[q] == 0 ? CP_NFINAL : CP_NCUT, 1);
-                    CAR_PROF(CP_LISTN, s_cnt[q]);
-                }
-            s_fin = fin;
+        if (warp == 0) {  // (lane q: position q)
+            const bool on = lane < P && ((act >> lane) & 1u);
+            const int rem = on ? --s_rem[lane] : 1;
+            const bool f = on && (rem == 0 || s_cnt[lane] > CAR_CAP - CAR_STEP_ROWS);
+            const unsigned int fm = __ballot_sync(0xffffffffu, f);
+#ifdef KALOS_CAR_PROFILE
+            const unsigned int ends = __ballot_sync(0xffffffffu, f && rem == 0);
+            int listn = f ? s_cnt[lane] : 0;
+            for (int o = 16; o > 0; o >>= 1) listn += __shfl_xor_sync(0xffffffffu, listn, o);
+            CAR_PROF(CP_NFINAL, __popc(ends));
+            CAR_PROF(CP_NCUT, __popc(fm & ~ends));
+            CAR_PROF(CP_LISTN, listn);
+#endif
+            if (lane == 0) s_fin = fm;
         }
         __syncthreads();
         CAR_STAMP(t3);
@@ -3380,7 +3394,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 __syncwarp();
                 if (s_rem[q] == 0) {  // the turn is over: its best k for the merge ([P][G][k], dense)
                     if (lane < k) res[(size_t)q * G * CAR_KMAX + (size_t)b * k + lane] = best;
-                    __threadfence();
+                    if (!KALOS_CAR_CLERK) __threadfence();  // (the clerk's: released by the add below)
                 } else {
                     if (lane < k) mylists[(size_t)q * CAR_CAP + lane] = best;
                     const u64 kth = __shfl_sync(0xffffffffu, best, k - 1);
@@ -3397,10 +3411,15 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
             // (a fence on the adding thread on each side of its add: the release of the lists the
             // block's other warps wrote and fenced before the barrier, and the last one's acquire)
             if (threadIdx.x < P && ((fin >> threadIdx.x) & 1u) && s_rem[threadIdx.x] == 0) {
+#if KALOS_CAR_CLERK
+                // a release: the block's writes of res (its other warps', before the barrier
+                // above) are seen by whoever acquires this count (the conductor, at G)
+                red_release_add(dctl + 1 + P + threadIdx.x, 1u);
+#else
                 __threadfence();
-                const unsigned int was = atomicAdd(dctl + 1 + P + threadIdx.x, 1u);
-                if (!KALOS_CAR_CLERK && was == (unsigned int)G - 1u) atomicOr(&s_last, 1u << threadIdx.x);
+                if (atomicAdd(dctl + 1 + P + threadIdx.x, 1u) == (unsigned int)G - 1u) atomicOr(&s_last, 1u << threadIdx.x);
                 __threadfence();
+#endif
             }
             __syncthreads();
             CAR_STAMP(t5);

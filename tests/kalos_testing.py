@@ -125,7 +125,12 @@ def exact_crowd_worker(name: str, dim: int, metric: str, seed: int, n_calls: int
     0; every ``other_every``-th in another namespace when nonzero), back to back. The float64
     references are computed first, then the worker waits at ``start`` (a barrier shared with
     the crowd's other workers, if given), so the crowd recalls at once. Puts the first
-    mismatch's description on ``out`` (or "" when every answer was right)."""
+    mismatch's description on ``out`` (or "" when every answer was right).
+
+    Two references: the batched paths and the carousel round the query to float16, the
+    resident batch-1 kernel (a client alone, as the crowd thins) multiplies it in float32. At
+    inner-product scores of ~100 the two differ by ~5e-3, past the 2e-3 tolerance, so an answer
+    must match the one or the other (S36-2: one answer of 3,840 came from the resident kernel)."""
     from kalos_retrievers import KalosClient
 
     rng = np.random.default_rng(seed)
@@ -137,8 +142,11 @@ def exact_crowd_worker(name: str, dim: int, metric: str, seed: int, n_calls: int
     ks = [(1, 10, 32)[j % 3] for j in range(n_calls)]
     ref_metric = "ip" if metric == "cosine" else metric
     # every query's top 32 at once (stable order: a smaller k's answer is the prefix)
-    ref_i, ref_s = reference_topk(as_float16_stored(data, metric), as_float16_stored(qs, metric), 32, ref_metric,
-                                  keep)  # fmt: skip
+    rows16 = as_float16_stored(data, metric)
+    q32 = np.asarray(qs, np.float64)
+    if metric == "cosine":
+        q32 = q32 / np.linalg.norm(q32, axis=1, keepdims=True)
+    refs = [reference_topk(rows16, q, 32, ref_metric, keep) for q in (as_float16_stored(qs, metric), q32)]
     got = []
     with KalosClient(name, dim=dim, timeout=60) as c:
         if start is not None:
@@ -149,7 +157,16 @@ def exact_crowd_worker(name: str, dim: int, metric: str, seed: int, n_calls: int
     try:
         for j, (ids, scores) in enumerate(got):
             k = ks[j]
-            assert_topk_equal(ids, scores, [str(i) for i in ref_i[j, :k]], ref_s[j, :k], atol=2e-3, context=f"call {j}")
+            misses = []
+            for how, (ref_i, ref_s) in zip(("float16 query", "float32 query"), refs, strict=True):
+                try:
+                    assert_topk_equal(ids, scores, [str(i) for i in ref_i[j, :k]], ref_s[j, :k], atol=2e-3,
+                                      context=f"call {j} ({how})")  # fmt: skip
+                    break
+                except AssertionError as e:
+                    misses.append(str(e))
+            else:
+                raise AssertionError("\n".join(misses))
     except AssertionError as e:
         out.put(str(e))
         return
