@@ -2826,20 +2826,24 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // the threshold is appended. After a step a list that might not hold one more step's rows
 // (CAR_CAP - CAR_STEP_ROWS) is cut to its best k by one warp, which raises the threshold; at
 // the end of the turn the list's best k go to res (for p: [G][k], dense) and the block adds 1 to
-// done[p]; the block that brings it to G merges every block's best k (car_answer) and writes
-// rows, scores, words and state CAR_DONE into the slot. A block's best k over its range hold
-// the global top-k's members from that range, so the top-k of every block's best k is exact
-// (ties: the smaller row first, as the other paths). The merges are spread over the blocks
-// (~1 in G answers each), where the conductor merging them all, one after the other, would
-// have spent a quarter to a third of its time on them at 50k answers/s (session 34's review).
+// done[p]. When done[p] reaches G the conductor (the clerk, KALOS_CAR_CLERK) merges every
+// block's best k (car_answer) and writes rows, scores, words and state CAR_DONE into the slot.
+// A block's best k over its range hold the global top-k's members from that range, so the
+// top-k of every block's best k is exact (ties: the smaller row first, as the other paths).
+// Why the conductor and not the block that finishes last (sessions 34-35's design, still
+// KALOS_CAR_CLERK=0): a block merging (~8 µs) is late for every other position aboard, so it
+// finishes their turns last as well and merges those too. S36-1 found one block of 263 doing
+// 51,678 of 51,682 merges, and turns of 874 µs with 32 aboard, against 648 with the clerk.
 //
 // Memory order. The conductor writes pos_q and pinfo, fences, then bumps gen[p] (atomic); a
-// block reads gen (volatile), fences, then reads pos_q and pinfo through L2 (__ldcg: L1 may
-// hold the position's previous query). A block writes res, fences, then adds to done[p]; the
-// block whose add makes G fences, then reads res through L2, answers, and sets done[p] = G + 1
-// after its last read of the position's data; the conductor then sets done[p] = 0, fences, and
-// may install the next query there. gen[p] moves only when every block has finished the
-// position's previous query, so each block boards every query once.
+// block reads gen with an acquire load, then pos_q and pinfo through L2 (__ldcg: L1 may hold
+// the position's previous query). A block's warps write res; after a barrier one thread adds
+// to done[p] with a release reduction (the barrier and the release carry the other warps'
+// writes); the conductor reads done (volatile), fences (the acquire), then reads res through
+// L2, answers, and sets done[p] = G + 1, then 0 a round later, fences, and may install the
+// next query there. gen[p] moves only when every block has finished the position's previous
+// query, so each block boards every query once. (Full fences, __threadfence, cost 1-2 µs each
+// mid-scan: S36-2's profile; each step of a block used to take two or three.)
 //
 // Slot (host memory, slot_bytes apart from slot0; little endian u32 words):
 //   [0] state: CAR_REQUEST (the client, after everything else) -> CAR_TAKEN (conductor) ->
