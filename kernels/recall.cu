@@ -2861,8 +2861,7 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // scanning blocks have started (the conductor's copy: the host checks that every block is
 // resident).
 // dctl (device memory, zeroed before the launch): [0] stop seen, [1, 1 + P) gen, [1 + P, 1 + 2P)
-// done, [1 + 2P] scanning blocks started, [2 + 2P] the conductor's SM + 1, [3 + 2P] the spare
-// block + 1 (KALOS_CAR_SPARE). pinfo (device, [P][CAR_PINFO] ints): k, slot,
+// done, [1 + 2P] scanning blocks started. pinfo (device, [P][CAR_PINFO] ints): k, slot,
 // namespace, |q|^2 bits, seq, boarding time (GPU clock, two words).
 #define CAR_IDLE 0u
 #define CAR_REQUEST 1u
@@ -2892,13 +2891,6 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // instead of 18 (1: on; 0: the long form always, for an A/B).
 #ifndef KALOS_CAR_SHORT
 #define KALOS_CAR_SHORT 1
-#endif
-// The scanning block that shares the conductor's SM scans no rows (1; 0: it scans its share as
-// every block does). The conductor's polling and merges take that SM's issue slots, so its
-// neighbour runs behind the others, and a turn ends only when the last block has finished it.
-// Its share goes to the others; it still boards every position and counts its (empty) turn.
-#ifndef KALOS_CAR_SPARE
-#define KALOS_CAR_SPARE 0
 #endif
 // Diagnostics (-DKALOS_CAR_PROFILE; benchmarks/carousel_probe.py --profile): per block, thread
 // 0's clock64 cycles by stage and counts of events, summed in shared memory and stored after
@@ -3045,7 +3037,6 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
         unsigned int rot = 0u, started = 0u;  // (warp 0's lane 0) where the slots' order starts; blocks seen started
         if (threadIdx.x == 0) {
             s_busy = 0u;
-            atomicExch(dctl + 2 + 2 * P, sm_id() + 1u);  // for KALOS_CAR_SPARE
             CAR_PROF(CP_SMID, sm_id());
         }
         __syncthreads();
@@ -3206,34 +3197,10 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
     // -------------------------------------------------------------------- the scanning blocks
     __half* qs = reinterpret_cast<__half*>(car_smem);
     const int b = blockIdx.x - 1, G = gridDim.x - 1;
-    int spare = -1;  // the scanning block on the conductor's SM, with KALOS_CAR_SPARE
-#if KALOS_CAR_SPARE
-    __shared__ int s_spare;
-    if (threadIdx.x == 0) {
-        // the conductor's SM (+ 1; it writes it first thing); then, once every scanning block
-        // has started (so the spare, if any, has said so), which block is the spare. A stop
-        // ends the waits: blocks that are not resident start only when these have returned.
-        volatile unsigned int* vd = dctl;
-        unsigned int c;
-        while ((c = vd[2 + 2 * P]) == 0u && vd[0] == 0u) __nanosleep(200);
-        if (c == sm_id() + 1u) atomicExch(dctl + 3 + 2 * P, (unsigned int)b + 1u);
-        __threadfence();  // (the spare's word before its start is counted)
-        atomicAdd(dctl + 1 + 2 * P, 1u);  // started (see hctl[4])
-        while (vd[1 + 2 * P] < (unsigned int)G && vd[0] == 0u) __nanosleep(200);
-        __threadfence();
-        s_spare = (int)vd[3 + 2 * P] - 1;
-    }
-    __syncthreads();
-    spare = s_spare;
-#else
     if (threadIdx.x == 0) atomicAdd(dctl + 1 + 2 * P, 1u);  // started (see hctl[4])
-#endif
-    // this block's rows: tiles [t_lo, t_hi), a share of the scanning blocks' (the spare's: none)
-    const int Gs = spare >= 0 ? G - 1 : G, bs = spare >= 0 && b > spare ? b - 1 : b;
     const int rows_per_tile = 16 * MT;
     const int tiles_total = (nrows + rows_per_tile - 1) / rows_per_tile;
-    const int t_lo = b == spare ? 0 : (int)((long long)tiles_total * bs / Gs);
-    const int t_hi = b == spare ? 0 : (int)((long long)tiles_total * (bs + 1) / Gs);
+    const int t_lo = (int)((long long)tiles_total * b / G), t_hi = (int)((long long)tiles_total * (b + 1) / G);
     const int steps = max(1, (t_hi - t_lo + wpb - 1) / wpb);
     u64* mylists = lists + (size_t)b * P * CAR_CAP;
     if (threadIdx.x < P) { s_gen[threadIdx.x] = 0u; s_rem[threadIdx.x] = 0; s_cnt[threadIdx.x] = 0; }

@@ -175,7 +175,7 @@ class Carousel:
         self.scanners = self.grid - 1
         self.stream = stream or cp.cuda.Stream(non_blocking=True)
         with self.stream:
-            self.dctl = cp.zeros(4 + 2 * POSITIONS, cp.uint32)
+            self.dctl = cp.zeros(2 + 2 * POSITIONS, cp.uint32)
             self.pinfo = cp.zeros(PINFO * POSITIONS, cp.int32)
             self.pos_q = cp.zeros(POSITIONS * self.ld, cp.float16)
             self.lists = cp.zeros(self.scanners * POSITIONS * _CAP, cp.uint64)

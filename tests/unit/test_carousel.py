@@ -81,7 +81,7 @@ def test_the_launch_matches_the_kernels_parameters(fake: tuple[FakeCupy, list], 
     assert car.smem == carousel.POSITIONS * 160 * 2 >= cuda_kernels.BLOCK // 32 * 4 * dim
     assert len(car.lists) == car.scanners * carousel.POSITIONS * carousel._CAP
     assert len(car.res) == carousel.POSITIONS * car.scanners * carousel.KMAX
-    assert len(car.pinfo) == carousel.POSITIONS * carousel.PINFO and len(car.dctl) == 4 + 2 * carousel.POSITIONS
+    assert len(car.pinfo) == carousel.POSITIONS * carousel.PINFO and len(car.dctl) == 2 + 2 * carousel.POSITIONS
     car.close()
     slots.close()
     assert cp.registered == {}
