@@ -52,7 +52,7 @@ def _pct(v: list[float], p: float) -> float:
 # car_prof's columns (recall.cu: CP_* for a scanning block, CC_* for the conductor, block 0)
 _CP = ["steps", "start", "idle", "scan", "end", "cut", "done", "merge", "n_merge", "n_cut", "n_final", "list_n",
        "aboard", "n_idle", "smid", "tiles"]  # fmt: skip
-_CC = ["rounds", "poll", "merge", "board", "n_board", "n_merge"]
+_CC = ["rounds", "poll", "merge", "board", "n_board", "n_merge", "select"]
 
 
 def _profile(p: np.ndarray, khz: int) -> dict[str, Any]:
@@ -91,6 +91,7 @@ def _profile(p: np.ndarray, khz: int) -> dict[str, Any]:
         "conductor": {"rounds": int(cond["rounds"]), "poll_us": round(cond["poll"] / rounds * us, 3),
                       "board_us": round(cond["board"] / rounds * us, 3), "merges": int(cond["n_merge"]),
                       "us_per_merge": round(cond["merge"] / max(cond["n_merge"], 1) * us, 3),
+                      "us_per_select": round(cond["select"] / max(cond["n_merge"], 1) * us, 3),
                       "boarded": int(cond["n_board"])},
     }  # fmt: skip
 

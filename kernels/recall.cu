@@ -2840,8 +2840,8 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // the position's previous query). A block's warps write res; after a barrier one thread adds
 // to done[p] with a release reduction (the barrier and the release carry the other warps'
 // writes); the conductor reads done (volatile), fences (the acquire), then reads res through
-// L2, answers, and sets done[p] = G + 1, then 0 a round later, fences, and may install the
-// next query there. gen[p] moves only when every block has finished the position's previous
+// L2, answers (the state released at system scope after the results), sets done[p] = 0 and
+// may install the next query there in a later round (its fence before the gen orders the reset). gen[p] moves only when every block has finished the position's previous
 // query, so each block boards every query once. (Full fences, __threadfence, cost 1-2 µs each
 // mid-scan: S36-2's profile; each step of a block used to take two or three.)
 //
@@ -2899,7 +2899,7 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 #define CAR_PROF_W 16
 enum { CP_STEPS, CP_START, CP_IDLE, CP_SCAN, CP_END, CP_CUT, CP_DONE, CP_MERGE, CP_NMERGE, CP_NCUT, CP_NFINAL,
        CP_LISTN, CP_ABOARD, CP_NIDLE, CP_SMID, CP_TILES };
-enum { CC_ROUNDS, CC_POLL, CC_MERGE, CC_BOARD, CC_NBOARD, CC_NMERGE };
+enum { CC_ROUNDS, CC_POLL, CC_MERGE, CC_BOARD, CC_NBOARD, CC_NMERGE, CC_SELECT };
 #ifdef KALOS_CAR_PROFILE
 __device__ unsigned long long car_prof[1024 * CAR_PROF_W];
 #define CAR_STAMP(t) const long long t = clock64()
@@ -2961,46 +2961,64 @@ __device__ u64 car_best(const u64* src, int n, int k) {
     return mine;
 }
 
-// The answer to position q, by the block that finished its turn last (all threads of the block
-// call it): each warp the best k of its share of the blocks' lists (res, [G][k] for q, read
-// through L2), warp 0 the best k of those, written into the request's slot with its words and,
-// last, the state CAR_DONE; then done_q = G + 1 tells the conductor the position is free.
-__device__ void car_answer(int q, int k, int G, const u64* res, const int* pinfo, unsigned int* done_q,
-                           u64 slot0, int slot_bytes, int rows_off, int scores_off, int mode, u64 (*wbest)[32]) {
+// The best k of position q's G lists (res, [G][k] for q, read through L2), by all threads of
+// the block: each warp the best k of its share, then warp 0 the best k of those (lane r: the
+// r-th best; other warps: 0).
+__device__ u64 car_merge(int q, int k, int G, const u64* res, u64 (*wbest)[32]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
     const int n = G * k;
     const int per = (n + wpb - 1) / wpb;
     const int lo = min(n, warp * per), hi = min(n, lo + per);
     wbest[warp][lane] = car_best<16, true>(res + (size_t)q * G * CAR_KMAX + lo, hi - lo, k);
     __syncthreads();
-    if (warp == 0) {
-        const u64 best = car_best<KALOS_BLOCK / 32, false>(&wbest[0][0], 32 * wpb, k);
-        const int* pi = pinfo + CAR_PINFO * q;
-        const int slot = __ldcg(pi + 1);
-        const unsigned int seq = (unsigned int)__ldcg(pi + 4);
-        const u64 t0 = (u64)(unsigned int)__ldcg(pi + 5) | ((u64)(unsigned int)__ldcg(pi + 6) << 32);
-        unsigned char* sb = reinterpret_cast<unsigned char*>(slot0 + (u64)slot * slot_bytes);
-        unsigned int* w = reinterpret_cast<unsigned int*>(sb);
-        const unsigned int nres = __popc(__ballot_sync(0xffffffffu, lane < k && best != 0ull));
-        if (lane < k) {
-            hstore(reinterpret_cast<int*>(sb + rows_off) + lane, best ? sel_pack_val(best) : -1, mode);
-            hstore(reinterpret_cast<unsigned int*>(sb + scores_off) + lane,
-                   __float_as_uint(best ? sel_pack_key(best) : neg_inf()), mode);
-        }
-        if (lane == 0) {
-            hstore(w + 4, nres, mode);
-            hstore(w + 5, seq, mode);
-            hstore(w + 6, (unsigned int)(global_ns() - t0), mode);
-        }
-        __threadfence_system();
-        __syncwarp();
-        if (lane == 0) {
-            hstore(w, CAR_DONE, mode);  // last
+    const u64 best = warp == 0 ? car_best<KALOS_BLOCK / 32, false>(&wbest[0][0], 32 * wpb, k) : 0ull;  // (warp-uniform)
+    __syncthreads();  // wbest free for the next merge
+    return best;
+}
+
+// Warp 0 writes position q's answer (lane r: the r-th best, car_merge's) into its request's
+// slot: rows, scores, its words and, last, the state CAR_DONE, released at system scope (a
+// fence.acq_rel.sys before the store: the host sees the results before the state).
+__device__ void car_write(int q, int k, u64 best, const int* pinfo, u64 slot0, int slot_bytes, int rows_off,
+                          int scores_off, int mode) {
+    const int lane = threadIdx.x & 31;
+    const int* pi = pinfo + CAR_PINFO * q;
+    const int slot = __ldcg(pi + 1);
+    const unsigned int seq = (unsigned int)__ldcg(pi + 4);
+    const u64 t0 = (u64)(unsigned int)__ldcg(pi + 5) | ((u64)(unsigned int)__ldcg(pi + 6) << 32);
+    unsigned char* sb = reinterpret_cast<unsigned char*>(slot0 + (u64)slot * slot_bytes);
+    unsigned int* w = reinterpret_cast<unsigned int*>(sb);
+    const unsigned int nres = __popc(__ballot_sync(0xffffffffu, lane < k && best != 0ull));
+    if (lane < k) {
+        hstore(reinterpret_cast<int*>(sb + rows_off) + lane, best ? sel_pack_val(best) : -1, mode);
+        hstore(reinterpret_cast<unsigned int*>(sb + scores_off) + lane,
+               __float_as_uint(best ? sel_pack_key(best) : neg_inf()), mode);
+    }
+    if (lane == 0) {
+        hstore(w + 4, nres, mode);
+        hstore(w + 5, seq, mode);
+        hstore(w + 6, (unsigned int)(global_ns() - t0), mode);
+    }
+    __syncwarp();
+    if (lane == 0) {
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        hstore(w, CAR_DONE, mode);  // last
+    }
+}
+
+// The answer to position q by the block that finished its turn last (KALOS_CAR_CLERK=0; all
+// threads of the block call it): merged, written, then done_q = G + 1 tells the conductor the
+// position is free (every read of its data is done).
+__device__ void car_answer(int q, int k, int G, const u64* res, const int* pinfo, unsigned int* done_q,
+                           u64 slot0, int slot_bytes, int rows_off, int scores_off, int mode, u64 (*wbest)[32]) {
+    const u64 best = car_merge(q, k, G, res, wbest);
+    if (threadIdx.x < 32) {
+        car_write(q, k, best, pinfo, slot0, slot_bytes, rows_off, scores_off, mode);
+        if (threadIdx.x == 0) {
             __threadfence();
-            atomicExch(done_q, (unsigned int)G + 1u);  // every read of q's data is done: free it
+            atomicExch(done_q, (unsigned int)G + 1u);
         }
     }
-    __syncthreads();  // wbest free for the next merge
 }
 
 template <int NT, int METRIC>
@@ -3105,9 +3123,24 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 __threadfence();  // done seen complete before the blocks' lists are read
                 for (unsigned int m = due; m; m &= m - 1) {
                     const int q = __ffs(m) - 1;
-                    car_answer(q, __ldcg(pinfo + CAR_PINFO * q), G, res, pinfo, dctl + 1 + P + q, slot0, slot_bytes,
-                               rows_off, scores_off, mode, s_wbest);
+                    const int k = __ldcg(pinfo + CAR_PINFO * q);
+                    CAR_STAMP(m0);
+                    const u64 best = car_merge(q, k, G, res, s_wbest);
+                    CAR_STAMP(m1);
+                    CAR_PROF(CC_SELECT, m1 - m0);
+                    if (warp == 0) car_write(q, k, best, pinfo, slot0, slot_bytes, rows_off, scores_off, mode);
                 }
+                // free the positions now (the blocks touch done[q] again only after its next gen,
+                // which the boarding's fence orders after this)
+                if (warp == 0) {
+                    if (lane < P && ((due >> lane) & 1u)) done[lane] = 0u;
+                    if (lane == 0) {
+                        s_busy &= ~due;
+                        answered += __popc(due);
+                        hstore(reinterpret_cast<u64*>(hctl + 2), answered, mode);
+                    }
+                }
+                __syncthreads();
                 CAR_PROF(CC_NMERGE, __popc(due));
             }
 #endif
