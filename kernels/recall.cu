@@ -2808,7 +2808,7 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // Session 28's sweep (the same idea driven by the host's loop, 4 row ranges) lost: its queries
 // boarded only at range boundaries and each range was a launch from Python. Here nothing of
 // the host is on the path: block 0 takes requests from the slots, every other block boards them
-// at its own next step, and the last of them to finish a query's turn answers it.
+// at its own next step, and once all have finished a query's turn block 0 answers it.
 //
 // Blocks. Block 0 is the conductor: it polls the request slots (host memory, mapped) for
 // state CAR_REQUEST and installs each in a free position (its query as halves, normalized for
@@ -2827,7 +2827,8 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // (CAR_CAP - CAR_STEP_ROWS) is cut to its best k by one warp, which raises the threshold; at
 // the end of the turn the list's best k go to res (for p: [G][k], dense) and the block adds 1 to
 // done[p]. When done[p] reaches G the conductor (the clerk, KALOS_CAR_CLERK) merges every
-// block's best k (car_answer) and writes rows, scores, words and state CAR_DONE into the slot.
+// block's best k (car_merge) and writes rows, scores, words and state CAR_DONE into the slot
+// (car_write).
 // A block's best k over its range hold the global top-k's members from that range, so the
 // top-k of every block's best k is exact (ties: the smaller row first, as the other paths).
 // Why the conductor and not the block that finishes last (sessions 34-35's design, still
@@ -2847,7 +2848,8 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 //
 // Slot (host memory, slot_bytes apart from slot0; little endian u32 words):
 //   [0] state: CAR_REQUEST (the client, after everything else) -> CAR_TAKEN (conductor) ->
-//       CAR_DONE (the answering block) or CAR_ERROR (conductor), after the results and words below
+//       CAR_DONE (the answering block: the conductor, or with KALOS_CAR_CLERK=0 the last scanning
+//       block) or CAR_ERROR (conductor), after the results and words below
 //   [1] k   [2] namespace id (NS_ANY: every row)   [3] seq (echoed into [5])
 //   [4] results (out)   [5] seq (out)   [6] ns on the GPU from boarding to answer (out)
 //   float32 query[dim] at byte 32 (16-byte aligned); int32 rows[k] at rows_off, float32
@@ -2977,8 +2979,9 @@ __device__ u64 car_merge(int q, int k, int G, const u64* res, u64 (*wbest)[32]) 
 }
 
 // Warp 0 writes position q's answer (lane r: the r-th best, car_merge's) into its request's
-// slot: rows, scores, its words and, last, the state CAR_DONE, released at system scope (a
-// fence.acq_rel.sys before the store: the host sees the results before the state).
+// slot: rows, scores, its words and, last, the state CAR_DONE by a release store at system
+// scope (st.release.sys, whatever `mode`: the host sees the results before the state; a weak
+// store after a fence would order them by the hardware's habit, not by the memory model).
 __device__ void car_write(int q, int k, u64 best, const int* pinfo, u64 slot0, int slot_bytes, int rows_off,
                           int scores_off, int mode) {
     const int lane = threadIdx.x & 31;
@@ -3000,10 +3003,7 @@ __device__ void car_write(int q, int k, u64 best, const int* pinfo, u64 slot0, i
         hstore(w + 6, (unsigned int)(global_ns() - t0), mode);
     }
     __syncwarp();
-    if (lane == 0) {
-        asm volatile("fence.acq_rel.sys;" ::: "memory");
-        hstore(w, CAR_DONE, mode);  // last
-    }
+    if (lane == 0) asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(w), "r"(CAR_DONE) : "memory");  // last
 }
 
 // The answer to position q by the block that finished its turn last (KALOS_CAR_CLERK=0; all
@@ -3411,9 +3411,10 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
             __syncthreads();
             CAR_STAMP(t4);
             CAR_PROF(CP_CUT, t4 - t3);
-            // the last block to finish a position's turn merges every block's best k and answers
-            // (a fence on the adding thread on each side of its add: the release of the lists the
-            // block's other warps wrote and fenced before the barrier, and the last one's acquire)
+            // a finished turn counted in done[p] (with KALOS_CAR_CLERK=0 the block whose add makes
+            // G merges every block's best k and answers: a fence on the adding thread on each
+            // side of its add, the release of the lists the block's other warps wrote and fenced
+            // before the barrier, and the last one's acquire)
             if (threadIdx.x < P && ((fin >> threadIdx.x) & 1u) && s_rem[threadIdx.x] == 0) {
 #if KALOS_CAR_CLERK
                 // a release: the block's writes of res (its other warps', before the barrier
