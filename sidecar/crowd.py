@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .carousel import DONE, ERROR, REQUEST, TAKEN, W_RESP_SEQ, W_RESULTS, W_STATE, Slots
+from .carousel import DONE, ERROR, REQUEST, TAKEN, W_NS_ABOARD, W_RESP_SEQ, W_RESULTS, W_STATE, Slots
 
 
 class Landed(NamedTuple):
@@ -48,6 +48,8 @@ class Landed(NamedTuple):
     rows: np.ndarray  # all k, best first (a copy)
     scores: np.ndarray
     why: str = ""  # not ok: why (the kernel refused it, or its answer echoed another request)
+    lane_ns: int = 0  # host time from its copy into the carousel's slot to its harvest
+    aboard_ns: int = 0  # the kernel's time from its boarding to its answer (GPU clock; 0: refused)
 
 
 class CrowdLane:
@@ -61,7 +63,7 @@ class CrowdLane:
         self.slots = slots
         self.alive = alive
         self._free = list(range(slots.n - 1, -1, -1))  # carousel slots with nothing aboard (a stack)
-        self._aboard: dict[int, tuple[Any, int]] = {}  # carousel slot -> (token, seq sent)
+        self._aboard: dict[int, tuple[Any, int, int]] = {}  # carousel slot -> (token, seq sent, perf_counter_ns)
         self._backlog: deque[tuple[Any, np.ndarray, int, int]] = deque()  # (token, query, k, ns)
         self._landed: list[Landed] = []  # answers taken by quiesce, for the next harvest
         self._seq = 0
@@ -86,7 +88,7 @@ class CrowdLane:
             self._progress = time.monotonic()
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         self.slots.send(c, query, k, ns, seq=self._seq, poison=False)
-        self._aboard[c] = (token, self._seq)
+        self._aboard[c] = (token, self._seq, time.perf_counter_ns())
         self.boarded += 1
 
     def harvest(self) -> list[Landed]:
@@ -106,20 +108,21 @@ class CrowdLane:
         words = self.slots.words
         st = words[:, W_STATE]
         out: list[Landed] = []
+        now = time.perf_counter_ns()
         for c in np.flatnonzero((st == DONE) | (st == ERROR)).tolist():
             held = self._aboard.pop(c, None)
             if held is None:
                 continue  # (an answer harvested before: the slot stays DONE until its next send)
-            token, seq = held
+            token, seq, sent = held
             w = words[c]
             rows, scores = self.slots.result(c)
             if int(w[W_RESP_SEQ]) != seq:
                 why = f"carousel slot {c} answered request {int(w[W_RESP_SEQ])}, not {seq}"
-                out.append(Landed(token, False, 0, rows, scores, why))
+                out.append(Landed(token, False, 0, rows, scores, why, now - sent))
             elif int(w[W_STATE]) == DONE:
-                out.append(Landed(token, True, int(w[W_RESULTS]), rows, scores))
+                out.append(Landed(token, True, int(w[W_RESULTS]), rows, scores, "", now - sent, int(w[W_NS_ABOARD])))
             else:
-                out.append(Landed(token, False, 0, rows, scores, "the kernel refused it"))
+                out.append(Landed(token, False, 0, rows, scores, "the kernel refused it", now - sent))
             self._free.append(c)
         if out:
             self._progress = time.monotonic()
@@ -164,7 +167,7 @@ class CrowdLane:
     def abandon(self) -> list[Any]:
         """Forget every request not harvested yet (the kernel is gone); return their tokens, for
         the caller to answer with an error."""
-        tokens = [t for t, _ in self._aboard.values()] + [b[0] for b in self._backlog] + [x.token for x in self._landed]
+        tokens = [a[0] for a in self._aboard.values()] + [b[0] for b in self._backlog] + [x.token for x in self._landed]
         self._aboard.clear()
         self._backlog.clear()
         self._landed = []

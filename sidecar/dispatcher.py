@@ -717,6 +717,11 @@ class Dispatcher:
         arena = None if a is None else (a.table_bytes, a.rows_cap, a.version)
         eligible = self.service.eligible("", None)[3]
         self._posts, self._records = [], []
+        due = self._phases_due
+        for x in landed:  # where a crowd's cycle goes: the lane's send to harvest, the kernel's part
+            due.append(("crowd_lane", x.lane_ns / 1000))
+            if x.aboard_ns:
+                due.append(("crowd_aboard", x.aboard_ns / 1000))
         try:
             for x in landed:
                 self._land(x, eligible, rows.high, rows.docs, arena)

@@ -94,7 +94,8 @@ class Stats:
         search, which may answer several slots at once): "pickup", from finding the first
         request to starting the search (decoding, checks); "search", the index's work (on a
         GPU: launch and synchronize); "answer", from the search's end to the last response
-        posted (documents encoded and written)."""
+        posted (documents encoded and written). Recalls the carousel answers record
+        "crowd_lane" (send to harvest, host) and "crowd_aboard" (boarding to answer, GPU)."""
         h = self.phases.get(name)
         if h is None:
             h = self.phases[name] = Histogram()

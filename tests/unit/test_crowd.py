@@ -56,6 +56,7 @@ def test_more_requests_than_slots_wait_their_turn_and_each_is_answered_once(rig:
         want = _top(data, qs[j], ks[j])
         assert x.ok and x.n == ks[j] and x.rows.tolist() == want, j
         assert np.allclose(x.scores, data[want] @ qs[j], rtol=1e-5)
+        assert x.lane_ns > 0 and x.aboard_ns == 1000  # (the stand-in kernel's word: 1000 ns aboard)
     assert lane.harvest() == []  # nothing twice
 
 
@@ -80,7 +81,7 @@ def test_a_refused_request_comes_back_not_ok(rig: Any) -> None:
     lane.board("named", data[2], 3, 0)
     lane.board("any", data[2], 3, NS_ANY)
     got = {x.token: x for x in lane.drain()}
-    assert not got["named"].ok and got["named"].n == 0
+    assert not got["named"].ok and got["named"].n == 0 and got["named"].aboard_ns == 0  # (never aboard)
     assert got["any"].ok and got["any"].rows[0] == 2
 
 

@@ -151,7 +151,11 @@ def test_a_crowds_recalls_ride_the_carousel_each_with_its_own_answer(rig: Any) -
     assert r.index.crowd.boarded == 21 and r.index.cond.answered == 21
     assert r.index.log == ["start 301"], r.index.log
     assert [s.posts for s in r.sems] == [3] * 7
-    assert r.d.stats.snapshot({})["requests"]["recall/ok"] == 21
+    snap = r.d.stats.snapshot({})
+    assert snap["requests"]["recall/ok"] == 21
+    # where the crowd's cycle went: each answer's lane time, and the kernel's (1000 ns a request)
+    assert snap["phases"]["crowd_lane"]["count"] == 21 and snap["phases"]["crowd_aboard"]["count"] == 21
+    assert snap["phases"]["crowd_aboard"]["p50_us"] == pytest.approx(1.0, rel=0.1)
 
 
 def test_fewer_clients_than_a_crowd_never_start_it(rig: Any) -> None:
@@ -350,7 +354,7 @@ def test_stopping_answers_the_crowd_or_refuses_it_when_the_kernel_is_gone(kernel
 
 def _boarded(lane: CrowdLane) -> set[int]:
     """The protocol slots of the requests in the carousel's slots (tokens: request, t0, slot)."""
-    return {token[2] for token, _ in lane._aboard.values()}
+    return {held[0][2] for held in lane._aboard.values()}
 
 
 def test_a_pass_with_nothing_waiting_harvests_and_never_waits_for_the_carousel(rig: Any) -> None:
