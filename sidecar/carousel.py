@@ -1,8 +1,8 @@
 """The carousel: a resident scan that queries board wherever it is (EXPERIMENT).
 
-Not used by the sidecar yet. ``benchmarks/carousel_probe.py`` measures it in process and
-``tests/gpu/test_carousel.py`` checks its answers; docs/gpu-notes.md (session 34) says why it
-exists and what would decide its use.
+A GPU sidecar runs it with ``KALOS_CAROUSEL=1`` (off by default; sidecar/crowd.py is its
+lane). ``benchmarks/carousel_probe.py`` measures it in process and ``tests/gpu/test_carousel.py``
+checks its answers; docs/gpu-notes.md (sessions 34-36) says why it exists and how it measured.
 
 Why: with 32 client processes at 1M rows, the sidecar's queued batches settle into two cohorts,
 and each cohort pays a whole pass over the rows. A client answered at the end of one pass
@@ -14,8 +14,8 @@ turn plus its own way back. ``carousel_topk`` in kernels/recall.cu describes the
 conductor block, its scanning blocks, the per-block lists and the memory order.
 
 Here: :class:`Slots`, request slots in host memory registered with the device (mapped) in the
-kernel's own small layout (not the sidecar's protocol slots: wiring the kernel to those is the
-next step), and :class:`Carousel`, which compiles, sizes and launches the kernel over float16
+kernel's own small layout (not the sidecar's protocol slots: sidecar/crowd.py copies each
+query in), and :class:`Carousel`, which compiles, sizes and launches the kernel over float16
 rows already on the device, and stops it.
 """
 

@@ -2,7 +2,7 @@
 
 The carousel (``carousel_topk``, sidecar/carousel.py) answers requests written into its own
 small slots (at most 64, 32 aboard at once). With ``KALOS_CAROUSEL=1`` a GPU sidecar runs it
-while a crowd of clients recalls (docs/gpu-notes.md, session 35), and :class:`CrowdLane` is
+while a crowd of clients recalls (docs/gpu-notes.md, sessions 35-36), and :class:`CrowdLane` is
 the dispatcher's side of it, with no device code of its own:
 
 * :meth:`CrowdLane.board` takes a request the dispatcher picked up (the protocol slot marked
@@ -20,9 +20,10 @@ the dispatcher's side of it, with no device code of its own:
 Why the kernel reads its own slots rather than the protocol's (session 34's plan): the
 kernel, its tests and its three reviews stayed as they were until a device measured them, and
 the copy (~5 µs of host time a recall with the rest of the boarding, benchmarks/crowd_host.py)
-costs far less than the turn it waits for (903-926 µs with 32 aboard on the H200, S35-1). The
-kernel reading the protocol slots, as ``doorbell_topk`` does, is worth doing only once the
-turn is short enough for the carousel to be used (it is off by default: docs/gpu-notes.md).
+costs far less than the turn it waits for (565-626 µs with 32 aboard on the H200, S36-3). With
+that turn the carousel passes 40k recalls/s in process but not yet through the sidecar, whose
+serve loop is the lane: the kernel reading the protocol slots, as ``doorbell_topk`` does,
+would take the host off the crowd's path (docs/gpu-notes.md, next steps).
 
 Not thread-safe: the dispatcher's serve thread alone calls it.
 """

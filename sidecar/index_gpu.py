@@ -172,9 +172,10 @@ USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") == "1"
 BATCH_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") == "1"
 _DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then is a fault
 # The carousel for crowds of batch-1 recalls (sidecar/carousel.py, sidecar/crowd.py; float16
-# rows, compute capability 8.0+ for its mma.sync). Off by default: on the H200 its turn with 32
-# aboard took 903-926 µs, so a crowd of 32 got ~32.8k recalls/s in process, below the queued
-# batches' 36.6k (docs/gpu-notes.md, S35-1 / S35-2). KALOS_CAROUSEL=1 turns it on.
+# rows, compute capability 8.0+ for its mma.sync). Off by default: on the H200 a crowd of 32
+# gets ~41-42k recalls/s from it in process, but through the sidecar 32 processes got 35.6k
+# against the queued batches' 36.2k in the same lease (docs/gpu-notes.md, S36-3).
+# KALOS_CAROUSEL=1 turns it on.
 USE_CAROUSEL: Final = os.environ.get("KALOS_CAROUSEL", "0") == "1"
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
