@@ -40,8 +40,9 @@ def test_the_host_constants_are_the_kernels() -> None:
     # the instantiation the host launches is the one CI compiles, and it has POSITIONS positions
     assert re.search(rf"CAROUSEL\({carousel.NT}, 0\)", SOURCE) and 8 * carousel.NT == carousel.POSITIONS
     # the slot words the kernel reads and writes
-    body = SOURCE[SOURCE.index("__device__ void car_answer(") :]  # (the answer, then the kernel)
+    body = SOURCE[SOURCE.index("__device__ u64 car_merge(") :]  # (the merge, the answer's write, then the kernel)
     assert "hload(w + 1, mode)" in body and "w + 2" in body and "hstore(w + 4, nres" in body
+    assert "hstore(w + 6," in body and 'st.release.sys.global.u32 [%0], %1;" ::"l"(w), "r"(CAR_DONE)' in body
     assert (carousel.W_K, carousel.W_NS, carousel.W_RESULTS, carousel.W_RESP_SEQ, carousel.W_NS_ABOARD) == (
         1,
         2,
