@@ -29,7 +29,11 @@ Prints one JSON line per run, a table last, and writes ``DIR/carousel_probe.json
 ``car_prof`` in recall.cu), restarts it around each timed run, and adds to the run's line where
 the scanning blocks' cycles went (shares of: a step's start and boarding, the tiles, the step's
 end, the cuts and closing selections, the done counts, the merges; idle), the merges' spread
-over the blocks (a convoy: one block merging most answers) and the conductor's rounds.
+over the blocks (a convoy: one block merging most answers; all 0 with the conductor merging,
+the default: its own figures are under "conductor") and the conductor's rounds. Shares are of
+the stamped time (each step's first barrier and the stamps' own stores are not stamped), and
+µs come from the nominal clock (``clockRate``): under load the SMs may run slower, so wall
+time per step is longer (the steps' count over the run's seconds says by how much).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class Landed(NamedTuple):
     scores: np.ndarray
     why: str = ""  # not ok: why (the kernel refused it, or its answer echoed another request)
     lane_ns: int = 0  # host time from its copy into the carousel's slot to its harvest
-    aboard_ns: int = 0  # the kernel's time from its boarding to its answer (GPU clock; 0: refused)
+    aboard_ns: int = 0  # the kernel's time from its boarding to its answer (GPU clock; 0: not ok)
 
 
 class CrowdLane:
@@ -88,8 +88,9 @@ class CrowdLane:
         if not self._aboard:
             self._progress = time.monotonic()
         self._seq = (self._seq + 1) & 0xFFFFFFFF
+        t = time.perf_counter_ns()
         self.slots.send(c, query, k, ns, seq=self._seq, poison=False)
-        self._aboard[c] = (token, self._seq, time.perf_counter_ns())
+        self._aboard[c] = (token, self._seq, t)
         self.boarded += 1
 
     def harvest(self) -> list[Landed]:

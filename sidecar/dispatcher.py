@@ -719,8 +719,8 @@ class Dispatcher:
         self._posts, self._records = [], []
         due = self._phases_due
         for x in landed:  # where a crowd's cycle goes: the lane's send to harvest, the kernel's part
-            due.append(("crowd_lane", x.lane_ns / 1000))
-            if x.aboard_ns:
+            if x.ok:
+                due.append(("crowd_lane", x.lane_ns / 1000))
                 due.append(("crowd_aboard", x.aboard_ns / 1000))
         try:
             for x in landed:
