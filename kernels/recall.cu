@@ -2842,9 +2842,10 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // to done[p] with a release reduction (the barrier and the release carry the other warps'
 // writes); the conductor reads done (volatile), fences (the acquire), then reads res through
 // L2, answers (the state released at system scope after the results), sets done[p] = 0 and
-// may install the next query there in a later round (its fence before the gen orders the reset). gen[p] moves only when every block has finished the position's previous
-// query, so each block boards every query once. (Full fences, __threadfence, cost 1-2 µs each
-// mid-scan: S36-2's profile; each step of a block used to take two or three.)
+// may install the next query there in a later round (its fence before the gen orders the
+// reset). gen[p] moves only when every block has finished the position's previous query, so
+// each block boards every query once. (Full fences, __threadfence, cost 1-2 µs each mid-scan:
+// S36-2's profile; each step of a block used to take two or three.)
 //
 // Slot (host memory, slot_bytes apart from slot0; little endian u32 words):
 //   [0] state: CAR_REQUEST (the client, after everything else) -> CAR_TAKEN (conductor) ->
@@ -3068,7 +3069,7 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                     if (st != started) { started = st; hstore(hctl + 4, st, mode); }
                 }
                 const unsigned int busy = s_busy;
-                // a position the last of its blocks has answered (done = G + 1) is free again
+                // a position the last of its blocks has answered (done = G + 1, KALOS_CAR_CLERK=0) is free again
                 const unsigned int dq = lane < P && ((busy >> lane) & 1u) ? done[lane] : 0u;
                 const bool ans = dq == (unsigned int)G + 1u;
                 const unsigned int freed = __ballot_sync(0xffffffffu, ans);
