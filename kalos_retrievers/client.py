@@ -114,6 +114,15 @@ _SPIN_PROBE_EVERY = 8  # while long-wait spins do not pay, still try one call in
 # A GPU sidecar's recall expected within this many spin windows is spun through, not slept
 # through, while few requests wait (at most _SPIN_CROWD, ours included): see KalosClient._wait.
 _FULL_SPIN_WINDOWS = 4
+# A GPU sidecar's crowd (more requests waiting than cores) with KALOS_CROWD_WAIT=predict: sleep
+# until this much before the expected answer and spin until this much after it (a sixteenth of the
+# expected wait when that is more), instead of blocking through the wait. An experiment for the
+# carousel, whose answers come one turn after each request (565-626 µs with 32 aboard, p99 within
+# ~10% of p50, S36-3) rather than with whichever batch a request joins: docs/gpu-notes.md,
+# session 37. A timed wait also wakes up to ~50 µs late (Linux's default timer slack), so the sleep
+# ends that much earlier again.
+_CROWD_MARGIN_NS = 40_000
+_TIMER_SLACK_NS = 50_000
 
 
 def _default_spin_us(env: str | None) -> float:
@@ -129,6 +138,15 @@ def _default_spin_us(env: str | None) -> float:
     if not 0 <= us < float("inf"):
         raise ValueError(f"KALOS_SPIN_US={env!r} must be a number of microseconds >= 0")
     return us
+
+
+def _crowd_wait(env: str | None) -> bool:
+    """Whether a GPU sidecar's crowd sleeps then spins (``KALOS_CROWD_WAIT=predict``) rather than
+    blocks (``block``, the default: unset or empty) through its waits; see ``KalosClient._wait``."""
+    value = (env or "").strip() or "block"
+    if value not in ("block", "predict"):
+        raise ValueError(f"KALOS_CROWD_WAIT={env!r} must be 'block' or 'predict'")
+    return value == "predict"
 
 
 def _cores_from(affinity: int, cpu_max: str | None) -> int:
@@ -474,6 +492,7 @@ class KalosClient:
         self.spin_ns = int(spin_us * 1000)
         self._typical_wait_ns = 0
         self._spin_payoff = 1.0  # share of recent long-wait spins that caught their answer
+        self._crowd_predict = _crowd_wait(os.environ.get("KALOS_CROWD_WAIT"))
         self._long_waits = 0
         self.max_slots = max_slots
         if arena_docs not in (None, True, False):
@@ -1341,7 +1360,10 @@ class KalosClient:
             if waiting <= _SPIN_CROWD and typical <= _FULL_SPIN_WINDOWS * self.spin_ns:
                 answered = self._spin(slot, min(t_sent + typical + self._margin_ns(typical), int(deadline * 1e9)))
             else:
-                answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical)
+                tight = self._crowd_margin(typical) if self._crowd_predict else ()
+                answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical, *tight)
+        elif self.spin_ns and recall and self._crowd_predict and typical:  # a crowd, KALOS_CROWD_WAIT=predict
+            answered = self._sleep_then_spin(conn, slot, seq, deadline, t_sent, typical, *self._crowd_margin(typical))
         else:  # other ops, spin_us=0, or a GPU sidecar's crowd larger than the cores: block
             answered = False
         if not answered:
@@ -1359,10 +1381,11 @@ class KalosClient:
             return self.spin_ns
         return max(self.spin_ns, typical_ns + (typical_ns >> 3))
 
-    def _sleep_then_spin(self, conn: _Conn, slot: _Slot, seq: int, deadline: float,
-                         t_sent: int, typical: int) -> bool:  # fmt: skip
-        """Sleep until ``margin`` before the expected answer, then spin until ``margin`` after
-        it. True when the answer came; False: it is late, the caller blocks for it.
+    def _sleep_then_spin(self, conn: _Conn, slot: _Slot, seq: int, deadline: float, t_sent: int,
+                         typical: int, margin: int | None = None, slack: int = 0) -> bool:  # fmt: skip
+        """Sleep until ``margin`` (default :meth:`_margin_ns`) and ``slack`` (the timed wait's
+        own lateness) before the expected answer, then spin until ``margin`` after it. True
+        when the answer came; False: it is late, the caller blocks for it.
 
         The spin must pay: ``_spin_payoff`` is the share of recent spins that caught their
         answer (a moving average, 1/8 per spin). With several clients the answers come in
@@ -1374,12 +1397,19 @@ class KalosClient:
         self._long_waits += 1
         if self._spin_payoff < 0.5 and self._long_waits % _SPIN_PROBE_EVERY:
             return False
-        margin = self._margin_ns(typical)
-        if self._block(conn, slot, seq, deadline, until_ns=t_sent + typical - margin):
+        if margin is None:
+            margin = self._margin_ns(typical)
+        if self._block(conn, slot, seq, deadline, until_ns=t_sent + typical - margin - slack):
             return True  # answered while we slept: early, but the spin cost nothing
         hit = self._spin(slot, min(t_sent + typical + margin, int(deadline * 1e9)))
         self._spin_payoff += ((1.0 if hit else 0.0) - self._spin_payoff) / 8
         return hit
+
+    @staticmethod
+    def _crowd_margin(typical_ns: int) -> tuple[int, int]:
+        """KALOS_CROWD_WAIT=predict's margin either side of the expected answer and the timed
+        wait's lateness to sleep short by (see :data:`_CROWD_MARGIN_NS`)."""
+        return max(typical_ns >> 4, _CROWD_MARGIN_NS), _TIMER_SLACK_NS
 
     def _margin_ns(self, typical_ns: int) -> int:
         """How long before the expected answer to stop sleeping (and after it to keep spinning).

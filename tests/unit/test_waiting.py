@@ -416,3 +416,65 @@ def test_a_bad_kalos_spin_us_is_refused_by_name(env: str, monkeypatch: pytest.Mo
 def test_a_bad_spin_us_is_refused(spin_us: object) -> None:
     with pytest.raises(ValueError, match="spin_us"):
         KalosClient("kalos-unit-lazy", dim=4, spin_us=spin_us, lazy=True)  # type: ignore[arg-type]
+
+
+def test_a_predicting_crowd_sleeps_then_spins_tightly_around_the_expected_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KALOS_CROWD_WAIT=predict: where a GPU sidecar's crowd would block outright (more requests
+    waiting than cores) or sleep then spin with the usual wide margin, it sleeps until a 16th of
+    the expected wait (at least 40 µs) plus the timed wait's slack before the answer and spins
+    until that margin after it. Short waits, CPU sidecars and other ops are routed as before;
+    an unknown value is refused by name."""
+    import kalos_retrievers.client as C
+
+    monkeypatch.setattr(C, "_CORES", 16)
+    monkeypatch.setattr(C, "_SPIN_CROWD", 4)
+    with pytest.raises(ValueError, match="KALOS_CROWD_WAIT='spin'"):
+        C._crowd_wait("spin")
+    assert not C._crowd_wait(None) and not C._crowd_wait(" ") and not C._crowd_wait("block")
+    monkeypatch.setenv("KALOS_CROWD_WAIT", "predict")
+    c = KalosClient("kalos-unit-lazy", dim=4, spin_us=300, lazy=True)
+    seen: list[tuple] = []
+    c._spin = lambda slot, until: seen.append(("spin",)) or True  # type: ignore[method-assign]
+    c._sleep_then_spin = lambda *a: seen.append(("sleep", *a[6:])) or True  # type: ignore[method-assign]
+    c._block = lambda *a, **k: seen.append(("block",)) or True  # type: ignore[method-assign]
+    c._check_seq = lambda slot, seq: None  # type: ignore[method-assign]
+
+    def route(backend: str, waiting: int, typical_us: int, recall: bool = True) -> tuple:
+        seen.clear()
+        c._typical_wait_ns = typical_us * US
+        c._wait(_RouteConn(backend, waiting), None, 1, time.monotonic() + 10, recall=recall)  # type: ignore[arg-type]
+        return seen[0]
+
+    try:
+        for waiting in (5, 16, 17, 31):
+            assert route("cuda", waiting, 640) == ("sleep", 40 * US, C._TIMER_SLACK_NS)
+            assert route("cuda", waiting, 1600) == ("sleep", 100 * US, C._TIMER_SLACK_NS)
+        assert route("cuda", 1, 900) == ("spin",)  # an uncrowded one spins through, as before
+        assert route("cuda", 31, 100) == ("spin",)  # short waits spin
+        assert route("cpu", 31, 5000) == ("sleep",)  # a CPU sidecar's: the usual margin
+        assert route("cuda", 31, 900, recall=False) == ("block",)
+    finally:
+        c.close()
+    monkeypatch.setenv("KALOS_CROWD_WAIT", "block")
+    c = KalosClient("kalos-unit-lazy", dim=4, spin_us=300, lazy=True)
+    try:
+        assert not c._crowd_predict  # (the negative control: the default blocks, tested above)
+    finally:
+        c.close()
+
+
+def test_sleep_then_spin_sleeps_short_by_the_margin_and_the_slack() -> None:
+    c = KalosClient("kalos-unit-lazy", dim=4, spin_us=300, lazy=True)
+    marks: dict[str, int] = {}
+    c._block = lambda *a, until_ns, **k: marks.setdefault("sleep_until", until_ns) and False  # type: ignore[method-assign]
+    c._spin = lambda slot, until: marks.setdefault("spin_until", until) and True  # type: ignore[method-assign]
+    try:
+        assert c._sleep_then_spin(None, None, 1, time.monotonic() + 10, 10 * MS, 640 * US, 40 * US, 50 * US)  # type: ignore[arg-type]
+        assert marks == {"sleep_until": 10 * MS + 550 * US, "spin_until": 10 * MS + 680 * US}
+        marks.clear()
+        assert c._sleep_then_spin(None, None, 1, time.monotonic() + 10, 10 * MS, 4 * MS)  # type: ignore[arg-type]
+        assert marks == {"sleep_until": 10 * MS + 4 * MS - 500 * US, "spin_until": 10 * MS + 4 * MS + 500 * US}
+    finally:
+        c.close()
