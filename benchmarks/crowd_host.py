@@ -29,7 +29,7 @@ from kalos_retrievers.sidecar.carousel import DONE, REQUEST, W_RESP_SEQ, W_RESUL
 from kalos_retrievers.sidecar.crowd import CrowdLane
 from kalos_retrievers.sidecar.dispatcher import Dispatcher
 from kalos_retrievers.sidecar.dispatcher import _hotpath as hotpath
-from kalos_retrievers.sidecar.index import CpuIndex
+from kalos_retrievers.sidecar.index import NS_ANY, CpuIndex
 from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.stats import Stats
 from kalos_retrievers.sidecar.store import NullStore
@@ -55,7 +55,7 @@ class _LaneIndex(CpuIndex):
         self.slots = Slots(_HOST, carousel.MAX_SLOTS, dim)
         self.crowd = CrowdLane(self.slots)
 
-    def start_carousel(self, high: int) -> None:
+    def start_carousel(self, high: int, ns: int = NS_ANY) -> None:
         self.carousel_running = True
 
 

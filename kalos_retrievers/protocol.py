@@ -41,7 +41,7 @@ import numpy as np
 
 MAGIC: Final = b"KALOSHM\x00"
 VERSION_MAJOR: Final = 1
-VERSION_MINOR: Final = 3
+VERSION_MINOR: Final = 4
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -69,6 +69,11 @@ def segment_name(name: str) -> str:
 def doorbell_name(name: str) -> str:
     """Semaphore the clients post after publishing a request; the dispatcher waits on it."""
     return f"/kalos-{check_name(name)}-bell"
+
+
+def carousel_segment_name(name: str) -> str:
+    """POSIX shared-memory name of a GPU sidecar's carousel slots (v1.4, see :class:`CarouselLayout`)."""
+    return f"/kalos-{check_name(name)}-car"
 
 
 def response_sem_name(name: str, slot: int) -> str:
@@ -196,6 +201,9 @@ _HEADER_FIELDS: Final = (
     ("arena_version", "Q"),
     ("doorbell_k", "I"),
     ("doorbell_cap", "I"),
+    ("carousel_epoch", "Q"),
+    ("carousel_slots", "I"),
+    ("reserved0", "I"),
 )
 HEADER_STRUCT: Final = struct.Struct("<" + "".join(f for _, f in _HEADER_FIELDS))
 
@@ -313,6 +321,9 @@ class Header:
     arena_version: int = 0
     doorbell_k: int = 0
     doorbell_cap: int = 0
+    carousel_epoch: int = 0
+    carousel_slots: int = 0
+    reserved0: int = 0
 
     @property
     def layout(self) -> Layout:
@@ -379,6 +390,9 @@ def encode_header(
         arena_version,
         0,
         0,
+        0,
+        0,
+        0,
     )
 
 
@@ -438,6 +452,57 @@ def decode_header(buf: bytes | memoryview, segment_size: int | None = None) -> H
             f"segment {segment_size} bytes vs {layout.segment_size} needed",
         )
     return header
+
+
+# --------------------------------------------------------------------------------------------
+# The carousel's slots (v1.4)
+#
+# A GPU sidecar running the carousel (sidecar/carousel.py, KALOS_CAROUSEL=direct) lets the
+# clients write batch-1 recalls into the kernel's own slots, in the segment
+# carousel_segment_name(NAME): no sidecar Python between a client and the kernel. Slot i there
+# belongs to the client holding protocol slot i, for i < the header's carousel_slots. While the
+# header's carousel_epoch is odd the kernel takes requests; the sidecar makes it even before it
+# stops the kernel, and then turns every request the kernel did not answer back to IDLE (the
+# client asks again the usual way). docs/protocol.md says the rest.
+
+CAR_IDLE: Final = 0
+CAR_REQUEST: Final = 1  # written by the client, after everything else
+CAR_TAKEN: Final = 2  # the kernel has the request
+CAR_DONE: Final = 3  # answered: results and words are in
+CAR_ERROR: Final = 4  # refused (a query the kernel cannot score, a k outside [1, CAR_KMAX])
+CAR_KMAX: Final = 32  # the largest k the kernel answers
+CAR_MAX_SLOTS: Final = 64  # slots in the segment (the kernel polls up to 64)
+CAR_HEAD: Final = 32  # a slot's control words (u32) before its query
+# a slot's u32 words: [0] state [1] k [2] namespace (the sidecar's) [3] seq; the answer: [4] results
+# [5] the seq it answers [6] the kernel's time aboard (ns, for diagnostics)
+W_STATE, W_K, W_NS, W_SEQ, W_RESULTS, W_RESP_SEQ, W_NS_ABOARD = range(7)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class CarouselLayout(NamedTuple):
+    """Where a carousel slot's parts are, for ``dim``-float queries (byte offsets in a slot):
+    the control words, the query (float32) at CAR_HEAD, CAR_KMAX rows (int32) at ``rows_off``,
+    CAR_KMAX scores (float32) at ``scores_off``; slots ``slot_bytes`` apart (a multiple of 128)."""
+
+    dim: int
+    rows_off: int
+    scores_off: int
+    slot_bytes: int
+
+    @classmethod
+    def of(cls, dim: int) -> CarouselLayout:
+        if dim < 1:
+            raise ValueError(f"dim must be positive, not {dim}")
+        rows_off = CAR_HEAD + _round_up(4 * dim, 16)
+        scores_off = rows_off + 4 * CAR_KMAX
+        return cls(dim, rows_off, scores_off, _round_up(scores_off + 4 * CAR_KMAX, 128))
+
+    def segment_size(self, n: int = CAR_MAX_SLOTS) -> int:
+        """Bytes of ``n`` slots, rounded up to whole 4 KiB pages."""
+        return _round_up(n * self.slot_bytes, 4096)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,54 +29,57 @@ from typing import Any, Final, NamedTuple
 
 import numpy as np
 
+from kalos_retrievers import protocol as proto
+
+# slot words (u32): [0] state [1] k [2] namespace [3] seq; out: [4] results [5] seq [6] ns aboard
+from kalos_retrievers.protocol import W_K, W_NS, W_NS_ABOARD, W_RESP_SEQ, W_RESULTS, W_SEQ, W_STATE
+
 from . import cuda_kernels as kernels
 from .index import NS_ANY
 
-IDLE: Final = 0
-REQUEST: Final = 1  # written by the client, after everything else
-TAKEN: Final = 2  # the conductor has the request
-DONE: Final = 3  # answered: results and words are in
+# The slots' states, words and layout are protocol v1.4's (kalos_retrievers/protocol.py): with
+# KALOS_CAROUSEL=direct the clients write these slots themselves.
+IDLE: Final = proto.CAR_IDLE
+REQUEST: Final = proto.CAR_REQUEST  # written by the client, after everything else
+TAKEN: Final = proto.CAR_TAKEN  # the conductor has the request
+DONE: Final = proto.CAR_DONE  # answered: results and words are in
 # refused: k outside [1, KMAX], a query not finite (or beyond float16 for ip / L2), a namespace without ns
-ERROR: Final = 4
+ERROR: Final = proto.CAR_ERROR
 
-KMAX: Final = 32  # CAR_KMAX in recall.cu: the largest k
-HEAD: Final = 32  # CAR_HEAD_BYTES: the slot's words before the query
+KMAX: Final = proto.CAR_KMAX  # CAR_KMAX in recall.cu: the largest k
+HEAD: Final = proto.CAR_HEAD  # CAR_HEAD_BYTES: the slot's words before the query
 PINFO: Final = 8  # CAR_PINFO: ints per position in pinfo
 POSITIONS: Final = 32  # 8 * NT for the instantiation used (NT = 4)
-MAX_SLOTS: Final = 64  # the conductor polls up to 64 slots (two per lane of a warp)
+MAX_SLOTS: Final = proto.CAR_MAX_SLOTS  # the conductor polls up to 64 slots (two per lane of a warp)
 NT: Final = 4  # carousel_topk<NT>: 8 * NT positions
 _STEP_ROWS: Final = kernels.BLOCK // 32 * 32  # CAR_STEP_ROWS
 _CAP: Final = 2 * _STEP_ROWS + KMAX  # CAR_CAP: a block's list per position (u64 each)
 _HOST_MODE: Final = 3  # BELL_LDCV | BELL_STWT: host memory as the resident kernel touches it (its FENCE bit is its own)
 
-# slot words (u32): [0] state [1] k [2] namespace [3] seq; out: [4] results [5] seq [6] ns aboard
-W_STATE, W_K, W_NS, W_SEQ, W_RESULTS, W_RESP_SEQ, W_NS_ABOARD = range(7)
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
 
 class Slots:
-    """``n`` request slots for queries of ``dim`` floats, in anonymous shared memory registered
-    with the device (mapped), so the kernel reads and writes them in place.
+    """``n`` request slots for queries of ``dim`` floats, in anonymous shared memory (or ``mm``,
+    a map of the carousel's shared segment: KALOS_CAROUSEL=direct, whose clients write their
+    own requests) registered with the device (mapped), so the kernel reads and writes them in
+    place. The layout is protocol v1.4's :class:`~kalos_retrievers.protocol.CarouselLayout`.
 
     A client writes its query, k, namespace and seq, then the state word REQUEST
     (:meth:`send`); the kernel sets TAKEN, then DONE (or ERROR) after the results. x86-64
     keeps a thread's stores in order, so the state word, written last, is seen last.
     """
 
-    def __init__(self, cp: Any, n: int, dim: int) -> None:
+    def __init__(self, cp: Any, n: int, dim: int, mm: mmap.mmap | None = None) -> None:
         if not 1 <= n <= MAX_SLOTS:
             raise ValueError(f"slots: 1 to {MAX_SLOTS}, not {n}")
-        if dim < 1:
-            raise ValueError(f"dim must be positive, not {dim}")
+        lay = proto.CarouselLayout.of(dim)
         self.cp = cp
         self.n, self.dim = n, dim
-        self.rows_off = HEAD + _round_up(4 * dim, 16)
-        self.scores_off = self.rows_off + 4 * KMAX
-        self.slot_bytes = _round_up(self.scores_off + 4 * KMAX, 128)
-        self._mm = mmap.mmap(-1, _round_up(n * self.slot_bytes, mmap.PAGESIZE))
+        self.rows_off, self.scores_off, self.slot_bytes = lay.rows_off, lay.scores_off, lay.slot_bytes
+        if mm is None:
+            mm = mmap.mmap(-1, lay.segment_size(n))
+        elif len(mm) < n * self.slot_bytes:
+            raise ValueError(f"a map of {len(mm)} bytes cannot hold {n} slots of {self.slot_bytes}")
+        self._mm = mm  # (with KALOS_CAROUSEL=direct, the shared segment the clients map too)
         self.buf = np.frombuffer(self._mm, np.uint8)
         self.addr = self.buf.ctypes.data
         cp.cuda.runtime.hostRegister(self.addr, len(self._mm), 3)  # portable | mapped

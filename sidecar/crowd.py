@@ -60,10 +60,13 @@ class CrowdLane:
     (it ended, or faulted), so a drain never waits for answers that will not come.
     """
 
-    def __init__(self, slots: Slots, alive: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, slots: Slots, alive: Callable[[], None] = lambda: None, first: int = 0) -> None:
+        if not 0 <= first < slots.n:
+            raise ValueError(f"the lane's first slot must be within the {slots.n} slots, not {first}")
         self.slots = slots
         self.alive = alive
-        self._free = list(range(slots.n - 1, -1, -1))  # carousel slots with nothing aboard (a stack)
+        self.first = first  # the lane uses slots [first, n); those below are the direct clients'
+        self._free = list(range(slots.n - 1, first - 1, -1))  # carousel slots with nothing aboard (a stack)
         self._aboard: dict[int, tuple[Any, int, int]] = {}  # carousel slot -> (token, seq sent, perf_counter_ns)
         self._backlog: deque[tuple[Any, np.ndarray, int, int]] = deque()  # (token, query, k, ns)
         self._landed: list[Landed] = []  # answers taken by quiesce, for the next harvest
@@ -174,11 +177,29 @@ class CrowdLane:
         self._backlog.clear()
         self._landed = []
         st = self.slots.words[:, W_STATE]  # (a slot a kernel still holds is never sent to again)
-        self._free = [c for c in range(self.slots.n - 1, -1, -1) if st[c] not in (REQUEST, TAKEN)]
+        self._free = [c for c in range(self.slots.n - 1, self.first - 1, -1) if st[c] not in (REQUEST, TAKEN)]
         return tokens
 
     def busy(self) -> bool:
-        """Whether any carousel slot still holds a request the kernel has not answered (the
-        kernel may not be stopped then: a stop abandons it)."""
-        st = self.slots.words[:, W_STATE]
+        """Whether any of the lane's carousel slots still holds a request the kernel has not
+        answered (the kernel may not be stopped then: a stop abandons it)."""
+        st = self.slots.words[self.first :, W_STATE]
         return bool(((st == REQUEST) | (st == TAKEN)).any())
+
+    def settle_direct(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` s, until none of the direct clients' slots (below
+        :attr:`first`) holds a request the kernel has not answered: with the header's epoch
+        even, those asked before their clients saw it are answered, not abandoned, by the
+        stop that follows (a turn or two). Meanwhile the lane's answers are kept for the next
+        :meth:`harvest`. True when none is left; False: the stop abandons the rest (its sweep
+        turns them back to IDLE and their clients ask again the usual way).
+        """
+        st = self.slots.words[: self.first, W_STATE]
+        end = time.monotonic() + timeout
+        while ((st == REQUEST) | (st == TAKEN)).any():
+            self.alive()
+            if time.monotonic() > end:
+                return False
+            self._landed += self._take()
+            time.sleep(0)
+        return True

@@ -260,6 +260,9 @@ class Dispatcher:
         if not len(ready):
             if crowd is not None and crowd.in_flight:  # answers to take: never a drain here
                 return self._harvest()
+            idx = self.service.index
+            if idx.carousel_direct and not idx.carousel_running:
+                idx.sweep_carousel()  # (a direct request asked as the kernel stopped: its client posts the bell)
             b = self._inflight
             if b is not None and not b.finished and self._awaits_cohort():
                 return 0  # the device still searches b: keep taking requests (see _queue_behind)
@@ -580,10 +583,10 @@ class Dispatcher:
         if not n:
             return  # (an empty default namespace: answered at once the usual way)
         board = {key: [m for m in groups[key] if self._boards(m[0])] for key in fits}
-        if not any(board.values()) or not self._crowd_holds(board):
+        ns_arg = NS_ANY if dense else ns_id
+        if not any(board.values()) or not self._crowd_holds(board, ns_arg):
             return
         now = time.perf_counter_ns()
-        ns_arg = NS_ANY if dense else ns_id
         lane, taken, seen, posted, pending = idx.crowd, self._taken, self._seen, self._posted, self.pending
         for key, members in board.items():
             if not members:
@@ -615,14 +618,16 @@ class Dispatcher:
             return _COS_MIN <= amax <= _COS_MAX
         return amax <= _F16_MAX
 
-    def _crowd_holds(self, board: dict[tuple[int, int], list[tuple[int, Request, int]]]) -> bool:
+    def _crowd_holds(self, board: dict[tuple[int, int], list[tuple[int, Request, int]]], ns_arg: int) -> bool:
         """Whether the carousel runs for the recalls in ``board`` (those that can board):
         started when :data:`CAROUSEL_MIN` clients have recalled lately and no other device
         work stopped it within :data:`CAROUSEL_HOLDOFF_NS`, stopped (drained first) when fewer
-        than half as many have and at most one of its requests is still in flight. False: the
-        usual path."""
+        than half as many have and at most one of its requests is still in flight (with direct
+        clients, KALOS_CAROUSEL=direct, whose recalls this does not see: only when idle,
+        :meth:`stop_idle_carousel`). ``ns_arg``: the namespace id the direct clients' requests
+        ask. False: the usual path."""
         idx = self.service.index
-        if idx.carousel_running and idx.crowd.in_flight > 1:
+        if idx.carousel_running and (idx.crowd.in_flight > 1 or idx.carousel_direct):
             return True  # (a crowd: not worth counting)
         now = time.perf_counter_ns()
         horizon = now - COHORT_WINDOW_NS
@@ -637,7 +642,7 @@ class Dispatcher:
             return False
         self.settle()  # the batch in flight answered first: the carousel takes every SM
         try:
-            idx.start_carousel(self.service.rows.high)
+            idx.start_carousel(self.service.rows.high, ns_arg)
         except FatalDeviceError:
             raise
         except Exception:  # (no room for its buffers, say): serve without it
@@ -769,7 +774,7 @@ class Dispatcher:
         idx = self.service.index
         if not idx.carousel_running:
             return
-        boarded = idx.crowd.boarded
+        boarded = idx.crowd.boarded + idx.carousel_answered  # (direct clients board without the lane)
         if boarded != self._car_idle[0]:
             self._car_idle = (boarded, now)
         elif now - self._car_idle[1] > idle_ns:

@@ -213,13 +213,32 @@ class Index(abc.ABC):
     carousel_k = 0
     carousel_running = False
     crowd: Any = None
+    # KALOS_CAROUSEL=direct (protocol v1.4): the clients holding protocol slots below
+    # carousel_direct write their batch-1 recalls into the carousel's slots themselves, in the
+    # shared segment that carousel_map(size) maps (the server creates it and sets both); the
+    # index calls on_carousel(epoch, carousel_direct) to publish the header's carousel words
+    # (an odd epoch: the kernel takes requests).
+    carousel_direct = 0
+    carousel_map: Callable[[int], Any] | None = None
+    on_carousel: Callable[[int, int], None] | None = None
 
-    def start_carousel(self, high: int) -> None:
-        """Start the carousel over rows [0, high) (the resident kernel stopped first)."""
+    def start_carousel(self, high: int, ns: int = -2) -> None:  # (-2: NS_ANY, below)
+        """Start the carousel over rows [0, high) (the resident kernel stopped first); ``ns``:
+        the namespace id its direct clients' requests ask."""
         raise NotImplementedError(f"{type(self).__name__} has no carousel")
 
     def stop_carousel(self) -> None:  # noqa: B027 - optional hook
         """Stop the carousel once it holds no request (answers not harvested stay in ``crowd``)."""
+
+    def sweep_carousel(self) -> int:
+        """With the carousel stopped: turn direct requests no kernel will answer back to IDLE
+        (their clients ask again the usual way); return how many."""
+        return 0
+
+    @property
+    def carousel_answered(self) -> int:
+        """Answers of the carousel's current (or last) launch."""
+        return 0
 
     def detach_segment(self) -> None:  # noqa: B027 - optional hook
         """Called before a segment is unmapped."""

@@ -37,6 +37,7 @@ import math
 import mmap
 import os
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +46,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 
 from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE
-from kalos_retrievers.protocol import Metric
+from kalos_retrievers.protocol import CarouselLayout, Metric
 
 from . import carousel
 from . import cuda_kernels as kernels
@@ -175,8 +176,16 @@ _DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then 
 # rows, compute capability 8.0+ for its mma.sync). Off by default: on the H200 a crowd of 32
 # gets ~41-42k recalls/s from it in process, but through the sidecar 32 processes got 35.6k
 # against the queued batches' 36.2k in the same lease (docs/gpu-notes.md, S36-3).
-# KALOS_CAROUSEL=1 turns it on.
-USE_CAROUSEL: Final = os.environ.get("KALOS_CAROUSEL", "0") == "1"
+# KALOS_CAROUSEL=1 turns it on; KALOS_CAROUSEL=direct also lets the clients write their recalls
+# into its slots themselves (protocol v1.4: no sidecar Python on their way; an experiment, first
+# measured in the session after 37, docs/gpu-notes.md).
+_CAROUSEL_ENV: Final = os.environ.get("KALOS_CAROUSEL", "0").strip()
+USE_CAROUSEL: Final = _CAROUSEL_ENV in ("1", "direct")
+CAROUSEL_DIRECT: Final = _CAROUSEL_ENV == "direct"
+# how long a stop waits for the direct requests aboard, and those asked before the clients saw
+# the epoch change, before it abandons them (their clients then ask again the usual way)
+_CAROUSEL_DRAIN_S: Final = 0.05
+_FENCE: Final = threading.Lock()
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
 _DESC_SCORES: Final = _DESC_ROWS + 8 * MAXQ
@@ -513,6 +522,8 @@ class GpuIndex(Index):
         # the carousel (KALOS_CAROUSEL=1): made at its first start_carousel
         self.carousel_k = carousel.KMAX if USE_CAROUSEL and self.mma_ok else 0
         self._car: carousel.Carousel | None = None
+        self._car_direct = 0  # slots [0, this) the direct clients write (KALOS_CAROUSEL=direct)
+        self._car_epoch = 0  # the header's carousel_epoch: odd while the kernel takes direct requests
         self.crowd: CrowdLane | None = None
         self.carousel_running = False
         self.carousel_launches = 0
@@ -731,11 +742,13 @@ class GpuIndex(Index):
             self.pause_doorbell()
 
     # ------------------------------------------------------------------ the carousel
-    def start_carousel(self, high: int) -> None:
+    def start_carousel(self, high: int, ns: int = NS_ANY) -> None:
         """Start the carousel over rows [0, ``high``): the resident kernel stopped and every
         search of ours finished first (the carousel holds every SM until it stops). Requests
         go through ``crowd`` (sidecar/crowd.py); their namespace id picks the rows (NS_ANY:
-        every row below ``high``, which must then all be live)."""
+        every row below ``high``, which must then all be live). With direct clients
+        (``carousel_direct``, KALOS_CAROUSEL=direct) their slots ask namespace ``ns``, and the
+        header's carousel epoch turns odd once the kernel runs."""
         if self.carousel_running:
             return
         if not self.carousel_k or self._closed:
@@ -749,16 +762,23 @@ class GpuIndex(Index):
         def start() -> None:
             with self.device:
                 if self._car is None:
-                    slots = carousel.Slots(self.cp, carousel.MAX_SLOTS, self.dim)
+                    direct = self.carousel_direct if self.carousel_map is not None else 0
+                    mm = None
+                    if direct:
+                        mm = self.carousel_map(CarouselLayout.of(self.dim).segment_size(carousel.MAX_SLOTS))
+                    slots = carousel.Slots(self.cp, carousel.MAX_SLOTS, self.dim, mm)
                     try:
                         self._car = carousel.Carousel(self.cp, self.data, self.dim, self.metric, slots, ns=self.ns,
                                                       sqnorm=self.sqnorm, n_rows=high)  # fmt: skip
                     except BaseException:
                         slots.close()
                         raise
-                    self.crowd = CrowdLane(slots, self.check_carousel)
+                    self._car_direct = direct
+                    self.crowd = CrowdLane(slots, self.check_carousel, first=direct)
                 else:
                     self._car.retarget(self.data, high, self.ns, self.sqnorm)
+                if self._car_direct:  # the direct clients' namespace (they write k, seq and the query)
+                    self._car.slots.words[: self._car_direct, carousel.W_NS] = np.int32(ns).view(np.uint32)
                 self._car.start()
 
         try:
@@ -773,6 +793,36 @@ class GpuIndex(Index):
             raise
         self.carousel_running = True
         self.carousel_launches += 1
+        if self._car_direct:
+            self._publish_carousel()  # (odd: the clients may write)
+
+    def _publish_carousel(self) -> None:
+        """The next carousel epoch to the header (odd while the kernel runs), then a full fence:
+        a stop's loads of the slots' states come after its store (x86-64 may otherwise let a
+        load pass an earlier store)."""
+        self._car_epoch += 1
+        if self.on_carousel is not None:
+            self.on_carousel(self._car_epoch, self._car_direct)
+        with _FENCE:  # (a lock's acquire is a locked instruction: a full fence on x86-64)
+            pass
+
+    @property
+    def carousel_answered(self) -> int:
+        return self._car.answered if self._car is not None else 0
+
+    def sweep_carousel(self) -> int:
+        """With the carousel stopped: the direct slots' requests no kernel will answer (asked
+        after a stop's sweep, or abandoned aboard) turned back to IDLE; their clients ask again
+        the usual way. Returns how many."""
+        car = self._car
+        if not self._car_direct or car is None or car.running:
+            return 0
+        st = car.slots.words[: self._car_direct, carousel.W_STATE]
+        stuck = (st == carousel.REQUEST) | (st == carousel.TAKEN)
+        n = int(stuck.sum())
+        if n:
+            st[stuck] = carousel.IDLE
+        return n
 
     def check_carousel(self) -> None:
         """Raise FatalDeviceError if the carousel, running, has ended (it ends only when
@@ -799,6 +849,9 @@ class GpuIndex(Index):
             return
         car, crowd = self._car, self.crowd
         assert car is not None and crowd is not None
+        if self._car_direct:
+            self._publish_carousel()  # (even: the clients ask the usual way from now on)
+            crowd.settle_direct(_CAROUSEL_DRAIN_S)  # (what was asked before they saw it, answered)
         try:
             crowd.quiesce(_DOORBELL_STOP_S)  # (check_carousel, its alive(), raises if the kernel has ended)
         except TimeoutError as e:
@@ -811,6 +864,7 @@ class GpuIndex(Index):
             raise FatalDeviceError(f"the carousel on {self.name} {self._car_fault}") from None
         finally:
             self.carousel_running = car.running
+        self.sweep_carousel()
         car.data = car.ns = car.sqnorm = None  # (the rows' arrays not kept alive: a growth frees the old ones)
 
     def resume_doorbell(self, high: int, ns: int) -> None:

@@ -36,6 +36,7 @@ from kalos_retrievers import _ipc
 from kalos_retrievers.arena import ArenaWriter, arena_name
 from kalos_retrievers.errors import PermissionDenied
 from kalos_retrievers.protocol import (
+    CAR_MAX_SLOTS,
     DTYPES,
     HEADER_OFFSETS,
     METRICS,
@@ -44,6 +45,7 @@ from kalos_retrievers.protocol import (
     Layout,
     SidecarState,
     Status,
+    carousel_segment_name,
     check_name,
     doorbell_name,
     encode_header,
@@ -183,6 +185,8 @@ class Server:
         self._arena_segs: dict[int, _ipc.Segment] = {}
         self._arena_tried = False
         self._bell_idle = (0, 0)  # the resident kernel's served count, and since when unchanged
+        self._car_seg: _ipc.Segment | None = None  # the carousel's slots (KALOS_CAROUSEL=direct)
+        self._car_words = (0, 0)  # the header's carousel_epoch and carousel_slots, as last published
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -281,6 +285,7 @@ class Server:
         except FatalDeviceError as e:
             raise StartError(str(e), EXIT_CUDA_FAULT) from None
         self._publish_doorbell()
+        self._offer_carousel(lay.n_slots)
         if k:
             log.info("resident kernel (KALOS_DOORBELL=0 turns it off): once a client recalls alone, batch-1 "
                      "recalls of the default namespace with k <= %d are answered on the GPU without the "
@@ -359,6 +364,47 @@ class Server:
                 running = idx.doorbell_running
             k = idx.doorbell_k if running else 0
             struct.pack_into("<II", self.seg.mm, HEADER_OFFSETS["doorbell_k"], k, idx.doorbell_k)
+
+    def _offer_carousel(self, n_slots: int) -> None:
+        """KALOS_CAROUSEL=direct on an index with a carousel: clients holding protocol slots
+        below ``min(n_slots, 48)`` may write batch-1 recalls into the carousel's own slots
+        while it runs (protocol v1.4; the other 16 of its 64 slots stay the dispatcher's, for
+        the recalls that still come the usual way). The index maps the shared segment at its
+        first start (:meth:`_carousel_map`) and publishes each epoch (:meth:`_publish_carousel`).
+        A re-publication writes the current epoch into the new header."""
+        assert self.service is not None
+        idx = self.service.index
+        if not idx.carousel_k:
+            return
+        from .index_gpu import CAROUSEL_DIRECT
+
+        if not CAROUSEL_DIRECT:
+            return
+        idx.carousel_direct = min(n_slots, CAR_MAX_SLOTS - 16)
+        idx.carousel_map = self._carousel_map
+        idx.on_carousel = self._publish_carousel
+        self._publish_carousel(*self._car_words)
+
+    def _carousel_map(self, size: int) -> Any:
+        """Create the carousel's shared segment (``/kalos-NAME-car``, replacing one a dead
+        sidecar of this name left) and return its map."""
+        name = carousel_segment_name(self.cfg.name)
+        if _owned_by_us(f"/dev/shm/{name[1:]}"):
+            _ipc.unlink_segment(name)
+        try:
+            seg = _ipc.Segment.create(name, size)
+            os.posix_fallocate(seg.fd, 0, size)
+        except (FileExistsError, PermissionDenied, OSError) as e:
+            raise OSError(f"cannot create the carousel's segment {name}: {e}") from None
+        self._car_seg = seg
+        return seg.mm
+
+    def _publish_carousel(self, epoch: int, slots: int) -> None:
+        """The header's carousel words: ``epoch`` (odd while the kernel takes direct requests)
+        and how many protocol slots (from 0) may write to it."""
+        self._car_words = (epoch, slots)
+        if self.seg is not None:
+            struct.pack_into("<QI", self.seg.mm, HEADER_OFFSETS["carousel_epoch"], epoch, slots)
 
     def _holds_name(self, seg: _ipc.Segment, name: str) -> bool:
         """Take the sidecar lock on a segment we just created, and check the name still points
@@ -748,6 +794,12 @@ class Server:
             if not self._fatal:  # a faulted context cannot be cleaned up; the exit frees it
                 self.service.index.close()
             self.service = None
+        if self._car_seg is not None:  # (the index has let go of its map: closed above)
+            with contextlib.suppress(Exception):
+                if _ipc.segment_inode(carousel_segment_name(self.cfg.name)) == self._car_seg.inode:
+                    _ipc.unlink_segment(carousel_segment_name(self.cfg.name))
+            self._car_seg.close()
+            self._car_seg = None
         if self.arena is not None:
             self.arena.close()  # unlinks the current version
             self.arena = None

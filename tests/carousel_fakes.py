@@ -188,7 +188,7 @@ class CarouselCpuIndex(CpuIndex):
         assert not self.carousel_running, f"{what} while the carousel runs (it holds every SM)"
         self.log.append(what)
 
-    def start_carousel(self, high: int) -> None:
+    def start_carousel(self, high: int, ns: int = NS_ANY) -> None:
         self._device(f"start {high}")
         self.launches += 1
         self.cond = Conductor(self.slots, self.data, self.ns, n_rows=high)
