@@ -441,7 +441,8 @@ def test_a_wrong_echo_fails_that_recall_only(rig: Any) -> None:
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
     _ask_all(r, q, 3, 5)
     r.d._seen = dict.fromkeys(range(5), time.perf_counter_ns())
-    r.index.start_carousel = lambda high, ns, f=r.index.start_carousel: (f(high, ns), setattr(r.index.cond, "wrong_seq", True))  # type: ignore[method-assign]
+    start = r.index.start_carousel
+    r.index.start_carousel = lambda high, ns: (start(high, ns), setattr(r.index.cond, "wrong_seq", True))  # type: ignore[method-assign]
     r.d.poll()
     _answered(r, list(range(5)))
     for i in range(5):
