@@ -109,9 +109,7 @@ class ArenaView:
         docs = self._docs_one_by_one([row], [gen])
         return None if docs is None else docs[0]
 
-    def docs(
-        self, rows: np.ndarray | Sequence[int], gens: np.ndarray | Sequence[int]
-    ) -> DocViews | list[bytes] | None:
+    def docs(self, rows: np.ndarray | Sequence[int], gens: np.ndarray | Sequence[int]) -> DocViews | list[bytes] | None:
         """The documents of ``rows`` at generations ``gens`` (a recall's hits, in order), or
         None if any one of them changed since (see :meth:`get`).
 
@@ -189,6 +187,26 @@ class ArenaView:
         if int(ends.max()) > heap + size:
             return None
         return DocViews(self._buf, starts.tolist(), ends.tolist())
+
+    def current_docs(self, rows: Sequence[int]) -> list[bytes] | None:
+        """The documents ``rows`` hold now (copies), each read under its entry's seqlock (gen
+        even and unchanged across the read of offset and length); None if a row is out of
+        range, has no document, or is being written. For an answer whose rows cannot have
+        changed since it was made (the carousel's direct answers: the sidecar stops the
+        kernel, and says so in the header, before it writes rows; the caller checks that
+        after this read), where no generation came with the answer."""
+        buf, heap, cap, copy = self._buf, self._heap, self.rows_cap, self._copy
+        entry, gen_of = ENTRY.unpack_from, _GEN.unpack_from
+        out = []
+        for row in rows:
+            if not 0 <= row < cap:
+                return None
+            at = ARENA_HEADER_SIZE + ENTRY_SIZE * row
+            off, length, g1 = entry(buf, at)
+            if g1 & 1 or not length or gen_of(buf, at + _GEN_AT)[0] != g1:
+                return None
+            out.append(copy(slice(heap + off, heap + off + length)))
+        return out
 
     def _docs_one_by_one(self, rows: list[int], gens: list[int]) -> list[bytes] | None:
         # per row the seqlock of the module docstring: offset, length and gen read together,

@@ -524,6 +524,7 @@ class GpuIndex(Index):
         self._car: carousel.Carousel | None = None
         self._car_direct = 0  # slots [0, this) the direct clients write (KALOS_CAROUSEL=direct)
         self._car_epoch = 0  # the header's carousel_epoch: odd while the kernel takes direct requests
+        self._car_answered = 0  # the carousel's answers in the launches stopped so far (the lane's and direct)
         self.crowd: CrowdLane | None = None
         self.carousel_running = False
         self.carousel_launches = 0
@@ -864,6 +865,7 @@ class GpuIndex(Index):
             raise FatalDeviceError(f"the carousel on {self.name} {self._car_fault}") from None
         finally:
             self.carousel_running = car.running
+        self._car_answered += car.answered
         self.sweep_carousel()
         car.data = car.ns = car.sqnorm = None  # (the rows' arrays not kept alive: a growth frees the old ones)
 
@@ -985,7 +987,9 @@ class GpuIndex(Index):
                  doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served(),
                  carousel_k=self.carousel_k, carousel_running=self.carousel_running,
                  carousel_launches=self.carousel_launches,
-                 carousel_boarded=self.crowd.boarded if self.crowd is not None else 0)  # fmt: skip
+                 carousel_boarded=self.crowd.boarded if self.crowd is not None else 0,
+                 carousel_answered=self._car_answered + (self.carousel_answered if self.carousel_running else 0),
+                 carousel_direct=self._car_direct)  # fmt: skip
         if self.batch_times:
             t = np.array(self.batch_times)
             cols = ((1, "device"), (2, "launch_to_ready"), (3, "wait"))

@@ -8,6 +8,9 @@ member of the tie group is acceptable.
 
 from __future__ import annotations
 
+import os
+import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -268,3 +271,57 @@ def doorbell_stand_in(name: str, dim: int, hand_back: bool, stop: Any, answered:
                                           RespFlag.ARENA_DOCS | RespFlag.ARENA_ENTRIES)  # fmt: skip
                 states[i] = SlotState.RESPONSE
                 answered.value += 1
+
+
+def carousel_stand_in(name: str, dim: int, mode: str, stop: Any, answered: Any, ready: Any) -> None:
+    """The carousel kernel's part for direct clients (protocol v1.4), for a CPU sidecar whose
+    clients are told a carousel runs (tests/integration/test_carousel_direct.py): every REQUEST
+    in ``/kalos-NAME-car`` is taken (TAKEN), and then, by ``mode``: "answer" searches through
+    an ordinary client and writes rows, scores, the count and the seq echo, then DONE, as
+    carousel_topk does; "refuse" writes ERROR; "sweep" turns it back to IDLE, as the sidecar's
+    sweep after a stop does; "epoch" answers as "answer" but first makes the header's epoch
+    even (the sidecar stopping the kernel just after the answer); "silent" answers nothing.
+    In a process of its own, as doorbell_stand_in."""
+    import mmap as _mmap
+
+    import posix_ipc
+
+    from kalos_retrievers import KalosClient
+    from kalos_retrievers import protocol as P
+
+    lay = P.CarouselLayout.of(dim)
+    shm = posix_ipc.SharedMemory(P.carousel_segment_name(name), flags=0)
+    mm = _mmap.mmap(shm.fd, os.fstat(shm.fd).st_size)
+    shm.close_fd()
+    n, stride = len(mm) // lay.slot_bytes, lay.slot_bytes // 4
+    words = np.frombuffer(mm, np.uint32, n * stride).reshape(n, stride)
+    with KalosClient(name, arena_docs=False) as searcher:
+        searcher.ping()
+        hdr = searcher._conn.seg.mm
+        ready.set()
+        while not stop.is_set():
+            for i in np.flatnonzero(words[:, P.W_STATE] == P.CAR_REQUEST).tolist():
+                if mode == "silent":
+                    continue
+                w = words[i]
+                w[P.W_STATE] = P.CAR_TAKEN
+                if mode == "refuse":
+                    w[P.W_STATE] = P.CAR_ERROR
+                    continue
+                if mode == "sweep":
+                    w[P.W_STATE] = P.CAR_IDLE
+                    continue
+                k, seq = int(w[P.W_K]), int(w[P.W_SEQ])
+                q = np.frombuffer(mm, np.float32, dim, i * lay.slot_bytes + P.CAR_HEAD).copy()
+                res = searcher.recall(q, k)
+                kk = len(res.rows)
+                np.frombuffer(mm, np.int32, kk, i * lay.slot_bytes + lay.rows_off)[:] = res.rows
+                np.frombuffer(mm, np.float32, kk, i * lay.slot_bytes + lay.scores_off)[:] = res.scores
+                w[P.W_RESULTS] = kk
+                w[P.W_RESP_SEQ] = seq
+                if mode == "epoch":
+                    epoch = struct.unpack_from("<Q", hdr, P.HEADER_OFFSETS["carousel_epoch"])[0]
+                    struct.pack_into("<Q", hdr, P.HEADER_OFFSETS["carousel_epoch"], epoch + 1)
+                w[P.W_STATE] = P.CAR_DONE
+                answered.value += 1
+            time.sleep(0.0001)

@@ -57,13 +57,27 @@ def _start(target, args_of, procs: int, parties: int | None = None, **kw):  # ty
     return wait, barrier
 
 
-@pytest.mark.parametrize(("metric", "dim", "other_every"), [("cosine", 768, 7), ("l2", 97, 0), ("ip", 768, 0)])
-def test_a_crowd_on_the_carousel_gets_exact_answers(start_sidecar, monkeypatch, metric: str, dim: int,
+def _rode(index: dict, mode: str, recalls: int) -> None:
+    """The carousel answered most of ``recalls``: boarded by the sidecar's lane
+    (KALOS_CAROUSEL=1), or written into its slots by the clients themselves ("direct": the
+    kernel's answers beyond what the lane boarded)."""
+    assert index["carousel_k"] == 32 and index["carousel_launches"] >= 1, index
+    if mode == "direct":
+        assert index["carousel_direct"] > 0 and index["carousel_answered"] - index["carousel_boarded"] >= recalls, index
+    else:
+        assert index["carousel_direct"] == 0 and index["carousel_boarded"] >= recalls, index
+
+
+@pytest.mark.parametrize(("mode", "metric", "dim", "other_every"),
+                         [("1", "cosine", 768, 7), ("1", "l2", 97, 0), ("1", "ip", 768, 0),
+                          ("direct", "cosine", 768, 7), ("direct", "ip", 97, 0)])  # fmt: skip
+def test_a_crowd_on_the_carousel_gets_exact_answers(start_sidecar, monkeypatch, mode: str, metric: str, dim: int,
                                                     other_every: int) -> None:  # fmt: skip
     """16 processes x 240 recalls (k 1, 10, 32) over 50,021 float16 rows: every answer matches
     float64 within float16's tolerance (rows of another namespace never returned), and the
-    carousel answered them (the index's counters)."""
-    monkeypatch.setenv("KALOS_CAROUSEL", "1")
+    carousel answered them (the index's counters); with KALOS_CAROUSEL=direct the clients
+    wrote them into its slots themselves (protocol v1.4)."""
+    monkeypatch.setenv("KALOS_CAROUSEL", mode)
     monkeypatch.setenv("KALOS_CAROUSEL_MIN", "4")
     rows, calls = 50_021, 240
     sc, _ = _rows(start_sidecar, dim, rows, metric, other_every)
@@ -71,18 +85,19 @@ def test_a_crowd_on_the_carousel_gets_exact_answers(start_sidecar, monkeypatch, 
     assert wait(400) == [""] * 16
     with sc.client() as c:
         index = c.stats()["index"]
-    assert index["carousel_k"] == 32 and index["carousel_launches"] >= 1, index
-    assert index["carousel_boarded"] >= 16 * calls // 2, index  # most of the crowd rode it
+    _rode(index, mode, 16 * calls // 2)  # most of the crowd rode it
 
 
-def test_writes_and_other_recalls_in_a_crowd_on_the_carousel(start_sidecar, monkeypatch) -> None:
+@pytest.mark.parametrize("mode", ["1", "direct"])
+def test_writes_and_other_recalls_in_a_crowd_on_the_carousel(start_sidecar, monkeypatch, mode: str) -> None:
     """16 processes recall their own rows (together, from a barrier this process waits at
     too) while this one upserts a row at a time and recalls it, and asks for k 50 and a
     batch of 3 (neither can ride the carousel): each of those drains and stops the carousel
     (the answers aboard come from the rows as they were) instead of hanging on the SMs it
     holds; the writes are found at once, every client gets its own row back, and the crowd
-    starts the carousel again after the hold-off."""
-    monkeypatch.setenv("KALOS_CAROUSEL", "1")
+    starts the carousel again after the hold-off. With KALOS_CAROUSEL=direct each stop makes
+    the epoch even first, and a direct request the stop abandons is asked again the usual way."""
+    monkeypatch.setenv("KALOS_CAROUSEL", mode)
     monkeypatch.setenv("KALOS_CAROUSEL_MIN", "4")
     dim, rows = 768, 60_001
     sc, data = _rows(start_sidecar, dim, rows, "cosine")
@@ -101,7 +116,8 @@ def test_writes_and_other_recalls_in_a_crowd_on_the_carousel(start_sidecar, monk
     assert wait(300) == [0] * 16
     with sc.client() as c:
         index = c.stats()["index"]
-    assert index["carousel_launches"] >= 2 and index["carousel_boarded"] > 0, index
+    assert index["carousel_launches"] >= 2, index
+    _rode(index, mode, 1)
 
 
 def test_without_the_switch_the_carousel_never_starts(start_sidecar, monkeypatch) -> None:

@@ -109,7 +109,7 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
     idx.__dict__.update(cp=cp, dim=16, metric=1, name="cuda:0", device=_NullContext(),
                         carousel_k=carousel.KMAX, carousel_running=False, carousel_launches=0, _car=None,
                         crowd=None, _closed=False, doorbell_running=False, _pending=deque(), stream=_Stream(),
-                        _car_fault="",
+                        _car_fault="", _car_direct=0, _car_epoch=0, _car_answered=0,
                         data=dev(rows), ns=dev(ns), sqnorm=dev(np.zeros(64, np.float32)))  # fmt: skip
     calls: list[str] = []
     idx.__dict__["_finish_all"] = lambda: calls.append("finish_all")
@@ -135,7 +135,7 @@ class _NullContext:
         self.synced += 1
 
 
-def _start(idx: Any, launching: _Launching, high: int) -> None:
+def _start(idx: Any, launching: _Launching, high: int, ns: int = NS_ANY) -> None:
     # the kernel thread needs the slots, made by the first start: handed over as the launch happens
     real = carousel.Slots
 
@@ -146,7 +146,7 @@ def _start(idx: Any, launching: _Launching, high: int) -> None:
 
     carousel.Slots, saved = slots, carousel.Slots
     try:
-        idx.start_carousel(high)
+        idx.start_carousel(high, ns)
     finally:
         carousel.Slots = saved
 
@@ -265,3 +265,88 @@ def test_closing_a_stopped_carousel_unregisters_its_memory(index: Any) -> None:
     idx.detach_segment = lambda: None
     GpuIndex.close(idx)
     assert not {slots_addr, hctl_addr} & set(registered)
+
+
+def _ask(slots: Any, i: int, q: np.ndarray, k: int, seq: int) -> None:
+    """A direct client's request in carousel slot ``i``, written as KalosClient._recall_direct
+    writes it (the namespace word is the sidecar's)."""
+    slots.queries[i] = q
+    w = slots.words[i]
+    w[carousel.W_K], w[carousel.W_SEQ], w[carousel.W_RESULTS] = k, seq, 0xFFFFFFFF
+    w[carousel.W_STATE] = carousel.REQUEST
+
+
+def _until(cond: Any, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.0005)
+
+
+def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(index: Any) -> None:
+    """KALOS_CAROUSEL=direct: the slots live in the map the server gives (the shared segment),
+    the direct clients' namespace word is written before the launch, the epoch is published odd
+    once the kernel runs and even before it stops; the lane boards above the direct slots; a
+    stop answers the direct requests asked before it (the kernel slow, a turn of 20 ms), and a
+    request asked after the stop is turned back to IDLE by the sweep, which leaves a running
+    carousel's requests alone (the negative control)."""
+    import mmap
+
+    from kalos_retrievers.protocol import CarouselLayout
+
+    idx, launching, _ = index
+    mm = mmap.mmap(-1, CarouselLayout.of(16).segment_size())
+    published: list[tuple[int, int]] = []
+    idx.__dict__.update(carousel_direct=5, carousel_map=lambda size: mm,
+                        on_carousel=lambda e, n: published.append((e, n)))  # fmt: skip
+    _start(idx, launching, 53, ns=0)
+    slots, lane = idx._car.slots, idx.crowd
+    assert slots._mm is mm and published == [(1, 5)]
+    assert (slots.words[:5, carousel.W_NS].view(np.int32) == 0).all()
+    assert lane.first == 5 and min(lane._free) == 5
+    data = np.asarray(idx.data).astype(np.float32)
+    keep = (np.asarray(idx.ns) == 0) & (np.arange(64) < 53)
+    rng = np.random.default_rng()
+    q = rng.standard_normal((4, 16)).astype(np.float32)
+    _ask(slots, 2, q[0], 9, 41)
+    _until(lambda: slots.state(2) == carousel.DONE)
+    assert slots.words[2, carousel.W_RESP_SEQ] == 41 and slots.rows[2, :9].tolist() == _top(data, q[0], 9, keep)
+    lane.board("lane", q[1], 5, 0)
+    assert next(iter(lane._aboard)) >= 5  # (the lane's own slots)
+    _ask(slots, 4, q[2], 3, 43)
+    _until(lambda: slots.state(4) != carousel.REQUEST)
+    assert idx.sweep_carousel() == 0 and slots.state(4) in (carousel.TAKEN, carousel.DONE)  # running: left alone
+    kernel = idx._car.stream.kernel
+    kernel.delay = 0.02  # (a turn: requests stay aboard while the stop begins)
+    _ask(slots, 3, q[3], 6, 42)
+    _until(lambda: slots.state(3) == carousel.TAKEN)
+    idx.stop_carousel()
+    assert published == [(1, 5), (2, 5)] and not idx.carousel_running
+    assert slots.state(3) == carousel.DONE and slots.rows[3, :6].tolist() == _top(data, q[3], 6, keep)
+    assert [x.token for x in lane.harvest()] == ["lane"]
+    _ask(slots, 1, q[0], 9, 44)  # after the stop: no kernel will take it
+    assert idx.sweep_carousel() == 1 and slots.state(1) == carousel.IDLE
+    assert idx.sweep_carousel() == 0
+
+
+def test_a_stop_does_not_wait_for_ever_on_a_direct_request_and_sweeps_it(index: Any) -> None:
+    """A direct request the kernel holds and does not answer (it hangs on that one) is given up
+    after the stop's short wait: the slot is turned back to IDLE (its client asks again), and
+    the stop completes; with the wait long enough it would have been answered (above)."""
+    import mmap
+
+    from kalos_retrievers.protocol import CarouselLayout
+
+    idx, launching, _ = index
+    mm = mmap.mmap(-1, CarouselLayout.of(16).segment_size())
+    idx.__dict__.update(carousel_direct=3, carousel_map=lambda size: mm, on_carousel=lambda e, n: None)
+    _start(idx, launching, 53, ns=0)
+    slots = idx._car.slots
+    kernel = idx._car.stream.kernel
+    kernel.delay = 30.0  # taken, never answered in time
+    _ask(slots, 0, np.ones(16, np.float32), 4, 7)
+    _until(lambda: slots.state(0) == carousel.TAKEN)
+    t = time.monotonic()
+    idx.stop_carousel()
+    assert time.monotonic() - t < 2.0 and not idx.carousel_running
+    assert slots.state(0) == carousel.IDLE

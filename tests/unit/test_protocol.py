@@ -465,3 +465,32 @@ def test_batch_results_pickle_their_share_and_take_assignments() -> None:
     with pytest.raises(IndexError):
         batch[1][-per - 1]
     assert batch[1][-1] == batch[1][per - 1]
+
+
+def test_the_carousel_layout_is_the_sidecars_slots_and_the_headers_words_decode() -> None:
+    """Protocol v1.4: a client computes the carousel's slot layout from dim alone, and it must be
+    the one the sidecar's Slots use (tests/unit/test_carousel.py checks those against the
+    kernel); the header's carousel words decode where the sidecar writes them."""
+    from types import SimpleNamespace
+
+    from kalos_retrievers.sidecar import carousel
+
+    host = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(hostRegister=lambda *a: None,
+                                                                        hostUnregister=lambda *a: None)))  # fmt: skip
+    for dim in (1, 3, 97, 768, 1536):
+        lay = P.CarouselLayout.of(dim)
+        s = carousel.Slots(host, carousel.MAX_SLOTS, dim)
+        assert (lay.rows_off, lay.scores_off, lay.slot_bytes) == (s.rows_off, s.scores_off, s.slot_bytes)
+        assert lay.slot_bytes % 128 == 0 and lay.scores_off + 4 * P.CAR_KMAX <= lay.slot_bytes
+        assert lay.segment_size() % 4096 == 0 and lay.segment_size() >= carousel.MAX_SLOTS * lay.slot_bytes
+        s.close()
+    assert P.CarouselLayout.of(768) == (768, 3104, 3232, 3456)
+    with pytest.raises(ValueError, match="dim"):
+        P.CarouselLayout.of(0)
+    layout = Layout(n_slots=3, dim=8, max_k=10, max_results=10, payload_size=4096, blob_size=4096)
+    raw = bytearray(P.encode_header(layout, metric=0, dtype=1, pid=1, uid=0, boot_epoch=3, name="n", backend="cuda:0"))
+    raw += bytes(P.HEADER_SIZE - len(raw))
+    assert P.decode_header(bytes(raw)).carousel_epoch == 0
+    struct.pack_into("<QI", raw, HEADER_OFFSETS["carousel_epoch"], 2**40 + 7, 48)
+    h = P.decode_header(bytes(raw))
+    assert (h.carousel_epoch, h.carousel_slots) == (2**40 + 7, 48)

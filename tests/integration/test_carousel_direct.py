@@ -1,0 +1,131 @@
+"""Recalls written straight into the carousel's slots (protocol v1.4, KALOS_CAROUSEL=direct),
+against a real CPU sidecar whose clients are told a carousel runs (the header's carousel words,
+written here) and a process standing in for the kernel (``kalos_testing.carousel_stand_in``).
+The client must take the direct path only while the epoch is odd, give what the usual path
+gives (rows, scores and documents), and fall back to the usual path, losing nothing, whenever
+the kernel refuses, the sidecar sweeps, the epoch moves before the documents are read, or an
+earlier request still holds the slot. What the kernel computes is tests/gpu/test_carousel.py's;
+the sidecar's own part (epochs, the stop's wait, the sweep) is tests/unit's."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import struct
+from collections.abc import Iterator
+
+import kalos_testing
+import numpy as np
+import posix_ipc
+import pytest
+
+import kalos_retrievers.client as client_module
+from kalos_retrievers import SidecarTimeout
+from kalos_retrievers.protocol import CAR_REQUEST, HEADER_OFFSETS, W_STATE, CarouselLayout, carousel_segment_name
+
+pytestmark = pytest.mark.timeout(120)
+if not client_module._X86:
+    pytest.skip("the direct path is x86-64 only", allow_module_level=True)
+
+DIM, K, N = 11, 7, 157
+
+
+class StandIn:
+    """``kalos_testing.carousel_stand_in`` running while in the ``with`` block."""
+
+    def __init__(self, name: str, mode: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.stop, ready = ctx.Event(), ctx.Event()
+        self.answered = ctx.Value("i", 0)
+        self.proc = ctx.Process(target=kalos_testing.carousel_stand_in,
+                                args=(name, DIM, mode, self.stop, self.answered, ready), daemon=True)  # fmt: skip
+        self.proc.start()
+        while not ready.wait(0.1):
+            assert self.proc.is_alive(), f"the stand-in exited with {self.proc.exitcode}"
+
+    def __enter__(self) -> StandIn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.proc.join(30)
+        assert self.proc.exitcode == 0, f"the stand-in exited with {self.proc.exitcode}"
+
+
+@contextlib.contextmanager
+def carousel_segment(name: str) -> Iterator[None]:
+    """The carousel's slots, as a GPU sidecar with KALOS_CAROUSEL=direct makes them."""
+    seg = posix_ipc.SharedMemory(carousel_segment_name(name), flags=posix_ipc.O_CREX, mode=0o600,
+                                 size=CarouselLayout.of(DIM).segment_size())  # fmt: skip
+    seg.close_fd()
+    try:
+        yield
+    finally:
+        posix_ipc.unlink_shared_memory(carousel_segment_name(name))
+
+
+def set_epoch(c, epoch: int, slots: int = 64) -> None:  # type: ignore[no-untyped-def]
+    struct.pack_into("<QI", c._conn.seg.mm, HEADER_OFFSETS["carousel_epoch"], epoch, slots)
+
+
+@pytest.fixture
+def rig(start_sidecar, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KALOS_ARENA", "1")
+    sc = start_sidecar(dim=DIM)
+    rng = np.random.default_rng()
+    with sc.client(arena_docs=True) as c, sc.client(arena_docs=False) as plain, carousel_segment(sc.name):
+        c.upsert([f"m{i}" for i in range(N)], rng.standard_normal((N, DIM)).astype(np.float32),
+                 texts=[f"memory {i} " * (1 + i % 4) for i in range(N)])  # fmt: skip
+        c.ping()
+        yield sc, c, plain, rng
+
+
+def same(got, ref) -> None:  # type: ignore[no-untyped-def]
+    assert list(got.ids) == list(ref.ids)
+    assert [h.text for h in got] == [h.text for h in ref]
+    np.testing.assert_array_equal(got.rows, ref.rows)
+    np.testing.assert_allclose(got.scores, ref.scores, rtol=1e-6)
+
+
+def test_direct_recalls_while_the_epoch_is_odd_only(rig) -> None:  # type: ignore[no-untyped-def]
+    sc, c, plain, rng = rig
+    queries = rng.standard_normal((13, DIM)).astype(np.float32)
+    with StandIn(sc.name, "answer") as s:
+        set_epoch(c, 2)  # even: the usual path (the negative control)
+        for q in queries[:4]:
+            same(c.recall(q, K), plain.recall(q, K))
+        assert c.direct_recalls == 0 and s.answered.value == 0
+        set_epoch(c, 3)
+        for q in queries:
+            same(c.recall(q, K), plain.recall(q, K))
+        assert c.direct_recalls == len(queries) == s.answered.value
+        same(c.recall(queries[0], 40), plain.recall(queries[0], 40))  # k above the kernel's 32: usual path
+        set_epoch(c, 3, slots=0)  # no slot of ours may write: usual path
+        same(c.recall(queries[1], K), plain.recall(queries[1], K))
+        assert c.direct_recalls == len(queries) == s.answered.value
+
+
+@pytest.mark.parametrize("mode", ["refuse", "sweep", "epoch"])
+def test_a_request_the_kernel_does_not_answer_for_good_is_asked_again_the_usual_way(rig, mode: str) -> None:  # type: ignore[no-untyped-def]
+    sc, c, plain, rng = rig
+    set_epoch(c, 5)
+    with StandIn(sc.name, mode) as s:
+        for q in rng.standard_normal((5, DIM)).astype(np.float32):
+            same(c.recall(q, K), plain.recall(q, K))
+            if mode == "epoch":  # (the stand-in made it even: odd again for the next one)
+                set_epoch(c, 5)
+        assert c.direct_recalls == 0
+        assert s.answered.value == (5 if mode == "epoch" else 0)
+
+
+def test_a_recall_past_its_deadline_leaves_its_slot_to_the_kernel_and_the_next_goes_the_usual_way(rig) -> None:  # type: ignore[no-untyped-def]
+    sc, c, plain, rng = rig
+    set_epoch(c, 7)
+    q = rng.standard_normal(DIM).astype(np.float32)
+    with StandIn(sc.name, "silent"):
+        with pytest.raises(SidecarTimeout):
+            c.recall(q, K, timeout=0.05)
+        car = c._conn._car
+        assert car is not None and int(car.words[:, W_STATE].max()) == CAR_REQUEST  # still the kernel's
+        same(c.recall(q, K), plain.recall(q, K))  # the slot is not written again: the usual path answers
+        assert c.direct_recalls == 0
