@@ -404,7 +404,10 @@ class Server:
         and how many protocol slots (from 0) may write to it."""
         self._car_words = (epoch, slots)
         if self.seg is not None:
-            struct.pack_into("<QI", self.seg.mm, HEADER_OFFSETS["carousel_epoch"], epoch, slots)
+            struct.pack_into("<I", self.seg.mm, HEADER_OFFSETS["carousel_slots"], slots)
+            off = HEADER_OFFSETS["carousel_epoch"]
+            with memoryview(self.seg.mm)[off : off + 8].cast("Q") as word:
+                word[0] = epoch  # (one aligned 8-byte store, after the slots: x86-64 keeps them in order)
 
     def _holds_name(self, seg: _ipc.Segment, name: str) -> bool:
         """Take the sidecar lock on a segment we just created, and check the name still points

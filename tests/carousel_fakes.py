@@ -168,7 +168,10 @@ class Conductor(threading.Thread):
 class CarouselCpuIndex(CpuIndex):
     """A CPU index (inner product) with a carousel: a Conductor over its rows, started and
     stopped as GpuIndex does. Every other use of the "device" while the carousel runs fails,
-    and so does a stop while it holds a request (a real stop abandons it)."""
+    and so does a stop while it holds a request (a real stop abandons it). With
+    ``carousel_map`` set (the server's, KALOS_CAROUSEL=direct) the slots are made in that map
+    at the first start, and the direct clients' epoch, namespace words, stop and sweep follow
+    GpuIndex's (sidecar/index_gpu.py)."""
 
     host_search = False  # (as a GPU index: no short path for lone recalls)
     carousel_k = carousel.KMAX
@@ -188,17 +191,37 @@ class CarouselCpuIndex(CpuIndex):
         assert not self.carousel_running, f"{what} while the carousel runs (it holds every SM)"
         self.log.append(what)
 
+    direct = 0  # slots the direct clients write (set at the first start with carousel_map)
+    epoch = 0
+
     def start_carousel(self, high: int, ns: int = NS_ANY) -> None:
         self._device(f"start {high}")
+        if self.carousel_map is not None and not self.direct and not self.launches:
+            self.slots.close()
+            size = carousel.proto.CarouselLayout.of(self.dim).segment_size()
+            self.slots = Slots(FakeCupy(), carousel.MAX_SLOTS, self.dim, self.carousel_map(size))
+            self.direct = self.carousel_direct
+            self.crowd = CrowdLane(self.slots, first=self.direct)
+        self.slots.words[: self.direct, carousel.W_NS] = np.int32(ns).view(np.uint32)
         self.launches += 1
         self.cond = Conductor(self.slots, self.data, self.ns, n_rows=high)
         self.cond.delay = self.turn
         self.cond.start()
         self.carousel_running = True
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.direct:
+            self.epoch += 1
+            assert self.on_carousel is not None
+            self.on_carousel(self.epoch, self.direct)
 
     def stop_carousel(self) -> None:
         if not self.carousel_running:
             return
+        self._publish()
+        if self.direct:
+            self.crowd.settle_direct(0.05)
         if not self.strict:
             self.crowd.quiesce(1.0)  # (as GpuIndex: a stop from the index's side abandons nothing)
         assert not self.crowd.busy(), "the carousel stopped with requests aboard"
@@ -207,6 +230,20 @@ class CarouselCpuIndex(CpuIndex):
         self.cond.join()
         self.carousel_running = False
         self.log.append("stop")
+        self.sweep_carousel()
+
+    def sweep_carousel(self) -> int:
+        if not self.direct or self.carousel_running:
+            return 0
+        st = self.slots.words[: self.direct, carousel.W_STATE]
+        stuck = (st == REQUEST) | (st == TAKEN)
+        st[stuck] = carousel.IDLE
+        self.swept = getattr(self, "swept", 0) + int(stuck.sum())
+        return int(stuck.sum())
+
+    @property
+    def carousel_answered(self) -> int:
+        return self.cond.answered if self.cond is not None else 0
 
     def pause_doorbell(self) -> None:
         self.stop_carousel()

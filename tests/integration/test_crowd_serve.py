@@ -7,9 +7,11 @@ sidecar stopping with recalls aboard answers them; one client alone never starts
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,11 +19,12 @@ import pytest
 from carousel_fakes import CarouselCpuIndex
 from conftest import unique_name
 from kalos_retrievers.sidecar import dispatcher as dispatcher_module
+from kalos_retrievers.sidecar import index_gpu
 from kalos_retrievers.sidecar import server as server_module
 from kalos_retrievers.sidecar.server import ServeConfig, Server
 
 from kalos_retrievers import KalosClient
-from kalos_retrievers.protocol import METRICS
+from kalos_retrievers.protocol import HEADER_OFFSETS, METRICS, carousel_segment_name
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -38,7 +41,10 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(dispatcher_module, "CAROUSEL_MIN", 4)
     running: list[tuple[Server, threading.Thread]] = []
 
-    def serve(rows: int, turn: float = 0.0) -> tuple[Server, CarouselCpuIndex, np.ndarray]:
+    def serve(rows: int, turn: float = 0.0, direct: bool = False) -> tuple[Server, CarouselCpuIndex, np.ndarray]:
+        if direct:  # (KALOS_CAROUSEL=direct: the clients write into the carousel's slots; they need the arena)
+            monkeypatch.setattr(index_gpu, "CAROUSEL_DIRECT", True)
+            monkeypatch.setenv("KALOS_ARENA", "1")
         index = CarouselCpuIndex(DIM, METRICS["ip"])
         index.strict = False  # (as GpuIndex: a stop from the index's side runs the lane's backlog through)
         index.turn = turn
@@ -51,7 +57,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         data = np.random.default_rng().standard_normal((rows, DIM)).astype(np.float32)
         data[:, -1] = 0  # (the last axis is the writes': see test_writes_and_other_recalls_amid_the_crowd)
         with KalosClient(srv.cfg.name, dim=DIM, timeout=30) as c:
-            c.upsert([str(i) for i in range(rows)], data)
+            c.upsert([str(i) for i in range(rows)], data, texts=[f"t{i}" for i in range(rows)])
         return srv, index, data
 
     yield serve
@@ -66,22 +72,28 @@ def _top(data: np.ndarray, q: np.ndarray, k: int) -> list[str]:
 
 
 def _crowd(name: str, data: np.ndarray, clients: int, calls: int, errors: list, start: threading.Barrier,
-           k: int = 7) -> list[threading.Thread]:  # fmt: skip
+           k: int = 7, direct: list | None = None) -> list[threading.Thread]:  # fmt: skip
     """Client threads, each recalling ``calls`` random queries (0 on the last axis, so rows
     written along it never reach their top k) once all have reached ``start``; any wrong
-    answer or error is appended to ``errors``."""
+    answer or error is appended to ``errors``. With ``direct`` (a list), the clients read
+    their documents from the arena (the direct path needs it), check each hit's text, and
+    append how many of their recalls went into the carousel's slots themselves."""
 
     def run(seed: int) -> None:
         rng = np.random.default_rng(seed)
         try:
-            with KalosClient(name, dim=DIM, timeout=30) as c:
+            with KalosClient(name, dim=DIM, timeout=30, arena_docs=direct is not None) as c:
                 start.wait()
                 for _ in range(calls):
                     q = rng.standard_normal(DIM).astype(np.float32)
                     q[-1] = 0
-                    got = c.recall(q, k=k).ids
-                    if got != _top(data, q, k):
-                        errors.append(("wrong", got, _top(data, q, k)))
+                    res = c.recall(q, k=k)
+                    if res.ids != _top(data, q, k):
+                        errors.append(("wrong", res.ids, _top(data, q, k)))
+                    elif direct is not None and [h.text for h in res] != [f"t{i}" for i in res.ids]:
+                        errors.append(("texts", [h.text for h in res], res.ids))
+                if direct is not None:
+                    direct.append(c.direct_recalls)
         except Exception as e:  # (reported by the test)
             errors.append(("error", repr(e)))
 
@@ -181,3 +193,63 @@ def test_one_client_alone_never_starts_it(served: Any) -> None:
             q = rng.standard_normal(DIM).astype(np.float32)
             assert c.recall(q, k=5).ids == _top(data, q, 5)
     assert index.crowd.boarded == 0 and index.launches == 0
+
+
+def _epoch(srv: Server) -> tuple[int, int]:
+    return struct.unpack_from("<QI", srv.seg.mm, HEADER_OFFSETS["carousel_epoch"])
+
+
+def test_a_direct_crowd_writes_into_the_carousels_slots(served: Any) -> None:
+    """KALOS_CAROUSEL=direct: once the crowd has started the carousel (its first recalls come
+    the usual way), the clients write their recalls into its slots themselves: exact answers
+    with their documents, most of them direct (the lane boards few), the header's epoch odd
+    while it runs and even once the sidecar has stopped it; the sidecar removes the segment
+    as it stops. (The negative control is the test above: without the switch, none is direct.)"""
+    srv, index, data = served(301, direct=True)
+    errors: list = []
+    direct: list[int] = []
+    start = threading.Barrier(8)
+    threads = _crowd(srv.cfg.name, data, 8, 150, errors, start, direct=direct)
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert sum(direct) > 600 and index.launches >= 1, (direct, index.crowd.boarded, index.log)
+    assert index.crowd.boarded + sum(direct) >= 8 * 150 - 8 * 10, (index.crowd.boarded, direct)
+    epoch, slots = _epoch(srv)
+    assert slots == 20 and epoch == index.epoch and (epoch & 1) == index.carousel_running
+    with KalosClient(srv.cfg.name, dim=DIM) as c:
+        c.upsert(["late"], np.ones((1, DIM), np.float32))  # (a write: the carousel stops first)
+    assert not index.carousel_running and _epoch(srv)[0] % 2 == 0
+    path = Path("/dev/shm") / carousel_segment_name(srv.cfg.name)[1:]
+    assert path.exists()
+    srv.stop()
+    end = time.monotonic() + 10
+    while path.exists():  # (the serve loop's thread closes the server as it ends)
+        assert time.monotonic() < end, f"{path} is still there after the sidecar stopped"
+        time.sleep(0.01)
+
+
+def test_writes_and_other_recalls_amid_a_direct_crowd(served: Any) -> None:
+    """As test_writes_and_other_recalls_amid_the_crowd, the crowd writing into the carousel's
+    slots: each write or other recall makes the epoch even and stops the kernel (after the
+    direct requests in flight, or sweeping them: their clients ask the usual way), writes are
+    found at once, and every answer is exact."""
+    srv, index, data = served(211, turn=0.001, direct=True)
+    errors: list = []
+    direct: list[int] = []
+    start = threading.Barrier(7)
+    axis = np.zeros(DIM, np.float32)
+    axis[-1] = 1
+    threads = _crowd(srv.cfg.name, data, 6, 120, errors, start, direct=direct)
+    with KalosClient(srv.cfg.name, dim=DIM, timeout=30) as c:
+        start.wait()
+        time.sleep(0.02)
+        for j in range(10):
+            c.upsert([f"w{j}"], (axis * (100 + j))[None])
+            assert c.recall(axis, k=1).ids == [f"w{j}"]
+            assert c.recall(data[j], k=40).ids == _top(data, data[j], 40)
+            time.sleep(0.025)  # (past the hold-off)
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert index.launches >= 2 and "write" in index.log and sum(direct) > 0, (index.log, direct)
