@@ -84,6 +84,7 @@ from .protocol import (
     SlotState,
     Status,
     align8,
+    car_takes,
     carousel_segment_name,
     check_name,
     check_vectors,
@@ -477,6 +478,7 @@ class _Conn:
         self._car = None
         with contextlib.suppress(BufferError):
             self._hdr32.release()
+        with contextlib.suppress(BufferError):
             self._car_epoch.release()
         self.seg.close()
 
@@ -782,7 +784,7 @@ class KalosClient:
             if arena is not None and k <= CAR_KMAX and self.spin_ns and _X86:
                 car = conn.carousel(slot.index)
                 if car is not None:
-                    res = self._recall_direct(conn, car, slot, q, k, deadline, arena)
+                    res = self._recall_direct(conn, car, slot, q, k, deadline)
                     if res is not None:
                         return res
             if fast:
@@ -807,8 +809,8 @@ class KalosClient:
             assert res is not None
         return res
 
-    def _recall_direct(self, conn: _Conn, car: _CarouselView, slot: _Slot, q: Any, k: int, deadline: float,
-                       arena: ArenaView) -> RecallResult | None:  # fmt: skip
+    def _recall_direct(self, conn: _Conn, car: _CarouselView, slot: _Slot, q: Any, k: int,
+                       deadline: float) -> RecallResult | None:  # fmt: skip
         """:meth:`_recall_one` through the carousel's own slots (protocol v1.4: a GPU sidecar
         with KALOS_CAROUSEL=direct, while its carousel runs): the query and the request words
         written into carousel slot ``slot.index``, its state REQUEST last (x86-64 keeps the
@@ -817,11 +819,13 @@ class KalosClient:
         and no semaphore: the kernel writes the answer and nothing wakes us.
 
         None when the usual path is to ask instead (nothing lost, only time): the query is not
-        a finite float32 vector of the index's dimension, the slot still holds an earlier
-        request (abandoned at its deadline: the kernel has yet to answer it), the kernel refused
-        it (a query it cannot score), the sidecar stopped the carousel before answering it
-        (the slot turned back to IDLE), or the carousel's epoch changed before the documents
-        were read (rows may have been written since the answer).
+        a finite float32 vector of the index's dimension or not one the kernel scores as the
+        sidecar would (:func:`~kalos_retrievers.protocol.car_takes`), the slot still holds an
+        earlier request (abandoned at its deadline: the kernel has yet to answer it), the
+        kernel refused it, the sidecar stopped the carousel before answering it (the slot
+        turned back to IDLE), the answer does not check (its seq, its count), or the epoch had
+        moved past the stop's beginning when the documents were read (rows may have been
+        written since the answer).
 
         Raises:
             SidecarTimeout: no answer by ``deadline``.
@@ -838,8 +842,15 @@ class KalosClient:
                 return None
         except (RuntimeWarning, FloatingPointError):
             return None
+        if not car_takes(conn.header.metric, float(np.abs(q).max())):
+            return None
         epoch = conn.carousel_epoch()
         if not epoch & 1:
+            return None
+        # the arena as the header names it after the epoch was read: it moves to a new version
+        # only with a write, which comes after the epoch has moved on (checked below)
+        arena = conn.arena()
+        if arena is None:
             return None
         slot.seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
         seq = slot.seq & 0xFFFFFFFF
@@ -858,7 +869,9 @@ class KalosClient:
             return None
         rows, scores = car.rows[i, :n].copy(), car.scores[i, :n].copy()
         docs = arena.current_docs(rows.tolist())
-        if docs is None or conn.carousel_epoch() != epoch:  # (read after the documents: x86-64 keeps loads in order)
+        # the epoch after the documents (x86-64 keeps loads in order): the one sent under, or the
+        # next (the stop has begun: the rows are written only once the kernel has stopped, +3)
+        if docs is None or conn.carousel_epoch() - epoch > 1:
             return None
         self._typical_car_ns = _ewma_wait(self._typical_car_ns, waited)
         self.direct_recalls += 1
@@ -898,12 +911,12 @@ class KalosClient:
             now = time.monotonic_ns()
             if now >= next_check:
                 next_check = now + _DIRECT_CHECK_NS
-                if now > end:
-                    raise SidecarTimeout(f"sidecar {self.name!r} did not answer a recall before the deadline "
-                                         "(is it paused or overloaded? see `kalos-sidecar stats`)")  # fmt: skip
                 if not conn.sidecar_alive():
                     self._drop_conn(conn)
                     raise SidecarUnavailable(f"sidecar {self.name!r} stopped during the call")
+                if now > end:
+                    raise SidecarTimeout(f"sidecar {self.name!r} did not answer a recall before the deadline "
+                                         "(is it paused or overloaded? see `kalos-sidecar stats`)")  # fmt: skip
                 if not posted and conn.carousel_epoch() != epoch:
                     _ipc.post(conn.bell)
                     posted = True

@@ -478,6 +478,23 @@ CAR_HEAD: Final = 32  # a slot's control words (u32) before its query
 W_STATE, W_K, W_NS, W_SEQ, W_RESULTS, W_RESP_SEQ, W_NS_ABOARD = range(7)
 
 
+# The queries the kernel scores as the sidecar would, by their largest |element|: for cosine its
+# float32 sum of squares (at most 65,536 elements) must be a normal number (a zero or subnormal
+# sum leaves the query unnormalized, every half zero: a wrong answer, not a refusal; an infinite
+# one is refused); for inner product and L2 every element must fit float16 (beyond, refused).
+CAR_COS_MIN: Final = 1e-15
+CAR_COS_MAX: Final = 5e16
+CAR_F16_MAX: Final = 65504.0
+
+
+def car_takes(metric: int, amax: float) -> bool:
+    """Whether a finite query whose largest |element| is ``amax`` may go to the carousel
+    (``metric``: :class:`Metric`); the others are asked the usual way."""
+    if metric == Metric.COSINE:
+        return CAR_COS_MIN <= amax <= CAR_COS_MAX
+    return amax <= CAR_F16_MAX
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 

@@ -111,10 +111,10 @@ class CrowdLane:
         if not self._aboard:
             return []
         words = self.slots.words
-        st = words[:, W_STATE]
+        st = words[self.first :, W_STATE]  # (the lane's slots: those below are the direct clients')
         out: list[Landed] = []
         now = time.perf_counter_ns()
-        for c in np.flatnonzero((st == DONE) | (st == ERROR)).tolist():
+        for c in (np.flatnonzero((st == DONE) | (st == ERROR)) + self.first).tolist():
             held = self._aboard.pop(c, None)
             if held is None:
                 continue  # (an answer harvested before: the slot stays DONE until its next send)

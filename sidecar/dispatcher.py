@@ -36,13 +36,13 @@ from kalos_retrievers.protocol import (
     Flag,
     Invalid,
     Layout,
-    Metric,
     Op,
     Request,
     RespFlag,
     SlotState,
     Status,
     align8,
+    car_takes,
     decode_json_args,
     decode_recall_args,
     encode_docs_blob,
@@ -103,12 +103,6 @@ _HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CO
 # a scan that evicted the caches, each numpy call's dispatch code runs cold (on a 16-core host
 # the CPU backend's whole answer phase took ~120 us p50), a struct call touches far less.
 _STATE = struct.Struct("<I")
-_F16_MAX: Final = 65504.0  # the largest finite float16 (the carousel refuses ip / L2 queries beyond it)
-# the largest |element| of a cosine query the carousel takes, both ways: its float32 sum of squares
-# (at most 65,536 elements) must be a normal number (a zero or subnormal sum leaves the query
-# unnormalized, all its halves zero; an infinite one is refused)
-_COS_MIN: Final = 1e-15
-_COS_MAX: Final = 5e16
 _ROWS: dict[int, struct.Struct] = {}
 
 
@@ -256,13 +250,13 @@ class Dispatcher:
         starts it again before it sleeps); DOORBELL slots it left are answered by the next
         poll."""
         ready = self.waiting()
-        crowd = self.service.index.crowd
+        idx = self.service.index
+        crowd = idx.crowd
+        if idx.carousel_direct and not idx.carousel_running:
+            idx.sweep_carousel()  # (a direct request asked as the kernel stopped: its client posts the bell)
         if not len(ready):
             if crowd is not None and crowd.in_flight:  # answers to take: never a drain here
                 return self._harvest()
-            idx = self.service.index
-            if idx.carousel_direct and not idx.carousel_running:
-                idx.sweep_carousel()  # (a direct request asked as the kernel stopped: its client posts the bell)
             b = self._inflight
             if b is not None and not b.finished and self._awaits_cohort():
                 return 0  # the device still searches b: keep taking requests (see _queue_behind)
@@ -613,10 +607,8 @@ class Dispatcher:
         squares that is a normal number; ip and L2: every value within float16's range)."""
         if i not in self._taken:
             return False
-        amax = float(np.abs(self._first_query[i]).max())  # (finite: take checked the query)
-        if self.service.metric == Metric.COSINE:  # (the kernel normalizes by rsqrt of a float32 sum of squares)
-            return _COS_MIN <= amax <= _COS_MAX
-        return amax <= _F16_MAX
+        # (finite: take checked the query; the kernel normalizes by rsqrt of a float32 sum of squares)
+        return car_takes(self.service.metric, float(np.abs(self._first_query[i]).max()))
 
     def _crowd_holds(self, board: dict[tuple[int, int], list[tuple[int, Request, int]]], ns_arg: int) -> bool:
         """Whether the carousel runs for the recalls in ``board`` (those that can board):
@@ -770,10 +762,19 @@ class Dispatcher:
 
     def stop_idle_carousel(self, now: int, idle_ns: int) -> None:
         """Housekeeping: drain and stop a carousel that nothing has boarded for ``idle_ns``
-        (it keeps every SM busy polling; the next crowd starts it again)."""
+        (it keeps every SM busy polling; the next crowd starts it again), or, with direct
+        clients, one whose crowd has thinned: fewer than half of :data:`CAROUSEL_MIN` clients
+        recalled since the last look (direct slots whose request number moved, and the lane's
+        clients seen within :data:`COHORT_WINDOW_NS`), as :meth:`_crowd_holds` stops the lane's."""
         idx = self.service.index
         if not idx.carousel_running:
             return
+        if idx.carousel_direct:
+            horizon = time.perf_counter_ns() - COHORT_WINDOW_NS
+            lane = sum(1 for t in self._seen.values() if t >= horizon)
+            if 2 * (idx.carousel_active() + lane) < self.crowd_min:
+                self._stop_crowd()
+                return
         boarded = idx.crowd.boarded + idx.carousel_answered  # (direct clients board without the lane)
         if boarded != self._car_idle[0]:
             self._car_idle = (boarded, now)

@@ -240,6 +240,10 @@ class Index(abc.ABC):
         """Answers of the carousel's current (or last) launch."""
         return 0
 
+    def carousel_active(self) -> int:
+        """How many direct slots have sent a request since the last call (their seq moved)."""
+        return 0
+
     def detach_segment(self) -> None:  # noqa: B027 - optional hook
         """Called before a segment is unmapped."""
 

@@ -525,6 +525,7 @@ class GpuIndex(Index):
         self._car_direct = 0  # slots [0, this) the direct clients write (KALOS_CAROUSEL=direct)
         self._car_epoch = 0  # the header's carousel_epoch: odd while the kernel takes direct requests
         self._car_answered = 0  # the carousel's answers in the launches stopped so far (the lane's and direct)
+        self._car_seqs: np.ndarray | None = None  # the direct slots' seq words at the last carousel_active()
         self.crowd: CrowdLane | None = None
         self.carousel_running = False
         self.carousel_launches = 0
@@ -797,11 +798,14 @@ class GpuIndex(Index):
         if self._car_direct:
             self._publish_carousel()  # (odd: the clients may write)
 
-    def _publish_carousel(self) -> None:
-        """The next carousel epoch to the header (odd while the kernel runs), then a full fence:
-        a stop's loads of the slots' states come after its store (x86-64 may otherwise let a
-        load pass an earlier store)."""
-        self._car_epoch += 1
+    def _publish_carousel(self, step: int = 1) -> None:
+        """The carousel epoch moved on by ``step`` to the header, then a full fence: a stop's
+        loads of the slots' states come after its store (x86-64 may otherwise let a load pass
+        an earlier store). A launch makes it odd (E: direct clients may write); a stop's
+        beginning E + 1 (no new requests; answers still good: the rows do not change while the
+        kernel runs); its end, the kernel stopped and its slots swept, E + 3 (the rows may
+        change now: an answer sent under E and read after this is not kept)."""
+        self._car_epoch += step
         if self.on_carousel is not None:
             self.on_carousel(self._car_epoch, self._car_direct)
         with _FENCE:  # (a lock's acquire is a locked instruction: a full fence on x86-64)
@@ -810,6 +814,13 @@ class GpuIndex(Index):
     @property
     def carousel_answered(self) -> int:
         return self._car.answered if self._car is not None else 0
+
+    def carousel_active(self) -> int:
+        if not self._car_direct or self._car is None:
+            return 0
+        seqs = self._car.slots.words[: self._car_direct, carousel.W_SEQ].copy()
+        last, self._car_seqs = self._car_seqs, seqs
+        return int((seqs != last).sum()) if last is not None else self._car_direct
 
     def sweep_carousel(self) -> int:
         """With the carousel stopped: the direct slots' requests no kernel will answer (asked
@@ -851,8 +862,8 @@ class GpuIndex(Index):
         car, crowd = self._car, self.crowd
         assert car is not None and crowd is not None
         if self._car_direct:
-            self._publish_carousel()  # (even: the clients ask the usual way from now on)
-            crowd.settle_direct(_CAROUSEL_DRAIN_S)  # (what was asked before they saw it, answered)
+            self._publish_carousel()  # (E + 1, even: the clients ask the usual way from now on)
+            crowd.settle_direct(_CAROUSEL_DRAIN_S)  # (what was asked before they saw it, answered and kept)
         try:
             crowd.quiesce(_DOORBELL_STOP_S)  # (check_carousel, its alive(), raises if the kernel has ended)
         except TimeoutError as e:
@@ -866,7 +877,9 @@ class GpuIndex(Index):
         finally:
             self.carousel_running = car.running
         self._car_answered += car.answered
-        self.sweep_carousel()
+        if self._car_direct:
+            self.sweep_carousel()
+            self._publish_carousel(2)  # (E + 3: from here on the rows may change)
         car.data = car.ns = car.sqnorm = None  # (the rows' arrays not kept alive: a growth frees the old ones)
 
     def resume_doorbell(self, high: int, ns: int) -> None:

@@ -187,6 +187,7 @@ class Server:
         self._bell_idle = (0, 0)  # the resident kernel's served count, and since when unchanged
         self._car_seg: _ipc.Segment | None = None  # the carousel's slots (KALOS_CAROUSEL=direct)
         self._car_words = (0, 0)  # the header's carousel_epoch and carousel_slots, as last published
+        self._car_closed = False  # True after a re-publication: no direct slot is offered (_offer_carousel)
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
@@ -285,7 +286,7 @@ class Server:
         except FatalDeviceError as e:
             raise StartError(str(e), EXIT_CUDA_FAULT) from None
         self._publish_doorbell()
-        self._offer_carousel(lay.n_slots)
+        self._offer_carousel(lay.n_slots, first)
         if k:
             log.info("resident kernel (KALOS_DOORBELL=0 turns it off): once a client recalls alone, batch-1 "
                      "recalls of the default namespace with k <= %d are answered on the GPU without the "
@@ -365,17 +366,27 @@ class Server:
             k = idx.doorbell_k if running else 0
             struct.pack_into("<II", self.seg.mm, HEADER_OFFSETS["doorbell_k"], k, idx.doorbell_k)
 
-    def _offer_carousel(self, n_slots: int) -> None:
+    def _offer_carousel(self, n_slots: int, first: bool) -> None:
         """KALOS_CAROUSEL=direct on an index with a carousel: clients holding protocol slots
         below ``min(n_slots, 48)`` may write batch-1 recalls into the carousel's own slots
         while it runs (protocol v1.4; the other 16 of its 64 slots stay the dispatcher's, for
         the recalls that still come the usual way). The index maps the shared segment at its
         first start (:meth:`_carousel_map`) and publishes each epoch (:meth:`_publish_carousel`).
-        A re-publication writes the current epoch into the new header."""
+
+        A re-publication (not ``first``) offers no direct slot any more (``carousel_slots`` 0
+        in the new header, for the sidecar's life): the clients of the old segment may still
+        write into the carousel's slots by the numbers of their old protocol slots, which the
+        new segment's clients now hold. The old clients' own direct recalls go on until they
+        notice the re-publication."""
         assert self.service is not None
         idx = self.service.index
+        if not first:
+            self._car_closed = True
+            self._publish_carousel(*self._car_words)
+            return
         if not idx.carousel_k:
             return
+        _remove_stale_carousel(self.cfg.name)
         from .index_gpu import CAROUSEL_DIRECT
 
         if not CAROUSEL_DIRECT:
@@ -389,12 +400,16 @@ class Server:
         """Create the carousel's shared segment (``/kalos-NAME-car``, replacing one a dead
         sidecar of this name left) and return its map."""
         name = carousel_segment_name(self.cfg.name)
-        if _owned_by_us(f"/dev/shm/{name[1:]}"):
-            _ipc.unlink_segment(name)
+        _remove_stale_carousel(self.cfg.name)
         try:
             seg = _ipc.Segment.create(name, size)
-            os.posix_fallocate(seg.fd, 0, size)
         except (FileExistsError, PermissionDenied, OSError) as e:
+            raise OSError(f"cannot create the carousel's segment {name}: {e}") from None
+        try:
+            os.posix_fallocate(seg.fd, 0, size)  # (a full /dev/shm: an error here, not a SIGBUS later)
+        except OSError as e:
+            seg.close()
+            _ipc.unlink_segment(name)
             raise OSError(f"cannot create the carousel's segment {name}: {e}") from None
         self._car_seg = seg
         return seg.mm
@@ -404,7 +419,7 @@ class Server:
         and how many protocol slots (from 0) may write to it."""
         self._car_words = (epoch, slots)
         if self.seg is not None:
-            struct.pack_into("<I", self.seg.mm, HEADER_OFFSETS["carousel_slots"], slots)
+            struct.pack_into("<I", self.seg.mm, HEADER_OFFSETS["carousel_slots"], 0 if self._car_closed else slots)
             off = HEADER_OFFSETS["carousel_epoch"]
             with memoryview(self.seg.mm)[off : off + 8].cast("Q") as word:
                 word[0] = epoch  # (one aligned 8-byte store, after the slots: x86-64 keeps them in order)
@@ -454,6 +469,7 @@ class Server:
         )  # fmt: skip
         self.seg.mm[: len(hdr)] = hdr
         self._publish_doorbell()
+        self._publish_carousel(*self._car_words)  # (the bytes above wrote zeros over them)
         if version:
             struct.pack_into("<H", self.seg.mm, VERSION_OFFSET, version)
 
@@ -543,7 +559,8 @@ class Server:
                     # nothing compacts under a batch in flight (see Dispatcher._awaits_cohort); a
                     # carousel that has answered nothing for 50 ms is drained (a fault if it never does)
                     self._settle(d)
-                    self._compact_if_fragmented()
+                    if not self.service.index.carousel_running:  # (direct clients' recalls are not "work" here)
+                        self._compact_if_fragmented()
                 continue  # poll again before sleeping: the drain may have taken a new request's post
             sleep_ns = pace.sleep_ns(now)
             if not sleep_ns or d.crowd_in_flight():
@@ -927,6 +944,16 @@ def _remove_stale_arenas(name: str) -> None:
         log.info("removing the stale document arena %s", entry)
         with contextlib.suppress(Exception):
             _ipc.unlink_segment(arena_name(name, version))
+
+
+def _remove_stale_carousel(name: str) -> None:
+    """Unlink ``/kalos-NAME-car`` left by a dead sidecar of this name (ours only; called once the
+    name is ours)."""
+    seg = carousel_segment_name(name)
+    if _owned_by_us(f"/dev/shm{seg}"):
+        log.info("removing the stale carousel segment %s", seg)
+        with contextlib.suppress(Exception):
+            _ipc.unlink_segment(seg)
 
 
 def _owned_by_us(path: str) -> bool:

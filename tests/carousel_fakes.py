@@ -210,9 +210,9 @@ class CarouselCpuIndex(CpuIndex):
         self.carousel_running = True
         self._publish()
 
-    def _publish(self) -> None:
+    def _publish(self, step: int = 1) -> None:
         if self.direct:
-            self.epoch += 1
+            self.epoch += step
             assert self.on_carousel is not None
             self.on_carousel(self.epoch, self.direct)
 
@@ -231,6 +231,7 @@ class CarouselCpuIndex(CpuIndex):
         self.carousel_running = False
         self.log.append("stop")
         self.sweep_carousel()
+        self._publish(2)
 
     def sweep_carousel(self) -> int:
         if not self.direct or self.carousel_running:
@@ -244,6 +245,11 @@ class CarouselCpuIndex(CpuIndex):
     @property
     def carousel_answered(self) -> int:
         return self.cond.answered if self.cond is not None else 0
+
+    def carousel_active(self) -> int:
+        seqs = self.slots.words[: self.direct, carousel.W_SEQ].copy()
+        last, self._seqs = getattr(self, "_seqs", None), seqs
+        return int((seqs != last).sum()) if last is not None else self.direct
 
     def pause_doorbell(self) -> None:
         self.stop_carousel()

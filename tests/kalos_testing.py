@@ -279,8 +279,9 @@ def carousel_stand_in(name: str, dim: int, mode: str, stop: Any, answered: Any, 
     in ``/kalos-NAME-car`` is taken (TAKEN), and then, by ``mode``: "answer" searches through
     an ordinary client and writes rows, scores, the count and the seq echo, then DONE, as
     carousel_topk does; "refuse" writes ERROR; "sweep" turns it back to IDLE, as the sidecar's
-    sweep after a stop does; "epoch" answers as "answer" but first makes the header's epoch
-    even (the sidecar stopping the kernel just after the answer); "silent" answers nothing.
+    sweep after a stop does; "epoch" answers as "answer" but first moves the header's epoch on
+    by 3 (a whole stop: the rows may have changed since), "drain" by 1 (a stop begun: the rows
+    have not); "silent" answers nothing.
     In a process of its own, as doorbell_stand_in."""
     import mmap as _mmap
 
@@ -319,9 +320,10 @@ def carousel_stand_in(name: str, dim: int, mode: str, stop: Any, answered: Any, 
                 np.frombuffer(mm, np.float32, kk, i * lay.slot_bytes + lay.scores_off)[:] = res.scores
                 w[P.W_RESULTS] = kk
                 w[P.W_RESP_SEQ] = seq
-                if mode == "epoch":
-                    epoch = struct.unpack_from("<Q", hdr, P.HEADER_OFFSETS["carousel_epoch"])[0]
-                    struct.pack_into("<Q", hdr, P.HEADER_OFFSETS["carousel_epoch"], epoch + 1)
+                if mode in ("epoch", "drain"):
+                    at = P.HEADER_OFFSETS["carousel_epoch"]
+                    epoch = struct.unpack_from("<Q", hdr, at)[0]
+                    struct.pack_into("<Q", hdr, at, epoch + (3 if mode == "epoch" else 1))
                 w[P.W_STATE] = P.CAR_DONE
                 answered.value += 1
             time.sleep(0.0001)

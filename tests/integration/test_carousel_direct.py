@@ -105,17 +105,52 @@ def test_direct_recalls_while_the_epoch_is_odd_only(rig) -> None:  # type: ignor
         assert c.direct_recalls == len(queries) == s.answered.value
 
 
-@pytest.mark.parametrize("mode", ["refuse", "sweep", "epoch"])
+@pytest.mark.parametrize("mode", ["refuse", "sweep", "epoch", "drain"])
 def test_a_request_the_kernel_does_not_answer_for_good_is_asked_again_the_usual_way(rig, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """Refused, swept, or answered but read after a whole stop (the epoch 3 on: rows may have
+    changed): asked again the usual way. Answered and read after a stop has only begun (the
+    epoch 1 on: the rows cannot have changed): kept (the negative control)."""
     sc, c, plain, rng = rig
     set_epoch(c, 5)
     with StandIn(sc.name, mode) as s:
         for q in rng.standard_normal((5, DIM)).astype(np.float32):
             same(c.recall(q, K), plain.recall(q, K))
-            if mode == "epoch":  # (the stand-in made it even: odd again for the next one)
+            if mode in ("epoch", "drain"):  # (the stand-in moved it on: odd again for the next one)
                 set_epoch(c, 5)
-        assert c.direct_recalls == 0
-        assert s.answered.value == (5 if mode == "epoch" else 0)
+        assert c.direct_recalls == (5 if mode == "drain" else 0)
+        assert s.answered.value == (5 if mode in ("epoch", "drain") else 0)
+
+
+def test_queries_the_kernel_would_score_otherwise_than_the_sidecar_go_the_usual_way(rig) -> None:  # type: ignore[no-untyped-def]
+    """A cosine query too small for the kernel's float32 normalization (its sum of squares
+    underflows: the kernel would answer wrongly, not refuse) is asked the usual way; a normal
+    one, the same direction, goes direct (the control)."""
+    sc, c, plain, rng = rig
+    set_epoch(c, 9)
+    q = rng.standard_normal(DIM).astype(np.float32)
+    with StandIn(sc.name, "answer") as s:
+        same(c.recall(q * np.float32(1e-20), K), plain.recall(q, K))
+        assert c.direct_recalls == 0 and s.answered.value == 0
+        same(c.recall(q, K), plain.recall(q, K))
+        assert c.direct_recalls == 1
+
+
+def test_the_documents_come_from_the_arena_version_the_header_names_after_the_epoch(rig) -> None:  # type: ignore[no-untyped-def]
+    """The arena moves to a new version (writes past its heap's room) between two direct
+    recalls: the second's document is read from the new version (the one the header names
+    after the epoch was read), with the row's new text."""
+    sc, c, plain, rng = rig
+    set_epoch(c, 11)
+    q = rng.standard_normal(DIM).astype(np.float32)
+    with StandIn(sc.name, "answer"):
+        before = c._conn.arena()
+        top = plain.recall(q, 1).ids[0]
+        big = "x" * 200_000
+        for j in range(12):  # (texts past the heap's room: the arena moves to a bigger version)
+            plain.upsert([top], plain.get([top], with_vectors=True)[0].vector[None], texts=[big + str(j)])
+        assert c._conn.arena() is not before  # (moved)
+        res = c.recall(q, 1)
+        assert c.direct_recalls == 1 and res.ids == [top] and res[0].text == big + "11"
 
 
 def test_a_recall_past_its_deadline_leaves_its_slot_to_the_kernel_and_the_next_goes_the_usual_way(rig) -> None:  # type: ignore[no-untyped-def]

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from carousel_fakes import CarouselCpuIndex
 from conftest import unique_name
+from kalos_retrievers.sidecar import carousel, index_gpu
 from kalos_retrievers.sidecar import dispatcher as dispatcher_module
-from kalos_retrievers.sidecar import index_gpu
 from kalos_retrievers.sidecar import server as server_module
 from kalos_retrievers.sidecar.server import ServeConfig, Server
 
@@ -253,3 +253,61 @@ def test_writes_and_other_recalls_amid_a_direct_crowd(served: Any) -> None:
         t.join(60)
     assert errors == []
     assert index.launches >= 2 and "write" in index.log and sum(direct) > 0, (index.log, direct)
+
+
+def _until(cond: Any, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_direct_crowd_that_thins_stops_the_carousel_and_a_late_request_is_swept(served: Any) -> None:
+    """Direct clients are not seen by the dispatcher's passes: once the crowd has gone, the
+    housekeeping's count of direct slots that sent a request (fewer than half of
+    KALOS_CAROUSEL_MIN since its last look) stops the carousel within a second, not after the
+    idle time (5 s); the epoch ends even. A request written into a direct slot after that (a
+    client that read the odd epoch just before) is turned back to IDLE by the next pass, which
+    its client wakes by posting the bell."""
+    srv, index, data = served(157, direct=True)
+    errors: list = []
+    direct: list[int] = []
+    threads = _crowd(srv.cfg.name, data, 6, 60, errors, threading.Barrier(6), direct=direct)
+    for t in threads:
+        t.join(60)
+    assert errors == [] and sum(direct) > 0
+    t0 = time.monotonic()
+    _until(lambda: not index.carousel_running, 3.0)
+    assert time.monotonic() - t0 < 2.0 and _epoch(srv)[0] % 4 == 0  # (E + 3, E odd)
+    w = index.slots.words[2]
+    w[carousel.W_SEQ] += 1
+    w[carousel.W_STATE] = carousel.REQUEST
+    from kalos_retrievers import _ipc
+    from kalos_retrievers.protocol import doorbell_name
+
+    bell = _ipc.open_semaphore(doorbell_name(srv.cfg.name))
+    _ipc.post(bell)
+    _ipc.close_semaphore(bell)
+    _until(lambda: w[carousel.W_STATE] == carousel.IDLE, 5.0)
+
+
+def test_a_republished_sidecar_offers_no_direct_slot(served: Any) -> None:
+    """After a re-publication (its segment removed from outside) the new header offers no direct
+    slot (carousel_slots 0): the old segment's clients may still write by their old slot
+    numbers. The epoch goes on being published; recalls stay exact the usual way."""
+    srv, index, data = served(97, direct=True)
+    errors: list = []
+    direct: list[int] = []
+    threads = _crowd(srv.cfg.name, data, 6, 40, errors, threading.Barrier(6), direct=direct)
+    for t in threads:
+        t.join(60)
+    assert errors == [] and sum(direct) > 0 and _epoch(srv)[1] == 20
+    old = srv.seg
+    srv._republish.set()
+    _until(lambda: srv.seg is not None and srv.seg is not old)
+    assert _epoch(srv) == (index.epoch, 0)
+    direct.clear()
+    threads = _crowd(srv.cfg.name, data, 6, 40, errors, threading.Barrier(6), direct=direct)
+    for t in threads:
+        t.join(60)
+    assert errors == [] and sum(direct) == 0

@@ -109,7 +109,7 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
     idx.__dict__.update(cp=cp, dim=16, metric=1, name="cuda:0", device=_NullContext(),
                         carousel_k=carousel.KMAX, carousel_running=False, carousel_launches=0, _car=None,
                         crowd=None, _closed=False, doorbell_running=False, _pending=deque(), stream=_Stream(),
-                        _car_fault="", _car_direct=0, _car_epoch=0, _car_answered=0,
+                        _car_fault="", _car_direct=0, _car_epoch=0, _car_answered=0, _car_seqs=None,
                         data=dev(rows), ns=dev(ns), sqnorm=dev(np.zeros(64, np.float32)))  # fmt: skip
     calls: list[str] = []
     idx.__dict__["_finish_all"] = lambda: calls.append("finish_all")
@@ -296,12 +296,12 @@ def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(i
 
     idx, launching, _ = index
     mm = mmap.mmap(-1, CarouselLayout.of(16).segment_size())
-    published: list[tuple[int, int]] = []
+    published: list[tuple[int, int, bool]] = []  # (epoch, direct slots, the kernel running then)
     idx.__dict__.update(carousel_direct=5, carousel_map=lambda size: mm,
-                        on_carousel=lambda e, n: published.append((e, n)))  # fmt: skip
+                        on_carousel=lambda e, n: published.append((e, n, idx._car.running)))  # fmt: skip
     _start(idx, launching, 53, ns=0)
     slots, lane = idx._car.slots, idx.crowd
-    assert slots._mm is mm and published == [(1, 5)]
+    assert slots._mm is mm and published == [(1, 5, True)]
     assert (slots.words[:5, carousel.W_NS].view(np.int32) == 0).all()
     assert lane.first == 5 and min(lane._free) == 5
     data = np.asarray(idx.data).astype(np.float32)
@@ -317,11 +317,12 @@ def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(i
     _until(lambda: slots.state(4) != carousel.REQUEST)
     assert idx.sweep_carousel() == 0 and slots.state(4) in (carousel.TAKEN, carousel.DONE)  # running: left alone
     kernel = idx._car.stream.kernel
-    kernel.delay = 0.02  # (a turn: requests stay aboard while the stop begins)
+    kernel.delay = 0.005  # (a turn: requests stay aboard while the stop begins; the stop waits up to 50 ms)
     _ask(slots, 3, q[3], 6, 42)
     _until(lambda: slots.state(3) == carousel.TAKEN)
     idx.stop_carousel()
-    assert published == [(1, 5), (2, 5)] and not idx.carousel_running
+    # E + 1 while the kernel still runs (answers still good), E + 3 once it has stopped
+    assert published == [(1, 5, True), (2, 5, True), (4, 5, False)] and not idx.carousel_running
     assert slots.state(3) == carousel.DONE and slots.rows[3, :6].tolist() == _top(data, q[3], 6, keep)
     assert [x.token for x in lane.harvest()] == ["lane"]
     _ask(slots, 1, q[0], 9, 44)  # after the stop: no kernel will take it

@@ -478,3 +478,47 @@ def test_sleep_then_spin_sleeps_short_by_the_margin_and_the_slack() -> None:
         assert marks == {"sleep_until": 10 * MS + 4 * MS - 500 * US, "spin_until": 10 * MS + 4 * MS + 500 * US}
     finally:
         c.close()
+
+
+def test_a_direct_wait_posts_the_bell_once_when_the_epoch_moves_and_keeps_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KalosClient._wait_direct (protocol v1.4): a request the kernel never answers waits until
+    its deadline (SidecarTimeout), checking every millisecond; if the carousel's epoch moves
+    meanwhile (the sidecar stopping the kernel), the sidecar's doorbell is posted once, so
+    that a sleeping sidecar sweeps the slot; with the epoch unchanged, never (the control). A
+    final state ends the wait at once, with that state."""
+    import kalos_retrievers.client as C
+    from kalos_retrievers import SidecarTimeout
+    from kalos_retrievers.protocol import CAR_DONE, CAR_IDLE, CAR_REQUEST, W_STATE
+
+    posts: list[object] = []
+    monkeypatch.setattr(C._ipc, "post", posts.append)
+    c = KalosClient("kalos-unit-lazy", dim=4, spin_us=300, lazy=True)
+
+    class Conn:
+        bell = "bell"
+
+        def __init__(self, epochs: list[int]) -> None:
+            self.epochs = epochs
+
+        def sidecar_alive(self) -> bool:
+            return True
+
+        def carousel_epoch(self) -> int:
+            return self.epochs.pop(0) if len(self.epochs) > 1 else self.epochs[0]
+
+    w = np.zeros(8, np.uint32)
+    try:
+        for epochs, want in (([7, 7], 0), ([7, 8, 10], 1)):
+            posts.clear()
+            w[W_STATE] = CAR_REQUEST
+            t = time.monotonic_ns()
+            with pytest.raises(SidecarTimeout):
+                c._wait_direct(Conn(epochs), w, 7, time.monotonic() + 0.02, t)  # type: ignore[arg-type]
+            assert len(posts) == want and time.monotonic_ns() - t < 200 * MS
+        for state in (CAR_DONE, CAR_IDLE):
+            w[W_STATE] = state
+            assert c._wait_direct(Conn([7]), w, 7, time.monotonic() + 5, time.monotonic_ns()) == state  # type: ignore[arg-type]
+    finally:
+        c.close()
