@@ -615,9 +615,9 @@ class Dispatcher:
         started when :data:`CAROUSEL_MIN` clients have recalled lately and no other device
         work stopped it within :data:`CAROUSEL_HOLDOFF_NS`, stopped (drained first) when fewer
         than half as many have and at most one of its requests is still in flight (with direct
-        clients, KALOS_CAROUSEL=direct, whose recalls this does not see: only when idle,
-        :meth:`stop_idle_carousel`). ``ns_arg``: the namespace id the direct clients' requests
-        ask. False: the usual path."""
+        clients, KALOS_CAROUSEL=direct, whose recalls this does not see: only by the
+        housekeeping's :meth:`stop_idle_carousel`, which counts them). ``ns_arg``: the
+        namespace id the direct clients' requests ask. False: the usual path."""
         idx = self.service.index
         if idx.carousel_running and (idx.crowd.in_flight > 1 or idx.carousel_direct):
             return True  # (a crowd: not worth counting)
