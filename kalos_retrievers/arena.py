@@ -190,7 +190,7 @@ class ArenaView:
 
     def current_docs(self, rows: Sequence[int]) -> list[bytes] | None:
         """The documents ``rows`` hold now (copies), each read under its entry's seqlock (gen
-        even and unchanged across the read of offset and length); None if a row is out of
+        read, even, then offset and length, then gen again, unchanged); None if a row is out of
         range, has no document, or is being written. For an answer whose rows cannot have
         changed since it was made (the carousel's direct answers: the sidecar stops the
         kernel, and says so in the header, before it writes rows; the caller checks that
@@ -202,8 +202,9 @@ class ArenaView:
             if not 0 <= row < cap:
                 return None
             at = ARENA_HEADER_SIZE + ENTRY_SIZE * row
-            off, length, g1 = entry(buf, at)
-            if g1 & 1 or not length or gen_of(buf, at + _GEN_AT)[0] != g1:
+            g0 = gen_of(buf, at + _GEN_AT)[0]  # (before the entry: with no generation to compare, the
+            off, length, _ = entry(buf, at)  # seqlock's both reads are needed; x86-64 keeps loads in order)
+            if g0 & 1 or not length or gen_of(buf, at + _GEN_AT)[0] != g0:
                 return None
             out.append(copy(slice(heap + off, heap + off + length)))
         return out

@@ -885,10 +885,9 @@ class KalosClient:
         aboard on the H200, p99 within ~10% of p50, S36-3), so the wait is predictable: sleep
         until the typical wait (:attr:`_typical_car_ns`) less a margin and the timed sleep's
         lateness, spin across the expected answer (:meth:`_crowd_margin`), then poll between
-        short sleeps. Every millisecond of that: the deadline, the sidecar's life, and the
-        carousel's epoch (changed: the sidecar is stopping the kernel; its doorbell is posted
-        once, so that a sidecar asleep wakes and turns a request no kernel will take back to
-        IDLE).
+        short sleeps. Every millisecond of that: the carousel's epoch (changed: the sidecar is
+        stopping the kernel; its doorbell is posted once, so that a sidecar asleep wakes and
+        turns a request no kernel will take back to IDLE), the sidecar's life, the deadline.
 
         Raises:
             SidecarTimeout: no answer by ``deadline`` (the request stays in the slot; the
@@ -911,15 +910,15 @@ class KalosClient:
             now = time.monotonic_ns()
             if now >= next_check:
                 next_check = now + _DIRECT_CHECK_NS
+                if not posted and conn.carousel_epoch() != epoch:  # (first: a request given up still gets swept)
+                    _ipc.post(conn.bell)
+                    posted = True
                 if not conn.sidecar_alive():
                     self._drop_conn(conn)
                     raise SidecarUnavailable(f"sidecar {self.name!r} stopped during the call")
                 if now > end:
                     raise SidecarTimeout(f"sidecar {self.name!r} did not answer a recall before the deadline "
                                          "(is it paused or overloaded? see `kalos-sidecar stats`)")  # fmt: skip
-                if not posted and conn.carousel_epoch() != epoch:
-                    _ipc.post(conn.bell)
-                    posted = True
             if now < wake:
                 time.sleep(min(wake - now, next_check - now) / 1e9)
             elif now > spin_until:

@@ -171,6 +171,8 @@ class Dispatcher:
         self.crowd_min = CAROUSEL_MIN
         self._car_idle = (0, 0)  # (the carousel's boardings, when that count last moved: ns)
         self._car_holdoff = 0  # perf_counter_ns before which the carousel is not started (_yield_device)
+        self._car_lane: set[int] = set()  # slots the lane boarded since the last stop_idle_carousel
+        self._next_sweep = 0  # perf_counter_ns of the next sweep of the direct slots (poll)
         # slot -> when its last batched answer was posted (RETURN_TIMING; None: off)
         self._posted: dict[int, int] | None = {} if return_timing else None
         self.timing = return_timing  # the diagnostics of RETURN_TIMING (also: _queue_behind's waits)
@@ -253,7 +255,12 @@ class Dispatcher:
         idx = self.service.index
         crowd = idx.crowd
         if idx.carousel_direct and not idx.carousel_running:
-            idx.sweep_carousel()  # (a direct request asked as the kernel stopped: its client posts the bell)
+            # a direct request asked as the kernel stopped (its client posts the bell): swept at
+            # most once a millisecond (a few numpy calls, not on every pass)
+            now = time.perf_counter_ns()
+            if now >= self._next_sweep:
+                self._next_sweep = now + 1_000_000
+                idx.sweep_carousel()
         if not len(ready):
             if crowd is not None and crowd.in_flight:  # answers to take: never a drain here
                 return self._harvest()
@@ -589,6 +596,7 @@ class Dispatcher:
             for m in members:
                 i = m[0]
                 lane.board((m[1], m[2], i), self._first_query[i], key[0], ns_arg)
+                self._car_lane.add(i)
                 group.remove(m)
                 taken.discard(i)
                 seen[i] = now
@@ -764,15 +772,17 @@ class Dispatcher:
         """Housekeeping: drain and stop a carousel that nothing has boarded for ``idle_ns``
         (it keeps every SM busy polling; the next crowd starts it again), or, with direct
         clients, one whose crowd has thinned: fewer than half of :data:`CAROUSEL_MIN` clients
-        recalled since the last look (direct slots whose request number moved, and the lane's
-        clients seen within :data:`COHORT_WINDOW_NS`), as :meth:`_crowd_holds` stops the lane's."""
+        recalled since the last look (direct slots whose request number moved or that hold a
+        request, and the slots the lane boarded) while at most one of the lane's requests is in
+        flight, as :meth:`_crowd_holds` judges the lane's; it is then held off for
+        :data:`CAROUSEL_HOLDOFF_NS`."""
         idx = self.service.index
         if not idx.carousel_running:
             return
         if idx.carousel_direct:
-            horizon = time.perf_counter_ns() - COHORT_WINDOW_NS
-            lane = sum(1 for t in self._seen.values() if t >= horizon)
-            if 2 * (idx.carousel_active() + lane) < self.crowd_min:
+            lane, self._car_lane = len(self._car_lane), set()
+            if idx.crowd.in_flight <= 1 and 2 * (idx.carousel_active() + lane) < self.crowd_min:
+                self._car_holdoff = time.perf_counter_ns() + CAROUSEL_HOLDOFF_NS  # (not at once again)
                 self._stop_crowd()
                 return
         boarded = idx.crowd.boarded + idx.carousel_answered  # (direct clients board without the lane)

@@ -241,7 +241,8 @@ class Index(abc.ABC):
         return 0
 
     def carousel_active(self) -> int:
-        """How many direct slots have sent a request since the last call (their seq moved)."""
+        """How many direct slots have sent a request since the last call (their seq moved, or
+        one is in flight); all of them at the first call after a launch."""
         return 0
 
     def detach_segment(self) -> None:  # noqa: B027 - optional hook

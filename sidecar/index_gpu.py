@@ -524,6 +524,7 @@ class GpuIndex(Index):
         self._car: carousel.Carousel | None = None
         self._car_direct = 0  # slots [0, this) the direct clients write (KALOS_CAROUSEL=direct)
         self._car_epoch = 0  # the header's carousel_epoch: odd while the kernel takes direct requests
+        self._car_run_epoch = -1  # E, the epoch of the current (or last) launch (_publish_carousel)
         self._car_answered = 0  # the carousel's answers in the launches stopped so far (the lane's and direct)
         self._car_seqs: np.ndarray | None = None  # the direct slots' seq words at the last carousel_active()
         self.crowd: CrowdLane | None = None
@@ -767,7 +768,11 @@ class GpuIndex(Index):
                     direct = self.carousel_direct if self.carousel_map is not None else 0
                     mm = None
                     if direct:
-                        mm = self.carousel_map(CarouselLayout.of(self.dim).segment_size(carousel.MAX_SLOTS))
+                        try:
+                            mm = self.carousel_map(CarouselLayout.of(self.dim).segment_size(carousel.MAX_SLOTS))
+                        except OSError as e:  # (a full /dev/shm, say): the lane alone, as KALOS_CAROUSEL=1
+                            log.warning("no direct slots for the carousel (%s): its recalls come the usual way", e)
+                            direct = 0
                     slots = carousel.Slots(self.cp, carousel.MAX_SLOTS, self.dim, mm)
                     try:
                         self._car = carousel.Carousel(self.cp, self.data, self.dim, self.metric, slots, ns=self.ns,
@@ -779,6 +784,7 @@ class GpuIndex(Index):
                     self.crowd = CrowdLane(slots, self.check_carousel, first=direct)
                 else:
                     self._car.retarget(self.data, high, self.ns, self.sqnorm)
+                self._car_seqs = None  # (carousel_active's first look after the launch)
                 if self._car_direct:  # the direct clients' namespace (they write k, seq and the query)
                     self._car.slots.words[: self._car_direct, carousel.W_NS] = np.int32(ns).view(np.uint32)
                 self._car.start()
@@ -796,16 +802,21 @@ class GpuIndex(Index):
         self.carousel_running = True
         self.carousel_launches += 1
         if self._car_direct:
-            self._publish_carousel()  # (odd: the clients may write)
+            self._publish_carousel(1)  # (E, odd: the clients may write)
 
-    def _publish_carousel(self, step: int = 1) -> None:
-        """The carousel epoch moved on by ``step`` to the header, then a full fence: a stop's
-        loads of the slots' states come after its store (x86-64 may otherwise let a load pass
-        an earlier store). A launch makes it odd (E: direct clients may write); a stop's
-        beginning E + 1 (no new requests; answers still good: the rows do not change while the
-        kernel runs); its end, the kernel stopped and its slots swept, E + 3 (the rows may
-        change now: an answer sent under E and read after this is not kept)."""
-        self._car_epoch += step
+    def _publish_carousel(self, phase: int) -> None:
+        """The carousel epoch for ``phase`` to the header, then a full fence: a stop's loads of
+        the slots' states come after its store (x86-64 may otherwise let a load pass an earlier
+        store). Phase 1, a launch: the next odd epoch E (direct clients may write); 2, a stop's
+        beginning: E + 1 (no new requests; answers still good: the rows do not change while
+        the kernel runs); 3, its end, the kernel stopped and its slots swept: E + 3 (the rows
+        may change now: an answer sent under E and read after this is not kept). Each phase
+        sets the epoch from E, so a stop tried twice (the first failed) cannot make it odd."""
+        if phase == 1:
+            self._car_run_epoch = self._car_epoch + (1 if self._car_epoch % 2 == 0 else 2)  # (the next odd value)
+            self._car_epoch = self._car_run_epoch
+        else:
+            self._car_epoch = self._car_run_epoch + (1 if phase == 2 else 3)
         if self.on_carousel is not None:
             self.on_carousel(self._car_epoch, self._car_direct)
         with _FENCE:  # (a lock's acquire is a locked instruction: a full fence on x86-64)
@@ -818,9 +829,12 @@ class GpuIndex(Index):
     def carousel_active(self) -> int:
         if not self._car_direct or self._car is None:
             return 0
-        seqs = self._car.slots.words[: self._car_direct, carousel.W_SEQ].copy()
+        words = self._car.slots.words[: self._car_direct]
+        seqs, st = words[:, carousel.W_SEQ].copy(), words[:, carousel.W_STATE]
         last, self._car_seqs = self._car_seqs, seqs
-        return int((seqs != last).sum()) if last is not None else self._car_direct
+        if last is None:  # (the first look since the launch: every slot counts)
+            return self._car_direct
+        return int(((seqs != last) | (st == carousel.REQUEST) | (st == carousel.TAKEN)).sum())
 
     def sweep_carousel(self) -> int:
         """With the carousel stopped: the direct slots' requests no kernel will answer (asked
@@ -862,7 +876,7 @@ class GpuIndex(Index):
         car, crowd = self._car, self.crowd
         assert car is not None and crowd is not None
         if self._car_direct:
-            self._publish_carousel()  # (E + 1, even: the clients ask the usual way from now on)
+            self._publish_carousel(2)  # (E + 1, even: the clients ask the usual way from now on)
             crowd.settle_direct(_CAROUSEL_DRAIN_S)  # (what was asked before they saw it, answered and kept)
         try:
             crowd.quiesce(_DOORBELL_STOP_S)  # (check_carousel, its alive(), raises if the kernel has ended)
@@ -879,7 +893,7 @@ class GpuIndex(Index):
         self._car_answered += car.answered
         if self._car_direct:
             self.sweep_carousel()
-            self._publish_carousel(2)  # (E + 3: from here on the rows may change)
+            self._publish_carousel(3)  # (E + 3: from here on the rows may change)
         car.data = car.ns = car.sqnorm = None  # (the rows' arrays not kept alive: a growth frees the old ones)
 
     def resume_doorbell(self, high: int, ns: int) -> None:

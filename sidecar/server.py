@@ -264,6 +264,8 @@ class Server:
         # and document arenas by a dead sidecar of this name.
         _remove_extra_semaphores(cfg.name, lay.n_slots)
         first = not self._arena_tried  # a re-publication keeps the arena it has (or had)
+        if not first:  # (before any header is written: see _offer_carousel)
+            self._car_closed = True
         if first:
             _remove_stale_arenas(cfg.name)
         self.boot_epoch = random.getrandbits(63) | 1
@@ -376,12 +378,11 @@ class Server:
         A re-publication (not ``first``) offers no direct slot any more (``carousel_slots`` 0
         in the new header, for the sidecar's life): the clients of the old segment may still
         write into the carousel's slots by the numbers of their old protocol slots, which the
-        new segment's clients now hold. The old clients' own direct recalls go on until they
-        notice the re-publication."""
+        new segment's clients now hold (the stop before the re-publication has already told
+        them the carousel stopped; only a late writer is left)."""
         assert self.service is not None
         idx = self.service.index
-        if not first:
-            self._car_closed = True
+        if not first:  # (_car_closed since _publish began)
             self._publish_carousel(*self._car_words)
             return
         if not idx.carousel_k:

@@ -204,6 +204,7 @@ class CarouselCpuIndex(CpuIndex):
             self.crowd = CrowdLane(self.slots, first=self.direct)
         self.slots.words[: self.direct, carousel.W_NS] = np.int32(ns).view(np.uint32)
         self.launches += 1
+        self._seqs = None
         self.cond = Conductor(self.slots, self.data, self.ns, n_rows=high)
         self.cond.delay = self.turn
         self.cond.start()
@@ -246,10 +247,15 @@ class CarouselCpuIndex(CpuIndex):
     def carousel_answered(self) -> int:
         return self.cond.answered if self.cond is not None else 0
 
-    def carousel_active(self) -> int:
-        seqs = self.slots.words[: self.direct, carousel.W_SEQ].copy()
-        last, self._seqs = getattr(self, "_seqs", None), seqs
-        return int((seqs != last).sum()) if last is not None else self.direct
+    _seqs: np.ndarray | None = None
+
+    def carousel_active(self) -> int:  # (as GpuIndex's)
+        words = self.slots.words[: self.direct]
+        seqs, st = words[:, carousel.W_SEQ].copy(), words[:, carousel.W_STATE]
+        last, self._seqs = self._seqs, seqs
+        if last is None:
+            return self.direct
+        return int(((seqs != last) | (st == REQUEST) | (st == TAKEN)).sum())
 
     def pause_doorbell(self) -> None:
         self.stop_carousel()

@@ -164,3 +164,22 @@ def test_a_recall_past_its_deadline_leaves_its_slot_to_the_kernel_and_the_next_g
         assert car is not None and int(car.words[:, W_STATE].max()) == CAR_REQUEST  # still the kernel's
         same(c.recall(q, K), plain.recall(q, K))  # the slot is not written again: the usual path answers
         assert c.direct_recalls == 0
+
+
+def test_the_arena_is_mapped_after_the_epoch_is_read(rig, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The order that keeps a direct answer's documents current: the epoch read (E), then the
+    arena version the header names mapped, then, after the answer, the epoch again (rows and
+    the arena change only after E + 3). An arena mapped before E could be a version the
+    sidecar has since left, with a row's old document."""
+    sc, c, plain, rng = rig
+    set_epoch(c, 13)
+    calls: list[str] = []
+    arena, epoch = client_module._Conn.arena, client_module._Conn.carousel_epoch
+    monkeypatch.setattr(client_module._Conn, "arena", lambda self: calls.append("arena") or arena(self))
+    monkeypatch.setattr(client_module._Conn, "carousel_epoch", lambda self: calls.append("epoch") or epoch(self))
+    q = rng.standard_normal(DIM).astype(np.float32)
+    with StandIn(sc.name, "answer"):
+        same(c.recall(q, K), plain.recall(q, K))
+    assert c.direct_recalls == 1
+    first = calls.index("epoch")
+    assert "arena" in calls[first:] and calls[-1] == "epoch", calls

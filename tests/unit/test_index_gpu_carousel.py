@@ -109,7 +109,7 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
     idx.__dict__.update(cp=cp, dim=16, metric=1, name="cuda:0", device=_NullContext(),
                         carousel_k=carousel.KMAX, carousel_running=False, carousel_launches=0, _car=None,
                         crowd=None, _closed=False, doorbell_running=False, _pending=deque(), stream=_Stream(),
-                        _car_fault="", _car_direct=0, _car_epoch=0, _car_answered=0, _car_seqs=None,
+                        _car_fault="", _car_direct=0, _car_epoch=0, _car_run_epoch=-1, _car_answered=0, _car_seqs=None,
                         data=dev(rows), ns=dev(ns), sqnorm=dev(np.zeros(64, np.float32)))  # fmt: skip
     calls: list[str] = []
     idx.__dict__["_finish_all"] = lambda: calls.append("finish_all")
@@ -287,7 +287,7 @@ def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(i
     """KALOS_CAROUSEL=direct: the slots live in the map the server gives (the shared segment),
     the direct clients' namespace word is written before the launch, the epoch is published odd
     once the kernel runs and even before it stops; the lane boards above the direct slots; a
-    stop answers the direct requests asked before it (the kernel slow, a turn of 20 ms), and a
+    stop answers the direct requests asked before it (the kernel slow, a turn of 5 ms), and a
     request asked after the stop is turned back to IDLE by the sweep, which leaves a running
     carousel's requests alone (the negative control)."""
     import mmap
@@ -297,8 +297,14 @@ def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(i
     idx, launching, _ = index
     mm = mmap.mmap(-1, CarouselLayout.of(16).segment_size())
     published: list[tuple[int, int, bool]] = []  # (epoch, direct slots, the kernel running then)
-    idx.__dict__.update(carousel_direct=5, carousel_map=lambda size: mm,
-                        on_carousel=lambda e, n: published.append((e, n, idx._car.running)))  # fmt: skip
+    stuck_then: list[int] = []  # direct requests left in flight when each epoch was published
+
+    def on_carousel(e: int, n: int) -> None:
+        published.append((e, n, idx._car.running))
+        st = idx._car.slots.words[:n, carousel.W_STATE]
+        stuck_then.append(int(((st == carousel.REQUEST) | (st == carousel.TAKEN)).sum()))
+
+    idx.__dict__.update(carousel_direct=5, carousel_map=lambda size: mm, on_carousel=on_carousel)
     _start(idx, launching, 53, ns=0)
     slots, lane = idx._car.slots, idx.crowd
     assert slots._mm is mm and published == [(1, 5, True)]
@@ -321,13 +327,49 @@ def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(i
     _ask(slots, 3, q[3], 6, 42)
     _until(lambda: slots.state(3) == carousel.TAKEN)
     idx.stop_carousel()
-    # E + 1 while the kernel still runs (answers still good), E + 3 once it has stopped
+    # E + 1 while the kernel still runs (answers still good), E + 3 once it has stopped and its
+    # slots were swept (nothing in flight by then)
     assert published == [(1, 5, True), (2, 5, True), (4, 5, False)] and not idx.carousel_running
+    assert stuck_then[-1] == 0
     assert slots.state(3) == carousel.DONE and slots.rows[3, :6].tolist() == _top(data, q[3], 6, keep)
     assert [x.token for x in lane.harvest()] == ["lane"]
     _ask(slots, 1, q[0], 9, 44)  # after the stop: no kernel will take it
     assert idx.sweep_carousel() == 1 and slots.state(1) == carousel.IDLE
     assert idx.sweep_carousel() == 0
+    # a second launch: its epoch the next odd one, its slots' request numbers looked at afresh
+    _start(idx, launching, 53, ns=0)
+    assert published[-1] == (5, 5, True)
+    assert idx.carousel_active() == 5  # (the first look after a launch: every slot counts)
+    assert idx.carousel_active() == 0  # nothing sent since
+    _ask(slots, 0, q[1], 4, 45)
+    _until(lambda: slots.state(0) == carousel.DONE)
+    assert idx.carousel_active() == 1  # slot 0's request number moved
+    idx.stop_carousel()
+    assert published[-2:] == [(6, 5, True), (8, 5, False)]
+
+
+def test_a_failed_stop_tried_again_keeps_the_epochs_parity(index: Any) -> None:
+    """A stop whose kernel would not stop (an error after E + 1 was published) and a second
+    stop: the epoch goes to E + 3, not E + 2 (odd would invite direct requests to a kernel
+    that is stopping or gone)."""
+    import mmap
+
+    from kalos_retrievers.protocol import CarouselLayout
+
+    idx, launching, _ = index
+    mm = mmap.mmap(-1, CarouselLayout.of(16).segment_size())
+    published: list[int] = []
+    idx.__dict__.update(carousel_direct=3, carousel_map=lambda size: mm, on_carousel=lambda e, n: published.append(e))
+    _start(idx, launching, 53, ns=0)
+    car = idx._car
+    real_stop = car.stop
+    car.stop = lambda timeout=10.0: (_ for _ in ()).throw(RuntimeError("stuck"))  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="stuck"):
+        idx.stop_carousel()
+    assert published == [1, 2] and idx.carousel_running
+    car.stop = real_stop  # type: ignore[method-assign]
+    idx.stop_carousel()
+    assert published == [1, 2, 2, 4] and not idx.carousel_running
 
 
 def test_a_stop_does_not_wait_for_ever_on_a_direct_request_and_sweeps_it(index: Any) -> None:
