@@ -229,7 +229,7 @@ def poison(name: str) -> None:
         shm.close_fd()
 
 
-def doorbell_stand_in(name: str, dim: int, hand_back: bool, stop: Any, answered: Any, handed_back: Any,
+def doorbell_stand_in(name: str, dim: int, hand_back: bool, answered: Any, handed_back: Any, stop: Any,
                       ready: Any) -> None:  # fmt: skip
     """The GPU's resident kernel's part, for a CPU sidecar's clients told that one runs
     (tests/integration/test_fastpath_client.py): answer every DOORBELL request in the sidecar's
@@ -273,7 +273,7 @@ def doorbell_stand_in(name: str, dim: int, hand_back: bool, stop: Any, answered:
                 answered.value += 1
 
 
-def carousel_stand_in(name: str, dim: int, mode: str, stop: Any, answered: Any, ready: Any) -> None:
+def carousel_stand_in(name: str, dim: int, mode: str, answered: Any, stop: Any, ready: Any) -> None:
     """The carousel kernel's part for direct clients (protocol v1.4), for a CPU sidecar whose
     clients are told a carousel runs (tests/integration/test_carousel_direct.py): every REQUEST
     in ``/kalos-NAME-car`` is taken (TAKEN), and then, by ``mode``: "answer" searches through
@@ -327,3 +327,36 @@ def carousel_stand_in(name: str, dim: int, mode: str, stop: Any, answered: Any, 
                 w[P.W_STATE] = P.CAR_DONE
                 answered.value += 1
             time.sleep(0.0001)
+
+
+def until(cond: Any, timeout: float = 10.0, what: str = "the condition") -> None:
+    """Poll ``cond()`` every 0.5 ms until it holds; fail the test after ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"{what} did not come within {timeout} s"
+        time.sleep(0.0005)
+
+
+class StandInProcess:
+    """``target(*args, stop, ready)`` in a spawned process while in the ``with`` block (a stand-in
+    for a GPU kernel: doorbell_stand_in, carousel_stand_in); ``stop`` is set on leaving, and the
+    process must then end cleanly."""
+
+    def __init__(self, target: Any, *args: Any) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.ctx = ctx
+        self.stop, ready = ctx.Event(), ctx.Event()
+        self.proc = ctx.Process(target=target, args=(*args, self.stop, ready), daemon=True)
+        self.proc.start()
+        while not ready.wait(0.1):
+            assert self.proc.is_alive(), f"the stand-in exited with {self.proc.exitcode}"
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.proc.join(30)
+        assert self.proc.exitcode == 0, f"the stand-in exited with {self.proc.exitcode}"

@@ -30,26 +30,12 @@ if not client_module._X86:
 DIM, K, N = 11, 7, 157
 
 
-class StandIn:
+class StandIn(kalos_testing.StandInProcess):
     """``kalos_testing.carousel_stand_in`` running while in the ``with`` block."""
 
     def __init__(self, name: str, mode: str) -> None:
-        ctx = mp.get_context("spawn")
-        self.stop, ready = ctx.Event(), ctx.Event()
-        self.answered = ctx.Value("i", 0)
-        self.proc = ctx.Process(target=kalos_testing.carousel_stand_in,
-                                args=(name, DIM, mode, self.stop, self.answered, ready), daemon=True)  # fmt: skip
-        self.proc.start()
-        while not ready.wait(0.1):
-            assert self.proc.is_alive(), f"the stand-in exited with {self.proc.exitcode}"
-
-    def __enter__(self) -> StandIn:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.proc.join(30)
-        assert self.proc.exitcode == 0, f"the stand-in exited with {self.proc.exitcode}"
+        self.answered = mp.get_context("spawn").Value("i", 0)
+        super().__init__(kalos_testing.carousel_stand_in, name, DIM, mode, self.answered)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from kalos_retrievers.sidecar import carousel, index_gpu
 from kalos_retrievers.sidecar import dispatcher as dispatcher_module
 from kalos_retrievers.sidecar import server as server_module
 from kalos_retrievers.sidecar.server import ServeConfig, Server
+from kalos_testing import until
 
 from kalos_retrievers import KalosClient
 from kalos_retrievers.protocol import HEADER_OFFSETS, METRICS, carousel_segment_name
@@ -195,6 +196,17 @@ def test_one_client_alone_never_starts_it(served: Any) -> None:
     assert index.crowd.boarded == 0 and index.launches == 0
 
 
+def _direct_crowd(srv: Server, data: np.ndarray, clients: int, calls: int) -> int:
+    """A crowd of ``clients`` threads reading documents from the arena (_crowd), all exact;
+    returns how many of their recalls went into the carousel's slots themselves."""
+    errors: list = []
+    direct: list[int] = []
+    for t in _crowd(srv.cfg.name, data, clients, calls, errors, threading.Barrier(clients), direct=direct):
+        t.join(60)
+    assert errors == [] and len(direct) == clients
+    return sum(direct)
+
+
 def _epoch(srv: Server) -> tuple[int, int]:
     return struct.unpack_from("<QI", srv.seg.mm, HEADER_OFFSETS["carousel_epoch"])
 
@@ -255,13 +267,6 @@ def test_writes_and_other_recalls_amid_a_direct_crowd(served: Any) -> None:
     assert index.launches >= 2 and "write" in index.log and sum(direct) > 0, (index.log, direct)
 
 
-def _until(cond: Any, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.005)
-
-
 def test_a_direct_crowd_that_thins_stops_the_carousel_and_a_late_request_is_swept(served: Any) -> None:
     """Direct clients are not seen by the dispatcher's passes: once the crowd has gone, the
     housekeeping's count of direct slots that sent a request (fewer than half of
@@ -270,14 +275,9 @@ def test_a_direct_crowd_that_thins_stops_the_carousel_and_a_late_request_is_swep
     client that read the odd epoch just before) is turned back to IDLE by the next pass, which
     its client wakes by posting the bell."""
     srv, index, data = served(157, direct=True)
-    errors: list = []
-    direct: list[int] = []
-    threads = _crowd(srv.cfg.name, data, 6, 60, errors, threading.Barrier(6), direct=direct)
-    for t in threads:
-        t.join(60)
-    assert errors == [] and sum(direct) > 0
+    assert _direct_crowd(srv, data, 6, 60) > 0
     t0 = time.monotonic()
-    _until(lambda: not index.carousel_running, 3.0)
+    until(lambda: not index.carousel_running, 3.0)
     assert time.monotonic() - t0 < 2.0 and _epoch(srv)[0] % 4 == 0  # (E + 3, E odd)
     w = index.slots.words[2]
     w[carousel.W_SEQ] += 1
@@ -288,7 +288,7 @@ def test_a_direct_crowd_that_thins_stops_the_carousel_and_a_late_request_is_swep
     bell = _ipc.open_semaphore(doorbell_name(srv.cfg.name))
     _ipc.post(bell)
     _ipc.close_semaphore(bell)
-    _until(lambda: w[carousel.W_STATE] == carousel.IDLE, 5.0)
+    until(lambda: w[carousel.W_STATE] == carousel.IDLE, 5.0)
 
 
 def test_a_republished_sidecar_offers_no_direct_slot(served: Any) -> None:
@@ -296,16 +296,7 @@ def test_a_republished_sidecar_offers_no_direct_slot(served: Any) -> None:
     slot (carousel_slots 0): the old segment's clients may still write by their old slot
     numbers. The epoch goes on being published; recalls stay exact the usual way."""
     srv, index, data = served(97, direct=True)
-    errors: list = []
-    direct: list[int] = []
-    threads = _crowd(srv.cfg.name, data, 6, 40, errors, threading.Barrier(6), direct=direct)
-    for t in threads:
-        t.join(60)
-    assert errors == [] and sum(direct) > 0 and _epoch(srv)[1] == 20
+    assert _direct_crowd(srv, data, 6, 40) > 0 and _epoch(srv)[1] == 20
     srv._republish.set()
-    _until(lambda: srv.stats.republished == 1 and _epoch(srv) == (index.epoch, 0))
-    direct.clear()
-    threads = _crowd(srv.cfg.name, data, 6, 40, errors, threading.Barrier(6), direct=direct)
-    for t in threads:
-        t.join(60)
-    assert errors == [] and sum(direct) == 0
+    until(lambda: srv.stats.republished == 1 and _epoch(srv) == (index.epoch, 0))
+    assert _direct_crowd(srv, data, 6, 40) == 0

@@ -23,26 +23,13 @@ if not client_module._X86:
 DIM, K = 9, 7
 
 
-class StandIn:
+class StandIn(kalos_testing.StandInProcess):
     """``kalos_testing.doorbell_stand_in`` running while in the ``with`` block."""
 
     def __init__(self, name: str, hand_back: bool) -> None:
         ctx = mp.get_context("spawn")
-        self.stop, ready = ctx.Event(), ctx.Event()
         self.answered, self.handed_back = ctx.Value("i", 0), ctx.Value("i", 0)
-        args = (name, DIM, hand_back, self.stop, self.answered, self.handed_back, ready)
-        self.proc = ctx.Process(target=kalos_testing.doorbell_stand_in, args=args, daemon=True)
-        self.proc.start()
-        while not ready.wait(0.1):
-            assert self.proc.is_alive(), f"the stand-in exited with {self.proc.exitcode}"
-
-    def __enter__(self) -> StandIn:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.proc.join(30)
-        assert self.proc.exitcode == 0, f"the stand-in exited with {self.proc.exitcode}"
+        super().__init__(kalos_testing.doorbell_stand_in, name, DIM, hand_back, self.answered, self.handed_back)
 
 
 class Counted:

@@ -20,6 +20,7 @@ from carousel_fakes import top_ip as _top
 from kalos_retrievers.sidecar import carousel
 from kalos_retrievers.sidecar.index import NS_ANY, FatalDeviceError
 from kalos_retrievers.sidecar.index_gpu import GpuIndex
+from kalos_testing import until
 from kernel_fakes import dev
 
 pytestmark = pytest.mark.timeout(60)
@@ -276,13 +277,6 @@ def _ask(slots: Any, i: int, q: np.ndarray, k: int, seq: int) -> None:
     w[carousel.W_STATE] = carousel.REQUEST
 
 
-def _until(cond: Any, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.0005)
-
-
 def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(index: Any) -> None:
     """KALOS_CAROUSEL=direct: the slots live in the map the server gives (the shared segment),
     the direct clients' namespace word is written before the launch, the epoch is published odd
@@ -315,17 +309,17 @@ def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(i
     rng = np.random.default_rng()
     q = rng.standard_normal((4, 16)).astype(np.float32)
     _ask(slots, 2, q[0], 9, 41)
-    _until(lambda: slots.state(2) == carousel.DONE)
+    until(lambda: slots.state(2) == carousel.DONE)
     assert slots.words[2, carousel.W_RESP_SEQ] == 41 and slots.rows[2, :9].tolist() == _top(data, q[0], 9, keep)
     lane.board("lane", q[1], 5, 0)
     assert next(iter(lane._aboard)) >= 5  # (the lane's own slots)
     _ask(slots, 4, q[2], 3, 43)
-    _until(lambda: slots.state(4) != carousel.REQUEST)
+    until(lambda: slots.state(4) != carousel.REQUEST)
     assert idx.sweep_carousel() == 0 and slots.state(4) in (carousel.TAKEN, carousel.DONE)  # running: left alone
     kernel = idx._car.stream.kernel
     kernel.delay = 0.005  # (a turn: requests stay aboard while the stop begins; the stop waits up to 50 ms)
     _ask(slots, 3, q[3], 6, 42)
-    _until(lambda: slots.state(3) == carousel.TAKEN)
+    until(lambda: slots.state(3) == carousel.TAKEN)
     idx.stop_carousel()
     # E + 1 while the kernel still runs (answers still good), E + 3 once it has stopped and its
     # slots were swept (nothing in flight by then)
@@ -342,7 +336,7 @@ def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(i
     assert idx.carousel_active() == 5  # (the first look after a launch: every slot counts)
     assert idx.carousel_active() == 0  # nothing sent since
     _ask(slots, 0, q[1], 4, 45)
-    _until(lambda: slots.state(0) == carousel.DONE)
+    until(lambda: slots.state(0) == carousel.DONE)
     assert idx.carousel_active() == 1  # slot 0's request number moved
     idx.stop_carousel()
     assert published[-2:] == [(6, 5, True), (8, 5, False)]
@@ -388,7 +382,7 @@ def test_a_stop_does_not_wait_for_ever_on_a_direct_request_and_sweeps_it(index: 
     kernel = idx._car.stream.kernel
     kernel.delay = 30.0  # taken, never answered in time
     _ask(slots, 0, np.ones(16, np.float32), 4, 7)
-    _until(lambda: slots.state(0) == carousel.TAKEN)
+    until(lambda: slots.state(0) == carousel.TAKEN)
     t = time.monotonic()
     idx.stop_carousel()
     assert time.monotonic() - t < 2.0 and not idx.carousel_running
