@@ -169,3 +169,39 @@ def test_the_arena_is_mapped_after_the_epoch_is_read(rig, monkeypatch) -> None: 
     assert c.direct_recalls == 1
     first = calls.index("epoch")
     assert "arena" in calls[first:] and calls[-1] == "epoch", calls
+
+
+def test_a_direct_recall_learns_within_milliseconds_that_the_sidecar_died(rig, start_sidecar) -> None:  # type: ignore[no-untyped-def]
+    """kill -9 of the sidecar while a direct recall waits on a kernel that never answers: the
+    recall raises SidecarUnavailable within a second (its wait checks the sidecar's lock every
+    millisecond), far before its 20 s deadline (the silent kernel alone ends in SidecarTimeout:
+    the deadline test above)."""
+    import signal
+    import threading
+    import time
+
+    from kalos_retrievers import SidecarUnavailable
+
+    sc, c, _, rng = rig
+    set_epoch(c, 15)
+    q = rng.standard_normal(DIM).astype(np.float32)
+    got: list[BaseException | None] = []
+
+    def recall() -> None:
+        try:
+            c.recall(q, K, timeout=20)
+            got.append(None)
+        except BaseException as e:  # (checked below)
+            got.append(e)
+
+    with StandIn(sc.name, "silent"):
+        t = threading.Thread(target=recall, daemon=True)
+        t.start()
+        kalos_testing.until(lambda: c._conn._car is not None and c._conn._car.words[:, W_STATE].max() == CAR_REQUEST)
+        t0 = time.monotonic()
+        sc.kill(signal.SIGKILL)
+        t.join(10)
+        assert not t.is_alive() and time.monotonic() - t0 < 1.0
+    assert len(got) == 1 and isinstance(got[0], SidecarUnavailable), got
+    sc.proc.wait(10)
+    start_sidecar(name=sc.name, dim=DIM)  # (removes what the killed one left; stopped at teardown)
