@@ -300,3 +300,29 @@ def test_a_republished_sidecar_offers_no_direct_slot(served: Any) -> None:
     srv._republish.set()
     until(lambda: srv.stats.republished == 1 and _epoch(srv) == (index.epoch, 0))
     assert _direct_crowd(srv, data, 6, 40) == 0
+
+
+def test_no_compaction_stops_a_direct_crowd(served: Any) -> None:
+    """Housekeeping compacts an idle sidecar's holes, and compaction stops the carousel (rows
+    move). A direct crowd looks idle to the serve loop (its recalls never reach it), so rows
+    deleted amid the crowd (2,000 holes) must not get compacted under it: once the crowd has
+    started the carousel again after the writes, no other launch happens until the crowd ends
+    (with compaction in housekeeping's way, each of its steps would stop it: a launch more)."""
+    srv, index, data = served(211, direct=True)
+    errors: list = []
+    direct: list[int] = []
+    start = threading.Barrier(7)
+    threads = _crowd(srv.cfg.name, data, 6, 400, errors, start, direct=direct)
+    with KalosClient(srv.cfg.name, dim=DIM, timeout=30) as c:
+        start.wait()
+        until(lambda: index.carousel_running, 10.0)
+        junk = [f"junk{i}" for i in range(2000)]
+        c.upsert([*junk, "tail"], np.zeros((2001, DIM), np.float32))  # ("tail" keeps the holes below the top;
+        c.delete(junk)  # a zero vector never makes a top 7 of 211 random rows)
+    assert srv.service.fragmentation() >= 2000
+    until(lambda: index.carousel_running, 10.0)
+    launches = index.launches
+    for t in threads:
+        t.join(60)
+    assert errors == [] and sum(direct) > 0
+    assert index.launches == launches, index.log
