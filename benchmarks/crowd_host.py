@@ -55,7 +55,7 @@ class _LaneIndex(CpuIndex):
         self.slots = Slots(_HOST, carousel.MAX_SLOTS, dim)
         self.crowd = CrowdLane(self.slots)
 
-    def start_carousel(self, high: int, ns: int = NS_ANY) -> None:
+    def start_carousel(self, high: int, ns: int = NS_ANY, eligible: int = 0) -> None:
         self.carousel_running = True
 
 

@@ -24,6 +24,7 @@ from kalos_retrievers import client as client_module
 from kalos_retrievers.arena import ArenaView, ArenaWriter
 from kalos_retrievers.protocol import (
     CAR_DONE,
+    W_ELIGIBLE,
     W_RESP_SEQ,
     W_RESULTS,
     W_SEQ,
@@ -43,6 +44,7 @@ def main() -> None:
     args = ap.parse_args()
     dim, k = args.dim, args.k
     car = client_module._CarouselView(mmap.mmap(-1, CarouselLayout.of(dim).segment_size()), dim, 48)
+    car.words[:, W_ELIGIBLE] = ROWS  # (as the sidecar writes at the launch: the namespace's rows)
     maps: dict[int, mmap.mmap] = {}
     writer = ArenaWriter(lambda v, size: maps.setdefault(v, mmap.mmap(-1, size)), maps.pop, rows_cap=4096,
                          heap_size=1 << 22)  # fmt: skip

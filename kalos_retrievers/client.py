@@ -65,6 +65,7 @@ from .protocol import (
     OP_NAMES,
     REQUEST_OFFSET,
     REQUEST_STRUCT,
+    W_ELIGIBLE,
     W_K,
     W_RESP_SEQ,
     W_RESULTS,
@@ -823,7 +824,8 @@ class KalosClient:
         sidecar would (:func:`~kalos_retrievers.protocol.car_takes`), the slot still holds an
         earlier request (abandoned at its deadline: the kernel has yet to answer it), the
         kernel refused it, the sidecar stopped the carousel before answering it (the slot
-        turned back to IDLE), the answer does not check (its seq, its count), or the epoch had
+        turned back to IDLE), the answer does not check (its seq; its count, min(k, the rows
+        the sidecar wrote into the slot's W_ELIGIBLE word at the launch)), or the epoch had
         moved past the stop's beginning when the documents were read (rows may have been
         written since the answer).
 
@@ -865,7 +867,7 @@ class KalosClient:
         if state != CAR_DONE or w[W_RESP_SEQ] != seq:
             return None
         n = int(w[W_RESULTS])
-        if n > k:
+        if n != min(k, int(w[W_ELIGIBLE])):  # (the sidecar's count of the namespace's rows, for this launch)
             return None
         rows, scores = car.rows[i, :n].copy(), car.scores[i, :n].copy()
         docs = arena.current_docs(rows.tolist())

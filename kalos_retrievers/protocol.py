@@ -474,8 +474,10 @@ CAR_KMAX: Final = 32  # the largest k the kernel answers
 CAR_MAX_SLOTS: Final = 64  # slots in the segment (the kernel polls up to 64)
 CAR_HEAD: Final = 32  # a slot's control words (u32) before its query
 # a slot's u32 words: [0] state [1] k [2] namespace (the sidecar's) [3] seq; the answer: [4] results
-# [5] the seq it answers [6] the kernel's time aboard (ns, for diagnostics)
-W_STATE, W_K, W_NS, W_SEQ, W_RESULTS, W_RESP_SEQ, W_NS_ABOARD = range(7)
+# [5] the seq it answers [6] the kernel's time aboard (ns, for diagnostics); [7] the rows of the
+# namespace (the sidecar's, for direct slots: an answer has min(k, this) results; the kernel does
+# not read it)
+W_STATE, W_K, W_NS, W_SEQ, W_RESULTS, W_RESP_SEQ, W_NS_ABOARD, W_ELIGIBLE = range(8)
 
 
 # The queries the kernel scores as the sidecar would, by their largest |element|: for cosine its

@@ -31,7 +31,8 @@ import numpy as np
 
 from kalos_retrievers import protocol as proto
 
-# slot words (u32): [0] state [1] k [2] namespace [3] seq; out: [4] results [5] seq [6] ns aboard
+# slot words (u32): [0] state [1] k [2] namespace [3] seq; out: [4] results [5] seq [6] ns aboard;
+# [7] the namespace's rows (direct slots; the kernel does not read it)
 from kalos_retrievers.protocol import W_K, W_NS, W_NS_ABOARD, W_RESP_SEQ, W_RESULTS, W_SEQ, W_STATE
 
 from . import cuda_kernels as kernels

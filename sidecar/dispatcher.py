@@ -585,7 +585,7 @@ class Dispatcher:
             return  # (an empty default namespace: answered at once the usual way)
         board = {key: [m for m in groups[key] if self._boards(m[0])] for key in fits}
         ns_arg = NS_ANY if dense else ns_id
-        if not any(board.values()) or not self._crowd_holds(board, ns_arg):
+        if not any(board.values()) or not self._crowd_holds(board, ns_arg, n):
             return
         now = time.perf_counter_ns()
         lane, taken, seen, posted, pending = idx.crowd, self._taken, self._seen, self._posted, self.pending
@@ -618,14 +618,16 @@ class Dispatcher:
         # (finite: take checked the query; the kernel normalizes by rsqrt of a float32 sum of squares)
         return car_takes(self.service.metric, float(np.abs(self._first_query[i]).max()))
 
-    def _crowd_holds(self, board: dict[tuple[int, int], list[tuple[int, Request, int]]], ns_arg: int) -> bool:
+    def _crowd_holds(self, board: dict[tuple[int, int], list[tuple[int, Request, int]]], ns_arg: int,
+                     eligible: int) -> bool:  # fmt: skip
         """Whether the carousel runs for the recalls in ``board`` (those that can board):
         started when :data:`CAROUSEL_MIN` clients have recalled lately and no other device
         work stopped it within :data:`CAROUSEL_HOLDOFF_NS`, stopped (drained first) when fewer
         than half as many have and at most one of its requests is still in flight (with direct
         clients, KALOS_CAROUSEL=direct, whose recalls this does not see: only by the
         housekeeping's :meth:`stop_idle_carousel`, which counts them). ``ns_arg``: the
-        namespace id the direct clients' requests ask. False: the usual path."""
+        namespace id the direct clients' requests ask, ``eligible`` its rows. False: the usual
+        path."""
         idx = self.service.index
         if idx.carousel_running and (idx.crowd.in_flight > 1 or idx.carousel_direct):
             return True  # (a crowd: not worth counting)
@@ -642,7 +644,7 @@ class Dispatcher:
             return False
         self.settle()  # the batch in flight answered first: the carousel takes every SM
         try:
-            idx.start_carousel(self.service.rows.high, ns_arg)
+            idx.start_carousel(self.service.rows.high, ns_arg, eligible)
         except FatalDeviceError:
             raise
         except Exception:  # (no room for its buffers, say): serve without it

@@ -222,9 +222,9 @@ class Index(abc.ABC):
     carousel_map: Callable[[int], Any] | None = None
     on_carousel: Callable[[int, int], None] | None = None
 
-    def start_carousel(self, high: int, ns: int = -2) -> None:  # (-2: NS_ANY, below)
+    def start_carousel(self, high: int, ns: int = -2, eligible: int = 0) -> None:  # (-2: NS_ANY, below)
         """Start the carousel over rows [0, high) (the resident kernel stopped first); ``ns``:
-        the namespace id its direct clients' requests ask."""
+        the namespace id its direct clients' requests ask, ``eligible`` its rows."""
         raise NotImplementedError(f"{type(self).__name__} has no carousel")
 
     def stop_carousel(self) -> None:  # noqa: B027 - optional hook

@@ -46,7 +46,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 
 from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE
-from kalos_retrievers.protocol import CarouselLayout, Metric
+from kalos_retrievers.protocol import W_ELIGIBLE, CarouselLayout, Metric
 
 from . import carousel
 from . import cuda_kernels as kernels
@@ -745,12 +745,13 @@ class GpuIndex(Index):
             self.pause_doorbell()
 
     # ------------------------------------------------------------------ the carousel
-    def start_carousel(self, high: int, ns: int = NS_ANY) -> None:
+    def start_carousel(self, high: int, ns: int = NS_ANY, eligible: int = 0) -> None:
         """Start the carousel over rows [0, ``high``): the resident kernel stopped and every
         search of ours finished first (the carousel holds every SM until it stops). Requests
         go through ``crowd`` (sidecar/crowd.py); their namespace id picks the rows (NS_ANY:
         every row below ``high``, which must then all be live). With direct clients
-        (``carousel_direct``, KALOS_CAROUSEL=direct) their slots ask namespace ``ns``, and the
+        (``carousel_direct``, KALOS_CAROUSEL=direct) their slots ask namespace ``ns``, which
+        has ``eligible`` rows (the clients check an answer's count against it), and the
         header's carousel epoch turns odd once the kernel runs."""
         if self.carousel_running:
             return
@@ -786,7 +787,9 @@ class GpuIndex(Index):
                     self._car.retarget(self.data, high, self.ns, self.sqnorm)
                 self._car_seqs = None  # (carousel_active's first look after the launch)
                 if self._car_direct:  # the direct clients' namespace (they write k, seq and the query)
-                    self._car.slots.words[: self._car_direct, carousel.W_NS] = np.int32(ns).view(np.uint32)
+                    words = self._car.slots.words[: self._car_direct]
+                    words[:, carousel.W_NS] = np.int32(ns).view(np.uint32)
+                    words[:, W_ELIGIBLE] = eligible
                 self._car.start()
 
         try:

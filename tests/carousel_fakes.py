@@ -21,6 +21,8 @@ from kalos_retrievers.sidecar.crowd import CrowdLane
 from kalos_retrievers.sidecar.index import NS_ANY, CpuIndex
 from kernel_fakes import SOURCE, DevArray, FakeKernel, dev
 
+from kalos_retrievers.protocol import W_ELIGIBLE
+
 
 def param_names(name: str) -> list[str]:
     """The parameter names of ``name(...)`` in kernels/recall.cu."""
@@ -194,7 +196,7 @@ class CarouselCpuIndex(CpuIndex):
     direct = 0  # slots the direct clients write (set at the first start with carousel_map)
     epoch = 0
 
-    def start_carousel(self, high: int, ns: int = NS_ANY) -> None:
+    def start_carousel(self, high: int, ns: int = NS_ANY, eligible: int = 0) -> None:
         self._device(f"start {high}")
         if self.carousel_map is not None and not self.direct and not self.launches:
             self.slots.close()
@@ -203,6 +205,7 @@ class CarouselCpuIndex(CpuIndex):
             self.direct = self.carousel_direct
             self.crowd = CrowdLane(self.slots, first=self.direct)
         self.slots.words[: self.direct, carousel.W_NS] = np.int32(ns).view(np.uint32)
+        self.slots.words[: self.direct, W_ELIGIBLE] = eligible
         self.launches += 1
         self._seqs = None
         self.cond = Conductor(self.slots, self.data, self.ns, n_rows=high)

@@ -281,7 +281,7 @@ def carousel_stand_in(name: str, dim: int, mode: str, answered: Any, stop: Any, 
     carousel_topk does; "refuse" writes ERROR; "sweep" turns it back to IDLE, as the sidecar's
     sweep after a stop does; "epoch" answers as "answer" but first moves the header's epoch on
     by 3 (a whole stop: the rows may have changed since), "drain" by 1 (a stop begun: the rows
-    have not); "silent" answers nothing.
+    have not); "short" answers one result fewer than it found; "silent" answers nothing.
     In a process of its own, as doorbell_stand_in."""
     import mmap as _mmap
 
@@ -315,9 +315,9 @@ def carousel_stand_in(name: str, dim: int, mode: str, answered: Any, stop: Any, 
                 k, seq = int(w[P.W_K]), int(w[P.W_SEQ])
                 q = np.frombuffer(mm, np.float32, dim, i * lay.slot_bytes + P.CAR_HEAD).copy()
                 res = searcher.recall(q, k)
-                kk = len(res.rows)
-                np.frombuffer(mm, np.int32, kk, i * lay.slot_bytes + lay.rows_off)[:] = res.rows
-                np.frombuffer(mm, np.float32, kk, i * lay.slot_bytes + lay.scores_off)[:] = res.scores
+                kk = len(res.rows) - (mode == "short")
+                np.frombuffer(mm, np.int32, kk, i * lay.slot_bytes + lay.rows_off)[:] = res.rows[:kk]
+                np.frombuffer(mm, np.float32, kk, i * lay.slot_bytes + lay.scores_off)[:] = res.scores[:kk]
                 w[P.W_RESULTS] = kk
                 w[P.W_RESP_SEQ] = seq
                 if mode in ("epoch", "drain"):

@@ -10,6 +10,7 @@ the sidecar's own part (epochs, the stop's wait, the sweep) is tests/unit's."""
 from __future__ import annotations
 
 import contextlib
+import mmap
 import multiprocessing as mp
 import struct
 from collections.abc import Iterator
@@ -21,7 +22,14 @@ import pytest
 
 import kalos_retrievers.client as client_module
 from kalos_retrievers import SidecarTimeout
-from kalos_retrievers.protocol import CAR_REQUEST, HEADER_OFFSETS, W_STATE, CarouselLayout, carousel_segment_name
+from kalos_retrievers.protocol import (
+    CAR_REQUEST,
+    HEADER_OFFSETS,
+    W_ELIGIBLE,
+    W_STATE,
+    CarouselLayout,
+    carousel_segment_name,
+)
 
 pytestmark = pytest.mark.timeout(120)
 if not client_module._X86:
@@ -41,8 +49,13 @@ class StandIn(kalos_testing.StandInProcess):
 @contextlib.contextmanager
 def carousel_segment(name: str) -> Iterator[None]:
     """The carousel's slots, as a GPU sidecar with KALOS_CAROUSEL=direct makes them."""
+    lay = CarouselLayout.of(DIM)
     seg = posix_ipc.SharedMemory(carousel_segment_name(name), flags=posix_ipc.O_CREX, mode=0o600,
-                                 size=CarouselLayout.of(DIM).segment_size())  # fmt: skip
+                                 size=lay.segment_size())  # fmt: skip
+    with mmap.mmap(seg.fd, lay.segment_size()) as mm:  # each slot's W_ELIGIBLE: the namespace's rows, N
+        words = np.frombuffer(mm, np.uint32).reshape(-1, lay.slot_bytes // 4)
+        words[:, W_ELIGIBLE] = N
+        del words
     seg.close_fd()
     try:
         yield
@@ -91,11 +104,12 @@ def test_direct_recalls_while_the_epoch_is_odd_only(rig) -> None:  # type: ignor
         assert c.direct_recalls == len(queries) == s.answered.value
 
 
-@pytest.mark.parametrize("mode", ["refuse", "sweep", "epoch", "drain"])
+@pytest.mark.parametrize("mode", ["refuse", "sweep", "epoch", "drain", "short"])
 def test_a_request_the_kernel_does_not_answer_for_good_is_asked_again_the_usual_way(rig, mode: str) -> None:  # type: ignore[no-untyped-def]
-    """Refused, swept, or answered but read after a whole stop (the epoch 3 on: rows may have
-    changed): asked again the usual way. Answered and read after a stop has only begun (the
-    epoch 1 on: the rows cannot have changed): kept (the negative control)."""
+    """Refused, swept, answered with fewer results than the namespace holds (a kernel that lost
+    rows), or answered but read after a whole stop (the epoch 3 on: rows may have changed):
+    asked again the usual way. Answered and read after a stop has only begun (the epoch 1 on:
+    the rows cannot have changed): kept (the negative control)."""
     sc, c, plain, rng = rig
     set_epoch(c, 5)
     with StandIn(sc.name, mode) as s:
@@ -104,7 +118,7 @@ def test_a_request_the_kernel_does_not_answer_for_good_is_asked_again_the_usual_
             if mode in ("epoch", "drain"):  # (the stand-in moved it on: odd again for the next one)
                 set_epoch(c, 5)
         assert c.direct_recalls == (5 if mode == "drain" else 0)
-        assert s.answered.value == (5 if mode in ("epoch", "drain") else 0)
+        assert s.answered.value == (5 if mode in ("epoch", "drain", "short") else 0)
 
 
 def test_queries_the_kernel_would_score_otherwise_than_the_sidecar_go_the_usual_way(rig) -> None:  # type: ignore[no-untyped-def]

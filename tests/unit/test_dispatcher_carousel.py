@@ -326,7 +326,7 @@ def test_stopping_answers_the_crowd_or_refuses_it_when_the_kernel_is_gone(kernel
     r.index.crowd = lane = CrowdLane(r.index.slots)
     _ask_all(r, q, 3, 7)
     r.d._seen = dict.fromkeys(range(7), time.perf_counter_ns())  # (a crowd: the carousel starts)
-    r.index.start_carousel = lambda high, ns, f=r.index.start_carousel: (f(high, ns), r.index.cond.pause.set())  # type: ignore[method-assign]
+    r.index.start_carousel = lambda high, ns, n, f=r.index.start_carousel: (f(high, ns, n), r.index.cond.pause.set())  # type: ignore[method-assign]
     r.d.poll()
     assert r.index.carousel_running and lane.in_flight == 7 and lane.boarded == 2
     answered: list[int] = []
@@ -442,7 +442,7 @@ def test_a_wrong_echo_fails_that_recall_only(rig: Any) -> None:
     _ask_all(r, q, 3, 5)
     r.d._seen = dict.fromkeys(range(5), time.perf_counter_ns())
     start = r.index.start_carousel
-    r.index.start_carousel = lambda high, ns: (start(high, ns), setattr(r.index.cond, "wrong_seq", True))  # type: ignore[method-assign]
+    r.index.start_carousel = lambda high, ns, n: (start(high, ns, n), setattr(r.index.cond, "wrong_seq", True))  # type: ignore[method-assign]
     r.d.poll()
     _answered(r, list(range(5)))
     for i in range(5):

@@ -23,6 +23,8 @@ from kalos_retrievers.sidecar.index_gpu import GpuIndex
 from kalos_testing import until
 from kernel_fakes import dev
 
+from kalos_retrievers.protocol import W_ELIGIBLE
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -136,7 +138,7 @@ class _NullContext:
         self.synced += 1
 
 
-def _start(idx: Any, launching: _Launching, high: int, ns: int = NS_ANY) -> None:
+def _start(idx: Any, launching: _Launching, high: int, ns: int = NS_ANY, eligible: int = 0) -> None:
     # the kernel thread needs the slots, made by the first start: handed over as the launch happens
     real = carousel.Slots
 
@@ -147,7 +149,7 @@ def _start(idx: Any, launching: _Launching, high: int, ns: int = NS_ANY) -> None
 
     carousel.Slots, saved = slots, carousel.Slots
     try:
-        idx.start_carousel(high, ns)
+        idx.start_carousel(high, ns, eligible)
     finally:
         carousel.Slots = saved
 
@@ -299,10 +301,11 @@ def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(i
         stuck_then.append(int(((st == carousel.REQUEST) | (st == carousel.TAKEN)).sum()))
 
     idx.__dict__.update(carousel_direct=5, carousel_map=lambda size: mm, on_carousel=on_carousel)
-    _start(idx, launching, 53, ns=0)
+    _start(idx, launching, 53, ns=0, eligible=52)
     slots, lane = idx._car.slots, idx.crowd
     assert slots._mm is mm and published == [(1, 5, True)]
     assert (slots.words[:5, carousel.W_NS].view(np.int32) == 0).all()
+    assert (slots.words[:5, W_ELIGIBLE] == 52).all()  # (the namespace's rows: what a direct answer's count must be)
     assert lane.first == 5 and min(lane._free) == 5
     data = np.asarray(idx.data).astype(np.float32)
     keep = (np.asarray(idx.ns) == 0) & (np.arange(64) < 53)
