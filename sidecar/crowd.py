@@ -22,8 +22,10 @@ kernel, its tests and its three reviews stayed as they were until a device measu
 the copy (~5 µs of host time a recall with the rest of the boarding, benchmarks/crowd_host.py)
 costs far less than the turn it waits for (565-626 µs with 32 aboard on the H200, S36-3). With
 that turn the carousel passes 40k recalls/s in process but not yet through the sidecar, whose
-serve loop is the lane: the kernel reading the protocol slots, as ``doorbell_topk`` does,
-would take the host off the crowd's path (docs/gpu-notes.md, next steps).
+serve loop is the lane. With KALOS_CAROUSEL=direct (protocol v1.4) the clients holding the
+lowest protocol slots write into the kernel's slots below :attr:`CrowdLane.first` themselves,
+with no host on their way; the lane keeps the slots above for the recalls that still come the
+usual way (docs/gpu-notes.md, session 37).
 
 Not thread-safe: the dispatcher's serve thread alone calls it.
 """

@@ -398,10 +398,9 @@ class Server:
         self._publish_carousel(*self._car_words)
 
     def _carousel_map(self, size: int) -> Any:
-        """Create the carousel's shared segment (``/kalos-NAME-car``, replacing one a dead
-        sidecar of this name left) and return its map."""
+        """Create the carousel's shared segment (``/kalos-NAME-car``; one a dead sidecar of this
+        name left was removed at the first publication) and return its map."""
         name = carousel_segment_name(self.cfg.name)
-        _remove_stale_carousel(self.cfg.name)
         try:
             seg = _ipc.Segment.create(name, size)
         except (FileExistsError, PermissionDenied, OSError) as e:

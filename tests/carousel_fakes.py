@@ -242,9 +242,9 @@ class CarouselCpuIndex(CpuIndex):
             return 0
         st = self.slots.words[: self.direct, carousel.W_STATE]
         stuck = (st == REQUEST) | (st == TAKEN)
+        n = int(stuck.sum())
         st[stuck] = carousel.IDLE
-        self.swept = getattr(self, "swept", 0) + int(stuck.sum())
-        return int(stuck.sum())
+        return n
 
     @property
     def carousel_answered(self) -> int:
