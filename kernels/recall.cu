@@ -2795,9 +2795,10 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 }
 
 // ------------------------------------------------------------------------------------------
-// carousel_topk<NT, METRIC>: a scan that never ends, which queries board and leave (EXPERIMENT:
-// benchmarks/carousel_probe.py and tests/gpu/test_carousel.py only; the sidecar does not launch
-// it). Float16 rows, top-k up to CAR_KMAX, up to 8 * NT queries in flight at once.
+// carousel_topk<NT, METRIC>: a scan that never ends, which queries board and leave (a GPU
+// sidecar's crowd with KALOS_CAROUSEL=1 or direct, off by default: sidecar/carousel.py and
+// crowd.py; benchmarks/carousel_probe.py in process). Float16 rows, top-k up to CAR_KMAX, up to
+// 8 * NT queries in flight at once.
 //
 // Why: with 32 client processes at 1M rows the sidecar's batches settle into two cohorts that
 // each pay a whole pass (~385 µs): a client answered at the end of one pass cannot be in the
@@ -2845,7 +2846,12 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // may install the next query there in a later round (its fence before the gen orders the
 // reset). gen[p] moves only when every block has finished the position's previous query, so
 // each block boards every query once. (Full fences, __threadfence, cost 1-2 µs each mid-scan:
-// S36-2's profile; each step of a block used to take two or three.)
+// S36-2's profile; each step of a block used to take two or three.) A request: its client (or
+// the sidecar's lane) stores the query and the words before the state CAR_REQUEST (x86-64
+// keeps stores in order); the conductor's poll loads the states with ld.cv, which orders
+// nothing after it, so a round that sees a request fences (fence.acq_rel.sys, the acquire
+// half of that hand-over) before the barrier after which the boarding warps read the query
+// and the words (KALOS_CAR_ACQUIRE, default 1; 0 drops it, for an A/B of its cost).
 //
 // Slot (host memory, slot_bytes apart from slot0; little endian u32 words):
 //   [0] state: CAR_REQUEST (the client, after everything else) -> CAR_TAKEN (conductor) ->
@@ -2892,6 +2898,9 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // A turn's closing selection over a short list (at most 64 entries: the usual case once the
 // threshold has risen) by car_best<2> instead of car_best<CAR_CAP / 32>: k rounds of 3 compares
 // instead of 18 (1: on; 0: the long form always, for an A/B).
+#ifndef KALOS_CAR_ACQUIRE
+#define KALOS_CAR_ACQUIRE 1
+#endif
 #ifndef KALOS_CAR_SHORT
 #define KALOS_CAR_SHORT 1
 #endif
@@ -3083,6 +3092,9 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 if (lane + 32 < n_slots) st1 = hload(reinterpret_cast<const unsigned int*>(slot0 + (u64)(lane + 32) * slot_bytes), mode);
                 const unsigned int r0 = __ballot_sync(0xffffffffu, st0 == CAR_REQUEST);
                 const unsigned int r1 = __ballot_sync(0xffffffffu, st1 == CAR_REQUEST);
+#if KALOS_CAR_ACQUIRE
+                if (r0 | r1) asm volatile("fence.acq_rel.sys;" ::: "memory");  // (warp-uniform) the requests' queries and words after their states
+#endif
                 const unsigned int any_stop = __ballot_sync(0xffffffffu, stop != 0u);
                 if (lane == 0) {
                     s_stop = any_stop ? 1u : 0u;
