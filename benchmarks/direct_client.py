@@ -1,6 +1,6 @@
 """The client's own time per direct recall (protocol v1.4, KALOS_CAROUSEL=direct), in process, no GPU.
 
-    python -P benchmarks/direct_client.py [--dim 768] [--k 10] [--calls 20000]
+    python -P benchmarks/direct_client.py [--dim 768] [--k 10] [--calls 20000] [--no-c]
 
 A direct recall (``KalosClient._recall_direct``) writes the query and the request words into the
 carousel's slot, waits for the kernel's answer, then copies the rows and scores and reads each
@@ -8,7 +8,9 @@ hit's document from the arena (``ArenaView.current_docs``) under the carousel's 
 that method whole, with the wait replaced by the kernel's answer written at once (rows, scores,
 count, seq echo, DONE), so the figure is the client's Python around the wait: what a crowd's
 client spends per recall besides the turn itself. Over an anonymous map and an arena of 2,000
-documents of 200 bytes; prints the median and p90 over the last 90% of the calls.
+documents of 200 bytes; prints the median and p90 over the last 90% of the calls. The request is
+written and the answer read by the client's C extension (``_fastpath.car_request1`` /
+``car_answer1``) where it is built; ``--no-c`` times the Python path.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kalos_retrievers.protocol import (
     W_STATE,
     CarouselLayout,
     Metric,
+    car_bounds,
 )
 
 ROWS = 2000
@@ -41,7 +44,11 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--no-c", action="store_true", help="the Python path (as without the C extension)")
     args = ap.parse_args()
+    if args.no_c:
+        client_module._fastpath = None
+    path = "Python" if client_module._fastpath is None else "C"
     dim, k = args.dim, args.k
     car = client_module._CarouselView(mmap.mmap(-1, CarouselLayout.of(dim).segment_size()), dim, 48)
     car.words[:, W_ELIGIBLE] = ROWS  # (as the sidecar writes at the launch: the namespace's rows)
@@ -53,7 +60,7 @@ def main() -> None:
     arena = ArenaView(maps[writer.version], writer.version)
     conn = SimpleNamespace(header=SimpleNamespace(dim=dim, metric=int(Metric.COSINE)),
                            tiny=np.full(dim, 2.0**-100, np.float32), carousel_epoch=lambda: 1,
-                           arena=lambda: arena)  # fmt: skip
+                           arena=lambda: arena, car_bounds=car_bounds(Metric.COSINE))  # fmt: skip
     rng = np.random.default_rng(0)
     top = rng.choice(ROWS, k, replace=False).astype(np.int32)
     top_scores = np.linspace(1, 0.5, k, dtype=np.float32)
@@ -81,7 +88,7 @@ def main() -> None:
     finally:
         c.close()
     rest = took[args.calls // 10 :] / 1000
-    print(f"direct recall, {dim}-d, k {k}: the client's own time per call p50 {np.median(rest):.2f} µs, "
+    print(f"direct recall ({path} path), {dim}-d, k {k}: the client's own time per call p50 {np.median(rest):.2f} µs, "
           f"p90 {np.percentile(rest, 90):.2f} µs ({args.calls} calls, the kernel's wait not included)")  # fmt: skip
 
 

@@ -401,10 +401,200 @@ static PyObject* answer1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     return result;
 }
 
+/* ------------------------------------------------------------------------------------------
+ * The carousel's direct slots (protocol v1.4, KALOS_CAROUSEL=direct): a client writes its
+ * batch-1 recall into carousel slot i itself and reads the kernel's answer there; the wait
+ * between the two (sleep, spin, the epoch, the sidecar's life, the deadline) stays in Python
+ * (KalosClient._wait_direct). A slot's u32 words (protocol.py W_*; the kernel's CAR_HEAD_BYTES):
+ * [0] state [1] k [2] namespace [3] seq [4] results [5] seq echoed [6] ns aboard [7] the
+ * namespace's rows at the launch; the float32 query at byte 32; rows and scores at the layout's
+ * offsets. tests/unit/test_fastpath.py checks these against the module's CAR_WORDS. */
+enum { CW_STATE = 0, CW_K = 1, CW_SEQ = 3, CW_RESULTS = 4, CW_RESP_SEQ = 5, CW_ELIGIBLE = 7, CAR_HEAD = 32 };
+enum { CAR_REQUEST = 1, CAR_TAKEN = 2, CAR_DONE = 3, CAR_KMAX = 32 };
+#define ARENA_HEADER 64  /* arena.ARENA_HEADER_SIZE: the row table's first entry */
+
+/* 1 when the n float32 values at p are all finite; their largest |x| in *amax (four at a time,
+   as all_finite: a finite |x|'s bits order as its value). */
+static int finite_amax(const char* p, long long n, float* amax) {
+    const u32x4 e = {EXP_BITS, EXP_BITS, EXP_BITS, EXP_BITS}, abs_ = e | 0x007fffffu;
+    u32x4 bad4 = {0, 0, 0, 0}, top4 = {0, 0, 0, 0};
+    long long i = 0;
+    for (; i + 4 <= n; i += 4) {
+        u32x4 v;
+        memcpy(&v, p + 4 * i, 16);
+        v &= abs_;
+        bad4 |= (u32x4)((v & e) == e);
+        const u32x4 up = (u32x4)(v > top4);
+        top4 = (v & up) | (top4 & ~up);
+    }
+    uint32_t bad = bad4[0] | bad4[1] | bad4[2] | bad4[3], top = 0;
+    for (int j = 0; j < 4; j++) top = top4[j] > top ? top4[j] : top;
+    for (; i < n; i++) {
+        const uint32_t a = ld32(p + 4 * i) & 0x7fffffffu;
+        bad |= (a & EXP_BITS) == EXP_BITS;
+        top = a > top ? a : top;
+    }
+    memcpy(amax, &top, 4);
+    return !bad;
+}
+
+PyDoc_STRVAR(car_request1_doc,
+"car_request1(segment, at, query, dim, seq, k, lo, hi)\n"
+"\n"
+"Write a batch-1 recall into the carousel slot at byte ``at`` of ``segment`` (a writable buffer\n"
+"over the carousel's segment): the query at ``at + 32``, the words k, seq and results (all ones),\n"
+"then the state CAR_REQUEST, last. The slot's namespace and row-count words are the sidecar's.\n"
+"\n"
+"Returns True once written; None, having written nothing, when the slot still holds a request\n"
+"(REQUEST or TAKEN: an earlier one given up at its deadline), ``k`` is outside [1, 32], or\n"
+"``query`` is not ``dim`` finite float32 values in one C-contiguous buffer whose largest |x|\n"
+"lies in [lo, hi] (protocol.car_takes): the caller then asks the usual way. ValueError when\n"
+"the query's place, ``at + 32`` to ``at + 32 + 4 * dim``, is not inside ``segment``.\n");
+
+static PyObject* car_request1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "car_request1 takes 8 arguments");
+        return NULL;
+    }
+    const long long at = PyLong_AsLongLong(args[1]), dim = PyLong_AsLongLong(args[3]);
+    const unsigned long long seq = PyLong_AsUnsignedLongLong(args[4]);
+    const long long k = PyLong_AsLongLong(args[5]);
+    const double lo = PyFloat_AsDouble(args[6]), hi = PyFloat_AsDouble(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    if (at < 0 || (at & 3) || dim < 1) {
+        PyErr_SetString(PyExc_ValueError, "car_request1: at must be a non-negative multiple of 4, dim positive");
+        return NULL;
+    }
+    Bufs b;
+    int got = get_slot_query(args[0], args[2], &b);
+    if (got <= 0) return got < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject* result = NULL;
+    const char* fmt = b.qb.format ? b.qb.format : "B";
+    if (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@') fmt++;
+    const long long qbytes = 4 * dim;
+    if (at + CAR_HEAD + qbytes > b.sb.len) {
+        PyErr_SetString(PyExc_ValueError, "car_request1: the query does not fit the slot");
+        goto out;
+    }
+    char* s = (char*)b.sb.buf + at;
+    uint32_t* state = (uint32_t*)s;
+    const uint32_t st = __atomic_load_n(state, __ATOMIC_ACQUIRE);
+    float amax = 0.f;
+    if (strcmp(fmt, "f") != 0 || b.qb.len != qbytes || st == CAR_REQUEST || st == CAR_TAKEN || k < 1 || k > CAR_KMAX ||
+        !finite_amax((const char*)b.qb.buf, qbytes / 4, &amax) || !((double)amax >= lo && (double)amax <= hi)) {
+        result = Py_NewRef(Py_None);
+        goto out;
+    }
+    memcpy(s + CAR_HEAD, b.qb.buf, (size_t)qbytes);
+    st32(s + 4 * CW_K, (uint32_t)k);
+    st32(s + 4 * CW_SEQ, (uint32_t)seq);
+    st32(s + 4 * CW_RESULTS, 0xffffffffu);
+    __atomic_store_n(state, (uint32_t)CAR_REQUEST, __ATOMIC_RELEASE);  /* last (in program order on x86) */
+    result = Py_NewRef(Py_True);
+out:
+    release(&b);
+    return result;
+}
+
+PyDoc_STRVAR(car_answer1_doc,
+"car_answer1(segment, at, rows_off, scores_off, seq, k, arena, arena_info)\n"
+"\n"
+"Read the kernel's answer to the direct recall ``seq`` (its low 32 bits) in the carousel slot at\n"
+"byte ``at`` of ``segment``: ``(rows, scores, docs)``, rows and scores as bytearrays of n int32 /\n"
+"float32 and docs as a list of bytes, each hit's document as the arena's row table holds it now,\n"
+"read under its entry's seqlock (gen, even; offset and length; gen again, unchanged), as\n"
+"ArenaView.current_docs. ``arena`` and ``arena_info`` are ArenaView.fast's (the arena's buffer;\n"
+"its heap's offset, size and version).\n"
+"\n"
+"None, for the caller to ask the usual way, when the state is not CAR_DONE, the seq echo differs,\n"
+"n is not min(k, the slot's row count word), or a hit's document cannot be read (a row outside\n"
+"the table, no document, an entry being written). The caller still checks the carousel's epoch\n"
+"after this returns (the documents are the rows' only while the kernel's stop has not ended).\n");
+
+static PyObject* car_answer1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "car_answer1 takes 8 arguments");
+        return NULL;
+    }
+    const long long at = PyLong_AsLongLong(args[1]), rows_off = PyLong_AsLongLong(args[2]),
+                    scores_off = PyLong_AsLongLong(args[3]);
+    const unsigned long long seq = PyLong_AsUnsignedLongLong(args[4]);
+    const long long k = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyTuple_Check(args[7]) || PyTuple_Size(args[7]) != 3) {
+        PyErr_SetString(PyExc_TypeError, "arena_info: (heap, heap_size, version)");
+        return NULL;
+    }
+    const unsigned long long heap = PyLong_AsUnsignedLongLong(PyTuple_GetItem(args[7], 0));
+    const unsigned long long heap_size = PyLong_AsUnsignedLongLong(PyTuple_GetItem(args[7], 1));
+    if (PyErr_Occurred()) return NULL;
+    if (at < 0 || (at & 3) || rows_off < CAR_HEAD || scores_off < CAR_HEAD || k < 1 || k > CAR_KMAX) {
+        PyErr_SetString(PyExc_ValueError, "car_answer1: bad offsets or k");
+        return NULL;
+    }
+    Py_buffer sb, ab;
+    if (PyObject_GetBuffer(args[0], &sb, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[6], &ab, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
+    PyObject *result = NULL, *rows_b = NULL, *scores_b = NULL, *docs = NULL;
+    if (at + rows_off + 4 * CAR_KMAX > sb.len || at + scores_off + 4 * CAR_KMAX > sb.len) {
+        PyErr_SetString(PyExc_ValueError, "car_answer1: the answer does not fit the segment");
+        goto done;
+    }
+    if (heap > (unsigned long long)ab.len || heap_size > (unsigned long long)ab.len - heap || heap < ARENA_HEADER)
+        goto none;
+    const char* s = (const char*)sb.buf + at;
+    const volatile uint32_t* w = (const volatile uint32_t*)s;
+    const uint32_t st = __atomic_load_n((const uint32_t*)s, __ATOMIC_ACQUIRE);  /* the words after it */
+    const uint32_t resp_seq = w[CW_RESP_SEQ], n = w[CW_RESULTS], eligible = w[CW_ELIGIBLE];
+    if (st != CAR_DONE || resp_seq != (uint32_t)seq || n != (uint32_t)(k < eligible ? k : eligible)) goto none;
+    int32_t rows[CAR_KMAX];
+    memcpy(rows, s + rows_off, 4 * (size_t)n);  /* one read: checked and used from this copy */
+    const char* a = (const char*)ab.buf;
+    const unsigned long long cap = (heap - ARENA_HEADER) / ENTRY_SIZE;
+    docs = PyList_New(n);
+    if (!docs) goto done;
+    for (uint32_t i = 0; i < n; i++) {
+        if (rows[i] < 0 || (unsigned long long)rows[i] >= cap) goto none;
+        const volatile char* e = (const volatile char*)(a + ARENA_HEADER + (uint64_t)ENTRY_SIZE * (uint32_t)rows[i]);
+        const uint32_t g0 = __atomic_load_n((const uint32_t*)(e + 12), __ATOMIC_ACQUIRE);
+        const uint64_t off = *(const volatile uint64_t*)e;
+        const uint32_t len = *(const volatile uint32_t*)(e + 8);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);  /* (x86-64: loads stay in order anyway) */
+        if ((g0 & 1) || !len || off > heap_size || len > heap_size - off) goto none;
+        PyObject* d = PyBytes_FromStringAndSize(a + heap + off, len);
+        if (!d) goto done;
+        PyList_SetItem(docs, i, d);  /* steals d */
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (*(const volatile uint32_t*)(e + 12) != g0) goto none;  /* rewritten while copied */
+    }
+    rows_b = PyByteArray_FromStringAndSize((const char*)rows, 4 * (Py_ssize_t)n);
+    scores_b = PyByteArray_FromStringAndSize(s + scores_off, 4 * (Py_ssize_t)n);
+    if (!rows_b || !scores_b) goto done;
+    result = Py_BuildValue("(NNN)", rows_b, scores_b, docs);  /* N: steals */
+    rows_b = scores_b = docs = NULL;
+    goto done;
+none:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(rows_b);
+    Py_XDECREF(scores_b);
+    Py_XDECREF(docs);
+    PyBuffer_Release(&ab);
+    PyBuffer_Release(&sb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"recall1", (PyCFunction)(void (*)(void))recall1, METH_FASTCALL, recall1_doc},
     {"request1", (PyCFunction)(void (*)(void))request1, METH_FASTCALL, request1_doc},
     {"answer1", (PyCFunction)(void (*)(void))answer1, METH_FASTCALL, answer1_doc},
+    {"car_request1", (PyCFunction)(void (*)(void))car_request1, METH_FASTCALL, car_request1_doc},
+    {"car_answer1", (PyCFunction)(void (*)(void))car_answer1, METH_FASTCALL, car_answer1_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -415,8 +605,16 @@ static int exec_module(PyObject* m) {
                                    "resp_seq", OFF_RESP_SEQ, "status", OFF_STATUS, "n_results", OFF_N_RESULTS,
                                    "resp_len", OFF_RESP_LEN, "resp_flags", OFF_RESP_FLAGS);
     if (!offs) return -1;
-    const int rc = PyModule_AddObjectRef(m, "CTL_OFFSETS", offs);
+    int rc = PyModule_AddObjectRef(m, "CTL_OFFSETS", offs);
     Py_DECREF(offs);
+    if (rc < 0) return -1;
+    PyObject* car = Py_BuildValue("{sisisisisisisisisisisisisi}", "state", CW_STATE, "k", CW_K, "seq", CW_SEQ,
+                                  "results", CW_RESULTS, "resp_seq", CW_RESP_SEQ, "eligible", CW_ELIGIBLE,
+                                  "head", CAR_HEAD, "request", CAR_REQUEST, "taken", CAR_TAKEN, "done", CAR_DONE,
+                                  "kmax", CAR_KMAX, "arena_header", ARENA_HEADER, "entry_size", ENTRY_SIZE);
+    if (!car) return -1;
+    rc = PyModule_AddObjectRef(m, "CAR_WORDS", car);
+    Py_DECREF(car);
     return rc;
 }
 

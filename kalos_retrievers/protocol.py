@@ -489,12 +489,17 @@ CAR_COS_MAX: Final = 5e16
 CAR_F16_MAX: Final = 65504.0
 
 
+def car_bounds(metric: int) -> tuple[float, float]:
+    """The range ``(lo, hi)`` a finite query's largest |element| must lie in for the carousel
+    to score it as the sidecar would (``metric``: :class:`Metric`; :func:`car_takes`)."""
+    return (CAR_COS_MIN, CAR_COS_MAX) if metric == Metric.COSINE else (0.0, CAR_F16_MAX)
+
+
 def car_takes(metric: int, amax: float) -> bool:
     """Whether a finite query whose largest |element| is ``amax`` may go to the carousel
     (``metric``: :class:`Metric`); the others are asked the usual way."""
-    if metric == Metric.COSINE:
-        return CAR_COS_MIN <= amax <= CAR_COS_MAX
-    return amax <= CAR_F16_MAX
+    lo, hi = car_bounds(metric)
+    return lo <= amax <= hi
 
 
 def _round_up(x: int, m: int) -> int:

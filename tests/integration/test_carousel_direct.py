@@ -14,6 +14,7 @@ import mmap
 import multiprocessing as mp
 import struct
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import kalos_testing
 import numpy as np
@@ -67,8 +68,27 @@ def set_epoch(c, epoch: int, slots: int = 64) -> None:  # type: ignore[no-untype
     struct.pack_into("<QI", c._conn.seg.mm, HEADER_OFFSETS["carousel_epoch"], epoch, slots)
 
 
-@pytest.fixture
-def rig(start_sidecar, monkeypatch):  # type: ignore[no-untyped-def]
+@pytest.fixture(params=["c", "python"])
+def rig(request, start_sidecar, monkeypatch):  # type: ignore[no-untyped-def]
+    """A CPU sidecar with N rows and texts, a client asking for arena documents and one asking
+    for inline ones (the reference), the carousel's segment; each test twice: the direct path
+    in C (``_fastpath.car_request1`` / ``car_answer1``) and in Python."""
+    read_in_c = []
+    if request.param == "python":
+        monkeypatch.setattr(client_module, "_fastpath", None)
+    elif client_module._fastpath is None:
+        pytest.skip("the C extension is not built here")
+    else:
+        real = client_module._fastpath
+
+        def car_answer1(*args):  # type: ignore[no-untyped-def]
+            out = real.car_answer1(*args)
+            read_in_c.append(out is not None)
+            return out
+
+        monkeypatch.setattr(client_module, "_fastpath", SimpleNamespace(**{n: getattr(real, n) for n in dir(real)
+                                                                          if not n.startswith("_")}))  # fmt: skip
+        monkeypatch.setattr(client_module._fastpath, "car_answer1", car_answer1)
     monkeypatch.setenv("KALOS_ARENA", "1")
     sc = start_sidecar(dim=DIM)
     rng = np.random.default_rng()
@@ -77,6 +97,8 @@ def rig(start_sidecar, monkeypatch):  # type: ignore[no-untyped-def]
                  texts=[f"memory {i} " * (1 + i % 4) for i in range(N)])  # fmt: skip
         c.ping()
         yield sc, c, plain, rng
+        if request.param == "c":  # every direct answer kept was read by the C code (and some
+            assert sum(read_in_c) >= c.direct_recalls  # it read were dropped after: the epoch moved)
 
 
 def same(got, ref) -> None:  # type: ignore[no-untyped-def]

@@ -494,3 +494,15 @@ def test_the_carousel_layout_is_the_sidecars_slots_and_the_headers_words_decode(
     struct.pack_into("<QI", raw, HEADER_OFFSETS["carousel_epoch"], 2**40 + 7, 48)
     h = P.decode_header(bytes(raw))
     assert (h.carousel_epoch, h.carousel_slots) == (2**40 + 7, 48)
+
+
+def test_car_takes_what_the_kernel_scores_as_the_sidecar_does() -> None:
+    """Cosine: a query whose largest |x| is within [1e-15, 5e16] (outside, the kernel's float32
+    sum of squares underflows or overflows); inner product and L2: one float16 holds (|x| <=
+    65504). car_bounds gives the same ranges to the client's C check."""
+    cos, ip, l2 = P.Metric.COSINE, P.Metric.IP, P.Metric.L2
+    assert P.car_takes(cos, 1.0) and P.car_takes(cos, 1e-15) and P.car_takes(cos, 5e16)
+    assert not P.car_takes(cos, 1e-16) and not P.car_takes(cos, 6e16) and not P.car_takes(cos, 0.0)
+    for m in (ip, l2):
+        assert P.car_takes(m, 0.0) and P.car_takes(m, 65504.0) and not P.car_takes(m, 65505.0)
+    assert P.car_bounds(cos) == (1e-15, 5e16) and P.car_bounds(ip) == P.car_bounds(l2) == (0.0, 65504.0)
