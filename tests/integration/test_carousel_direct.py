@@ -61,7 +61,8 @@ def carousel_segment(name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        posix_ipc.unlink_shared_memory(carousel_segment_name(name))
+        with contextlib.suppress(posix_ipc.ExistentialError):  # (a test may have removed it)
+            posix_ipc.unlink_shared_memory(carousel_segment_name(name))
 
 
 def set_epoch(c, epoch: int, slots: int = 64) -> None:  # type: ignore[no-untyped-def]
@@ -173,6 +174,25 @@ def test_the_documents_come_from_the_arena_version_the_header_names_after_the_ep
         assert c._conn.arena() is not before  # (moved)
         res = c.recall(q, 1)
         assert c.direct_recalls == 1 and res.ids == [top] and res[0].text == big + "11"
+
+
+def test_a_carousel_segment_removed_from_outside_leaves_new_clients_on_the_usual_path(rig) -> None:  # type: ignore[no-untyped-def]
+    """``/kalos-NAME-car`` unlinked by someone else (a /dev/shm cleanup) while the carousel
+    runs: a client that maps it from then on cannot, and asks the usual way, losing nothing; a
+    client that had mapped it keeps writing into the same memory, which the kernel (here its
+    stand-in) still maps, and goes direct as before (the control)."""
+    sc, c, plain, rng = rig
+    set_epoch(c, 17)
+    q = rng.standard_normal((3, DIM)).astype(np.float32)
+    with StandIn(sc.name, "answer") as s:
+        same(c.recall(q[0], K), plain.recall(q[0], K))
+        assert c.direct_recalls == 1
+        posix_ipc.unlink_shared_memory(carousel_segment_name(sc.name))
+        with sc.client(arena_docs=True) as late:
+            same(late.recall(q[1], K), plain.recall(q[1], K))
+            assert late.direct_recalls == 0 and late._conn._car is None
+        same(c.recall(q[2], K), plain.recall(q[2], K))
+        assert c.direct_recalls == 2 == s.answered.value
 
 
 def test_a_recall_past_its_deadline_leaves_its_slot_to_the_kernel_and_the_next_goes_the_usual_way(rig) -> None:  # type: ignore[no-untyped-def]
