@@ -37,7 +37,6 @@ import math
 import mmap
 import os
 import struct
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -46,11 +45,12 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 
 from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE
-from kalos_retrievers.protocol import W_ELIGIBLE, CarouselLayout, Metric
+from kalos_retrievers.protocol import CarouselLayout, Metric
 
 from . import carousel
 from . import cuda_kernels as kernels
 from .crowd import CrowdLane
+from .direct import DirectSlots
 from .index import (
     NS_ANY,
     FatalDeviceError,
@@ -185,7 +185,6 @@ CAROUSEL_DIRECT: Final = _CAROUSEL_ENV == "direct"
 # how long a stop waits for the direct requests aboard, and those asked before the clients saw
 # the epoch change, before it abandons them (their clients then ask again the usual way)
 _CAROUSEL_DRAIN_S: Final = 0.05
-_FENCE: Final = threading.Lock()
 _DESC_Q: Final = 32  # byte offsets of the three u64 arrays in struct Desc
 _DESC_ROWS: Final = _DESC_Q + 8 * MAXQ
 _DESC_SCORES: Final = _DESC_ROWS + 8 * MAXQ
@@ -522,11 +521,8 @@ class GpuIndex(Index):
         # the carousel (KALOS_CAROUSEL=1): made at its first start_carousel
         self.carousel_k = carousel.KMAX if USE_CAROUSEL and self.mma_ok else 0
         self._car: carousel.Carousel | None = None
-        self._car_direct = 0  # slots [0, this) the direct clients write (KALOS_CAROUSEL=direct)
-        self._car_epoch = 0  # the header's carousel_epoch: odd while the kernel takes direct requests
-        self._car_run_epoch = -1  # E, the epoch of the current (or last) launch (_publish_carousel)
+        self._direct: DirectSlots | None = None  # the slots the direct clients write (KALOS_CAROUSEL=direct)
         self._car_answered = 0  # the carousel's answers in the launches stopped so far (the lane's and direct)
-        self._car_seqs: np.ndarray | None = None  # the direct slots' seq words at the last carousel_active()
         self.crowd: CrowdLane | None = None
         self.carousel_running = False
         self.carousel_launches = 0
@@ -781,15 +777,13 @@ class GpuIndex(Index):
                     except BaseException:
                         slots.close()
                         raise
-                    self._car_direct = direct
+                    if direct:
+                        self._direct = DirectSlots(slots.words, direct, self._on_carousel)
                     self.crowd = CrowdLane(slots, self.check_carousel, first=direct)
                 else:
                     self._car.retarget(self.data, high, self.ns, self.sqnorm)
-                self._car_seqs = None  # (carousel_active's first look after the launch)
-                if self._car_direct:  # the direct clients' namespace (they write k, seq and the query)
-                    words = self._car.slots.words[: self._car_direct]
-                    words[:, carousel.W_NS] = np.int32(ns).view(np.uint32)
-                    words[:, W_ELIGIBLE] = eligible
+                if self._direct is not None:  # the direct clients' namespace (they write k, seq and the query)
+                    self._direct.launch(ns, eligible)
                 self._car.start()
 
         try:
@@ -804,54 +798,33 @@ class GpuIndex(Index):
             raise
         self.carousel_running = True
         self.carousel_launches += 1
-        if self._car_direct:
-            self._publish_carousel(1)  # (E, odd: the clients may write)
+        if self._direct is not None:
+            self._direct.publish(1)  # (E, odd: the clients may write; sidecar/direct.py has the phases)
 
-    def _publish_carousel(self, phase: int) -> None:
-        """The carousel epoch for ``phase`` to the header, then a full fence: a stop's loads of
-        the slots' states come after its store (x86-64 may otherwise let a load pass an earlier
-        store). Phase 1, a launch: the next odd epoch E (direct clients may write); 2, a stop's
-        beginning: E + 1 (no new requests; answers still good: the rows do not change while
-        the kernel runs); 3, its end, the kernel stopped and its slots swept: E + 3 (the rows
-        may change now: an answer sent under E and read after this is not kept). Each phase
-        sets the epoch from E, so a stop tried twice (the first failed) cannot make it odd."""
-        if phase == 1:
-            self._car_run_epoch = self._car_epoch + (1 if self._car_epoch % 2 == 0 else 2)  # (the next odd value)
-            self._car_epoch = self._car_run_epoch
-        else:
-            self._car_epoch = self._car_run_epoch + (1 if phase == 2 else 3)
-        if self.on_carousel is not None:
-            self.on_carousel(self._car_epoch, self._car_direct)
-        with _FENCE:  # (a lock's acquire is a locked instruction: a full fence on x86-64)
-            pass
+    def _on_carousel(self, epoch: int, n: int) -> None:
+        if self.on_carousel is not None:  # (the server's, set after the index is made)
+            self.on_carousel(epoch, n)
 
     @property
     def carousel_answered(self) -> int:
         return self._car.answered if self._car is not None else 0
 
+    @property
+    def carousel_direct_slots(self) -> int:
+        """The carousel slots direct clients write (0: none, or no carousel made yet)."""
+        return self._direct.n if self._direct is not None else 0
+
     def carousel_active(self) -> int:
-        if not self._car_direct or self._car is None:
-            return 0
-        words = self._car.slots.words[: self._car_direct]
-        seqs, st = words[:, carousel.W_SEQ].copy(), words[:, carousel.W_STATE]
-        last, self._car_seqs = self._car_seqs, seqs
-        if last is None:  # (the first look since the launch: every slot counts)
-            return self._car_direct
-        return int(((seqs != last) | (st == carousel.REQUEST) | (st == carousel.TAKEN)).sum())
+        return self._direct.active() if self._direct is not None else 0
 
     def sweep_carousel(self) -> int:
         """With the carousel stopped: the direct slots' requests no kernel will answer (asked
         after a stop's sweep, or abandoned aboard) turned back to IDLE; their clients ask again
         the usual way. Returns how many."""
         car = self._car
-        if not self._car_direct or car is None or car.running:
+        if self._direct is None or car is None or car.running:
             return 0
-        st = car.slots.words[: self._car_direct, carousel.W_STATE]
-        stuck = (st == carousel.REQUEST) | (st == carousel.TAKEN)
-        n = int(stuck.sum())
-        if n:
-            st[stuck] = carousel.IDLE
-        return n
+        return self._direct.sweep()
 
     def check_carousel(self) -> None:
         """Raise FatalDeviceError if the carousel, running, has ended (it ends only when
@@ -878,8 +851,8 @@ class GpuIndex(Index):
             return
         car, crowd = self._car, self.crowd
         assert car is not None and crowd is not None
-        if self._car_direct:
-            self._publish_carousel(2)  # (E + 1, even: the clients ask the usual way from now on)
+        if self._direct is not None:
+            self._direct.publish(2)  # (E + 1, even: the clients ask the usual way from now on)
             crowd.settle_direct(_CAROUSEL_DRAIN_S)  # (what was asked before they saw it, answered and kept)
         try:
             crowd.quiesce(_DOORBELL_STOP_S)  # (check_carousel, its alive(), raises if the kernel has ended)
@@ -894,9 +867,9 @@ class GpuIndex(Index):
         finally:
             self.carousel_running = car.running
         self._car_answered += car.answered
-        if self._car_direct:
+        if self._direct is not None:
             self.sweep_carousel()
-            self._publish_carousel(3)  # (E + 3: from here on the rows may change)
+            self._direct.publish(3)  # (E + 3: from here on the rows may change)
         car.data = car.ns = car.sqnorm = None  # (the rows' arrays not kept alive: a growth frees the old ones)
 
     def resume_doorbell(self, high: int, ns: int) -> None:
@@ -1019,7 +992,7 @@ class GpuIndex(Index):
                  carousel_launches=self.carousel_launches,
                  carousel_boarded=self.crowd.boarded if self.crowd is not None else 0,
                  carousel_answered=self._car_answered + (self.carousel_answered if self.carousel_running else 0),
-                 carousel_direct=self._car_direct)  # fmt: skip
+                 carousel_direct=self.carousel_direct_slots)  # fmt: skip
         if self.batch_times:
             t = np.array(self.batch_times)
             cols = ((1, "device"), (2, "launch_to_ready"), (3, "wait"))

@@ -18,10 +18,9 @@ import pytest
 from kalos_retrievers.sidecar import carousel, cuda_kernels
 from kalos_retrievers.sidecar.carousel import DONE, ERROR, REQUEST, TAKEN, Slots
 from kalos_retrievers.sidecar.crowd import CrowdLane
+from kalos_retrievers.sidecar.direct import DirectSlots
 from kalos_retrievers.sidecar.index import NS_ANY, CpuIndex
 from kernel_fakes import SOURCE, DevArray, FakeKernel, dev
-
-from kalos_retrievers.protocol import W_ELIGIBLE
 
 
 def param_names(name: str) -> list[str]:
@@ -193,8 +192,15 @@ class CarouselCpuIndex(CpuIndex):
         assert not self.carousel_running, f"{what} while the carousel runs (it holds every SM)"
         self.log.append(what)
 
-    direct = 0  # slots the direct clients write (set at the first start with carousel_map)
-    epoch = 0
+    direct_slots: DirectSlots | None = None  # (made at the first start with carousel_map, as GpuIndex's)
+
+    @property
+    def direct(self) -> int:
+        return self.direct_slots.n if self.direct_slots is not None else 0
+
+    @property
+    def epoch(self) -> int:
+        return self.direct_slots.epoch if self.direct_slots is not None else 0
 
     def start_carousel(self, high: int, ns: int = NS_ANY, eligible: int = 0) -> None:
         self._device(f"start {high}")
@@ -202,29 +208,24 @@ class CarouselCpuIndex(CpuIndex):
             self.slots.close()
             size = carousel.proto.CarouselLayout.of(self.dim).segment_size()
             self.slots = Slots(FakeCupy(), carousel.MAX_SLOTS, self.dim, self.carousel_map(size))
-            self.direct = self.carousel_direct
+            assert self.on_carousel is not None  # (the server's: set before it serves)
+            self.direct_slots = DirectSlots(self.slots.words, self.carousel_direct, self.on_carousel)
             self.crowd = CrowdLane(self.slots, first=self.direct)
-        self.slots.words[: self.direct, carousel.W_NS] = np.int32(ns).view(np.uint32)
-        self.slots.words[: self.direct, W_ELIGIBLE] = eligible
+        if self.direct_slots is not None:
+            self.direct_slots.launch(ns, eligible)
         self.launches += 1
-        self._seqs = None
         self.cond = Conductor(self.slots, self.data, self.ns, n_rows=high)
         self.cond.delay = self.turn
         self.cond.start()
         self.carousel_running = True
-        self._publish()
-
-    def _publish(self, step: int = 1) -> None:
-        if self.direct:
-            self.epoch += step
-            assert self.on_carousel is not None
-            self.on_carousel(self.epoch, self.direct)
+        if self.direct_slots is not None:
+            self.direct_slots.publish(1)
 
     def stop_carousel(self) -> None:
         if not self.carousel_running:
             return
-        self._publish()
-        if self.direct:
+        if self.direct_slots is not None:
+            self.direct_slots.publish(2)
             self.crowd.settle_direct(0.05)
         if not self.strict:
             self.crowd.quiesce(1.0)  # (as GpuIndex: a stop from the index's side abandons nothing)
@@ -234,31 +235,21 @@ class CarouselCpuIndex(CpuIndex):
         self.cond.join()
         self.carousel_running = False
         self.log.append("stop")
-        self.sweep_carousel()
-        self._publish(2)
+        if self.direct_slots is not None:
+            self.sweep_carousel()
+            self.direct_slots.publish(3)
 
     def sweep_carousel(self) -> int:
-        if not self.direct or self.carousel_running:
+        if self.direct_slots is None or self.carousel_running:
             return 0
-        st = self.slots.words[: self.direct, carousel.W_STATE]
-        stuck = (st == REQUEST) | (st == TAKEN)
-        n = int(stuck.sum())
-        st[stuck] = carousel.IDLE
-        return n
+        return self.direct_slots.sweep()
 
     @property
     def carousel_answered(self) -> int:
         return self.cond.answered if self.cond is not None else 0
 
-    _seqs: np.ndarray | None = None
-
     def carousel_active(self) -> int:  # (as GpuIndex's)
-        words = self.slots.words[: self.direct]
-        seqs, st = words[:, carousel.W_SEQ].copy(), words[:, carousel.W_STATE]
-        last, self._seqs = self._seqs, seqs
-        if last is None:
-            return self.direct
-        return int(((seqs != last) | (st == REQUEST) | (st == TAKEN)).sum())
+        return self.direct_slots.active() if self.direct_slots is not None else 0
 
     def pause_doorbell(self) -> None:
         self.stop_carousel()
