@@ -457,11 +457,15 @@ static PyObject* car_request1(PyObject* self, PyObject* const* args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "car_request1 takes 8 arguments");
         return NULL;
     }
-    const long long at = PyLong_AsLongLong(args[1]), dim = PyLong_AsLongLong(args[3]);
-    const unsigned long long seq = PyLong_AsUnsignedLongLong(args[4]);
-    const long long k = PyLong_AsLongLong(args[5]);
-    const double lo = PyFloat_AsDouble(args[6]), hi = PyFloat_AsDouble(args[7]);
-    if (PyErr_Occurred()) return NULL;
+    long long at, dim, k;
+    unsigned long long seq;
+    double lo, hi;
+    if ((at = PyLong_AsLongLong(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    if ((dim = PyLong_AsLongLong(args[3])) == -1 && PyErr_Occurred()) return NULL;
+    if ((seq = PyLong_AsUnsignedLongLong(args[4])) == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if ((k = PyLong_AsLongLong(args[5])) == -1 && PyErr_Occurred()) return NULL;
+    if ((lo = PyFloat_AsDouble(args[6])) == -1.0 && PyErr_Occurred()) return NULL;
+    if ((hi = PyFloat_AsDouble(args[7])) == -1.0 && PyErr_Occurred()) return NULL;
     if (at < 0 || (at & 3) || dim < 1) {
         PyErr_SetString(PyExc_ValueError, "car_request1: at must be a non-negative multiple of 4, dim positive");
         return NULL;
@@ -518,18 +522,22 @@ static PyObject* car_answer1(PyObject* self, PyObject* const* args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "car_answer1 takes 8 arguments");
         return NULL;
     }
-    const long long at = PyLong_AsLongLong(args[1]), rows_off = PyLong_AsLongLong(args[2]),
-                    scores_off = PyLong_AsLongLong(args[3]);
-    const unsigned long long seq = PyLong_AsUnsignedLongLong(args[4]);
-    const long long k = PyLong_AsLongLong(args[5]);
-    if (PyErr_Occurred()) return NULL;
+    long long at, rows_off, scores_off, k;
+    unsigned long long seq, heap, heap_size;
+    if ((at = PyLong_AsLongLong(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    if ((rows_off = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) return NULL;
+    if ((scores_off = PyLong_AsLongLong(args[3])) == -1 && PyErr_Occurred()) return NULL;
+    if ((seq = PyLong_AsUnsignedLongLong(args[4])) == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if ((k = PyLong_AsLongLong(args[5])) == -1 && PyErr_Occurred()) return NULL;
     if (!PyTuple_Check(args[7]) || PyTuple_Size(args[7]) != 3) {
         PyErr_SetString(PyExc_TypeError, "arena_info: (heap, heap_size, version)");
         return NULL;
     }
-    const unsigned long long heap = PyLong_AsUnsignedLongLong(PyTuple_GetItem(args[7], 0));
-    const unsigned long long heap_size = PyLong_AsUnsignedLongLong(PyTuple_GetItem(args[7], 1));
-    if (PyErr_Occurred()) return NULL;
+    if ((heap = PyLong_AsUnsignedLongLong(PyTuple_GetItem(args[7], 0))) == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if ((heap_size = PyLong_AsUnsignedLongLong(PyTuple_GetItem(args[7], 1))) == (unsigned long long)-1 &&
+        PyErr_Occurred())
+        return NULL;
     if (at < 0 || (at & 3) || rows_off < CAR_HEAD || scores_off < CAR_HEAD || k < 1 || k > CAR_KMAX) {
         PyErr_SetString(PyExc_ValueError, "car_answer1: bad offsets or k");
         return NULL;
@@ -553,7 +561,8 @@ static PyObject* car_answer1(PyObject* self, PyObject* const* args, Py_ssize_t n
     const uint32_t resp_seq = w[CW_RESP_SEQ], n = w[CW_RESULTS], eligible = w[CW_ELIGIBLE];
     if (st != CAR_DONE || resp_seq != (uint32_t)seq || n != (uint32_t)(k < eligible ? k : eligible)) goto none;
     int32_t rows[CAR_KMAX];
-    memcpy(rows, s + rows_off, 4 * (size_t)n);  /* one read: checked and used from this copy */
+    const volatile int32_t* vrows = (const volatile int32_t*)(s + rows_off);
+    for (uint32_t i = 0; i < n; i++) rows[i] = vrows[i];  /* one read (volatile): checked and used from this copy */
     const char* a = (const char*)ab.buf;
     const unsigned long long cap = (heap - ARENA_HEADER) / ENTRY_SIZE;
     docs = PyList_New(n);

@@ -191,11 +191,11 @@ class ArenaView:
     def current_docs(self, rows: Sequence[int]) -> list[bytes] | None:
         """The documents ``rows`` hold now (copies), each read under its entry's seqlock (gen
         read, even, then offset and length, then gen again, unchanged); None if a row is out of
-        range, has no document, or is being written. For an answer whose rows cannot have
+        range, has no document, is being written, or names bytes outside the heap. For an answer whose rows cannot have
         changed since it was made (the carousel's direct answers: the sidecar stops the
         kernel, and says so in the header, before it writes rows; the caller checks that
         after this read), where no generation came with the answer."""
-        buf, heap, cap, copy = self._buf, self._heap, self.rows_cap, self._copy
+        buf, heap, hsize, cap, copy = self._buf, self._heap, self._heap_size, self.rows_cap, self._copy
         entry, gen_of = ENTRY.unpack_from, _GEN.unpack_from
         out = []
         for row in rows:
@@ -204,7 +204,7 @@ class ArenaView:
             at = ARENA_HEADER_SIZE + ENTRY_SIZE * row
             g0 = gen_of(buf, at + _GEN_AT)[0]  # (before the entry: with no generation to compare, the
             off, length, _ = entry(buf, at)  # seqlock's both reads are needed; x86-64 keeps loads in order)
-            if g0 & 1 or not length or gen_of(buf, at + _GEN_AT)[0] != g0:
+            if g0 & 1 or not length or off + length > hsize or gen_of(buf, at + _GEN_AT)[0] != g0:
                 return None
             out.append(copy(slice(heap + off, heap + off + length)))
         return out
@@ -212,7 +212,7 @@ class ArenaView:
     def _docs_one_by_one(self, rows: list[int], gens: list[int]) -> list[bytes] | None:
         # per row the seqlock of the module docstring: offset, length and gen read together,
         # then gen again (rewritten while we read the entry?)
-        buf, heap, cap, copy = self._buf, self._heap, self.rows_cap, self._copy
+        buf, heap, hsize, cap, copy = self._buf, self._heap, self._heap_size, self.rows_cap, self._copy
         entry, gen_of = ENTRY.unpack_from, _GEN.unpack_from
         out = []
         for row, gen in zip(rows, gens, strict=True):
@@ -220,7 +220,7 @@ class ArenaView:
                 return None
             at = ARENA_HEADER_SIZE + ENTRY_SIZE * row
             off, length, g1 = entry(buf, at)
-            if g1 != gen or g1 & 1 or not length or gen_of(buf, at + _GEN_AT)[0] != g1:
+            if g1 != gen or g1 & 1 or not length or off + length > hsize or gen_of(buf, at + _GEN_AT)[0] != g1:
                 return None
             out.append(copy(slice(heap + off, heap + off + length)))
         return out

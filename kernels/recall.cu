@@ -2848,10 +2848,12 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 // each block boards every query once. (Full fences, __threadfence, cost 1-2 µs each mid-scan:
 // S36-2's profile; each step of a block used to take two or three.) A request: its client (or
 // the sidecar's lane) stores the query and the words before the state CAR_REQUEST (x86-64
-// keeps stores in order); the conductor's poll loads the states with ld.cv, which orders
-// nothing after it, so a round that sees a request fences (fence.acq_rel.sys, the acquire
-// half of that hand-over) before the barrier after which the boarding warps read the query
-// and the words (KALOS_CAR_ACQUIRE, default 1; 0 drops it, for an A/B of its cost).
+// keeps stores in order); the conductor's poll loads the states with ld.relaxed.sys (a
+// strong load: the mode's ld.cv is a weak one, which no fence turns into an acquire), and a
+// round that sees a request and has a free position fences (fence.acq_rel.sys: with that
+// load, an acquire) before the barrier after which the boarding warps read the query and the
+// words (KALOS_CAR_ACQUIRE, default 1; 0: the poll by the mode's ld.cv and no fence, session
+// 37's kernel, for an A/B of the cost).
 //
 // Slot (host memory, slot_bytes apart from slot0; little endian u32 words):
 //   [0] state: CAR_REQUEST (the client, after everything else) -> CAR_TAKEN (conductor) ->
@@ -3063,6 +3065,9 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
         const int G = gridDim.x - 1;
         u64 answered = 0;
         unsigned int rot = 0u, started = 0u;  // (warp 0's lane 0) where the slots' order starts; blocks seen started
+        // the poll's loads of the slots' states: strong (ld.relaxed.sys) with KALOS_CAR_ACQUIRE,
+        // whose fence makes one that saw REQUEST an acquire (a weak ld.cv cannot be one)
+        const int poll_mode = KALOS_CAR_ACQUIRE ? ((mode & ~BELL_LDCV) | BELL_SYS) : mode;
         if (threadIdx.x == 0) {
             s_busy = 0u;
             CAR_PROF(CP_SMID, sm_id());
@@ -3088,12 +3093,15 @@ carousel_topk(const __half* __restrict__ data, int ld, int lds, int nrows, const
                 __threadfence();  // (done reset before the position's next gen)
                 // requests: up to 64 slots, two per lane, both loads in flight
                 unsigned int st0 = 0u, st1 = 0u;
-                if (lane < n_slots) st0 = hload(reinterpret_cast<const unsigned int*>(slot0 + (u64)lane * slot_bytes), mode);
-                if (lane + 32 < n_slots) st1 = hload(reinterpret_cast<const unsigned int*>(slot0 + (u64)(lane + 32) * slot_bytes), mode);
+                if (lane < n_slots) st0 = hload(reinterpret_cast<const unsigned int*>(slot0 + (u64)lane * slot_bytes), poll_mode);
+                if (lane + 32 < n_slots) st1 = hload(reinterpret_cast<const unsigned int*>(slot0 + (u64)(lane + 32) * slot_bytes), poll_mode);
                 const unsigned int r0 = __ballot_sync(0xffffffffu, st0 == CAR_REQUEST);
                 const unsigned int r1 = __ballot_sync(0xffffffffu, st1 == CAR_REQUEST);
 #if KALOS_CAR_ACQUIRE
-                if (r0 | r1) asm volatile("fence.acq_rel.sys;" ::: "memory");  // (warp-uniform) the requests' queries and words after their states
+                // (warp-uniform) the requests' queries and words after their states, in a round
+                // that boards: a request seen with every position busy is polled again later
+                const unsigned int room = ~(busy & ~freed) & (P == 32 ? 0xffffffffu : ((1u << P) - 1u));
+                if ((r0 | r1) && room) asm volatile("fence.acq_rel.sys;" ::: "memory");
 #endif
                 const unsigned int any_stop = __ballot_sync(0xffffffffu, stop != 0u);
                 if (lane == 0) {

@@ -349,3 +349,31 @@ def test_the_server_keeps_a_moved_versions_map_until_the_next_move() -> None:
     segs[4].mm.closed = segs[5].mm.closed = True  # the arena closed (or dropped): all maps closed
     assert to_close(segs, 5) == [3, 4, 5]
     assert to_close({}, 1) == []
+
+
+def test_current_docs_reads_each_rows_document_as_it_is_now_or_none() -> None:
+    """The direct carousel's read (no generation came with the answer): every row's document
+    as the table holds it now, or None for a row outside the table, one with no document, one
+    being written, or an entry that names bytes past the heap (corrupt: nothing read there; the
+    C reader, _fastpath.car_answer1, refuses the same)."""
+    import struct
+
+    w, _ = writer(rows_cap=16, heap=256)
+    for r in (1, 4, 9):
+        w.put(r, f"doc {r}".encode())
+    v = view(w)
+    assert v.current_docs([9, 1, 4, 1]) == [b"doc 9", b"doc 1", b"doc 4", b"doc 1"]
+    assert v.current_docs([]) == []
+    w.put(4, b"four, rewritten")
+    assert v.current_docs([4]) == [b"four, rewritten"]
+    for rows in ([1, 16], [-1], [1, 2]):  # outside the table; row 2 has no document
+        assert v.current_docs(rows) is None
+    assert w.buf is not None
+    at = ARENA_HEADER_SIZE + ENTRY_SIZE * 9
+    off, length, gen = struct.unpack_from("<QII", w.buf, at)
+    struct.pack_into("<I", w.buf, at + 12, gen + 1)  # being written (odd)
+    assert v.current_docs([1, 9]) is None
+    struct.pack_into("<QII", w.buf, at, v.fast[1][1] - 3, length, gen)  # past the heap's end (its size: 3 bytes on)
+    assert v.current_docs([9]) is None and v.get(9, gen) is None
+    struct.pack_into("<QII", w.buf, at, off, length, gen)  # (the control: as written)
+    assert v.current_docs([9]) == [b"doc 9"] and v.get(9, gen) == b"doc 9"

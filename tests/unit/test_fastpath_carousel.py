@@ -94,7 +94,7 @@ def test_the_modules_carousel_words_are_the_protocols() -> None:
     }  # fmt: skip
 
 
-def test_a_request_writes_the_query_and_its_words_then_the_state_and_leaves_the_sidecars_words() -> None:
+def test_a_request_writes_the_query_its_words_and_the_state_and_leaves_the_sidecars_words() -> None:
     rig = Rig()
     w = rig.words(1)
     w[2], w[W_ELIGIBLE] = 5, 123  # the namespace and the row count: the sidecar's
@@ -107,16 +107,21 @@ def test_a_request_writes_the_query_and_its_words_then_the_state_and_leaves_the_
 
 
 @pytest.mark.parametrize(
-    "bad", ["busy", "taken", "nan", "inf", "float64", "short", "long", "k0", "k33", "tiny", "huge_ip", "strided"]
-)
+    "bad", ["busy", "taken", "nan", "inf", "nan_tail", "inf_tail", "float64", "short", "long", "k0", "k33", "tiny",
+            "huge_ip", "huge_ip_tail", "strided"]
+)  # fmt: skip
 def test_a_request_it_does_not_take_writes_nothing(bad: str) -> None:
+    """(``_tail``: the value in the last element, which DIM = 97 leaves to the scalar loop
+    after the four-wide one.)"""
     rig = Rig()
     q, k, bounds = query(), 10, COS
     w = rig.words(1)
+    at = DIM - 1 if bad.endswith("_tail") else DIM // 2
+    bad = bad.removesuffix("_tail")
     if bad in ("busy", "taken"):
         w[W_STATE] = CAR_REQUEST if bad == "busy" else CAR_TAKEN  # an earlier request given up
     elif bad in ("nan", "inf"):
-        q[DIM // 2] = np.nan if bad == "nan" else -np.inf
+        q[at] = np.nan if bad == "nan" else -np.inf
     elif bad == "float64":
         q = q.astype(np.float64)[:DIM]
     elif bad == "short":
@@ -128,7 +133,7 @@ def test_a_request_it_does_not_take_writes_nothing(bad: str) -> None:
     elif bad == "tiny":
         q = query(1e-20)  # a cosine query the kernel's float32 norm would lose
     elif bad == "huge_ip":
-        q[3], bounds = 70000.0, car_bounds(Metric.IP)  # not a float16
+        q[at], bounds = -70000.0, car_bounds(Metric.IP)  # not a float16
     elif bad == "strided":
         q = np.repeat(q, 2)[::2]
     before = bytes(rig.mm)
@@ -142,11 +147,12 @@ def test_the_bounds_are_car_takes() -> None:
     for metric in (Metric.COSINE, Metric.IP, Metric.L2):
         lo, hi = car_bounds(metric)
         for amax in (0.0, lo, np.nextafter(np.float32(lo), np.float32(0)), 1.0, 65504.0, 65536.0, hi, 6e16):
-            q = np.zeros(DIM, np.float32)
-            q[5] = -np.float32(amax)
-            rig.words(0)[W_STATE] = CAR_IDLE
-            got = rig.request(0, q, bounds=(lo, hi)) is True
-            assert got == car_takes(metric, float(np.abs(q).max())), (metric, amax)
+            for at in (5, DIM - 1):  # (the four-wide loop's part, and the scalar tail's)
+                q = np.zeros(DIM, np.float32)
+                q[at] = -np.float32(amax)
+                rig.words(0)[W_STATE] = CAR_IDLE
+                got = rig.request(0, q, bounds=(lo, hi)) is True
+                assert got == car_takes(metric, float(np.abs(q).max())), (metric, amax, at)
 
 
 def test_a_request_whose_place_is_outside_the_segment_is_an_error() -> None:
@@ -179,7 +185,7 @@ def test_an_answer_capped_by_the_namespaces_rows_and_an_empty_one() -> None:
 
 
 @pytest.mark.parametrize("what", ["idle", "taken", "error", "seq", "short", "long", "row", "negative",
-                                  "no_doc", "writing"])  # fmt: skip
+                                  "no_doc", "writing", "past_heap", "heap_small", "heap_big"])  # fmt: skip
 def test_an_answer_that_does_not_check_is_left_to_the_usual_path(what: str) -> None:
     rig = Rig()
     rows = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
@@ -200,8 +206,17 @@ def test_an_answer_that_does_not_check_is_left_to_the_usual_path(what: str) -> N
         rows[4] = ROWS + 2  # in the table, never given a document
     elif what == "writing":
         struct.pack_into("<I", rig.arena_w.buf, rig.entry(rows[4]) + 12, 7)  # an odd gen: being written
+    elif what == "past_heap":  # a corrupt entry: its bytes run past the heap's end
+        heap_size = rig.arena.fast[1][1]
+        struct.pack_into("<QI", rig.arena_w.buf, rig.entry(rows[4]), heap_size - 4, 100)
     rig.answer(1, rows, **kw)
-    assert rig.read(1) is None
+    buf, (heap, heap_size, version) = rig.arena.fast
+    if what == "heap_small":  # arena_info that does not fit the arena's buffer: nothing read
+        heap = ARENA_HEADER_SIZE - 16
+    elif what == "heap_big":
+        heap_size = len(buf) - heap + 1
+    info = (heap, heap_size, version)
+    assert fp.car_answer1(rig.mm, LAY.slot_bytes, LAY.rows_off, LAY.scores_off, 0x1_0000_0007, 10, buf, info) is None
 
 
 def test_the_answers_reader_refuses_bad_offsets() -> None:
