@@ -70,13 +70,18 @@ def _rode(index: dict, mode: str, recalls: int) -> None:
 
 @pytest.mark.parametrize(("mode", "metric", "dim", "other_every"),
                          [("1", "cosine", 768, 7), ("1", "l2", 97, 0), ("1", "ip", 768, 0),
-                          ("direct", "cosine", 768, 7), ("direct", "ip", 97, 0)])  # fmt: skip
+                          ("direct", "cosine", 768, 7), ("direct", "ip", 97, 0),
+                          ("direct-python", "l2", 97, 0)])  # fmt: skip
 def test_a_crowd_on_the_carousel_gets_exact_answers(start_sidecar, monkeypatch, mode: str, metric: str, dim: int,
                                                     other_every: int) -> None:  # fmt: skip
     """16 processes x 240 recalls (k 1, 10, 32) over 50,021 float16 rows: every answer matches
     float64 within float16's tolerance (rows of another namespace never returned), and the
     carousel answered them (the index's counters); with KALOS_CAROUSEL=direct the clients
-    wrote them into its slots themselves (protocol v1.4)."""
+    wrote them into its slots themselves (protocol v1.4), through the client's C extension
+    ("direct") or its Python path ("direct-python": KALOS_FASTPATH=0 in the workers)."""
+    if mode == "direct-python":
+        mode = "direct"
+        monkeypatch.setenv("KALOS_FASTPATH", "0")  # (the spawned workers inherit it)
     monkeypatch.setenv("KALOS_CAROUSEL", mode)
     monkeypatch.setenv("KALOS_CAROUSEL_MIN", "4")
     rows, calls = 50_021, 240
