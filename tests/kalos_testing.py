@@ -329,6 +329,23 @@ def carousel_stand_in(name: str, dim: int, mode: str, answered: Any, stop: Any, 
             time.sleep(0.0001)
 
 
+def bytearray_arena(n_docs: int, rows_cap: int = 64, heap_size: int = 4096) -> tuple[Any, Any]:
+    """A document arena in bytearrays (the sidecar's writer and a client's view of it) whose
+    rows 0 .. n_docs - 1 hold b"document {row}": for the client's C readers' unit tests."""
+    from kalos_retrievers.arena import ArenaView, ArenaWriter
+
+    segs: dict[int, bytearray] = {}
+
+    def open_segment(version: int, size: int) -> bytearray:
+        segs[version] = bytearray(size)
+        return segs[version]
+
+    writer = ArenaWriter(open_segment, segs.pop, rows_cap, heap_size)
+    for r in range(n_docs):
+        writer.put(r, f"document {r}".encode())
+    return writer, ArenaView(writer.buf, writer.version)
+
+
 def until(cond: Any, timeout: float = 10.0, what: str = "the condition") -> None:
     """Poll ``cond()`` every 0.5 ms until it holds; fail the test after ``timeout`` s."""
     end = time.monotonic() + timeout

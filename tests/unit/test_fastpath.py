@@ -11,10 +11,10 @@ import threading
 import time
 from collections.abc import Callable
 
+import kalos_testing
 import numpy as np
 import pytest
 
-from kalos_retrievers.arena import ArenaView, ArenaWriter
 from kalos_retrievers.protocol import (
     CTL_OFFSETS,
     REQUEST_OFFSET,
@@ -48,16 +48,7 @@ class Rig:
         self.state[0] = SlotState.CLAIMED
         self.hdr = bytearray(64)
         struct.pack_into("<I", self.hdr, 4 * BELL_WORD, K)  # the kernel runs
-        segs: dict[int, bytearray] = {}
-
-        def open_segment(version: int, size: int) -> bytearray:
-            segs[version] = bytearray(size)
-            return segs[version]
-
-        self.arena_w = ArenaWriter(open_segment, segs.pop, 64, 4096)
-        for r in range(ROWS):
-            self.arena_w.put(r, f"document {r}".encode())
-        self.arena = ArenaView(self.arena_w.buf, self.arena_w.version)  # type: ignore[arg-type]
+        self.arena_w, self.arena = kalos_testing.bytearray_arena(ROWS)
         lay = self.lay
         self.layout = (DIM, lay.payload_offset, lay.rows_offset, lay.scores_offset, lay.blob_offset,
                        lay.blob_size, int(FLAGS), BELL_WORD)  # fmt: skip

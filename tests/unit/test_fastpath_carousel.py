@@ -8,10 +8,11 @@ from __future__ import annotations
 import mmap
 import struct
 
+import kalos_testing
 import numpy as np
 import pytest
 
-from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE, ArenaView, ArenaWriter
+from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE
 from kalos_retrievers.protocol import (
     CAR_DONE,
     CAR_ERROR,
@@ -44,16 +45,7 @@ class Rig:
 
     def __init__(self) -> None:
         self.mm = mmap.mmap(-1, SLOTS * LAY.slot_bytes)
-        segs: dict[int, bytearray] = {}
-
-        def open_segment(version: int, size: int) -> bytearray:
-            segs[version] = bytearray(size)
-            return segs[version]
-
-        self.arena_w = ArenaWriter(open_segment, segs.pop, 64, 4096)
-        for r in range(ROWS):
-            self.arena_w.put(r, f"document {r}".encode())
-        self.arena = ArenaView(self.arena_w.buf, self.arena_w.version)  # type: ignore[arg-type]
+        self.arena_w, self.arena = kalos_testing.bytearray_arena(ROWS)
 
     def words(self, i: int) -> np.ndarray:
         return np.frombuffer(self.mm, np.uint32, CAR_HEAD // 4, i * LAY.slot_bytes)
