@@ -769,7 +769,7 @@ class GpuIndex(Index):
                             mm = self.carousel_map(CarouselLayout.of(self.dim).segment_size(carousel.MAX_SLOTS))
                         except OSError as e:  # (a full /dev/shm, say): the lane alone, as KALOS_CAROUSEL=1
                             log.warning("no direct slots for the carousel (%s): its recalls come the usual way", e)
-                            direct = 0
+                            direct = self.carousel_direct = 0  # (the dispatcher's rules: a lane-only crowd)
                     slots = carousel.Slots(self.cp, carousel.MAX_SLOTS, self.dim, mm)
                     try:
                         self._car = carousel.Carousel(self.cp, self.data, self.dim, self.metric, slots, ns=self.ns,
@@ -1926,6 +1926,7 @@ class GpuIndex(Index):
         self.detach_segment()
         self._closed = True
         car, self._car = self._car, None
+        self._direct = None  # (its view of the slots' words: before the slots' map is closed)
         if car is not None and not (car.running and self._car_fault):
             with contextlib.suppress(Exception):
                 car.close()

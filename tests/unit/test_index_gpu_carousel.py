@@ -307,6 +307,7 @@ def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(i
     assert (slots.words[:5, carousel.W_NS].view(np.int32) == 0).all()
     assert (slots.words[:5, W_ELIGIBLE] == 52).all()  # (the namespace's rows: what a direct answer's count must be)
     assert lane.first == 5 and min(lane._free) == 5
+    assert idx.carousel_active() == 5 and idx.carousel_active() == 0  # (looked at during the first launch too)
     data = np.asarray(idx.data).astype(np.float32)
     keep = (np.asarray(idx.ns) == 0) & (np.arange(64) < 53)
     rng = np.random.default_rng()
@@ -333,9 +334,12 @@ def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(i
     _ask(slots, 1, q[0], 9, 44)  # after the stop: no kernel will take it
     assert idx.sweep_carousel() == 1 and slots.state(1) == carousel.IDLE
     assert idx.sweep_carousel() == 0
-    # a second launch: its epoch the next odd one, its slots' request numbers looked at afresh
-    _start(idx, launching, 53, ns=0)
+    # a second launch: its epoch the next odd one, its words written again (another namespace
+    # and count: the launch's, as for every launch), its slots' request numbers looked at afresh
+    slots.words[:5, W_ELIGIBLE] = 0
+    _start(idx, launching, 53, ns=0, eligible=49)
     assert published[-1] == (5, 5, True)
+    assert (slots.words[:5, W_ELIGIBLE] == 49).all() and (slots.words[5:, W_ELIGIBLE] == 0).all()
     assert idx.carousel_active() == 5  # (the first look after a launch: every slot counts)
     assert idx.carousel_active() == 0  # nothing sent since
     _ask(slots, 0, q[1], 4, 45)
@@ -390,3 +394,24 @@ def test_a_stop_does_not_wait_for_ever_on_a_direct_request_and_sweeps_it(index: 
     idx.stop_carousel()
     assert time.monotonic() - t < 2.0 and not idx.carousel_running
     assert slots.state(0) == carousel.IDLE
+
+
+def test_a_carousel_segment_that_cannot_be_made_leaves_the_lane_alone(index: Any) -> None:
+    """KALOS_CAROUSEL=direct with /dev/shm full: the carousel still starts, its slots in the
+    sidecar's own memory, every slot the lane's, no epoch published, and the index says it has
+    no direct slots (so the dispatcher judges the crowd as the lane's). With a map that works,
+    the slots below carousel_direct are the clients' (the test above)."""
+    import errno
+
+    idx, launching, _ = index
+    published: list[int] = []
+
+    def full(size: int) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    idx.__dict__.update(carousel_direct=5, carousel_map=full, on_carousel=lambda e, n: published.append(e))
+    _start(idx, launching, 53, ns=0, eligible=52)
+    assert idx.carousel_running and idx.crowd.first == 0 and min(idx.crowd._free) == 0
+    assert idx.carousel_direct == 0 and idx.carousel_direct_slots == 0 and idx.carousel_active() == 0
+    idx.stop_carousel()
+    assert published == [] and idx.sweep_carousel() == 0
