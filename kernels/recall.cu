@@ -2897,12 +2897,14 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
 #ifndef KALOS_CAR_CLERK
 #define KALOS_CAR_CLERK 1
 #endif
-// A turn's closing selection over a short list (at most 64 entries: the usual case once the
-// threshold has risen) by car_best<2> instead of car_best<CAR_CAP / 32>: k rounds of 3 compares
-// instead of 18 (1: on; 0: the long form always, for an A/B).
+// The conductor's poll an acquire (1: strong loads and a fence in a round that boards, the
+// memory-order note above; 0: session 37's weak poll, for an A/B of the cost).
 #ifndef KALOS_CAR_ACQUIRE
 #define KALOS_CAR_ACQUIRE 1
 #endif
+// A turn's closing selection over a short list (at most 64 entries: the usual case once the
+// threshold has risen) by car_best<2> instead of car_best<CAR_CAP / 32>: k rounds of 3 compares
+// instead of 18 (1: on; 0: the long form always, for an A/B).
 #ifndef KALOS_CAR_SHORT
 #define KALOS_CAR_SHORT 1
 #endif
