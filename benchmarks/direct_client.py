@@ -65,7 +65,7 @@ def main() -> None:
     top = rng.choice(ROWS, k, replace=False).astype(np.int32)
     top_scores = np.linspace(1, 0.5, k, dtype=np.float32)
 
-    def answer(conn, w, epoch, deadline, t_sent):  # type: ignore[no-untyped-def]
+    def answer(conn, w, epoch, deadline, t_sent, spin=None):  # type: ignore[no-untyped-def]
         """The kernel's answer, written at once (the wait itself is not timed here; these few
         stores, ~1 µs, are)."""
         i = slot.index

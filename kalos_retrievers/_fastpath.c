@@ -598,12 +598,53 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(car_wait1_doc,
+"car_wait1(segment, at, until_ns)\n"
+"\n"
+"Spin, the GIL released, on the state word of the carousel slot at byte ``at`` of ``segment``\n"
+"while it reads REQUEST or TAKEN, until ``until_ns`` (CLOCK_MONOTONIC) at most; return the\n"
+"state last read. The spin part of KalosClient._wait_direct: its checks (the epoch, the\n"
+"sidecar's life, the deadline) stay in Python, between calls of at most a millisecond.\n");
+
+static PyObject* car_wait1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "car_wait1 takes 3 arguments");
+        return NULL;
+    }
+    long long at;
+    unsigned long long until;
+    if ((at = PyLong_AsLongLong(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    if ((until = PyLong_AsUnsignedLongLong(args[2])) == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    Py_buffer sb;
+    if (PyObject_GetBuffer(args[0], &sb, PyBUF_SIMPLE) < 0) return NULL;
+    if (at < 0 || (at & 3) || at + 4 > sb.len) {
+        PyBuffer_Release(&sb);
+        PyErr_SetString(PyExc_ValueError, "car_wait1: the state word is not inside the segment");
+        return NULL;
+    }
+    const uint32_t* state = (const uint32_t*)((const char*)sb.buf + at);
+    uint32_t st;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        st = __atomic_load_n(state, __ATOMIC_ACQUIRE);
+        if ((st != CAR_REQUEST && st != CAR_TAKEN) || now_ns() >= until) break;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();  /* (a spinning hyperthread leaves its core's sibling the pipeline) */
+#endif
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&sb);
+    return PyLong_FromUnsignedLong(st);
+}
+
 static PyMethodDef methods[] = {
     {"recall1", (PyCFunction)(void (*)(void))recall1, METH_FASTCALL, recall1_doc},
     {"request1", (PyCFunction)(void (*)(void))request1, METH_FASTCALL, request1_doc},
     {"answer1", (PyCFunction)(void (*)(void))answer1, METH_FASTCALL, answer1_doc},
     {"car_request1", (PyCFunction)(void (*)(void))car_request1, METH_FASTCALL, car_request1_doc},
     {"car_answer1", (PyCFunction)(void (*)(void))car_answer1, METH_FASTCALL, car_answer1_doc},
+    {"car_wait1", (PyCFunction)(void (*)(void))car_wait1, METH_FASTCALL, car_wait1_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -908,7 +908,7 @@ class KalosClient:
             return None
         slot.seq = seq
         t_sent = time.monotonic_ns()
-        state = self._wait_direct(conn, car.words[i], epoch, deadline, t_sent)
+        state = self._wait_direct(conn, car.words[i], epoch, deadline, t_sent, (car.buf, at))
         waited = time.monotonic_ns() - t_sent
         if state != CAR_DONE:
             return None
@@ -922,7 +922,8 @@ class KalosClient:
         self.direct_recalls += 1
         return RecallResult(np.frombuffer(rows_b, _I32LE), np.frombuffer(scores_b, _F32LE), docs, None, "")
 
-    def _wait_direct(self, conn: _Conn, w: np.ndarray, epoch: int, deadline: float, t_sent: int) -> int:
+    def _wait_direct(self, conn: _Conn, w: np.ndarray, epoch: int, deadline: float, t_sent: int,
+                     spin: tuple[Any, int] | None = None) -> int:  # fmt: skip
         """Wait for the carousel's answer to the request in the slot whose words are ``w``;
         return the slot's final state (DONE, ERROR, or IDLE: the sidecar swept it).
 
@@ -933,6 +934,9 @@ class KalosClient:
         short sleeps. Every millisecond of that: the carousel's epoch (changed: the sidecar is
         stopping the kernel; its doorbell is posted once, so that a sidecar asleep wakes and
         turns a request no kernel will take back to IDLE), the sidecar's life, the deadline.
+        With ``spin`` (the carousel segment's buffer and the slot's byte offset) the spin is
+        ``_fastpath.car_wait1``'s, the GIL released: other threads of the process run while
+        this one spins.
 
         Raises:
             SidecarTimeout: no answer by ``deadline`` (the request stays in the slot; the
@@ -968,6 +972,8 @@ class KalosClient:
                 time.sleep(min(wake - now, next_check - now) / 1e9)
             elif now > spin_until:
                 time.sleep(_DIRECT_POLL_S)
+            elif spin is not None:
+                _fastpath.car_wait1(spin[0], spin[1], min(spin_until, next_check))
 
     def _recall_fast(
         self, conn: _Conn, slot: _Slot, q: np.ndarray, k: int, deadline: float, arena: ArenaView | None, bell: bool

@@ -220,3 +220,35 @@ def test_the_answers_reader_refuses_bad_offsets() -> None:
         fp.car_answer1(rig.mm, 0, LAY.rows_off, LAY.scores_off, 7, CAR_KMAX + 1, buf, info)
     with pytest.raises(TypeError, match="arena_info"):
         fp.car_answer1(rig.mm, 0, LAY.rows_off, LAY.scores_off, 7, 10, buf, (1, 2))
+
+
+def test_the_wait_spins_until_a_final_state_or_its_end_with_the_gil_released() -> None:
+    """car_wait1: a final state (DONE, ERROR, IDLE) ends it at once; REQUEST or TAKEN, at
+    ``until``; and while it spins another Python thread runs (the GIL released): the thread
+    that answers the slot 20 ms in ends a spin meant to last 3 s (with the GIL held it could
+    not run until the spin had ended)."""
+    import threading
+    import time
+
+    rig = Rig()
+    w = rig.words(2)
+    at = 2 * LAY.slot_bytes
+    for st in (CAR_DONE, CAR_ERROR, CAR_IDLE):
+        w[W_STATE] = st
+        assert fp.car_wait1(rig.mm, at, time.monotonic_ns() + 10**9) == st
+    for st in (CAR_REQUEST, CAR_TAKEN):
+        w[W_STATE] = st
+        t0 = time.monotonic_ns()
+        assert fp.car_wait1(rig.mm, at, t0 + 5_000_000) == st
+        assert time.monotonic_ns() - t0 >= 5_000_000
+    w[W_STATE] = CAR_TAKEN
+    answer = threading.Timer(0.02, lambda: w.__setitem__(W_STATE, CAR_DONE))
+    t0 = time.monotonic()
+    answer.start()
+    try:
+        assert fp.car_wait1(rig.mm, at, time.monotonic_ns() + 3 * 10**9) == CAR_DONE
+    finally:
+        answer.cancel()
+    assert time.monotonic() - t0 < 1.5
+    with pytest.raises(ValueError, match="not inside"):
+        fp.car_wait1(rig.mm, len(rig.mm) - 2, 0)

@@ -480,15 +480,20 @@ def test_sleep_then_spin_sleeps_short_by_the_margin_and_the_slack() -> None:
         c.close()
 
 
+@pytest.mark.parametrize("spin", ["python", "c"])
 def test_a_direct_wait_posts_the_bell_once_when_the_epoch_moves_and_keeps_its_deadline(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, spin: str
 ) -> None:
     """KalosClient._wait_direct (protocol v1.4): a request the kernel never answers waits until
     its deadline (SidecarTimeout), checking every millisecond; if the carousel's epoch moves
     meanwhile (the sidecar stopping the kernel), the sidecar's doorbell is posted once, so
     that a sleeping sidecar sweeps the slot; with the epoch unchanged, never (the control). A
-    final state ends the wait at once, with that state."""
+    final state ends the wait at once, with that state. Spinning in Python, or in C
+    (``_fastpath.car_wait1``, given the words' buffer), the same."""
     import kalos_retrievers.client as C
+
+    if spin == "c" and C._fastpath is None:
+        pytest.skip("the C extension is not built here")
     from kalos_retrievers import SidecarTimeout
     from kalos_retrievers.protocol import CAR_DONE, CAR_IDLE, CAR_REQUEST, W_STATE
 
@@ -508,17 +513,19 @@ def test_a_direct_wait_posts_the_bell_once_when_the_epoch_moves_and_keeps_its_de
         def carousel_epoch(self) -> int:
             return self.epochs.pop(0) if len(self.epochs) > 1 else self.epochs[0]
 
-    w = np.zeros(8, np.uint32)
+    buf = bytearray(64)
+    w = np.frombuffer(buf, np.uint32, 8, 32)  # (a slot at byte 32)
+    how = (buf, 32) if spin == "c" else None
     try:
         for epochs, want in (([7, 7], 0), ([7, 8, 10], 1)):
             posts.clear()
             w[W_STATE] = CAR_REQUEST
             t = time.monotonic_ns()
             with pytest.raises(SidecarTimeout):
-                c._wait_direct(Conn(epochs), w, 7, time.monotonic() + 0.05, t)  # type: ignore[arg-type]
+                c._wait_direct(Conn(epochs), w, 7, time.monotonic() + 0.05, t, how)  # type: ignore[arg-type]
             assert len(posts) == want and time.monotonic_ns() - t < 2000 * MS
         for state in (CAR_DONE, CAR_IDLE):
             w[W_STATE] = state
-            assert c._wait_direct(Conn([7]), w, 7, time.monotonic() + 5, time.monotonic_ns()) == state  # type: ignore[arg-type]
+            assert c._wait_direct(Conn([7]), w, 7, time.monotonic() + 5, time.monotonic_ns(), how) == state  # type: ignore[arg-type]
     finally:
         c.close()
