@@ -4,7 +4,9 @@
  * answers (no resident kernel takes it): request1 writes the same request words and query with
  * the state REQUEST; the client posts the sidecar's doorbell and waits in Python as for any
  * request (its spin, sleep and block, the deadline and the sidecar's death); answer1 then reads
- * the answer as recall1 does, or leaves it, untouched, to the Python path.
+ * the answer as recall1 does, or leaves it, untouched, to the Python path. car_request1 /
+ * car_wait1 / car_answer1: a recall written into the carousel's own slots (protocol v1.4,
+ * KALOS_CAROUSEL=direct), further below.
  *
  * `KalosClient.recall` of one query (the default namespace, no filter, documents from the
  * arena) writes the query and the request words into its slot, sets DOORBELL, spins on the
