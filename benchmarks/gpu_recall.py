@@ -49,8 +49,12 @@ def sidecar_view(st: dict[str, Any]) -> dict[str, Any]:
 def with_waits(client: Any, fn: Any, calls: int, warmup: int) -> dict[str, float]:
     """``time_calls(fn, ...)`` plus ``wait_p50_us``: how long each call waited for its answer
     (from the request's post to the answer seen: the sidecar's pickup, search and answer, and
-    how late the client noticed). The rest of a call is the client's own Python."""
-    waits: list[float] = []
+    how late the client noticed). The rest of a call is the client's own Python:
+    ``before_p50_us`` from the call to its wait (the queries checked and written, the post),
+    ``after_p50_us`` from the answer seen to the call's return (the answer read, the results
+    and their documents cut), each the p50 of the calls that waited once."""
+    waits: list[tuple[int, int]] = []
+    calls_at: list[tuple[int, int]] = []
     inner = client._wait
 
     def timed_wait(*a: Any, **kw: Any) -> Any:
@@ -58,14 +62,25 @@ def with_waits(client: Any, fn: Any, calls: int, warmup: int) -> dict[str, float
         try:
             return inner(*a, **kw)
         finally:
-            waits.append((time.perf_counter_ns() - t0) / 1000)
+            waits.append((t0, time.perf_counter_ns()))
+
+    def timed_fn(i: int) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(i)
+        finally:
+            calls_at.append((t0, time.perf_counter_ns()))
 
     client._wait = timed_wait
     try:
-        out = time_calls(fn, calls, warmup)
+        out = time_calls(timed_fn, calls, warmup)
     finally:
         del client._wait
-    out["wait_p50_us"] = round(float(np.median(waits[warmup:])), 1)
+    out["wait_p50_us"] = round(float(np.median([(b - a) / 1000 for a, b in waits[warmup:]])), 1)
+    if len(waits) == len(calls_at):  # (one wait per call: the phases line up)
+        pairs = list(zip(calls_at, waits, strict=True))[warmup:]
+        out["before_p50_us"] = round(float(np.median([(w0 - c0) / 1000 for (c0, _), (w0, _) in pairs])), 1)
+        out["after_p50_us"] = round(float(np.median([(c1 - w1) / 1000 for (_, c1), (_, w1) in pairs])), 1)
     return out
 
 
@@ -343,6 +358,8 @@ def main() -> int:
             ("1M torch batch-64 mm+topk p50 (us)", "Kalos faster", f"{tb64['p50_us']}",
              ok(b64["p50_us"] < tb64["p50_us"])),
             ("1M recall_batch(64): waiting for the answer, p50 (us)", "", f"{b64['wait_p50_us']}", ""),
+            ("1M recall_batch(64): the client before / after its wait, p50 (us)", "",
+             f"{b64.get('before_p50_us', '-')} / {b64.get('after_p50_us', '-')}", ""),
             ("1M recall_batch(64), client spin_us=2000: p50 / wait p50 (us)", "",
              f"{b64s['p50_us']} / {b64s['wait_p50_us']}", ""),
             ("1M, 32 procs: recalls/s", ">= 40000", f"{thr['recalls_per_s']}", ok(thr["recalls_per_s"] >= 40000)),
