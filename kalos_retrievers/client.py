@@ -836,7 +836,7 @@ class KalosClient:
             SidecarTimeout: no answer by ``deadline``.
             SidecarUnavailable: the sidecar died meanwhile.
         """
-        if _fastpath is not None and hasattr(_fastpath, "car_request1"):  # (not an extension built before v1.4)
+        if _fastpath is not None and hasattr(_fastpath, "car_wait1"):  # (not an extension built before these)
             return self._recall_direct_c(conn, car, slot, q, k, deadline)
         i = slot.index
         w = car.words[i]
