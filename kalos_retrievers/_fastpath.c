@@ -406,11 +406,12 @@ static PyObject* answer1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
 /* ------------------------------------------------------------------------------------------
  * The carousel's direct slots (protocol v1.4, KALOS_CAROUSEL=direct): a client writes its
  * batch-1 recall into carousel slot i itself and reads the kernel's answer there; the wait
- * between the two (sleep, spin, the epoch, the sidecar's life, the deadline) stays in Python
- * (KalosClient._wait_direct). A slot's u32 words (protocol.py W_*; the kernel's CAR_HEAD_BYTES):
+ * between the two is KalosClient._wait_direct's (its sleeps and its checks of the epoch, the
+ * sidecar's life and the deadline in Python, its spin car_wait1's). A slot's u32 words
+ * (protocol.py W_*; the kernel's CAR_HEAD_BYTES):
  * [0] state [1] k [2] namespace [3] seq [4] results [5] seq echoed [6] ns aboard [7] the
  * namespace's rows at the launch; the float32 query at byte 32; rows and scores at the layout's
- * offsets. tests/unit/test_fastpath.py checks these against the module's CAR_WORDS. */
+ * offsets. tests/unit/test_fastpath_carousel.py checks these against the module's CAR_WORDS. */
 enum { CW_STATE = 0, CW_K = 1, CW_SEQ = 3, CW_RESULTS = 4, CW_RESP_SEQ = 5, CW_ELIGIBLE = 7, CAR_HEAD = 32 };
 enum { CAR_REQUEST = 1, CAR_TAKEN = 2, CAR_DONE = 3, CAR_KMAX = 32 };
 #define ARENA_HEADER 64  /* arena.ARENA_HEADER_SIZE: the row table's first entry */
@@ -479,7 +480,7 @@ static PyObject* car_request1(PyObject* self, PyObject* const* args, Py_ssize_t 
     const char* fmt = b.qb.format ? b.qb.format : "B";
     if (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@') fmt++;
     const long long qbytes = 4 * dim;
-    if (at + CAR_HEAD + qbytes > b.sb.len) {
+    if (dim > (long long)b.sb.len / 4 || at > (long long)b.sb.len - CAR_HEAD - qbytes) {  /* (no overflow) */
         PyErr_SetString(PyExc_ValueError, "car_request1: the query does not fit the slot");
         goto out;
     }
@@ -551,7 +552,8 @@ static PyObject* car_answer1(PyObject* self, PyObject* const* args, Py_ssize_t n
         return NULL;
     }
     PyObject *result = NULL, *rows_b = NULL, *scores_b = NULL, *docs = NULL;
-    if (at + rows_off + 4 * CAR_KMAX > sb.len || at + scores_off + 4 * CAR_KMAX > sb.len) {
+    const long long room = (long long)sb.len - at - 4 * CAR_KMAX;  /* (at, rows_off, scores_off >= 0: no overflow) */
+    if (at > (long long)sb.len || rows_off > room || scores_off > room) {
         PyErr_SetString(PyExc_ValueError, "car_answer1: the answer does not fit the segment");
         goto done;
     }
@@ -620,7 +622,7 @@ static PyObject* car_wait1(PyObject* self, PyObject* const* args, Py_ssize_t nar
     if ((until = PyLong_AsUnsignedLongLong(args[2])) == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     Py_buffer sb;
     if (PyObject_GetBuffer(args[0], &sb, PyBUF_SIMPLE) < 0) return NULL;
-    if (at < 0 || (at & 3) || at + 4 > sb.len) {
+    if (at < 0 || (at & 3) || at > (long long)sb.len - 4) {
         PyBuffer_Release(&sb);
         PyErr_SetString(PyExc_ValueError, "car_wait1: the state word is not inside the segment");
         return NULL;

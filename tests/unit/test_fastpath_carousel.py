@@ -153,6 +153,10 @@ def test_a_request_whose_place_is_outside_the_segment_is_an_error() -> None:
         fp.car_request1(rig.mm, len(rig.mm) - CAR_HEAD - 4 * DIM + 4, query(), DIM, 1, 10, *COS)
     with pytest.raises(ValueError, match="multiple of 4"):
         fp.car_request1(rig.mm, 2, query(), DIM, 1, 10, *COS)
+    with pytest.raises(ValueError, match="does not fit"):  # (sizes whose sums would overflow)
+        fp.car_request1(rig.mm, 0, query(), 2**61, 1, 10, *COS)
+    with pytest.raises(ValueError, match="does not fit"):
+        fp.car_request1(rig.mm, 2**62, query(), DIM, 1, 10, *COS)
 
 
 def test_an_answer_comes_back_with_its_rows_scores_and_documents() -> None:
@@ -218,6 +222,9 @@ def test_the_answers_reader_refuses_bad_offsets() -> None:
         fp.car_answer1(rig.mm, SLOTS * LAY.slot_bytes, LAY.rows_off, LAY.scores_off, 7, 10, buf, info)
     with pytest.raises(ValueError, match="bad offsets or k"):
         fp.car_answer1(rig.mm, 0, LAY.rows_off, LAY.scores_off, 7, CAR_KMAX + 1, buf, info)
+    for at, rows_off in ((2**62, LAY.rows_off), (0, 2**62)):  # (sums that would overflow)
+        with pytest.raises(ValueError, match="does not fit"):
+            fp.car_answer1(rig.mm, at, rows_off, LAY.scores_off, 7, 10, buf, info)
     with pytest.raises(TypeError, match="arena_info"):
         fp.car_answer1(rig.mm, 0, LAY.rows_off, LAY.scores_off, 7, 10, buf, (1, 2))
 
