@@ -191,10 +191,11 @@ class ArenaView:
     def current_docs(self, rows: Sequence[int]) -> list[bytes] | None:
         """The documents ``rows`` hold now (copies), each read under its entry's seqlock (gen
         read, even, then offset and length, then gen again, unchanged); None if a row is out of
-        range, has no document, is being written, or names bytes outside the heap. For an answer whose rows cannot have
-        changed since it was made (the carousel's direct answers: the sidecar stops the
-        kernel, and says so in the header, before it writes rows; the caller checks that
-        after this read), where no generation came with the answer."""
+        range, has no document, is being written, or names bytes outside the heap. For an
+        answer whose rows cannot have changed since it was made (the carousel's direct
+        answers: the sidecar stops the kernel, and says so in the header, before it writes
+        rows; the caller checks that after this read), where no generation came with the
+        answer. (The client's C reader, ``_fastpath.car_answer1``, does the same.)"""
         buf, heap, hsize, cap, copy = self._buf, self._heap, self._heap_size, self.rows_cap, self._copy
         entry, gen_of = ENTRY.unpack_from, _GEN.unpack_from
         out = []
