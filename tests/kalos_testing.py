@@ -128,7 +128,8 @@ def exact_crowd_worker(name: str, dim: int, metric: str, seed: int, n_calls: int
     0; every ``other_every``-th in another namespace when nonzero), back to back. The float64
     references are computed first, then the worker waits at ``start`` (a barrier shared with
     the crowd's other workers, if given), so the crowd recalls at once. Puts the first
-    mismatch's description on ``out`` (or "" when every answer was right).
+    mismatch's description on ``out`` (or "" when every answer was right, and, with
+    KALOS_FASTPATH=0, the client's C extension was off as asked).
 
     Two references: the batched paths and the carousel round the query to float16, the
     resident batch-1 kernel (a client alone, as the crowd thins) multiplies it in float32. At
@@ -173,6 +174,11 @@ def exact_crowd_worker(name: str, dim: int, metric: str, seed: int, n_calls: int
                 raise AssertionError("\n".join(misses))
     except AssertionError as e:
         out.put(str(e))
+        return
+    import kalos_retrievers.client as client_module
+
+    if os.environ.get("KALOS_FASTPATH") == "0" and client_module._fastpath is not None:
+        out.put("KALOS_FASTPATH=0 did not keep this worker's client to its Python path")
         return
     out.put("")
 
