@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from kalos_retrievers import _conn
 from kalos_retrievers import client as client_module
 from kalos_retrievers.arena import ArenaView, ArenaWriter
 from kalos_retrievers.protocol import (
@@ -50,7 +51,7 @@ def main() -> None:
         client_module._fastpath = None
     path = "Python" if client_module._fastpath is None else "C"
     dim, k = args.dim, args.k
-    car = client_module._CarouselView(mmap.mmap(-1, CarouselLayout.of(dim).segment_size()), dim, 48)
+    car = _conn._CarouselView(mmap.mmap(-1, CarouselLayout.of(dim).segment_size()), dim, 48)
     car.words[:, W_ELIGIBLE] = ROWS  # (as the sidecar writes at the launch: the namespace's rows)
     maps: dict[int, mmap.mmap] = {}
     writer = ArenaWriter(lambda v, size: maps.setdefault(v, mmap.mmap(-1, size)), maps.pop, rows_cap=4096,

@@ -44,7 +44,7 @@ import numpy as np
 
 os.environ["KALOS_ARENA"] = "1"  # the spawned sidecar keeps a document arena
 
-from kalos_retrievers import KalosClient
+from kalos_retrievers import KalosClient, _conn
 from kalos_retrievers import client as client_module
 from kalos_retrievers.protocol import (
     REQUEST_OFFSET,
@@ -143,7 +143,7 @@ def main() -> None:
         off = conn.layout.slot_offset(slot.index)
         responder = subprocess.Popen([sys.executable, "-P", __file__, "--respond", owner.name, str(off), str(answer)])
         try:
-            conn._hdr32[client_module._DOORBELL_K_WORD] = 32  # "a resident kernel answers k <= 32"
+            conn._hdr32[_conn._DOORBELL_K_WORD] = 32  # "a resident kernel answers k <= 32"
             time.sleep(0.5)  # the responder is spinning
             got = c.recall(q, K)
             assert [h.id for h in got] == [h.id for h in first], "the stand-in's answer differs"
@@ -151,7 +151,7 @@ def main() -> None:
                 sys.exit("a recall did not go through the C path (recall1 did not return the answer)")
             results = run_rounds(c, conn, q, a.calls, a.rounds)
         finally:
-            conn._hdr32[client_module._DOORBELL_K_WORD] = 0
+            conn._hdr32[_conn._DOORBELL_K_WORD] = 0
             responder.kill()
             responder.wait()
             answer.unlink(missing_ok=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import mmap
 import numbers
 import os
 import random
@@ -38,13 +37,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 import numpy as np
-import posix_ipc
 
 from . import _ipc
-from .arena import ENTRY_SIZE, ArenaView, arena_name
+from ._conn import _CarouselView, _Conn, _Slot
+from .arena import ENTRY_SIZE, ArenaView
 from .errors import (
     CapacityError,
-    IncompatibleVersion,
     KalosError,
     PermissionDenied,
     ProtocolError,
@@ -57,11 +55,9 @@ from .errors import (
 from .filters import validate_filter
 from .protocol import (
     CAR_DONE,
-    CAR_HEAD,
     CAR_KMAX,
     CAR_REQUEST,
     CAR_TAKEN,
-    CTL_SIZE,
     OP_NAMES,
     REQUEST_OFFSET,
     REQUEST_STRUCT,
@@ -71,33 +67,24 @@ from .protocol import (
     W_RESULTS,
     W_SEQ,
     W_STATE,
-    CarouselLayout,
     DocViews,
     Flag,
     Header,
-    HeaderError,
     Metric,
     Op,
     ProtocolDecodeError,
     RespFlag,
     Response,
-    SidecarState,
     SlotState,
     Status,
     align8,
-    car_bounds,
     car_takes,
-    carousel_segment_name,
     check_name,
     check_vectors,
     decode_doc,
     decode_docs_blob,
-    decode_header,
-    doorbell_name,
     encode_json,
     encode_recall_args,
-    response_sem_name,
-    segment_name,
 )
 from .results import RecallResult, Record
 
@@ -118,12 +105,6 @@ _I32LE: Final = np.dtype("<i4")
 _F32LE: Final = np.dtype("<f4")
 _KERNEL_FLAGS: Final = Flag.ARENA_DOCS | Flag.ARENA_ENTRIES  # (with or without ENTRIES) a recall the GPU kernel takes
 _X86: Final = os.uname().machine in ("x86_64", "AMD64")  # the spin and arena paths rely on TSO
-_ARENA_VERSION_WORD = 62  # header u32 index of arena_version (offset 248, two words)
-_DOORBELL_K_WORD = 64  # header u32 index of doorbell_k (offset 256)
-_DOORBELL_CAP_WORD = 65  # header u32 index of doorbell_cap (offset 260)
-_CAROUSEL_EPOCH_WORD = 66  # header u32 index of carousel_epoch (offset 264, two words; v1.4)
-_CAROUSEL_SLOTS_WORD = 68  # header u32 index of carousel_slots (offset 272)
-_HEADER_WORDS = 70  # the header's u32 words the client reads (through carousel_slots)
 # how long _fastpath spins for a resident kernel's answer before the Python wait takes over
 # (which checks the sidecar is alive every millisecond)
 _FAST_SPIN_NS = 1_000_000
@@ -208,7 +189,6 @@ def _usable_cores() -> int:
 _CORES: Final = _usable_cores()
 _NO_ARENA: Final = (None, (0, 0, 0))  # _fastpath's arena and arena_info when documents come inline
 _SPIN_CROWD: Final = max(1, _CORES // 4)
-_DOORBELL: Final = np.uint32(SlotState.DOORBELL)
 _HANDOVER_NS = 2_000_000  # a DOORBELL the stopped kernel left: block if the sidecar has not taken it by then
 _BACKOFF_MIN = 0.05
 _BACKOFF_MAX = 2.0
@@ -224,283 +204,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-# --------------------------------------------------------------------------------------------
-# One connection = one boot epoch of one sidecar
-
-
-class _Slot:
-    """A claimed slot and typed views of its areas. Used by one thread at a time."""
-
-    __slots__ = ("blob", "ctl", "index", "mem", "payload", "payload_f32", "pending", "rows", "scores",
-                 "sem", "seq", "state")  # fmt: skip
-
-    def __init__(self, conn: _Conn, index: int) -> None:
-        lay = conn.layout
-        off = lay.slot_offset(index)
-        mv = memoryview(conn.seg.mm)
-        self.index = index
-        self.ctl = mv[off : off + CTL_SIZE]
-        self.mem = mv[off : off + lay.slot_size]  # the whole slot (_fastpath writes and reads it)
-        self.state = self.ctl.cast("I")
-        self.payload = mv[off + lay.payload_offset : off + lay.rows_offset]
-        self.payload_f32 = np.frombuffer(self.payload, dtype="<f4")
-        self.rows = np.frombuffer(conn.seg.mm, "<i4", lay.max_results, off + lay.rows_offset)
-        self.scores = np.frombuffer(conn.seg.mm, "<f4", lay.max_results, off + lay.scores_offset)
-        self.blob = mv[off + lay.blob_offset : off + lay.blob_offset + lay.blob_size]
-        self.sem = _ipc.open_semaphore(response_sem_name(conn.name, index))
-        self.seq = random.getrandbits(48)
-        self.pending = 0  # seq of an abandoned request still in the sidecar's hands
-
-
-class _CarouselView:
-    """A GPU sidecar's carousel slots, mapped (protocol v1.4, KALOS_CAROUSEL=direct): slot i
-    is the one the holder of protocol slot i writes its batch-1 recalls into."""
-
-    __slots__ = ("buf", "lay", "queries", "rows", "scores", "words")
-
-    def __init__(self, mm: mmap.mmap, dim: int, n: int) -> None:
-        lay = CarouselLayout.of(dim)
-        if not n > 0 or len(mm) < n * lay.slot_bytes:
-            raise ValueError(f"a carousel segment of {len(mm)} bytes does not hold {n} slots of {lay.slot_bytes}")
-        self.buf, self.lay = mm, lay  # (for _fastpath.car_request1 / car_answer1: slot i at i * slot_bytes)
-        stride = lay.slot_bytes // 4
-        def view(dtype: Any, off: int, count: int) -> np.ndarray:  # [n, count] at byte off of each slot
-            return np.frombuffer(mm, dtype, n * stride).reshape(n, stride)[:, off // 4 : off // 4 + count]
-
-        self.words = view(np.uint32, 0, stride)  # (the map lives as long as these views do)
-        self.queries = view(np.float32, CAR_HEAD, dim)
-        self.rows = view(np.int32, lay.rows_off, CAR_KMAX)
-        self.scores = view(np.float32, lay.scores_off, CAR_KMAX)
-
-    @classmethod
-    def open(cls, name: str, dim: int, n: int) -> _CarouselView:
-        shm = posix_ipc.SharedMemory(carousel_segment_name(name), flags=0)
-        try:
-            mm = mmap.mmap(shm.fd, os.fstat(shm.fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            shm.close_fd()
-        return cls(mm, dim, n)
-
-
-class _Conn:
-    def __init__(self, name: str, seg: _ipc.Segment, header: Header) -> None:
-        self.name = name
-        self.seg = seg
-        self.header = header
-        self.layout = header.layout
-        self.epoch = header.boot_epoch
-        self.dead = False
-        self.bell = _ipc.open_semaphore(doorbell_name(name))
-        self.owned: list[_Slot] = []
-        self.free: list[_Slot] = []
-        self._state_off = 16  # HEADER_OFFSETS["state"]; fixed by the v1 layout
-        self._hdr32 = memoryview(seg.mm)[: 4 * _HEADER_WORDS].cast("I")
-        self._car_epoch = memoryview(seg.mm)[4 * _CAROUSEL_EPOCH_WORD : 4 * _CAROUSEL_EPOCH_WORD + 8].cast("Q")
-        self._car: _CarouselView | None = None  # the carousel's slots, mapped (KALOS_CAROUSEL=direct)
-        self._car_tried = 0  # the carousel epoch at which mapping its slots last failed
-        self.car_bounds = car_bounds(header.metric)  # a direct query's largest |x| lies in these
-        self._states: np.ndarray | None = None  # every slot's state word (waiting_requests)
-        self._arena: ArenaView | None = None
-        self._arena_mm: mmap.mmap | None = None
-        # what a recall whose documents come from the arena asks for: the hits' whole entries
-        # from a v1.3 sidecar (arena.ArenaView.entry_docs), their generations from older ones
-        self.arena_flags = Flag.ARENA_DOCS | (Flag.ARENA_ENTRIES if header.version_minor >= 3 else 0)
-        # q . tiny is finite exactly when every element of q is (see _recall_one)
-        self.tiny = np.full(header.dim, 2.0**-100, np.float32)
-        # what _fastpath needs of the layout (with the flags of a recall whose documents come
-        # from the arena, and of one whose documents come inline), and the header it reads
-        # doorbell_k from
-        lay = self.layout
-        self.fast_layout = (header.dim, lay.payload_offset, lay.rows_offset, lay.scores_offset, lay.blob_offset,
-                            lay.blob_size, int(self.arena_flags), _DOORBELL_K_WORD)  # fmt: skip
-        self.fast_layout_inline = (*self.fast_layout[:6], 0, _DOORBELL_K_WORD)
-        self.hdr = memoryview(seg.mm)[: 4 * (_DOORBELL_CAP_WORD + 1)]
-
-    def doorbell_k(self) -> int:
-        """Largest k the GPU's resident kernel answers now (0: it is stopped, or there is none):
-        DOORBELL requests only while nonzero."""
-        return self._hdr32[_DOORBELL_K_WORD]
-
-    def doorbell_cap(self) -> int:
-        """Largest k of the sidecar's resident kernel, running or not (0: it has none)."""
-        return self._hdr32[_DOORBELL_CAP_WORD]
-
-    def carousel_epoch(self) -> int:
-        """The header's carousel epoch (v1.4): odd while the sidecar's carousel takes direct
-        requests (one aligned 8-byte load)."""
-        return self._car_epoch[0]
-
-    def carousel(self, slot: int) -> _CarouselView | None:
-        """The carousel's slots, mapped, when protocol slot ``slot`` may write into them now (the
-        epoch odd, ``slot`` below the header's carousel_slots); else None."""
-        epoch = self._car_epoch[0]
-        if not epoch & 1 or slot >= self._hdr32[_CAROUSEL_SLOTS_WORD]:
-            return None
-        car = self._car
-        if car is None:
-            if self._car_tried == epoch:
-                return None
-            try:
-                car = self._car = _CarouselView.open(self.name, self.header.dim, self._hdr32[_CAROUSEL_SLOTS_WORD])
-            except (posix_ipc.Error, OSError, ValueError):
-                self._car_tried = epoch  # (tried again at the next epoch)
-                return None
-        return car
-
-    def waiting_requests(self) -> int:
-        """How many slots hold a request not answered yet (REQUEST, BUSY or DOORBELL): every
-        client's, ours included."""
-        st = self._states
-        if st is None:
-            lay = self.layout
-            st = self._states = np.ndarray((lay.n_slots,), "<u4", self.seg.mm, lay.slot_offset(0), (lay.slot_size,))
-        # REQUEST and BUSY are 2 and 3: st - 2 <= 1 (FREE and CLAIMED wrap around)
-        return int(np.count_nonzero(st - np.uint32(SlotState.REQUEST) <= 1)) + int(np.count_nonzero(st == _DOORBELL))
-
-    def arena(self) -> ArenaView | None:
-        """The sidecar's current document arena, mapped read-only (None: it has none, or the
-        version just named is already gone: the call then asks for documents inline)."""
-        h = self._hdr32
-        version = h[_ARENA_VERSION_WORD] | h[_ARENA_VERSION_WORD + 1] << 32
-        a = self._arena
-        if a is not None and a.version == version:
-            return a
-        if not version:
-            return None
-        try:
-            shm = posix_ipc.SharedMemory(arena_name(self.name, version), flags=0, read_only=True)
-        except (posix_ipc.Error, OSError):
-            return None
-        try:
-            mm = mmap.mmap(shm.fd, os.fstat(shm.fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ)
-            view = ArenaView(mm, version)
-        except (OSError, ValueError):
-            return None
-        finally:
-            shm.close_fd()
-        self._drop_arena()
-        self._arena, self._arena_mm = view, mm
-        return view
-
-    def drop_stale_arena(self) -> None:
-        """Forget the mapped arena if the sidecar has moved on to a newer version: a client
-        that stops recalling would otherwise keep that version's memory (unlinked, but still
-        mapped) until its next recall."""
-        a = self._arena
-        if a is not None and not self.dead:
-            h = self._hdr32
-            if a.version != h[_ARENA_VERSION_WORD] | h[_ARENA_VERSION_WORD + 1] << 32:
-                self._drop_arena()
-
-    def _drop_arena(self) -> None:
-        """Forget the mapped arena. Not released or closed here: another thread may be reading
-        through it, and the results of batches keep views into it (their documents, decoded
-        on access); the map goes when the last reference does."""
-        self._arena = self._arena_mm = None
-
-    @classmethod
-    def connect(cls, name: str, dim: int | None) -> _Conn:
-        seg = _ipc.Segment.open(segment_name(name), name)
-        try:
-            if not _ipc.is_locked(seg.fd, _ipc.SIDECAR_LOCK_BYTE):
-                raise SidecarUnavailable(
-                    f"sidecar {name!r} is not running (its segment is stale: a sidecar died "
-                    "without cleaning up; the next `kalos-sidecar serve` removes it)"
-                )
-            try:
-                header = decode_header(seg.mm[:4096] if seg.size >= 4096 else seg.mm[:], seg.size)
-            except HeaderError as e:
-                raise _header_error(name, e) from None
-            if header.state != SidecarState.READY:
-                raise SidecarUnavailable(f"sidecar {name!r} is not ready (state {header.state})")
-            if dim is not None and dim != header.dim:
-                raise IncompatibleVersion(
-                    f"sidecar {name!r} stores dim={header.dim} vectors but this client was "
-                    f"created with dim={dim}: use an embedding model with {header.dim} "
-                    f"dimensions, or start a sidecar under another name with --dim {dim}"
-                )
-            return cls(name, seg, header)
-        except BaseException:
-            seg.close()
-            raise
-
-    def sidecar_alive(self) -> bool:
-        """Cheap check: the sidecar's lock is held and it has not announced a stop."""
-        if self.dead:
-            return False
-        if self._hdr32[4] != SidecarState.READY:  # byte 16: state
-            return False
-        return _ipc.is_locked(self.seg.fd, _ipc.SIDECAR_LOCK_BYTE)
-
-    def claim(self) -> _Slot | None:
-        n = self.layout.n_slots
-        start = (os.getpid() * 7 + len(self.owned) * 13 + random.randrange(n)) % n
-        owned = {s.index for s in self.owned}
-        for j in range(n):
-            i = (start + j) % n
-            if i in owned or not _ipc.try_lock(self.seg.fd, _ipc.slot_lock_byte(i)):
-                continue
-            state = memoryview(self.seg.mm)[self.layout.slot_offset(i) :][:8].cast("I")
-            if state[0] != SlotState.FREE:
-                # a dead owner's leftovers: the sidecar reclaims it shortly
-                del state
-                _ipc.unlock(self.seg.fd, _ipc.slot_lock_byte(i))
-                continue
-            state[1] = os.getpid() & 0xFFFFFFFF
-            state[0] = SlotState.CLAIMED
-            del state
-            try:
-                slot = _Slot(self, i)
-            except BaseException:
-                self.release_slot_lock(i)
-                raise
-            self.owned.append(slot)
-            return slot
-        return None
-
-    def release_slot_lock(self, i: int) -> None:
-        with contextlib.suppress(OSError):
-            _ipc.unlock(self.seg.fd, _ipc.slot_lock_byte(i))
-
-    def close(self) -> None:
-        """Give every slot back and unmap. Slots with an abandoned request stay non-FREE: the
-        sidecar reclaims them once it has finished with them."""
-        self.dead = True
-        for s in self.owned:
-            if not s.pending:
-                with contextlib.suppress(ValueError, TypeError):
-                    s.state[0] = SlotState.FREE
-            self.release_slot_lock(s.index)
-            _ipc.close_semaphore(s.sem)
-        self.owned.clear()
-        self.free.clear()
-        _ipc.close_semaphore(self.bell)
-        self._drop_arena()
-        self._states = None
-        self._car = None
-        with contextlib.suppress(BufferError):
-            self._hdr32.release()
-        with contextlib.suppress(BufferError):
-            self._car_epoch.release()
-        self.seg.close()
-
-
-def _header_error(name: str, e: HeaderError) -> KalosError:
-    if e.kind == HeaderError.INITIALIZING:
-        return SidecarUnavailable(f"sidecar {name!r} is still starting up; retry shortly")
-    if e.kind == HeaderError.VERSION:
-        return IncompatibleVersion(
-            f"sidecar {name!r}: {e}. Upgrade the older of the two (`pip install -U "
-            "kalos-retrievers` in both environments) and restart the sidecar"
-        )
-    if e.kind == HeaderError.MAGIC:
-        return ProtocolError(
-            f"/dev/shm segment of {name!r} is not a Kalos segment ({e}); another program uses "
-            "this name: pick another --name"
-        )
-    return ProtocolError(f"segment of sidecar {name!r} is unusable: {e}")
 
 
 class _Reply(NamedTuple):

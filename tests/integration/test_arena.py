@@ -186,7 +186,7 @@ def test_a_v12_sidecar_is_asked_for_generations_not_entries(start_sidecar, monke
     (the negative control, the real v1.3 header), the same calls go by entry."""
     import dataclasses
 
-    import kalos_retrievers.client as client_module
+    import kalos_retrievers._conn as conn_module
     from kalos_retrievers.protocol import Flag
 
     dim = 5
@@ -199,16 +199,16 @@ def test_a_v12_sidecar_is_asked_for_generations_not_entries(start_sidecar, monke
                             lambda self, *a, _m=method, _real=real: used.append(_m) or _real(self, *a))  # fmt: skip
     in_c: list[int] = []
     use_path(monkeypatch, path, lambda n: (in_c.append(n), used.append("entry_docs")))  # C reads by entry only
-    real_decode = client_module.decode_header
+    real_decode = conn_module.decode_header
     for minor, want_flags, want_used in ((2, Flag.ARENA_DOCS, "docs"),
                                          (None, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES, "entry_docs")):  # fmt: skip
         if minor is not None:
             def as_minor(*a, _minor=minor, **kw):  # type: ignore[no-untyped-def]
                 return dataclasses.replace(real_decode(*a, **kw), version_minor=_minor)
 
-            monkeypatch.setattr(client_module, "decode_header", as_minor)
+            monkeypatch.setattr(conn_module, "decode_header", as_minor)
         else:
-            monkeypatch.setattr(client_module, "decode_header", real_decode)
+            monkeypatch.setattr(conn_module, "decode_header", real_decode)
         used.clear()
         with sc.client(arena_docs=True) as c:
             c.upsert([f"r{i}" for i in range(dim)], data, texts=[f"t{i}" for i in range(dim)])

@@ -26,7 +26,7 @@ import posix_ipc
 import pytest
 from reliability._harness import cleanup_ipc
 
-import kalos_retrievers.client as client_mod
+import kalos_retrievers._conn as conn_mod
 from kalos_retrievers import (
     IncompatibleVersion,
     KalosClient,
@@ -149,7 +149,7 @@ def test_handshake_positive_control_well_formed_fake_connects(make_name: Callabl
 def test_handshake_negative_control_collapsed_errors(
     make_name: Callable[[], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_mod, "_header_error",
+    monkeypatch.setattr(conn_mod, "_header_error",
                         lambda name, e: ProtocolError(f"segment of {name!r} is unusable"))  # fmt: skip
     out = run_handshakes(make_name)
     assert any("expected" in v for v in out["violations"]), out
