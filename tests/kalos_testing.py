@@ -128,8 +128,9 @@ def exact_crowd_worker(name: str, dim: int, metric: str, seed: int, n_calls: int
     0; every ``other_every``-th in another namespace when nonzero), back to back. The float64
     references are computed first, then the worker waits at ``start`` (a barrier shared with
     the crowd's other workers, if given), so the crowd recalls at once. Puts the first
-    mismatch's description on ``out`` (or "" when every answer was right, and, with
-    KALOS_FASTPATH=0, the client's C extension was off as asked).
+    mismatch's description on ``out`` (or "" when every answer was right, with
+    KALOS_FASTPATH=0 the client's C extension was off as asked, and with KALOS_CAROUSEL=direct
+    (inherited from the test, as the sidecar's) at least one of its recalls went direct).
 
     Two references: the batched paths and the carousel round the query to float16, the
     resident batch-1 kernel (a client alone, as the crowd thins) multiplies it in float32. At
@@ -159,6 +160,7 @@ def exact_crowd_worker(name: str, dim: int, metric: str, seed: int, n_calls: int
         for j in range(n_calls):
             r = c.recall(qs[j], k=ks[j])
             got.append((r.ids, np.asarray(r.scores)))
+        direct = c.direct_recalls
     try:
         for j, (ids, scores) in enumerate(got):
             k = ks[j]
@@ -179,6 +181,9 @@ def exact_crowd_worker(name: str, dim: int, metric: str, seed: int, n_calls: int
 
     if os.environ.get("KALOS_FASTPATH") == "0" and client_module._fastpath is not None:
         out.put("KALOS_FASTPATH=0 did not keep this worker's client to its Python path")
+        return
+    if os.environ.get("KALOS_CAROUSEL") == "direct" and not direct:
+        out.put(f"KALOS_CAROUSEL=direct, yet none of this worker's {n_calls} recalls went direct")
         return
     out.put("")
 
