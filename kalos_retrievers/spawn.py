@@ -8,14 +8,21 @@ The process runs ``python -P -m kalos_retrievers.sidecar serve`` with the same i
 (``-P``: the current directory is not put on ``sys.path``, so a source checkout in the current
 directory cannot shadow the installed package, whose sidecar lives elsewhere in the tree), logs
 to a file (``Sidecar.log_path``; its tail is included in any start-up error), and by default
-receives SIGTERM if the process that started it dies, so an interrupted script leaves no
-orphan sidecar behind.
+stops (as on SIGTERM) once the process that started it has exited, however it ended, so an
+interrupted script leaves no orphan sidecar behind.
+
+That "lifeline" is a pipe, not ``PR_SET_PDEATHSIG``: the kernel sends a parent-death signal
+when the *thread* that forked the child exits, so a sidecar started from a worker thread (an
+executor running ``afrom_texts``, say) would be stopped as soon as that thread finished. The
+sidecar holds the pipe's read end (``serve --lifeline-fd``) and stops when it reads EOF, which
+comes when every process holding the write end has exited: this one, and any process forked
+from it while the sidecar runs (the write end is close-on-exec, so programs it execs never
+hold it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -36,12 +43,6 @@ class SidecarStartError(KalosError):
     """The sidecar process exited or did not become ready; the message has its log's tail."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Sidecar:
     """A sidecar process owned by this Python process.
 
@@ -52,7 +53,9 @@ class Sidecar:
         threads:
             as the ``kalos-sidecar serve`` flags of the same names.
         startup_timeout: seconds to wait for READY (loading a large store takes a while).
-        die_with_parent: send the sidecar SIGTERM when this process dies.
+        die_with_parent: stop the sidecar once this process (and whatever it forks while
+            the sidecar runs) has exited, by any means, SIGKILL included; see the module's
+            docstring.
         extra_args: more command-line arguments for ``serve``.
     """
 
@@ -93,6 +96,7 @@ class Sidecar:
                 self.argv += [flag, str(value)]
         self.argv += list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
+        self._lifeline: int | None = None  # the write end of the sidecar's lifeline pipe
         fd, path = tempfile.mkstemp(prefix=f"kalos-{self.name}-", suffix=".log")
         os.close(fd)
         self.log_path = Path(path)
@@ -104,11 +108,23 @@ class Sidecar:
             SidecarStartError: it exited (bad flags, name in use, corrupt store...) or did not
                 become ready within ``startup_timeout``; the message includes its log's tail.
         """
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if self.die_with_parent else None,  # noqa: PLW1509
-            )  # fmt: skip
+        argv, keep = self.argv, ()
+        if self.die_with_parent:
+            r, w = os.pipe()  # (both close-on-exec; pass_fds hands the sidecar the read end)
+            argv, keep = [*argv, "--lifeline-fd", str(r)], (r,)
+        try:
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, pass_fds=keep)  # fmt: skip
+        except BaseException:
+            if keep:
+                os.close(w)
+            raise
+        finally:
+            for fd in keep:
+                os.close(fd)
+        if keep:
+            self._lifeline = w
         self.wait_ready(self.startup_timeout)
         return self
 
@@ -118,6 +134,7 @@ class Sidecar:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc is not None and self.proc.poll() is not None:
+                self._close_lifeline()
                 raise SidecarStartError(
                     f"sidecar {self.name!r} exited with code {self.proc.returncode}:\n{self.log_tail()}"
                 )
@@ -170,9 +187,15 @@ class Sidecar:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self._close_lifeline()
         if p.returncode == 0:
             self.log_path.unlink(missing_ok=True)
         return p.returncode
+
+    def _close_lifeline(self) -> None:
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send a signal (default SIGKILL) without waiting: for fault-injection tests."""

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -63,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus text here")
     s.add_argument("--metrics-host", default="127.0.0.1")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--lifeline-fd", type=int, default=None,
+                   help="an inherited pipe's read end: stop (as on SIGTERM) when its write end "
+                        "is closed, i.e. when the process that started this sidecar has exited "
+                        "(kalos_retrievers.spawn.Sidecar passes one)")
 
     st = sub.add_parser("status", help="exit 0 if the sidecar is up and answering")
     st.add_argument("name")
@@ -107,6 +112,12 @@ def _serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     log = logging.getLogger("kalos.sidecar")
+    if args.lifeline_fd is not None:
+        try:
+            _watch_lifeline(args.lifeline_fd, log)
+        except OSError as e:
+            log.error("--lifeline-fd %d: %s", args.lifeline_fd, e)
+            return EXIT_USAGE
     try:
         cfg = ServeConfig(
             name=args.name, dim=args.dim, metric=args.metric, device=args.device, dtype=args.dtype,
@@ -136,6 +147,26 @@ def _serve(args: argparse.Namespace) -> int:
         logging.shutdown()
         os._exit(e.exit_code)
     return EXIT_OK
+
+
+def _watch_lifeline(fd: int, log: logging.Logger) -> None:
+    """Send ourselves SIGTERM (the usual clean stop) once every holder of the pipe's write end
+    has closed it: read returns EOF then, however the starting process ended (SIGKILL too).
+    A parent-death signal would not do: it fires when the starting *thread* exits."""
+    os.fstat(fd)  # (EBADF: not an inherited descriptor)
+    os.set_inheritable(fd, False)
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except OSError as e:
+            log.warning("lifeline fd %d unreadable (%s): this sidecar no longer stops with its starter", fd, e)
+            return
+        log.info("the process that started this sidecar has exited: stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="kalos-lifeline", daemon=True).start()
 
 
 def _client(name: str, timeout: float):  # type: ignore[no-untyped-def]

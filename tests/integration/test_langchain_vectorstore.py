@@ -270,6 +270,23 @@ def test_from_texts_spawns_and_owns_the_sidecar() -> None:
         KalosClient(name)
 
 
+def test_afrom_texts_sidecar_outlives_the_event_loop_that_made_it() -> None:
+    """VectorStore.afrom_texts runs from_texts in the loop's executor thread, which exits when
+    asyncio.run shuts the executor down: the store's own sidecar must keep serving after that
+    (a parent-death signal tied to that thread stopped it; kalos_retrievers/spawn.py)."""
+    import asyncio
+    import time
+
+    store = asyncio.run(KalosVectorStore.afrom_texts(TEXTS, WordHashEmbedding(97), METAS,
+                                                     ids=[f"t{i}" for i in range(7)], device="cpu"))  # fmt: skip
+    try:
+        time.sleep(0.3)  # (past the executor thread's exit)
+        assert store.similarity_search("snow is white", k=1)[0].id == "t5"
+        assert [d.id for d in store.as_retriever(search_kwargs={"k": 1}).invoke("snow is white")] == ["t5"]
+    finally:
+        store.close()
+
+
 def test_from_documents_into_running_sidecar(start_sidecar: Callable[..., Sidecar]) -> None:
     sc = start_sidecar(dim=97)
     docs = [
