@@ -137,15 +137,9 @@ class MetadataColumns:
         if op == "$ne":
             return ~self._eq(col, kind, arg, rows)
         if op == "$in":
-            m = np.zeros(len(rows), bool)
-            for a in arg:
-                m |= self._eq(col, kind, a, rows)
-            return m
+            return self._in(col, kind, arg, rows)
         if op == "$nin":
-            m = np.zeros(len(rows), bool)
-            for a in arg:
-                m |= self._eq(col, kind, a, rows)
-            return ~m
+            return ~self._in(col, kind, arg, rows)
         if op == "$exists":
             return (kind != MISSING) == arg
         if op in ("$gt", "$gte", "$lt", "$lte"):
@@ -165,6 +159,32 @@ class MetadataColumns:
             vals = col.obj[rows[sel]]
             out[sel] = [_field_match(op, arg, v) for v in vals]
         return out
+
+    @classmethod
+    def _in(cls, col: _Column, kind: np.ndarray, arg: Any, rows: np.ndarray) -> np.ndarray:
+        """``_eq`` of any value of ``arg``, in one pass per kind rather than one per value (a
+        list of 100k ids against 40k rows: one ``isin`` and one set, not 100k comparisons of
+        every row)."""
+        nums: list[float] = []
+        strs: set[str] = set()
+        rest: list[Any] = []  # null, booleans, ints beyond float precision: _eq one at a time
+        for a in arg:
+            if isinstance(a, str):
+                strs.add(a)
+            elif isinstance(a, int | float) and not isinstance(a, bool) and not (isinstance(a, int) and abs(a) > 2**53):
+                nums.append(float(a))
+            else:
+                rest.append(a)
+        m = np.zeros(len(rows), bool)
+        if nums:
+            m |= (kind == NUMBER) & np.isin(col.num[rows], np.array(nums))
+        if strs:
+            sel = np.flatnonzero(kind == STRING)
+            if len(sel):
+                m[sel] = [v in strs for v in col.obj[rows[sel]]]
+        for a in rest:
+            m |= cls._eq(col, kind, a, rows)
+        return m
 
     @staticmethod
     def _eq(col: _Column, kind: np.ndarray, arg: Any, rows: np.ndarray) -> np.ndarray:
