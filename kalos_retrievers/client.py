@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -766,7 +766,9 @@ class KalosClient:
         flt = None if filter is None else validate_filter(filter)
         args = encode_recall_args(namespace, encode_json(flt) if flt else None) if flt or namespace else b""
         flags = (Flag.WITH_VECTORS if with_vectors else 0) | (0 if docs else Flag.NO_DOCS)
-        per_req = max(1, min(header.max_queries, header.max_results // k))
+        # (a long filter leaves room for fewer queries; with none left, _call says so)
+        room = (header.layout.payload_size - len(args) - 4) // (4 * header.dim)
+        per_req = max(1, min(header.max_queries, header.max_results // k, room))
         out: list[RecallResult] = []
         for start in range(0, len(qs), per_req):
             chunk = qs[start : start + per_req]
@@ -968,13 +970,18 @@ class KalosClient:
         with_vectors: bool = False,
         timeout: float | None = None,
     ) -> list[Record]:
-        """The stored records of ``ids`` in that order; ids not found are skipped."""
+        """The stored records of ``ids`` in that order; ids not found are skipped. More ids
+        than one request holds are asked for in as few requests as fit."""
         id_list = _check_ids(ids, None)
         _check_namespace(namespace)
         if not id_list:
             return []
-        return self._records(Op.GET, {"namespace": namespace, "ids": id_list}, namespace,
-                             with_vectors, self._deadline(timeout))  # fmt: skip
+        deadline = self._deadline(timeout)
+        head = b'{"namespace":' + encode_json(namespace) + b',"ids":['
+        out: list[Record] = []
+        for args in self._id_requests(head, id_list):
+            out += self._records(Op.GET, args, namespace, with_vectors, deadline)
+        return out
 
     def scan(
         self,
@@ -993,7 +1000,7 @@ class KalosClient:
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise ValueError(f"offset={offset!r} must be an int >= 0")
         flt = validate_filter(filter)
-        args = {"namespace": namespace, "filter": flt, "limit": limit, "offset": offset}
+        args = encode_json({"namespace": namespace, "filter": flt, "limit": limit, "offset": offset})
         return self._records(Op.SCAN, args, namespace, with_vectors, self._deadline(timeout))
 
     def delete(
@@ -1008,15 +1015,21 @@ class KalosClient:
 
         Acknowledged after the store commits. To empty a namespace use
         :meth:`delete_namespace` (a bare ``delete()`` refuses, to protect you from yourself).
+        More ids than one request holds are deleted in as few requests as fit, each committed
+        on its own (as :meth:`upsert`'s chunks are).
         """
         _check_namespace(namespace)
         flt = validate_filter(filter)
         if ids is None and flt is None:
             raise ValueError("delete() needs ids or a filter; use delete_namespace() to empty one")
-        args: dict[str, Any] = {"namespace": namespace, "filter": flt}
-        if ids is not None:
-            args["ids"] = _check_ids(ids, None)
-        return self._call(Op.DELETE, args=encode_json(args), deadline=self._deadline(timeout)).n_results
+        deadline = self._deadline(timeout)
+        if ids is None:
+            args = encode_json({"namespace": namespace, "filter": flt})
+            return self._call(Op.DELETE, args=args, deadline=deadline).n_results
+        id_list = _check_ids(ids, None)
+        head = b'{"namespace":' + encode_json(namespace) + b',"filter":' + encode_json(flt) + b',"ids":['
+        return sum(self._call(Op.DELETE, args=args, deadline=deadline).n_results
+                   for args in self._id_requests(head, id_list))  # fmt: skip
 
     def delete_namespace(self, namespace: str, *, timeout: float | None = None) -> int:
         """Delete every record of ``namespace``; return how many."""
@@ -1054,11 +1067,30 @@ class KalosClient:
         return out
 
     # ------------------------------------------------------------------ internals
-    def _records(
-        self, op: int, args: dict[str, Any], namespace: str, with_vectors: bool, deadline: float
-    ) -> list[Record]:
-        rep = self._call(op, args=encode_json(args),
-                         flags=Flag.WITH_VECTORS if with_vectors else 0, deadline=deadline)  # fmt: skip
+    def _id_requests(self, head: bytes, id_list: list[str]) -> Iterator[bytes]:
+        """The JSON arguments ``head`` + ids + ``]}`` of as few requests as hold ``id_list``
+        (in order) within a slot's payload; at least one, even for no ids."""
+        room = self.header.layout.payload_size - len(head) - 2
+        enc = [encode_json(i) for i in id_list]
+        start = 0
+        while True:
+            end, size = start, 0
+            while end < len(enc) and size + len(enc[end]) + (end > start) <= room:
+                size += len(enc[end]) + (end > start)
+                end += 1
+            if end == start and end < len(enc):
+                raise ValueError(
+                    f"ids[{start}] does not fit in a request with this namespace and filter (a slot "
+                    f"payload holds {self.header.layout.payload_size} bytes); start the sidecar "
+                    "with a larger --payload-kb"
+                )
+            yield head + b",".join(enc[start:end]) + b"]}"
+            start = end
+            if start >= len(enc):
+                return
+
+    def _records(self, op: int, args: bytes, namespace: str, with_vectors: bool, deadline: float) -> list[Record]:
+        rep = self._call(op, args=args, flags=Flag.WITH_VECTORS if with_vectors else 0, deadline=deadline)
         try:
             views, vecs = decode_docs_blob(rep.blob, self.dim, bool(rep.resp_flags & RespFlag.HAS_VECTORS))
             docs = [decode_doc(v) for v in views]
@@ -1194,11 +1226,17 @@ class KalosClient:
         if any(s.pending for s in conn.owned):
             with self._lock:
                 self._recover_pending(conn)
+        vec_len = 0 if vectors is None else vectors.size * 4
+        if align8(vec_len) + len(args) > conn.layout.payload_size:
+            raise ValueError(
+                f"this {OP_NAMES.get(op, op)} request needs {align8(vec_len) + len(args)} bytes "
+                f"(vectors {vec_len}, arguments {len(args)}: the namespace, filter or ids), more "
+                f"than a slot's payload of {conn.layout.payload_size}; shorten the filter, or start "
+                "the sidecar with a larger --payload-kb"
+            )
         slot = self._acquire(conn, deadline)
         try:
-            vec_len = 0
             if vectors is not None:
-                vec_len = vectors.size * 4
                 slot.payload_f32[: vectors.size] = vectors.reshape(-1)
             a = align8(vec_len)
             if args:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import mmap
 import multiprocessing as mp
 import os
@@ -93,6 +94,38 @@ def test_upserts_larger_than_a_slot_and_responses_larger_than_the_blob(start_sid
         with pytest.raises(ValueError, match="too large"):
             c.upsert(["big"], data[:1], texts=["y" * 70_000])
         assert c.count() == n  # refused before anything was sent
+
+
+def test_gets_deletes_and_filters_larger_than_a_slot(start_sidecar) -> None:
+    """More ids than one request holds are split over requests (in order; the counts summed),
+    a batch whose filter leaves room for fewer queries is split further, and a filter that
+    alone outgrows the payload is refused by name before anything is sent."""
+    rng = np.random.default_rng()
+    dim, n = 13, 6007
+    sc = start_sidecar(dim=dim, payload_kb=64)  # ids of ~26 bytes: ~2,500 per request
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = [f"memory-{i:06d}-{'x' * (i % 11)}" for i in range(n)]
+    with sc.client() as c:
+        c.upsert(ids, data, metadatas=[{"i": i} for i in range(n)])
+        order = list(rng.permutation(n))
+        assert [r.id for r in c.get([ids[i] for i in order] + ["nope"])] == [ids[i] for i in order]
+        assert [r.metadata["i"] for r in c.get(ids[:3], namespace="")] == [0, 1, 2]
+        keep = list(range(0, n, 2))
+        pad = (63_000 - len(json.dumps(keep, separators=(",", ":")))) // 11  # values no row has, 11 bytes each
+        flt = {"i": {"$in": keep + [10**9 + j for j in range(pad)]}}  # ~63 KB: room for ~48 queries
+        qs = data[1:155:2]  # 77 queries (4 KB): two requests
+        before = c.stats()["requests"].get("recall/ok", 0)
+        got = c.recall_batch(qs, k=3, filter=flt)
+        assert c.stats()["requests"]["recall/ok"] - before == 2
+        assert len(got) == len(qs)
+        for q, r in zip(qs, got, strict=True):
+            want, _ = reference_topk(data[keep], q[None], 3, "cosine")
+            assert r.ids == [ids[keep[j]] for j in want[0]]
+        with pytest.raises(ValueError, match="--payload-kb"):
+            c.recall(data[0], k=3, filter={"i": {"$in": list(range(20_000))}})
+        assert c.delete([ids[i] for i in range(0, n, 2)] + ["nope"], filter={"i": {"$lt": n - 2}}) == (n - 1) // 2
+        assert c.count() == n - (n - 1) // 2
+        assert c.delete(ids) == n - (n - 1) // 2 and c.count() == 0
 
 
 def test_sixteen_processes_never_get_each_others_answers(start_sidecar) -> None:
