@@ -12,7 +12,10 @@ A node becomes one row of its store's namespace:
 
 Reading a row back rebuilds the node from ``_node_content`` with
 :func:`~llama_index.core.vector_stores.utils.metadata_dict_to_node`, so the node's metadata,
-relationships and id come back as they went in, whatever else the top level holds.
+relationships and id come back as they went in, whatever else the top level holds. A row that
+LlamaIndex did not write (the LangChain store's, or ``KalosClient.upsert``'s: no
+``_node_content``) comes back as a :class:`~llama_index.core.schema.TextNode` with the row's id,
+text and metadata, as other LlamaIndex vector stores read foreign rows.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from llama_index.core.schema import BaseNode, MetadataMode
+from llama_index.core.schema import BaseNode, MetadataMode, TextNode
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 
 from .filters import NODE_ID_KEY
@@ -46,6 +49,9 @@ def node_to_row(node: BaseNode) -> tuple[str, list[float], str, dict[str, Any]]:
     return node.node_id, list(node.embedding), text, metadata
 
 
-def row_to_node(text: str, metadata: Mapping[str, Any]) -> BaseNode:
-    """Rebuild a node from a stored row's text and metadata."""
+def row_to_node(row_id: str, text: str, metadata: Mapping[str, Any]) -> BaseNode:
+    """Rebuild a node from a stored row's id, text and metadata (see the module's docstring)."""
+    if "_node_content" not in metadata:  # a row LlamaIndex did not write
+        md = {key: value for key, value in metadata.items() if key != NODE_ID_KEY}
+        return TextNode(id_=row_id, text=text, metadata=md)
     return metadata_dict_to_node(dict(metadata), text=text or None)

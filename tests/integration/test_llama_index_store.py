@@ -24,7 +24,7 @@ from llama_index.core.vector_stores.types import (
     VectorStoreQueryResult,
 )
 
-from kalos_retrievers import Sidecar
+from kalos_retrievers import KalosClient, Sidecar
 from kalos_retrievers.llama_index import KalosVectorStore
 
 F = FilterOperator
@@ -140,6 +140,25 @@ async def test_node_comes_back_unchanged(api: Api) -> None:
     assert got.excluded_embed_metadata_keys == ["year"]
     (hit,) = (await api.search("foo", 1)).nodes or []
     assert hit.metadata == original.metadata
+
+
+async def test_rows_written_outside_llama_index_read_as_text_nodes(api: Api) -> None:
+    """Rows a KalosClient (or the LangChain store) wrote into the namespace have no serialized
+    node: query, get_nodes and filters still work and give TextNodes with their id, text and
+    metadata."""
+    store = api.store
+    with KalosClient(store.name) as c:
+        c.upsert(["raw-1", "raw-2"], np.array([vec("plain text row"), vec("other row")], np.float32),
+                 texts=["plain text row", "other row"], metadatas=[{"src": "raw"}, None],
+                 namespace=store.namespace)  # fmt: skip
+    await api.add([node("li-1", "plain text row from llama", src="li")])
+    res = await api.search("plain text row", 3)
+    assert res.ids is not None and res.nodes is not None and set(res.ids) == {"raw-1", "raw-2", "li-1"}
+    raw = {n.node_id: n for n in res.nodes}
+    assert isinstance(raw["raw-1"], TextNode) and raw["raw-1"].text == "plain text row"
+    assert raw["raw-1"].metadata == {"src": "raw"} and raw["raw-2"].metadata == {}
+    assert [n.node_id for n in await api.get_nodes(node_ids=["raw-2", "li-1"])] == ["raw-2", "li-1"]
+    assert await api.ids(mf(MetadataFilter(key="src", value="raw"))) == {"raw-1"}
 
 
 async def test_nodes_without_text_are_stored(api: Api) -> None:
