@@ -238,13 +238,14 @@ class KalosMemory:
             query: what to look for.
             user_id, agent_id, run_id: the scope (at least one, here or in ``filters``).
             filters: more conditions on metadata (Kalos or mem0 spelling), AND-ed with the scope.
-            limit: most results.
+            limit: most results (and at most the sidecar's ``--max-k``, 1,024 by default).
             threshold: drop results whose score is below it.
 
         Returns:
             ``[{"id", "memory", "score", "metadata", "created_at", "updated_at", <scope>}]``,
             or ``[]`` while the sidecar is unavailable (see *Timeouts*).
         """
+        _check_limit(limit)
         flt = self._scoped_filter(user_id, agent_id, run_id, filters)
         vec = self.embedder.query(query)
         return self._recall(vec, flt, limit, threshold, time.monotonic() + self.client.timeout)
@@ -261,6 +262,7 @@ class KalosMemory:
         threshold: float | None = None,
     ) -> list[dict[str, Any]]:
         """:meth:`search`, embedding asynchronously; the sidecar call runs in a worker thread."""
+        _check_limit(limit)
         flt = self._scoped_filter(user_id, agent_id, run_id, filters)
         vec = await self.embedder.aquery(query)
         deadline = time.monotonic() + self.client.timeout  # counts the wait for a thread
@@ -276,8 +278,8 @@ class KalosMemory:
     ) -> list[dict[str, Any]]:
         try:
             left = time_left(deadline, self.client.name)
-            hits = self.client.recall(vec, limit, namespace=self.namespace, filter=flt,
-                                      timeout=left)  # fmt: skip
+            k = min(limit, self.client.header.max_k)
+            hits = self.client.recall(vec, k, namespace=self.namespace, filter=flt, timeout=left)
         except KalosError as e:
             if self.degrader.should_degrade(e):
                 return []
@@ -559,6 +561,11 @@ def _translate_filter(flt: Mapping[str, Any]) -> dict[str, Any]:
 
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+def _check_limit(limit: Any) -> None:
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ValueError(f"limit={limit!r} must be an int >= 1")
 
 
 def _item(rec: Record | Hit, score: float | None = None) -> dict[str, Any]:

@@ -548,7 +548,7 @@ class KalosVectorStore(VectorStore):
         """:meth:`max_marginal_relevance_search` for an already embedded query."""
         _no_extra(kwargs, "max_marginal_relevance_search_by_vector")
         flt = validate_filter(filter)
-        res = self._recall(embedding, max(k, fetch_k), flt, namespace, self._seconds(timeout),
+        res = self._recall(embedding, self._pool(k, fetch_k), flt, namespace, self._seconds(timeout),
                            with_vectors=True)  # fmt: skip
         return mmr_of(embedding, res, k, lambda_mult)
 
@@ -567,7 +567,7 @@ class KalosVectorStore(VectorStore):
         """Async :meth:`max_marginal_relevance_search_by_vector`."""
         _no_extra(kwargs, "amax_marginal_relevance_search_by_vector")
         flt = validate_filter(filter)
-        res = await self._arecall(embedding, max(k, fetch_k), flt, namespace, timeout,
+        res = await self._arecall(embedding, self._pool(k, fetch_k), flt, namespace, timeout,
                                   with_vectors=True)  # fmt: skip
         return mmr_of(embedding, res, k, lambda_mult)
 
@@ -666,13 +666,19 @@ class KalosVectorStore(VectorStore):
 
     def _check_dim(self, got: int) -> None:
         dim = self.client.dim
-        if got != dim:
+        if got != dim:  # (the vector came from the embedding model or from the caller: *_by_vector)
             raise ValueError(
-                f"{type(self.embedding).__name__} makes {got}-dimensional vectors but sidecar "
-                f"{self.client.name!r} stores {dim}-dimensional ones: use an embedding model "
-                f"with {dim} dimensions, or start a sidecar with --dim {got} for this model "
-                "(KalosVectorStore.from_texts(..., name=None) starts one)"
+                f"a {got}-dimensional vector, but sidecar {self.client.name!r} stores "
+                f"{dim}-dimensional ones: use an embedding model with {dim} dimensions (this "
+                f"store's is {type(self.embedding).__name__}), or start a sidecar with --dim {got} "
+                "for this model (KalosVectorStore.from_texts(..., name=None) starts one)"
             )
+
+    def _pool(self, k: int, fetch_k: Any) -> int:
+        """MMR's candidates: ``fetch_k`` (at least ``k``), at most the sidecar's ``--max-k``."""
+        if not isinstance(fetch_k, int) or isinstance(fetch_k, bool) or fetch_k < 1:
+            raise ValueError(f"fetch_k={fetch_k!r} must be an int >= 1")
+        return max(k, min(fetch_k, self.client.header.max_k))
 
     def _ns(self, namespace: str | None) -> str:
         return self.namespace if namespace is None else namespace
@@ -736,13 +742,19 @@ class KalosVectorStore(VectorStore):
         if not len(vectors):
             return
         self._check_dim(vectors.shape[1])
+        bad = np.flatnonzero(~np.isfinite(vectors).all(axis=1))
+        if len(bad):
+            raise ValueError(f"the embedding of texts[{lo + int(bad[0])}] contains NaN or infinity")
         ns = self._ns(namespace)
         hi = lo + len(vectors)
         ids, texts, metas = rows.ids[lo:hi], rows.texts[lo:hi], rows.metadatas[lo:hi]
         # The client takes "no text" only as texts=None (stored as ""), while LangChain allows
-        # Document(page_content=""): writing empty texts apart round-trips them exactly.
-        full = [i for i, t in enumerate(texts) if t]
-        empty = [i for i, t in enumerate(texts) if not t]
+        # Document(page_content=""): writing empty texts apart round-trips them exactly. Of
+        # duplicate ids only the last is written (as one upsert of them all would keep it).
+        last = {id_: i for i, id_ in enumerate(ids)}
+        keep = [i for i, id_ in enumerate(ids) if last[id_] == i]
+        full = [i for i in keep if texts[i]]
+        empty = [i for i in keep if not texts[i]]
         for part, with_text in ((full, True), (empty, False)):
             if part:
                 self.client.upsert(

@@ -304,6 +304,38 @@ def test_from_documents_into_running_sidecar(start_sidecar: Callable[..., Sideca
         KalosVectorStore.from_texts(["a"], WordHashEmbedding(97), name=sc.name, device="cpu")
 
 
+def test_mmr_fetch_k_above_max_k_is_capped(start_sidecar: Callable[..., Sidecar]) -> None:
+    """MMR's candidate pool stops at the sidecar's --max-k (as LlamaIndex's prefetch does)
+    instead of failing with an error about a k the caller never passed."""
+    sc = start_sidecar(dim=97, max_k=5)
+    store = KalosVectorStore(WordHashEmbedding(97), name=sc.name)
+    store.add_texts([f"doc {i} apple" for i in range(9)])
+    assert len(store.max_marginal_relevance_search("apple", k=3, fetch_k=2000)) == 3
+    assert len(store.as_retriever(search_type="mmr", search_kwargs={"k": 2, "fetch_k": 50}).invoke("apple")) == 2
+    with pytest.raises(ValueError, match=r"^fetch_k="):
+        store.max_marginal_relevance_search("apple", k=3, fetch_k=0)
+
+
+def test_duplicate_ids_in_one_add_keep_the_last_even_across_empty_texts(store: KalosVectorStore) -> None:
+    store.add_texts(["", "a real text"], ids=["x", "x"])
+    assert [d.page_content for d in store.get_by_ids(["x"])] == ["a real text"]
+    store.add_texts(["first", ""], ids=["y", "y"])
+    assert [d.page_content for d in store.get_by_ids(["y"])] == [""]
+
+
+def test_a_non_finite_embedding_is_named_by_its_text(store: KalosVectorStore) -> None:
+    class Poisoned(WordHashEmbedding):
+        def embed_documents(self, texts: list[str]) -> list[list[float]]:
+            return [[math.nan] * 97 if t == "bad" else v for t, v in zip(texts, super().embed_documents(texts),
+                                                                          strict=True)]  # fmt: skip
+
+    bad = KalosVectorStore(Poisoned(97), client=store.client, namespace=store.namespace)
+    with pytest.raises(ValueError, match=r"texts\[2\] contains NaN"):
+        bad.add_texts(["a", "", "bad"])
+    with pytest.raises(ValueError, match=r"texts\[2\] contains NaN"):
+        bad.add_texts(["a", "", "bad"], batch_size=2)
+
+
 def test_dimension_mismatch_says_how_to_fix(shared_sidecar: Sidecar) -> None:
     assert shared_sidecar.dim == 8
     store = KalosVectorStore(DeterministicFakeEmbedding(size=6), name=shared_sidecar.name)

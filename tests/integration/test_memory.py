@@ -120,6 +120,24 @@ def test_mem0_style_filters_and_scope_in_filters(memory: KalosMemory) -> None:
 ADVERSARIAL_USERS = ["alice", "alice2", "Alice", "alice ", "ali", "alïce", "*", "1", "a.b/c"]
 
 
+def test_search_limit_is_checked_by_name_and_capped_at_max_k(make_name: Callable[[], str]) -> None:
+    """search's default limit (100) on a sidecar started with --max-k 7 gives at most 7
+    results, not a "k=100" error; a bad limit is refused as ``limit``."""
+    with Sidecar(make_name(), dim=DIM, device="cpu", max_k=7, startup_timeout=60.0) as sc:
+        m = KalosMemory(sc.name, embedding=KeywordEmbeddings())
+        try:
+            for i in range(9):
+                m.add(f"tea number {i}", user_id="u")
+            assert len(m.search("tea", user_id="u")) == 7
+            assert len(asyncio.run(m.asearch("tea", user_id="u", limit=500))) == 7
+            assert len(m.search("tea", user_id="u", limit=3)) == 3
+            for bad in (0, -1, 2.5, True, "3"):
+                with pytest.raises(ValueError, match=r"^limit="):
+                    m.search("tea", user_id="u", limit=bad)  # type: ignore[arg-type]
+        finally:
+            m.close()
+
+
 def test_users_are_isolated_adversarially(memory: KalosMemory) -> None:
     ids = {}
     for u in ADVERSARIAL_USERS:
