@@ -237,7 +237,7 @@ class Layout:
         checks = (
             (1 <= self.n_slots <= 4096, f"slots={self.n_slots} must be in [1, 4096]"),
             (1 <= self.dim <= 65536, f"dim={self.dim} must be in [1, 65536]"),
-            (1 <= self.max_k <= self.max_results, f"max_k={self.max_k} must be in [1, max_results]"),
+            (1 <= self.max_k <= self.max_results, f"max_k={self.max_k} must be in [1, max_results={self.max_results}]"),
             (self.max_results <= 1 << 20, f"max_results={self.max_results} must be <= 1048576"),
             (
                 self.payload_size % 128 == 0 and self.payload_size >= 4 * self.dim + 128,

@@ -111,6 +111,8 @@ class ServeConfig:
             raise ValueError("--max-batch must be in [1, 4096]")
         if self.threads is not None and not 1 <= self.threads <= 1024:
             raise ValueError("--threads must be in [1, 1024]")
+        if not 1 <= self.max_k <= 1 << 20:
+            raise ValueError(f"--max-k {self.max_k} must be in [1, 1048576]")
         self.layout  # noqa: B018 - validates the geometry
 
     @property
@@ -219,6 +221,12 @@ class Server:
             except StoreOpenError as e:
                 index.close()
                 raise StartError(str(e), EXIT_STORE) from None
+            except OSError as e:  # (not a directory, a read-only or missing parent, another user's)
+                index.close()
+                code = EXIT_PERMISSION if isinstance(e, PermissionError) else EXIT_USAGE
+                raise StartError(f"--data-dir {cfg.data_dir} cannot be used: {e.strerror or e}"
+                                 f"{f' ({e.filename})' if e.filename else ''}; give a directory "
+                                 "this user can create and write", code) from None  # fmt: skip
             log.info("store of record: %s (SQLite WAL, synchronous=%s)", store.path, cfg.sync)
         else:
             store = NullStore()

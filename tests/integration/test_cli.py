@@ -118,6 +118,10 @@ def test_in_memory_mode_says_so_and_kill_9_leaves_state_the_next_start_clears(ma
         (["--dim", "4", "--metric", "euclid"], 2, "invalid choice"),
         (["--dim", "4", "--slots", "0"], 2, "slots=0"),
         (["--dim", "4", "--threads", "0"], 2, "--threads must be in [1, 1024]"),
+        (["--dim", "4", "--max-k", "0"], 2, "--max-k 0 must be in [1, 1048576]"),
+        (["--dim", "4", "--data-dir", __file__], 2, f"--data-dir {__file__} cannot be used: File exists"),
+        (["--dim", "4", "--data-dir", "/proc/kalos-no/such"], 2, "--data-dir /proc/kalos-no/such cannot be used"),
+        (["--dim", "4", "--lifeline-fd", "987"], 2, "--lifeline-fd 987: [Errno 9] Bad file descriptor"),
     ],
 )
 def test_bad_flags_exit_2(make_name, args: list[str], code: int, match: str) -> None:
