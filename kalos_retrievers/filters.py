@@ -96,6 +96,11 @@ def _normalize(flt: Mapping[str, Any], path: str, depth: int) -> dict[str, Any]:
             )
         elif isinstance(value, Mapping) and any(str(k).startswith("$") for k in value):
             out[key] = _field_ops(value, p)
+        elif isinstance(value, Mapping) and value:  # (a value cannot be a dict: an operator lost its $?)
+            raise ValueError(
+                f"{p} is a dict without an operator (keys {sorted(map(str, value))}); write a "
+                f"condition as {{'$eq': value}}, {{'$in': [...]}}...: {', '.join(sorted(FIELD_OPERATORS))}"
+            )
         else:
             out[key] = {"$eq": _scalar(value, p)}
     return out

@@ -551,6 +551,12 @@ def _translate_filter(flt: Mapping[str, Any]) -> dict[str, Any]:
             any_of = [_translate_filter(v) for v in subs]
             out["$not"] = any_of[0] if len(any_of) == 1 else {"$or": any_of}
         elif isinstance(value, Mapping):
+            for op in value:
+                if op not in _MEM0_OPS and not str(op).startswith("$"):
+                    raise ValueError(
+                        f"filters[{key!r}]: unknown operator {op!r}; mem0's are "
+                        f"{', '.join(sorted(_MEM0_OPS))}, or Kalos's $-operators ($eq, $in, ...)"
+                    )
             out[key] = {_MEM0_OPS.get(op, op): arg for op, arg in value.items()}
         elif value == "*":
             out[key] = {"$exists": True}

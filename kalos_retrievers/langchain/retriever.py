@@ -251,8 +251,9 @@ class KalosRetriever(BaseRetriever):
         flt = kwargs.get("filter", self.filter)
         validate_filter(flt)
         threshold = kwargs.get("score_threshold", self.score_threshold)
-        if threshold is not None and not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"score_threshold={threshold!r} must be a relevance in [0, 1]")
+        if threshold is not None and not (isinstance(threshold, int | float) and not isinstance(threshold, bool)
+                                          and 0.0 <= threshold <= 1.0):  # fmt: skip
+            raise ValueError(f"score_threshold={threshold!r} must be a relevance (a number) in [0, 1]")
         return (kwargs.get("k", self.k), flt, kwargs.get("namespace", self.namespace), threshold,
                 kwargs.get("timeout", self.timeout))  # fmt: skip
 

@@ -163,6 +163,8 @@ class KalosVectorStore(BasePydanticVectorStore):
             raise ValueError("KalosVectorStore needs the sidecar's name (or a client=)")
         if client is not None:
             name = client.name
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a string ('' is the default one), not {type(namespace).__name__}")
         if len(namespace.encode("utf-8", "surrogatepass")) > 255:
             raise ValueError("namespace is longer than 255 bytes")
         if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
@@ -327,6 +329,12 @@ class KalosVectorStore(BasePydanticVectorStore):
         k = query.similarity_top_k
         if k <= 0:
             return _empty_result()
+        max_k = self._client.header.max_k
+        if k > max_k:
+            raise ValueError(
+                f"similarity_top_k={k} is above sidecar {self.name!r}'s --max-k {max_k}; ask for "
+                "fewer, or start the sidecar with a larger --max-k"
+            )
         flt = to_kalos_filter(query.filters, node_ids=query.node_ids, doc_ids=query.doc_ids)
         q = np.asarray(query.query_embedding, dtype=np.float32)
         timeout = time_left(deadline, self.name)

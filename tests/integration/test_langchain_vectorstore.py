@@ -254,6 +254,9 @@ def test_kalos_retriever_documents_and_threshold(store: KalosVectorStore) -> Non
     assert r.invoke("apples are red", k=2, filter={"kind": "fruit"}) == [
         d for d in docs if d.metadata["kind"] == "fruit"][:2]  # fmt: skip
     assert r.invoke("apples are red", namespace="nothing-here") == []
+    for bad in ("0.5", True, 1.5):
+        with pytest.raises(ValueError, match=r"^score_threshold="):
+            r.invoke("apples are red", score_threshold=bad)
 
 
 def test_from_texts_spawns_and_owns_the_sidecar() -> None:

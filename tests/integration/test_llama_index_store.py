@@ -360,4 +360,8 @@ async def test_query_errors_are_raised_not_degraded(api: Api) -> None:
         await api.query(VectorStoreQuery(query_embedding=vec("q"), mode=VectorStoreQueryMode.SVM))
     with pytest.raises(ValueError, match="list"):
         await api.ids(mf(MetadataFilter(key="a", value=["x"], operator=F.EQ)))
+    with pytest.raises(ValueError, match=r"^similarity_top_k=1025 is above .*--max-k 1024"):
+        await api.search("q", 1025)
+    with pytest.raises(TypeError, match="namespace must be a string"):
+        KalosVectorStore(api.store.name, namespace=None)  # type: ignore[arg-type]
     assert api.store.degrader.degraded_calls == 0

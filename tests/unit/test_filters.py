@@ -114,3 +114,16 @@ def test_columns_follow_set_clear_and_move() -> None:
     assert cols.evaluate(f, np.array([1, 5])).tolist() == [False, True]
     cols.clear(5)
     assert cols.evaluate(f, np.array([5])).tolist() == [False]
+
+
+def test_a_dict_without_operators_is_named_as_such() -> None:
+    """A field's dict whose keys are not $-operators (an operator that lost its $, say) is
+    refused with what it lacks, not as "a dict is not a value"; mem0's spelling is translated
+    and its unknown operators named (KalosMemory)."""
+    from kalos_retrievers.memory import _translate_filter
+
+    with pytest.raises(ValueError, match=r"filter\['topic'\] is a dict without an operator \(keys \['eq'\]\)"):
+        validate_filter({"topic": {"eq": "x"}})
+    assert _translate_filter({"topic": {"eq": "x", "$ne": "y"}}) == {"topic": {"$eq": "x", "$ne": "y"}}
+    with pytest.raises(ValueError, match=r"filters\['topic'\]: unknown operator 'foo'; mem0's are contains"):
+        _translate_filter({"topic": {"foo": "x"}})
