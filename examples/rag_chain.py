@@ -120,10 +120,10 @@ def ask(
     expected = set(q.get("answer_ids", []))
     say(f"\n{q['id']}  {q['question']}")
     say(f"A:  {out['answer']}")
-    rt = f"; sidecar round trip {sidecar_s * 1000:.2f} ms" if sidecar_s is not None else ""
+    rt = f"; the scores' own recall {sidecar_s * 1000:.2f} ms" if sidecar_s is not None else ""
     say(
         f"    recalled {len(out['docs'])} passages in {retrieve_s * 1000:.2f} ms "
-        f"(embedding the question {embed_s * 1000:.2f} ms{rt}):"
+        f"(of which embedding the question {embed_s * 1000:.2f} ms{rt}):"
     )
     recalled = []
     for d in out["docs"]:
