@@ -19,7 +19,9 @@ Field operators:
 ``$exists``      the field is present (``true``) or absent (``false``)
 ``$contains``    the field is a list holding the value
 ``$any $all``    the field is a list holding any / all of the values
-``$like``        the field is a string containing the value (``$ilike``: ignoring case)
+``$like``        the field is a string containing the value as a substring (``$ilike``: ignoring
+                 case); no SQL wildcards: ``%`` and ``_`` are characters like any other, so
+                 PGVector's ``{"$like": "%Ada%"}`` is ``{"$like": "Ada"}`` here
 ``$empty``       the field is absent, null, ``""`` or ``[]`` (``true``), or the opposite
 =============== ===========================================================================
 
