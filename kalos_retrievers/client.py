@@ -767,7 +767,7 @@ class KalosClient:
         args = encode_recall_args(namespace, encode_json(flt) if flt else None) if flt or namespace else b""
         flags = (Flag.WITH_VECTORS if with_vectors else 0) | (0 if docs else Flag.NO_DOCS)
         # (a long filter leaves room for fewer queries; with none left, _call says so)
-        room = (header.layout.payload_size - len(args) - 4) // (4 * header.dim)
+        room = (header.payload_size - len(args) - 4) // (4 * header.dim)
         per_req = max(1, min(header.max_queries, header.max_results // k, room))
         out: list[RecallResult] = []
         for start in range(0, len(qs), per_req):
@@ -1070,7 +1070,7 @@ class KalosClient:
     def _id_requests(self, head: bytes, id_list: list[str]) -> Iterator[bytes]:
         """The JSON arguments ``head`` + ids + ``]}`` of as few requests as hold ``id_list``
         (in order) within a slot's payload; at least one, even for no ids."""
-        room = self.header.layout.payload_size - len(head) - 2
+        room = self.header.payload_size - len(head) - 2
         enc = [encode_json(i) for i in id_list]
         start = 0
         while True:
@@ -1081,7 +1081,7 @@ class KalosClient:
             if end == start and end < len(enc):
                 raise ValueError(
                     f"ids[{start}] does not fit in a request with this namespace and filter (a slot "
-                    f"payload holds {self.header.layout.payload_size} bytes); start the sidecar "
+                    f"payload holds {self.header.payload_size} bytes); start the sidecar "
                     "with a larger --payload-kb"
                 )
             yield head + b",".join(enc[start:end]) + b"]}"
