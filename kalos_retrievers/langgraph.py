@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import json
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
@@ -52,13 +53,17 @@ from .client import KalosClient
 from .degrade import Degrader, time_left
 from .embeddings import Embedder
 from .errors import KalosError
+from .filters import matches, validate_filter
 from .results import Record
 
 __all__ = ["KalosStore", "decode_namespace", "encode_namespace"]
 
 _PAGE = 500
+_PAGE_MAX = 10_000  # items a search's scan asks for at once
 _MAX_KEY_BYTES = 500
 _SIDECAR_OPS = frozenset({"$eq", "$ne", "$gt", "$gte", "$lt", "$lte"})
+_LIST_OPS = frozenset({"$in", "$nin"})  # an extension: InMemoryStore refuses them
+_OPS = _SIDECAR_OPS | _LIST_OPS
 _Key = tuple[tuple[str, ...], str]
 
 
@@ -172,7 +177,7 @@ class KalosStore(BaseStore):
         client: an existing :class:`~kalos_retrievers.KalosClient` to share.
     """
 
-    __slots__ = ("_fields", "client", "degrader", "embeddings", "index_config", "prefix")
+    __slots__ = ("_fields", "_put_lock", "client", "degrader", "embeddings", "index_config", "prefix")
 
     def __init__(
         self,
@@ -193,6 +198,10 @@ class KalosStore(BaseStore):
         self.client = client
         self.prefix = prefix
         self.degrader = Degrader(f"KalosStore(name={client.name!r}, prefix={prefix!r})", on_error)
+        # A put reads an item's vector count, then writes: the threads of one store take turns
+        # (two processes putting one key at once can still leave it extra vector rows, which
+        # searches skip: see _scored).
+        self._put_lock = threading.Lock()
         self.index_config: dict[str, Any] | None = None
         self.embeddings: Embeddings | None = None
         self._fields: list[tuple[str, Any]] = []
@@ -329,6 +338,10 @@ class KalosStore(BaseStore):
         return v
 
     def _apply_puts(self, puts: Mapping[_Key, PutOp], doc_vecs: Mapping[str, Any]) -> None:
+        with self._put_lock:
+            self._apply_puts_locked(puts, doc_vecs)
+
+    def _apply_puts_locked(self, puts: Mapping[_Key, PutOp], doc_vecs: Mapping[str, Any]) -> None:
         by_ns: dict[tuple[str, ...], list[PutOp]] = {}
         for (ns, _key), op in puts.items():
             by_ns.setdefault(ns, []).append(op)
@@ -408,10 +421,15 @@ class KalosStore(BaseStore):
         if qvec is not None:
             found = self._scored(spaces, np.asarray(qvec, np.float32), flt=flt, residual=residual,
                                  want=want, deadline=deadline)  # fmt: skip
+        if qvec is None and len(spaces) == 1 and not residual:  # one scan, its offset in the sidecar
+            ns, items_ns, _ = spaces[0]
+            page = self.client.scan(namespace=items_ns, filter=flt, limit=op.limit, offset=op.offset,
+                                    timeout=self._left(deadline))  # fmt: skip
+            return [SearchItem(ns, r.id, r.metadata, _dt(r.created_at), _dt(r.updated_at), None) for r in page]
         if len(found) < want:
             # Every indexed match is already in `found`; the rest are items without vectors.
             seen = {(ns, r.id) for _, ns, r in found}
-            for ns, rec in self._scan_items(spaces, flt, residual, deadline):
+            for ns, rec in self._scan_items(spaces, flt, residual, deadline, page=min(max(want, 64), _PAGE_MAX)):
                 if (ns, rec.id) not in seen:
                     found.append((None, ns, rec))
                     if len(found) >= want:
@@ -443,35 +461,38 @@ class KalosStore(BaseStore):
         want: int,
         deadline: float,
     ) -> list[tuple[float | None, tuple[str, ...], Record]]:
+        """The ``want`` best items of ``spaces`` by their best vector. An item counts only if
+        its item row exists and its value (the row's, not the vector rows' copy) passes the
+        whole filter: a vector row left by an interrupted write, or by two processes putting
+        one key at once, never brings back a deleted item or one that no longer matches."""
         max_k = self.client.header.max_k
-        best: list[tuple[float, tuple[str, ...], str]] = []
-        for ns, _items_ns, vecs_ns in spaces:
+        norm = validate_filter(flt)
+        best: list[tuple[float, tuple[str, ...], Record]] = []
+        for ns, items_ns, vecs_ns in spaces:
             k = min(max_k, want)
+            checked: dict[str, Record | None] = {}
             while True:
                 res = self.client.recall(qvec, k, namespace=vecs_ns, filter=flt,
                                          timeout=self._left(deadline))  # fmt: skip
                 keys: dict[str, float] = {}
                 for hit in res:
                     key = hit.id.rsplit("\x00", 1)[0]
-                    if key not in keys and _matches(residual, hit.metadata):
+                    if key not in keys:
                         keys[key] = hit.score  # hits are best first: the first is the item's max
-                if len(keys) >= want or len(res) < k or k >= max_k:
+                new = [key for key in keys if key not in checked]
+                if new:
+                    got = {r.id: r for r in self.client.get(new, namespace=items_ns, timeout=self._left(deadline))}
+                    for key in new:
+                        r = got.get(key)
+                        ok = r is not None and matches(norm, r.metadata) and _matches(residual, r.metadata)
+                        checked[key] = r if ok else None
+                found = [(score, ns, checked[key]) for key, score in keys.items() if checked[key] is not None]
+                if len(found) >= want or len(res) < k or k >= max_k:
                     break
-                k = min(max_k, 4 * k)  # several vectors per item, or residual filtering
-            best.extend((score, ns, key) for key, score in keys.items())
+                k = min(max_k, 4 * k)  # several vectors per item, residual filtering, stale rows
+            best.extend(found)  # type: ignore[arg-type]
         best.sort(key=lambda t: -t[0])
-        best = best[:want]
-        # Values and timestamps come from the item rows (a vector row without one is an orphan
-        # of an interrupted write: skipped).
-        by_ns: dict[tuple[str, ...], list[str]] = {}
-        for _, ns, key in best:
-            by_ns.setdefault(ns, []).append(key)
-        recs: dict[tuple[tuple[str, ...], str], Record] = {}
-        for ns, keys_ in by_ns.items():
-            items_ns, _ = self._names(ns)
-            got = self.client.get(keys_, namespace=items_ns, timeout=self._left(deadline))
-            recs.update({(ns, r.id): r for r in got})
-        return [(s, ns, recs[(ns, key)]) for s, ns, key in best if (ns, key) in recs]
+        return best[:want]  # type: ignore[return-value]
 
     def _scan_items(
         self,
@@ -479,22 +500,25 @@ class KalosStore(BaseStore):
         flt: dict[str, Any] | None,
         residual: dict[str, Any],
         deadline: float,
+        page: int = _PAGE,
     ) -> Iterator[tuple[tuple[str, ...], Record]]:
-        """Matching items of every space, oldest first across spaces (read page by page)."""
+        """Matching items of every space, oldest first across spaces (read ``page`` items a
+        request: each request sorts its whole space in the sidecar, so a search asks for as
+        many as it may show at once)."""
 
         def one(
             ns: tuple[str, ...], items_ns: str
         ) -> Iterator[tuple[float, tuple[str, ...], str, Record]]:
             offset = 0
             while True:
-                page = self.client.scan(namespace=items_ns, filter=flt, limit=_PAGE, offset=offset,
-                                         timeout=self._left(deadline))  # fmt: skip
-                for r in page:
+                rows = self.client.scan(namespace=items_ns, filter=flt, limit=page, offset=offset,
+                                        timeout=self._left(deadline))  # fmt: skip
+                for r in rows:
                     if _matches(residual, r.metadata):
                         yield (r.created_at, ns, r.id, r)
-                if len(page) < _PAGE:
+                if len(rows) < page:
                     return
-                offset += _PAGE
+                offset += page
 
         streams = [one(ns, items_ns) for ns, items_ns, _ in spaces]
         for _, ns, _, rec in heapq.merge(*streams, key=lambda t: t[:3]):
@@ -554,23 +578,74 @@ def _is_scalar(v: Any) -> bool:
 
 
 def _split_filter(flt: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(part the sidecar evaluates, part checked here). Both must hold."""
-    sidecar: dict[str, Any] = {}
+    """(part the sidecar evaluates, part checked here). Both must hold.
+
+    A missing field reads as ``None``, as in ``InMemoryStore`` (``value.get(key)``): ``{"f":
+    None}`` matches items without ``f``, and ``{"f": {"$ne": None}}`` does not. An operator
+    other than ``$eq $ne $gt $gte $lt $lte $in $nin`` is refused here, before any call
+    (``InMemoryStore`` raises on the first item it compares).
+
+    Raises:
+        ValueError: an unsupported operator.
+    """
+    _check_operators(flt or {})
+    parts: list[dict[str, Any]] = []
     residual: dict[str, Any] = {}
     for key, cond in (flt or {}).items():
         if key.startswith("$"):
-            sidecar[key] = cond  # Kalos's own logical operators, as an extension
+            parts.append({key: cond})  # Kalos's own logical operators, as an extension
         elif _is_scalar(cond):
-            sidecar[key] = {"$eq": cond}
+            parts.append(_sidecar_field(key, {"$eq": cond}))
         elif (
             isinstance(cond, Mapping)
             and cond
-            and all(op in _SIDECAR_OPS and _is_scalar(v) for op, v in cond.items())
+            and all(
+                (op in _SIDECAR_OPS and _is_scalar(v))
+                or (op in _LIST_OPS and isinstance(v, list | tuple) and all(map(_is_scalar, v)))
+                for op, v in cond.items()
+            )
         ):
-            sidecar[key] = dict(cond)
+            parts.append(_sidecar_field(key, cond))
         else:
             residual[key] = cond
-    return (sidecar or None), residual
+    if not parts:
+        return None, residual
+    sidecar: dict[str, Any] = {}
+    for part in parts:
+        if part.keys() & sidecar.keys():  # (two parts on one key: "$or" twice, say)
+            return {"$and": parts}, residual
+        sidecar.update(part)
+    return sidecar, residual
+
+
+def _sidecar_field(key: str, cond: Mapping[str, Any]) -> dict[str, Any]:
+    """One field's conditions in the sidecar's language, with a missing field read as None."""
+    eq_none = any(op == "$eq" and v is None for op, v in cond.items()) or any(
+        op == "$in" and None in v for op, v in cond.items()
+    )
+    ne_none = any(op == "$ne" and v is None for op, v in cond.items()) or any(
+        op == "$nin" and None in v for op, v in cond.items()
+    )
+    if eq_none:  # (None is among what it may equal: a missing field may be what it equals)
+        rest = {op: v for op, v in cond.items() if not (op in ("$eq", "$in") and (v is None or None in v))}
+        others = [v for op, v in cond.items() if op == "$in" for v in v if v is not None]
+        either: dict[str, Any] = {"$or": [{key: None}, {key: {"$exists": False}}]}
+        if others:
+            either["$or"].append({key: {"$in": others}})
+        return {"$and": [either, {key: rest}]} if rest else either
+    if ne_none:  # (a missing field equals None, so it is excluded too)
+        return {key: {**cond, "$exists": True}}
+    return {key: dict(cond)}
+
+
+def _check_operators(flt: Mapping[str, Any]) -> None:
+    for key, cond in flt.items():
+        if not key.startswith("$") and isinstance(cond, Mapping):
+            for op in cond:
+                if str(op).startswith("$") and op not in _OPS:
+                    raise ValueError(
+                        f"Unsupported operator: {op} (filter[{key!r}]); supported: {', '.join(sorted(_OPS))}"
+                    )
 
 
 def _matches(residual: Mapping[str, Any], value: Mapping[str, Any]) -> bool:
@@ -599,6 +674,13 @@ def _apply_operator(value: Any, op: str, arg: Any) -> bool:
         return _compare(value, arg)
     if op == "$ne":
         return not _compare(value, arg)
+    if op in _LIST_OPS:
+        if not isinstance(arg, list | tuple):
+            raise ValueError(f"{op} takes a list, got {type(arg).__name__}")
+        found = any(_compare(value, a) for a in arg)
+        return found if op == "$in" else not found
+    if op not in _SIDECAR_OPS:
+        raise ValueError(f"Unsupported operator: {op}")
     try:
         a, b = float(value), float(arg)
     except (TypeError, ValueError):

@@ -5,9 +5,11 @@ InMemoryStore, use inside a compiled graph, and degradation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -252,6 +254,8 @@ def test_agrees_with_langgraph_in_memory_store(sidecar: Sidecar) -> None:
         # unique texts: InMemoryStore also raises when one put has the same text twice
         tags = [f"{w} tag{i}" for w in rng.choice(VOCAB, 2, replace=False)]
         value = {"text": f"{words} #{i}", "n": i % 7, "tags": tags, "kind": {"k": i % 2}}
+        if i % 3 < 2:  # "opt": null, "x" or absent (a missing field reads as None in both)
+            value["opt"] = (None, "x")[i % 3]
         for s in (ref, store):
             s.put(ns, f"item{i}", value, index=None if i % 9 else False)
     for s in (ref, store):
@@ -265,6 +269,11 @@ def test_agrees_with_langgraph_in_memory_store(sidecar: Sidecar) -> None:
         {"query": "rewritten", "limit": 3},
         {"filter": {"n": 4}, "limit": 50},
         {"filter": {"n": {"$ne": 2}, "kind": {"k": 0}}, "limit": 50},
+        {"filter": {"opt": None}, "limit": 50},
+        {"filter": {"opt": {"$ne": None}}, "limit": 50},
+        {"filter": {"opt": {"$eq": None}, "n": {"$gte": 2}}, "limit": 50},
+        {"query": "tea", "limit": 6, "filter": {"opt": None}},
+        {"query": "tea", "limit": 6, "filter": {"opt": {"$ne": None}}},
     ]
     for q in queries:
         for prefix in [("org",), ("org", "team2"), ("org", "team0", "user0")]:
@@ -276,6 +285,11 @@ def test_agrees_with_langgraph_in_memory_store(sidecar: Sidecar) -> None:
                 for g, w in zip(got, want, strict=True):
                     assert (g.score is None) == (w.score is None)
                     assert g.score is None or g.score == pytest.approx(w.score, abs=1e-4)
+    # pages without a query: in one namespace both list oldest first (across namespaces
+    # InMemoryStore lists namespace by namespace, Kalos by creation time: docs/memory.md)
+    for q in ({"filter": {"n": {"$gte": 1}}, "limit": 3, "offset": 1}, {"limit": 2, "offset": 1}):
+        want, got = ref.search(("org", "team0", "user0"), **q), store.search(("org", "team0", "user0"), **q)
+        assert [(i.key, i.value) for i in got] == [(i.key, i.value) for i in want], q
     for kw in [{}, {"prefix": ("org", "team1")}, {"suffix": ("user3",)}, {"max_depth": 2}]:
         assert store.list_namespaces(**kw) == ref.list_namespaces(**kw), kw
     for i in range(40):
@@ -283,6 +297,77 @@ def test_agrees_with_langgraph_in_memory_store(sidecar: Sidecar) -> None:
         want_item, got_item = ref.get(ns, f"item{i}"), store.get(ns, f"item{i}")
         assert (got_item is None) == (want_item is None)
         assert got_item is None or got_item.value == want_item.value  # type: ignore[union-attr]
+
+
+def test_filter_operators_beyond_in_memory_stores(store: KalosStore) -> None:
+    """$in / $nin run in the sidecar (InMemoryStore refuses them); an unknown or misspelled
+    operator is refused at once, even where nothing would be compared (it used to give [])."""
+    for i, lang in enumerate(["en", "fr", "de"]):
+        store.put(("ops",), f"k{i}", {"lang": lang, "n": i})
+    assert sorted(keys(store.search(("ops",), filter={"lang": {"$in": ["en", "de"]}}))) == ["k0", "k2"]
+    assert keys(store.search(("ops",), filter={"n": {"$nin": [0, 2]}})) == ["k1"]
+    assert sorted(keys(store.search(("ops",), query="tea", filter={"lang": {"$in": ["fr", "de"]}}))) == ["k1", "k2"]
+    for bad in ({"lang": {"$eqq": "en"}}, {"lang": {"$contains": "e"}}):
+        with pytest.raises(ValueError, match="Unsupported operator"):
+            store.search(("ops",), filter=bad)
+        with pytest.raises(ValueError, match="Unsupported operator"):
+            store.search(("nothing", "here"), filter=bad)
+
+
+def test_a_stale_vector_row_never_answers_for_its_item(store: KalosStore) -> None:
+    """A vector row whose value is not the item's (left by two processes putting one key at
+    once, or by an interrupted write) is checked against the item row: a filter on the stale
+    value finds nothing, and a deleted item's rows bring nothing back. The negative control is
+    the same search before the stale row exists... and the same search of the stale value,
+    which matched the old code's vector rows."""
+    ns = ("race",)
+    store.put(ns, "k", {"text": "tea", "writer": 0})
+    _, vecs_ns = store._names(ns)
+    vec = np.asarray(KeywordEmbeddings().embed_query("tea"), np.float32)[None]
+    store.client.upsert(["k\x005"], vec, None, [{"text": "tea", "writer": 1}], namespace=vecs_ns)
+    assert store.client.count(vecs_ns) == 2
+    assert keys(store.search(ns, query="tea", filter={"writer": 0})) == ["k"]
+    assert store.search(ns, query="tea", filter={"writer": 1}) == []
+    assert [i.value["writer"] for i in store.search(ns, query="tea")] == [0]
+    store.delete(ns, "k")
+    assert store.search(ns, query="tea") == []
+
+
+@pytest.mark.parametrize("turns", [True, False], ids=["turns", "control"])
+def test_threads_putting_one_key_leave_exactly_its_vectors(store: KalosStore, monkeypatch, turns: bool) -> None:
+    """Two threads put one key at once, with 6 and 1 tags (7 and 2 vector rows): afterwards
+    the key has as many vector rows as its stored value has texts, because the store's puts
+    take turns. Each put's read of the old count is slowed (the 1-tag put's more, so that it
+    writes last); the negative control, without the turns, leaves the 6-tag put's extra rows
+    under the 1-tag value."""
+    ns = ("race",)
+    _, vecs_ns = store._names(ns)
+    store.put(ns, "k", {"text": "tea", "tags": ["tea 0"]})
+    real_get = store.client.get
+
+    def slow_get(*a, **kw):  # type: ignore[no-untyped-def]
+        out = real_get(*a, **kw)
+        time.sleep(0.05 if threading.current_thread().name == "six" else 0.3)
+        return out
+
+    monkeypatch.setattr(store.client, "get", slow_get)
+    if not turns:
+        store._put_lock = contextlib.nullcontext()  # type: ignore[assignment]
+    go = threading.Barrier(2)
+
+    def writer(n_tags: int) -> None:
+        go.wait()
+        store.put(ns, "k", {"text": f"tea {n_tags}", "tags": [f"tea {j}" for j in range(n_tags)]})
+
+    threads = [threading.Thread(target=writer, args=(n,), name=name) for n, name in ((6, "six"), (1, "one"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    item = store.get(ns, "k")
+    assert item is not None
+    rows = store.client.count(vecs_ns)
+    assert (rows == 1 + len(item.value["tags"])) is turns, (item.value, rows)
 
 
 # ---------------------------------------------------------------------------------------------
