@@ -200,7 +200,7 @@ class KalosStore(BaseStore):
         self.degrader = Degrader(f"KalosStore(name={client.name!r}, prefix={prefix!r})", on_error)
         # A put reads an item's vector count, then writes: the threads of one store take turns
         # (two processes putting one key at once can still leave it extra vector rows, which
-        # searches skip: see _scored).
+        # searches skip, see _scored, and which stay: docs/memory.md).
         self._put_lock = threading.Lock()
         self.index_config: dict[str, Any] | None = None
         self.embeddings: Embeddings | None = None
