@@ -137,6 +137,10 @@ class KalosMemory:
         self.collection = collection
         self.namespace = f"memory/{collection}"
         self.history_namespace = f"memory-history/{collection}"
+        # update and delete read a memory, then write it and its history event: the threads of
+        # one KalosMemory take turns per memory id (striped locks), so an update never brings
+        # back a memory another thread deleted, and the history follows the stored order
+        self._id_locks = [threading.Lock() for _ in range(64)]
         if len(self.history_namespace.encode("utf-8", "surrogatepass")) > 255:
             raise ValueError("collection is too long: namespaces are limited to 255 bytes")
         self.degrader = Degrader(f"KalosMemory(name={client.name!r}, collection={collection!r})",
@@ -324,15 +328,18 @@ class KalosMemory:
         """
         if not isinstance(data, str) or not data.strip():
             raise ValueError("data must be a non-empty string")
-        old = self._get(memory_id, scope)
-        if old is None:
+        if self._get(memory_id, scope) is None:  # (before paying for the embedding)
             raise KeyError(f"no memory with id {memory_id!r}{_in_scope(scope)}")
-        kept = {k: v for k, v in old.metadata.items() if k in RESERVED_KEYS}
-        user = _user_metadata(metadata) if metadata is not None else _strip(old.metadata)
-        meta = {**user, **kept}
+        user = _user_metadata(metadata) if metadata is not None else None
         vec = self.embedder.documents([data])
-        self.client.upsert([memory_id], vec, [data], [meta], namespace=self.namespace)
-        self._record([_event(memory_id, "UPDATE", old.text, data, meta)])
+        with self._id_lock(memory_id):
+            old = self._get(memory_id, scope)  # again: it may have changed or gone meanwhile
+            if old is None:
+                raise KeyError(f"memory {memory_id!r} was deleted during the update")
+            kept = {k: v for k, v in old.metadata.items() if k in RESERVED_KEYS}
+            meta = {**(user if user is not None else _strip(old.metadata)), **kept}
+            self.client.upsert([memory_id], vec, [data], [meta], namespace=self.namespace)
+            self._record([_event(memory_id, "UPDATE", old.text, data, meta)])
         new = self._get(memory_id, {})
         if new is None:  # deleted by someone else in between
             raise KeyError(f"memory {memory_id!r} was deleted during the update")
@@ -344,11 +351,14 @@ class KalosMemory:
         Raises:
             KeyError: no such memory (in the given scope).
         """
-        old = self._get(memory_id, scope)
-        if old is None:
-            raise KeyError(f"no memory with id {memory_id!r}{_in_scope(scope)}")
-        self.client.delete([memory_id], namespace=self.namespace)
-        self._record([_event(memory_id, "DELETE", old.text, None, old.metadata)])
+        with self._id_lock(memory_id):
+            old = self._get(memory_id, scope)
+            if old is None:
+                raise KeyError(f"no memory with id {memory_id!r}{_in_scope(scope)}")
+            if not self.client.delete([memory_id], namespace=self.namespace):
+                # (another process deleted it since the read: its DELETE is recorded there)
+                raise KeyError(f"no memory with id {memory_id!r}{_in_scope(scope)}")
+            self._record([_event(memory_id, "DELETE", old.text, None, old.metadata)])
 
     def delete_all(
         self,
@@ -392,6 +402,9 @@ class KalosMemory:
         self.client.delete_namespace(self.history_namespace)
 
     # ------------------------------------------------------------------ helpers
+    def _id_lock(self, memory_id: str) -> threading.Lock:
+        return self._id_locks[hash(memory_id) % len(self._id_locks)]
+
     def _get(self, memory_id: str, scope: Mapping[str, str | None]) -> Record | None:
         if not isinstance(memory_id, str) or not memory_id:
             raise ValueError("memory_id must be a non-empty string")

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -136,6 +137,65 @@ def test_search_limit_is_checked_by_name_and_capped_at_max_k(make_name: Callable
                     m.search("tea", user_id="u", limit=bad)  # type: ignore[arg-type]
         finally:
             m.close()
+
+
+class SlowEmbeddings(KeywordEmbeddings):
+    """An embedding model that takes 0.2 s per call (a network round trip, say)."""
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        time.sleep(0.2)
+        return super().embed_documents(texts)
+
+
+def test_updates_and_deletes_racing_in_threads_stay_consistent(sidecar: Sidecar, request) -> None:
+    """An update whose embedding is still running when another thread deletes the memory
+    raises KeyError instead of bringing it back; of several threads deleting one memory, one
+    succeeds and one DELETE is recorded; of concurrent updates, the last recorded event is
+    the stored text. (Before: the deleted memory came back as the update's text, and each
+    racing delete recorded its own DELETE.)"""
+    m = KalosMemory(sidecar.name, embedding=SlowEmbeddings(), collection=request.node.name[:80])
+    try:
+        (mid,) = [a["id"] for a in m.add("tea original", user_id="u")]
+        errors: list[BaseException] = []
+
+        def call(fn, *a):  # type: ignore[no-untyped-def]
+            try:
+                fn(*a)
+            except BaseException as e:
+                errors.append(e)
+
+        up = threading.Thread(target=call, args=(m.update, mid, "tea edited"))
+        up.start()
+        time.sleep(0.05)  # (the update is embedding)
+        m.delete(mid)
+        up.join()
+        assert m.get(mid) is None
+        assert [type(e) for e in errors] == [KeyError]
+        assert [e["event"] for e in m.history(mid)] == ["ADD", "DELETE"]
+
+        (mid,) = [a["id"] for a in m.add("tea again", user_id="u")]
+        errors.clear()
+        ts = [threading.Thread(target=call, args=(m.delete, mid)) for _ in range(6)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert len(errors) == 5 and all(isinstance(e, KeyError) for e in errors)
+        assert [e["event"] for e in m.history(mid)] == ["ADD", "DELETE"]
+
+        (mid,) = [a["id"] for a in m.add("tea v0", user_id="u")]
+        ts = [threading.Thread(target=m.update, args=(mid, f"tea v{i}")) for i in (1, 2, 3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        stored, events = m.get(mid), m.history(mid)
+        assert stored is not None and events[-1]["new_memory"] == stored["memory"]
+        assert [e["event"] for e in events] == ["ADD", "UPDATE", "UPDATE", "UPDATE"]
+        assert [e["old_memory"] for e in events[1:]] == [e["new_memory"] for e in events[:-1]]
+    finally:
+        m.reset()
+        m.close()
 
 
 def test_users_are_isolated_adversarially(memory: KalosMemory) -> None:
