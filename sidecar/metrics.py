@@ -10,7 +10,9 @@ from typing import Any
 log = logging.getLogger("kalos.sidecar")
 
 
-def start_metrics_server(server: Any, host: str, port: int) -> ThreadingHTTPServer:
+def bind_metrics_server(server: Any, host: str, port: int) -> ThreadingHTTPServer:
+    """The metrics endpoint, bound but not serving yet (:func:`serve_metrics` starts it): a
+    port in use fails here, with ``OSError``, before the sidecar loads anything."""
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path not in ("/metrics", "/"):
@@ -29,7 +31,10 @@ def start_metrics_server(server: Any, host: str, port: int) -> ThreadingHTTPServ
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = ThreadingHTTPServer((host, port), Handler)
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def serve_metrics(httpd: ThreadingHTTPServer) -> None:
+    """Serve a bound metrics endpoint from a daemon thread."""
     threading.Thread(target=httpd.serve_forever, name="kalos-metrics", daemon=True).start()
-    log.info("metrics: http://%s:%d/metrics", host, httpd.server_address[1])
-    return httpd
+    log.info("metrics: http://%s:%d/metrics", *httpd.server_address[:2])

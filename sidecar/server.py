@@ -172,7 +172,8 @@ class Server:
         self.dispatcher: Dispatcher | None = None
         self.boot_epoch = 0
         self._maint: threading.Thread | None = None
-        self._metrics: Any = None
+        self._metrics: Any = None  # the metrics endpoint (--metrics-port), bound at start
+        self._metrics_serving = False  # (shutdown() of one never served would wait forever)
         self._republish = threading.Event()
         # Held while re-publishing, and by the maintenance thread while it checks what is
         # published: without it the check could see the half-built state of a re-publication
@@ -195,6 +196,22 @@ class Server:
     def start(self) -> None:
         cfg = self.cfg
         os.umask(0o077)  # everything we create (store files, IPC objects) is ours alone
+        if cfg.metrics_port is not None:  # (bound first: a port in use fails before any work)
+            from .metrics import bind_metrics_server
+
+            try:
+                self._metrics = bind_metrics_server(self, cfg.metrics_host, cfg.metrics_port)
+            except OSError as e:
+                raise StartError(f"--metrics-port {cfg.metrics_port} on {cfg.metrics_host}: {e.strerror or e}",
+                                 EXIT_USAGE) from None  # fmt: skip
+        try:
+            self._start()
+        except BaseException:
+            self._close_metrics()
+            raise
+
+    def _start(self) -> None:
+        cfg = self.cfg
         index = make_index(cfg)
         # the CPU backend's products run on BLAS: unless told, it leaves a quarter of a large
         # host's cores to the clients (blas.default_threads); a GPU backend's pool is left alone
@@ -242,10 +259,20 @@ class Server:
         self._set_ready()
         self._maint = threading.Thread(target=self._maintain, name="kalos-maint", daemon=True)
         self._maint.start()
-        if cfg.metrics_port is not None:
-            from .metrics import start_metrics_server
+        if self._metrics is not None:
+            from .metrics import serve_metrics
 
-            self._metrics = start_metrics_server(self, cfg.metrics_host, cfg.metrics_port)
+            serve_metrics(self._metrics)
+            self._metrics_serving = True
+
+    def _close_metrics(self) -> None:
+        m, self._metrics = self._metrics, None
+        if m is not None:
+            with contextlib.suppress(Exception):
+                if self._metrics_serving:
+                    m.shutdown()
+                m.server_close()
+            self._metrics_serving = False
 
     def _publish(self) -> None:
         """Create the segment and semaphores (header says INITIALIZING)."""
@@ -785,10 +812,7 @@ class Server:
                 profile.dump_stats(PROFILE)
             except Exception:  # diagnostics must not keep the sidecar from closing
                 log.exception("KALOS_PROFILE: could not write %s", PROFILE)
-        if self._metrics is not None:
-            with contextlib.suppress(Exception):
-                self._metrics.shutdown()
-            self._metrics = None
+        self._close_metrics()
         seg = self.seg
         if seg is not None:
             if self.dispatcher is not None and not self._fatal:

@@ -129,6 +129,24 @@ def test_bad_flags_exit_2(make_name, args: list[str], code: int, match: str) -> 
     assert r.returncode == code and match in r.stderr, r.stderr
 
 
+def test_a_metrics_port_in_use_exits_2_before_anything_is_created(make_name) -> None:
+    """The port is bound before the index, the store or the segment: a port in use is a usage
+    error (exit 2, one line), and nothing is left in /dev/shm (it used to fail after
+    announcing "ready", with a traceback and exit 1, leaving its segment behind)."""
+    import socket
+
+    name = make_name()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = cli("serve", "--name", name, "--device", "cpu", "--dim", "4", "--metrics-port", str(port))
+    assert r.returncode == 2, r.stderr
+    assert f"--metrics-port {port} on 127.0.0.1: Address already in use" in r.stderr and "Traceback" not in r.stderr
+    assert "ready: sidecar" not in r.stderr
+    assert not [p for p in os.listdir("/dev/shm") if name in p]
+
+
 def test_cuda_without_a_gpu_exits_5(make_name) -> None:
     gpu = False
     with contextlib.suppress(Exception):  # no CuPy, or no CUDA driver: no GPU
