@@ -44,17 +44,24 @@ def _at_least(lo: int) -> Callable[[str], int]:
     return parse
 
 
+def _seconds(text: str) -> float:
+    v = float(text)
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--rows", type=_at_least(1), default=100_000)
+    p.add_argument("--dim", type=_at_least(1), default=384)
+    p.add_argument("--k", type=_at_least(1), default=10, help="at most --rows and 1024")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--calls", type=int, default=10_000)
-    p.add_argument("--warmup", type=int, default=500)
-    p.add_argument("--procs", type=int, default=4, help="client processes for the throughput run")
-    p.add_argument("--duration", type=float, default=5.0, help="seconds of the throughput run")
-    p.add_argument("--threads", type=int, default=None, help="the sidecar's --threads (CPU backend)")
+    p.add_argument("--calls", type=_at_least(1), default=10_000)
+    p.add_argument("--warmup", type=_at_least(0), default=500)
+    p.add_argument("--procs", type=_at_least(1), default=4, help="client processes for the throughput run")
+    p.add_argument("--duration", type=_seconds, default=5.0, help="seconds of the throughput run")
+    p.add_argument("--threads", type=_at_least(1), default=None, help="the sidecar's --threads (CPU backend)")
     p.add_argument("--rounds", type=_at_least(2), default=16, help="rounds of the blocked Kalos/numpy comparison")
     p.add_argument("--block", type=_at_least(1), default=200, help="calls per side per round")
     p.add_argument("--seed", type=int, default=0)
@@ -351,6 +358,10 @@ def table(rows: list[tuple[str, str, str, str]]) -> str:
 def run(args: argparse.Namespace) -> int:
     from kalos_retrievers.spawn import Sidecar
 
+    if args.k > min(args.rows, 1024):
+        print(f"kalos-sidecar bench: error: --k {args.k} must be at most --rows ({args.rows}) and 1024",
+              file=sys.stderr)  # fmt: skip
+        return 2
     print(f"bench: {args.rows} x {args.dim} rows on {args.device}; {machine()}", file=sys.stderr)
     data = make_data(args.rows, args.dim, args.seed)
     queries = make_data(1024, args.dim, args.seed + 1)

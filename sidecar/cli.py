@@ -28,9 +28,33 @@ from collections.abc import Sequence
 
 from kalos_retrievers import _ipc
 from kalos_retrievers.errors import KalosError, SidecarTimeout, SidecarUnavailable
-from kalos_retrievers.protocol import DTYPES, METRICS, segment_name
+from kalos_retrievers.protocol import DTYPES, METRICS, check_name, segment_name
 
 from .server import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ServeConfig, Server, StartError
+
+
+def _name(text: str) -> str:
+    try:
+        return check_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _timeout(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return v
+
+
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise argparse.ArgumentTypeError(f"{text!r}: choose DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return level
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,25 +87,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="SQLite synchronous mode: full survives power loss, normal a crash")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus text here")
     s.add_argument("--metrics-host", default="127.0.0.1")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", type=_log_level, default="INFO")
     s.add_argument("--lifeline-fd", type=int, default=None,
                    help="an inherited pipe's read end: stop (as on SIGTERM) when its write end "
                         "is closed, i.e. when the process that started this sidecar has exited "
                         "(kalos_retrievers.spawn.Sidecar passes one)")
 
     st = sub.add_parser("status", help="exit 0 if the sidecar is up and answering")
-    st.add_argument("name")
-    st.add_argument("--timeout", type=float, default=1.0)
+    st.add_argument("name", type=_name)
+    st.add_argument("--timeout", type=_timeout, default=1.0)
     st.add_argument("--quiet", "-q", action="store_true")
 
     sx = sub.add_parser("stats", help="print the sidecar's counters")
-    sx.add_argument("name")
+    sx.add_argument("name", type=_name)
     sx.add_argument("--prometheus", action="store_true", help="Prometheus text format")
-    sx.add_argument("--timeout", type=float, default=2.0)
+    sx.add_argument("--timeout", type=_timeout, default=2.0)
 
     sp = sub.add_parser("stop", help="stop a running sidecar (SIGTERM) and wait for it")
-    sp.add_argument("name")
-    sp.add_argument("--timeout", type=float, default=15.0)
+    sp.add_argument("name", type=_name)
+    sp.add_argument("--timeout", type=_timeout, default=15.0)
 
     b = sub.add_parser("bench", help="recall latency and throughput benchmark")
     from .bench import add_arguments

@@ -129,6 +129,25 @@ def test_bad_flags_exit_2(make_name, args: list[str], code: int, match: str) -> 
     assert r.returncode == code and match in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["status", "bad/name"], "argument name: name='bad/name' is not a valid sidecar name"),
+        (["stop", "bad/name"], "is not a valid sidecar name"),
+        (["stats", "bad/name"], "is not a valid sidecar name"),
+        (["status", "x", "--timeout", "-1"], "argument --timeout: must be a positive number of seconds"),
+        (["serve", "--name", "x", "--dim", "4", "--log-level", "BOGUS"], "argument --log-level: 'BOGUS'"),
+        (["bench", "--rows", "-5"], "argument --rows: must be >= 1, got -5"),
+        (["bench", "--calls", "0"], "argument --calls: must be >= 1"),
+        (["bench", "--rows", "100", "--k", "200"], "--k 200 must be at most --rows (100) and 1024"),
+        (["bench", "--duration", "0"], "argument --duration: must be a positive number of seconds"),
+    ],
+)
+def test_bad_arguments_of_every_command_exit_2_with_one_line(args: list[str], match: str) -> None:
+    r = cli(*args)
+    assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_a_metrics_port_in_use_exits_2_before_anything_is_created(make_name) -> None:
     """The port is bound before the index, the store or the segment: a port in use is a usage
     error (exit 2, one line), and nothing is left in /dev/shm (it used to fail after
