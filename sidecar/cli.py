@@ -229,12 +229,16 @@ def _stats(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     if args.prometheus:
-        from .stats import Stats
+        from .stats import Histogram, Stats
 
         st = Stats()
         for key, n in s["requests"].items():
             op, status = key.split("/")
             st.requests[(op, status)] = n
+        for op, summary in s.get("latency", {}).items():  # (the histograms, as /metrics has them)
+            h = Histogram.of_summary(summary)
+            if h is not None:
+                st.latency[op] = h
         # the counters the text reports from Stats itself (a fresh Stats would say 0)
         st.rejected = s.get("rejected_requests", 0)
         st.reclaimed_slots = s.get("reclaimed_slots", 0)

@@ -55,14 +55,32 @@ class Histogram:
         i = int(np.searchsorted(np.cumsum(self.counts), target))
         return self.bucket_upper_us(min(i, _N - 1))
 
-    def summary(self) -> dict[str, float]:
-        return {
+    def summary(self, buckets: bool = False) -> dict[str, Any]:
+        """Count, mean and percentiles; with ``buckets``, also what rebuilds the histogram
+        (:meth:`of_summary`): the sum and the nonzero buckets (``{index: count}``)."""
+        out: dict[str, Any] = {
             "count": self.count,
             "mean_us": round(self.sum_us / self.count, 2) if self.count else 0.0,
             "p50_us": round(self.percentile(50), 1),
             "p99_us": round(self.percentile(99), 1),
             "p999_us": round(self.percentile(99.9), 1),
         }
+        if buckets:
+            out["sum_us"] = round(self.sum_us, 1)
+            out["buckets"] = {str(i): c for i, c in enumerate(self.counts) if c}
+        return out
+
+    @classmethod
+    def of_summary(cls, d: dict[str, Any]) -> Histogram | None:
+        """The histogram a :meth:`summary` describes (None: one without its buckets, from an
+        older sidecar)."""
+        if "buckets" not in d:
+            return None
+        h = cls()
+        for i, c in d["buckets"].items():
+            h.counts[int(i)] = int(c)
+        h.count, h.sum_us = int(d["count"]), float(d["sum_us"])
+        return h
 
 
 class Stats:
@@ -105,7 +123,7 @@ class Stats:
         return {
             "uptime_s": round(time.time() - self.started, 1),
             "requests": {f"{op}/{st}": n for (op, st), n in sorted(self.requests.items())},
-            "latency": {op: h.summary() for op, h in sorted(self.latency.items())},
+            "latency": {op: h.summary(buckets=True) for op, h in sorted(self.latency.items())},
             "phases": {p: h.summary() for p, h in sorted(self.phases.items())},
             "rejected_requests": self.rejected,
             "reclaimed_slots": self.reclaimed_slots,
@@ -123,10 +141,11 @@ class Stats:
         ]
         for (op, st), n in sorted(self.requests.items()):
             out.append(f'kalos_requests_total{{op="{op}",status="{st}"}} {n}')
-        out += [
-            "# HELP kalos_request_latency_seconds Time from pickup to response, by op.",
-            "# TYPE kalos_request_latency_seconds histogram",
-        ]
+        if self.latency:  # (a family without samples is not valid exposition)
+            out += [
+                "# HELP kalos_request_latency_seconds Time from pickup to response, by op.",
+                "# TYPE kalos_request_latency_seconds histogram",
+            ]
         for op, h in sorted(self.latency.items()):
             cum = np.cumsum(h.counts)
             for i in range(0, _N, 9):  # every 9th bucket: ~1/3 decade resolution is plenty

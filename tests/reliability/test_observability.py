@@ -179,6 +179,32 @@ def test_metrics_endpoint(launch: Callable[..., Sidecar]) -> None:
     assert scrape(got["port"], "/secret")[0] == 404
 
 
+def test_the_clis_prometheus_text_has_the_endpoints_histograms(launch: Callable[..., Sidecar]) -> None:
+    """``kalos-sidecar stats NAME --prometheus`` (for scrapers without the HTTP endpoint)
+    passes the same format checks as /metrics and carries the same recall latency buckets
+    (it used to print the histogram's HELP/TYPE with no samples)."""
+    import subprocess
+    import sys
+
+    sc = launch(extra_args=("--metrics-port", "0"))
+    with sc.client(spin_us=0) as c:
+        load_dataset(c, N, DIM)
+        for _ in range(7):
+            c.recall(np.ones(DIM), k=3)
+    _, got = endpoint_violations(sc)
+    cli = subprocess.run([sys.executable, "-P", "-m", "kalos_retrievers.sidecar", "stats", sc.name, "--prometheus"],
+                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    types, samples, fmt = parse_prometheus(cli.stdout)
+    assert not fmt, fmt
+    assert types.get("kalos_request_latency_seconds") == "histogram"
+
+    def recall_lines(text: str) -> list[str]:
+        return [ln for ln in text.splitlines() if ln.startswith("kalos_request_latency") and 'op="recall"' in ln]
+
+    assert recall_lines(cli.stdout) == recall_lines(got["text"]) != []
+    assert value(samples, "kalos_request_latency_seconds_count", op="recall") == 7
+
+
 def test_metrics_endpoint_is_off_by_default(launch: Callable[..., Sidecar]) -> None:
     sc = launch()
     assert sc.pid is not None
