@@ -1054,10 +1054,17 @@ class KalosClient:
         rep = self._call(Op.COUNT, args=args, deadline=self._deadline(timeout))
         return int(json.loads(rep.blob)["count"])
 
-    def namespaces(self, *, timeout: float | None = None) -> dict[str, int]:
-        """Every non-empty namespace with its row count."""
-        rep = self._call(Op.NAMESPACES, deadline=self._deadline(timeout))
-        return dict(json.loads(rep.blob))
+    def namespaces(self, prefix: str = "", *, timeout: float | None = None) -> dict[str, int]:
+        """Every non-empty namespace (whose name starts with ``prefix``) with its row count.
+
+        The sidecar selects by ``prefix`` (one that predates it sends every namespace, and
+        the client selects)."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a string, not {type(prefix).__name__}")
+        args = encode_json({"prefix": prefix}) if prefix else b""
+        rep = self._call(Op.NAMESPACES, args=args, deadline=self._deadline(timeout))
+        spaces: dict[str, int] = json.loads(rep.blob)
+        return {n: c for n, c in spaces.items() if n.startswith(prefix)} if prefix else spaces
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The sidecar's counters: rows, requests by op and status, latency percentiles..."""

@@ -444,7 +444,9 @@ class KalosStore(BaseStore):
     ) -> list[tuple[tuple[str, ...], str, str]]:
         head = f"{self.prefix}/i/"
         out = []
-        for name in self.client.namespaces(timeout=self._left(deadline)):
+        # (the encoded prefix selects in the sidecar: a superset, "a.b" also selects "a.bc")
+        selector = head + encode_namespace(prefix) if prefix else head
+        for name in self.client.namespaces(selector, timeout=self._left(deadline)):
             if name.startswith(head):
                 ns = decode_namespace(name[len(head) :])
                 if ns[: len(prefix)] == tuple(prefix):
@@ -528,7 +530,7 @@ class KalosStore(BaseStore):
     def _list_namespaces(self, op: ListNamespacesOp) -> list[tuple[str, ...]]:
         head = f"{self.prefix}/i/"
         spaces = [
-            decode_namespace(n[len(head) :]) for n in self.client.namespaces() if n.startswith(head)
+            decode_namespace(n[len(head) :]) for n in self.client.namespaces(head) if n.startswith(head)
         ]
         for cond in op.match_conditions or ():
             spaces = [ns for ns in spaces if _does_match(cond, ns)]

@@ -715,6 +715,7 @@ ARG_KEYS: Final = {
     Op.SCAN: frozenset({"namespace", "filter", "limit", "offset"}),
     Op.DELETE: frozenset({"namespace", "ids", "filter", "all"}),
     Op.COUNT: frozenset({"namespace", "filter"}),
+    Op.NAMESPACES: frozenset({"prefix"}),  # (optional: no args lists every namespace)
 }
 
 

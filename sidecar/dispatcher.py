@@ -1238,7 +1238,13 @@ class Dispatcher:
             n = svc.count(decode_json_args(self._args(i, req), op))
             self._respond(i, req, Status.OK, 0, encode_json({"count": n}), 0, t0)
         elif op == Op.NAMESPACES:
-            self._respond(i, req, Status.OK, 0, encode_json(svc.rows.namespaces()), 0, t0)
+            prefix = decode_json_args(self._args(i, req), op).get("prefix", "") if req.args_len else ""
+            if not isinstance(prefix, str):
+                raise Invalid(Status.BAD_REQUEST, "namespaces' prefix must be a string")
+            spaces = svc.rows.namespaces()
+            if prefix:
+                spaces = {n: c for n, c in spaces.items() if n.startswith(prefix)}
+            self._respond(i, req, Status.OK, 0, encode_json(spaces), 0, t0)
         elif op == Op.STATS:
             self._respond(i, req, Status.OK, 0, encode_json(self.stats.snapshot(self.describe())), 0, t0)
         elif op == Op.CONTINUE:

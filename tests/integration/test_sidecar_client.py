@@ -22,7 +22,7 @@ from kalos_retrievers import (
     SidecarTimeout,
     SidecarUnavailable,
 )
-from kalos_retrievers.protocol import HEADER_SIZE, SlotState, decode_header, segment_name
+from kalos_retrievers.protocol import HEADER_SIZE, Op, SlotState, decode_header, segment_name
 
 
 def ids_of(res) -> list[str]:
@@ -60,6 +60,11 @@ def test_namespaces_k_above_rows_get_delete_count_scan(start_sidecar) -> None:
                  metadatas=[{"t": "x"}, {"t": "y"}, {"t": "x"}], namespace="n1")  # fmt: skip
         c.upsert(["a"], [[1, 1, 0]], texts=["other A"], namespace="n2")
         assert c.namespaces() == {"n1": 3, "n2": 1}
+        assert c.namespaces("n2") == {"n2": 1} and c.namespaces("n") == {"n1": 3, "n2": 1} and c.namespaces("x") == {}
+        # the sidecar selects (not only the client): the answer to a raw request is the subset
+        assert json.loads(c._call(Op.NAMESPACES, args=b'{"prefix":"n1"}').blob) == {"n1": 3}
+        with pytest.raises(RequestRejected, match="prefix"):
+            c._call(Op.NAMESPACES, args=b'{"prefix":1}')
         assert c.count() == 4 and c.count("n1") == 3 and c.count("n1", filter={"t": "x"}) == 2
         r = c.recall([1, 0, 0], k=10, namespace="n1")  # k above the namespace's rows
         assert r.ids[0] == "a" and len(r) == 3 and r[0].text == "A" and r[0].metadata == {"t": "x"}
