@@ -259,6 +259,8 @@ class KalosStore(BaseStore):
                     )
                 _check_labels(op.namespace)
                 self._names(op.namespace)  # length check
+                if not isinstance(op.key, str) or not op.key:
+                    raise ValueError(f"key={op.key!r}: KalosStore keys are non-empty strings (InMemoryStore allows '')")
                 if len(op.key.encode("utf-8", "surrogatepass")) > _MAX_KEY_BYTES:
                     raise ValueError(
                         f"key is longer than {_MAX_KEY_BYTES} bytes: {op.key[:40]!r}..."
@@ -390,6 +392,8 @@ class KalosStore(BaseStore):
             )
 
     def _get(self, op: GetOp) -> Item | None:
+        if not op.key:  # (no put can make it)
+            return None
         items_ns, _ = self._names(op.namespace)
         recs = self.client.get([op.key], namespace=items_ns)
         return _item(recs[0], op.namespace) if recs else None

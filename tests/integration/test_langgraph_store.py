@@ -314,6 +314,12 @@ def test_filter_operators_beyond_in_memory_stores(store: KalosStore) -> None:
             store.search(("nothing", "here"), filter=bad)
 
 
+def test_an_empty_key_is_refused_on_put_and_absent_on_get(store: KalosStore) -> None:
+    with pytest.raises(ValueError, match="non-empty strings"):
+        store.put(("x",), "", {"text": "tea"})
+    assert store.get(("x",), "") is None
+
+
 def test_a_stale_vector_row_never_answers_for_its_item(store: KalosStore) -> None:
     """A vector row whose value is not the item's (left by two processes putting one key at
     once, or by an interrupted write) is checked against the item row: a filter on the stale
