@@ -60,6 +60,14 @@ class _Column:
             setattr(self, name, new)
 
 
+def _exact(m: np.ndarray, col: _Column, rows: np.ndarray, num: np.ndarray, equal: Any) -> None:
+    """Re-check ``m``'s numeric matches beyond float precision (|x| >= 2**53, where distinct
+    ints share a float64) on the stored values themselves: 2**53 + 1 does not equal 2**53."""
+    sel = np.flatnonzero(m & (np.abs(num) >= 2.0**53))
+    if len(sel):
+        m[sel] = [bool(equal(v)) for v in col.obj[rows[sel]]]
+
+
 class MetadataColumns:
     def __init__(self, capacity: int = 1024) -> None:
         self.capacity = capacity
@@ -165,19 +173,21 @@ class MetadataColumns:
         """``_eq`` of any value of ``arg``, in one pass per kind rather than one per value (a
         list of 100k ids against 40k rows: one ``isin`` and one set, not 100k comparisons of
         every row)."""
-        nums: list[float] = []
+        nums: list[Any] = []
         strs: set[str] = set()
-        rest: list[Any] = []  # null, booleans, ints beyond float precision: _eq one at a time
+        rest: list[Any] = []  # null and booleans: _eq one at a time
         for a in arg:
             if isinstance(a, str):
                 strs.add(a)
-            elif isinstance(a, int | float) and not isinstance(a, bool) and not (isinstance(a, int) and abs(a) > 2**53):
-                nums.append(float(a))
+            elif isinstance(a, int | float) and not isinstance(a, bool):
+                nums.append(a)
             else:
                 rest.append(a)
         m = np.zeros(len(rows), bool)
         if nums:
-            m |= (kind == NUMBER) & np.isin(col.num[rows], np.array(nums))
+            num = col.num[rows]
+            m |= (kind == NUMBER) & np.isin(num, np.array([float(a) for a in nums]))
+            _exact(m, col, rows, num, lambda v: any(values_equal(v, a) for a in nums))
         if strs:
             sel = np.flatnonzero(kind == STRING)
             if len(sel):
@@ -193,10 +203,9 @@ class MetadataColumns:
         if isinstance(arg, bool):
             return (kind == BOOL) & (col.num[rows] == float(arg))
         if isinstance(arg, int | float):
-            m = (kind == NUMBER) & (col.num[rows] == float(arg))
-            if isinstance(arg, int) and abs(arg) > 2**53:  # beyond float precision: exact check
-                sel = np.flatnonzero(m)
-                m[sel] = [values_equal(v, arg) for v in col.obj[rows[sel]]]
+            num = col.num[rows]
+            m = (kind == NUMBER) & (num == float(arg))
+            _exact(m, col, rows, num, lambda v: values_equal(v, arg))
             return m
         m = kind == STRING
         sel = np.flatnonzero(m)
@@ -209,7 +218,13 @@ class MetadataColumns:
         if isinstance(arg, bool) or arg is None:
             return np.zeros(len(rows), bool)
         if isinstance(arg, int | float):
-            return (kind == NUMBER) & _CMP[op](col.num[rows], arg)
+            num = col.num[rows]
+            m = (kind == NUMBER) & _CMP[op](num, float(arg))
+            if abs(float(arg)) >= 2.0**53:  # (near the argument, floats may tie distinct ints)
+                sel = np.flatnonzero((kind == NUMBER) & (np.abs(num) >= 2.0**53))
+                if len(sel):
+                    m[sel] = [bool(_CMP[op](v, arg)) for v in col.obj[rows[sel]]]
+            return m
         m = kind == STRING
         sel = np.flatnonzero(m)
         if len(sel):

@@ -58,7 +58,8 @@ def test_semantics_spot_checks() -> None:
         assert not matches(validate_filter(f), m), f
 
 
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.5, 2.0, -1.5, 2**60, 2**60 + 1]),
+BIG = [2**53, 2**53 + 1, 2**60, 2**60 + 1, 2.0**60]  # beyond float precision: ints that share a float64
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.5, 2.0, -1.5, *BIG]),
                     st.sampled_from(["", "a", "b", "ab", "B", "ba"]))  # fmt: skip
 VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=3))
 KEYS = st.sampled_from(["k1", "k2", "k3"])
