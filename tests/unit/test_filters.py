@@ -128,3 +128,25 @@ def test_a_dict_without_operators_is_named_as_such() -> None:
     assert _translate_filter({"topic": {"eq": "x", "$ne": "y"}}) == {"topic": {"$eq": "x", "$ne": "y"}}
     with pytest.raises(ValueError, match=r"filters\['topic'\]: unknown operator 'foo'; mem0's are contains"):
         _translate_filter({"topic": {"foo": "x"}})
+
+
+@pytest.mark.parametrize(
+    ("flt", "want"),
+    [
+        ({"k": 2**53}, [False, True]),
+        ({"k": {"$in": [2**53, 7]}}, [False, True]),
+        ({"k": {"$nin": [2**53]}}, [True, False]),
+        ({"k": {"$gt": 2**53}}, [True, False]),
+        ({"k": {"$lte": 2**53}}, [False, True]),
+        ({"k": 2.0**53}, [False, True]),
+        ({"k": {"$in": [2**53 + 1]}}, [True, False]),
+    ],
+)
+def test_ints_beyond_float_precision_compare_exactly(flt: dict, want: list[bool]) -> None:
+    """2**53 + 1 and 2**53 share a float64: the columns compare the stored ints themselves."""
+    cols = MetadataColumns(capacity=4)
+    cols.set(0, {"k": 2**53 + 1})
+    cols.set(1, {"k": 2**53})
+    norm = validate_filter(flt)
+    assert cols.evaluate(norm, np.array([0, 1])).tolist() == want
+    assert [matches(norm, m) for m in ({"k": 2**53 + 1}, {"k": 2**53})] == want
