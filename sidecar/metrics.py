@@ -11,8 +11,9 @@ log = logging.getLogger("kalos.sidecar")
 
 
 def bind_metrics_server(server: Any, host: str, port: int) -> ThreadingHTTPServer:
-    """The metrics endpoint, bound but not serving yet (:func:`serve_metrics` starts it): a
-    port in use fails here, with ``OSError``, before the sidecar loads anything."""
+    """The metrics endpoint, bound but not listening yet (:func:`serve_metrics` listens and
+    serves): a port in use fails here, with ``OSError``, before the sidecar loads its rows,
+    and a scrape during the load is refused rather than left waiting."""
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path not in ("/metrics", "/"):
@@ -31,10 +32,17 @@ def bind_metrics_server(server: Any, host: str, port: int) -> ThreadingHTTPServe
         def log_message(self, *args: Any) -> None:
             pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+    httpd = ThreadingHTTPServer((host, port), Handler, bind_and_activate=False)
+    try:
+        httpd.server_bind()
+    except BaseException:
+        httpd.server_close()
+        raise
+    return httpd
 
 
 def serve_metrics(httpd: ThreadingHTTPServer) -> None:
-    """Serve a bound metrics endpoint from a daemon thread."""
+    """Listen on a bound metrics endpoint and serve it from a daemon thread."""
+    httpd.server_activate()
     threading.Thread(target=httpd.serve_forever, name="kalos-metrics", daemon=True).start()
     log.info("metrics: http://%s:%d/metrics", *httpd.server_address[:2])

@@ -194,21 +194,27 @@ class Server:
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
-        cfg = self.cfg
         os.umask(0o077)  # everything we create (store files, IPC objects) is ours alone
-        if cfg.metrics_port is not None:  # (bound first: a port in use fails before any work)
-            from .metrics import bind_metrics_server
-
-            try:
-                self._metrics = bind_metrics_server(self, cfg.metrics_host, cfg.metrics_port)
-            except OSError as e:
-                raise StartError(f"--metrics-port {cfg.metrics_port} on {cfg.metrics_host}: {e.strerror or e}",
-                                 EXIT_USAGE) from None  # fmt: skip
         try:
             self._start()
         except BaseException:
             self._close_metrics()
             raise
+
+    def _bind_metrics(self) -> None:
+        """Bind --metrics-port once the name is ours (a second sidecar of this name exits 3 on
+        the name, not on the first one's port) and before the rows load (a port in use is a
+        usage error, exit 2, found in seconds rather than after a long load)."""
+        cfg = self.cfg
+        if cfg.metrics_port is None:
+            return
+        from .metrics import bind_metrics_server
+
+        try:
+            self._metrics = bind_metrics_server(self, cfg.metrics_host, cfg.metrics_port)
+        except OSError as e:
+            raise StartError(f"--metrics-port {cfg.metrics_port} on {cfg.metrics_host}: {e.strerror or e}",
+                             EXIT_USAGE) from None  # fmt: skip
 
     def _start(self) -> None:
         cfg = self.cfg
@@ -252,6 +258,7 @@ class Server:
         self.service = Service(index, store, dim=cfg.dim, metric=METRICS[cfg.metric])
         try:
             self._publish()
+            self._bind_metrics()
             self._load()
         except BaseException:
             self.close()

@@ -148,9 +148,9 @@ def test_bad_arguments_of_every_command_exit_2_with_one_line(args: list[str], ma
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_a_metrics_port_in_use_exits_2_before_anything_is_created(make_name) -> None:
-    """The port is bound before the index, the store or the segment: a port in use is a usage
-    error (exit 2, one line), and nothing is left in /dev/shm (it used to fail after
+def test_a_metrics_port_in_use_exits_2_and_leaves_nothing(make_name) -> None:
+    """The port is bound once the name is taken, before the rows load: a port in use is a
+    usage error (exit 2, one line), and nothing is left in /dev/shm (it used to fail after
     announcing "ready", with a traceback and exit 1, leaving its segment behind)."""
     import socket
 
@@ -164,6 +164,25 @@ def test_a_metrics_port_in_use_exits_2_before_anything_is_created(make_name) -> 
     assert f"--metrics-port {port} on 127.0.0.1: Address already in use" in r.stderr and "Traceback" not in r.stderr
     assert "ready: sidecar" not in r.stderr
     assert not [p for p in os.listdir("/dev/shm") if name in p]
+
+
+def test_a_second_sidecar_of_a_name_exits_3_on_the_name_not_2_on_its_port(make_name) -> None:
+    """Started again with the same unit (same name, same --metrics-port) while the first runs:
+    the name is what is refused (exit 3, which a supervisor may retry), not the port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    name = make_name()
+    first = serve(name, "--dim", "4", "--metrics-port", port)
+    try:
+        wait_ready(name, first)
+        r = cli("serve", "--name", name, "--device", "cpu", "--dim", "4", "--metrics-port", port)
+        assert r.returncode == 3 and "already" in r.stderr, r.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(30)
 
 
 def test_cuda_without_a_gpu_exits_5(make_name) -> None:
