@@ -625,23 +625,34 @@ def _split_filter(flt: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None,
 
 
 def _sidecar_field(key: str, cond: Mapping[str, Any]) -> dict[str, Any]:
-    """One field's conditions in the sidecar's language, with a missing field read as None."""
-    eq_none = any(op == "$eq" and v is None for op, v in cond.items()) or any(
-        op == "$in" and None in v for op, v in cond.items()
-    )
-    ne_none = any(op == "$ne" and v is None for op, v in cond.items()) or any(
-        op == "$nin" and None in v for op, v in cond.items()
-    )
-    if eq_none:  # (None is among what it may equal: a missing field may be what it equals)
-        rest = {op: v for op, v in cond.items() if not (op in ("$eq", "$in") and (v is None or None in v))}
-        others = [v for op, v in cond.items() if op == "$in" for v in v if v is not None]
-        either: dict[str, Any] = {"$or": [{key: None}, {key: {"$exists": False}}]}
-        if others:
-            either["$or"].append({key: {"$in": others}})
-        return {"$and": [either, {key: rest}]} if rest else either
-    if ne_none:  # (a missing field equals None, so it is excluded too)
-        return {key: {**cond, "$exists": True}}
-    return {key: dict(cond)}
+    """One field's conditions in the sidecar's language, a missing field read as ``None``
+    (each operator on its own, the clauses AND-ed)."""
+    clauses = [_sidecar_clause(key, op, v) for op, v in cond.items()]
+    if len(clauses) == 1:
+        return clauses[0]
+    if all(list(c) == [key] for c in clauses):  # plain conditions of the field: one dict of them
+        merged: dict[str, Any] = {}
+        for c in clauses:
+            if c[key].keys() & merged.keys():
+                break
+            merged.update(c[key])
+        else:
+            return {key: merged}
+    return {"$and": clauses}
+
+
+def _sidecar_clause(key: str, op: str, v: Any) -> dict[str, Any]:
+    missing = {key: {"$exists": False}}
+    if op == "$eq" and v is None:  # null, or no such field
+        return {"$or": [{key: None}, missing]}
+    if op == "$ne" and v is None:
+        return {key: {"$ne": None, "$exists": True}}
+    if op == "$in" and None in v:
+        others = [x for x in v if x is not None]
+        return {"$or": [{key: None}, missing, *([{key: {"$in": others}}] if others else [])]}
+    if op == "$nin" and None in v:
+        return {key: {"$nin": list(v), "$exists": True}}
+    return {key: {op: v}}  # ($ne and $nin of values other than None match a missing field, as here)
 
 
 def _check_operators(flt: Mapping[str, Any]) -> None:

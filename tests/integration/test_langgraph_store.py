@@ -323,9 +323,8 @@ def test_an_empty_key_is_refused_on_put_and_absent_on_get(store: KalosStore) -> 
 def test_a_stale_vector_row_never_answers_for_its_item(store: KalosStore) -> None:
     """A vector row whose value is not the item's (left by two processes putting one key at
     once, or by an interrupted write) is checked against the item row: a filter on the stale
-    value finds nothing, and a deleted item's rows bring nothing back. The negative control is
-    the same search before the stale row exists... and the same search of the stale value,
-    which matched the old code's vector rows."""
+    value finds nothing (the old code returned the item), and a deleted item's stale row brings
+    nothing back while its namespace has other items."""
     ns = ("race",)
     store.put(ns, "k", {"text": "tea", "writer": 0})
     _, vecs_ns = store._names(ns)
@@ -335,8 +334,10 @@ def test_a_stale_vector_row_never_answers_for_its_item(store: KalosStore) -> Non
     assert keys(store.search(ns, query="tea", filter={"writer": 0})) == ["k"]
     assert store.search(ns, query="tea", filter={"writer": 1}) == []
     assert [i.value["writer"] for i in store.search(ns, query="tea")] == [0]
+    store.put(ns, "other", {"text": "coffee", "writer": 2})  # (the namespace stays after the delete)
     store.delete(ns, "k")
-    assert store.search(ns, query="tea") == []
+    assert store.client.count(vecs_ns) == 2  # k's stale row, other's
+    assert keys(store.search(ns, query="tea")) == ["other"]
 
 
 @pytest.mark.parametrize("turns", [True, False], ids=["turns", "control"])
