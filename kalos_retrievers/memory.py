@@ -21,6 +21,7 @@ what it names: ``search(agent_id="planner")`` sees that agent's memories of ever
 from __future__ import annotations
 
 import asyncio
+import numbers
 import secrets
 import threading
 import time
@@ -282,7 +283,7 @@ class KalosMemory:
     ) -> list[dict[str, Any]]:
         try:
             left = time_left(deadline, self.client.name)
-            k = min(limit, self.client.header.max_k)
+            k = min(int(limit), self.client.header.max_k)
             hits = self.client.recall(vec, k, namespace=self.namespace, filter=flt, timeout=left)
         except KalosError as e:
             if self.degrader.should_degrade(e):
@@ -403,6 +404,8 @@ class KalosMemory:
 
     # ------------------------------------------------------------------ helpers
     def _id_lock(self, memory_id: str) -> threading.Lock:
+        if not isinstance(memory_id, str) or not memory_id:  # (checked before it is hashed)
+            raise ValueError("memory_id must be a non-empty string")
         return self._id_locks[hash(memory_id) % len(self._id_locks)]
 
     def _get(self, memory_id: str, scope: Mapping[str, str | None]) -> Record | None:
@@ -583,7 +586,7 @@ def _iso(ts: float) -> str:
 
 
 def _check_limit(limit: Any) -> None:
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+    if not isinstance(limit, numbers.Integral) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"limit={limit!r} must be an int >= 1")
 
 

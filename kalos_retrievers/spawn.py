@@ -108,6 +108,7 @@ class Sidecar:
             SidecarStartError: it exited (bad flags, name in use, corrupt store...) or did not
                 become ready within ``startup_timeout``; the message includes its log's tail.
         """
+        self._close_lifeline()  # (a previous start's, if this object is started again)
         argv, keep = self.argv, ()
         if self.die_with_parent:
             r, w = os.pipe()  # (both close-on-exec; pass_fds hands the sidecar the read end)

@@ -11,6 +11,7 @@ Two retrievers share one behaviour through :class:`~kalos_retrievers.Degrader`:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -251,7 +252,7 @@ class KalosRetriever(BaseRetriever):
         flt = kwargs.get("filter", self.filter)
         validate_filter(flt)
         threshold = kwargs.get("score_threshold", self.score_threshold)
-        if threshold is not None and not (isinstance(threshold, int | float) and not isinstance(threshold, bool)
+        if threshold is not None and not (isinstance(threshold, numbers.Real) and not isinstance(threshold, bool)
                                           and 0.0 <= threshold <= 1.0):  # fmt: skip
             raise ValueError(f"score_threshold={threshold!r} must be a relevance (a number) in [0, 1]")
         return (kwargs.get("k", self.k), flt, kwargs.get("namespace", self.namespace), threshold,

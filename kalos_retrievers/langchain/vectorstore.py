@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -676,9 +677,9 @@ class KalosVectorStore(VectorStore):
 
     def _pool(self, k: int, fetch_k: Any) -> int:
         """MMR's candidates: ``fetch_k`` (at least ``k``), at most the sidecar's ``--max-k``."""
-        if not isinstance(fetch_k, int) or isinstance(fetch_k, bool) or fetch_k < 1:
+        if not isinstance(fetch_k, numbers.Integral) or isinstance(fetch_k, bool) or fetch_k < 1:
             raise ValueError(f"fetch_k={fetch_k!r} must be an int >= 1")
-        return max(k, min(fetch_k, self.client.header.max_k))
+        return max(k, min(int(fetch_k), self.client.header.max_k))
 
     def _ns(self, namespace: str | None) -> str:
         return self.namespace if namespace is None else namespace

@@ -49,9 +49,10 @@ def node_to_row(node: BaseNode) -> tuple[str, list[float], str, dict[str, Any]]:
     return node.node_id, list(node.embedding), text, metadata
 
 
-def row_to_node(row_id: str, text: str, metadata: Mapping[str, Any]) -> BaseNode:
-    """Rebuild a node from a stored row's id, text and metadata (see the module's docstring)."""
+def row_to_node(text: str, metadata: Mapping[str, Any], row_id: str | None = None) -> BaseNode:
+    """Rebuild a node from a stored row's text, metadata and id (see the module's docstring;
+    without ``row_id``, a row LlamaIndex did not write gets a new node id)."""
     if "_node_content" not in metadata:  # a row LlamaIndex did not write
         md = {key: value for key, value in metadata.items() if key != NODE_ID_KEY}
-        return TextNode(id_=row_id, text=text, metadata=md)
+        return TextNode(text=text, metadata=md, **({"id_": row_id} if row_id is not None else {}))
     return metadata_dict_to_node(dict(metadata), text=text or None)

@@ -270,12 +270,12 @@ class KalosVectorStore(BasePydanticVectorStore):
         records: list[Record]
         if to_kalos_filter(filters) is None and node_ids is not None:
             records = self._client.get(node_ids, namespace=self.namespace)
-            return [row_to_node(r.id, r.text, r.metadata) for r in records]
+            return [row_to_node(r.text, r.metadata, r.id) for r in records]
         records = self._scan(to_kalos_filter(filters, node_ids=node_ids))
         if node_ids is not None:
             by_id = {r.id: r for r in records}
             records = [by_id[i] for i in dict.fromkeys(node_ids) if i in by_id]
-        return [row_to_node(r.id, r.text, r.metadata) for r in records]
+        return [row_to_node(r.text, r.metadata, r.id) for r in records]
 
     def _scan(self, flt: dict[str, Any] | None) -> list[Record]:
         out: list[Record] = []
@@ -351,7 +351,7 @@ class KalosVectorStore(BasePydanticVectorStore):
             hits = list(self._client.recall(q, k, namespace=self.namespace, filter=flt,
                                             timeout=timeout))  # fmt: skip
         return VectorStoreQueryResult(
-            nodes=[row_to_node(h.id, h.text, h.metadata) for h in hits],
+            nodes=[row_to_node(h.text, h.metadata, h.id) for h in hits],
             similarities=[h.score for h in hits],
             ids=[h.id for h in hits],
         )

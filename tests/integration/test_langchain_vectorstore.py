@@ -257,6 +257,7 @@ def test_kalos_retriever_documents_and_threshold(store: KalosVectorStore) -> Non
     for bad in ("0.5", True, 1.5):
         with pytest.raises(ValueError, match=r"^score_threshold="):
             r.invoke("apples are red", score_threshold=bad)
+    assert r.invoke("apples are red", score_threshold=np.float32(cut)) == want  # numpy scalars are numbers
 
 
 def test_from_texts_spawns_and_owns_the_sidecar() -> None:
@@ -314,6 +315,7 @@ def test_mmr_fetch_k_above_max_k_is_capped(start_sidecar: Callable[..., Sidecar]
     store = KalosVectorStore(WordHashEmbedding(97), name=sc.name)
     store.add_texts([f"doc {i} apple" for i in range(9)])
     assert len(store.max_marginal_relevance_search("apple", k=3, fetch_k=2000)) == 3
+    assert len(store.max_marginal_relevance_search("apple", k=3, fetch_k=np.int64(4))) == 3
     assert len(store.as_retriever(search_type="mmr", search_kwargs={"k": 2, "fetch_k": 50}).invoke("apple")) == 2
     with pytest.raises(ValueError, match=r"^fetch_k="):
         store.max_marginal_relevance_search("apple", k=3, fetch_k=0)

@@ -132,6 +132,9 @@ def test_search_limit_is_checked_by_name_and_capped_at_max_k(make_name: Callable
             assert len(m.search("tea", user_id="u")) == 7
             assert len(asyncio.run(m.asearch("tea", user_id="u", limit=500))) == 7
             assert len(m.search("tea", user_id="u", limit=3)) == 3
+            assert len(m.search("tea", user_id="u", limit=np.int64(2))) == 2
+            with pytest.raises(ValueError, match="memory_id"):
+                m.delete(["not", "an", "id"])  # type: ignore[arg-type]
             for bad in (0, -1, 2.5, True, "3"):
                 with pytest.raises(ValueError, match=r"^limit="):
                     m.search("tea", user_id="u", limit=bad)  # type: ignore[arg-type]

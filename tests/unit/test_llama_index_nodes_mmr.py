@@ -39,7 +39,7 @@ def test_text_node_roundtrip_keeps_everything() -> None:
     assert meta[NODE_ID_KEY] == "n-1"
     assert meta["ref_doc_id"] == "doc-9"
     assert meta["topic"] == "infra"  # top level, so filters see it
-    back = row_to_node(node_id, text, _through_json(meta))
+    back = row_to_node(text, _through_json(meta), node_id)
     assert isinstance(back, TextNode)
     assert back.node_id == "n-1"
     assert back.text == node.text
@@ -55,7 +55,7 @@ def test_text_is_not_stored_twice_but_empty_text_survives() -> None:
     assert "hello" not in meta["_node_content"]
     _, _, text, meta = node_to_row(TextNode(text="", id_="b", embedding=[1.0]))
     assert text == ""
-    assert row_to_node("b", text, _through_json(meta)).text == ""
+    assert row_to_node(text, _through_json(meta)).text == ""
 
 
 def test_index_node_and_document_keep_their_type() -> None:
@@ -72,17 +72,17 @@ def test_index_node_and_document_keep_their_type() -> None:
 
 def _back(node):  # type: ignore[no-untyped-def]
     node_id, _, text, meta = node_to_row(node)
-    return row_to_node(node_id, text, _through_json(meta))
+    return row_to_node(text, _through_json(meta), node_id)
 
 
 def test_a_row_llama_index_did_not_write_reads_as_a_text_node() -> None:
     """A row written by the LangChain store or KalosClient.upsert has no serialized node: it
     comes back as a TextNode with the row's id, text and metadata (not an error)."""
-    back = row_to_node("lc-1", "written by LangChain", {"source": "web", "doc_id": "d", NODE_ID_KEY: "lc-1"})
+    back = row_to_node("written by LangChain", {"source": "web", "doc_id": "d", NODE_ID_KEY: "lc-1"}, "lc-1")
     assert isinstance(back, TextNode)
     assert (back.node_id, back.text) == ("lc-1", "written by LangChain")
     assert back.metadata == {"source": "web", "doc_id": "d"}
-    assert row_to_node("v", "", {}).text == ""
+    assert row_to_node("", {}, "v").text == ""
 
 
 def test_node_without_embedding_is_refused() -> None:
