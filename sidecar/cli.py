@@ -153,6 +153,10 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return EXIT_USAGE
     server = Server(cfg)
+    # SIGTERM / SIGINT while starting (a long load; the lifeline's EOF) unwind start(), which
+    # removes what it made, instead of killing the process with its segment left in /dev/shm.
+    # serve_forever installs the serving handlers.
+    previous = {sig: signal.signal(sig, _stop_starting) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.start()
     except StartError as e:
@@ -161,6 +165,12 @@ def _serve(args: argparse.Namespace) -> int:
     except KalosError as e:
         log.error("%s", e)
         return EXIT_ERROR
+    except _StoppedWhileStarting:
+        log.info("stopped while starting")
+        return EXIT_OK
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     try:
         server.serve_forever()
     except StartError as e:  # a sticky CUDA fault while serving
@@ -171,6 +181,14 @@ def _serve(args: argparse.Namespace) -> int:
         logging.shutdown()
         os._exit(e.exit_code)
     return EXIT_OK
+
+
+class _StoppedWhileStarting(BaseException):
+    """SIGTERM or SIGINT before the sidecar was serving."""
+
+
+def _stop_starting(signum: int, frame: object) -> None:
+    raise _StoppedWhileStarting(signum)
 
 
 def _watch_lifeline(fd: int, log: logging.Logger) -> None:
