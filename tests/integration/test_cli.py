@@ -185,6 +185,27 @@ def test_a_second_sidecar_of_a_name_exits_3_on_the_name_not_2_on_its_port(make_n
         first.wait(30)
 
 
+def test_sigterm_while_loading_exits_0_and_leaves_nothing(make_name, tmp_path) -> None:
+    """SIGTERM during the store's load (a supervisor's stop, the lifeline's EOF) unwinds the
+    start: exit 0 and nothing left in /dev/shm (it used to kill the process, exit -15, with
+    its segment and semaphores left behind)."""
+    name = make_name()
+    with KalosClient.spawn(name, dim=64, device="cpu", data_dir=tmp_path) as c:
+        data = np.random.default_rng().random((5000, 64), np.float32)
+        for i in range(12):
+            c.upsert([f"{i}-{j}" for j in range(5000)], data)
+    proc = serve(name, "--dim", "64", "--data-dir", str(tmp_path))
+    assert proc.stdout is not None
+    for line in proc.stdout:  # (the segment exists from here on; the load follows)
+        if "segment /kalos-" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, rest
+    assert "stopped while starting" in rest or "received SIGTERM" in rest, rest
+    assert not [p for p in os.listdir("/dev/shm") if name in p]
+
+
 def test_cuda_without_a_gpu_exits_5(make_name) -> None:
     gpu = False
     with contextlib.suppress(Exception):  # no CuPy, or no CUDA driver: no GPU
