@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -370,24 +370,34 @@ class CpuIndex(Index):
         candidates: np.ndarray | None,
         dense: bool,
     ) -> tuple[np.ndarray, np.ndarray]:
+        """The top-k rows among ``candidates`` (or the namespace ``ns``'s rows, or all when
+        ``dense``). Few rows are gathered and scored; many (an eighth of the rows or more) are
+        scored in place and the others masked, which reads the matrix once instead of copying
+        most of it (a filter matching half of 300k x 384 rows: 82 -> ~20 ms on the development
+        VM). A namespace mixed with others takes the same choice by its size."""
         q = normalize_rows(queries) if self.metric == Metric.COSINE else queries
+        keep: np.ndarray | None = None  # (scored in place: the rows to keep)
+        if candidates is None and not dense:
+            keep = self.ns[:high] == ns
+            if np.count_nonzero(keep) * _GATHER_BELOW < high:  # a small namespace among others
+                candidates, keep = np.flatnonzero(keep), None
+        elif candidates is not None and len(candidates) * _GATHER_BELOW >= high:
+            keep = np.zeros(high, bool)
+            keep[candidates] = True
+            candidates = None
         rows = high if candidates is None else len(candidates)
         blas.threads_for(rows * self.dim * len(q))
         if candidates is not None:
-            base = self.data[candidates]
-            scores = q @ base.T
+            scores = _products(self.data[candidates], q)
             if self.metric == Metric.L2:
                 scores = _neg_l2(scores, q, self.sqnorm[candidates])
             idx, vals = topk_rows(scores, k)
             return candidates[idx].astype(np.int32), vals.astype(np.float32, copy=False)
-        if len(q) == 1:  # a matrix-vector product over contiguous rows (gemv), as users write it
-            scores = (self.data[:high] @ q[0])[None, :]
-        else:
-            scores = q @ self.data[:high].T
+        scores = _products(self.data[:high], q)
         if self.metric == Metric.L2:
             scores = _neg_l2(scores, q, self.sqnorm[:high])
-        if not dense:
-            scores[:, self.ns[:high] != ns] = -np.inf
+        if keep is not None:
+            scores[:, ~keep] = -np.inf
         idx, vals = topk_rows(scores, k)
         return idx.astype(np.int32), vals.astype(np.float32, copy=False)
 
@@ -398,6 +408,21 @@ class CpuIndex(Index):
         d = super().describe()
         d["host_bytes"] = int(self.data.nbytes + self.ns.nbytes + self.sqnorm.nbytes)
         return d
+
+
+_GATHER_BELOW: Final = 8  # candidates fewer than 1/8 of the rows are gathered, more are masked
+_GEMV_UP_TO: Final = 3  # batches this small: one matrix-vector product per query
+
+
+def _products(base: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``q @ base.T``. One query: a matrix-vector product (gemv), as users write it. Two or
+    three: one gemv each; OpenBLAS's sgemm of so few columns took 18-19 ms where one gemv takes
+    4.9 at 100k x 384 (two gemv: 10.2; from four queries on, sgemm is as fast or faster)."""
+    if len(q) == 1:
+        return (base @ q[0])[None, :]
+    if len(q) <= _GEMV_UP_TO:
+        return np.stack([base @ qi for qi in q])
+    return q @ base.T
 
 
 def _neg_l2(dots: np.ndarray, q: np.ndarray, sqnorm: np.ndarray) -> np.ndarray:
