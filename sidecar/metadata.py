@@ -60,6 +60,26 @@ class _Column:
             setattr(self, name, new)
 
 
+def _list_matches(op: str, arg: Any, lists: Any) -> list[bool]:
+    """``$contains`` / ``$any`` / ``$all`` on each list of ``lists``, by set operations: a row
+    costs one pass over its list, not one per value asked (``$any`` of 100 values over 300k
+    lists took ~20 s). Python's sets equate True with 1 and False with 0, which the filter
+    language keeps apart (``values_equal``): when that can matter, or a list holds something
+    unhashable, the row is decided by ``_field_match``."""
+    wanted = [arg] if op == "$contains" else arg
+    if any(isinstance(a, bool) or (isinstance(a, int | float) and a in (0, 1)) for a in wanted):
+        return [_field_match(op, arg, v) for v in lists]  # (a set could equate True and 1)
+    keys = set(wanted)
+    out = []
+    for v in lists:
+        try:
+            hit = keys <= set(v) if op == "$all" else not keys.isdisjoint(v)
+        except TypeError:  # (an object or a list in the list)
+            hit = _field_match(op, arg, v)
+        out.append(hit)
+    return out
+
+
 def _exact(m: np.ndarray, col: _Column, rows: np.ndarray, num: np.ndarray, equal: Any) -> None:
     """Re-check ``m``'s numeric matches beyond float precision (|x| >= 2**53, where distinct
     ints share a float64) on the stored values themselves: 2**53 + 1 does not equal 2**53."""
@@ -165,7 +185,7 @@ class MetadataColumns:
         sel = np.flatnonzero(kind == want)
         if len(sel):
             vals = col.obj[rows[sel]]
-            out[sel] = [_field_match(op, arg, v) for v in vals]
+            out[sel] = [_field_match(op, arg, v) for v in vals] if want == STRING else _list_matches(op, arg, vals)
         return out
 
     @classmethod

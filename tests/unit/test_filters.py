@@ -150,3 +150,22 @@ def test_ints_beyond_float_precision_compare_exactly(flt: dict, want: list[bool]
     norm = validate_filter(flt)
     assert cols.evaluate(norm, np.array([0, 1])).tolist() == want
     assert [matches(norm, m) for m in ({"k": 2**53 + 1}, {"k": 2**53})] == want
+
+
+@pytest.mark.parametrize(
+    "flt",
+    [{"t": {"$any": ["a", 2]}}, {"t": {"$any": [1]}}, {"t": {"$any": [True]}}, {"t": {"$all": ["a", 2]}},
+     {"t": {"$all": [1, True]}}, {"t": {"$contains": 2.0}}, {"t": {"$contains": "x"}}, {"t": {"$any": []}},
+     {"t": {"$all": []}}],
+    ids=repr,
+)
+def test_list_operators_with_mixed_and_unhashable_elements(flt: dict) -> None:
+    """The set-based $any / $all / $contains (sidecar/metadata.py) agree with the reference on
+    lists holding objects and lists (unhashable), and booleans beside 0/1 (equal in a set)."""
+    metas = [{"t": [1, True, {"x": 1}]}, {"t": [True]}, {"t": ["a", [1], 2]}, {"t": [2, "a"]}, {"t": []},
+             {"t": "a"}, {}]  # fmt: skip
+    cols = MetadataColumns(capacity=8)
+    for r, m in enumerate(metas):
+        cols.set(r, m)
+    norm = validate_filter(flt)
+    assert cols.evaluate(norm, np.arange(len(metas))).tolist() == [matches(norm, m) for m in metas]
