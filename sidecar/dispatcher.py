@@ -153,7 +153,7 @@ class Dispatcher:
         self.max_batch = max_batch
         self.describe = describe
         self.states = np.ndarray((layout.n_slots,), np.uint32, mm, HEADER_SIZE, (layout.slot_size,))
-        self.pending: dict[int, tuple[bytes, int, int]] = {}  # slot -> (rest, n_results, flags)
+        self.pending: dict[int, tuple[memoryview, int, int]] = {}  # slot -> (rest, n_results, flags)
         self._busy_until = 0
         self._inflight: _Batch | None = None
         # While a batch is answered: the slots whose semaphores still need a post (see
@@ -1256,13 +1256,14 @@ class Dispatcher:
         else:  # validate_request admits no other op
             raise Invalid(Status.BAD_OP, f"op {op} not handled")
 
-    def _respond(self, i: int, req: Request, status: int, n_results: int, blob: bytes,
+    def _respond(self, i: int, req: Request, status: int, n_results: int, blob: bytes | memoryview,
                  flags: int, t0: int) -> None:  # fmt: skip
         lay = self.layout
         size = lay.blob_size
-        if len(blob) > size:
-            self.pending[i] = (blob[size:], n_results, flags)
-            blob, flags = blob[:size], flags | RespFlag.MORE
+        if len(blob) > size:  # (views: the rest is not copied again for each chunk it sends)
+            mv = memoryview(blob)
+            self.pending[i] = (mv[size:], n_results, flags)
+            blob, flags = mv[:size], flags | RespFlag.MORE
         off = self.slot_off[i]
         b0 = off + lay.blob_offset
         self.mm[b0 : b0 + len(blob)] = blob
