@@ -34,6 +34,8 @@ class RowTable:
         self.ns_ids: dict[str, int] = {}
         self.ns_names: list[str] = []
         self.ns_count: list[int] = []
+        # per namespace, bumped by every change of its rows (a scan's cached order is as old)
+        self.ns_version: list[int] = []
         self.free: list[int] = []
         self.high = 0  # rows >= high are all empty
         self.live = 0
@@ -49,6 +51,7 @@ class RowTable:
             i = self.ns_ids[name] = len(self.ns_names)
             self.ns_names.append(name)
             self.ns_count.append(0)
+            self.ns_version.append(0)
         return i
 
     def namespaces(self) -> dict[str, int]:
@@ -88,6 +91,7 @@ class RowTable:
         elif self.ns_of[row] != ns:  # never happens: a key keeps its row
             raise AssertionError("row reassigned across namespaces")
         self.ns_of[row] = ns
+        self.ns_version[ns] += 1
         self.ids[row] = id_
         self.docs[row] = doc
         if self.arena is not None:
@@ -121,6 +125,7 @@ class RowTable:
         id_ = self.ids[row]
         del self.key_row[(ns, id_)]  # type: ignore[arg-type]
         self.ns_of[row] = -1
+        self.ns_version[ns] += 1
         self.ids[row] = None
         self.docs[row] = None
         if self.arena is not None:
@@ -145,6 +150,7 @@ class RowTable:
         ns = int(self.ns_of[src])
         assert ns >= 0 and self.ns_of[dst] < 0
         self.ns_of[dst], self.ns_of[src] = ns, -1
+        self.ns_version[ns] += 1
         self.ids[dst], self.ids[src] = self.ids[src], None
         self.docs[dst], self.docs[src] = self.docs[src], None
         if self.arena is not None:

@@ -30,6 +30,8 @@ log = logging.getLogger("kalos.sidecar")
 MAX_ID_BYTES = 512
 
 
+_ORDERS_KEPT = 16  # namespaces whose scan order is kept
+
 class Service:
     def __init__(self, index: Index, store: SqliteStore | NullStore, *, dim: int, metric: int) -> None:
         self.index = index
@@ -38,6 +40,7 @@ class Service:
         self.metric = metric
         self.rows = RowTable()
         self.index.reserve(self.rows.capacity)
+        self._orders: dict[int, tuple[int, np.ndarray]] = {}  # ns id -> (its version, scan order)
 
     # ------------------------------------------------------------------ start-up
     def load(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -308,12 +311,25 @@ class Service:
         ns_id = self.rows.ns_id(namespace)
         if ns_id is None:
             return np.empty(0, np.int64)
-        rows = self.rows.rows_of(ns_id)
+        order = self._scan_order(ns_id)
         if flt is not None:
-            rows = rows[self.rows.meta.evaluate(flt, rows)]
-        ids = self.rows.ids
-        order = sorted(rows.tolist(), key=lambda r: (self.rows.created[r], ids[r]))
-        return np.array(order[offset : offset + limit], np.int64)
+            order = order[self.rows.meta.evaluate(flt, order)]
+        return order[offset : offset + limit].copy()
+
+    def _scan_order(self, ns_id: int) -> np.ndarray:
+        """A namespace's rows oldest first (by created_at, then id), kept until one of its rows
+        changes: paging through 300k rows sorted them all again for every page (~75 ms a page
+        on the development VM)."""
+        version = self.rows.ns_version[ns_id]
+        hit = self._orders.get(ns_id)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        rows, ids, created = self.rows.rows_of(ns_id), self.rows.ids, self.rows.created
+        order = np.array(sorted(rows.tolist(), key=lambda r: (created[r], ids[r])), np.int64)
+        if len(self._orders) >= _ORDERS_KEPT:
+            del self._orders[next(iter(self._orders))]  # (the oldest kept)
+        self._orders[ns_id] = (version, order)
+        return order
 
     def count(self, args: Mapping[str, Any]) -> int:
         namespace = args.get("namespace")

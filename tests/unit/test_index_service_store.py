@@ -129,6 +129,46 @@ def test_overwrite_keeps_created_at_and_same_id_twice_in_one_call_keeps_the_last
     assert rows[0, 0] == row and b"third" in svc.rows.docs[row]
 
 
+def test_scan_pages_follow_writes_deletes_and_compaction() -> None:
+    """scan keeps a namespace's order between calls (sidecar/service.py, _scan_order); each
+    write, delete and compaction move of that namespace's rows makes it anew, and another
+    namespace's changes leave it be. Every page is checked against the order made from
+    scratch (created_at, then id)."""
+    rng = np.random.default_rng()
+    svc = svc_for(3)
+
+    def want(ns: str, flt=None) -> list[str]:  # type: ignore[no-untyped-def]
+        ns_id = svc.rows.ns_id(ns)
+        rows = [r for r in range(svc.rows.high) if svc.rows.ns_of[r] == ns_id]
+        if flt is not None:
+            rows = [r for r in rows if svc.rows.meta.evaluate(flt, np.array([r]))[0]]
+        return [svc.rows.ids[r] for r in sorted(rows, key=lambda r: (svc.rows.created[r], svc.rows.ids[r]))]
+
+    def pages(ns: str, flt=None, size: int = 7) -> list[str]:  # type: ignore[no-untyped-def]
+        out: list[str] = []
+        while True:
+            page = svc.scan({"namespace": ns, "filter": flt, "limit": size, "offset": len(out)})
+            out += [svc.rows.ids[r] for r in page]
+            if len(page) < size:
+                return out
+
+    for batch in range(4):  # (one created_at per call: ties broken by id)
+        put(svc, rng.standard_normal((25, 3)), [f"{batch}-{i:02d}" for i in rng.permutation(25)],
+            metas=[{"b": batch}] * 25)  # fmt: skip
+        put(svc, rng.standard_normal((5, 3)), [f"o{batch}-{i}" for i in range(5)], ns="other")
+    assert pages("") == want("") and len(want("")) == 100
+    assert pages("", {"b": {"$gte": 2}}) == want("", {"b": {"$gte": 2}})
+    put(svc, rng.standard_normal((3, 3)), ["new-a", "new-b", "0-03"])  # new rows and an overwrite
+    assert pages("") == want("") and "new-b" in pages("")
+    put(svc, rng.standard_normal((2, 3)), ["o9-0", "o9-1"], ns="other")  # another namespace
+    assert pages("") == want("")
+    svc.delete({"namespace": "", "ids": [f"{b}-{i:02d}" for b in range(4) for i in range(0, 25, 2)]})
+    assert pages("") == want("") and len(want("")) == 100 + 2 - 52
+    while svc.compact(8):  # rows move into the holes: the kept order's row numbers are stale
+        assert pages("") == want("")
+    assert pages("") == want("") and pages("other") == want("other")
+
+
 def test_compaction_moves_tail_rows_into_holes_without_changing_answers() -> None:
     rng = np.random.default_rng()
     data = rng.standard_normal((3001, 5)).astype(np.float32)
