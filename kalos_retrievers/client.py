@@ -29,6 +29,7 @@ import math
 import numbers
 import os
 import random
+import sys
 import threading
 import time
 import uuid
@@ -193,6 +194,7 @@ _HANDOVER_NS = 2_000_000  # a DOORBELL the stopped kernel left: block if the sid
 _BACKOFF_MIN = 0.05
 _BACKOFF_MAX = 2.0
 MAX_ID_BYTES = 512
+_FLOAT_MAX: Final = sys.float_info.max
 
 _clients: weakref.WeakSet[KalosClient] = weakref.WeakSet()
 
@@ -1624,9 +1626,11 @@ def _encode_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None, n: i
             continue
         if not isinstance(m, Mapping):
             raise TypeError(f"metadatas[{i}] must be a dict, got {type(m).__name__}")
-        for key in m:
+        for key, value in m.items():
             if not isinstance(key, str):
                 raise ValueError(f"metadatas[{i}] has a non-string key {key!r}")
+            if type(value) is int and abs(value) > _FLOAT_MAX:  # (the sidecar's columns are float64)
+                raise ValueError(f"metadatas[{i}][{key!r}] is an integer beyond float64's range")
         try:
             out.append(encode_json(dict(m)))
         except (TypeError, ValueError) as e:

@@ -32,6 +32,7 @@ fields of the stored metadata only; namespaces are a separate argument.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -146,7 +147,11 @@ def _utf8(s: str, path: str) -> str:
 def _scalar(value: Any, path: str) -> Any:
     if isinstance(value, str):
         return _utf8(value, path)
-    if value is None or isinstance(value, bool | int):
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if abs(value) > sys.float_info.max:
+            raise ValueError(f"{path} is an integer beyond float64's range; filters take smaller numbers")
         return value
     if isinstance(value, float):
         if not math.isfinite(value):

@@ -385,21 +385,28 @@ class CpuIndex(Index):
             keep = np.zeros(high, bool)
             keep[candidates] = True
             candidates = None
-        rows = high if candidates is None else len(candidates)
-        blas.threads_for(rows * self.dim * len(q))
         if candidates is not None:
-            scores = _products(self.data[candidates], q)
-            if self.metric == Metric.L2:
-                scores = _neg_l2(scores, q, self.sqnorm[candidates])
-            idx, vals = topk_rows(scores, k)
-            return candidates[idx].astype(np.int32), vals.astype(np.float32, copy=False)
+            return self._gathered(q, k, candidates)
+        blas.threads_for(high * self.dim * len(q))
         scores = _products(self.data[:high], q)
         if self.metric == Metric.L2:
             scores = _neg_l2(scores, q, self.sqnorm[:high])
         if keep is not None:
             scores[:, ~keep] = -np.inf
         idx, vals = topk_rows(scores, k)
+        if keep is not None and not keep[idx].all():
+            # an eligible row scored -inf or NaN (vectors near float32's limits overflow), so a
+            # masked row tied with it or won: score the eligible rows alone
+            return self._gathered(q, k, np.flatnonzero(keep))
         return idx.astype(np.int32), vals.astype(np.float32, copy=False)
+
+    def _gathered(self, q: np.ndarray, k: int, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        blas.threads_for(len(candidates) * self.dim * len(q))
+        scores = _products(self.data[candidates], q)
+        if self.metric == Metric.L2:
+            scores = _neg_l2(scores, q, self.sqnorm[candidates])
+        idx, vals = topk_rows(scores, k)
+        return candidates[idx].astype(np.int32), vals.astype(np.float32, copy=False)
 
     def vectors(self, rows: np.ndarray) -> np.ndarray:
         return self.data[rows].copy()

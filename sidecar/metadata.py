@@ -11,6 +11,7 @@ the tests use as the reference.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping
 from typing import Any, Final
@@ -58,6 +59,15 @@ class _Column:
             new = np.zeros(capacity, old.dtype) if old.dtype != object else np.empty(capacity, object)
             new[:n] = old
             setattr(self, name, new)
+
+
+def _as_float(v: Any) -> float:
+    """A number as its column's float64: an int beyond float64's range (which a store written
+    before upserts refused them may hold) is +-inf there, and compared exactly (``_exact``)."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
 
 
 def _list_matches(op: str, arg: Any, lists: Any) -> list[bool]:
@@ -110,7 +120,7 @@ class MetadataColumns:
                 col = self.cols[key] = _Column(self.capacity)
             k = _kind(v)
             col.kind[row] = k
-            col.num[row] = float(v) if k in (BOOL, NUMBER) else (len(v) if k == LIST else 0.0)
+            col.num[row] = _as_float(v) if k in (BOOL, NUMBER) else (len(v) if k == LIST else 0.0)
             col.obj[row] = v
         self.row_keys[row] = tuple(metadata)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ MAX_ID_BYTES = 512
 
 
 _ORDERS_KEPT = 16  # namespaces whose scan order is kept
+_FLOAT_MAX = int(sys.float_info.max)  # a metadata int beyond it has no float64 column value
 
 class Service:
     def __init__(self, index: Index, store: SqliteStore | NullStore, *, dim: int, metric: int) -> None:
@@ -70,6 +72,9 @@ class Service:
                 raise Invalid(Status.BAD_REQUEST, f"texts[{i}] must be a string")
             if not isinstance(metas[i], dict):
                 raise Invalid(Status.BAD_REQUEST, f"metadatas[{i}] must be an object")
+            for key, value in metas[i].items():
+                if type(value) is int and not -_FLOAT_MAX <= value <= _FLOAT_MAX:
+                    raise Invalid(Status.BAD_REQUEST, f"metadatas[{i}][{key!r}] is an integer beyond float64's range")
         # Copy out of the shared slot first, then check the copy: the client can rewrite the
         # slot at any moment, and a check made on the slot says nothing about a later read.
         vecs = np.array(vectors, dtype=np.float32)

@@ -276,6 +276,9 @@ def test_bad_inputs_have_clear_errors_and_the_sidecar_keeps_serving(start_sideca
              r"metadatas\[0\] is not JSON"),
             (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{"t": float("nan")}]), ValueError, r"metadatas\[0\]"),
             (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{1: "x"}]), ValueError, "non-string key"),
+            (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{"n": 10**400}]), ValueError,
+             r"metadatas\[0\]\['n'\] is an integer beyond float64's range"),
+            (lambda: c.recall([1, 0, 0, 0], filter={"n": 10**400}), ValueError, "beyond float64's range"),
             (lambda: c.upsert(["a"], [[0, 0, 0, 0]]), ValueError, r"vectors\[0\] is all zeros"),
             (lambda: c.upsert([""], [[1, 0, 0, 0]]), ValueError, r"ids\[0\]"),
             (lambda: c.get("abc"), TypeError, "not one string"),
@@ -285,6 +288,10 @@ def test_bad_inputs_have_clear_errors_and_the_sidecar_keeps_serving(start_sideca
         for fn, err, match in cases:
             with pytest.raises(err, match=match):
                 fn()
+        # the sidecar checks it too, before its store commits (a raw request, past the client)
+        args = b'{"namespace":"","ids":["big"],"texts":[""],"metadatas":[{"n":' + str(10**400).encode() + b"}]}"
+        with pytest.raises(RequestRejected, match="beyond float64's range"):
+            c._call(Op.UPSERT, vectors=np.ones((1, 4), np.float32), args=args, n_items=1)
         assert c.recall([1, 0, 0, 0], k=1).ids == ["a"] and c.count() == 1
     with pytest.raises(IncompatibleVersion, match=r"dim=4.*dim=5"):
         KalosClient(sc.name, dim=5)

@@ -169,3 +169,17 @@ def test_list_operators_with_mixed_and_unhashable_elements(flt: dict) -> None:
         cols.set(r, m)
     norm = validate_filter(flt)
     assert cols.evaluate(norm, np.arange(len(metas))).tolist() == [matches(norm, m) for m in metas]
+
+
+def test_ints_beyond_float64_are_refused_in_filters_and_tolerated_in_columns() -> None:
+    """Such an int has no float64 column value: filters refuse it; a column (a store written
+    before upserts refused them) holds it as +-inf and compares it exactly."""
+    with pytest.raises(ValueError, match="beyond float64's range"):
+        validate_filter({"k": 10**400})
+    cols = MetadataColumns(capacity=4)
+    cols.set(0, {"k": 10**400})
+    cols.set(1, {"k": -(10**400)})
+    cols.set(2, {"k": 5})
+    rows = np.arange(3)
+    assert cols.evaluate(validate_filter({"k": {"$gt": 10**300}}), rows).tolist() == [True, False, False]
+    assert cols.evaluate(validate_filter({"k": {"$lt": 6}}), rows).tolist() == [False, True, True]

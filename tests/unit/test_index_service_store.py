@@ -117,6 +117,20 @@ def test_every_search_path_is_exact(metric: str) -> None:
                                       ref_s[j], atol=1e-4, context=f"{ns!r} {flt} b{b} k{k} q{j}")  # fmt: skip
 
 
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_rows_of_another_namespace_never_answer_when_scores_overflow(metric: str) -> None:
+    """Vectors near float32's limits score -inf (or NaN for l2): a search that masks the
+    other rows must not let a masked row (another namespace's) tie its way in."""
+    svc = svc_for(2, metric)
+    put(svc, np.ones((6, 2)) * [1, 0], [f"s{i}" for i in range(6)], ns="secret")
+    put(svc, np.full((2, 2), 3e38), ["m0", "m1"], ns="mine", metas=[{"t": 1}] * 2)
+    q = np.full((1, 2), -3e38, np.float32)
+    for flt in (None, {"t": 1}):
+        rows, _ = svc.recall(q, 2, "mine", flt)
+        assert sorted(svc.rows.ids[r] for r in rows[0]) == ["m0", "m1"], flt
+
+
 def test_overwrite_keeps_created_at_and_same_id_twice_in_one_call_keeps_the_last() -> None:
     svc = svc_for(3)
     put(svc, [[1, 0, 0]], ["a"], texts=["first"])
