@@ -153,24 +153,37 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return EXIT_USAGE
     server = Server(cfg)
-    # SIGTERM / SIGINT while starting (a long load; the lifeline's EOF) unwind start(), which
-    # removes what it made, instead of killing the process with its segment left in /dev/shm.
-    # serve_forever installs the serving handlers.
-    previous = {sig: signal.signal(sig, _stop_starting) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # SIGTERM / SIGINT while starting (a long load, the lifeline's EOF) unwind start(), which
+    # undoes what it made, instead of killing the process with its segment left in /dev/shm.
+    # Only the first one raises (a second, while the start unwinds, must not cut that short);
+    # once started, the serving handlers take over with no gap in between.
+    armed = [True]
+
+    def stop_starting(signum: int, frame: object) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise _StoppedWhileStarting(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_starting)
     try:
-        server.start()
-    except StartError as e:
-        log.error("%s", e)
-        return e.exit_code
-    except KalosError as e:
-        log.error("%s", e)
-        return EXIT_ERROR
+        try:
+            server.start()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, server._on_signal)
+        except StartError as e:
+            armed[0] = False
+            log.error("%s", e)
+            return e.exit_code
+        except KalosError as e:
+            armed[0] = False
+            log.error("%s", e)
+            return EXIT_ERROR
     except _StoppedWhileStarting:
+        armed[0] = False
+        server.close()  # (idempotent: start() has closed what it made)
         log.info("stopped while starting")
         return EXIT_OK
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     try:
         server.serve_forever()
     except StartError as e:  # a sticky CUDA fault while serving
@@ -185,10 +198,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 class _StoppedWhileStarting(BaseException):
     """SIGTERM or SIGINT before the sidecar was serving."""
-
-
-def _stop_starting(signum: int, frame: object) -> None:
-    raise _StoppedWhileStarting(signum)
 
 
 def _watch_lifeline(fd: int, log: logging.Logger) -> None:

@@ -10,14 +10,18 @@ from typing import Any
 log = logging.getLogger("kalos.sidecar")
 
 
-def bind_metrics_server(server: Any, host: str, port: int) -> ThreadingHTTPServer:
-    """The metrics endpoint, bound but not listening yet (:func:`serve_metrics` listens and
-    serves): a port in use fails here, with ``OSError``, before the sidecar loads its rows,
-    and a scrape during the load is refused rather than left waiting."""
+def start_metrics_server(server: Any, host: str, port: int) -> ThreadingHTTPServer:
+    """Listen on ``host:port`` and serve the metrics from a daemon thread: a port in use fails
+    here, with ``OSError``. Until ``server.ready`` is true (the rows still loading), a scrape
+    gets 503 at once rather than a wait or a refused connection."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path not in ("/metrics", "/"):
                 self.send_error(404)
+                return
+            if not server.ready:
+                self.send_error(503, "the sidecar is starting")
                 return
             try:
                 body = server.stats.prometheus(server.describe()).encode()
@@ -32,17 +36,7 @@ def bind_metrics_server(server: Any, host: str, port: int) -> ThreadingHTTPServe
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = ThreadingHTTPServer((host, port), Handler, bind_and_activate=False)
-    try:
-        httpd.server_bind()
-    except BaseException:
-        httpd.server_close()
-        raise
-    return httpd
-
-
-def serve_metrics(httpd: ThreadingHTTPServer) -> None:
-    """Listen on a bound metrics endpoint and serve it from a daemon thread."""
-    httpd.server_activate()
+    httpd = ThreadingHTTPServer((host, port), Handler)
     threading.Thread(target=httpd.serve_forever, name="kalos-metrics", daemon=True).start()
     log.info("metrics: http://%s:%d/metrics", *httpd.server_address[:2])
+    return httpd

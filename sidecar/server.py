@@ -172,8 +172,8 @@ class Server:
         self.dispatcher: Dispatcher | None = None
         self.boot_epoch = 0
         self._maint: threading.Thread | None = None
-        self._metrics: Any = None  # the metrics endpoint (--metrics-port), bound at start
-        self._metrics_serving = False  # (shutdown() of one never served would wait forever)
+        self._metrics: Any = None  # the metrics endpoint (--metrics-port), serving from the start
+        self.ready = False  # (the metrics endpoint answers 503 until then)
         self._republish = threading.Event()
         # Held while re-publishing, and by the maintenance thread while it checks what is
         # published: without it the check could see the half-built state of a re-publication
@@ -202,16 +202,17 @@ class Server:
             raise
 
     def _bind_metrics(self) -> None:
-        """Bind --metrics-port once the name is ours (a second sidecar of this name exits 3 on
+        """Serve --metrics-port once the name is ours (a second sidecar of this name exits 3 on
         the name, not on the first one's port) and before the rows load (a port in use is a
-        usage error, exit 2, found in seconds rather than after a long load)."""
+        usage error, exit 2, found in seconds rather than after a long load; scrapes get 503
+        until ready)."""
         cfg = self.cfg
         if cfg.metrics_port is None:
             return
-        from .metrics import bind_metrics_server
+        from .metrics import start_metrics_server
 
         try:
-            self._metrics = bind_metrics_server(self, cfg.metrics_host, cfg.metrics_port)
+            self._metrics = start_metrics_server(self, cfg.metrics_host, cfg.metrics_port)
         except OSError as e:
             raise StartError(f"--metrics-port {cfg.metrics_port} on {cfg.metrics_host}: {e.strerror or e}",
                              EXIT_USAGE) from None  # fmt: skip
@@ -256,30 +257,23 @@ class Server:
             log.warning("no --data-dir: running in memory only; memories are lost when the "
                         "sidecar stops")  # fmt: skip
         self.service = Service(index, store, dim=cfg.dim, metric=METRICS[cfg.metric])
-        try:
+        try:  # (to the end: whatever stops the start, a signal included, undoes it all)
             self._publish()
             self._bind_metrics()
             self._load()
+            self._maint = threading.Thread(target=self._maintain, name="kalos-maint", daemon=True)
+            self._maint.start()
+            self._set_ready()
         except BaseException:
             self.close()
             raise
-        self._set_ready()
-        self._maint = threading.Thread(target=self._maintain, name="kalos-maint", daemon=True)
-        self._maint.start()
-        if self._metrics is not None:
-            from .metrics import serve_metrics
-
-            serve_metrics(self._metrics)
-            self._metrics_serving = True
 
     def _close_metrics(self) -> None:
         m, self._metrics = self._metrics, None
         if m is not None:
             with contextlib.suppress(Exception):
-                if self._metrics_serving:
-                    m.shutdown()
+                m.shutdown()
                 m.server_close()
-            self._metrics_serving = False
 
     def _publish(self) -> None:
         """Create the segment and semaphores (header says INITIALIZING)."""
@@ -536,6 +530,7 @@ class Server:
         log.info("loaded %d rows from the store in %.2f s", n, time.monotonic() - t0)
 
     def _set_ready(self) -> None:
+        self.ready = True
         self._write_header(SidecarState.READY)
         assert self.service is not None
         log.info("ready: sidecar %r serving %d rows on %s (pid %d)", self.cfg.name,

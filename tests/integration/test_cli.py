@@ -185,10 +185,13 @@ def test_a_second_sidecar_of_a_name_exits_3_on_the_name_not_2_on_its_port(make_n
         first.wait(30)
 
 
-def test_sigterm_while_loading_exits_0_and_leaves_nothing(make_name, tmp_path) -> None:
-    """SIGTERM during the store's load (a supervisor's stop, the lifeline's EOF) unwinds the
-    start: exit 0 and nothing left in /dev/shm (it used to kill the process, exit -15, with
-    its segment and semaphores left behind)."""
+@pytest.mark.parametrize(("when", "signals"), [("segment /kalos-", 1), ("segment /kalos-", 2), ("ready: sidecar", 1)],
+                         ids=["loading", "loading-twice", "just-ready"])  # fmt: skip
+def test_sigterm_while_starting_exits_0_and_leaves_nothing(make_name, tmp_path, when: str, signals: int) -> None:
+    """SIGTERM during the store's load (a supervisor's stop, the lifeline's EOF), twice in a
+    row, or the moment "ready" is logged: exit 0 and nothing left in /dev/shm (a signal during
+    the load used to kill the process, exit -15, with its segment and semaphores left; one
+    just after "ready" returned 0 without closing; a second one cut the unwinding short)."""
     name = make_name()
     with KalosClient.spawn(name, dim=64, device="cpu", data_dir=tmp_path) as c:
         data = np.random.default_rng().random((5000, 64), np.float32)
@@ -196,14 +199,50 @@ def test_sigterm_while_loading_exits_0_and_leaves_nothing(make_name, tmp_path) -
             c.upsert([f"{i}-{j}" for j in range(5000)], data)
     proc = serve(name, "--dim", "64", "--data-dir", str(tmp_path))
     assert proc.stdout is not None
-    for line in proc.stdout:  # (the segment exists from here on; the load follows)
-        if "segment /kalos-" in line:
+    for line in proc.stdout:
+        if when in line:
             break
-    proc.send_signal(signal.SIGTERM)
+    for _ in range(signals):
+        proc.send_signal(signal.SIGTERM)
     rest = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, rest
     assert "stopped while starting" in rest or "received SIGTERM" in rest, rest
-    assert not [p for p in os.listdir("/dev/shm") if name in p]
+    assert not [p for p in os.listdir("/dev/shm") if name in p], rest
+
+
+def test_the_metrics_port_is_held_from_before_the_load(make_name, tmp_path) -> None:
+    """A sidecar still loading its rows already holds its --metrics-port (answering 503 until
+    ready), so another sidecar given the same port exits 2 at once instead of both binding it
+    and the later one crashing after its load."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    name = make_name()
+    with KalosClient.spawn(name, dim=64, device="cpu", data_dir=tmp_path) as c:
+        data = np.random.default_rng().random((5000, 64), np.float32)
+        for i in range(12):
+            c.upsert([f"{i}-{j}" for j in range(5000)], data)
+    first = serve(name, "--dim", "64", "--data-dir", str(tmp_path), "--metrics-port", port)
+    try:
+        assert first.stdout is not None
+        for line in first.stdout:
+            if "metrics: http://" in line:
+                break
+        try:  # (503 while it loads; 200 if the load was quicker than this request)
+            status = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        assert status in (200, 503)
+        r = cli("serve", "--name", make_name(), "--device", "cpu", "--dim", "4", "--metrics-port", port)
+        assert r.returncode == 2 and "Address already in use" in r.stderr, r.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=60)
+    assert first.returncode == 0
 
 
 def test_cuda_without_a_gpu_exits_5(make_name) -> None:
