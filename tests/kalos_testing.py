@@ -102,10 +102,12 @@ def recall_at_k(got: Sequence[Sequence], ref: Sequence[Sequence]) -> float:
 
 
 def recall_row_worker(name: str, dim: int, seed: int, n_calls: int, out: Any, rows: int = 4001,
-                      start: Any = None) -> None:  # fmt: skip
+                      start: Any = None, docs: bool = False) -> None:  # fmt: skip
     """Child process: recall stored vectors (``rows`` of them, ids "0".., data seed 0) by
     themselves and count answers that are not the query's own row (a misrouted response
-    would be one); with ``start`` (a barrier), only once every party has reached it."""
+    would be one); with ``start`` (a barrier), only once every party has reached it. With
+    ``docs`` the recalls ask for documents (the common recall: only those go direct to a
+    carousel, KALOS_CAROUSEL=direct), and the answer's id must be the row's too."""
     from kalos_retrievers import KalosClient
 
     rng = np.random.default_rng(seed)
@@ -116,8 +118,8 @@ def recall_row_worker(name: str, dim: int, seed: int, n_calls: int, out: Any, ro
             start.wait()
         for _ in range(n_calls):
             i = int(rng.integers(len(data)))
-            r = c.recall(data[i], k=1, docs=False)
-            bad += int(r.rows[0] != i)
+            r = c.recall(data[i], k=1, docs=docs)
+            bad += int(r.rows[0] != i or (docs and r.ids != [str(i)]))
     out.put(bad)
 
 
