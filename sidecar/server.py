@@ -193,15 +193,7 @@ class Server:
         self._car_closed = False  # True after a re-publication: no direct slot is offered (_offer_carousel)
 
     # ------------------------------------------------------------------ start
-    def start(self) -> None:
-        os.umask(0o077)  # everything we create (store files, IPC objects) is ours alone
-        try:
-            self._start()
-        except BaseException:
-            self._close_metrics()
-            raise
-
-    def _bind_metrics(self) -> None:
+    def _serve_metrics(self) -> None:
         """Serve --metrics-port once the name is ours (a second sidecar of this name exits 3 on
         the name, not on the first one's port) and before the rows load (a port in use is a
         usage error, exit 2, found in seconds rather than after a long load; scrapes get 503
@@ -217,8 +209,9 @@ class Server:
             raise StartError(f"--metrics-port {cfg.metrics_port} on {cfg.metrics_host}: {e.strerror or e}",
                              EXIT_USAGE) from None  # fmt: skip
 
-    def _start(self) -> None:
+    def start(self) -> None:
         cfg = self.cfg
+        os.umask(0o077)  # everything we create (store files, IPC objects) is ours alone
         index = make_index(cfg)
         # the CPU backend's products run on BLAS: unless told, it leaves a quarter of a large
         # host's cores to the clients (blas.default_threads); a GPU backend's pool is left alone
@@ -259,7 +252,7 @@ class Server:
         self.service = Service(index, store, dim=cfg.dim, metric=METRICS[cfg.metric])
         try:  # (to the end: whatever stops the start, a signal included, undoes it all)
             self._publish()
-            self._bind_metrics()
+            self._serve_metrics()
             self._load()
             self._maint = threading.Thread(target=self._maintain, name="kalos-maint", daemon=True)
             self._maint.start()
