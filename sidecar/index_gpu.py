@@ -173,15 +173,25 @@ USE_DOORBELL: Final = os.environ.get("KALOS_DOORBELL", "1") == "1"
 BATCH_TIMING: Final = os.environ.get("KALOS_BATCH_TIMING", "0") == "1"
 _DOORBELL_STOP_S: Final = 5.0  # a resident kernel that has not stopped by then is a fault
 # The carousel for crowds of batch-1 recalls (sidecar/carousel.py, sidecar/crowd.py; float16
-# rows, compute capability 8.0+ for its mma.sync). Off by default: on the H200 a crowd of 32
-# gets ~41-42k recalls/s from it in process, but through the sidecar 32 processes got 35.6k
-# against the queued batches' 36.2k in the same lease (docs/gpu-notes.md, S36-3).
-# KALOS_CAROUSEL=1 turns it on; KALOS_CAROUSEL=direct also lets the clients write their recalls
-# into its slots themselves (protocol v1.4: no sidecar Python on their way; an experiment, first
-# measured in the session after 37, docs/gpu-notes.md).
-_CAROUSEL_ENV: Final = os.environ.get("KALOS_CAROUSEL", "0").strip()
-USE_CAROUSEL: Final = _CAROUSEL_ENV in ("1", "direct")
-CAROUSEL_DIRECT: Final = _CAROUSEL_ENV == "direct"
+# rows, compute capability 8.0+ for its mma.sync), started only while a crowd recalls
+# (dispatcher.CAROUSEL_MIN clients at once). KALOS_CAROUSEL picks how a crowd's recalls reach it:
+# "direct" (the default since session 40): the clients write them into its slots themselves
+# (protocol v1.4, no sidecar Python on their way); on the H200, 32 processes at 1M rows got
+# 42.2k recalls/s against the queued batches' 35.3k in one lease, p99 1.00 against 1.35 ms
+# (docs/gpu-notes.md, S40-3). "1": the sidecar's lane boards them (no faster than the queued
+# batches through the sidecar, S36-3). "0": no carousel; a crowd is served by queued batches.
+
+
+def carousel_mode(value: str | None) -> tuple[bool, bool]:
+    """KALOS_CAROUSEL's value (None or empty: the default, "direct") as (carousel on, direct);
+    any other value than "0", "1" or "direct" is refused with a ValueError naming it."""
+    v = (value or "direct").strip() or "direct"
+    if v not in ("0", "1", "direct"):
+        raise ValueError(f"KALOS_CAROUSEL={value!r}: expected 0 (off), 1 (the sidecar's lane) or direct (the default)")
+    return v != "0", v == "direct"
+
+
+USE_CAROUSEL, CAROUSEL_DIRECT = carousel_mode(os.environ.get("KALOS_CAROUSEL"))
 # how long a stop waits for the direct requests aboard, and those asked before the clients saw
 # the epoch change, before it abandons them (their clients then ask again the usual way)
 _CAROUSEL_DRAIN_S: Final = 0.05
@@ -752,7 +762,10 @@ class GpuIndex(Index):
         if self.carousel_running:
             return
         if not self.carousel_k or self._closed:
-            raise RuntimeError(f"{self.name} has no carousel (KALOS_CAROUSEL=1 and float16 rows turn it on)")
+            raise RuntimeError(
+                f"{self.name} has no carousel (float16 rows on a GPU of compute capability 8.0+ "
+                "have one unless KALOS_CAROUSEL=0)"
+            )
         self.pause_doorbell()
         self._finish_all()
         # every stream of this device idle (a queued batch's side streams too; the rows' copies:

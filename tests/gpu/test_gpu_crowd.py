@@ -1,7 +1,7 @@
 """A GPU sidecar's crowd on the carousel (KALOS_CAROUSEL=1: sidecar/crowd.py hands batch-1 recalls
 to ``carousel_topk``): client processes recalling at once get exact answers from it, writes in
 the middle of the crowd drain and stop it and are found at once, and the index's counters say
-the carousel answered (the negative control: without the switch it never starts).
+the carousel answered (the negative control: with KALOS_CAROUSEL=0 it never starts).
 
 Each worker computes its float64 references before its first call (tests/kalos_testing.py,
 ``exact_crowd_worker``), so the clients recall back to back and stay a crowd.
@@ -71,18 +71,23 @@ def _rode(index: dict, mode: str, recalls: int) -> None:
 @pytest.mark.parametrize(("mode", "metric", "dim", "other_every"),
                          [("1", "cosine", 768, 7), ("1", "l2", 97, 0), ("1", "ip", 768, 0),
                           ("direct", "cosine", 768, 7), ("direct", "ip", 97, 0),
-                          ("direct-python", "l2", 97, 0)])  # fmt: skip
+                          ("direct-python", "l2", 97, 0), ("default", "l2", 768, 3)])  # fmt: skip
 def test_a_crowd_on_the_carousel_gets_exact_answers(start_sidecar, monkeypatch, mode: str, metric: str, dim: int,
                                                     other_every: int) -> None:  # fmt: skip
     """16 processes x 240 recalls (k 1, 10, 32) over 50,021 float16 rows: every answer matches
     float64 within float16's tolerance (rows of another namespace never returned), and the
     carousel answered them (the index's counters); with KALOS_CAROUSEL=direct the clients
     wrote them into its slots themselves (protocol v1.4), through the client's C extension
-    ("direct") or its Python path ("direct-python": KALOS_FASTPATH=0 in the workers)."""
+    ("direct") or its Python path ("direct-python": KALOS_FASTPATH=0 in the workers), and with
+    the switch unset ("default": direct)."""
     if mode == "direct-python":
         mode = "direct"
         monkeypatch.setenv("KALOS_FASTPATH", "0")  # (the spawned workers inherit it)
-    monkeypatch.setenv("KALOS_CAROUSEL", mode)
+    if mode == "default":  # (KALOS_CAROUSEL unset: direct since session 40)
+        mode = "direct"
+        monkeypatch.delenv("KALOS_CAROUSEL", raising=False)
+    else:
+        monkeypatch.setenv("KALOS_CAROUSEL", mode)
     monkeypatch.setenv("KALOS_CAROUSEL_MIN", "4")
     rows, calls = 50_021, 240
     sc, _ = _rows(start_sidecar, dim, rows, metric, other_every)
@@ -128,8 +133,8 @@ def test_writes_and_other_recalls_in_a_crowd_on_the_carousel(start_sidecar, monk
 
 
 def test_without_the_switch_the_carousel_never_starts(start_sidecar, monkeypatch) -> None:
-    """The negative control: the same crowd without KALOS_CAROUSEL is served by batches."""
-    monkeypatch.delenv("KALOS_CAROUSEL", raising=False)
+    """The negative control: the same crowd with KALOS_CAROUSEL=0 is served by batches."""
+    monkeypatch.setenv("KALOS_CAROUSEL", "0")
     dim, rows = 97, 20_011
     sc, _ = _rows(start_sidecar, dim, rows, "cosine")
     wait, _ = _start(exact_crowd_worker, lambda s: (sc.name, dim, "cosine", 200 + s, 60, rows, 0), 16)

@@ -211,9 +211,26 @@ def test_a_kernel_that_ends_by_itself_is_a_device_fault(index: Any) -> None:
 def test_there_is_no_carousel_without_the_switch(index: Any) -> None:
     idx, launching, _ = index
     idx.carousel_k = 0
-    with pytest.raises(RuntimeError, match="KALOS_CAROUSEL=1"):
+    with pytest.raises(RuntimeError, match="unless KALOS_CAROUSEL=0"):
         _start(idx, launching, 53)
     idx.stop_carousel()  # (nothing to stop)
+
+
+@pytest.mark.parametrize(("value", "mode"), [(None, (True, True)), ("", (True, True)), (" direct ", (True, True)),
+                                             ("1", (True, False)), ("0", (False, False))])  # fmt: skip
+def test_the_switch_is_direct_unless_told_otherwise(value: str | None, mode: tuple[bool, bool]) -> None:
+    """KALOS_CAROUSEL: unset or empty is "direct" (session 40's default), "1" the lane, "0" off."""
+    from kalos_retrievers.sidecar.index_gpu import carousel_mode
+
+    assert carousel_mode(value) == mode
+
+
+@pytest.mark.parametrize("value", ["2", "on", "Direct", "off"])
+def test_an_unknown_switch_is_refused_by_name(value: str) -> None:
+    from kalos_retrievers.sidecar.index_gpu import carousel_mode
+
+    with pytest.raises(ValueError, match=f"KALOS_CAROUSEL='{value}'.*expected 0"):
+        carousel_mode(value)
 
 
 def test_pausing_the_resident_kernel_stops_the_carousel_with_nothing_abandoned(index: Any) -> None:
