@@ -138,7 +138,10 @@ def make_index(cfg: ServeConfig) -> Index:
     if dev != "auto" and not (dev == "cuda" or dev.startswith("cuda:")):
         raise StartError(f"--device {dev!r}: use auto, cpu, cuda or cuda:N", EXIT_USAGE)
     ordinal = int(dev.split(":", 1)[1]) if ":" in dev else 0
-    from .index_gpu import CAND_MAX as INT8_MAX_K  # (no CuPy needed to import it)
+    try:
+        from .index_gpu import CAND_MAX as INT8_MAX_K  # (no CuPy needed to import it)
+    except ValueError as e:  # a switch it reads from the environment at import (KALOS_CAROUSEL=bogus)
+        raise StartError(str(e), EXIT_USAGE) from None
 
     if cfg.dtype == "int8" and cfg.max_k > INT8_MAX_K:
         # (its re-scoring buffer: a larger k would come back short)

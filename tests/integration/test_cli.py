@@ -148,6 +148,27 @@ def test_bad_arguments_of_every_command_exit_2_with_one_line(args: list[str], ma
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_an_unknown_carousel_switch_exits_2_naming_it(make_name, device: str) -> None:
+    """KALOS_CAROUSEL is read where a GPU backend could be picked (``auto`` too, so a typo is
+    caught on the laptop before the GPU host): one line, exit 2, nothing left behind; the
+    negative control, the default's value spelled out, starts."""
+    name = make_name()
+    env = {**os.environ, "KALOS_CAROUSEL": "Direct"}
+    r = subprocess.run([*CLI, "serve", "--name", name, "--dim", "4", "--device", device], env=env,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "KALOS_CAROUSEL='Direct': expected 0 (off)" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and shm_objects(name) == []
+    env["KALOS_CAROUSEL"] = "direct"
+    proc = subprocess.Popen([*CLI, "serve", "--name", name, "--dim", "4", "--device", "auto"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_ready(name, proc)
+    finally:
+        proc.terminate()
+    assert proc.wait(15) == 0
+
+
 def test_a_metrics_port_in_use_exits_2_and_leaves_nothing(make_name) -> None:
     """The port is bound once the name is taken, before the rows load: a port in use is a
     usage error (exit 2, one line), and nothing is left in /dev/shm (it used to fail after
