@@ -21,10 +21,10 @@ batched path (which is what 32 processes and batches use anyway). With ``--doorb
 their resident kernels, and before each side's turn the other side is sent a batch of two
 queries, which stops its kernel (a batch does; checked in its ``stats``); each turn then also
 times 2,000 batch-1 recalls (``batch1_p50_us``: the resident kernel's path once it has started).
-A side whose ``--env`` sets ``KALOS_CAROUSEL=1`` or ``direct`` (the crowd on the carousel, sidecar/crowd.py)
-leaves its carousel running after its turn, so the other side is quiesced before each turn in
-the same way. Prints per-side medians and the mean per-round difference B - A with its standard error;
-writes ``DIR/ab_sidecars.json``.
+A side whose ``--env`` does not set ``KALOS_CAROUSEL=0`` (the crowd on the carousel, direct by
+default; sidecar/crowd.py) leaves its carousel running after its turn, so the other side is
+quiesced before each turn in the same way. Prints per-side medians and the mean per-round
+difference B - A with its standard error; writes ``DIR/ab_sidecars.json``.
 ``--env-a`` / ``--env-b`` set environment variables for one side's sidecar process (the same
 package on both sides then compares two settings), and ``--client-env-a`` / ``--client-env-b``
 those of the clients while that side is timed (``KALOS_SPIN_US=0``: clients that block on
@@ -181,9 +181,10 @@ def main() -> int:
     if args.arena_docs:
         for env in envs.values():
             env.setdefault("KALOS_ARENA", "1")
-    # a side with the carousel (KALOS_CAROUSEL=1 or direct) leaves it running after its turn, holding
-    # every SM until it idles out: the other side is quiesced before each turn, as with --doorbell
-    carousel = any(env.get("KALOS_CAROUSEL") in ("1", "direct") for env in envs.values())
+    # a side with the carousel (KALOS_CAROUSEL unset, 1 or direct: every side but one with 0) leaves it
+    # running after its turn, holding every SM until it idles out: the other side is quiesced before
+    # each turn, as with --doorbell
+    carousel = any(env.get("KALOS_CAROUSEL", "direct").strip() != "0" for env in envs.values())
     rows = make_data(args.rows, DIM, 2)
     queries = make_data(16 * BATCH, DIM, 3)
     res: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "a": args.a, "b": args.b,

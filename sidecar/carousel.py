@@ -1,7 +1,8 @@
-"""The carousel: a resident scan that queries board wherever it is (EXPERIMENT).
+"""The carousel: a resident scan that queries board wherever it is.
 
-A GPU sidecar runs it with ``KALOS_CAROUSEL=1`` (off by default; sidecar/crowd.py is its
-lane). ``benchmarks/carousel_probe.py`` measures it in process and ``tests/gpu/test_carousel.py``
+A GPU sidecar with float16 rows runs it while a crowd recalls (``KALOS_CAROUSEL``: ``direct``, the
+default since session 40, the clients write into its slots; ``1``, sidecar/crowd.py is its lane;
+``0``, off). ``benchmarks/carousel_probe.py`` measures it in process and ``tests/gpu/test_carousel.py``
 checks its answers; docs/gpu-notes.md (sessions 34-36) says why it exists and how it measured.
 
 Why: with 32 client processes at 1M rows, the sidecar's queued batches settle into two cohorts,

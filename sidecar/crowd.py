@@ -1,7 +1,7 @@
 """The crowd's lane: batch-1 recalls handed to the carousel and their answers taken back.
 
 The carousel (``carousel_topk``, sidecar/carousel.py) answers requests written into its own
-small slots (at most 64, 32 aboard at once). With ``KALOS_CAROUSEL=1`` a GPU sidecar runs it
+small slots (at most 64, 32 aboard at once). Unless ``KALOS_CAROUSEL=0`` a GPU sidecar runs it
 while a crowd of clients recalls (docs/gpu-notes.md, sessions 35-36), and :class:`CrowdLane` is
 the dispatcher's side of it, with no device code of its own:
 

@@ -83,7 +83,7 @@ COHORT_WINDOW_NS: Final = 5_000_000
 # (session 26: ~14 queries per batch with 32 processes where 16 would give 40k/s).
 RETURN_TIMING: Final = HOST_TIMING
 
-# The carousel (an index's ``carousel_k``: the GPU index with KALOS_CAROUSEL=1): started when this
+# The carousel (an index's ``carousel_k``: the GPU index unless KALOS_CAROUSEL=0): started when this
 # many clients (slots) have recalled within COHORT_WINDOW_NS, the request in hand included, and
 # stopped when fewer than half as many have while at most one of its requests is in flight (a
 # client recalling alone is served sooner by the resident kernel or a graph: docs/gpu-notes.md,

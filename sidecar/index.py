@@ -205,7 +205,7 @@ class Index(abc.ABC):
         """Raise the resident kernel's error (or the carousel's) if it ended without being
         stopped."""
 
-    # The carousel (sidecar/carousel.py, the GPU backend with KALOS_CAROUSEL=1): a resident
+    # The carousel (sidecar/carousel.py, the GPU backend unless KALOS_CAROUSEL=0): a resident
     # scan that a crowd's batch-1 recalls board wherever it is; the dispatcher hands them over
     # through ``crowd`` (a sidecar.crowd.CrowdLane) while it runs. carousel_k: the largest k it
     # answers (0: none). It holds every SM: :meth:`pause_doorbell` stops it too, and the

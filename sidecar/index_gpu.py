@@ -528,7 +528,7 @@ class GpuIndex(Index):
         # mma_filter can take float16 batches: tensor-core m16n8k16 needs compute capability
         # 8.0 (KALOS_MMA=0, or KALOS_THRESHOLD_TOPK=0 for topk_scores everywhere, turn it off)
         self.mma_ok = dtype == "float16" and int(props.get("major", 0)) >= 8
-        # the carousel (KALOS_CAROUSEL=1): made at its first start_carousel
+        # the carousel (unless KALOS_CAROUSEL=0): made at its first start_carousel
         self.carousel_k = carousel.KMAX if USE_CAROUSEL and self.mma_ok else 0
         self._car: carousel.Carousel | None = None
         self._direct: DirectSlots | None = None  # the slots the direct clients write (KALOS_CAROUSEL=direct)
