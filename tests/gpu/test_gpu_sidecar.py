@@ -153,11 +153,13 @@ def _float16_rows(start_sidecar, dim: int = 768, rows: int = 60_001):  # type: i
     return sc, dim, rows
 
 
-def test_float16_cohorts_queued_behind_each_other_get_their_own_answers(start_sidecar) -> None:
+def test_float16_cohorts_queued_behind_each_other_get_their_own_answers(start_sidecar, monkeypatch) -> None:
     """16 client processes recalling float16 rows (the mma path): a batch that gathers while
     another is on the device is queued behind it (the index's ``queued_batches``), and every
     client still gets its own row back. Those queued launches are made from the members' slot
-    numbers in C (sidecar/_launch.c: ``queued_c``), which the GPU machine builds."""
+    numbers in C (sidecar/_launch.c: ``queued_c``), which the GPU machine builds. (The carousel
+    off: by default such a crowd rides it, tests/gpu/test_gpu_crowd.py.)"""
+    monkeypatch.setenv("KALOS_CAROUSEL", "0")
     sc, dim, rows = _float16_rows(start_sidecar)
     assert _crowd(sc.name, dim, 400, rows)(300) == 0
     with sc.client() as c:
@@ -165,11 +167,13 @@ def test_float16_cohorts_queued_behind_each_other_get_their_own_answers(start_si
     assert index["mma_path"] and index["queued_batches"] > 0 and index["queued_c"] > 0, index
 
 
-def test_writes_while_a_float16_crowd_recalls_are_found_at_once(start_sidecar) -> None:
+def test_writes_while_a_float16_crowd_recalls_are_found_at_once(start_sidecar, monkeypatch) -> None:
     """16 client processes recall float16 rows (batched, queued behind each other) while this
     process upserts a row at a time and recalls it: each write waits for the batches in
     flight (they answer from the rows as they were), is found by the next recall, and every
-    client still gets its own row back."""
+    client still gets its own row back. (The carousel off, as above; with it, the same case is
+    test_gpu_crowd.py's writes amid a crowd.)"""
+    monkeypatch.setenv("KALOS_CAROUSEL", "0")
     sc, dim, rows = _float16_rows(start_sidecar)
     wait = _crowd(sc.name, dim, 400, rows)
     rng = np.random.default_rng()
