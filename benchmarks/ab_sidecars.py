@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 from kalos_retrievers.sidecar.bench import load, machine, make_data, throughput, time_calls
+from kalos_retrievers.sidecar.index_gpu import carousel_mode  # (no CuPy needed to import it)
 
 from kalos_retrievers import Sidecar
 
@@ -184,7 +185,7 @@ def main() -> int:
     # a side with the carousel (KALOS_CAROUSEL unset, 1 or direct: every side but one with 0) leaves it
     # running after its turn, holding every SM until it idles out: the other side is quiesced before
     # each turn, as with --doorbell
-    carousel = any(env.get("KALOS_CAROUSEL", "direct").strip() != "0" for env in envs.values())
+    carousel = any(carousel_mode(env.get("KALOS_CAROUSEL"))[0] for env in envs.values())
     rows = make_data(args.rows, DIM, 2)
     queries = make_data(16 * BATCH, DIM, 3)
     res: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "a": args.a, "b": args.b,
