@@ -169,6 +169,35 @@ def test_fewer_clients_than_a_crowd_never_start_it(rig: Any) -> None:
     assert r.index.crowd.boarded == 0 and "search" in r.index.log and not r.index.carousel_running
 
 
+@pytest.mark.parametrize("others", ["none", "gone", "lately"])
+def test_a_client_recalling_alone_is_not_checked_for_boarding(others: str, rig: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """With the carousel stopped and fewer clients lately than a crowd (crowd_min 4), a lone
+    recall goes the usual way without its query checked for boarding or the namespace looked
+    up (11.5 µs a pass on the development VM, benchmarks/lone_armed.py): with no other slot
+    seen ("none"), and with three seen long before the window ("gone": a crowd that has
+    left). The negative control: the same three seen lately ("lately") make the same recall
+    a crowd's; it is checked, and it boards."""
+    r = rig(5, 97)
+    checked: list[int] = []
+    boards = r.d._boards
+    monkeypatch.setattr(r.d, "_boards", lambda i: checked.append(i) or boards(i))
+    q = np.random.default_rng().standard_normal((3, r.lay.dim)).astype(np.float32)
+    for n in range(3):
+        now = time.perf_counter_ns()
+        at = {"none": None, "gone": now - 2 * dispatcher_module.COHORT_WINDOW_NS, "lately": now}[others]
+        r.d._seen = {} if at is None else dict.fromkeys(range(1, 4), at)
+        _ask(r, 0, q[n], 5, seq=n)
+        _answered(r, [0])
+        r.d.settle()
+        assert _rows(r, 0, 5) == _top(r.data, q[n], 5)
+        if others != "lately":
+            assert not checked and not r.index.carousel_running and r.index.crowd.boarded == 0
+            continue
+        assert checked and r.index.carousel_running and r.index.crowd.boarded == n + 1
+    assert others == "lately" or "search" in r.index.log
+
+
 def test_a_write_waits_for_the_carousel_to_drain_and_stop(rig: Any) -> None:
     """An upsert arriving while the crowd's recalls are aboard: they are answered from the
     rows as they were, the carousel stops, then the write runs; the next crowd starts it
