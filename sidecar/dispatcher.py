@@ -619,7 +619,9 @@ class Dispatcher:
         make a crowd. A client recalling alone then pays neither the namespace's lookup nor
         its query's check: with the carousel armed, its batch-1 recall on the batched path
         took 11.5 µs more per pass than with it off, and 0.16 µs more with these two
-        (``benchmarks/lone_armed.py``, development VM, session 41)."""
+        (``benchmarks/lone_armed.py``, development VM, session 41). Slots last seen before the
+        window are forgotten here, so that after a crowd has left the next pass stops at
+        :meth:`poll`'s count again."""
         now = time.perf_counter_ns()
         if now < self._car_holdoff:
             return False
@@ -627,7 +629,10 @@ class Dispatcher:
         if len(slots) >= self.crowd_min:
             return True
         horizon = now - COHORT_WINDOW_NS
-        clients = {i for i, t in self._seen.items() if t >= horizon}
+        seen = self._seen
+        for i in [i for i, t in seen.items() if t < horizon]:
+            del seen[i]  # (as _queue_behind does: the next lone pass stops at poll's count)
+        clients = set(seen)
         clients.update(slots)
         return len(clients) >= self.crowd_min
 

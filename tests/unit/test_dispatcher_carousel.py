@@ -176,7 +176,7 @@ def test_a_client_recalling_alone_is_not_checked_for_boarding(others: str, rig: 
     recall goes the usual way without its query checked for boarding or the namespace looked
     up (11.5 µs a pass on the development VM, benchmarks/lone_armed.py): with no other slot
     seen ("none"), and with three seen long before the window ("gone": a crowd that has
-    left). The negative control: the same three seen lately ("lately") make the same recall
+    left, then forgotten). The negative control: the same three seen lately ("lately") make the same recall
     a crowd's; it is checked, and it boards."""
     r = rig(5, 97)
     checked: list[int] = []
@@ -193,6 +193,7 @@ def test_a_client_recalling_alone_is_not_checked_for_boarding(others: str, rig: 
         assert _rows(r, 0, 5) == _top(r.data, q[n], 5)
         if others != "lately":
             assert not checked and not r.index.carousel_running and r.index.crowd.boarded == 0
+            assert not set(r.d._seen) & {1, 2, 3}  # (gone: forgotten, the next pass stops at poll's count)
             continue
         assert checked and r.index.carousel_running and r.index.crowd.boarded == n + 1
     assert others == "lately" or "search" in r.index.log
