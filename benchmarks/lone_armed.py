@@ -1,6 +1,6 @@
 """What an armed, stopped carousel costs a lone recall on the sidecar's batched path, in process, no GPU.
 
-    python -P benchmarks/lone_armed.py [--calls 20000] [--rows 61] [--k 10] [--gone 0]
+    python -P benchmarks/lone_armed.py [--calls 20000] [--rows 61] [--k 10] [--gone 0] [--crowd-min N]
 
 On a GPU sidecar with float16 rows the carousel is armed by default (``KALOS_CAROUSEL`` unset:
 the index's ``carousel_k`` is 32) and starts only for a crowd. A client recalling alone is
@@ -14,8 +14,10 @@ index is a CPU index over ``--rows`` rows, which makes the search itself short. 
 batched path (``host_search`` False), as a GPU index does. Blocks of 200 calls alternate between
 ``carousel_k`` 0 (off, as ``KALOS_CAROUSEL=0``) and 32 (armed, never started). Prints each
 side's median per call and the difference of the block medians, with its standard error.
-``--gone N``: N other slots were seen long ago, as after a crowd that has left (the dispatcher
-remembers every slot's last batched recall, so it must then look at when).
+``--gone N``: N other slots were seen long ago, as after a crowd that has left. The dispatcher
+forgets such slots the first time it counts a crowd, which happens in the warm-up blocks, so
+this shows the state after that. The index refuses to start the carousel; a run where a lone
+client started it anyway fails rather than printing.
 """
 
 from __future__ import annotations
@@ -45,9 +47,11 @@ class _BatchedIndex(CpuIndex):
     """A CPU index searched on the batched path, as a GPU index is; its carousel never starts."""
 
     host_search = False
+    starts = 0  # calls of start_carousel (the dispatcher logs the error and serves without it)
 
     def start_carousel(self, high: int, ns: int = 0, eligible: int = 0) -> None:
-        raise AssertionError("a lone client started the carousel")
+        self.starts += 1
+        raise RuntimeError("a lone client started the carousel")
 
 
 def main() -> None:
@@ -56,6 +60,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=61)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--gone", type=int, default=0, help="other slots seen long ago (a crowd that has left)")
+    ap.add_argument("--crowd-min", type=int, default=None,
+                    help="clients that make a crowd (default: the dispatcher's; 1 makes the lone client one, "
+                         "and the run fails: its test's negative control)")  # fmt: skip
     args = ap.parse_args()
     if hotpath is None:
         raise SystemExit("sidecar/_hotpath.c is not built: nothing would be offered to the carousel")
@@ -74,6 +81,8 @@ def main() -> None:
     sem = _ipc.create_semaphore(name)
     try:
         d = Dispatcher(mm, lay, [sem] * lay.n_slots, svc, Stats(), max_batch=64, describe=lambda: {})
+        if args.crowd_min is not None:
+            d.crowd_min = args.crowd_min
         for i in range(1, 1 + args.gone):
             d._seen[i] = 0  # (long before any window)
         states = np.ndarray((lay.n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
@@ -102,6 +111,8 @@ def main() -> None:
             if b >= 2:  # (the first pair warms up)
                 times[ck] += block
                 blocks[ck].append(statistics.median(block))
+        if index.starts:
+            raise SystemExit(f"a lone client started the carousel {index.starts} time(s): no figures")
         diffs = [a - o for o, a in zip(blocks[0], blocks[carousel.KMAX], strict=True)]
         se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
         print(f"one client ({args.gone} gone), {args.rows} rows x {DIM}, k {args.k}, documents from the arena, "

@@ -280,7 +280,7 @@ class Dispatcher:
         groups: dict[tuple[int, int], list[tuple[int, Request, int]]] = {}
         self._pick_up(ready, groups, take)
         n = len(ready)
-        # (fewer slots ever seen and waiting now than a crowd: nothing to offer, see _crowd_may_start)
+        # (fewer slots remembered and waiting now than a crowd: nothing to offer, see _crowd_may_start)
         if groups and idx.carousel_k and (idx.carousel_running or len(self._seen) + n >= self.crowd_min):
             try:
                 self._to_carousel(groups)
@@ -615,16 +615,14 @@ class Dispatcher:
         """Whether :meth:`_crowd_holds` could start the stopped carousel for the recalls of
         ``groups`` under the keys ``fits``: its count of clients, with every such recall taken
         to board (an upper bound: False only where it would say False too). :meth:`poll` asks
-        nothing of the carousel at all while fewer slots were ever seen and wait now than
-        make a crowd. A client recalling alone then pays neither the namespace's lookup nor
-        its query's check: with the carousel armed, its batch-1 recall on the batched path
-        took 11.5 µs more per pass than with it off, and 0.16 µs more with these two
-        (``benchmarks/lone_armed.py``, development VM, session 41). Slots last seen before the
-        window are forgotten here, so that after a crowd has left the next pass stops at
+        nothing of the carousel at all while fewer slots are remembered (``_seen``) and wait
+        now than make a crowd. A client recalling alone then pays neither the namespace's
+        lookup nor its query's check: with the carousel armed, its batch-1 recall on the
+        batched path took 11.5 µs more per pass than with it off, and 0.2 µs more with these
+        two (``benchmarks/lone_armed.py``, development VM, session 41). Slots last seen before
+        the window are forgotten here, so that after a crowd has left the next pass stops at
         :meth:`poll`'s count again."""
-        now = time.perf_counter_ns()
-        if now < self._car_holdoff:
-            return False
+        now = time.perf_counter_ns()  # (the hold-off is left to _crowd_holds, whose now comes later)
         slots = [m[0] for key in fits for m in groups[key]]
         if len(slots) >= self.crowd_min:
             return True
