@@ -148,7 +148,12 @@ def test_writes_and_other_recalls_amid_the_crowd(served: Any) -> None:
 def test_stopping_the_sidecar_answers_the_recalls_aboard(served: Any) -> None:
     """Turns of 0.3 s: the sidecar is stopped while all six clients' recalls ride; the first
     outcome each client sees after the stop is its recall's exact answer (none left to its
-    timeout, none refused), and every client is done within seconds."""
+    timeout, none refused), and every client is done within seconds. The conductor is held
+    from the moment all six are aboard until the stop has begun: otherwise one answered in
+    between could ask again, and a request that has not boarded when the sidecar stops is
+    refused, as it should be. (On a loaded 2-core host this test failed 2-4 runs in 10 before
+    session 41's fix of the client, which took an answer written just before the sidecar said
+    it stops for a lost recall; tests/unit/test_client_stop_race.py.)"""
     srv, index, data = served(97, turn=0.3)
     rng = np.random.default_rng()
     outcomes: dict[int, list[tuple[float, Any, list[str]]]] = {i: [] for i in range(6)}
@@ -170,11 +175,19 @@ def test_stopping_the_sidecar_answers_the_recalls_aboard(served: Any) -> None:
     for t in threads:
         t.start()
     end = time.monotonic() + 20
-    while index.crowd.in_flight < 6:
-        assert time.monotonic() < end, "the crowd never rode the carousel"
-        time.sleep(0.0005)
+    while True:  # all six aboard, none answered: the conductor held while the stop begins
+        while index.crowd.in_flight < 6:
+            assert time.monotonic() < end, "the crowd never rode the carousel"
+            time.sleep(0.0005)
+        assert index.cond is not None
+        index.cond.pause.set()
+        time.sleep(0.02)  # (an answer made before the pause is harvested, and its client asks again)
+        if index.crowd.in_flight == 6 and not (index.slots.words[:, 0] == carousel.DONE).any():
+            break
+        index.cond.pause.clear()  # (one was answered between the count and the pause: again)
     t0 = time.monotonic()
     srv.stop()
+    index.cond.pause.clear()
     for t in threads:
         t.join(10)
         assert not t.is_alive()
