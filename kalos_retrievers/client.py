@@ -1492,7 +1492,7 @@ class KalosClient:
         stops. A stopping sidecar answers what it holds first, then says so: the slot is read
         again after that check, so that an answer written while this thread was between its
         wait and the check is not taken for a lost one (on a loaded host that lost a recall
-        the carousel held to "stopped during the call", 2 runs in 10 of
+        the carousel held to "stopped during the call", 2-4 runs in 10 of
         tests/integration/test_crowd_serve.py, session 41)."""
         state = slot.state
         done = (SlotState.RESPONSE, SlotState.ERROR)
