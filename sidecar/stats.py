@@ -152,7 +152,9 @@ class Stats:
                 le = h.bucket_upper_us(i) / 1e6
                 out.append(f'kalos_request_latency_seconds_bucket{{op="{op}",le="{le:.6g}"}} {cum[i]}')
             out.append(f'kalos_request_latency_seconds_bucket{{op="{op}",le="+Inf"}} {h.count}')
-            out.append(f'kalos_request_latency_seconds_sum{{op="{op}"}} {h.sum_us / 1e6:.6f}')
+            # the sum as summary() gives it (0.1 µs): `kalos-sidecar stats --prometheus`
+            # rebuilds it from there, and printed the last digit differently 1 time in ~4
+            out.append(f'kalos_request_latency_seconds_sum{{op="{op}"}} {round(h.sum_us, 1) / 1e6:.7f}')
             out.append(f'kalos_request_latency_seconds_count{{op="{op}"}} {h.count}')
         gauges = {
             "kalos_rows": ("Live rows in the index.", extra.get("rows", 0)),
