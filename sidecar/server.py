@@ -827,8 +827,11 @@ class Server:
         seg = self.seg
         if seg is not None:
             if self.dispatcher is not None and not self._fatal:
-                # what is in flight (a batch, the carousel's recalls) answered before clients
-                # are told the sidecar stops: a client that sees STOPPING stops waiting
+                # what is in flight (a batch, the carousel's recalls, the direct clients'
+                # among them) answered before clients are told the sidecar stops: a client
+                # that sees STOPPING stops waiting
+                with contextlib.suppress(Exception):
+                    self.dispatcher.stop_carousel()
                 with contextlib.suppress(Exception):
                     self.dispatcher.settle()
             with contextlib.suppress(Exception):

@@ -25,7 +25,7 @@ from kalos_retrievers.sidecar.server import ServeConfig, Server
 from kalos_testing import until
 
 from kalos_retrievers import KalosClient
-from kalos_retrievers.protocol import HEADER_OFFSETS, METRICS, carousel_segment_name
+from kalos_retrievers.protocol import HEADER_OFFSETS, METRICS, SidecarState, carousel_segment_name
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -196,6 +196,37 @@ def test_stopping_the_sidecar_answers_the_recalls_aboard(served: Any) -> None:
         after = [(got, want) for t, got, want in outcomes[i] if t >= t0]
         assert after and after[0][0] == after[0][1], (i, after[:2])  # the recall aboard: answered, exactly
         assert all(got == want for t, got, want in outcomes[i] if t < t0 and want)
+
+
+def test_the_carousel_is_stopped_before_the_sidecar_says_it_stops(served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KALOS_CAROUSEL=direct: the direct clients' recalls are answered by the kernel, not the
+    serve loop, and a client that sees the header say STOPPING gives its recall up. So a
+    stopping sidecar stops the carousel (the clients told by the even epoch, what they asked
+    before it answered: the index's ``stop_carousel``) while the header still says READY,
+    and only then says it stops. It used to stop it after, when the index closed (found in
+    session 41's review). The carousel runs here with a crowd aboard when the stop comes;
+    the header's state is read as the stop begins. (The clients' own outcomes are not checked:
+    their next recalls are refused, as they should be.)"""
+    srv, index, data = served(97, turn=0.05, direct=True)
+    seen: list[tuple[int, bool]] = []
+    stop = dispatcher_module.Dispatcher.stop_carousel
+
+    def watched(d: Any) -> int:
+        state = struct.unpack_from("<I", srv.seg.mm, HEADER_OFFSETS["state"])[0]
+        seen.append((state, index.carousel_running))
+        return stop(d)
+
+    monkeypatch.setattr(dispatcher_module.Dispatcher, "stop_carousel", watched)
+    errors: list = []
+    start = threading.Barrier(6)
+    threads = _crowd(srv.cfg.name, data, 6, 10_000, errors, start, direct=[])
+    until(lambda: index.carousel_running and index.launches >= 1, timeout=20)
+    srv.stop()
+    for t in threads:
+        t.join(20)
+        assert not t.is_alive()
+    assert seen and seen[0] == (SidecarState.READY, True), seen
+    assert not index.carousel_running
 
 
 def test_one_client_alone_never_starts_it(served: Any) -> None:
