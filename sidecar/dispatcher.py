@@ -683,17 +683,15 @@ class Dispatcher:
         self._drain_crowd()
         self.service.index.stop_carousel()
 
-    def stop_carousel(self) -> int:
-        """Before the sidecar says it stops: drain the carousel and stop it, and answer what
-        it held; return how many requests that was. Stopping it first tells the direct clients
-        (the even epoch) and waits for what they asked before they saw it (``stop_carousel``
-        of the index): their answers come from the kernel, not from this loop, and a client
-        that sees the sidecar stopping first gives its recall up."""
-        n = 0
+    def stop_carousel(self) -> None:
+        """Before the sidecar says it stops: drain the carousel, stop it and answer what it
+        held. Stopping it first tells the direct clients (the even epoch) and waits for what
+        they asked before they saw it (``stop_carousel`` of the index): their answers come
+        from the kernel, not from this loop, and a client that sees the sidecar stopping
+        first gives its recall up."""
         if self.service.index.carousel_running:
-            n += self._drain_crowd()
-            self.service.index.stop_carousel()
-        return n + self._drain_crowd()  # (the lane's answers the stop kept for a harvest)
+            self._stop_crowd()
+        self._drain_crowd()  # (the lane's answers the stop kept for a harvest)
 
     def _yield_device(self) -> None:
         """Before other device work: drain and stop the carousel if it runs, and keep it from

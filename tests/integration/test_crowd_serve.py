@@ -211,10 +211,10 @@ def test_the_carousel_is_stopped_before_the_sidecar_says_it_stops(served: Any, m
     seen: list[tuple[int, bool]] = []
     stop = dispatcher_module.Dispatcher.stop_carousel
 
-    def watched(d: Any) -> int:
+    def watched(d: Any) -> None:
         state = struct.unpack_from("<I", srv.seg.mm, HEADER_OFFSETS["state"])[0]
         seen.append((state, index.carousel_running))
-        return stop(d)
+        stop(d)
 
     monkeypatch.setattr(dispatcher_module.Dispatcher, "stop_carousel", watched)
     errors: list = []
