@@ -388,12 +388,8 @@ class Dispatcher:
         cohort into batches that each pay a whole pass (session 3). If something else comes
         meanwhile (a write settles ``b``; another kind of recall), the usual path takes over."""
         (k, flags), members = next(iter(groups.items()))
-        horizon = time.perf_counter_ns() - COHORT_WINDOW_NS
-        seen = self._seen
-        for i in [i for i, t in seen.items() if t < horizon]:
-            del seen[i]
         inflight = {i for i, _, _ in b.part}
-        expect = min(sum(1 for i in seen if i not in inflight), self.max_batch)
+        expect = min(sum(1 for i in self._lately(time.perf_counter_ns()) if i not in inflight), self.max_batch)
         got = 0
         index = self.service.index
         t_wait = time.perf_counter_ns()
@@ -622,17 +618,19 @@ class Dispatcher:
         two (``benchmarks/lone_armed.py``, development VM, session 41). Slots last seen before
         the window are forgotten here, so that after a crowd has left the next pass stops at
         :meth:`poll`'s count again."""
-        now = time.perf_counter_ns()  # (the hold-off is left to _crowd_holds, whose now comes later)
         slots = [m[0] for key in fits for m in groups[key]]
         if len(slots) >= self.crowd_min:
             return True
-        horizon = now - COHORT_WINDOW_NS
-        seen = self._seen
+        # (the hold-off is left to _crowd_holds, whose clock is read later)
+        return len(self._lately(time.perf_counter_ns()).union(slots)) >= self.crowd_min
+
+    def _lately(self, now: int) -> set[int]:
+        """The slots seen within :data:`COHORT_WINDOW_NS` before ``now`` (a batched recall
+        booked, or boarded the carousel); the others are forgotten."""
+        horizon, seen = now - COHORT_WINDOW_NS, self._seen
         for i in [i for i, t in seen.items() if t < horizon]:
-            del seen[i]  # (as _queue_behind does: the next lone pass stops at poll's count)
-        clients = set(seen)
-        clients.update(slots)
-        return len(clients) >= self.crowd_min
+            del seen[i]
+        return set(seen)
 
     def _boards(self, i: int) -> bool:
         """Whether slot ``i``'s recall (in a group the carousel takes) can board: taken by
@@ -657,8 +655,7 @@ class Dispatcher:
         if idx.carousel_running and (idx.crowd.in_flight > 1 or idx.carousel_direct):
             return True  # (a crowd: not worth counting)
         now = time.perf_counter_ns()
-        horizon = now - COHORT_WINDOW_NS
-        clients = {i for i, t in self._seen.items() if t >= horizon}
+        clients = self._lately(now)
         clients.update(m[0] for members in board.values() for m in members)
         if idx.carousel_running:
             if 2 * len(clients) >= self.crowd_min:
