@@ -123,6 +123,48 @@ def recall_row_worker(name: str, dim: int, seed: int, n_calls: int, out: Any, ro
     out.put(bad)
 
 
+def stop_rider_worker(name: str, dim: int, seed: int, rows: int, out: Any, start: Any = None) -> None:
+    """Child process: recall stored vectors (``rows`` of them, ids "0".., data seed 0) by
+    themselves, with their documents (what goes direct to a carousel), back to back from
+    ``start`` (a barrier) until a call raises or a minute has passed. Puts a dict on ``out``:
+    ``ok`` calls answered, ``bad`` answers that were not the query's own row, ``error`` (the
+    exception's type and message, "" if none), ``in_direct_wait`` (the error came out of the
+    wait for the carousel's answer to a request written into its slot: a recall aboard the
+    carousel given up), ``direct`` (recalls the carousel answered through its own slots) and
+    ``t_end`` (``time.monotonic()`` when the loop ended: one clock for every process)."""
+    from kalos_retrievers import KalosClient, KalosError
+
+    rng = np.random.default_rng(seed)
+    data = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+    got: dict[str, Any] = {"ok": 0, "bad": 0, "error": "", "in_direct_wait": False, "direct": 0}
+    with KalosClient(name, dim=dim, timeout=30) as c:
+        inner = c._wait_direct
+
+        def wait_direct(*a: Any, **kw: Any) -> Any:  # (shadows the method for this client)
+            try:
+                return inner(*a, **kw)
+            except KalosError:
+                got["in_direct_wait"] = True
+                raise
+
+        c._wait_direct = wait_direct  # type: ignore[method-assign]
+        if start is not None:
+            start.wait()
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            i = int(rng.integers(rows))
+            try:
+                r = c.recall(data[i], k=1)
+            except KalosError as e:
+                got["error"] = f"{type(e).__name__}: {e}"
+                break
+            got["ok"] += 1
+            got["bad"] += int(r.rows[0] != i or r.ids != [str(i)])
+        got["direct"] = c.direct_recalls
+    got["t_end"] = time.monotonic()
+    out.put(got)
+
+
 def exact_crowd_worker(name: str, dim: int, metric: str, seed: int, n_calls: int, rows: int, other_every: int,
                        out: Any, start: Any = None) -> None:  # fmt: skip
     """Child process: ``n_calls`` recalls of random queries (k 1, 10 and 32 in turn) in the

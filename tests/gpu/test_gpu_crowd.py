@@ -10,11 +10,12 @@ Each worker computes its float64 references before its first call (tests/kalos_t
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import numpy as np
 import pytest
-from kalos_testing import exact_crowd_worker, recall_row_worker
+from kalos_testing import exact_crowd_worker, recall_row_worker, stop_rider_worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -142,3 +143,48 @@ def test_without_the_switch_the_carousel_never_starts(start_sidecar, monkeypatch
     with sc.client() as c:
         index = c.stats()["index"]
     assert index["carousel_k"] == 0 and index["carousel_launches"] == 0 and index["mma_batches"] > 0, index
+
+
+@pytest.mark.parametrize("how", ["term", "kill"])
+def test_stopping_the_sidecar_answers_the_direct_crowd_aboard(start_sidecar, monkeypatch, how: str) -> None:
+    """16 processes recall back to back on the direct carousel (the default) and the sidecar is
+    stopped under them (SIGTERM). A stopping sidecar stops the carousel, answering what is
+    aboard, before it says it stops (session 41, 280fd37): no client's recall aboard is given
+    up ("stopped during the call" out of the wait for the carousel's answer), every answer was
+    the query's own row, every client is told within seconds (SidecarUnavailable, never a
+    timeout) and the sidecar exits 0. The CPU fake of this (tests/integration/
+    test_crowd_serve.py) stalls: its conductor thread starves of the GIL (session 41).
+
+    The negative control, ``kill``: SIGKILL answers nothing, so the same check sees recalls
+    aboard given up (the crowd recalls back to back: some are always aboard)."""
+    monkeypatch.delenv("KALOS_CAROUSEL", raising=False)  # (the default: direct)
+    monkeypatch.setenv("KALOS_CAROUSEL_MIN", "4")
+    dim, rows = 768, 60_001
+    sc, _ = _rows(start_sidecar, dim, rows, "cosine")
+    wait, barrier = _start(stop_rider_worker, lambda s: (sc.name, dim, 300 + s, rows), 16, parties=17)
+    barrier.wait()
+    deadline = time.monotonic() + 30
+    with sc.client() as c:  # (the crowd on the carousel, writing into its slots)
+        while (index := c.stats()["index"])["carousel_direct"] == 0:
+            assert time.monotonic() < deadline, index
+            time.sleep(0.05)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    if how == "term":
+        assert sc.stop(60) == 0
+    else:
+        sc.kill()
+        assert sc.proc is not None
+        sc.proc.wait()
+        for p in os.listdir("/dev/shm"):  # (what the killed sidecar left)
+            if p.startswith((f"kalos-{sc.name}", f"sem.kalos-{sc.name}-")):
+                os.unlink(f"/dev/shm/{p}")
+    got = wait(120)
+    assert all(g["ok"] > 0 and g["bad"] == 0 and g["direct"] > 0 for g in got), got
+    assert all(g["error"].startswith("SidecarUnavailable") for g in got), got
+    assert all(g["t_end"] - t0 < 10 for g in got), [round(g["t_end"] - t0, 3) for g in got]
+    given_up = sum(g["in_direct_wait"] for g in got)
+    if how == "term":
+        assert given_up == 0, got
+    else:
+        assert given_up > 0, got
