@@ -150,7 +150,9 @@ def test_stopping_the_sidecar_answers_the_direct_crowd_aboard(start_sidecar, mon
     """16 processes recall back to back on the direct carousel (the default) and the sidecar is
     stopped under them (SIGTERM). A stopping sidecar stops the carousel, answering what is
     aboard, before it says it stops (session 41, 280fd37): no client's recall aboard is given
-    up ("stopped during the call" out of the wait for the carousel's answer), every answer was
+    up ("stopped during the call" out of the wait for the carousel's answer to a request
+    written while the carousel took requests; one written after the stop turned the epoch even
+    may be given up, and is not counted: see ``stop_rider_worker``), every answer was
     the query's own row, every client is told within seconds (SidecarUnavailable, never a
     timeout) and the sidecar exits 0. The CPU fake of this (tests/integration/
     test_crowd_serve.py) stalls: its conductor thread starves of the GIL (session 41).
