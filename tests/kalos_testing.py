@@ -127,34 +127,49 @@ def stop_rider_worker(name: str, dim: int, seed: int, rows: int, out: Any, start
     """Child process: recall stored vectors (``rows`` of them, ids "0".., data seed 0) by
     themselves, with their documents (what goes direct to a carousel), back to back from
     ``start`` (a barrier) until a call raises or a minute has passed. Puts a dict on ``out``:
-    ``ok`` calls answered, ``bad`` answers that were not the query's own row, ``error`` (the
-    exception's type and message, "" if none), ``in_direct_wait`` (the error came out of the
-    wait for the carousel's answer to a request written into its slot while the carousel still
-    took requests: a recall aboard given up), ``late_direct`` (the same for a request written
-    just after the sidecar's stop turned the epoch even, which nothing need answer: the
-    client's epoch read and its write were apart across the whole stop), ``direct`` (recalls
-    the carousel answered through its own slots) and ``t_end`` (``time.monotonic()`` when the
-    loop ended: one clock for every process).
 
-    Whether a request was written before the epoch turned is read at the wait's start, just
-    after the write: the epoch still the one it was sent under means it was. (A turn between
-    the write and that read counts the request as late: a weaker check, never a false one.)"""
+    * ``ok`` calls answered, ``bad`` answers that were not the query's own row, ``error`` (the
+      exception's type and message, "" if none), ``direct`` (recalls the carousel answered
+      through its own slots), ``t_end`` (``time.monotonic()`` when the loop ended: one clock
+      for every process);
+    * of the requests written into the carousel's slots while it took requests ("aboard"):
+      ``given_up_at``, the ``time.monotonic()`` at which the wait for the answer began of one
+      that raised (None: none did); ``swept`` how many were turned back to IDLE (abandoned by
+      the sidecar, then asked the usual way) instead of answered;
+    * ``late``: a request written just after the sidecar's stop turned the epoch even raised
+      or was swept (nothing need answer it: the client's epoch read and its write were apart
+      across the stop).
+
+    Whether a request was aboard is read at the wait's start, just after the write: the epoch
+    still the one it was sent under means it was. (A turn between the write and that read
+    counts the request as late: a weaker check, never a false one.)"""
     from kalos_retrievers import KalosClient, KalosError
+    from kalos_retrievers.protocol import CAR_IDLE
 
     rng = np.random.default_rng(seed)
     data = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
-    got: dict[str, Any] = {"ok": 0, "bad": 0, "error": "", "in_direct_wait": False, "late_direct": False,
-                           "direct": 0}  # fmt: skip
+    got: dict[str, Any] = {"ok": 0, "bad": 0, "error": "", "direct": 0, "given_up_at": None, "swept": 0,
+                           "late": False}  # fmt: skip
     with KalosClient(name, dim=dim, timeout=30) as c:
         inner = c._wait_direct
 
         def wait_direct(conn: Any, w: Any, epoch: int, *a: Any, **kw: Any) -> Any:  # (shadows the method)
+            t_in = time.monotonic()
             late = conn.carousel_epoch() != epoch
             try:
-                return inner(conn, w, epoch, *a, **kw)
+                state = inner(conn, w, epoch, *a, **kw)
             except KalosError:
-                got["late_direct" if late else "in_direct_wait"] = True
+                if late:
+                    got["late"] = True
+                else:
+                    got["given_up_at"] = t_in
                 raise
+            if state == CAR_IDLE:
+                if late:
+                    got["late"] = True
+                else:
+                    got["swept"] += 1
+            return state
 
         c._wait_direct = wait_direct  # type: ignore[method-assign]
         if start is not None:
