@@ -98,12 +98,12 @@ def main() -> None:
             return Response(seq, resp.status, resp.n_results, resp.resp_len, resp.resp_flags) if check else None
 
         c._wait = instant  # type: ignore[method-assign]
-        if a.bell:
-            bell_path(c, queries[0], k)
         sidecar = owner._process
         assert sidecar is not None
         sidecar.kill(signal.SIGSTOP)  # it holds its lock (alive to the client) and answers nothing
         try:
+            if a.bell:  # (with the sidecar stopped: awake, it takes the first recall's request too)
+                bell_path(c, queries[0], k)
             timed(a, c, queries, k, b)
         finally:
             sidecar.kill(signal.SIGCONT)  # (stopped, it would not stop when asked)
