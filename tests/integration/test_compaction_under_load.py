@@ -32,38 +32,64 @@ def server() -> Iterator[Server]:
     t.join(30)
 
 
+def _top1_ok(got: list[str], data: np.ndarray, rows: np.ndarray, q: np.ndarray) -> bool:
+    """``got`` is the best of ``rows`` for ``q``, by inner product, up to float32 rounding (the
+    sidecar's and numpy's sums round differently: a near tie may go either way)."""
+    scores = data[rows] @ q
+    best = float(scores.max())
+    return len(got) == 1 and int(got[0]) in set(rows.tolist()) and float(data[int(got[0])] @ q) >= best - 1e-4
+
+
 @pytest.mark.parametrize("under_load", [True, False], ids=["steps", "control"])
 def test_holes_are_compacted_while_clients_keep_recalling(server: Server, monkeypatch, under_load: bool) -> None:
+    """The load runs before the delete and throughout, so the sidecar is never idle for 50 ms
+    (before session 42 the load started after the delete: a housekeeping tick in between
+    compacted the holes away before they were counted, ~1 run in 4, and an idle moment there
+    could have compacted the control's). The holes counted are those the delete made; a recall
+    that began before the delete returned may see either the old rows or the new."""
     if not under_load:
         monkeypatch.setattr(Server, "_badly_fragmented", lambda self: False)
     rng = np.random.default_rng()
     n = 20_011
     data = rng.standard_normal((n, DIM)).astype(np.float32)
     keep = np.arange(n) % 10 == 9  # every tenth row stays, up to the top: holes everywhere below
-    stop = threading.Event()
+    every, kept = np.arange(n), np.flatnonzero(keep)
+    stop, deleted = threading.Event(), threading.Event()
+    recalled = [0, 0]
     errors: list[BaseException] = []
     with KalosClient(server.cfg.name, dim=DIM, timeout=30) as c:
         for s in range(0, n, 5000):
             c.upsert([str(i) for i in range(s, min(n, s + 5000))], data[s : s + 5000])
 
-        def load() -> None:  # recalls back to back, each checked
+        def load(j: int) -> None:  # recalls back to back, each checked
             try:
                 with KalosClient(server.cfg.name, dim=DIM, timeout=30) as lc:
                     while not stop.is_set():
                         q = rng.standard_normal(DIM).astype(np.float32)
-                        want = str(np.flatnonzero(keep)[np.argmax(data[keep] @ q)])
+                        after_delete = deleted.is_set()
                         got = lc.recall(q, 1).ids
-                        if got != [want]:
-                            raise AssertionError(f"{got} != {[want]}")
+                        ok = _top1_ok(got, data, kept, q) or (not after_delete and _top1_ok(got, data, every, q))
+                        if not ok:
+                            raise AssertionError(
+                                f"{got}: not the best for its query (after the delete? {after_delete})"
+                            )
+                        recalled[j] += 1
             except BaseException as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=load) for _ in range(2)]
-        c.delete([str(i) for i in np.flatnonzero(~keep)])
+        threads = [threading.Thread(target=load, args=(j,)) for j in range(2)]
         for t in threads:
             t.start()
         try:
-            before = server.service.fragmentation()  # type: ignore[union-attr]
+            deadline = time.monotonic() + 30
+            while min(recalled) < 20 and not errors:  # (both clients recalling: the sidecar is busy from here)
+                assert time.monotonic() < deadline, recalled
+                time.sleep(0.005)
+            high = server.service.rows.high  # type: ignore[union-attr]
+            c.delete([str(i) for i in np.flatnonzero(~keep)])
+            deleted.set()
+            before = int((~keep[: kept[-1] + 1]).sum())  # the holes below the highest row kept
+            assert high == n and before >= 17_000
             deadline = time.monotonic() + 3.0
             while time.monotonic() < deadline and server.service.fragmentation() * 2 >= before:  # type: ignore[union-attr]
                 time.sleep(0.05)
@@ -73,7 +99,6 @@ def test_holes_are_compacted_while_clients_keep_recalling(server: Server, monkey
             for t in threads:
                 t.join(30)
     assert not errors, errors
-    assert before >= 17_000
     if under_load:
         assert after * 2 < before, (before, after)
     else:
