@@ -26,7 +26,9 @@ its default, answers), decoded by Python from the answer's blob.
 (``_fastpath.recall1``) writes the request, spins and reads the answer and its documents: the
 client is told a resident kernel takes k <= 32, and ``recall1`` returns at once what
 ``answer1`` read from a real answer. What is timed is the Python around that one call (3.0 µs
-on the development VM, session 42).
+on the development VM, session 42), with ``_fastpath.bell1`` set aside: since session 43 a
+client makes that whole call in C, which ``fastpath_overhead.py`` times against a responder
+process (its ``recall_py`` is this path).
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ def bell_path(c: KalosClient, q: np.ndarray, k: int) -> None:
             return kept[-1]
 
     client_module._fastpath = Recording()  # type: ignore[assignment]
+    client_module._BELL1 = False  # (bell1's own exchange would not call this recall1: fastpath_overhead.py times it)
     c.recall(q, k)
     assert kept and kept[-1] is not None and kept[-1][6] is not None, "answer1 did not read the documents"
     conn = c._conn

@@ -16,14 +16,17 @@ sends DOORBELL requests, which this CPU sidecar leaves alone; a responder proces
 slot's state word and answers each DOORBELL with the kept answer and the request's sequence
 number. Timed, alternating in each round (p50 µs per call):
 
-* ``recall``: ``KalosClient.recall(q, 10)``, the whole library;
+* ``recall``: ``KalosClient.recall(q, 10)``, the whole library (``_fastpath.bell1``: the
+  whole call in C, session 43);
+* ``recall_py``: the same with ``bell1`` set aside (``client._BELL1`` False): the Python
+  around ``recall1``, as before session 43;
 * ``recall1``: ``_fastpath.recall1`` called directly with the arguments ``_recall_fast`` builds;
 * ``bare``: the exchange in a few lines of Python (the query and the request words written,
   DOORBELL set, the state word polled until RESPONSE, ten rows read), as
   ``client_phases.py``'s ``bare``.
 
-``recall - bare`` is what the library costs beyond the exchange; ``recall - recall1``, its
-Python around the C call. The responder's own latency is in all three. The development VM has
+``recall - bare`` is what the library costs beyond the exchange; ``recall_py - recall``, what
+``bell1`` saves. The responder's own latency is in all three. The development VM has
 two cores: the responder takes one, so run nothing else.
 """
 
@@ -86,28 +89,19 @@ def respond(name: str, off: int, answer: str) -> None:
         state[0] = response
 
 
-class _Watched:
-    """``_fastpath`` with what each ``recall1`` returned kept."""
-
-    def __init__(self, real: Any) -> None:
-        self.real, self.outs = real, []
-
-    def recall1(self, *args: Any) -> Any:
-        out = self.real.recall1(*args)
-        self.outs.append(out)
-        return out
-
-
 def answered_in_c(c: KalosClient, q: np.ndarray) -> bool:
-    """Whether ``c.recall(q)`` is answered by ``recall1`` itself (what ``recall`` times), not
-    left to the Python path (the doorbell word reset, or an answer later than the spin)."""
-    real = client_module._fastpath
-    client_module._fastpath = w = _Watched(real)
+    """Whether ``c.recall(q)`` is answered by ``bell1`` whole (what ``recall`` times): neither
+    :meth:`KalosClient._recall_one` (the path when bell1 declines) nor ``_bell_rest`` (an
+    answer bell1 left to Python) is called."""
+    calls = []
+    for name in ("_recall_one", "_bell_rest"):
+        real = getattr(c, name)
+        setattr(c, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     try:
-        c.recall(q, K)
+        got = c.recall(q, K)
     finally:
-        client_module._fastpath = real
-    return len(w.outs) == 1 and type(w.outs[0]) is tuple
+        del c._recall_one, c._bell_rest
+    return not calls and len(got) == K
 
 
 def p50_us(ts: list[int]) -> float:
@@ -157,7 +151,7 @@ def main() -> None:
             answer.unlink(missing_ok=True)
     med = {k: round(statistics.median(r[k] for r in results), 2) for k in results[0]}
     med["recall - bare"] = round(med["recall"] - med["bare"], 2)
-    med["recall - recall1"] = round(med["recall"] - med["recall1"], 2)
+    med["recall_py - recall"] = round(med["recall_py"] - med["recall"], 2)
     print(json.dumps({"rounds": results, "median": med}))
     if a.out:
         Path(a.out, "fastpath_overhead.json").write_text(json.dumps({"rounds": results, "median": med}, indent=1))
@@ -179,6 +173,9 @@ def run_rounds(c: KalosClient, conn: Any, q: np.ndarray, calls: int, rounds: int
     def recall() -> None:
         c.recall(q, K)
 
+    def recall_py() -> None:  # (run with client._BELL1 False and no plan: see below)
+        c.recall(q, K)
+
     def recall1() -> None:
         slot.seq = seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
         deadline = int((time.monotonic() + 5) * 1e9)
@@ -196,11 +193,13 @@ def run_rounds(c: KalosClient, conn: Any, q: np.ndarray, calls: int, rounds: int
         state[0] = claimed
 
     out = []
-    kinds = {"recall": recall, "recall1": recall1, "bare": bare}
+    kinds = {"recall": recall, "recall_py": recall_py, "recall1": recall1, "bare": bare}
     for r in range(rounds):
         res: dict[str, float] = {}
         for name in kinds if r % 2 == 0 else reversed(list(kinds)):
             fn = kinds[name]
+            client_module._BELL1 = name != "recall_py"
+            c._bell = None  # (made again at the next recall, while _BELL1)
             for _ in range(calls // 10):
                 fn()
             ts = []

@@ -136,6 +136,7 @@ class _Conn:
                             lay.blob_size, int(self.arena_flags), _DOORBELL_K_WORD)  # fmt: skip
         self.fast_layout_inline = (*self.fast_layout[:6], 0, _DOORBELL_K_WORD)
         self.hdr = memoryview(seg.mm)[: 4 * (_DOORBELL_CAP_WORD + 1)]
+        self.hdr_all = memoryview(seg.mm)[: 4 * _HEADER_WORDS]  # (bytes: _fastpath.bell1 reads through the carousel's)
 
     def doorbell_k(self) -> int:
         """Largest k the GPU's resident kernel answers now (0: it is stopped, or there is none):

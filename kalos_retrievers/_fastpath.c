@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <pthread.h>
 
 enum {
     OFF_STATE = 0, OFF_SEQ = 8, OFF_OP = 16, OFF_FLAGS = 20, OFF_TOP_K = 24, OFF_N_ITEMS = 28,
@@ -253,6 +254,37 @@ static int read_words(PyObject* const* args, unsigned long long* seq, long long*
     return 0;
 }
 
+/* recall1's exchange, its arguments checked: write the request and the query into slot ``s``,
+   set DOORBELL, spin (the GIL released) until an answer, ``spin`` ns or the deadline, reading
+   the header's doorbell word ``bell`` every CHECK_EVERY_NS, and read the answer (read_answer). */
+static PyObject* exchange(char* s, const Layout* lay, const void* q, uint64_t seq, long long k, uint64_t deadline,
+                          uint64_t spin, const uint32_t* bell, PyObject* arena, PyObject* info) {
+    write_request(s, lay, q, seq, k, deadline);
+    uint32_t* state = (uint32_t*)s;
+    uint32_t st = 0;
+    uint64_t t0, t1;
+    Py_BEGIN_ALLOW_THREADS
+    /* the words above before the state word (a release store: in program order on x86) */
+    __atomic_store_n(state, (uint32_t)ST_DOORBELL, __ATOMIC_RELEASE);
+    t0 = now_ns();
+    uint64_t until = t0 + spin;
+    if (deadline && until > deadline) until = deadline;
+    uint64_t check = t0 + CHECK_EVERY_NS;
+    for (;;) {
+        st = __atomic_load_n(state, __ATOMIC_ACQUIRE);
+        if (st == ST_RESPONSE || st == ST_ERROR || st == ST_REQUEST) break;
+        t1 = now_ns();
+        if (t1 >= until) break;
+        if (t1 >= check) {
+            if (!__atomic_load_n(bell, __ATOMIC_ACQUIRE)) break;  /* the kernel stopped */
+            check = t1 + CHECK_EVERY_NS;
+        }
+    }
+    t1 = now_ns();
+    Py_END_ALLOW_THREADS
+    return read_answer(s, lay, st, seq, k, t1 - t0, arena, info);
+}
+
 PyDoc_STRVAR(recall1_doc,
 "recall1(slot, query, layout, seq, k, deadline_ns, spin_ns, header, arena, arena_info)\n"
 "\n"
@@ -299,34 +331,265 @@ static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
         result = ok < 0 ? NULL : Py_NewRef(Py_None);
         goto out;
     }
-    char* s = (char*)b.sb.buf;
-    write_request(s, &lay, b.qb.buf, seq, k, deadline);
-    uint32_t* state = (uint32_t*)s;
-    const uint32_t* bell = (const uint32_t*)b.hb.buf + lay.bell_word;
-    uint32_t st = 0;
-    uint64_t t0, t1;
-    Py_BEGIN_ALLOW_THREADS
-    /* the words above before the state word (a release store: in program order on x86) */
-    __atomic_store_n(state, (uint32_t)ST_DOORBELL, __ATOMIC_RELEASE);
-    t0 = now_ns();
-    uint64_t until = t0 + (uint64_t)spin;
-    if (deadline && until > deadline) until = deadline;
-    uint64_t check = t0 + CHECK_EVERY_NS;
-    for (;;) {
-        st = __atomic_load_n(state, __ATOMIC_ACQUIRE);
-        if (st == ST_RESPONSE || st == ST_ERROR || st == ST_REQUEST) break;
-        t1 = now_ns();
-        if (t1 >= until) break;
-        if (t1 >= check) {
-            if (!__atomic_load_n(bell, __ATOMIC_ACQUIRE)) break;  /* the kernel stopped */
-            check = t1 + CHECK_EVERY_NS;
-        }
-    }
-    t1 = now_ns();
-    Py_END_ALLOW_THREADS
-    result = read_answer(s, &lay, st, seq, k, t1 - t0, args[8], args[9]);
+    result = exchange((char*)b.sb.buf, &lay, b.qb.buf, seq, k, deadline, (uint64_t)spin,
+                      (const uint32_t*)b.hb.buf + lay.bell_word, args[8], args[9]);
 out:
     release(&b);
+    return result;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * bell1: the whole common recall to a resident kernel in one call. recall1 is the exchange;
+ * around it KalosClient.recall spent ~3 us of Python on the H200 host (its checks, the slot
+ * taken and given back, the wait's average, the result's arrays: benchmarks/client_overhead.py
+ * --bell), ~6% of a 100k-row recall. bell1 makes the same checks and steps from a plan the
+ * client keeps for its connection (KalosClient._plan_bell): anything unusual, before a word is
+ * written, returns None and the client takes its usual path, which makes every check again
+ * and says what is wrong. */
+
+static unsigned long fork_gen;  /* counts forks, in the child: a plan made before one is not used after it */
+static void in_child(void) { fork_gen++; }
+
+PyDoc_STRVAR(fork_gen_doc, "fork_gen()\n\nHow many forks this process descends through since the module loaded (bell1's plans).");
+static PyObject* fork_gen_now(PyObject* self, PyObject* unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromUnsignedLong(fork_gen);
+}
+
+
+enum { HDR_ARENA_VERSION = 62, HDR_CAR_EPOCH = 66, HDR_WORDS = 70 };  /* _conn.py's header u32 words */
+enum { PLAN_CONN, PLAN_FREE, PLAN_HDR, PLAN_ARENA, PLAN_ARENA_BUF, PLAN_ARENA_INFO, PLAN_PACKED, PLAN_NDARRAY,
+       PLAN_FROMBUFFER, PLAN_I32, PLAN_F32, PLAN_RESULT, PLAN_BELL1, PLAN_ITEMS };  /* (PLAN_BELL1: this function) */
+/* the plan's packed words: the layout (as recall1's), the header's max_k, the spin, the arena
+   version the plan's arena is (low, high), and fork_gen when the plan was made */
+typedef struct { long long lay[8], max_k, spin_ns, arena_lo, arena_hi, fork_gen; } Packed;
+
+static PyObject *s_conn, *s_dead, *s_arena_docs, *s_waiters, *s_timeout, *s_sem, *s_value, *s_mem, *s_seq,
+    *s_pending, *s_typical, *s_release, *s_empty;
+
+/* 1 when attribute ``name`` of ``o`` is true, 0 when false, -1 with an exception */
+static int attr_true(PyObject* o, PyObject* name) {
+    PyObject* v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* Give ``slot`` back as KalosClient._release does: to the free list unless it is pending;
+   through _release itself (which wakes a waiting thread) when a thread waits for a slot. */
+static int give_back(PyObject* client, PyObject* conn, PyObject* free_list, PyObject* slot) {
+    int waiters = attr_true(client, s_waiters);
+    if (waiters < 0) return -1;
+    if (waiters) {
+        PyObject* r = PyObject_CallMethodObjArgs(client, s_release, conn, slot, NULL);
+        Py_XDECREF(r);
+        return r ? 0 : -1;
+    }
+    int pending = attr_true(slot, s_pending);
+    if (pending < 0) return -1;
+    return pending ? 0 : PyList_Append(free_list, slot);
+}
+
+/* The client's wait average moved towards ``waited`` (client.py _ewma_wait). */
+static int observe_wait(PyObject* client, uint64_t waited) {
+    PyObject* v = PyObject_GetAttr(client, s_typical);
+    if (!v) return -1;
+    long long typical = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (typical == -1 && PyErr_Occurred()) return -1;
+    long long w = (long long)waited;
+    if (typical && w > 2 * typical) w = 2 * typical;
+    v = PyLong_FromLongLong(typical + ((w - typical) >> 3));
+    if (!v) return -1;
+    int rc = PyObject_SetAttr(client, s_typical, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+PyDoc_STRVAR(bell1_doc,
+"bell1(client, plan, query, k)\n"
+"\n"
+"``client.recall(query, k)`` (the default namespace, no filter, documents, the client's timeout)\n"
+"to the sidecar's resident kernel, whole: the checks, a free slot taken, recall1's exchange,\n"
+"the wait's average, the slot given back and the RecallResult, from ``plan``\n"
+"(KalosClient._plan_bell's tuple for the client's connection).\n"
+"\n"
+"Returns None, having taken and written nothing, when anything is unusual: the plan is not\n"
+"the connection's now (another connection, a fork, a new arena version), the kernel is stopped\n"
+"or takes no k this large, the carousel takes requests, no slot is free or a thread waits for\n"
+"one, the slot's semaphore holds a post, or the query is not a 1-d float32 ndarray of ``dim``\n"
+"finite values in one buffer, or k not an int in 1..max_k. Returns the RecallResult when the\n"
+"answer and its documents were read here; else ``(slot, seq, deadline_ns, out)``, the request\n"
+"written and spun on, with ``out`` what recall1 returned, for the client to carry on from.\n");
+
+static PyObject* bell1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "bell1 takes 4 arguments");
+        return NULL;
+    }
+    PyObject *client = args[0], *plan = args[1], *query = args[2];
+    if (!PyTuple_Check(plan) || PyTuple_Size(plan) != PLAN_ITEMS) {
+        PyErr_SetString(PyExc_TypeError, "bell1: the plan is not KalosClient._plan_bell's tuple");
+        return NULL;
+    }
+    PyObject* conn = PyTuple_GetItem(plan, PLAN_CONN);
+    PyObject* free_list = PyTuple_GetItem(plan, PLAN_FREE);
+    PyObject* packed = PyTuple_GetItem(plan, PLAN_PACKED);
+    Packed p;
+    if (!PyList_Check(free_list) || !PyBytes_Check(packed) || PyBytes_Size(packed) != (Py_ssize_t)sizeof p) {
+        PyErr_SetString(PyExc_TypeError, "bell1: the plan is not KalosClient._plan_bell's tuple");
+        return NULL;
+    }
+    memcpy(&p, PyBytes_AsString(packed), sizeof p);
+    if ((unsigned long)p.fork_gen != fork_gen) Py_RETURN_NONE;
+    if (!PyLong_CheckExact(args[3])) Py_RETURN_NONE;
+    long long k = PyLong_AsLongLong(args[3]);
+    if (k == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (k <= 0 || k > p.max_k || Py_TYPE(query) != (PyTypeObject*)PyTuple_GetItem(plan, PLAN_NDARRAY))
+        Py_RETURN_NONE;
+    Layout lay;
+    memcpy(&lay, p.lay, sizeof lay);
+    /* the client: still on this connection, which is alive; arena documents; no thread waiting */
+    PyObject* now_conn = PyObject_GetAttr(client, s_conn);
+    if (!now_conn) return NULL;
+    Py_DECREF(now_conn);  /* (compared by identity only) */
+    if (now_conn != conn) Py_RETURN_NONE;
+    int t;
+    if ((t = attr_true(conn, s_dead)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if ((t = attr_true(client, s_waiters)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject* ad = PyObject_GetAttr(client, s_arena_docs);
+    if (!ad) return NULL;
+    Py_DECREF(ad);
+    if (ad == Py_False) Py_RETURN_NONE;
+    PyObject* to = PyObject_GetAttr(client, s_timeout);
+    if (!to) return NULL;
+    double timeout = PyFloat_AsDouble(to);
+    Py_DECREF(to);
+    if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    if (!(timeout > 0 && timeout < 1e9)) Py_RETURN_NONE;
+
+    Py_buffer hb, qb, sb;
+    if (PyObject_GetBuffer(PyTuple_GetItem(plan, PLAN_HDR), &hb, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject* result = NULL;
+    PyObject* slot = NULL;
+    if (hb.len < 4 * HDR_WORDS || (lay.bell_word + 1) * 4 > hb.len) {
+        PyErr_SetString(PyExc_ValueError, "bell1: the header does not fit the plan");
+        goto out_h;
+    }
+    const volatile uint32_t* h = (const volatile uint32_t*)hb.buf;
+    if (h[HDR_ARENA_VERSION] != (uint32_t)p.arena_lo || h[HDR_ARENA_VERSION + 1] != (uint32_t)p.arena_hi ||
+        (uint64_t)k > h[lay.bell_word] || (*(const volatile uint64_t*)(h + HDR_CAR_EPOCH) & 1)) {
+        result = Py_NewRef(Py_None);  /* a new arena; the kernel stopped or k past its reach; the carousel runs */
+        goto out_h;
+    }
+    if (PyObject_GetBuffer(query, &qb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_ValueError)) goto out_h;
+        PyErr_Clear();  /* strided: the usual path copies it */
+        result = Py_NewRef(Py_None);
+        goto out_h;
+    }
+    const char* fmt = qb.format ? qb.format : "B";
+    if (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@') fmt++;
+    if (qb.ndim != 1 || qb.len != 4 * lay.dim || strcmp(fmt, "f") != 0 || !all_finite((const char*)qb.buf, lay.dim)) {
+        result = Py_NewRef(Py_None);
+        goto out_q;
+    }
+    /* a free slot (list.pop, under the GIL as in KalosClient._acquire) */
+    Py_ssize_t n_free = PyList_Size(free_list);
+    if (n_free <= 0) {
+        result = Py_NewRef(Py_None);
+        goto out_q;
+    }
+    slot = Py_NewRef(PyList_GetItem(free_list, n_free - 1));
+    if (PyList_SetSlice(free_list, n_free - 1, n_free, NULL) < 0) {
+        Py_CLEAR(slot);
+        goto out_q;
+    }
+    /* from here the slot is ours: given back on every way out */
+    PyObject* sem = PyObject_GetAttr(slot, s_sem);
+    int posted = sem ? attr_true(sem, s_value) : -1;
+    Py_XDECREF(sem);
+    if (posted != 0) {  /* a post left by an answer seen by spinning: the usual path drains it */
+        if (posted > 0) result = Py_NewRef(Py_None);
+        goto out_give;
+    }
+    PyObject* mem = PyObject_GetAttr(slot, s_mem);
+    if (!mem) goto out_give;
+    int got = PyObject_GetBuffer(mem, &sb, PyBUF_WRITABLE);
+    Py_DECREF(mem);
+    if (got < 0) goto out_give;
+    if (lay.payload < CTL_SIZE || lay.payload + 4 * lay.dim > sb.len || !answer_fits(&lay, k, sb.len)) {
+        PyErr_SetString(PyExc_ValueError, "bell1: the slot does not fit the plan's layout");
+        goto out_s;
+    }
+    PyObject* so = PyObject_GetAttr(slot, s_seq);
+    if (!so) goto out_s;
+    unsigned long long seq = PyLong_AsUnsignedLongLong(so);
+    Py_DECREF(so);
+    if (seq == (unsigned long long)-1 && PyErr_Occurred()) goto out_s;
+    so = PyLong_FromUnsignedLongLong(++seq);  /* (wraps at 2**64, as & 0xFFFFFFFFFFFFFFFF) */
+    if (!so) goto out_s;
+    got = PyObject_SetAttr(slot, s_seq, so);
+    Py_DECREF(so);
+    if (got < 0) goto out_s;
+    const uint64_t deadline = now_ns() + (uint64_t)(timeout * 1e9);
+    PyObject* out = exchange((char*)sb.buf, &lay, qb.buf, seq, k, deadline, (uint64_t)p.spin_ns, (const uint32_t*)hb.buf + lay.bell_word,
+                             PyTuple_GetItem(plan, PLAN_ARENA_BUF), PyTuple_GetItem(plan, PLAN_ARENA_INFO));
+    PyBuffer_Release(&sb);
+    if (!out) goto out_give;
+    /* read whole (its documents too), and the client still on this connection: the result */
+    if (PyTuple_Check(out) && PyTuple_GetItem(out, 6) != Py_None) {
+        PyObject* again = PyObject_GetAttr(client, s_conn);
+        Py_XDECREF(again);
+        if (!again) {
+            Py_DECREF(out);
+            goto out_give;
+        }
+        if (again == conn) {
+            PyObject* rows = NULL;
+            PyObject* scores = NULL;
+            uint64_t waited = PyLong_AsUnsignedLongLong(PyTuple_GetItem(out, 0));
+            if (!PyErr_Occurred() && observe_wait(client, waited) == 0 &&
+                (rows = PyObject_CallFunctionObjArgs(PyTuple_GetItem(plan, PLAN_FROMBUFFER), PyTuple_GetItem(out, 3),
+                                                     PyTuple_GetItem(plan, PLAN_I32), NULL)) &&
+                (scores = PyObject_CallFunctionObjArgs(PyTuple_GetItem(plan, PLAN_FROMBUFFER), PyTuple_GetItem(out, 4),
+                                                       PyTuple_GetItem(plan, PLAN_F32), NULL)))
+                result = PyObject_CallFunctionObjArgs(PyTuple_GetItem(plan, PLAN_RESULT), rows, scores,
+                                                      PyTuple_GetItem(out, 6), Py_None, s_empty, NULL);
+            Py_XDECREF(rows);
+            Py_XDECREF(scores);
+            Py_DECREF(out);
+            goto out_give;
+        }
+    }
+    /* written and spun on, the answer not read whole here: the client carries on (and gives the slot back) */
+    result = Py_BuildValue("(OKKN)", slot, seq, (unsigned long long)deadline, out);
+    Py_CLEAR(slot);
+    goto out_q;
+out_s:
+    PyBuffer_Release(&sb);
+out_give: {
+    PyObject *et, *ev, *etb;  /* (an exception on the way out is kept over give_back's) */
+    PyErr_Fetch(&et, &ev, &etb);
+    if (give_back(client, conn, free_list, slot) < 0) {
+        if (et)
+            PyErr_Clear();
+        else
+            Py_CLEAR(result);
+    }
+    if (et) PyErr_Restore(et, ev, etb);
+    Py_CLEAR(slot);
+}
+out_q:
+    PyBuffer_Release(&qb);
+out_h:
+    PyBuffer_Release(&hb);
     return result;
 }
 
@@ -649,10 +912,26 @@ static PyMethodDef methods[] = {
     {"car_request1", (PyCFunction)(void (*)(void))car_request1, METH_FASTCALL, car_request1_doc},
     {"car_answer1", (PyCFunction)(void (*)(void))car_answer1, METH_FASTCALL, car_answer1_doc},
     {"car_wait1", (PyCFunction)(void (*)(void))car_wait1, METH_FASTCALL, car_wait1_doc},
+    {"bell1", (PyCFunction)(void (*)(void))bell1, METH_FASTCALL, bell1_doc},
+    {"fork_gen", (PyCFunction)(void (*)(void))fork_gen_now, METH_NOARGS, fork_gen_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static int exec_module(PyObject* m) {
+    static int once;
+    if (!once) {  /* the attribute names bell1 reads, and its fork counter */
+        PyObject** names[] = {&s_conn, &s_dead, &s_arena_docs, &s_waiters, &s_timeout, &s_sem, &s_value, &s_mem,
+                              &s_seq, &s_pending, &s_typical, &s_release, &s_empty};
+        const char* strs[] = {"_conn", "dead", "arena_docs", "_waiters", "timeout", "sem", "value", "mem",
+                              "seq", "pending", "_typical_wait_ns", "_release", ""};
+        for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+            if (!(*names[i] = PyUnicode_InternFromString(strs[i]))) return -1;
+        if (pthread_atfork(NULL, NULL, in_child) != 0) {
+            PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+            return -1;
+        }
+        once = 1;
+    }
     PyObject* offs = Py_BuildValue("{sisisisisisisisisisisisisisi}", "state", OFF_STATE, "seq", OFF_SEQ,
                                    "op", OFF_OP, "flags", OFF_FLAGS, "top_k", OFF_TOP_K, "n_items", OFF_N_ITEMS,
                                    "vec_len", OFF_VEC_LEN, "args_len", OFF_ARGS_LEN, "deadline_ns", OFF_DEADLINE,
@@ -669,6 +948,12 @@ static int exec_module(PyObject* m) {
     if (!car) return -1;
     rc = PyModule_AddObjectRef(m, "CAR_WORDS", car);
     Py_DECREF(car);
+    if (rc < 0) return -1;
+    PyObject* bell = Py_BuildValue("{sisisisisi}", "arena_version", HDR_ARENA_VERSION, "carousel_epoch", HDR_CAR_EPOCH,
+                                   "header_words", HDR_WORDS, "plan_items", PLAN_ITEMS, "packed_bytes", (int)sizeof(Packed));
+    if (!bell) return -1;
+    rc = PyModule_AddObjectRef(m, "BELL_WORDS", bell);
+    Py_DECREF(bell);
     return rc;
 }
 

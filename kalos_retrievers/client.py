@@ -29,6 +29,7 @@ import math
 import numbers
 import os
 import random
+import struct
 import sys
 import threading
 import time
@@ -95,6 +96,9 @@ except ImportError:  # not compiled here: the Python path does the same
     _fastpath = None  # type: ignore[assignment]
 if os.environ.get("KALOS_FASTPATH", "1") == "0":  # diagnostics: the Python path only
     _fastpath = None  # type: ignore[assignment]
+# the whole common recall to a resident kernel in one C call (KalosClient._plan_bell; not in an
+# extension built before it)
+_BELL1 = _fastpath is not None and hasattr(_fastpath, "bell1")
 
 __all__ = ["KalosClient"]
 
@@ -285,6 +289,7 @@ class KalosClient:
             raise ValueError(f"spin_us={spin_us!r} must be a number >= 0")
         self.spin_ns = int(spin_us * 1000)
         self._typical_wait_ns = 0
+        self._bell: tuple[Any, ...] | None = None  # _fastpath.bell1's plan for self._conn (_plan_bell)
         self._typical_car_ns = 0  # the same for recalls written into the carousel's slots
         self.direct_recalls = 0  # recalls the carousel answered through its own slots (KALOS_CAROUSEL=direct)
         self._spin_payoff = 1.0  # share of recent long-wait spins that caught their answer
@@ -337,6 +342,7 @@ class KalosClient:
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
             self._conn = None
+            self._bell = None
             self._lock.notify_all()
         if self._process is not None:
             self._process.stop()
@@ -361,6 +367,7 @@ class KalosClient:
             with contextlib.suppress(Exception):
                 self._conn.seg.shm.close_fd()
         self._conn = None
+        self._bell = None
         self._pid = os.getpid()
 
     # ------------------------------------------------------------------ info
@@ -419,6 +426,11 @@ class KalosClient:
             SidecarUnavailable, SidecarTimeout: the sidecar is gone or too slow.
         """
         if namespace == "" and filter is None and not with_vectors and docs:
+            plan = self._bell
+            if plan is not None and timeout is None:  # the resident kernel's common recall, whole in C
+                got = plan[12](self, plan, query, k)  # (_fastpath.bell1)
+                if got is not None:
+                    return got if type(got) is RecallResult else self._bell_rest(plan, query, k, *got)
             res = self._recall_one(query, k, timeout)
             if res is not None:
                 return res
@@ -455,6 +467,8 @@ class KalosClient:
         # checks the query is finite. (x86-64 only, as the spin paths and the arena.)
         fast = _fastpath is not None and _X86
         bell = fast and arena is not None and k <= conn.doorbell_k()
+        if bell and _BELL1 and ((plan := self._bell) is None or plan[0] is not conn or plan[3] is not arena):
+            self._plan_bell(conn, arena)  # type: ignore[arg-type]
         if fast and type(query) is np.ndarray and query.ndim == 1 and query.dtype is _F32:
             # _fastpath checks the length and finiteness of a float32 vector (and writes
             # nothing, so the general path refuses a wrong one); other dtypes are converted
@@ -510,13 +524,54 @@ class KalosClient:
                 raise _status_error(rep.status, rep.blob, Op.RECALL)
         finally:
             self._release(conn, slot)
+        return self._finish_one(conn, rep, q, k, deadline, arena)
+
+    def _finish_one(self, conn: _Conn, rep: _Reply, q: np.ndarray, k: int, deadline: float,
+                    arena: ArenaView | None) -> RecallResult:  # fmt: skip
+        """:meth:`_recall_one`'s result from an OK answer ``rep`` that Python reads."""
         res = self._split_one(rep, k, arena if self._conn is conn else None, conn=conn)
         if res is None:  # a hit's row was rewritten after the search: ask for it inline
             self.arena_retries += 1
-            rep = self._call(Op.RECALL, vectors=q.reshape(1, dim), top_k=k, n_items=1, deadline=deadline)
+            rep = self._call(Op.RECALL, vectors=q.reshape(1, conn.header.dim), top_k=k, n_items=1, deadline=deadline)
             res = self._split_one(rep, k, None)
             assert res is not None
         return res
+
+    def _plan_bell(self, conn: _Conn, arena: ArenaView) -> None:
+        """Keep :func:`_fastpath.bell1`'s plan for ``conn`` and its arena: the connection's
+        objects bell1 reads, the layout and limits packed (``BELL_WORDS``), and the fork count
+        (a plan made before a fork is never used after it). bell1 checks on every call that
+        it is still the client's connection, alive, with this arena version; when anything has
+        changed it returns None and :meth:`_recall_one` makes a new plan. The plan holds bell1
+        itself (its last item), which :meth:`recall` calls. Not made while ``_BELL1`` is False
+        (benchmarks compare the path without it)."""
+        bell1 = getattr(_fastpath, "bell1", None)  # (None: _fastpath set aside, or stood in for, by a test)
+        if bell1 is None:
+            self._bell = None
+            return
+        buf, info = arena.fast
+        v = arena.version
+        packed = struct.pack("<13q", *conn.fast_layout, conn.header.max_k, _FAST_SPIN_NS, v & 0xFFFFFFFF, v >> 32,
+                             _fastpath.fork_gen())  # fmt: skip
+        self._bell = (conn, conn.free, conn.hdr_all, arena, buf, info, packed, np.ndarray, np.frombuffer, _I32LE,
+                      _F32LE, RecallResult, bell1)  # fmt: skip
+
+    def _bell_rest(self, plan: tuple[Any, ...], q: np.ndarray, k: int, slot: _Slot, seq: int, deadline_ns: int,
+                   out: Any) -> RecallResult:  # fmt: skip
+        """A recall :func:`_fastpath.bell1` wrote and spun on but did not read whole (``out`` is
+        what its recall1 returned), carried on as :meth:`_recall_one` carries on from
+        :meth:`_recall_fast`: the slot is ours until this gives it back."""
+        conn, arena = plan[0], plan[3]
+        deadline = deadline_ns / 1e9
+        try:
+            rep = self._fast_reply(conn, slot, seq, k, deadline, out)
+            if type(rep) is RecallResult:
+                return rep
+            if rep.status != Status.OK:
+                raise _status_error(rep.status, rep.blob, Op.RECALL)
+        finally:
+            self._release(conn, slot)
+        return self._finish_one(conn, rep, q, k, deadline, arena)
 
     def _recall_direct(self, conn: _Conn, car: _CarouselView, slot: _Slot, q: Any, k: int,
                        deadline: float) -> RecallResult | None:  # fmt: skip
@@ -728,6 +783,12 @@ class KalosClient:
                                            sent=(seq, waited, False, True))  # fmt: skip
         if out is None:
             return None
+        return self._fast_reply(conn, slot, seq, k, deadline, out)
+
+    def _fast_reply(self, conn: _Conn, slot: _Slot, seq: int, k: int, deadline: float,
+                    out: Any) -> RecallResult | _Reply:  # fmt: skip
+        """What :meth:`_recall_fast` makes of its C call's ``out`` (not None: the request was
+        written)."""
         if type(out) is int:  # written (and spun on for `out` ns): Python waits for and reads the answer
             return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, 0,
                                    deadline, sent=(seq, out, True, False))  # fmt: skip
@@ -1165,6 +1226,7 @@ class KalosClient:
     def _drop_conn(self, conn: _Conn) -> None:
         with self._lock:
             conn.dead = True
+            self._bell = None
             if self._conn is conn:
                 # Reconnect on the next call right away: a restart may already be up.
                 self._next_attempt = 0.0
