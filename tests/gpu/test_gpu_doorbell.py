@@ -84,6 +84,54 @@ def test_doorbell_recalls_are_exact_with_their_documents(start_sidecar) -> None:
     c.close()
 
 
+def test_the_clients_whole_c_call_answers_the_kernels_recalls(start_sidecar, monkeypatch) -> None:
+    """Session 43: ``KalosClient.recall`` to a resident kernel is one C call (``_fastpath.bell1``,
+    from the client's plan): after the first recall (which makes the plan on the Python path)
+    neither ``_recall_one`` (bell1 declined) nor ``_bell_rest`` (bell1 left the answer to Python)
+    runs, and every answer is exact with its documents. Negative control: with ``_BELL1`` off the
+    same recalls all go the Python way (``_recall_one``), with the same answers."""
+    import kalos_retrievers.client as client_module
+
+    if not getattr(client_module, "_BELL1", False):
+        pytest.fail("the client's C extension (with bell1) is not built here")
+    rng = np.random.default_rng()
+    n, dim = 30_007, 768
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    c.upsert([str(i) for i in range(n)], data, texts=[f"text {i}" for i in range(n)])
+    kernel_back(c, data[0])
+    queries = [rng.standard_normal(dim).astype(np.float32) for _ in range(24)]
+    ks = [(1, 10, 100, 1024)[j % 4] for j in range(len(queries))]
+    paths = {"one": 0, "rest": 0}
+    one, rest = c._recall_one, c._bell_rest
+
+    def recall_one(*a):  # type: ignore[no-untyped-def]
+        paths["one"] += 1
+        return one(*a)
+
+    def bell_rest(*a):  # type: ignore[no-untyped-def]
+        paths["rest"] += 1
+        return rest(*a)
+
+    c._recall_one, c._bell_rest = recall_one, bell_rest
+    for on in (True, False):
+        monkeypatch.setattr(client_module, "_BELL1", on)
+        c._bell = None
+        c.recall(data[1], 1)  # (the plan, when on)
+        paths.update(one=0, rest=0)
+        before = served(c)
+        for q, k in zip(queries, ks, strict=True):
+            poison(sc.name)
+            r = c.recall(q, k)
+            ref_i, ref_s = reference_topk(data, q[None], k)
+            assert_topk_equal(r.ids, r.scores, [str(i) for i in ref_i[0]], ref_s[0], context=f"bell1 {on}, k={k}")
+            assert all(h.text == f"text {h.id}" for h in r)
+        assert served(c) - before == len(queries), on  # the resident kernel answered them all
+        assert paths == ({"one": 0, "rest": 0} if on else {"one": len(queries), "rest": 0}), (on, paths)
+    c.close()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_doorbell_finds_every_hit_when_few_blocks_hold_them(start_sidecar, dtype) -> None:  # type: ignore[no-untyped-def]
     """The resident kernel's merge for k <= 32 (kernels/recall.cu, ll_merge): each block
