@@ -158,9 +158,12 @@ def test_stopping_the_sidecar_answers_the_direct_crowd_aboard(start_sidecar, mon
     fake of this (tests/integration/test_crowd_serve.py) stalls: its conductor thread starves
     of the GIL (session 41).
 
-    The negative control, ``kill``: SIGKILL answers nothing, so the same check sees requests
-    given up whose wait began before the kill: requests aboard at that moment (the crowd
-    recalls back to back, so some always are)."""
+    The negative control, ``kill``: SIGKILL answers nothing more, so the same check sees
+    requests given up whose wait began before the sidecar was seen dead (its process reaped):
+    requests aboard while it lived (the crowd recalls back to back, so some always are). Not
+    "before the kill": the kernel answers on until the dying process's GPU context goes, so a
+    request in flight at the signal is still answered. Measured on an H100 (S43-3, 3 runs):
+    the 16 given up began 20.8-21.7 ms after the signal, the process was reaped at 74-86 ms."""
     monkeypatch.delenv("KALOS_CAROUSEL", raising=False)  # (the default: direct)
     monkeypatch.setenv("KALOS_CAROUSEL_MIN", "4")
     dim, rows = 768, 60_001
@@ -180,6 +183,7 @@ def test_stopping_the_sidecar_answers_the_direct_crowd_aboard(start_sidecar, mon
         sc.kill()
         assert sc.proc is not None
         sc.proc.wait()
+        t_dead = time.monotonic()
         for p in os.listdir("/dev/shm"):  # (what the killed sidecar left: segment, carousel, arenas, semaphores)
             if p == f"kalos-{sc.name}" or p.startswith((f"kalos-{sc.name}-", f"sem.kalos-{sc.name}-")):
                 os.unlink(f"/dev/shm/{p}")
@@ -191,4 +195,8 @@ def test_stopping_the_sidecar_answers_the_direct_crowd_aboard(start_sidecar, mon
     if how == "term":
         assert not given_up and sum(g["swept"] for g in got) == 0, got
     else:
-        assert any(t < t0 for t in given_up), (t0, got)
+        assert any(t < t_dead for t in given_up), (
+            round(t_dead - t0, 6),
+            sorted(round(t - t0, 6) for t in given_up),
+            [g["late"] for g in got],
+        )
