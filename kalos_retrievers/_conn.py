@@ -204,6 +204,10 @@ class _Conn:
         self._arena, self._arena_mm = view, mm
         return view
 
+    def mapped_arena(self) -> ArenaView | None:
+        """The arena version mapped now (None: none), without looking for a newer one."""
+        return self._arena
+
     def drop_stale_arena(self) -> None:
         """Forget the mapped arena if the sidecar has moved on to a newer version: a client
         that stops recalling would otherwise keep that version's memory (unlinked, but still

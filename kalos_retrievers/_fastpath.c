@@ -43,6 +43,7 @@ enum {
 };
 enum { ST_CLAIMED = 1, ST_REQUEST = 2, ST_RESPONSE = 4, ST_ERROR = 5, ST_DOORBELL = 6 };
 enum { OP_RECALL = 2, RESP_MORE = 1, RESP_ARENA_DOCS = 4, RESP_ARENA_ENTRIES = 8 };
+enum { CAR_REQUEST = 1, CAR_TAKEN = 2, CAR_DONE = 3, CAR_KMAX = 32 };  /* the carousel's (below) */
 #define ENTRY_SIZE 16
 #define CHECK_EVERY_NS 50000  /* the header's doorbell word is read this often while spinning */
 
@@ -444,6 +445,15 @@ static PyObject* bell1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) 
         return NULL;
     }
     memcpy(&p, PyBytes_AsString(packed), sizeof p);
+    for (int i = 0; i < 8; i++)
+        if (p.lay[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "bell1: the plan's layout has a negative value");
+            return NULL;
+        }
+    if (p.spin_ns < 0) {
+        PyErr_SetString(PyExc_ValueError, "bell1: the plan's spin is negative");
+        return NULL;
+    }
     if ((unsigned long)p.fork_gen != fork_gen) Py_RETURN_NONE;
     if (!PyLong_CheckExact(args[3])) Py_RETURN_NONE;
     long long k = PyLong_AsLongLong(args[3]);
@@ -484,8 +494,10 @@ static PyObject* bell1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) 
     }
     const volatile uint32_t* h = (const volatile uint32_t*)hb.buf;
     if (h[HDR_ARENA_VERSION] != (uint32_t)p.arena_lo || h[HDR_ARENA_VERSION + 1] != (uint32_t)p.arena_hi ||
-        (uint64_t)k > h[lay.bell_word] || (*(const volatile uint64_t*)(h + HDR_CAR_EPOCH) & 1)) {
-        result = Py_NewRef(Py_None);  /* a new arena; the kernel stopped or k past its reach; the carousel runs */
+        (uint64_t)k > h[lay.bell_word] || (k <= CAR_KMAX && (*(const volatile uint64_t*)(h + HDR_CAR_EPOCH) & 1))) {
+        /* a new arena; the kernel stopped or k past its reach; the carousel runs and may take
+           this k (the client's path writes into its slots then: KalosClient._recall_one) */
+        result = Py_NewRef(Py_None);
         goto out_h;
     }
     if (PyObject_GetBuffer(query, &qb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
@@ -569,7 +581,18 @@ static PyObject* bell1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) 
         }
     }
     /* written and spun on, the answer not read whole here: the client carries on (and gives the slot back) */
+    const int unread = PyLong_Check(out);  /* (the request may still be answered) */
     result = Py_BuildValue("(OKKN)", slot, seq, (unsigned long long)deadline, out);
+    if (!result && unread) {  /* (no memory) the slot stays out of circulation, as an abandoned request's */
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        PyObject* pend = PyLong_FromUnsignedLongLong(seq);
+        if (!pend || PyObject_SetAttr(slot, s_pending, pend) < 0) PyErr_Clear();
+        Py_XDECREF(pend);
+        PyErr_Restore(et, ev, etb);
+    } else if (!result) {
+        goto out_give;  /* (answered and read: the slot is free) */
+    }
     Py_CLEAR(slot);
     goto out_q;
 out_s:
@@ -676,7 +699,6 @@ static PyObject* answer1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
  * namespace's rows at the launch; the float32 query at byte 32; rows and scores at the layout's
  * offsets. tests/unit/test_fastpath_carousel.py checks these against the module's CAR_WORDS. */
 enum { CW_STATE = 0, CW_K = 1, CW_SEQ = 3, CW_RESULTS = 4, CW_RESP_SEQ = 5, CW_ELIGIBLE = 7, CAR_HEAD = 32 };
-enum { CAR_REQUEST = 1, CAR_TAKEN = 2, CAR_DONE = 3, CAR_KMAX = 32 };
 #define ARENA_HEADER 64  /* arena.ARENA_HEADER_SIZE: the row table's first entry */
 
 /* 1 when the n float32 values at p are all finite; their largest |x| in *amax (four at a time,

@@ -570,6 +570,11 @@ class KalosClient:
             if rep.status != Status.OK:
                 raise _status_error(rep.status, rep.blob, Op.RECALL)
         finally:
+            # an answer the sidecar gave (a request handed back) posts the slot's semaphore,
+            # and a wait that saw it by spinning leaves the post: bell1 declines a slot with
+            # one, so take it now (one that comes later costs the next recall the usual path)
+            if not slot.pending and slot.sem.value:
+                _ipc.drain(slot.sem)
             self._release(conn, slot)
         return self._finish_one(conn, rep, q, k, deadline, arena)
 
@@ -1322,6 +1327,8 @@ class KalosClient:
             self._release(conn, slot)
         if op != Op.RECALL:  # (a recall maps the current version itself, see _arena)
             conn.drop_stale_arena()
+            if (plan := self._bell) is not None and plan[3] is not conn.mapped_arena():
+                self._bell = None  # (the plan would keep the old version mapped)
         return rep
 
     def _roundtrip(
