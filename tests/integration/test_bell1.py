@@ -342,6 +342,28 @@ def test_while_the_carousel_runs_a_k_past_its_reach_still_goes_to_the_kernel(ker
         hdr[epoch] = hdr[epoch] & ~1 & 0xFFFFFFFF
 
 
+def test_a_plan_does_not_keep_an_old_arena_mapped(kernel_side) -> None:
+    """A write that moves the sidecar's arena to a new version drops the client's mapping of
+    the old one (``_Conn.drop_stale_arena``), and the plan with it: the plan would keep the old
+    version's memory mapped until the next recall. Control: a write that leaves the version
+    as it is keeps the plan."""
+    c, _, data = kernel_side
+    plan = _plan(c, data)
+    conn = c._conn
+    assert conn is not None
+    version = plan[3].version
+    c.upsert(["small"], data[:1], texts=["s"])
+    assert conn._hdr32[conn_module._ARENA_VERSION_WORD] == version and c._bell is plan
+    rng = np.random.default_rng()
+    for j in range(20):  # (the arena grows into a new version within a few of these)
+        c.upsert([f"big{j}-{i}" for i in range(500)], rng.standard_normal((500, DIM)).astype(np.float32),
+                 texts=["y" * 2000] * 500)  # fmt: skip
+        if conn._hdr32[conn_module._ARENA_VERSION_WORD] != version:
+            break
+    assert conn._hdr32[conn_module._ARENA_VERSION_WORD] != version
+    assert conn.mapped_arena() is None and c._bell is None
+
+
 def test_a_plan_with_a_negative_layout_value_is_refused(kernel_side) -> None:
     c, _, data = kernel_side
     plan = _plan(c, data)
