@@ -456,3 +456,15 @@ class StandInProcess:
         self.stop.set()
         self.proc.join(30)
         assert self.proc.exitcode == 0, f"the stand-in exited with {self.proc.exitcode}"
+
+
+class DoorbellStandIn(StandInProcess):
+    """``doorbell_stand_in`` for sidecar ``name`` (``dim``) while in the ``with`` block, with
+    its counts: ``answered`` and ``handed_back``."""
+
+    def __init__(self, name: str, dim: int, hand_back: bool) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.answered, self.handed_back = ctx.Value("i", 0), ctx.Value("i", 0)
+        super().__init__(doorbell_stand_in, name, dim, hand_back, self.answered, self.handed_back)

@@ -8,7 +8,6 @@ checks everything again and says what is wrong."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import struct
 import sys
@@ -36,13 +35,9 @@ DIM, K, N = 13, 7, 211
 BELL_K = conn_module._DOORBELL_K_WORD
 
 
-class StandIn(kalos_testing.StandInProcess):
-    """``kalos_testing.doorbell_stand_in`` running while in the ``with`` block."""
-
-    def __init__(self, name: str, hand_back: bool) -> None:
-        ctx = mp.get_context("spawn")
-        self.answered, self.handed_back = ctx.Value("i", 0), ctx.Value("i", 0)
-        super().__init__(kalos_testing.doorbell_stand_in, name, DIM, hand_back, self.answered, self.handed_back)
+def stand_in(name: str, hand_back: bool) -> kalos_testing.DoorbellStandIn:
+    """``kalos_testing.doorbell_stand_in`` for this module's dimension, while in the ``with`` block."""
+    return kalos_testing.DoorbellStandIn(name, DIM, hand_back)
 
 
 class Paths:
@@ -107,7 +102,7 @@ def test_bell1_answers_what_the_python_path_and_the_sidecar_answer(kernel_side, 
     ks = [1 + j % K for j in range(len(queries))]
     got: dict[bool, list[Any]] = {}
     counts: dict[bool, tuple[int, int]] = {}
-    with StandIn(c.name, hand_back=False) as kernel:
+    with stand_in(c.name, hand_back=False) as kernel:
         for on in (True, False):
             monkeypatch.setattr(client_module, "_BELL1", on)
             c._bell = None
@@ -136,7 +131,7 @@ def test_an_answer_handed_back_is_carried_on_in_python(kernel_side) -> None:
     ``_bell_rest`` found not there yet, makes the next bell1 on that slot decline: such a
     recall goes the usual way, so not every one is counted in ``rest``.)"""
     c, plain, data = kernel_side
-    with StandIn(c.name, hand_back=True) as kernel:
+    with stand_in(c.name, hand_back=True) as kernel:
         c.recall(data[0], K)  # (the plan)
         plan = c._bell
         assert plan is not None
@@ -163,7 +158,7 @@ def test_no_answer_raises_at_the_clients_timeout(kernel_side) -> None:
     wait raises SidecarTimeout at the client's timeout, not later."""
     c, _, data = kernel_side
     client_module._FAST_SPIN_NS = 1_000_000  # (the fixture's monkeypatch puts it back)
-    with StandIn(c.name, hand_back=False):
+    with stand_in(c.name, hand_back=False):
         c.recall(data[0], K)  # (the plan, with the 1 ms spin)
     c.timeout = 0.4
     paths = Paths(c)
@@ -178,7 +173,7 @@ def test_no_answer_raises_at_the_clients_timeout(kernel_side) -> None:
 
 
 def _plan(c: KalosClient, data: np.ndarray) -> tuple[Any, ...]:
-    with StandIn(c.name, hand_back=False):
+    with stand_in(c.name, hand_back=False):
         c.recall(data[0], K)
     assert c._bell is not None and struct.unpack("<13q", c._bell[6])[9] == client_module._FAST_SPIN_NS
     return c._bell
@@ -312,7 +307,7 @@ def test_the_control_a_working_plan_is_used(kernel_side) -> None:
     # what bell1 takes buffers of (a leaked buffer holds a reference), and what it reads
     held = (plan[2], plan[4], q, conn.free[-1].mem, conn.free[-1], conn, plan[3], plan[5])
     refs = [sys.getrefcount(x) for x in held]
-    with StandIn(c.name, hand_back=False):
+    with stand_in(c.name, hand_back=False):
         for _ in range(300):
             got = fastpath.bell1(c, plan, q, K)
             assert type(got) is client_module.RecallResult, got
@@ -334,7 +329,7 @@ def test_while_the_carousel_runs_a_k_past_its_reach_still_goes_to_the_kernel(ker
     hdr[epoch] = hdr[epoch] | 1
     try:
         _untouched(c, lambda: fastpath.bell1(c, plan, data[4], 7))
-        with StandIn(c.name, hand_back=False):
+        with stand_in(c.name, hand_back=False):
             got = fastpath.bell1(c, plan, data[4], 33)
         assert type(got) is client_module.RecallResult
         same(got, plain.recall(data[4], 33))

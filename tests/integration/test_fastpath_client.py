@@ -7,8 +7,6 @@ Python path's and the sidecar's own, in every case it leaves to Python too."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import kalos_testing
 import numpy as np
 import pytest
@@ -23,13 +21,9 @@ if not client_module._X86:
 DIM, K = 9, 7
 
 
-class StandIn(kalos_testing.StandInProcess):
-    """``kalos_testing.doorbell_stand_in`` running while in the ``with`` block."""
-
-    def __init__(self, name: str, hand_back: bool) -> None:
-        ctx = mp.get_context("spawn")
-        self.answered, self.handed_back = ctx.Value("i", 0), ctx.Value("i", 0)
-        super().__init__(kalos_testing.doorbell_stand_in, name, DIM, hand_back, self.answered, self.handed_back)
+def stand_in(name: str, hand_back: bool) -> kalos_testing.DoorbellStandIn:
+    """``kalos_testing.doorbell_stand_in`` for this module's dimension, while in the ``with`` block."""
+    return kalos_testing.DoorbellStandIn(name, DIM, hand_back)
 
 
 class Counted:
@@ -65,7 +59,7 @@ def test_the_c_path_gives_what_the_python_path_and_the_sidecar_give(start_sideca
         strided = sum(not q.flags.c_contiguous for q in queries)
         counted = Counted()
         got: dict[str, list] = {}
-        with StandIn(sc.name, hand_back) as kernel:
+        with stand_in(sc.name, hand_back) as kernel:
             for path, mod in (("c", counted), ("python", None)):
                 monkeypatch.setattr(client_module, "_fastpath", mod)
                 got[path] = [c.recall(q, K) for q in queries]
@@ -124,7 +118,7 @@ def test_queries_of_other_types_are_converted_and_take_the_c_path_with_the_same_
         }
         counted = Counted()
         monkeypatch.setattr(client_module, "_fastpath", counted)
-        with StandIn(sc.name, hand_back=False) as kernel:
+        with stand_in(sc.name, hand_back=False) as kernel:
             want = plain.recall(base, K)
             for what, q in converted.items():
                 got = c.recall(q, K)
