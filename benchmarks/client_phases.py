@@ -11,9 +11,10 @@ rows; random unit queries (``gpu_recall.py``'s). Each of ``--rounds`` rounds tim
   the C path, ``kalos_retrievers._fastpath``, where it is built: ``fastpath`` in the JSON);
 * ``client_python``: the same through the client's Python path (None without the C path);
 * ``wait``: the same with each call's wait recorded (``wait_p50_us``: from the request written
-  to the answer seen; the call's p50 minus it is roughly the library's own Python);
+  to the answer seen; the call's p50 minus it is roughly the library's own Python), through
+  the path without ``_fastpath.bell1`` (session 43), whose steps are Python methods to record;
 * ``no_gc``: ``client`` with the cyclic garbage collector off;
-* ``parts``: ``client`` with its parts timed (see :func:`with_parts`);
+* ``parts``: ``client`` with its parts timed (see :func:`with_parts`), bell1 set aside too;
 * ``bare``: the doorbell exchange alone, from this process, through a slot of the client's
   connection: the query and the request words written, DOORBELL set, the state word polled
   until RESPONSE, the ten rows read; what ``doorbell_probe.py`` times in process, here against
@@ -106,6 +107,23 @@ def bare_calls(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> 
     return {**percentiles(out), "errors": errors, "handed_back": handed_back}
 
 
+def without_bell1(fn: Any) -> Any:
+    """``fn(c, ...)`` with ``_fastpath.bell1`` set aside (``client._BELL1`` False and no plan):
+    bell1 makes the whole call in C, so its wait and its parts cannot be recorded from Python."""
+
+    def run(c: KalosClient, *a: Any) -> Any:
+        saved, client_module._BELL1 = client_module._BELL1, False
+        c._bell = None
+        try:
+            return fn(c, *a)
+        finally:
+            client_module._BELL1 = saved
+            c._bell = None  # (made again by the next recall)
+
+    return run
+
+
+@without_bell1
 def with_waits(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> dict[str, Any]:
     """``client`` plus ``wait_p50_us``: each call's wait for its answer, as the client measures
     it for its own use (``_observe_wait``: from the request written to the answer seen; the C
@@ -126,6 +144,7 @@ def with_waits(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> 
     return out
 
 
+@without_bell1
 def with_parts(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) -> dict[str, Any]:
     """The call timed with its parts: the client's methods on the batch-1 path (``_arena``;
     ``_recall_fast``, the C path's exchange, or ``_roundtrip`` and, inside it, ``_wait``;
@@ -182,6 +201,7 @@ def python_path(c: KalosClient, queries: np.ndarray, calls: int, warmup: int) ->
     if client_module._fastpath is None:
         return None
     saved, client_module._fastpath = client_module._fastpath, None
+    c._bell = None  # (bell1's plan holds the C call itself: without this the "Python path" is bell1)
     try:
         return time_calls(lambda i: c.recall(queries[i & 1023], K), calls, warmup)
     finally:
