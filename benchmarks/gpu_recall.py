@@ -13,6 +13,8 @@ Sections (all on random normalized 768-d vectors, top-10):
 * ``1m``     the same at 1M rows (loaded with durability on: the bulk-load time), then the
   sidecar restarted (the reload time), ``recall_batch`` of 64 versus torch ``mm`` + ``topk``,
   and 32 client processes;
+* ``durable`` only the 1M bulk load with durability on and the reload (the ``1m`` section's
+  first part, without its timings); checks the count and each query's own row after the reload;
 * ``int8``   a 1M-row int8 sidecar: batch-1 latency, and recall@10 of batch-1 recalls against
   exact float32 search.
 
@@ -369,6 +371,29 @@ def main() -> int:
              f"{thr.get('client_cores', '-')}", ""),
             ("bulk load 1M x 768 via client, durable (s)", "report", f"{res['bulk_load_1m_durable_s']}", ""),
             ("sidecar start reloading 1M rows (s)", "report", f"{res['reload_1m_s']}", ""),
+        ]  # fmt: skip
+        save()
+        del data
+    if "durable" in only and "1m" not in only:
+        n = args.rows_1m
+        data = make_data(n, DIM, 2)
+        with tempfile.TemporaryDirectory(dir=os.environ.get("KALOS_BENCH_DIR", "/tmp")) as d:
+            sc = Sidecar(data_dir=d, **common).start()
+            with sc.client(timeout=600) as c:
+                res["bulk_load_1m_durable_s"] = round(load(c, data), 1)
+            sc.stop()
+            t0 = time.perf_counter()
+            sc = Sidecar(sc.name, data_dir=d, startup_timeout=900, **common).start()
+            res["reload_1m_s"] = round(time.perf_counter() - t0, 1)
+            with sc.client(timeout=30) as c:
+                assert c.count() == n
+                picks = np.random.default_rng(3).choice(n, 64, replace=False)
+                own = sum(c.recall(data[i], 1).ids[0] == str(i) for i in picks)
+            sc.stop()
+        rows += [
+            ("bulk load 1M x 768 via client, durable (s)", "report", f"{res['bulk_load_1m_durable_s']}", ""),
+            ("sidecar start reloading 1M rows (s)", "report", f"{res['reload_1m_s']}", ""),
+            ("after the reload: rows' own top-1 of 64 / count", "64 / 1M", f"{own} / {n}", ok(own == 64)),
         ]  # fmt: skip
         save()
         del data

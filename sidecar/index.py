@@ -265,9 +265,20 @@ def normalize_rows(x: np.ndarray) -> np.ndarray:
     The norm is computed in float64: in float32 the squares of large finite components (above
     ~1.8e19) overflow, the norm becomes inf and the row would silently turn into zeros (or NaN).
     """
+    if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and len(x) >= _NORM_FAST_MIN:
+        # many float32 rows (a bulk upsert): the squares summed in float64 without a float64
+        # copy of the rows, then one float32 multiply per element; a row whose norm is zero or
+        # so large or small that its reciprocal leaves float32's normal range takes the
+        # float64 route below with the rest of its batch
+        n = np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64))
+        if n.min() > 1e-30 and n.max() < 1e30:
+            return x * (1.0 / n).astype(np.float32)[:, None]
     x64 = np.asarray(x, np.float64)
     n = np.linalg.norm(x64, axis=1, keepdims=True)
     return (x64 / np.where(n == 0, 1, n)).astype(np.float32)
+
+
+_NORM_FAST_MIN = 256  # rows; below it numpy's per-call overhead is most of the cost either way
 
 
 # A threshold top-k beats ``argpartition`` over the whole score array (at 100k scores on the dev

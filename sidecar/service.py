@@ -48,6 +48,10 @@ class Service:
     def load(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Rebuild the index from the store of record; return the number of rows loaded."""
         total = self.store.count()
+        # room for every stored row at once: growing by doubling as the batches come would copy
+        # the vectors (and the row table) several times over
+        self.rows.grow(total)
+        self.index.reserve(total)
         done = 0
         for batch in self.store.load(self.dim):
             self._apply(batch)
@@ -81,9 +85,9 @@ class Service:
         if not np.all(np.isfinite(vecs)):
             raise Invalid(Status.BAD_REQUEST, "vectors contain NaN or infinity")
         if self.metric == Metric.COSINE:
-            norms = np.linalg.norm(vecs.astype(np.float64), axis=1)  # float32 squares under/overflow
-            if np.any(norms == 0):
-                raise Invalid(Status.BAD_REQUEST, f"vectors[{int(np.argmin(norms))}] is all zeros")
+            zero = ~vecs.any(axis=1)  # (a tiny nonzero component still has a direction)
+            if zero.any():
+                raise Invalid(Status.BAD_REQUEST, f"vectors[{int(np.argmax(zero))}] is all zeros")
             vecs = normalize_rows(vecs)
         ns_id = self.rows.ns_id(namespace)
         new_keys = n if ns_id is None else sum(self.rows.lookup(ns_id, i) is None for i in ids)
@@ -112,7 +116,10 @@ class Service:
             row = self.rows.lookup(ns_id, r.id)
             if row is None:
                 row = self.rows.allocate()
-            meta = metas[i] if metas is not None else json.loads(r.metadata_json)
+            if metas is not None:
+                meta = metas[i]
+            else:  # (a start-up's reload: most rows of a bulk load carry no metadata)
+                meta = {} if r.metadata_json == b"{}" else json.loads(r.metadata_json)
             doc = encode_doc(r.id, r.text, r.metadata_json, r.created_at, r.updated_at)
             self.rows.set(row, ns_id, r.id, doc, meta, r.created_at)
             rows[i], ns[i] = row, ns_id

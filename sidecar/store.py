@@ -53,14 +53,17 @@ def row_crc(namespace: str, id_: str, text: str, metadata_json: bytes, vector: b
     """CRC-32 of a row's content. Rows are written with the timestamps included (they are
     served too: a flipped byte in one must not pass); rows written before the timestamps were
     covered carry the CRC without them, which :meth:`SqliteStore.load` still accepts."""
-    c = zlib.crc32(namespace.encode())
-    c = zlib.crc32(b"\x00" + id_.encode(), c)
-    c = zlib.crc32(b"\x00" + text.encode(), c)
-    c = zlib.crc32(b"\x00" + metadata_json, c)
-    c = zlib.crc32(b"\x00" + vector, c)
+    # (CRC-32 runs on: crc32(b, crc32(a)) == crc32(a + b), so each field is added without
+    # copying it behind its separator; the values are those of the concatenation)
+    crc32, sep = zlib.crc32, b"\x00"
+    c = crc32(namespace.encode())
+    c = crc32(id_.encode(), crc32(sep, c))
+    c = crc32(text.encode(), crc32(sep, c))
+    c = crc32(metadata_json, crc32(sep, c))
+    c = crc32(vector, crc32(sep, c))
     if created_at is None or updated_at is None:
         return c
-    return zlib.crc32(b"\x00" + _TIMES.pack(created_at, updated_at), c)
+    return crc32(_TIMES.pack(created_at, updated_at), crc32(sep, c))
 
 
 _TIMES: Final = struct.Struct("<dd")
@@ -251,8 +254,9 @@ class SqliteStore:
             and isinstance(meta, bytes) and isinstance(vec, bytes) and len(vec) == 4 * dim
             and isinstance(created, float) and isinstance(updated, float) and isinstance(crc, int)
         )  # fmt: skip
-        if not ok or crc not in (row_crc(ns, id_, text, meta, vec, created, updated),
-                                 row_crc(ns, id_, text, meta, vec)):  # fmt: skip
+        # the CRC as rows are written now first; the older form (no timestamps) only if that fails
+        if not ok or (crc != row_crc(ns, id_, text, meta, vec, created, updated)
+                      and crc != row_crc(ns, id_, text, meta, vec)):  # fmt: skip
             raise StoreOpenError(
                 f"row (namespace={ns!r}, id={id_!r}) of {self.path} fails its checksum: "
                 "the file is corrupt. Restore it from a backup; Kalos will not serve "

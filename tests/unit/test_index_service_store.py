@@ -246,6 +246,76 @@ def test_store_round_trip_and_rebuild(tmp_path: Path) -> None:
     st2.close()
 
 
+def test_a_reload_keeps_each_rows_metadata_empty_or_not(tmp_path: Path) -> None:
+    """Start-up rebuilds the filter columns from the stored metadata (rows stored with none
+    take a shortcut): after a reload of more rows than the row table starts with, a filter
+    matches exactly the rows it matched before."""
+    st = SqliteStore(tmp_path, dim=3, metric="ip")
+    svc = svc_for(3, "ip", store=st)
+    n = 1031  # past the initial 1,024 rows
+    vecs = np.random.default_rng(5).standard_normal((n, 3)).astype(np.float32)
+    metas = [{"x": i % 3} if i % 2 else {} for i in range(n)]
+    put(svc, vecs, [str(i) for i in range(n)], metas=metas)
+    st.close()
+    st2 = SqliteStore(tmp_path, dim=3, metric="ip")
+    svc2 = svc_for(3, "ip", store=st2)
+    assert svc2.load() == n
+    for flt, want in (({"x": 1}, {str(i) for i in range(n) if i % 2 and i % 3 == 1}),
+                      ({"x": {"$exists": False}}, {str(i) for i in range(0, n, 2)})):  # fmt: skip
+        rows, _ = svc2.recall(np.array([[1, 0, 0]], np.float32), n, "", flt)
+        assert {svc2.rows.ids[r] for r in rows[0]} == want, flt
+    st2.close()
+
+
+def test_row_crc_is_the_crc_of_the_fields_joined_by_nul() -> None:
+    """The checksum's format is on disk in every store: it must not change with its code."""
+    import struct
+    import zlib
+
+    from kalos_retrievers.sidecar.store import row_crc
+
+    vec = np.arange(5, dtype="<f4").tobytes()
+    joined = b"\x00".join([b"ns", "idé".encode(), b"text", b'{"a":1}', vec])
+    assert row_crc("ns", "idé", "text", b'{"a":1}', vec) == zlib.crc32(joined)
+    times = struct.pack("<dd", 1.5, 2.5)
+    assert row_crc("ns", "idé", "text", b'{"a":1}', vec, 1.5, 2.5) == zlib.crc32(joined + b"\x00" + times)
+    assert row_crc("ns", "idé", "text", b'{"a":1}', vec, 1.5, 2.25) != zlib.crc32(joined + b"\x00" + times)
+
+
+def test_normalize_rows_in_bulk_matches_float64_and_keeps_extreme_rows_right() -> None:
+    """Many float32 rows take a faster route than one or a few; both give unit rows, and a
+    batch holding a row too large or too small for it (or a zero row) falls back whole."""
+    from kalos_retrievers.sidecar.index import _NORM_FAST_MIN, normalize_rows
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((_NORM_FAST_MIN + 45, 97)) * rng.uniform(1e-3, 1e3, (_NORM_FAST_MIN + 45, 1)))
+    x = x.astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.linalg.norm(x64, axis=1, keepdims=True)
+    got = normalize_rows(x)
+    assert got.dtype == np.float32 and np.abs(got - want).max() < 3e-7
+    for extreme in (3e38, 1e-40, 0.0):
+        y = x.copy()
+        y[200] = extreme
+        got = normalize_rows(y)
+        norms = np.linalg.norm(got.astype(np.float64), axis=1)
+        assert np.all(np.isfinite(got)), extreme
+        if extreme:
+            assert np.abs(norms - 1).max() < 1e-6, extreme
+        else:
+            assert norms[200] == 0 and np.abs(np.delete(norms, 200) - 1).max() < 1e-6
+
+
+def test_a_zero_row_deep_in_a_bulk_upsert_is_named() -> None:
+    svc = svc_for(4)
+    vecs = np.ones((300, 4), np.float32)
+    vecs[257] = -0.0
+    with pytest.raises(Invalid, match=r"vectors\[257\] is all zeros"):
+        put(svc, vecs, [str(i) for i in range(300)])
+    vecs[257, 3] = 1e-45  # the smallest float32 above zero still has a direction
+    assert put(svc, vecs, [str(i) for i in range(300)]) == 300
+
+
 def test_store_refuses_a_second_sidecar_on_the_same_dir(tmp_path: Path) -> None:
     st = SqliteStore(tmp_path, dim=3, metric="cosine")
     with pytest.raises(StoreOpenError, match="in use by another running sidecar"):
