@@ -288,7 +288,7 @@ def test_normalize_rows_in_bulk_matches_float64_and_keeps_extreme_rows_right() -
     from kalos_retrievers.sidecar.index import _NORM_FAST_MIN, normalize_rows
 
     rng = np.random.default_rng(11)
-    x = (rng.standard_normal((_NORM_FAST_MIN + 45, 97)) * rng.uniform(1e-3, 1e3, (_NORM_FAST_MIN + 45, 1)))
+    x = rng.standard_normal((_NORM_FAST_MIN + 45, 97)) * rng.uniform(1e-3, 1e3, (_NORM_FAST_MIN + 45, 1))
     x = x.astype(np.float32)
     x64 = x.astype(np.float64)
     want = x64 / np.linalg.norm(x64, axis=1, keepdims=True)
