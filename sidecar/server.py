@@ -55,7 +55,7 @@ from kalos_retrievers.protocol import (
 
 from . import blas
 from .dispatcher import Dispatcher
-from .index import CpuIndex, FatalDeviceError, Index
+from .index import CpuIndex, FatalDeviceError, Index, IndexCapacityError
 from .service import Service
 from .stats import Stats, thread_sched, time_gc
 from .store import NullStore, SqliteStore, StoreOpenError
@@ -523,6 +523,12 @@ class Server:
             n = self.service.load(progress)
         except StoreOpenError as e:
             raise StartError(str(e), EXIT_STORE) from None
+        except IndexCapacityError as e:  # (the index is sized for the whole store first)
+            raise StartError(
+                f"the store of record holds {self.service.store.count()} rows and the index "
+                f"cannot hold them: {e}. Give the sidecar more device memory (a larger "
+                "KALOS_GPU_MEMORY_LIMIT, a GPU of its own) or a smaller --dtype (int8), or "
+                "start it on the CPU", EXIT_DEVICE) from None  # fmt: skip
         log.info("loaded %d rows from the store in %.2f s", n, time.monotonic() - t0)
 
     def _set_ready(self) -> None:

@@ -91,6 +91,52 @@ def test_restart_loads_the_store_with_progress_and_sigterm_cleans_up(make_name, 
     assert shm_objects(name) == []
 
 
+def _serve_with_index_limit(name: str, data_dir: Path, rows: int) -> subprocess.Popen[str]:
+    """A CPU sidecar whose index refuses to grow past ``rows`` (as a GPU's memory limit does)."""
+    patch = (
+        "import sys\n"
+        "from kalos_retrievers.sidecar import index as _ix\n"
+        "_r = _ix.CpuIndex.reserve\n"
+        "def _reserve(self, capacity):\n"
+        f"    if capacity > {rows}:\n"
+        "        raise _ix.IndexCapacityError(f'growing to {capacity} rows is over the test limit')\n"
+        "    _r(self, capacity)\n"
+        "_ix.CpuIndex.reserve = _reserve\n"
+        "from kalos_retrievers.sidecar.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    return subprocess.Popen([sys.executable, "-P", "-c", patch, "serve", "--name", name, "--device", "cpu",
+                             "--dim", "3", "--data-dir", str(data_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def test_a_store_larger_than_the_index_can_hold_fails_the_start_with_code_5(make_name, tmp_path) -> None:
+    """The index is sized for the whole store before any row is loaded: a store it cannot hold
+    fails the start at once, with exit code 5 and a message that says what to change (not a
+    traceback half-way through the load). Control: the same limited index with room starts."""
+    name = make_name()
+    proc = serve(name, "--dim", "3", "--data-dir", str(tmp_path))
+    wait_ready(name, proc)
+    with KalosClient(name) as c:
+        c.upsert([str(i) for i in range(1500)], np.random.default_rng(3).standard_normal((1500, 3)))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+    small = _serve_with_index_limit(name, tmp_path, 1400)
+    out = small.communicate(timeout=60)[0]
+    assert small.returncode == 5, out
+    assert "holds 1500 rows" in out and "over the test limit" in out and "Traceback" not in out, out
+    assert shm_objects(name) == []
+    roomy = _serve_with_index_limit(name, tmp_path, 1600)
+    try:
+        wait_ready(name, roomy)
+        with KalosClient(name) as c:
+            assert c.count() == 1500
+    finally:
+        roomy.send_signal(signal.SIGTERM)
+        roomy.communicate(timeout=30)
+    assert roomy.returncode == 0
+
+
 def test_in_memory_mode_says_so_and_kill_9_leaves_state_the_next_start_clears(make_name) -> None:
     name = make_name()
     proc = serve(name, "--dim", "3")
