@@ -13,6 +13,7 @@ reads queries from, and writes results to, the shared-memory slot itself.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -264,8 +265,17 @@ def normalize_rows(x: np.ndarray) -> np.ndarray:
 
     The norm is computed in float64: in float32 the squares of large finite components (above
     ~1.8e19) overflow, the norm becomes inf and the row would silently turn into zeros (or NaN).
+    One row and many rows take shorter routes to the same result (within a float32 rounding)
+    when every norm is well inside float32's range; anything else goes the general way.
     """
-    if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and len(x) >= _NORM_FAST_MIN:
+    if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and len(x) == 1:
+        # one query (a batch-1 recall on the CPU): its squared norm in float64 as one number,
+        # 2-3 µs against ~7.5 for the general route below (768-d, the development VM)
+        v = x[0].astype(np.float64)
+        sq = float(v @ v)
+        if 1e-60 < sq < 1e60:
+            return x * np.float32(1.0 / math.sqrt(sq))
+    elif isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and len(x) >= _NORM_FAST_MIN:
         # many float32 rows (a bulk upsert): the squares summed in float64 without a float64
         # copy of the rows, then one float32 multiply per element; a row whose norm is zero or
         # so large or small that its reciprocal leaves float32's normal range takes the

@@ -306,6 +306,27 @@ def test_normalize_rows_in_bulk_matches_float64_and_keeps_extreme_rows_right() -
             assert norms[200] == 0 and np.abs(np.delete(norms, 200) - 1).max() < 1e-6
 
 
+@pytest.mark.parametrize("scale", [1e-25, 1e-3, 1.0, 7e4, 1e25])
+def test_normalize_rows_one_row_matches_float64(scale: float) -> None:
+    from kalos_retrievers.sidecar.index import normalize_rows
+
+    x = (np.random.default_rng(int(np.log10(scale)) + 40).standard_normal((1, 769)) * scale).astype(np.float32)
+    x64 = x.astype(np.float64)
+    got = normalize_rows(x)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    assert np.abs(got - x64 / np.linalg.norm(x64)).max() < 3e-7
+
+
+@pytest.mark.parametrize("value", [3e38, 1e-40, 0.0, 1e-45])
+def test_normalize_rows_one_extreme_row_is_unit_or_zero(value: float) -> None:
+    from kalos_retrievers.sidecar.index import normalize_rows
+
+    x = np.full((1, 5), value, np.float32)
+    x[0, 1] = -value
+    norm = float(np.linalg.norm(normalize_rows(x).astype(np.float64)))
+    assert norm == 0 if value == 0 else abs(norm - 1) < 1e-6
+
+
 def test_a_zero_row_deep_in_a_bulk_upsert_is_named() -> None:
     svc = svc_for(4)
     vecs = np.ones((300, 4), np.float32)
