@@ -271,18 +271,23 @@ def normalize_rows(x: np.ndarray) -> np.ndarray:
     if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and len(x) == 1:
         # one query (a batch-1 recall on the CPU): its squared norm in float64 as one number,
         # 2-3 µs against ~7.5 for the general route below (768-d, the development VM)
+        # (from the private float64 copy only: x may be a request slot its client rewrites)
         v = x[0].astype(np.float64)
         sq = float(v @ v)
         if 1e-60 < sq < 1e60:
-            return x * np.float32(1.0 / math.sqrt(sq))
+            return (v * (1.0 / math.sqrt(sq))).astype(np.float32)[None, :]
     elif isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and len(x) >= _NORM_FAST_MIN:
         # many float32 rows (a bulk upsert): the squares summed in float64 without a float64
         # copy of the rows, then one float32 multiply per element; a row whose norm is zero or
         # so large or small that its reciprocal leaves float32's normal range takes the
         # float64 route below with the rest of its batch
+        # x is read twice here: if it changed in between (a request slot its client rewrites),
+        # a result that is not finite goes the general way, which reads it once
         n = np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64))
         if n.min() > 1e-30 and n.max() < 1e30:
-            return x * (1.0 / n).astype(np.float32)[:, None]
+            out = x * (1.0 / n).astype(np.float32)[:, None]
+            if np.isfinite(out).all():
+                return out
     x64 = np.asarray(x, np.float64)
     n = np.linalg.norm(x64, axis=1, keepdims=True)
     return (x64 / np.where(n == 0, 1, n)).astype(np.float32)

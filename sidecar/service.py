@@ -48,10 +48,18 @@ class Service:
     def load(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Rebuild the index from the store of record; return the number of rows loaded."""
         total = self.store.count()
-        # room for every stored row at once: growing by doubling as the batches come would copy
-        # the vectors (and the row table) several times over
-        self.rows.grow(total)
-        self.index.reserve(total)
+        # room for every stored row at once (growing by doubling as the batches came copied the
+        # vectors and the row table several times over), and as much again as doubling would
+        # have left, so the first writes after a start do not grow the index; exactly the rows
+        # stored where that much does not fit (a GPU's memory limit)
+        cap = max(self.rows.capacity, 1024)
+        while cap < total:
+            cap *= 2
+        try:
+            self.index.reserve(cap)
+        except IndexCapacityError:
+            self.index.reserve(total)  # (too many for the index: raised, and the start fails)
+        self.rows.grow(cap)
         done = 0
         for batch in self.store.load(self.dim):
             self._apply(batch)

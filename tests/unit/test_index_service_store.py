@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kalos_retrievers.sidecar.index import CpuIndex
+from kalos_retrievers.sidecar.index import CpuIndex, IndexCapacityError
 from kalos_retrievers.sidecar.rows import RowTable
 from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.store import NullStore, SqliteStore, StoreOpenError
@@ -267,6 +267,43 @@ def test_a_reload_keeps_each_rows_metadata_empty_or_not(tmp_path: Path) -> None:
     st2.close()
 
 
+class _LimitedIndex(CpuIndex):
+    """A CPU index that cannot grow past ``limit`` rows, as a GPU's memory limit."""
+
+    def __init__(self, dim: int, limit: int) -> None:
+        super().__init__(dim, METRICS["cosine"])
+        self.limit = limit
+
+    def reserve(self, capacity: int) -> None:
+        if capacity > self.limit:
+            raise IndexCapacityError(f"{capacity} rows over the limit of {self.limit}")
+        super().reserve(capacity)
+
+
+@pytest.mark.parametrize(("limit", "room"), [(None, True), (5000, True), (3100, False), (2999, None)])
+def test_a_reload_leaves_room_for_the_next_writes_where_it_fits(tmp_path: Path, limit, room) -> None:
+    """Start-up sizes the index once for the stored rows and as much again as growing by
+    doubling would have left (so the first new row after a start does not copy the index);
+    only the stored rows where that does not fit; a start that cannot hold them fails."""
+    n = 3000
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    put(svc_for(3, store=st), np.random.default_rng(8).standard_normal((n, 3)), [str(i) for i in range(n)])
+    st.close()
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    index = CpuIndex(3, METRICS["cosine"]) if limit is None else _LimitedIndex(3, limit)
+    svc = Service(index, st, dim=3, metric=METRICS["cosine"])
+    if room is None:
+        with pytest.raises(IndexCapacityError):
+            svc.load()
+        st.close()
+        return
+    assert svc.load() == n
+    assert index.capacity == (4096 if room else n) and svc.rows.capacity >= 4096
+    put(svc, [[1, 2, 3]], ["new"])
+    assert index.capacity == (4096 if room else 6000)  # (without room, the first new row grew it)
+    st.close()
+
+
 def test_row_crc_is_the_crc_of_the_fields_joined_by_nul() -> None:
     """The checksum's format is on disk in every store: it must not change with its code."""
     import struct
@@ -282,7 +319,11 @@ def test_row_crc_is_the_crc_of_the_fields_joined_by_nul() -> None:
     assert row_crc("ns", "idé", "text", b'{"a":1}', vec, 1.5, 2.25) != zlib.crc32(joined + b"\x00" + times)
 
 
-def test_normalize_rows_in_bulk_matches_float64_and_keeps_extreme_rows_right() -> None:
+def _norm_refused(*a, **k):
+    raise AssertionError("the general route (np.linalg.norm) ran")
+
+
+def test_normalize_rows_in_bulk_matches_float64_and_keeps_extreme_rows_right(monkeypatch) -> None:
     """Many float32 rows take a faster route than one or a few; both give unit rows, and a
     batch holding a row too large or too small for it (or a zero row) falls back whole."""
     from kalos_retrievers.sidecar.index import _NORM_FAST_MIN, normalize_rows
@@ -292,7 +333,9 @@ def test_normalize_rows_in_bulk_matches_float64_and_keeps_extreme_rows_right() -
     x = x.astype(np.float32)
     x64 = x.astype(np.float64)
     want = x64 / np.linalg.norm(x64, axis=1, keepdims=True)
-    got = normalize_rows(x)
+    with monkeypatch.context() as m:
+        m.setattr(np.linalg, "norm", _norm_refused)  # the bulk route must be the one taken
+        got = normalize_rows(x)
     assert got.dtype == np.float32 and np.abs(got - want).max() < 3e-7
     for extreme in (3e38, 1e-40, 0.0):
         y = x.copy()
@@ -307,14 +350,16 @@ def test_normalize_rows_in_bulk_matches_float64_and_keeps_extreme_rows_right() -
 
 
 @pytest.mark.parametrize("scale", [1e-25, 1e-3, 1.0, 7e4, 1e25])
-def test_normalize_rows_one_row_matches_float64(scale: float) -> None:
+def test_normalize_rows_one_row_matches_float64(scale: float, monkeypatch) -> None:
     from kalos_retrievers.sidecar.index import normalize_rows
 
     x = (np.random.default_rng(int(np.log10(scale)) + 40).standard_normal((1, 769)) * scale).astype(np.float32)
     x64 = x.astype(np.float64)
+    want = x64 / np.linalg.norm(x64)
+    monkeypatch.setattr(np.linalg, "norm", _norm_refused)  # the one-row route must be the one taken
     got = normalize_rows(x)
     assert got.dtype == np.float32 and got.shape == x.shape
-    assert np.abs(got - x64 / np.linalg.norm(x64)).max() < 3e-7
+    assert np.abs(got - want).max() < 3e-7
 
 
 @pytest.mark.parametrize("value", [3e38, 1e-40, 0.0, 1e-45])
