@@ -108,8 +108,8 @@ class Service:
         for i in range(n):
             row = self.rows.lookup(ns_id, ids[i]) if ns_id is not None else None
             created = float(self.rows.created[row]) if row is not None else now
-            batch.append(StoredRow(namespace, ids[i], texts[i], encode_json(metas[i]), vecs[i],
-                                   created, now))  # fmt: skip
+            meta_json = encode_json(metas[i]) if metas[i] else b"{}"  # (what encode_json({}) gives)
+            batch.append(StoredRow(namespace, ids[i], texts[i], meta_json, vecs[i], created, now))
         self._commit(lambda: self.store.upsert(batch))
         self._apply(batch, metas)
         return n
