@@ -253,6 +253,21 @@ def recall_vs_exact(client: Any, data: np.ndarray, queries: np.ndarray) -> float
     return hits / (K * len(queries))
 
 
+def load_and_reload(data: np.ndarray, data_dir: str, common: dict[str, Any]) -> tuple[Any, float, float]:
+    """Load ``data`` through the client into a sidecar that stores it in ``data_dir``, stop it,
+    and start one again over that store; return the started sidecar, the load's seconds and
+    the start's (the reload's)."""
+    from kalos_retrievers.spawn import Sidecar
+
+    sc = Sidecar(data_dir=data_dir, **common).start()
+    with sc.client(timeout=600) as c:
+        load_s = load(c, data)
+    sc.stop()
+    t0 = time.perf_counter()
+    sc = Sidecar(sc.name, data_dir=data_dir, startup_timeout=900, **common).start()
+    return sc, round(load_s, 1), round(time.perf_counter() - t0, 1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -323,13 +338,7 @@ def main() -> int:
                     load(c, data)
                 res["bulk_load_1m_durable_s"] = res["reload_1m_s"] = "skipped"
             else:
-                sc = Sidecar(data_dir=d, **common).start()
-                with sc.client(timeout=600) as c:
-                    res["bulk_load_1m_durable_s"] = round(load(c, data), 1)
-                sc.stop()
-                t0 = time.perf_counter()
-                sc = Sidecar(sc.name, data_dir=d, startup_timeout=900, **common).start()
-                res["reload_1m_s"] = round(time.perf_counter() - t0, 1)
+                sc, res["bulk_load_1m_durable_s"], res["reload_1m_s"] = load_and_reload(data, d, common)
             with sc.client(timeout=30) as c:
                 assert c.count() == n
                 k1m = time_calls(lambda i: c.recall(queries[i & 1023], K), args.calls, 1000)
@@ -378,13 +387,7 @@ def main() -> int:
         n = args.rows_1m
         data = make_data(n, DIM, 2)
         with tempfile.TemporaryDirectory(dir=os.environ.get("KALOS_BENCH_DIR", "/tmp")) as d:
-            sc = Sidecar(data_dir=d, **common).start()
-            with sc.client(timeout=600) as c:
-                res["bulk_load_1m_durable_s"] = round(load(c, data), 1)
-            sc.stop()
-            t0 = time.perf_counter()
-            sc = Sidecar(sc.name, data_dir=d, startup_timeout=900, **common).start()
-            res["reload_1m_s"] = round(time.perf_counter() - t0, 1)
+            sc, res["bulk_load_1m_durable_s"], res["reload_1m_s"] = load_and_reload(data, d, common)
             with sc.client(timeout=30) as c:
                 assert c.count() == n
                 picks = np.random.default_rng(3).choice(n, 64, replace=False)
