@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import json.encoder
 import json.scanner
 import math
 import re
@@ -702,8 +703,19 @@ def decode_recall_args(buf: bytes) -> tuple[str, Any]:
 
 
 def encode_json(obj: Any) -> bytes:
-    """Strict JSON (no NaN/Infinity), compact, UTF-8."""
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
+    """Strict JSON (no NaN/Infinity), compact, UTF-8: ``json.dumps(obj, separators=(",", ":"),
+    allow_nan=False, ensure_ascii=False).encode()``, byte for byte and error for error.
+
+    One encoder made once (``json.dumps`` with arguments makes a new one per call), and a
+    string straight through the encoder's own string routine: a bulk upsert encodes two
+    strings per row (0.8 -> 0.07 µs each on the development VM; a small dict 2.6 -> 1.8)."""
+    if type(obj) is str:
+        return _encode_str(obj).encode()
+    return _ENCODER.encode(obj).encode()
+
+
+_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+_encode_str: Final = json.encoder.encode_basestring  # what _ENCODER.encode does with a str
 
 
 #: The argument keys each JSON-args op accepts. A closed set: a misspelled key (say

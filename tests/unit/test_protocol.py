@@ -506,3 +506,32 @@ def test_car_takes_what_the_kernel_scores_as_the_sidecar_does() -> None:
     for m in (ip, l2):
         assert P.car_takes(m, 0.0) and P.car_takes(m, 65504.0) and not P.car_takes(m, 65505.0)
     assert P.car_bounds(cos) == (1e-15, 5e16) and P.car_bounds(ip) == P.car_bounds(l2) == (0.0, 65504.0)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    ["", "id-7", 'q"uote\\ \n\t\x00 \u2028 é 漢', {}, {"a": 1, "b": [1, "é", None, True, 2.5, -0.0]},
+     [1, 2], 3, 1e300, None, True, {"nested": {"k": ["v", {"w": 1}]}}, ("t", 1)],
+)
+def test_encode_json_is_json_dumps_compact_strict_utf8(obj) -> None:
+    """The wire's JSON is pinned to json.dumps with these arguments, byte for byte."""
+    want = json.dumps(obj, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
+    assert P.encode_json(obj) == want
+
+
+@pytest.mark.parametrize(
+    ("obj", "error"),
+    [(float("nan"), ValueError), ({"a": float("inf")}, ValueError), ({"s": {1, 2}}, TypeError),
+     ("\ud800", UnicodeEncodeError), ({1.5: "non-str key"}, None)],
+)
+def test_encode_json_refuses_what_json_dumps_refuses(obj, error) -> None:
+    def dumps() -> bytes:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
+
+    if error is None:  # (json.dumps accepts it: so must encode_json, with the same bytes)
+        assert P.encode_json(obj) == dumps()
+        return
+    with pytest.raises(error):
+        dumps()
+    with pytest.raises(error):
+        P.encode_json(obj)
