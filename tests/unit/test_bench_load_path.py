@@ -33,3 +33,14 @@ def test_each_part_is_timed(tmp_path: Path) -> None:
 def test_a_root_that_is_not_a_source_tree_fails_the_run(tmp_path: Path) -> None:
     out = _run(tmp_path, "--root", str(tmp_path))
     assert out.returncode != 0 and "| " not in out.stdout
+
+
+def test_profile_names_the_costliest_functions_of_each_part(tmp_path: Path) -> None:
+    out = _run(tmp_path, "--profile", "5")
+    assert out.returncode == 0, out.stderr[-2000:]
+    for part in ("memory", "durable", "reload"):
+        block = out.stdout.split(f"== {part}: ", 1)[1]
+        assert re.match(r"[\d.]+ us per row under cProfile", block), block[:200]
+        assert "tottime" in block.split("== ", 1)[0]
+    assert "service.py" in out.stdout  # the service's own functions are in the profile
+
