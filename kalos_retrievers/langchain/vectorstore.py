@@ -620,7 +620,11 @@ class KalosVectorStore(VectorStore):
         else:  # nothing to add, but the sidecar needs a dimension
             vectors = as_matrix([embedding.embed_query("dimension probe")], 1, "embed_query")[:0]
         spawned = KalosClient.spawn(dim=int(vectors.shape[1]), **sidecar_options)
-        store = cls(embedding, client=spawned, namespace=namespace, timeout=timeout)
+        try:
+            store = cls(embedding, client=spawned, namespace=namespace, timeout=timeout)
+        except BaseException:  # a bad namespace, timeout or embedding: the sidecar goes with it
+            spawned.close()
+            raise
         store._owns_client = True
         try:
             if len(vectors):

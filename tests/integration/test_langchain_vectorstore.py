@@ -274,6 +274,30 @@ def test_from_texts_spawns_and_owns_the_sidecar() -> None:
         KalosClient(name)
 
 
+@pytest.mark.parametrize("bad", [{"namespace": 7}, {"timeout": -1}])
+def test_from_texts_stops_its_sidecar_when_the_store_cannot_be_made(
+    bad: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidecar is started before the store checks its arguments: a bad one raises, and
+    the sidecar started for the store goes with it (it stayed, with its shared memory, until
+    the Python process exited). Control: the same sidecar is reachable until then."""
+    spawned: list[KalosClient] = []
+    real = KalosClient.spawn
+
+    def spawn(**kw: Any) -> KalosClient:
+        c = real(**kw)
+        spawned.append(c)
+        assert KalosClient(c.name).dim == 97  # control: it serves, so a leak would be seen
+        return c
+
+    monkeypatch.setattr(KalosClient, "spawn", staticmethod(spawn))
+    with pytest.raises((TypeError, ValueError)):
+        KalosVectorStore.from_texts(TEXTS, WordHashEmbedding(97), device="cpu", **bad)
+    (c,) = spawned
+    with pytest.raises(SidecarUnavailable):
+        KalosClient(c.name)
+
+
 def test_afrom_texts_sidecar_outlives_the_event_loop_that_made_it() -> None:
     """VectorStore.afrom_texts runs from_texts in the loop's executor thread, which exits when
     asyncio.run shuts the executor down: the store's own sidecar must keep serving after that
