@@ -217,8 +217,12 @@ class RecallResult(Sequence[Hit]):
         return self._batch.per if r is _LATER else len(r)  # type: ignore[union-attr, arg-type]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # this query's share only (a batch's share would otherwise carry the whole batch)
-        return (RecallResult, (self.rows, self.scores, self._doc_seq(), self.vectors, self.namespace))
+        # this query's share only (a batch's share would otherwise carry the whole batch); the
+        # documents as bytes (a response's are memoryviews, which do not pickle)
+        docs = self._doc_seq()
+        if docs is not None:
+            docs = [bytes(d) for d in docs]
+        return (RecallResult, (self.rows, self.scores, docs, self.vectors, self.namespace))
 
     @property
     def ids(self) -> list[str]:

@@ -429,3 +429,30 @@ def test_the_short_paths_finiteness_check_is_exact_and_quiet(start_sidecar, monk
                 warnings.simplefilter("ignore")  # +inf and -inf together: numpy's "invalid value"
                 with pytest.raises(ValueError, match="NaN or infinity"):
                     c.recall(x, k)
+
+
+def test_real_results_pickle_with_their_documents(start_sidecar) -> None:
+    """A recall's documents are memoryviews into its response (or the sidecar's document
+    arena), which do not pickle: results pickled as those views failed for every real recall
+    (multiprocessing, caches). They pickle with their documents as bytes, each query's share
+    of a batch, and read back the same."""
+    import pickle
+
+    rng = np.random.default_rng()
+    dim, n = 13, 211
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim)
+    with sc.client() as c:
+        c.upsert([f"r{i}" for i in range(n)], data, texts=[f"text {i} é" for i in range(n)],
+                 metadatas=[{"i": i, "tag": ["a", i % 3]} for i in range(n)])  # fmt: skip
+        got = [c.recall(data[5], k=7), *c.recall_batch(data[:3], k=4), c.recall(data[9], k=3, with_vectors=True)]
+        for r in got:
+            back = pickle.loads(pickle.dumps(r))
+            assert len(back) == len(r) and back.ids == r.ids and [h.text for h in back] == [h.text for h in r]
+            assert [h.metadata for h in back] == [h.metadata for h in r]
+            np.testing.assert_array_equal(back.scores, r.scores)
+            np.testing.assert_array_equal(back.rows, r.rows)
+        np.testing.assert_array_equal(pickle.loads(pickle.dumps(got[-1])).vectors, got[-1].vectors)
+        assert got[1].ids[0] == "r0" and got[0].ids[0] == "r5"
+        bare = pickle.loads(pickle.dumps(c.recall(data[0], k=2, docs=False)))
+        assert len(bare) == 2 and bare.rows[0] == got[1].rows[0]
