@@ -4,7 +4,10 @@ and an offline lexical hashing embedder that needs no model and no network.
 :class:`HashingEmbeddings` turns text into a fixed-size vector by hashing its words and
 word bigrams into signed buckets (the "hashing trick"), weighting each feature by a
 sublinear term frequency, and normalizing to unit length. Texts that share words get
-similar vectors; texts that share none are nearly orthogonal. It is deterministic across
+similar vectors; texts that share none are nearly orthogonal. Words are runs of letters and
+digits in any script, case-folded ("Müller" is one word, "straße" and "STRASSE" the same);
+in Chinese and Japanese, written without spaces, each Han or kana character is a feature and
+adjacent pairs are its bigrams. It is deterministic across
 processes and machines (BLAKE2b, not Python's salted ``hash``), so vectors stored by one
 process are found by another.
 
@@ -31,7 +34,12 @@ from langchain_core.embeddings import Embeddings
 
 __all__ = ["Embedder", "HashingEmbeddings"]
 
-_TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
+# words: runs of letters and digits in any script, with an English-style "'s" / "'t" kept on
+# (on ASCII text exactly what ``[a-z0-9]+(?:'[a-z]+)?`` finds after lower-casing)
+_TOKEN = re.compile(r"[^\W_]+(?:'[^\W\d_]+)?")
+# scripts written without spaces between words (Han, kana): each character is a feature, and
+# the bigrams of adjacent characters carry the words
+_UNSPACED = re.compile("([\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f])")
 _STOP = frozenset(
     {
         "a", "an", "and", "are", "as", "at", "be", "by", "for", "from", "has", "have", "how", "i",
@@ -63,7 +71,12 @@ class HashingEmbeddings(Embeddings):
         self.bigrams = bigrams
 
     def _features(self, text: str) -> Counter[str]:
-        words = [w for w in _TOKEN.findall(text.lower()) if w not in _STOP]
+        words = []
+        for w in _TOKEN.findall(text.casefold()):
+            if _UNSPACED.search(w):  # split only the unspaced script's characters
+                words.extend(p for p in _UNSPACED.split(w) if p)
+            elif w not in _STOP:
+                words.append(w)
         feats: Counter[str] = Counter(words)
         if self.bigrams:
             feats.update(f"{a} {b}" for a, b in itertools.pairwise(words))

@@ -1,0 +1,57 @@
+"""HashingEmbeddings: the offline lexical embedder the demo and the examples fall back to."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kalos_retrievers.embeddings import _STOP, HashingEmbeddings
+
+E = HashingEmbeddings(dim=257)
+OLD_TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")  # the ASCII-only tokenizer before session 45
+
+
+def cos(a: str, b: str) -> float:
+    va, vb = E.embed_documents([a, b])
+    return float(np.dot(va, vb))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=80))
+def test_ascii_text_gets_the_words_it_always_got(text: str) -> None:
+    """Vectors of ASCII text are unchanged by the Unicode tokenizer, so stores filled with
+    them by an earlier version still answer the same queries."""
+    words = [w for w in OLD_TOKEN.findall(text.lower()) if w not in _STOP]
+    old = Counter(words)
+    old.update(f"{a} {b}" for a, b in itertools.pairwise(words))
+    assert E._features(text) == old
+
+
+def test_words_in_other_scripts_are_features() -> None:
+    """Non-ASCII letters were dropped: texts in Cyrillic, Greek or Han with no digits had no
+    features at all and all got the same fallback vector (cosine 1.0 between unrelated texts);
+    accented words were cut ("café" -> "caf")."""
+    assert cos("退款政策", "天气很好") == pytest.approx(0.0, abs=0.2)
+    assert cos("возврат денег", "хорошая погода") == pytest.approx(0.0, abs=0.2)
+    assert cos("Müller zahlt", "Mahler spielt") == pytest.approx(0.0, abs=0.2)
+    assert list(E._features("café crème")) == ["café", "crème", "café crème"]
+    assert cos("我们的退款政策", "退款政策是什么") > 0.4  # shared characters and character bigrams
+    assert cos("STRASSE", "straße") == pytest.approx(1.0)  # case-folded
+    assert list(E._features("日本語")) == ["日", "本", "語", "日 本", "本 語"]
+
+
+def test_vectors_are_unit_deterministic_and_never_zero() -> None:
+    a = HashingEmbeddings(dim=64).embed_query("refunds within 30 days")
+    assert a == HashingEmbeddings(dim=64).embed_query("refunds within 30 days")
+    assert float(np.linalg.norm(a)) == pytest.approx(1.0, abs=1e-6)
+    for empty in ("", "the of and", "!!!"):  # no content words: a fixed unit vector
+        v = np.array(E.embed_query(empty))
+        assert float(np.linalg.norm(v)) == pytest.approx(1.0) and v[0] == 1.0
+    with pytest.raises(ValueError, match="dim=4"):
+        HashingEmbeddings(dim=4)
