@@ -11,6 +11,7 @@ Two retrievers share one behaviour through :class:`~kalos_retrievers.Degrader`:
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -280,6 +281,14 @@ class KalosVectorStoreRetriever(VectorStoreRetriever):
 
     def model_post_init(self, context: Any, /) -> None:
         super().model_post_init(context)
+        takes = _SEARCH_KWARGS.get(self.search_type)
+        extra = sorted(set(self.search_kwargs) - takes) if takes is not None else []
+        if extra:  # refused here, not at every invoke (an error not degraded: the chain broke)
+            others = [t for t, keys in _SEARCH_KWARGS.items() if set(extra) <= keys]
+            raise ValueError(
+                f"search_kwargs {extra} do not apply to search_type={self.search_type!r}, which "
+                f"takes {sorted(takes)}" + (f" ({' and '.join(map(repr, others))} takes them)" if others else "")
+            )
         self._degrader = Degrader(
             f"KalosVectorStoreRetriever(name={self.vectorstore.client.name!r}, "
             f"search_type={self.search_type!r})",
@@ -318,3 +327,18 @@ class KalosVectorStoreRetriever(VectorStoreRetriever):
         if degrader.in_episode:
             degrader.succeeded()
         return docs
+
+
+def _keywords(method: Any) -> frozenset[str]:
+    """The named arguments a store method takes after the query."""
+    return frozenset(
+        p.name for p in list(inspect.signature(method).parameters.values())[2:] if p.kind is not p.VAR_KEYWORD
+    )
+
+
+# what each search type's VectorStoreRetriever call passes search_kwargs to
+_SEARCH_KWARGS = {
+    "similarity": _keywords(KalosVectorStore.similarity_search),
+    "similarity_score_threshold": _keywords(KalosVectorStore.similarity_search_with_score) | {"score_threshold"},
+    "mmr": _keywords(KalosVectorStore.max_marginal_relevance_search),
+}

@@ -642,9 +642,15 @@ class KalosVectorStore(VectorStore):
 
         Args:
             **kwargs: ``search_type`` (``"similarity"``, ``"similarity_score_threshold"`` or
-                ``"mmr"``), ``search_kwargs`` (``k``, ``filter``, ``namespace``,
-                ``timeout``, ``score_threshold``, ``fetch_k``, ``lambda_mult``),
+                ``"mmr"``), ``search_kwargs`` (each type takes ``k``, ``filter``,
+                ``namespace`` and ``timeout``; ``similarity_score_threshold`` also
+                ``score_threshold``, ``mmr`` also ``fetch_k`` and ``lambda_mult``),
                 ``on_error`` (``"empty"`` or ``"raise"``), ``tags``.
+
+        Raises:
+            ValueError: ``search_kwargs`` the ``search_type`` does not take (``fetch_k``
+                left in after switching from ``"mmr"``, a misspelling): refused here rather
+                than at every ``invoke``.
 
         Returns:
             A :class:`~kalos_retrievers.langchain.KalosVectorStoreRetriever`.

@@ -147,6 +147,27 @@ def test_store_construction_needs_no_sidecar() -> None:
     assert store.as_retriever(search_kwargs={"k": 2}).search_kwargs == {"k": 2}
 
 
+
+def test_as_retriever_refuses_search_kwargs_its_search_type_does_not_take() -> None:
+    """``fetch_k`` left in after switching from "mmr" made every invoke raise TypeError (not
+    degraded: the chain broke); it is refused when the retriever is made, naming the search
+    type that takes it. Control: each type's own keys are accepted."""
+    store = KalosVectorStore(EMB, name=absent_name())
+    own = {
+        "similarity": {"k": 2, "filter": {"a": 1}, "namespace": "n", "timeout": 0.5},
+        "similarity_score_threshold": {"k": 2, "score_threshold": 0.5, "namespace": "n"},
+        "mmr": {"k": 2, "fetch_k": 9, "lambda_mult": 0.3, "filter": {"a": 1}, "timeout": 0.5},
+    }
+    for search_type, kw in own.items():
+        assert store.as_retriever(search_type=search_type, search_kwargs=kw).search_kwargs == kw
+    with pytest.raises(ValueError, match=r"\['fetch_k'\] do not apply to search_type='similarity'.*'mmr' takes"):
+        store.as_retriever(search_kwargs={"k": 2, "fetch_k": 5})
+    with pytest.raises(ValueError, match=r"\['score_threshold'\].*'similarity_score_threshold' takes"):
+        store.as_retriever(search_type="mmr", search_kwargs={"score_threshold": 0.5})
+    with pytest.raises(ValueError, match=r"\['kk'\] do not apply") as e:
+        store.as_retriever(search_kwargs={"kk": 2})
+    assert "takes them" not in str(e.value)
+
 def test_store_needs_exactly_one_of_name_and_client() -> None:
     with pytest.raises(ValueError, match=r"exactly one of name= .* and client="):
         KalosVectorStore(EMB)
