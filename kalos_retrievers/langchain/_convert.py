@@ -17,6 +17,7 @@ import numpy as np
 from langchain_core.documents import Document
 from langchain_core.vectorstores.utils import maximal_marginal_relevance
 
+from ..client import MAX_ID_BYTES
 from ..results import Hit, RecallResult, Record
 
 __all__ = ["Rows", "as_matrix", "docs_of", "make_document", "mmr_of", "scored_of", "to_document",
@@ -105,8 +106,9 @@ def to_rows(
 ) -> Rows:
     """Check ``add_texts`` arguments against each other and fill in missing ids.
 
-    An id that is ``None`` (``add_documents`` with some ``Document.id`` unset) gets a fresh
-    UUID, as does every row when ``ids`` is None.
+    An id that is ``None`` or ``""`` (``add_documents`` with some ``Document.id`` unset: a
+    ``Document``'s id may be either) gets a fresh UUID, as does every row when ``ids`` is None
+    (LangChain's in-memory store does the same).
 
     Raises:
         TypeError: ``texts`` or ``ids`` is a single string, or a text is not a string.
@@ -133,8 +135,25 @@ def to_rows(
         given = list(ids)
         if len(given) != n:
             raise ValueError(f"ids has {len(given)} entries but texts has {n}")
-        id_list = [uuid.uuid4().hex if x is None else x for x in given]
+        id_list = [uuid.uuid4().hex if x is None or x == "" else x for x in given]
     return Rows(id_list, text_list, metas)
+
+
+def findable(ids: Sequence[str]) -> list[str]:
+    """``ids`` less those no row can have (empty, over ``MAX_ID_BYTES`` bytes of UTF-8, not
+    UTF-8 at all): ``get_by_ids`` and ``delete`` treat them as not found, as LangChain's
+    contract asks of ids that are not stored, where the client refuses them as arguments.
+    Anything not a string is left in, for the client's error."""
+    if isinstance(ids, str):
+        raise TypeError("ids must be a list of strings, not one string")
+    return [x for x in ids if not isinstance(x, str) or _storable(x)]
+
+
+def _storable(x: str) -> bool:
+    try:
+        return 0 < len(x.encode()) <= MAX_ID_BYTES
+    except UnicodeEncodeError:
+        return False
 
 
 def as_matrix(vectors: Any, n: int, what: str) -> np.ndarray:

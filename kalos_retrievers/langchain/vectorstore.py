@@ -18,7 +18,7 @@ from ..degrade import time_left
 from ..filters import validate_filter
 from ..results import RecallResult
 from ..scores import relevance_fn
-from ._convert import Rows, as_matrix, docs_of, mmr_of, scored_of, to_document, to_rows
+from ._convert import Rows, as_matrix, docs_of, findable, mmr_of, scored_of, to_document, to_rows
 
 if TYPE_CHECKING:
     from .retriever import KalosVectorStoreRetriever
@@ -327,7 +327,8 @@ class KalosVectorStore(VectorStore):
     def get_by_ids(
         self, ids: Sequence[str], /, *, namespace: str | None = None, timeout: float | None = None
     ) -> list[Document]:
-        """The stored documents of ``ids``, in that order; ids not found are skipped."""
+        """The stored documents of ``ids``, in that order; ids not found are skipped (as are
+        ids no row can have: empty, or over 512 bytes)."""
         return self._get(ids, namespace, self._deadline(timeout))
 
     async def aget_by_ids(
@@ -778,12 +779,17 @@ class KalosVectorStore(VectorStore):
         self, ids: Sequence[str] | None, flt: dict[str, Any] | None, namespace: str | None,
         deadline: float,
     ) -> None:  # fmt: skip
-        if ids is not None and not ids:
-            return
+        if ids is not None:
+            ids = findable(ids)
+            if not ids:
+                return
         self.client.delete(ids, namespace=self._ns(namespace), filter=flt,
                            timeout=self._left(deadline))  # fmt: skip
 
     def _get(self, ids: Sequence[str], namespace: str | None, deadline: float) -> list[Document]:
+        ids = findable(ids)
+        if not ids:
+            return []
         records = self.client.get(ids, namespace=self._ns(namespace), timeout=self._left(deadline))
         return [to_document(r) for r in records]
 

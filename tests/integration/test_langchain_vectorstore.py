@@ -88,6 +88,25 @@ def test_ids_given_generated_and_from_documents(store: KalosVectorStore) -> None
     assert store.get_by_ids(["ignored"]) == []
 
 
+
+def test_ids_no_row_can_have_are_not_found_and_empty_ids_are_generated(store: KalosVectorStore) -> None:
+    """LangChain's contract: get_by_ids does not raise for ids that are not found, and delete
+    ignores them; an id no row can have (empty, over 512 bytes, a lone surrogate) is one, not
+    an argument error. A Document's id may be "" as well as None: add_documents gives it a
+    fresh id, as the in-memory store does (it failed: "ids[1]='' must be a non-empty string").
+    Control: the client itself still refuses such ids."""
+    ids = store.add_documents([Document("p", id="x1"), Document("q", id="")])
+    assert ids[0] == "x1" and len(ids[1]) >= 16
+    impossible = ["", "x" * 513, "\ud800"]
+    assert [d.id for d in store.get_by_ids([*impossible, "x1", ids[1]])] == ["x1", ids[1]]
+    assert store.get_by_ids(impossible) == []
+    assert store.delete(impossible) is True and store.delete([*impossible, "x1"]) is True
+    assert [d.id for d in store.get_by_ids(["x1", ids[1]])] == [ids[1]]
+    with pytest.raises(ValueError, match="non-empty string"):
+        store.client.get([""], namespace=store.namespace)
+    with pytest.raises(TypeError, match="not one string"):
+        store.get_by_ids("x1")
+
 def test_same_id_overwrites(store: KalosVectorStore) -> None:
     store.add_texts(["apples are green now"], [{"kind": "changed"}], ids=["t0"])
     assert store.client.count(store.namespace) == len(TEXTS)
