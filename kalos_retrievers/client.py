@@ -815,11 +815,14 @@ class KalosClient:
         docs: bool = True,
         timeout: float | None = None,
     ) -> list[RecallResult]:
-        """:meth:`recall` for many queries at once (one result per query, in order).
+        """:meth:`recall` for many queries at once (one result per query, in order; none for
+        an empty list).
 
         Large batches are split into as few requests as the slot allows; the sidecar answers a
         request's queries with one batched search.
         """
+        if isinstance(queries, list | tuple) and not queries:
+            return []  # (no queries; as an array, shape (0,) would not say its dimension)
         qs = check_vectors(queries, self.dim, "queries")
         if len(qs) == 0:
             return []

@@ -456,3 +456,15 @@ def test_real_results_pickle_with_their_documents(start_sidecar) -> None:
         assert got[1].ids[0] == "r0" and got[0].ids[0] == "r5"
         bare = pickle.loads(pickle.dumps(c.recall(data[0], k=2, docs=False)))
         assert len(bare) == 2 and bare.rows[0] == got[1].rows[0]
+
+
+def test_a_batch_of_no_queries_has_no_results(start_sidecar) -> None:
+    """``recall_batch([])`` raised "queries has shape (0,) ... Use an embedding model with N
+    dimensions" (an empty list has no second axis); it returns [] as an empty (0, dim) array
+    did. Control: an empty array of the wrong dimension is still refused."""
+    sc = start_sidecar(dim=5)
+    with sc.client() as c:
+        assert c.recall_batch([]) == [] and c.recall_batch(()) == []
+        assert c.recall_batch(np.empty((0, 5), np.float32)) == []
+        with pytest.raises(ValueError, match="dim=5"):
+            c.recall_batch(np.empty((0, 4), np.float32))
