@@ -412,7 +412,9 @@ class KalosClient:
         """The ``k`` stored vectors most similar to ``query`` (best first).
 
         Args:
-            query: one vector of the sidecar's dimension.
+            query: one vector of the sidecar's dimension. (Under cosine an all-zero query
+                has no direction: it scores 0 against every row, so which rows come back is
+                arbitrary.)
             k: how many results; fewer come back when fewer rows match.
             namespace: search only this namespace.
             filter: metadata filter (see :mod:`kalos_retrievers.filters`); the result is the
