@@ -438,7 +438,7 @@ class KalosMemory:
         given = {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}
         rest: dict[str, Any] = {}
         for key, value in (filters or {}).items():
-            if key in SCOPE_KEYS and isinstance(value, str):
+            if key in SCOPE_KEYS and isinstance(value, str) and value != "*":  # ("*": present)
                 if given[key] is not None and given[key] != value:
                     raise ValueError(
                         f"{key}={given[key]!r} conflicts with filters[{key!r}]={value!r}"
@@ -561,9 +561,13 @@ def _translate_filter(flt: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in flt.items():
         if key in ("AND", "OR", "$and", "$or"):
+            if not (isinstance(value, list | tuple) and value and all(isinstance(v, Mapping) for v in value)):
+                raise ValueError(f"filters[{key!r}] must be a non-empty list of filters, got {value!r}")
             out["$" + key.lower().lstrip("$")] = [_translate_filter(v) for v in value]
         elif key in ("NOT", "$not"):
             subs = value if isinstance(value, list | tuple) else [value]
+            if not (subs and all(isinstance(v, Mapping) for v in subs)):
+                raise ValueError(f"filters[{key!r}] must be a filter or a non-empty list of filters, got {value!r}")
             any_of = [_translate_filter(v) for v in subs]
             out["$not"] = any_of[0] if len(any_of) == 1 else {"$or": any_of}
         elif isinstance(value, Mapping):

@@ -116,6 +116,12 @@ def test_mem0_style_filters_and_scope_in_filters(memory: KalosMemory) -> None:
     assert texts(got) == {"flight to paris"}
     got = memory.get_all(user_id="alice", filters={"OR": [{"year": 2023}, {"city": "Rome"}]})
     assert texts(got) == {"flight to paris", "flight to rome"}
+    # "*" on a scope key: present (alice's memories made by some agent), within the scope
+    memory.add("flight booked by the planner", user_id="alice", agent_id="planner")
+    memory.add("flight booked for bob", user_id="bob", agent_id="planner")
+    assert texts(memory.get_all(user_id="alice", filters={"agent_id": "*"})) == {"flight booked by the planner"}
+    assert texts(memory.search("flight", user_id="alice", filters={"agent_id": "*"})) == {
+        "flight booked by the planner"}  # fmt: skip
 
 
 ADVERSARIAL_USERS = ["alice", "alice2", "Alice", "alice ", "ali", "alïce", "*", "1", "a.b/c"]

@@ -447,14 +447,14 @@ def test_real_results_pickle_with_their_documents(start_sidecar) -> None:
                  metadatas=[{"i": i, "tag": ["a", i % 3]} for i in range(n)])  # fmt: skip
         got = [c.recall(data[5], k=7), *c.recall_batch(data[:3], k=4), c.recall(data[9], k=3, with_vectors=True)]
         for r in got:
-            back = pickle.loads(pickle.dumps(r))
+            back = pickle.loads(pickle.dumps(r))  # noqa: S301 - our own bytes
             assert len(back) == len(r) and back.ids == r.ids and [h.text for h in back] == [h.text for h in r]
             assert [h.metadata for h in back] == [h.metadata for h in r]
             np.testing.assert_array_equal(back.scores, r.scores)
             np.testing.assert_array_equal(back.rows, r.rows)
-        np.testing.assert_array_equal(pickle.loads(pickle.dumps(got[-1])).vectors, got[-1].vectors)
+        np.testing.assert_array_equal(pickle.loads(pickle.dumps(got[-1])).vectors, got[-1].vectors)  # noqa: S301
         assert got[1].ids[0] == "r0" and got[0].ids[0] == "r5"
-        bare = pickle.loads(pickle.dumps(c.recall(data[0], k=2, docs=False)))
+        bare = pickle.loads(pickle.dumps(c.recall(data[0], k=2, docs=False)))  # noqa: S301
         assert len(bare) == 2 and bare.rows[0] == got[1].rows[0]
 
 

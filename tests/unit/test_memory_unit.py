@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import pytest
@@ -73,11 +74,34 @@ def test_scope_filter_cannot_be_widened(memory: KalosMemory) -> None:
     flt = validate_filter(memory._scoped_filter("bob", None, None, attempts[0]))
     assert matches(flt, bob)
     with pytest.raises(ValueError, match="conflicts"):
-        memory._scoped_filter("bob", None, None, {"user_id": "*"})
-    # mem0's "*" is not a wildcard for a scope key: it is the literal user "*"
-    flt = validate_filter(memory._scoped_filter(None, None, None, {"user_id": "*"}))
-    assert not matches(flt, alice)
-    assert matches(flt, {"user_id": "*"})
+        memory._scoped_filter("bob", None, None, {"user_id": "alice"})
+    # mem0's "*" ("present") on a scope key is a condition within the scope, not a scope
+    flt = validate_filter(memory._scoped_filter("bob", None, None, {"user_id": "*"}))
+    assert matches(flt, bob) and not matches(flt, alice)
+    with pytest.raises(ValueError, match="at least one of user_id"):
+        memory._scoped_filter(None, None, None, {"user_id": "*"})
+    # the literal user "*" is still a scope, given as the argument
+    flt = validate_filter(memory._scoped_filter("*", None, None, None))
+    assert matches(flt, {"user_id": "*"}) and not matches(flt, alice)
+
+
+def test_a_star_on_a_scope_key_means_present(memory: KalosMemory) -> None:
+    """``filters={"agent_id": "*"}`` with ``user_id="alice"``: alice's memories that have an
+    agent (mem0's wildcard, and what KalosMemory's docstring promises); it was read as the
+    literal agent "*" and matched nothing."""
+    flt = validate_filter(memory._scoped_filter("alice", None, None, {"agent_id": "*"}))
+    assert matches(flt, {"user_id": "alice", "agent_id": "planner"})
+    assert not matches(flt, {"user_id": "alice"})
+    assert not matches(flt, {"user_id": "bob", "agent_id": "planner"})
+
+
+@pytest.mark.parametrize("bad", [{"AND": {"a": 1}}, {"OR": []}, {"$or": ["a"]}, {"NOT": "a"}, {"NOT": []}])
+def test_malformed_boolean_filters_are_refused_by_name(bad: dict[str, Any]) -> None:
+    """AND/OR need a list of filters and NOT a filter or a list of them: given a dict or a
+    string they raised a bare AttributeError from inside the translation."""
+    key = next(iter(bad))
+    with pytest.raises(ValueError, match=re.escape(f"filters[{key!r}] must be")):
+        _translate_filter(bad)
 
 
 def test_scope_from_filters_only() -> None:
