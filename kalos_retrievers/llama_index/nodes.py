@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from llama_index.core.schema import BaseNode, MetadataMode, TextNode
+from llama_index.core.schema import BaseNode, Document, MetadataMode, TextNode
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 
 from .filters import NODE_ID_KEY
@@ -55,4 +55,11 @@ def row_to_node(text: str, metadata: Mapping[str, Any], row_id: str | None = Non
     if "_node_content" not in metadata:  # a row LlamaIndex did not write
         md = {key: value for key, value in metadata.items() if key != NODE_ID_KEY}
         return TextNode(text=text, metadata=md, **({"id_": row_id} if row_id is not None else {}))
+    if metadata.get("_node_type") == Document.class_name():
+        # (metadata_dict_to_node knows Node, IndexNode and ImageNode, and reads anything else,
+        # a Document included, as a TextNode)
+        doc = Document.from_json(metadata["_node_content"])
+        if text:
+            doc.set_content(text)
+        return doc
     return metadata_dict_to_node(dict(metadata), text=text or None)

@@ -20,6 +20,7 @@ from llama_index.core.vector_stores.types import (
 
 from ..client import KalosClient
 from ..degrade import Degrader
+from ..filters import matches, validate_filter
 from ..results import Hit, Record
 from .degradation import call_degrading, time_left
 from .filters import to_kalos_filter
@@ -268,13 +269,14 @@ class KalosVectorStore(BasePydanticVectorStore):
         if node_ids is not None and len(node_ids) == 0:
             return []
         records: list[Record]
-        if to_kalos_filter(filters) is None and node_ids is not None:
-            records = self._client.get(node_ids, namespace=self.namespace)
-            return [row_to_node(r.text, r.metadata, r.id) for r in records]
-        records = self._scan(to_kalos_filter(filters, node_ids=node_ids))
         if node_ids is not None:
-            by_id = {r.id: r for r in records}
-            records = [by_id[i] for i in dict.fromkeys(node_ids) if i in by_id]
+            # by row id (rows written other than by LlamaIndex have no _node_id to filter on),
+            # then the filter, checked here with the sidecar's own semantics
+            records = self._client.get(list(dict.fromkeys(node_ids)), namespace=self.namespace)
+            flt = validate_filter(to_kalos_filter(filters))
+            records = [r for r in records if matches(flt, r.metadata)]
+        else:
+            records = self._scan(to_kalos_filter(filters))
         return [row_to_node(r.text, r.metadata, r.id) for r in records]
 
     def _scan(self, flt: dict[str, Any] | None) -> list[Record]:
@@ -319,10 +321,10 @@ class KalosVectorStore(BasePydanticVectorStore):
         self, query: VectorStoreQuery, deadline: float, **kwargs: Any
     ) -> VectorStoreQueryResult:
         """:meth:`query` without degradation (raises what the client raises)."""
-        if query.mode not in _MODES:
+        if query.mode not in _MODES:  # (a plain string passes VectorStoreQuery unconverted)
             raise ValueError(
                 f"KalosVectorStore supports the query modes 'default' and 'mmr', not "
-                f"{query.mode.value!r}"
+                f"{getattr(query.mode, 'value', query.mode)!r}"
             )
         if query.query_embedding is None:
             raise ValueError("VectorStoreQuery.query_embedding is None; embed the query first")

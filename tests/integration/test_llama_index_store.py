@@ -159,6 +159,11 @@ async def test_rows_written_outside_llama_index_read_as_text_nodes(api: Api) -> 
     assert raw["raw-1"].metadata == {"src": "raw"} and raw["raw-2"].metadata == {}
     assert [n.node_id for n in await api.get_nodes(node_ids=["raw-2", "li-1"])] == ["raw-2", "li-1"]
     assert await api.ids(mf(MetadataFilter(key="src", value="raw"))) == {"raw-1"}
+    # ids and a filter: found by row id (such rows have no _node_id to filter on; they were
+    # missed), the filter checked on what was found
+    raw_only = mf(MetadataFilter(key="src", value="raw"))
+    assert [n.node_id for n in await api.get_nodes(["li-1", "raw-1", "raw-2"], filters=raw_only)] == ["raw-1"]
+    assert [n.node_id for n in await api.get_nodes(["raw-2", "raw-2"], filters=mf())] == ["raw-2"]
 
 
 async def test_nodes_without_text_are_stored(api: Api) -> None:

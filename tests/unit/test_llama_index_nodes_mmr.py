@@ -68,6 +68,9 @@ def test_index_node_and_document_keep_their_type() -> None:
     assert back.node_id == "d1"
     assert back.metadata == {"a": 1}
     assert back.get_content() == "doc text"
+    # a Document comes back a Document, equal to what went in (it came back a TextNode)
+    assert type(back) is Document
+    assert back.model_dump(exclude={"embedding"}) == doc.model_dump(exclude={"embedding"})
 
 
 def _back(node):  # type: ignore[no-untyped-def]

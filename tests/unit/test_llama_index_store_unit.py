@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from llama_index.core.embeddings import MockEmbedding
+from llama_index.core.vector_stores.types import VectorStoreQuery, VectorStoreQueryMode
 
 from kalos_retrievers.llama_index import KalosRetriever, KalosVectorStore
 
@@ -60,3 +63,11 @@ def test_store_needs_a_name() -> None:
 def test_retriever_arguments_are_checked(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         KalosRetriever(KalosVectorStore(NO_SIDECAR), MockEmbedding(embed_dim=3), **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", VectorStoreQueryMode.HYBRID, "sparse"])
+def test_an_unsupported_query_mode_is_named_whether_enum_or_string(mode: Any) -> None:
+    """VectorStoreQuery does not convert a plain string mode: "hybrid" raised AttributeError
+    ('str' object has no attribute 'value') instead of the documented ValueError."""
+    with pytest.raises(ValueError, match=r"'default' and 'mmr', not '(hybrid|sparse)'"):
+        KalosVectorStore(NO_SIDECAR).query(VectorStoreQuery(query_embedding=[1.0, 0.0, 0.0], mode=mode))
