@@ -149,7 +149,11 @@ class KalosStore(BaseStore):
         of an item's vectors); items without vectors follow with ``score=None`` when fewer
         than ``limit`` indexed items match, as in LangGraph's ``InMemoryStore``. Filters with
         ``$eq $ne $gt $gte $lt $lte`` or plain values run in the sidecar; equality on nested
-        objects or lists is checked in this process on the best candidates.
+        objects or lists is checked in this process on the best candidates. When the
+        sidecar's best ``--max-k`` vectors of a namespace hold too few items that pass (a
+        selective nested filter, or ``offset + limit`` above ``--max-k``), that namespace's
+        matching vectors are read and scored in this process: still exact, but a read of
+        the namespace.
 
     Use in a graph:
         .. code-block:: python
@@ -490,15 +494,57 @@ class KalosStore(BaseStore):
                     got = {r.id: r for r in self.client.get(new, namespace=items_ns, timeout=self._left(deadline))}
                     for key in new:
                         r = got.get(key)
-                        ok = r is not None and matches(norm, r.metadata) and _matches(residual, r.metadata)
-                        checked[key] = r if ok else None
+                        checked[key] = r if _passes(r, norm, residual) else None
                 found = [(score, ns, checked[key]) for key, score in keys.items() if checked[key] is not None]
                 if len(found) >= want or len(res) < k or k >= max_k:
                     break
                 k = min(max_k, 4 * k)  # several vectors per item, residual filtering, stale rows
+            if len(found) < want and len(res) >= k:
+                # more vectors match than one recall may return (--max-k), and too few of their
+                # items passed: the items beyond were neither scored nor known to be absent
+                found = self._scored_by_scan(ns, items_ns, vecs_ns, qvec, flt, norm, residual, checked, deadline)
             best.extend(found)  # type: ignore[arg-type]
         best.sort(key=lambda t: -t[0])
         return best[:want]  # type: ignore[return-value]
+
+    def _scored_by_scan(
+        self,
+        ns: tuple[str, ...],
+        items_ns: str,
+        vecs_ns: str,
+        qvec: np.ndarray,
+        flt: dict[str, Any] | None,
+        norm: dict[str, Any] | None,
+        residual: dict[str, Any],
+        checked: dict[str, Record | None],
+        deadline: float,
+    ) -> list[tuple[float, tuple[str, ...], Record]]:
+        """Every matching item of one space by its best vector, scored in this process from
+        the space's matching vector rows (read with their vectors, a page at a time): what a
+        search needs when the sidecar's top ``--max-k`` vectors hold too few passing items."""
+        metric = self.client.metric
+        best: dict[str, float] = {}
+        offset = 0
+        while True:
+            rows = self.client.scan(namespace=vecs_ns, filter=flt, limit=_PAGE_MAX, offset=offset,
+                                    with_vectors=True, timeout=self._left(deadline))  # fmt: skip
+            if rows:
+                scores = _similarities(metric, qvec, np.stack([r.vector for r in rows]))
+                for r, score in zip(rows, scores.tolist(), strict=True):
+                    key = r.id.rsplit("\x00", 1)[0]
+                    if score > best.get(key, -np.inf):
+                        best[key] = score
+            if len(rows) < _PAGE_MAX:
+                break
+            offset += _PAGE_MAX
+        new = [key for key in best if key not in checked]
+        for at in range(0, len(new), _PAGE_MAX):
+            part = new[at : at + _PAGE_MAX]
+            got = {r.id: r for r in self.client.get(part, namespace=items_ns, timeout=self._left(deadline))}
+            for key in part:
+                r = got.get(key)
+                checked[key] = r if _passes(r, norm, residual) else None
+        return [(score, ns, checked[key]) for key, score in best.items() if checked[key] is not None]  # type: ignore[misc]
 
     def _scan_items(
         self,
@@ -561,6 +607,25 @@ def _check_labels(namespace: tuple[str, ...]) -> None:
 
 def _tokenized(paths: Sequence[str]) -> list[tuple[str, Any]]:
     return [(p, p if p == "$" else tokenize_path(p)) for p in paths]
+
+
+def _passes(rec: Record | None, norm: dict[str, Any] | None, residual: dict[str, Any]) -> bool:
+    """Whether an item row exists and its value passes the whole filter (the sidecar's part,
+    normalized, and the part checked here)."""
+    return rec is not None and matches(norm, rec.metadata) and _matches(residual, rec.metadata)
+
+
+def _similarities(metric: str, q: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """Raw scores of stored ``vectors`` (rows) against ``q`` as the sidecar computes them
+    (higher is better): cosine (stored vectors are unit length), inner product, or the negated
+    Euclidean distance. In float64: equal to the sidecar's up to its rounding."""
+    q64, v64 = q.astype(np.float64).ravel(), vectors.astype(np.float64)
+    if metric == "l2":
+        return -np.sqrt(((v64 - q64) ** 2).sum(axis=1))
+    if metric == "cosine":
+        n = float(np.linalg.norm(q64))
+        q64 = q64 / n if n > 0 else q64
+    return v64 @ q64
 
 
 def _n_vectors(rec: Record) -> int:

@@ -238,6 +238,66 @@ async def test_abatch_matches_batch(sidecar: Sidecar) -> None:
     assert await asyn.alist_namespaces(prefix=("z",)) == []
 
 
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_searches_past_one_recall_rank_every_matching_item(
+    metric: str, make_name: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the sidecar's best --max-k vectors of a namespace hold too few passing items (a
+    selective nested filter, or offset + limit above --max-k), the items beyond came back
+    unscored, oldest first, and better matches were dropped; they are scored in this process:
+    the same ranking and scores as a float64 reference (and, under cosine, as InMemoryStore).
+    Control: a search one recall answers reads no vectors."""
+    emb = DeterministicFakeEmbedding(size=DIM)
+    index: Any = {"dims": DIM, "embed": emb, "fields": ["text"]}
+    ref = InMemoryStore(index=index)
+    values = {f"k{i:03}": {"text": f"item {i}", "meta": {"lang": "en" if i % 20 == 3 else "de"}, "n": i % 7}
+              for i in range(203)}  # fmt: skip
+    indexed = {key for i, key in enumerate(values) if i % 50 != 7}
+    with Sidecar(make_name(), dim=DIM, device="cpu", metric=metric, max_k=16, startup_timeout=60.0) as sc:
+        store = KalosStore(sc.name, index=index)
+        for key, value in values.items():
+            for st in (ref, store):
+                st.put(("kb",), key, value, index=None if key in indexed else False)
+        scans: list[int] = []
+        real = KalosStore._scored_by_scan
+
+        def spy(self: KalosStore, *a: Any) -> Any:
+            scans.append(1)
+            return real(self, *a)
+
+        monkeypatch.setattr(KalosStore, "_scored_by_scan", spy)
+        cases: list[tuple[dict[str, Any], Callable[[dict[str, Any]], bool], bool]] = [
+            ({"query": "item 7", "limit": 5, "filter": {"meta": {"lang": "en"}}},
+             lambda v: v["meta"]["lang"] == "en", True),
+            ({"query": "item 150", "limit": 20, "offset": 10}, lambda v: True, True),
+            ({"query": "item 150", "limit": 12, "offset": 6, "filter": {"n": {"$lte": 3}, "meta": {"lang": "de"}}},
+             lambda v: v["n"] <= 3 and v["meta"]["lang"] == "de", True),
+            ({"query": "item 42", "limit": 9}, lambda v: True, False),  # control: one recall
+        ]  # fmt: skip
+        for q, passes, reads in cases:
+            qv = np.array(emb.embed_query(q["query"]), np.float64)
+            scored = []
+            for key in sorted(indexed):
+                if passes(values[key]):
+                    v = np.array(emb.embed_query(values[key]["text"]), np.float64)
+                    if metric == "cosine":
+                        score = float(v @ qv / np.linalg.norm(v) / np.linalg.norm(qv))
+                    else:
+                        score = -float(np.linalg.norm(v - qv))
+                    scored.append((score, key))
+            scored.sort(reverse=True)
+            want = scored[q.get("offset", 0) : q.get("offset", 0) + q["limit"]]
+            scans.clear()
+            got = store.search(("kb",), **q)
+            assert [i.key for i in got] == [key for _, key in want], q
+            for g, (score, _) in zip(got, want, strict=True):
+                assert g.score == pytest.approx(score, abs=1e-4), q
+            assert bool(scans) == reads, q
+            if metric == "cosine":  # (InMemoryStore ranks by cosine whatever the sidecar's metric)
+                assert [i.key for i in ref.search(("kb",), **q)] == [i.key for i in got], q
+        store.close()
+
+
 def test_agrees_with_langgraph_in_memory_store(sidecar: Sidecar) -> None:
     """The same operations on LangGraph's reference store and on Kalos give the same answers:
     ranked results in the same order with the same scores, filtered listings with the same
