@@ -617,14 +617,14 @@ def _passes(rec: Record | None, norm: dict[str, Any] | None, residual: dict[str,
 
 def _similarities(metric: str, q: np.ndarray, vectors: np.ndarray) -> np.ndarray:
     """Raw scores of stored ``vectors`` (rows) against ``q`` as the sidecar computes them
-    (higher is better): cosine (stored vectors are unit length), inner product, or the negated
-    Euclidean distance. In float64: equal to the sidecar's up to its rounding."""
+    (higher is better): cosine, inner product, or the negated Euclidean distance. In float64:
+    equal to the sidecar's up to its rounding (and its float16 storage, on a GPU)."""
     q64, v64 = q.astype(np.float64).ravel(), vectors.astype(np.float64)
     if metric == "l2":
         return -np.sqrt(((v64 - q64) ** 2).sum(axis=1))
-    if metric == "cosine":
-        n = float(np.linalg.norm(q64))
-        q64 = q64 / n if n > 0 else q64
+    if metric == "cosine":  # (the sidecar stores unit vectors; normalized again, at no risk)
+        q64 = q64 / max(float(np.linalg.norm(q64)), 1e-300)
+        v64 = v64 / np.maximum(np.linalg.norm(v64, axis=1, keepdims=True), 1e-300)
     return v64 @ q64
 
 
