@@ -369,6 +369,7 @@ class KalosClient:
         self._conn = None
         self._bell = None
         self._pid = os.getpid()
+        self._process = None  # the parent's sidecar: a child's close() must not stop it
 
     # ------------------------------------------------------------------ info
     @property

@@ -145,3 +145,26 @@ def test_fork_negative_control_without_at_fork_hook(
     assert any("the child used slots" in v for v in out["violations"]), out
     out2 = run_parent_dies_first(sc)
     assert any("was not reclaimed" in v for v in out2["violations"]), out2
+
+
+def _close_in_child(c: KalosClient) -> dict[str, Any]:
+    c.close()
+    return {"closed": True}
+
+
+def test_a_forked_child_closing_a_spawned_client_leaves_the_parents_sidecar() -> None:
+    """A child inherits a spawned client (its ``Sidecar``): its ``close()`` stopped nothing
+    there (the sidecar is not its child) but read the parent's process as exited with 0 and
+    deleted the parent's sidecar log. The child does not own the sidecar: its close releases
+    only its own state. Control: the parent's close does stop the sidecar."""
+    c = KalosClient.spawn(dim=DIM, device="cpu")
+    try:
+        c.upsert(["a"], np.ones((1, DIM), np.float32))
+        sc = c._process
+        assert sc is not None and sc.log_path.exists()
+        assert fork_worker(_close_in_child, c).result() == {"closed": True}
+        assert sc.proc.poll() is None and sc.log_path.exists()
+        assert c.recall(np.ones(DIM, np.float32), k=1).ids == ["a"]
+    finally:
+        c.close()
+    assert sc.proc.poll() is not None  # control: the owner's close stops it
