@@ -106,11 +106,15 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
-        """Create a new segment (fails if the name exists) with mode 0600 whatever the umask.
+        """Create a new segment (fails if the name exists) with mode 0600 whatever the umask,
+        its pages reserved: a /dev/shm without room for it is an error here, where a segment
+        only sized would kill its process with SIGBUS at the first write past the room left
+        (Docker's default /dev/shm is 64 MiB).
 
         Raises:
             FileExistsError: the name is taken.
             PermissionDenied: the system refused (e.g. /dev/shm not writable).
+            OSError: no room for ``size`` bytes (ENOSPC); nothing is left behind.
         """
         try:
             shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=size)
@@ -118,7 +122,15 @@ class Segment:
             raise FileExistsError(name) from None
         except posix_ipc.PermissionsError as e:
             raise PermissionDenied(f"cannot create shared memory {name}: {e}") from None
-        os.fchmod(shm.fd, 0o600)
+        try:
+            os.fchmod(shm.fd, 0o600)
+            os.posix_fallocate(shm.fd, 0, size)
+        except OSError as e:
+            shm.close_fd()
+            unlink_segment(name)
+            if e.errno == errno.ENOSPC:
+                raise OSError(errno.ENOSPC, f"/dev/shm has no room for {name} ({size / 2**20:.1f} MiB)") from None
+            raise
         return cls(shm, size)
 
     def close(self) -> None:

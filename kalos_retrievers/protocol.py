@@ -412,6 +412,16 @@ class HeaderError(Exception):
         self.kind = kind
 
 
+def starting_pid(buf: bytes | memoryview) -> int | None:
+    """The pid in a header the sidecar has written but not yet opened (version 0: it is still
+    loading its rows), else None. For ``kalos-sidecar stop``, which must reach a sidecar that
+    clients cannot use yet; whoever reads it checks that the sidecar's lock is held."""
+    if len(buf) < HEADER_STRUCT.size or bytes(buf[:8]) != MAGIC:
+        return None
+    pid: int = struct.unpack_from("<Q", buf, HEADER_OFFSETS["sidecar_pid"])[0]
+    return pid if 0 < pid < 1 << 31 else None
+
+
 def decode_header(buf: bytes | memoryview, segment_size: int | None = None) -> Header:
     """Decode and check a header.
 

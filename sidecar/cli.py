@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from kalos_retrievers import _ipc
 from kalos_retrievers.errors import KalosError, SidecarTimeout, SidecarUnavailable
-from kalos_retrievers.protocol import DTYPES, METRICS, check_name, segment_name
+from kalos_retrievers.protocol import DTYPES, METRICS, check_name, segment_name, starting_pid
 
 from .server import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ServeConfig, Server, StartError
 
@@ -193,7 +193,24 @@ def _serve(args: argparse.Namespace) -> int:
         # context that is in a sticky error state.
         logging.shutdown()
         os._exit(e.exit_code)
+    except BaseException:  # a bug outside every handler: the segment and semaphores go with it
+        server.close()
+        raise
     return EXIT_OK
+
+
+def _loading_pid(name: str) -> int | None:
+    """The pid of a live sidecar named ``name`` that is still starting (its segment's header
+    written, its lock held), or None."""
+    try:
+        seg = _ipc.Segment.open(segment_name(name), name)
+    except KalosError:
+        return None
+    try:
+        pid = starting_pid(seg.mm)
+        return pid if pid is not None and _ipc.is_locked(seg.fd, _ipc.SIDECAR_LOCK_BYTE) else None
+    finally:
+        seg.close()
 
 
 class _StoppedWhileStarting(BaseException):
@@ -282,8 +299,11 @@ def _stop(args: argparse.Namespace) -> int:
         with _client(args.name, 2.0) as c:
             pid = c.header.sidecar_pid
     except SidecarUnavailable as e:
-        print(f"not running: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        loading = _loading_pid(args.name)  # (clients cannot use it yet: still loading its rows)
+        if loading is None:
+            print(f"not running: {e}", file=sys.stderr)
+            return EXIT_ERROR
+        pid = loading
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:

@@ -58,7 +58,7 @@ from .dispatcher import Dispatcher
 from .index import CpuIndex, FatalDeviceError, Index, IndexCapacityError
 from .service import Service
 from .stats import Stats, thread_sched, time_gc
-from .store import NullStore, SqliteStore, StoreOpenError
+from .store import NullStore, SqliteStore, StoreInUse, StoreOpenError
 
 log = logging.getLogger("kalos.sidecar")
 
@@ -113,6 +113,17 @@ class ServeConfig:
             raise ValueError("--threads must be in [1, 1024]")
         if not 1 <= self.max_k <= 1 << 20:
             raise ValueError(f"--max-k {self.max_k} must be in [1, 1048576]")
+        if self.data_dir is not None and not str(self.data_dir).strip():
+            # (a unit's --data-dir "$DATA_DIR" with the variable unset: refused, not a sidecar
+            # that acknowledges writes it will lose at the next restart)
+            raise ValueError("--data-dir is empty; give a directory, or leave the flag out to run in memory only")
+        if not (isinstance(self.spin_us, int | float) and 0 <= self.spin_us <= 1e9):
+            raise ValueError(f"--spin-us {self.spin_us!r} must be a number of microseconds in [0, 1e9]")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port} must be in [0, 65535]")
+        dev = self.device
+        if dev.startswith("cuda:") and not (dev[5:].isdigit() and dev[5:].isascii()):
+            raise ValueError(f"--device {dev!r}: use auto, cpu, cuda or cuda:N (N a device number)")
         self.layout  # noqa: B018 - validates the geometry
 
     @property
@@ -234,13 +245,14 @@ class Server:
                          os.path.basename(lib))  # fmt: skip
         log.info("backend: %s", index.describe())
         store: SqliteStore | NullStore
-        if cfg.data_dir:
+        if cfg.data_dir is not None:
             try:
                 store = SqliteStore(cfg.data_dir, dim=cfg.dim, metric=cfg.metric,
                                     synchronous=cfg.sync.upper())  # fmt: skip
             except StoreOpenError as e:
                 index.close()
-                raise StartError(str(e), EXIT_STORE) from None
+                # (held by a live sidecar: as for a name in use, fine once that one stops)
+                raise StartError(str(e), EXIT_NAME_IN_USE if isinstance(e, StoreInUse) else EXIT_STORE) from None
             except OSError as e:  # (not a directory, a read-only or missing parent, another user's)
                 index.close()
                 code = EXIT_PERMISSION if isinstance(e, PermissionError) else EXIT_USAGE
@@ -283,6 +295,11 @@ class Server:
                 continue
             except PermissionDenied as e:
                 raise StartError(str(e), EXIT_PERMISSION) from None
+            except OSError as e:  # (no room in /dev/shm: Docker's default is 64 MiB)
+                raise StartError(
+                    f"{e.strerror or e}; give /dev/shm more room (docker run --shm-size, a Kubernetes "
+                    "emptyDir with medium: Memory) or make the segment smaller (fewer --slots, a "
+                    "smaller --payload-kb or --blob-kb)", EXIT_USAGE) from None  # fmt: skip
             if not self._holds_name(seg, name):
                 seg.close()
                 raise StartError(f"another sidecar named {cfg.name!r} is starting at the same "
@@ -349,17 +366,10 @@ class Server:
         name = self.cfg.name
 
         def open_segment(version: int, size: int) -> Any:
-            try:
+            try:  # (its pages reserved: a full /dev/shm is an error here, not a SIGBUS on a write)
                 seg = _ipc.Segment.create(arena_name(name, version), size)
-            except (FileExistsError, PermissionDenied) as e:
+            except (FileExistsError, PermissionDenied, OSError) as e:
                 raise OSError(f"cannot create the document arena {arena_name(name, version)}: {e}") from None
-            try:
-                # reserve its pages now: a full /dev/shm is an error here, not a SIGBUS on a write
-                os.posix_fallocate(seg.fd, 0, size)
-            except OSError:
-                seg.close()
-                _ipc.unlink_segment(arena_name(name, version))
-                raise
             self._arena_segs[version] = seg
             return seg.mm
 
@@ -433,15 +443,9 @@ class Server:
         """Create the carousel's shared segment (``/kalos-NAME-car``; one a dead sidecar of this
         name left was removed at the first publication) and return its map."""
         name = carousel_segment_name(self.cfg.name)
-        try:
+        try:  # (its pages reserved: a full /dev/shm is an error here, not a SIGBUS later)
             seg = _ipc.Segment.create(name, size)
         except (FileExistsError, PermissionDenied, OSError) as e:
-            raise OSError(f"cannot create the carousel's segment {name}: {e}") from None
-        try:
-            os.posix_fallocate(seg.fd, 0, size)  # (a full /dev/shm: an error here, not a SIGBUS later)
-        except OSError as e:
-            seg.close()
-            _ipc.unlink_segment(name)
             raise OSError(f"cannot create the carousel's segment {name}: {e}") from None
         self._car_seg = seg
         return seg.mm

@@ -77,16 +77,23 @@ class Service:
             if not isinstance(lst, list) or len(lst) != n:
                 raise Invalid(Status.BAD_REQUEST, f"{name} must be a list of {n} entries")
         assert ids is not None and texts is not None and metas is not None
+        meta_json = []
         for i in range(n):
-            if not isinstance(ids[i], str) or not ids[i] or len(ids[i].encode()) > MAX_ID_BYTES:
+            if not isinstance(ids[i], str) or not ids[i] or len(_utf8(ids[i], f"ids[{i}]")) > MAX_ID_BYTES:
                 raise Invalid(Status.BAD_REQUEST, f"ids[{i}] must be a non-empty string <= 512 bytes")
             if not isinstance(texts[i], str):
                 raise Invalid(Status.BAD_REQUEST, f"texts[{i}] must be a string")
+            if texts[i]:
+                _utf8(texts[i], f"texts[{i}]")  # (JSON may carry a lone surrogate; UTF-8 may not)
             if not isinstance(metas[i], dict):
                 raise Invalid(Status.BAD_REQUEST, f"metadatas[{i}] must be an object")
             for key, value in metas[i].items():
                 if type(value) is int and not -_FLOAT_MAX <= value <= _FLOAT_MAX:
                     raise Invalid(Status.BAD_REQUEST, f"metadatas[{i}][{key!r}] is an integer beyond float64's range")
+            try:  # (a number JSON read as infinity, 1e400; a lone surrogate in a key or a string)
+                meta_json.append(encode_json(metas[i]) if metas[i] else b"{}")  # (b"{}": encode_json({}))
+            except ValueError as e:
+                raise Invalid(Status.BAD_REQUEST, f"metadatas[{i}] cannot be stored: {e}") from None
         # Copy out of the shared slot first, then check the copy: the client can rewrite the
         # slot at any moment, and a check made on the slot says nothing about a later read.
         vecs = np.array(vectors, dtype=np.float32)
@@ -108,8 +115,7 @@ class Service:
         for i in range(n):
             row = self.rows.lookup(ns_id, ids[i]) if ns_id is not None else None
             created = float(self.rows.created[row]) if row is not None else now
-            meta_json = encode_json(metas[i]) if metas[i] else b"{}"  # (what encode_json({}) gives)
-            batch.append(StoredRow(namespace, ids[i], texts[i], meta_json, vecs[i], created, now))
+            batch.append(StoredRow(namespace, ids[i], texts[i], meta_json[i], vecs[i], created, now))
         self._commit(lambda: self.store.upsert(batch))
         self._apply(batch, metas)
         return n
@@ -371,9 +377,18 @@ class Service:
 
 
 def _namespace(ns: Any) -> str:
-    if not isinstance(ns, str) or len(ns.encode()) > 255:
+    if not isinstance(ns, str) or len(_utf8(ns, "namespace")) > 255:
         raise Invalid(Status.BAD_REQUEST, "namespace must be a string of at most 255 bytes")
     return ns
+
+
+def _utf8(s: str, what: str) -> bytes:
+    """``s`` as UTF-8; a string JSON decoded with a lone surrogate (``"\\ud800"``) has none,
+    and is refused as the request's fault (not an internal error, nor a failed commit)."""
+    try:
+        return s.encode()
+    except UnicodeEncodeError as e:
+        raise Invalid(Status.BAD_REQUEST, f"{what} is not valid Unicode (a lone surrogate at {e.start})") from None
 
 
 def _filter(flt: Any) -> dict[str, Any] | None:

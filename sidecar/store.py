@@ -37,6 +37,11 @@ class StoreOpenError(Exception):
     """The store cannot be used as it is; the message says what to do."""
 
 
+class StoreInUse(StoreOpenError):
+    """Another running sidecar holds the data dir's lock: the store is fine, and usable once
+    that sidecar stops."""
+
+
 @dataclass(frozen=True)
 class StoredRow:
     namespace: str
@@ -106,7 +111,7 @@ class SqliteStore:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise StoreOpenError(
+            raise StoreInUse(
                 f"data dir {self.dir} is in use by another running sidecar; give each sidecar "
                 "its own --data-dir"
             ) from None
@@ -170,6 +175,11 @@ class SqliteStore:
                 f"sidecar was started with --dim {dim} --metric {metric}; start it with the "
                 "stored settings, or use another --data-dir"
             )
+        if not self._has_table("memories"):  # (a Kalos meta table, its rows' table gone)
+            raise StoreOpenError(
+                f"{self.path} has a Kalos meta table but no memories table: the store is "
+                "damaged. Restore it from a backup, or move it away to start empty"
+            )
 
     def _has_table(self, name: str) -> bool:
         q = "SELECT 1 FROM sqlite_master WHERE type='table' AND name=?"
@@ -218,7 +228,16 @@ class SqliteStore:
                                 [(namespace, i) for i in ids])  # fmt: skip
 
     def count(self) -> int:
-        return int(self.db.execute("SELECT count(*) FROM memories").fetchone()[0])
+        """The stored rows.
+
+        Raises:
+            StoreOpenError: SQLite cannot read the table (damage the open's checks missed).
+        """
+        try:
+            return int(self.db.execute("SELECT count(*) FROM memories").fetchone()[0])
+        except sqlite3.DatabaseError as e:
+            raise StoreOpenError(f"{self.path} cannot be read ({e}): the store is corrupt. Restore "
+                                 "it from a backup, or move it away to start empty") from None  # fmt: skip
 
     def load(self, dim: int, batch: int = 10000) -> Iterator[list[StoredRow]]:
         """Every stored row, in batches, each checked against its CRC.

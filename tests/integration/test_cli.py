@@ -168,11 +168,26 @@ def test_in_memory_mode_says_so_and_kill_9_leaves_state_the_next_start_clears(ma
         (["--dim", "4", "--data-dir", __file__], 2, f"--data-dir {__file__} cannot be used: File exists"),
         (["--dim", "4", "--data-dir", "/proc/kalos-no/such"], 2, "--data-dir /proc/kalos-no/such cannot be used"),
         (["--dim", "4", "--lifeline-fd", "987"], 2, "--lifeline-fd 987: [Errno 9] Bad file descriptor"),
+        # an unset variable in a unit's --data-dir "$DATA_DIR": it ran in memory and lost writes
+        (["--dim", "4", "--data-dir", ""], 2, "--data-dir is empty"),
+        # these crashed after "ready" (nan, inf: leaving the segment) or at the bind (a port)
+        (["--dim", "4", "--spin-us", "nan"], 2, "--spin-us nan must be a number of microseconds"),
+        (["--dim", "4", "--spin-us", "inf"], 2, "--spin-us inf must be"),
+        (["--dim", "4", "--spin-us", "-1"], 2, "--spin-us -1.0 must be"),
+        (["--dim", "4", "--metrics-port", "70000"], 2, "--metrics-port 70000 must be in [0, 65535]"),
+        (["--dim", "4", "--metrics-port", "-1"], 2, "--metrics-port -1 must be in [0, 65535]"),
+        (["--dim", "4", "--device", "cuda:abc"], 2, "--device 'cuda:abc': use auto, cpu, cuda or cuda:N"),
+        (["--dim", "4", "--device", "cuda:"], 2, "--device 'cuda:': use"),
+        (["--dim", "4", "--device", "cuda:-1"], 2, "--device 'cuda:-1': use"),
     ],
 )
 def test_bad_flags_exit_2(make_name, args: list[str], code: int, match: str) -> None:
-    r = cli("serve", "--name", make_name(), "--device", "cpu", *args)
+    name = make_name()
+    if "--device" not in args:
+        args = ["--device", "cpu", *args]
+    r = cli("serve", "--name", name, *args)
     assert r.returncode == code and match in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and shm_objects(name) == [], r.stderr
 
 
 @pytest.mark.parametrize(
@@ -277,6 +292,68 @@ def test_sigterm_while_starting_exits_0_and_leaves_nothing(make_name, tmp_path, 
     assert not [p for p in os.listdir("/dev/shm") if name in p], rest
 
 
+def test_stop_reaches_a_sidecar_still_loading(make_name, tmp_path) -> None:
+    """``stop`` found the pid through a client, which a sidecar still loading its rows
+    refuses: it said "not running", exit 1, and the sidecar went on to serve. It reads the pid
+    from the header the sidecar wrote before the load (its lock held). The sidecar is frozen
+    (SIGSTOP) between publishing its segment and loading, so the stop finds it mid-start every
+    time; SIGCONT lets the pending SIGTERM land. Control: a name nobody holds is "not running"."""
+    name = make_name()
+    with KalosClient.spawn(name, dim=8, device="cpu", data_dir=tmp_path) as c:
+        c.upsert([str(i) for i in range(50)], np.random.default_rng().random((50, 8), np.float32))
+    proc = serve(name, "--dim", "8", "--data-dir", str(tmp_path))
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "segment /kalos-" in line:  # (logged after the header is written, before the load)
+            break
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        try:
+            with pytest.raises(SidecarUnavailable, match="still starting up"):
+                KalosClient(name)
+            stopper = subprocess.Popen([*CLI, "stop", name, "--timeout", "30"], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)  # fmt: skip
+            time.sleep(0.5)
+            assert stopper.poll() is None, stopper.communicate()  # (waiting for the frozen sidecar)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        out, err = stopper.communicate(timeout=60)
+        assert stopper.returncode == 0 and f"stopped sidecar {name!r} (pid {proc.pid})" in out, err
+        rest = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 0 and "ready: sidecar" not in rest, rest
+        assert shm_objects(name) == []
+    finally:
+        if proc.poll() is None:  # (a failed run: the sidecar must not outlive the test)
+            proc.terminate()
+            proc.wait(30)
+    r = cli("stop", make_name())
+    assert r.returncode == 1 and "not running" in r.stderr, r.stderr
+
+
+def test_a_data_dir_held_by_another_sidecar_exits_3(make_name, tmp_path) -> None:
+    """A second sidecar on a running one's --data-dir, under its name or another: exit 3 (held
+    by a live sidecar: fine once that one stops, as for a name in use), not 4, which says the
+    store is unusable and which the unit template does not restart. Control: once the first
+    stops, the same command starts."""
+    first_name = make_name()
+    first = serve(first_name, "--dim", "4", "--data-dir", str(tmp_path))
+    try:
+        wait_ready(first_name, first)
+        for name in (first_name, make_name()):
+            r = cli("serve", "--name", name, "--device", "cpu", "--dim", "4", "--data-dir", str(tmp_path))
+            assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+            assert "in use by another running sidecar" in r.stderr or "already running" in r.stderr, r.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(30)
+    again = serve(name, "--dim", "4", "--data-dir", str(tmp_path))
+    try:
+        wait_ready(name, again)
+    finally:
+        again.send_signal(signal.SIGTERM)
+    assert again.wait(30) == 0
+
+
 def test_the_metrics_port_is_held_from_before_the_load(make_name, tmp_path) -> None:
     """A sidecar still loading its rows already holds its --metrics-port (answering 503 until
     ready), so another sidecar given the same port exits 2 at once instead of both binding it
@@ -370,3 +447,36 @@ def test_bench_prints_its_table_and_writes_json(tmp_path) -> None:
         assert 1.0 < thr["client_cpu_us_per_recall"] < 1e5 and thr["client_runqueue_us_per_recall"] >= 0, thr
         assert 0.0 < thr["client_cores"] <= 2.1, thr
     assert set(res["sidecar"]["phases"]) == {"pickup", "search", "answer"}
+
+
+def test_no_room_in_dev_shm_fails_the_start_with_code_2_and_leaves_nothing(make_name, monkeypatch) -> None:
+    """The segment was only sized, never given its pages: in a /dev/shm with less room than
+    the segment (Docker's default is 64 MiB; 16 slots take ~33), the start succeeded and the
+    first write past the room killed the sidecar with SIGBUS (exit -7, no message). The pages
+    are reserved at creation: no room is a usage error naming what to change, and nothing is
+    left. (A full /dev/shm stood in for by posix_fallocate's ENOSPC; the real thing, in a
+    2 MiB tmpfs, is in docs/deployment.md.) Control: with room, the same start serves."""
+    import errno
+
+    from kalos_retrievers.sidecar.server import EXIT_USAGE, ServeConfig, Server, StartError
+
+    real = os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    name = make_name()
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    srv = Server(ServeConfig(name=name, dim=4, device="cpu"))
+    with pytest.raises(StartError, match=r"/dev/shm has no room for /kalos-.* MiB\); give /dev/shm more room") as e:
+        srv.start()
+    assert e.value.exit_code == EXIT_USAGE and shm_objects(name) == []
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    srv = Server(ServeConfig(name=name, dim=4, device="cpu"))
+    srv.start()
+    try:
+        with KalosClient(name, timeout=5) as c:
+            assert c.dim == 4
+    finally:
+        srv.close()
+    assert shm_objects(name) == []

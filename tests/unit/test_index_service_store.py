@@ -12,7 +12,7 @@ import pytest
 from kalos_retrievers.sidecar.index import CpuIndex, IndexCapacityError
 from kalos_retrievers.sidecar.rows import RowTable
 from kalos_retrievers.sidecar.service import Service
-from kalos_retrievers.sidecar.store import NullStore, SqliteStore, StoreOpenError
+from kalos_retrievers.sidecar.store import NullStore, SqliteStore, StoreInUse, StoreOpenError
 from kalos_testing import assert_topk_equal, reference_topk
 
 from kalos_retrievers.protocol import METRICS, Invalid, Status
@@ -218,13 +218,29 @@ def test_compaction_moves_tail_rows_into_holes_without_changing_answers() -> Non
         ({"ids": ["a"], "texts": ["t"], "metadatas": [[]]}, [[1, 0, 0]], Status.BAD_REQUEST, "metadatas"),
         ({"ids": ["a"], "texts": ["t"], "metadatas": [{}], "namespace": 7}, [[1, 0, 0]], Status.BAD_REQUEST,
          "namespace"),
+        # what JSON can carry and UTF-8 or strict JSON cannot (a non-Python client's request):
+        # a lone surrogate was an internal error, or "the store of record failed to commit"
+        ({"ids": ["\ud800"], "texts": ["t"], "metadatas": [{}]}, [[1, 0, 0]], Status.BAD_REQUEST,
+         r"ids\[0\] is not valid Unicode"),
+        ({"ids": ["a", "b"], "texts": ["t", "x\udfff"], "metadatas": [{}, {}]}, [[1, 0, 0], [0, 1, 0]],
+         Status.BAD_REQUEST, r"texts\[1\] is not valid Unicode"),
+        ({"ids": ["a"], "texts": ["t"], "metadatas": [{}], "namespace": "n\ud800"}, [[1, 0, 0]], Status.BAD_REQUEST,
+         "namespace is not valid Unicode"),
+        ({"ids": ["a"], "texts": ["t"], "metadatas": [{"k\ud800": 1}]}, [[1, 0, 0]], Status.BAD_REQUEST,
+         r"metadatas\[0\] cannot be stored"),
+        ({"ids": ["a"], "texts": ["t"], "metadatas": [{"x": float("inf")}]}, [[1, 0, 0]], Status.BAD_REQUEST,
+         r"metadatas\[0\] cannot be stored: Out of range float"),
     ],
 )
-def test_service_rechecks_what_it_reads(args, vecs, status, match) -> None:
-    svc = svc_for(3)
+def test_service_rechecks_what_it_reads(args, vecs, status, match, tmp_path: Path) -> None:
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    svc = svc_for(3, store=st)
     with pytest.raises(Invalid, match=match) as e:
         svc.upsert(args, np.asarray(vecs, np.float32))
-    assert e.value.status == status and svc.rows.live == 0
+    assert e.value.status == status and svc.rows.live == 0 and st.count() == 0
+    assert svc.upsert({"ids": ["ok"], "texts": ["t é"], "metadatas": [{"k": 1.5}]},
+                      np.ones((1, 3), np.float32)) == 1  # (control: the store takes a good one)
+    st.close()
 
 
 # ------------------------------------------------------------------------------ store
@@ -384,7 +400,7 @@ def test_a_zero_row_deep_in_a_bulk_upsert_is_named() -> None:
 
 def test_store_refuses_a_second_sidecar_on_the_same_dir(tmp_path: Path) -> None:
     st = SqliteStore(tmp_path, dim=3, metric="cosine")
-    with pytest.raises(StoreOpenError, match="in use by another running sidecar"):
+    with pytest.raises(StoreInUse, match="in use by another running sidecar"):  # (exit 3, not 4)
         SqliteStore(tmp_path, dim=3, metric="cosine")
     st.close()
     SqliteStore(tmp_path, dim=3, metric="cosine").close()  # released with the first
@@ -399,6 +415,18 @@ def test_store_refuses_other_settings_and_other_schema(tmp_path: Path) -> None:
     db.commit()
     db.close()
     with pytest.raises(StoreOpenError, match="schema version 0"):
+        SqliteStore(tmp_path, dim=3, metric="cosine")
+
+
+def test_store_without_its_memories_table_is_refused_as_damaged(tmp_path: Path) -> None:
+    """A Kalos meta table without the rows' table: refused at open (exit 4); it crashed the
+    start with sqlite3.OperationalError (exit 1, which a supervisor restarts in a loop)."""
+    SqliteStore(tmp_path, dim=3, metric="cosine").close()
+    db = sqlite3.connect(tmp_path / "kalos.sqlite3")
+    db.execute("DROP TABLE memories")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreOpenError, match="no memories table: the store is damaged"):
         SqliteStore(tmp_path, dim=3, metric="cosine")
 
 
