@@ -124,6 +124,12 @@ class ServeConfig:
         dev = self.device
         if dev.startswith("cuda:") and not (dev[5:].isdigit() and dev[5:].isascii()):
             raise ValueError(f"--device {dev!r}: use auto, cpu, cuda or cuda:N (N a device number)")
+        if self.blob_kb < 4:
+            raise ValueError(f"--blob-kb {self.blob_kb} must be >= 4")
+        if self.dim >= 1 and self.payload_kb * 1024 < 4 * self.dim + 128:
+            least = -(-(4 * self.dim + 128) // 1024)
+            raise ValueError(f"--payload-kb {self.payload_kb} cannot hold one query of --dim {self.dim}: "
+                             f"give at least {least}")  # fmt: skip
         self.layout  # noqa: B018 - validates the geometry
 
     @property

@@ -143,19 +143,22 @@ class Service:
 
     def delete(self, args: Mapping[str, Any]) -> int:
         namespace = _namespace(args.get("namespace", ""))
-        ns_id = self.rows.ns_id(namespace)
-        if ns_id is None:
-            return 0
-        if args.get("all") is True:
-            rows = self.rows.rows_of(ns_id)
-        else:
+        every = args.get("all") is True
+        flt = ids = None
+        if not every:  # (checked whatever the namespace holds: a bad request is bad everywhere)
             flt = _filter(args.get("filter"))
             ids = args.get("ids")
             if ids is None and flt is None:
                 raise Invalid(Status.BAD_REQUEST, "delete needs ids, a filter, or all=true")
+            if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
+                raise Invalid(Status.BAD_REQUEST, "ids must be a list of strings")
+        ns_id = self.rows.ns_id(namespace)
+        if ns_id is None:
+            return 0
+        if every:
+            rows = self.rows.rows_of(ns_id)
+        else:
             if ids is not None:
-                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-                    raise Invalid(Status.BAD_REQUEST, "ids must be a list of strings")
                 found = (self.rows.lookup(ns_id, i) for i in ids)
                 rows = np.array(sorted({r for r in found if r is not None}), np.int64)
             else:
@@ -359,12 +362,14 @@ class Service:
 
     def count(self, args: Mapping[str, Any]) -> int:
         namespace = args.get("namespace")
+        flt = _filter(args.get("filter"))
         if namespace is None:
+            if flt is not None:
+                raise Invalid(Status.BAD_REQUEST, "a count with a filter needs a namespace")
             return self.rows.live
         ns_id = self.rows.ns_id(_namespace(namespace))
         if ns_id is None:
             return 0
-        flt = _filter(args.get("filter"))
         if flt is None:
             return self.rows.ns_count[ns_id]
         rows = self.rows.rows_of(ns_id)

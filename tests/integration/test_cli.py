@@ -179,6 +179,9 @@ def test_in_memory_mode_says_so_and_kill_9_leaves_state_the_next_start_clears(ma
         (["--dim", "4", "--device", "cuda:abc"], 2, "--device 'cuda:abc': use auto, cpu, cuda or cuda:N"),
         (["--dim", "4", "--device", "cuda:"], 2, "--device 'cuda:': use"),
         (["--dim", "4", "--device", "cuda:-1"], 2, "--device 'cuda:-1': use"),
+        # the geometry's errors name the flags, not the layout's fields ("blob_size must be >= 4096")
+        (["--dim", "4", "--blob-kb", "3"], 2, "--blob-kb 3 must be >= 4"),
+        (["--dim", "768", "--payload-kb", "2"], 2, "--payload-kb 2 cannot hold one query of --dim 768: give at least"),
     ],
 )
 def test_bad_flags_exit_2(make_name, args: list[str], code: int, match: str) -> None:

@@ -243,6 +243,25 @@ def test_service_rechecks_what_it_reads(args, vecs, status, match, tmp_path: Pat
     st.close()
 
 
+def test_deletes_and_counts_are_checked_whatever_the_namespace_holds() -> None:
+    """A delete with nothing to delete by, or a bad filter, was answered 0 for a namespace that
+    does not exist and refused for one that does; a count with a filter and no namespace
+    ignored the filter. Both are refused alike now (the Python client never sends them: a
+    non-Python client's request). Control: the good forms still answer."""
+    svc = svc_for(3)
+    put(svc, np.eye(3, dtype=np.float32), ["a", "b", "c"])
+    for ns in ("", "nowhere"):
+        bad = ({"namespace": ns}, {"namespace": ns, "filter": {"x": {"$bogus": 1}}}, {"namespace": ns, "ids": "a"})
+        for args in bad:
+            with pytest.raises(Invalid) as e:
+                svc.delete(args)
+            assert e.value.status == Status.BAD_REQUEST, (ns, args)
+    with pytest.raises(Invalid, match="a count with a filter needs a namespace"):
+        svc.count({"filter": {"x": 1}})
+    assert svc.delete({"namespace": "nowhere", "ids": ["a"]}) == 0 and svc.count({}) == 3
+    assert svc.count({"namespace": "", "filter": {"x": 1}}) == 0 and svc.delete({"namespace": "", "all": True}) == 3
+
+
 # ------------------------------------------------------------------------------ store
 
 
