@@ -429,10 +429,7 @@ def test_store_refuses_other_settings_and_other_schema(tmp_path: Path) -> None:
     SqliteStore(tmp_path, dim=3, metric="cosine").close()
     with pytest.raises(StoreOpenError, match=r"dim=3 metric=cosine.*--dim 4"):
         SqliteStore(tmp_path, dim=4, metric="cosine")
-    db = sqlite3.connect(tmp_path / "kalos.sqlite3")
-    db.execute("UPDATE meta SET value='0' WHERE key='schema_version'")
-    db.commit()
-    db.close()
+    _sql(tmp_path, "UPDATE meta SET value='0' WHERE key='schema_version'")
     with pytest.raises(StoreOpenError, match="schema version 0"):
         SqliteStore(tmp_path, dim=3, metric="cosine")
 
@@ -441,12 +438,17 @@ def test_store_without_its_memories_table_is_refused_as_damaged(tmp_path: Path) 
     """A Kalos meta table without the rows' table: refused at open (exit 4); it crashed the
     start with sqlite3.OperationalError (exit 1, which a supervisor restarts in a loop)."""
     SqliteStore(tmp_path, dim=3, metric="cosine").close()
-    db = sqlite3.connect(tmp_path / "kalos.sqlite3")
-    db.execute("DROP TABLE memories")
-    db.commit()
-    db.close()
+    _sql(tmp_path, "DROP TABLE memories")
     with pytest.raises(StoreOpenError, match="no memories table: the store is damaged"):
         SqliteStore(tmp_path, dim=3, metric="cosine")
+
+
+def _sql(data_dir: Path, statement: str) -> None:
+    """One statement on a closed store's file, committed."""
+    db = sqlite3.connect(data_dir / "kalos.sqlite3")
+    db.execute(statement)
+    db.commit()
+    db.close()
 
 
 def test_store_detects_a_flipped_byte_in_a_vector(tmp_path: Path) -> None:
