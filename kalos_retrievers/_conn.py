@@ -114,6 +114,12 @@ class _Conn:
         self.bell = _ipc.open_semaphore(doorbell_name(name))
         self.owned: list[_Slot] = []
         self.free: list[_Slot] = []
+        # slots whose thread is blocked on its semaphore now (KalosClient._block): close()
+        # leaves the semaphores open while any is, and the last one out closes them (a
+        # semaphore closed under a thread's sem_timedwait crashes the process)
+        self.sleepers: set[int] = set()
+        self._closing = False
+        self._sems_open = True
         self._state_off = 16  # HEADER_OFFSETS["state"]; fixed by the v1 layout
         self._hdr32 = memoryview(seg.mm)[: 4 * _HEADER_WORDS].cast("I")
         self._car_epoch = memoryview(seg.mm)[4 * _CAROUSEL_EPOCH_WORD : 4 * _CAROUSEL_EPOCH_WORD + 8].cast("Q")
@@ -284,23 +290,73 @@ class _Conn:
             return slot
         return None
 
+    @property
+    def closing(self) -> bool:
+        """close() has run (or runs): the connection's slots and semaphores are being given up."""
+        return self._closing
+
+    def wait_slot(self, slot: _Slot, timeout: float) -> bool | None:
+        """Wait up to ``timeout`` s for a post on ``slot``'s semaphore (True: taken), or None
+        when the connection is being closed. Safe against :meth:`close` from another thread:
+        the waiter is registered before it looks at ``_closing``, and close() sets that before
+        it looks at the registered waiters (under the GIL one sees the other), so a semaphore
+        is never closed under a thread blocked on it (that crashed the process: sem_close
+        unmaps what sem_timedwait reads, with the GIL released)."""
+        i = slot.index
+        self.sleepers.add(i)
+        try:
+            if self._closing:
+                return None
+            return _ipc.wait(slot.sem, timeout)
+        finally:
+            self.sleepers.discard(i)
+            if self._closing and not self.sleepers:
+                self.close_semaphores()
+
+    def drain_slot(self, slot: _Slot) -> None:
+        """Take the posts left on ``slot``'s semaphore (answers seen by spinning), as safely
+        against :meth:`close` as :meth:`wait_slot` (a non-blocking take releases the GIL too)."""
+        i = slot.index
+        self.sleepers.add(i)
+        try:
+            if not self._closing:
+                _ipc.drain(slot.sem)
+        finally:
+            self.sleepers.discard(i)
+            if self._closing and not self.sleepers:
+                self.close_semaphores()
+
+    def close_semaphores(self) -> None:
+        """Close the doorbell's and the slots' semaphores, once (close(), or the last thread
+        that was blocked on one when close() ran)."""
+        if not self._sems_open:
+            return
+        self._sems_open = False
+        for s in self.owned:
+            _ipc.close_semaphore(s.sem)
+        _ipc.close_semaphore(self.bell)
+
     def release_slot_lock(self, i: int) -> None:
         with contextlib.suppress(OSError):
             _ipc.unlock(self.seg.fd, _ipc.slot_lock_byte(i))
 
     def close(self) -> None:
         """Give every slot back and unmap. Slots with an abandoned request stay non-FREE: the
-        sidecar reclaims them once it has finished with them."""
+        sidecar reclaims them once it has finished with them; so do slots another thread is
+        in a call on (a close from another thread, or a reconnect after the sidecar died):
+        that call ends with SidecarUnavailable, and its slot's semaphore stays open until it
+        has stopped waiting on it."""
         self.dead = True
+        self._closing = True  # (before the sleepers are looked at: see wait_slot)
+        idle = {id(s) for s in self.free}
         for s in self.owned:
-            if not s.pending:
+            if not s.pending and id(s) in idle:
                 with contextlib.suppress(ValueError, TypeError):
                     s.state[0] = SlotState.FREE
             self.release_slot_lock(s.index)
-            _ipc.close_semaphore(s.sem)
-        self.owned.clear()
+        if not self.sleepers:
+            self.close_semaphores()
         self.free.clear()
-        _ipc.close_semaphore(self.bell)
         self._drop_arena()
         self._states = None
         self._car = None

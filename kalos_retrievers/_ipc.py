@@ -217,14 +217,23 @@ def unlink_semaphore(name: str) -> bool:
     return True
 
 
+_CLOSED: Final = "the connection to the sidecar was closed during the call (the client's close(), or a reconnect)"
+
+
 def wait(sem: posix_ipc.Semaphore, timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds (0: don't block). True when the semaphore was taken."""
+    """Wait up to ``timeout`` seconds (0: don't block). True when the semaphore was taken.
+
+    Raises:
+        SidecarUnavailable: ``sem`` was closed (by another thread's close of the connection).
+    """
     try:
         sem.acquire(timeout if timeout > 0 else 0)
     except posix_ipc.BusyError:
         return False
     except posix_ipc.SignalError:
         return False
+    except posix_ipc.ExistentialError:
+        raise SidecarUnavailable(_CLOSED) from None
     return True
 
 
@@ -236,11 +245,24 @@ def drain(sem: posix_ipc.Semaphore) -> int:
             sem.acquire(0)
         except posix_ipc.BusyError:
             return n
+        except posix_ipc.ExistentialError:
+            raise SidecarUnavailable(_CLOSED) from None
         n += 1
 
 
+def posts(sem: posix_ipc.Semaphore) -> int:
+    """The semaphore's value: posts not taken yet."""
+    try:
+        return int(sem.value)
+    except posix_ipc.ExistentialError:
+        raise SidecarUnavailable(_CLOSED) from None
+
+
 def post(sem: posix_ipc.Semaphore) -> None:
-    sem.release()
+    try:
+        sem.release()
+    except posix_ipc.ExistentialError:
+        raise SidecarUnavailable(_CLOSED) from None
 
 
 def close_semaphore(sem: posix_ipc.Semaphore | None) -> None:

@@ -430,11 +430,14 @@ class KalosClient:
         """
         if namespace == "" and filter is None and not with_vectors and docs:
             plan = self._bell
-            if plan is not None and timeout is None:  # the resident kernel's common recall, whole in C
-                got = plan[12](self, plan, query, k)  # (_fastpath.bell1)
-                if got is not None:
-                    return got if type(got) is RecallResult else self._bell_rest(plan, query, k, *got)
-            res = self._recall_one(query, k, timeout)
+            try:
+                if plan is not None and timeout is None:  # the resident kernel's common recall, whole in C
+                    got = plan[12](self, plan, query, k)  # (_fastpath.bell1)
+                    if got is not None:
+                        return got if type(got) is RecallResult else self._bell_rest(plan, query, k, *got)
+                res = self._recall_one(query, k, timeout)
+            except _NotTaken:  # (a restart since the last call: asked again, of the sidecar there now)
+                res = None
             if res is not None:
                 return res
         q = check_vectors(query, self.dim, "query")
@@ -576,8 +579,8 @@ class KalosClient:
             # an answer the sidecar gave (a request handed back) posts the slot's semaphore,
             # and a wait that saw it by spinning leaves the post: bell1 declines a slot with
             # one, so take it now (one that comes later costs the next recall the usual path)
-            if not slot.pending and slot.sem.value:
-                _ipc.drain(slot.sem)
+            if not slot.pending and _ipc.posts(slot.sem):
+                conn.drain_slot(slot)
             self._release(conn, slot)
         return self._finish_one(conn, rep, q, k, deadline, arena)
 
@@ -765,8 +768,8 @@ class KalosClient:
         within the C spin, or one the C code leaves to Python: see _fastpath.c), for the
         caller to check and split; None when nothing was written (``q`` is not finite, or not
         one contiguous float32 vector)."""
-        if slot.sem.value:  # posts left by responses we saw by spinning (as in _roundtrip)
-            _ipc.drain(slot.sem)
+        if _ipc.posts(slot.sem):  # posts left by responses we saw by spinning (as in _roundtrip)
+            conn.drain_slot(slot)
         slot.seq = seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
         buf, info = arena.fast if arena is not None else _NO_ARENA
         layout, flags = (conn.fast_layout, conn.arena_flags) if arena is not None else (conn.fast_layout_inline, 0)
@@ -1261,6 +1264,12 @@ class KalosClient:
                     if slot is not None:
                         return slot
                 remaining = deadline - time.monotonic()
+                if remaining <= 0 and len(conn.owned) >= self.max_slots and all(s.pending for s in conn.owned):
+                    raise SidecarTimeout(
+                        f"sidecar {self.name!r} has not answered this client's earlier requests, given up at "
+                        f"their deadlines, and they hold all of its {len(conn.owned)} slots (max_slots): is "
+                        "the sidecar paused or overloaded? see `kalos-sidecar stats`"
+                    )
                 if remaining <= 0:
                     raise SidecarBusy(
                         f"no free slot on sidecar {self.name!r} before the deadline: "
@@ -1274,6 +1283,12 @@ class KalosClient:
                     self._waiters -= 1
 
     def _release(self, conn: _Conn, slot: _Slot) -> None:
+        if not slot.pending and slot.state[0] != SlotState.CLAIMED:
+            # a request written and its answer not read: the call was left by an exception
+            # other than a timeout (KeyboardInterrupt, an error in a signal handler) while the
+            # sidecar may still answer it; back in circulation now, the next request written
+            # over it would meet that answer ("response sequence ... does not match")
+            slot.pending = slot.seq
         if slot.pending:
             return  # stays out of circulation until the sidecar has finished with it
         conn.free.append(slot)
@@ -1301,8 +1316,20 @@ class KalosClient:
         timeout: float | None = None,
         deadline: float | None = None,
     ) -> _Reply:
+        """One request and its answer, sent again once, on a new connection, if the sidecar
+        was gone before it took it (:class:`_NotTaken`: a restart since this client's last
+        call; nothing of the request was done, a write included)."""
         if deadline is None:
             deadline = self._deadline(timeout)
+        try:
+            return self._call_once(op, vectors, args, top_k, n_items, flags, deadline)
+        except _NotTaken:
+            if time.monotonic() >= deadline:
+                raise
+            return self._call_once(op, vectors, args, top_k, n_items, flags, deadline)
+
+    def _call_once(self, op: int, vectors: np.ndarray | None, args: bytes, top_k: int, n_items: int, flags: int,
+                   deadline: float) -> _Reply:  # fmt: skip
         conn = self._ensure_conn(deadline)
         if flags & Flag.ARENA_ENTRIES and not conn.arena_flags & Flag.ARENA_ENTRIES:
             # asked with another connection's flags (a restart replaced it meanwhile) and this
@@ -1352,8 +1379,8 @@ class KalosClient:
             if sent is not None:
                 (seq, waited, bell, answered), sent = sent, None
             else:
-                if slot.sem.value:  # posts left by responses we saw by spinning (sem_getvalue)
-                    _ipc.drain(slot.sem)
+                if _ipc.posts(slot.sem):  # posts left by responses we saw by spinning (sem_getvalue)
+                    conn.drain_slot(slot)
                 slot.seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
                 seq = slot.seq
                 REQUEST_STRUCT.pack_into(slot.ctl, REQUEST_OFFSET, seq, op, flags, top_k, n_items,
@@ -1582,7 +1609,7 @@ class KalosClient:
                 slot.pending = seq
                 if not alive:
                     self._drop_conn(conn)
-                    raise SidecarUnavailable(f"sidecar {self.name!r} stopped during the call")
+                    raise _gone(self.name, state[0])
                 raise SidecarTimeout(
                     f"sidecar {self.name!r} did not answer {OP_NAMES.get(_op_of(slot), '?')} "
                     "before the deadline (is it paused or overloaded? see `kalos-sidecar stats`)"
@@ -1593,12 +1620,20 @@ class KalosClient:
                 if left <= 0:
                     return False
                 tick = min(tick, left)
-            if not _ipc.wait(slot.sem, tick) and not conn.sidecar_alive():
+            got = conn.wait_slot(slot, tick)
+            if got is None or (not got and conn.closing):  # (closed under this call: close(), a reconnect)
+                if state[0] in done:
+                    return True
+                slot.pending = seq
+                if self._closed:
+                    raise KalosError(f"this KalosClient was closed during the call to sidecar {self.name!r}")
+                raise SidecarUnavailable(f"sidecar {self.name!r} stopped during the call")
+            if not got and not conn.sidecar_alive():
                 if state[0] in done:  # answered before it said it stops, posted after our wait gave up
                     return True
                 slot.pending = seq
                 self._drop_conn(conn)
-                raise SidecarUnavailable(f"sidecar {self.name!r} stopped during the call")
+                raise _gone(self.name, state[0])
 
     def _observe_wait(self, waited_ns: int) -> None:
         """Learn the typical recall wait: an exponential moving average (1/8 per answer).
@@ -1615,6 +1650,20 @@ class KalosClient:
         if resp.seq != seq:
             raise ProtocolError(f"response sequence {resp.seq} does not match request {seq}")
         return resp
+
+
+class _NotTaken(SidecarUnavailable):
+    """The sidecar was gone before it took the request: its slot still says REQUEST or
+    DOORBELL (the sidecar marks a request BUSY before it does anything with it), so nothing of
+    it was done and it may be sent again, to whichever sidecar holds the name now. What a
+    client meets on its first call after a restart: its connection is to the old segment."""
+
+
+def _gone(name: str, state: int) -> SidecarUnavailable:
+    """The error for a sidecar found gone while a request waited in a slot in ``state``."""
+    if state in (SlotState.REQUEST, SlotState.DOORBELL):
+        return _NotTaken(f"sidecar {name!r} was gone before it took the request (stopped, or restarted)")
+    return SidecarUnavailable(f"sidecar {name!r} stopped during the call")
 
 
 def _op_of(slot: _Slot) -> int:

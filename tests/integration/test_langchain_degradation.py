@@ -108,7 +108,8 @@ async def test_sigkill_mid_call(
     t0 = time.perf_counter()
     try:
         if on_error == "raise":  # negative control: the kill does fail the call
-            with pytest.raises(SidecarUnavailable, match="stopped during the call"):
+            # (the request was never taken, so it is sent again, to nobody: the name's segment is stale)
+            with pytest.raises(SidecarUnavailable, match=r"stopped during the call|is not running"):
                 await call(r, mode)
         else:
             assert await call(r, mode) == []

@@ -30,7 +30,8 @@ def _client() -> KalosClient:
 
 
 def _conn(alive: list[bool]) -> Any:
-    return SimpleNamespace(dead=False, sidecar_alive=lambda: alive[0], carousel_epoch=lambda: 1)
+    return SimpleNamespace(dead=False, closing=False, sidecar_alive=lambda: alive[0], carousel_epoch=lambda: 1,
+                           wait_slot=lambda slot, timeout: client_module._ipc.wait(slot.sem, timeout))  # fmt: skip
 
 
 @pytest.mark.parametrize("answered", [True, False])

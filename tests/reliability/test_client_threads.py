@@ -1,0 +1,181 @@
+"""One client under what a long-running application does to it: threads sharing it while the
+sidecar dies or the client is closed, a call interrupted by a signal, a sidecar restarted
+between two calls.
+
+Pass: the process never crashes, every error is a Kalos error that says what happened, an
+interrupted call's slot waits out of circulation until its answer comes, and the first call
+after a restart is answered by the new sidecar.
+
+Negative controls: with the fixes of session 45 taken out, the threaded scenarios died of
+SIGSEGV (a semaphore closed under another thread's sem_timedwait), the call after an interrupt
+failed with "response sequence ... does not match", and the first call after every restart
+failed with "stopped during the call" (all three seen by running them against the old code).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from reliability._harness import cleanup_ipc
+
+from kalos_retrievers import KalosClient, Sidecar, SidecarTimeout, SidecarUnavailable
+
+pytestmark = pytest.mark.reliability
+
+DIM = 8
+
+# Run in a child process: a crash there is a failed test, not a dead pytest.
+THREADS_AND_DEATH = """
+import faulthandler, os, signal, sys, threading, time
+faulthandler.enable()
+import numpy as np
+from kalos_retrievers import KalosClient, Sidecar, SidecarTimeout, SidecarUnavailable
+name, dim = sys.argv[1], int(sys.argv[2])
+sc = Sidecar(name, dim=dim, device="cpu", slots=8, spin_us=50, startup_timeout=60).start()
+c = KalosClient(name, dim=dim, timeout=2, max_slots=8)
+data = np.random.default_rng(0).standard_normal((3001, dim)).astype(np.float32)
+c.upsert([str(i) for i in range(len(data))], data)
+stop_at, errors, answered = time.monotonic() + 1.2, {}, [0, 0]
+def work(i):
+    while time.monotonic() < stop_at:
+        try:
+            c.recall_batch(data[i : i + 17], k=5)
+            answered[time.monotonic() > killed_at] += 1
+        except KalosError as e:
+            errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
+            time.sleep(0.001)
+        except BaseException as e:
+            errors["NOT KALOS " + type(e).__name__ + ": " + str(e)] = 1
+killed_at = time.monotonic() + 0.3
+threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+for t in threads: t.start()
+time.sleep(0.3)
+sc.kill(signal.SIGKILL)  # (the segment it leaves is cleared by the next start of this name)
+time.sleep(0.3)
+again = Sidecar(name, dim=dim, device="cpu", slots=8, spin_us=50, startup_timeout=60).start()
+until = time.monotonic() + 10
+while True:  # (the threads' failed reconnects may have the client backing off for a while)
+    try:
+        c.upsert([str(i) for i in range(len(data))], data)
+        break
+    except KalosError:
+        assert time.monotonic() < until
+        time.sleep(0.05)
+for t in threads: t.join()
+print("answered before/after the kill", answered, "errors", sorted(errors.items()), flush=True)
+# the client closed while one thread's call waits on a paused sidecar
+os.kill(again.pid, signal.SIGSTOP)
+got = []
+t = threading.Thread(target=lambda: got.append(_try(c)))
+def _try(c):
+    try:
+        return c.recall(data[0], k=1)
+    except BaseException as e:
+        return f"{type(e).__name__}: {e}"
+t.start()
+time.sleep(0.2)
+c.close()
+t.join(10)
+os.kill(again.pid, signal.SIGCONT)
+again.stop()
+print("the call the close cut short:", got[0], flush=True)
+"""
+
+
+def test_threads_sharing_a_client_survive_its_sidecars_death_a_restart_and_a_close(
+    make_name: Callable[[], str],
+) -> None:
+    name = make_name()
+    try:
+        r = subprocess.run([sys.executable, "-P", "-c", textwrap.dedent(THREADS_AND_DEATH), name, str(DIM)],
+                           capture_output=True, text=True, timeout=90)  # fmt: skip
+    finally:
+        cleanup_ipc(name)  # (what a crashed run's sidecars left: the next start would clear it)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert "NOT KALOS" not in r.stdout, r.stdout
+    answered = eval(r.stdout.split("answered before/after the kill ")[1].split(" errors")[0])  # noqa: S307
+    assert answered[0] > 0 and answered[1] > 0, r.stdout  # served before the kill, and by the restart
+    assert "the call the close cut short: KalosError: this KalosClient was closed during the call" in r.stdout, r.stdout
+
+
+def test_an_interrupted_call_keeps_its_slot_until_the_sidecar_answers_it(launch: Callable[..., Sidecar]) -> None:
+    """A KeyboardInterrupt mid-wait (raised here from a SIGALRM handler, as Ctrl-C's SIGINT
+    raises it) used to put the slot straight back: the next request was written over the one
+    the sidecar still held, and failed with "response sequence ... does not match" when the
+    old answer came. The slot now waits out of circulation (one slot only, so every later
+    call needs it back). Control: the same calls on a sidecar that was never paused."""
+    sc = launch()
+    c = KalosClient(sc.name, dim=DIM, timeout=3, max_slots=1)
+    data = np.random.default_rng().standard_normal((33, DIM)).astype(np.float32)
+    c.upsert([str(i) for i in range(33)], data)
+    assert [c.recall(data[i], k=1).ids for i in range(3)] == [["0"], ["1"], ["2"]]  # control
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    os.kill(sc.pid, signal.SIGSTOP)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            c.recall(data[5], k=1)
+        (slot,) = c._conn.owned  # type: ignore[union-attr]
+        assert slot.pending and slot not in c._conn.free  # type: ignore[union-attr]
+        # its one slot held by a request the paused sidecar has not answered: said so, not
+        # "the sidecar's slots are all in use; start it with more --slots"
+        with pytest.raises(SidecarTimeout, match="has not answered this client's earlier requests"):
+            c.recall(data[6], k=1, timeout=0.05)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        os.kill(sc.pid, signal.SIGCONT)
+    got = [c.recall(data[i], k=1).ids for i in range(6, 20)]
+    assert got == [[str(i)] for i in range(6, 20)]
+    c.upsert(["x"], np.ones((1, DIM), np.float32))
+    assert c.count() == 34
+    c.close()
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_the_first_calls_after_a_restart_are_answered_by_the_new_sidecar(
+    launch: Callable[..., Sidecar], how: str
+) -> None:
+    """A client idle across a restart held the old segment: its first call was written there,
+    waited ~20 ms and failed with "stopped during the call", though the request was never
+    taken and the new sidecar was up. It is sent again, once, on a new connection. Control:
+    with no sidecar up, the call fails at once with the reason."""
+    sc = launch()
+    c = KalosClient(sc.name, dim=DIM, timeout=2)
+    c.upsert(["a"], np.ones((1, DIM), np.float32))
+    calls: list[Callable[[], Any]] = [
+        lambda: c.recall(np.ones(DIM, np.float32), k=1),
+        lambda: c.upsert(["b"], np.ones((1, DIM), np.float32)),
+        c.ping,
+        lambda: c.recall_batch(np.ones((3, DIM), np.float32), k=1),
+    ]
+    for i, call in enumerate(calls):
+        if how == "stop":
+            sc.stop()
+        else:
+            sc.kill()
+            sc.proc.wait(10)  # type: ignore[union-attr]
+        sc = launch(name=sc.name)
+        t0 = time.monotonic()
+        call()  # the first call on the old connection
+        assert time.monotonic() - t0 < 1.0
+        assert c.reconnects == i + 1
+    sc.stop()
+    t0 = time.monotonic()
+    with pytest.raises(SidecarUnavailable):
+        c.ping()  # control: with nothing there, the call still fails, and at once
+    assert time.monotonic() - t0 < 1.0
+    c.close()
