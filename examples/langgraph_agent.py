@@ -4,7 +4,7 @@
     python examples/langgraph_agent.py --script examples/data/langgraph_chat.txt
     printf 'I drink tea.\\nWhat do I drink?\\n' | python examples/langgraph_agent.py
 
-Needs the ``langgraph`` extra (``pip install "kalos-retrievers[langgraph]"``). The graph is
+Needs the ``langgraph`` extra (``pip install ".[langgraph]"`` in the checkout). The graph is
 
     START -> recall -> respond -> remember -> END
 
@@ -36,7 +36,7 @@ try:
     from langgraph.graph import END, START, MessagesState, StateGraph
     from langgraph.store.base import BaseStore
 except ImportError:  # pragma: no cover - the message is the point
-    sys.exit('langgraph_agent.py needs LangGraph: pip install "kalos-retrievers[langgraph]"')
+    sys.exit('langgraph_agent.py needs LangGraph: pip install ".[langgraph]" in the Kalos checkout')
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python -P` leaves it off sys.path
 import common

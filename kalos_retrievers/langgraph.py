@@ -176,12 +176,14 @@ class KalosStore(BaseStore):
         name: the sidecar's ``--name``.
         index: LangGraph ``IndexConfig`` for semantic search (``dims``, ``embed``, ``fields``).
         prefix: prefix of this store's sidecar namespaces (several stores can share a sidecar).
-        timeout: deadline of each sidecar call, in seconds.
+        timeout: deadline of a search in seconds (all the sidecar calls it makes), also with
+            ``client=``; every other call has the client's (without ``client=``: this one;
+            default 2 s).
         on_error: ``"empty"`` (searches degrade) or ``"raise"``.
         client: an existing :class:`~kalos_retrievers.KalosClient` to share.
     """
 
-    __slots__ = ("_fields", "_put_lock", "client", "degrader", "embeddings", "index_config", "prefix")
+    __slots__ = ("_fields", "_put_lock", "client", "degrader", "embeddings", "index_config", "prefix", "timeout")
 
     def __init__(
         self,
@@ -189,17 +191,20 @@ class KalosStore(BaseStore):
         *,
         index: IndexConfig | None = None,
         prefix: str = "langgraph",
-        timeout: float = 2.0,
+        timeout: float | None = None,
         on_error: Literal["empty", "raise"] = "empty",
         client: KalosClient | None = None,
     ) -> None:
         if client is None:
             if name is None:
                 raise ValueError("KalosStore needs the sidecar's name (or a client=)")
-            client = KalosClient(name, timeout=timeout, lazy=True)
+            client = KalosClient(name, timeout=2.0 if timeout is None else timeout, lazy=True)
+        if timeout is not None and not (isinstance(timeout, int | float) and 0 < timeout < 1e9):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or None")
         if not prefix or "/" in prefix or len(prefix.encode()) > 32:
             raise ValueError(f"prefix={prefix!r} must be 1-32 bytes without '/'")
         self.client = client
+        self.timeout: float = client.timeout if timeout is None else float(timeout)
         self.prefix = prefix
         self.degrader = Degrader(f"KalosStore(name={client.name!r}, prefix={prefix!r})", on_error)
         # A put reads an item's vector count, then writes: the threads of one store take turns
@@ -247,7 +252,7 @@ class KalosStore(BaseStore):
             qv = await asyncio.gather(*(self.embeddings.aembed_query(q) for q in queries))
             query_vecs = dict(zip(queries, qv, strict=True))
         # Searches take their deadline now: it counts the wait for a worker thread.
-        deadline = time.monotonic() + self.client.timeout
+        deadline = time.monotonic() + self.timeout
         return await asyncio.to_thread(self._execute, ops, doc_vecs, query_vecs, deadline)
 
     # ------------------------------------------------------------------ planning
@@ -405,7 +410,7 @@ class KalosStore(BaseStore):
     # ------------------------------------------------------------------ search
     def _guarded_search(self, op: SearchOp, qvec: Any, deadline: float | None) -> list[SearchItem]:
         if deadline is None:
-            deadline = time.monotonic() + self.client.timeout
+            deadline = time.monotonic() + self.timeout
         try:
             out = self._search(op, qvec, deadline)
         except KalosError as e:

@@ -112,7 +112,9 @@ class KalosMemory:
         name: the sidecar's ``--name``.
         embedding: LangChain ``Embeddings`` or LlamaIndex ``BaseEmbedding``.
         collection: which memory collection of that sidecar (several apps can share one).
-        timeout: deadline of each sidecar call, in seconds.
+        timeout: deadline of a search in seconds (all the sidecar calls it makes), also with
+            ``client=``; every other call has the client's (without ``client=``: this one;
+            default 2 s).
         on_error: ``"empty"`` (search degrades) or ``"raise"``.
         client: an existing :class:`~kalos_retrievers.KalosClient` to share.
     """
@@ -123,17 +125,20 @@ class KalosMemory:
         *,
         embedding: Any,
         collection: str = "memories",
-        timeout: float = 2.0,
+        timeout: float | None = None,
         on_error: Literal["empty", "raise"] = "empty",
         client: KalosClient | None = None,
     ) -> None:
         if client is None:
             if name is None:
                 raise ValueError("KalosMemory needs the sidecar's name (or a client=)")
-            client = KalosClient(name, timeout=timeout, lazy=True)
+            client = KalosClient(name, timeout=2.0 if timeout is None else timeout, lazy=True)
+        if timeout is not None and not (isinstance(timeout, int | float) and 0 < timeout < 1e9):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or None")
         if not isinstance(collection, str) or not collection:
             raise ValueError("collection must be a non-empty string")
         self.client = client
+        self.timeout: float = client.timeout if timeout is None else float(timeout)
         self.embedder = Embedder(embedding)
         self.collection = collection
         self.namespace = f"memory/{collection}"
@@ -253,7 +258,7 @@ class KalosMemory:
         _check_limit(limit)
         flt = self._scoped_filter(user_id, agent_id, run_id, filters)
         vec = self.embedder.query(query)
-        return self._recall(vec, flt, limit, threshold, time.monotonic() + self.client.timeout)
+        return self._recall(vec, flt, limit, threshold, time.monotonic() + self.timeout)
 
     async def asearch(
         self,
@@ -270,7 +275,7 @@ class KalosMemory:
         _check_limit(limit)
         flt = self._scoped_filter(user_id, agent_id, run_id, filters)
         vec = await self.embedder.aquery(query)
-        deadline = time.monotonic() + self.client.timeout  # counts the wait for a thread
+        deadline = time.monotonic() + self.timeout  # counts the wait for a thread
         return await asyncio.to_thread(self._recall, vec, flt, limit, threshold, deadline)
 
     def _recall(

@@ -25,7 +25,8 @@ def open_gpu_index(dim: int, metric: int, ordinal: int, dtype: str) -> Index:
         import cupy
     except ImportError as e:
         raise GpuUnavailable(
-            "CuPy is not installed (pip install 'kalos-retrievers[cuda12]' or '[cuda13]')"
+            "CuPy is not installed (the cuda12 or cuda13 extra: pip install '.[cuda12]' in a Kalos "
+            "checkout, or cupy-cuda12x / cupy-cuda13x)"
         ) from e
     try:
         n = cupy.cuda.runtime.getDeviceCount()

@@ -23,7 +23,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.store.base import BaseStore, GetOp, ListNamespacesOp, PutOp, SearchOp
 from langgraph.store.memory import InMemoryStore
 
-from kalos_retrievers import Sidecar, SidecarTimeout, SidecarUnavailable
+from kalos_retrievers import KalosClient, Sidecar, SidecarTimeout, SidecarUnavailable
 from kalos_retrievers.langgraph import KalosStore
 
 VOCAB = ["python", "rust", "tea", "coffee", "paris", "rome", "dog"]
@@ -504,12 +504,19 @@ async def test_paused_sidecar_searches_degrade_together_and_recover(
     sc = start_sidecar(dim=DIM)
     store = KalosStore(sc.name, index=INDEX, timeout=0.3)
     store.put(("a",), "k", {"text": "tea"})
+    # on a shared client (timeout 2 s) the store's own timeout bounds a search (it was ignored)
+    shared = KalosClient(sc.name, timeout=2.0)
+    on_shared = KalosStore(index=INDEX, timeout=0.3, client=shared)
+    assert KalosStore(index=INDEX, client=shared).timeout == 2.0  # (control: none given, the client's)
     sc.kill(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         many = await asyncio.gather(*(store.asearch(("a",), query="tea") for _ in range(30)))
         assert many == [[]] * 30
         assert time.monotonic() - t0 < 1.0  # one deadline, waiting for threads included
+        t0 = time.monotonic()
+        assert on_shared.search(("a",), query="tea") == []
+        assert time.monotonic() - t0 < 1.0
         with pytest.raises(SidecarTimeout):  # a get is not degraded: not found != unreachable
             store.get(("a",), "k")
     finally:

@@ -18,7 +18,7 @@ import pytest
 from langchain_core.embeddings import Embeddings
 from llama_index.core.base.embeddings.base import BaseEmbedding
 
-from kalos_retrievers import Sidecar, SidecarTimeout, SidecarUnavailable
+from kalos_retrievers import KalosClient, Sidecar, SidecarTimeout, SidecarUnavailable
 from kalos_retrievers.memory import KalosMemory
 
 VOCAB = ["tea", "coffee", "vegetarian", "window", "seat", "flight", "paris", "rome", "dog",
@@ -375,11 +375,19 @@ async def test_search_degrades_while_the_sidecar_is_down(
     sc = start_sidecar(dim=DIM)
     memory = KalosMemory(sc.name, embedding=KeywordEmbeddings(), timeout=0.3)
     strict = KalosMemory(sc.name, embedding=KeywordEmbeddings(), timeout=0.3, on_error="raise")
+    # with a shared client (its timeout 2 s), the memory's own timeout still bounds a search
+    # (it was ignored: the search took the client's 2 s); control: without one, the client's
+    shared = KalosClient(sc.name, timeout=2.0)
+    on_shared = KalosMemory(embedding=KeywordEmbeddings(), timeout=0.3, client=shared)
+    assert on_shared.timeout == 0.3 and KalosMemory(embedding=KeywordEmbeddings(), client=shared).timeout == 2.0
     memory.add("likes tea", user_id="alice")
     sc.kill(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         assert memory.search("tea", user_id="alice") == []
+        assert time.monotonic() - t0 < 1.0
+        t0 = time.monotonic()
+        assert on_shared.search("tea", user_id="alice") == []
         assert time.monotonic() - t0 < 1.0
         with pytest.raises(SidecarTimeout):  # negative control
             strict.search("tea", user_id="alice")
