@@ -9,10 +9,13 @@ client drops its connection and opens a new one.
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import mmap
 import os
 import random
+import signal
+import threading
 from typing import Any, Final
 
 import numpy as np
@@ -101,6 +104,15 @@ class _CarouselView:
         finally:
             shm.close_fd()
         return cls(mm, dim, n)
+
+
+_MAIN: Final = threading.main_thread()
+_sigmask: Final = _signal.pthread_sigmask  # (the C function; see _Conn.wait_slot)
+# the signals held off during a main-thread wait (see _Conn.wait_slot): the asynchronous ones
+_HELD_SIGNALS: Final = frozenset(signal.valid_signals()) - {
+    signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP,
+    signal.SIGABRT, signal.SIGSYS,
+}
 
 
 class _Conn:
@@ -303,11 +315,27 @@ class _Conn:
         is never closed under a thread blocked on it (that crashed the process: sem_close
         unmaps what sem_timedwait reads, with the GIL released)."""
         i = slot.index
-        self.sleepers.add(i)
         try:
+            self.sleepers.add(i)  # (in the try: a signal handler may raise at any step)
             if self._closing:
                 return None
-            return _ipc.wait(slot.sem, timeout)
+            if threading.current_thread() is not _MAIN:
+                return _ipc.wait(slot.sem, timeout)
+            # The main thread runs Python's signal handlers, and posix_ipc runs them inside its
+            # wait when a signal interrupts it, replacing whatever a handler raises (but
+            # KeyboardInterrupt) with its own SignalError: a SIGTERM handler's SystemExit, say,
+            # was lost. Held off for the wait (at most one liveness tick, 20 ms), the signals
+            # arrive after it, and their handlers run, and raise, here.
+            # (The mask read before the try that restores it, and through the C function:
+            # signal.pthread_sigmask is a Python wrapper, at whose entry a handler may raise
+            # before the mask is restored, and a mask left blocked is inherited by every child
+            # process: sidecars started after that ignored SIGTERM.)
+            mask = _sigmask(signal.SIG_BLOCK, ())
+            try:
+                _sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+                return _ipc.wait(slot.sem, timeout)
+            finally:
+                _sigmask(signal.SIG_SETMASK, mask)
         finally:
             self.sleepers.discard(i)
             if self._closing and not self.sleepers:
@@ -317,8 +345,8 @@ class _Conn:
         """Take the posts left on ``slot``'s semaphore (answers seen by spinning), as safely
         against :meth:`close` as :meth:`wait_slot` (a non-blocking take releases the GIL too)."""
         i = slot.index
-        self.sleepers.add(i)
         try:
+            self.sleepers.add(i)
             if not self._closing:
                 _ipc.drain(slot.sem)
         finally:
@@ -346,14 +374,21 @@ class _Conn:
         in a call on (a close from another thread, or a reconnect after the sidecar died):
         that call ends with SidecarUnavailable, and its slot's semaphore stays open until it
         has stopped waiting on it."""
+        if self._closing:  # (once: the descriptor's number may be another's by now)
+            return
         self.dead = True
         self._closing = True  # (before the sleepers are looked at: see wait_slot)
-        idle = {id(s) for s in self.free}
-        for s in self.owned:
-            if not s.pending and id(s) in idle:
+        idle = []
+        while True:  # taken one by one (list.pop is atomic): no thread can take them after this
+            try:
+                idle.append(self.free.pop())
+            except IndexError:
+                break
+        for s in idle:
+            if not s.pending:
                 with contextlib.suppress(ValueError, TypeError):
                     s.state[0] = SlotState.FREE
-            self.release_slot_lock(s.index)
+        # (the slots' locks go with the descriptor, closed below with the segment)
         if not self.sleepers:
             self.close_semaphores()
         self.free.clear()

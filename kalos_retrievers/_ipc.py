@@ -126,8 +126,10 @@ class Segment:
             os.fchmod(shm.fd, 0o600)
             os.posix_fallocate(shm.fd, 0, size)
         except OSError as e:
+            ino = os.fstat(shm.fd).st_ino
             shm.close_fd()
-            unlink_segment(name)
+            if segment_inode(name) == ino:  # (not a rival's, made under the name meanwhile)
+                unlink_segment(name)
             if e.errno == errno.ENOSPC:
                 raise OSError(errno.ENOSPC, f"/dev/shm has no room for {name} ({size / 2**20:.1f} MiB)") from None
             raise
@@ -138,7 +140,8 @@ class Segment:
         with contextlib.suppress(BufferError):
             self.mm.close()
         with contextlib.suppress(posix_ipc.Error, OSError):
-            self.shm.close_fd()
+            self.shm.close_fd()  # (its locks go with it)
+        self.fd = -1  # (the number may be reused by the next open: never lock or unlock through it)
 
 
 def unlink_segment(name: str) -> bool:

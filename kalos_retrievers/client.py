@@ -436,8 +436,11 @@ class KalosClient:
                     if got is not None:
                         return got if type(got) is RecallResult else self._bell_rest(plan, query, k, *got)
                 res = self._recall_one(query, k, timeout)
-            except _NotTaken:  # (a restart since the last call: asked again, of the sidecar there now)
-                res = None
+            except _NotTaken as e:  # (a restart since the last call: asked again, of the sidecar there now)
+                left = e.deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                res, timeout = None, left  # (the general path within what is left of the deadline)
             if res is not None:
                 return res
         q = check_vectors(query, self.dim, "query")
@@ -1283,12 +1286,17 @@ class KalosClient:
                     self._waiters -= 1
 
     def _release(self, conn: _Conn, slot: _Slot) -> None:
-        if not slot.pending and slot.state[0] != SlotState.CLAIMED:
-            # a request written and its answer not read: the call was left by an exception
-            # other than a timeout (KeyboardInterrupt, an error in a signal handler) while the
-            # sidecar may still answer it; back in circulation now, the next request written
-            # over it would meet that answer ("response sequence ... does not match")
+        state = slot.state[0]
+        if not slot.pending and state in _IN_FLIGHT:
+            # a request written and its answer not read: the call ended at its deadline, or
+            # was left by an exception (KeyboardInterrupt, a signal handler's) while the sidecar
+            # may still answer it; back in circulation now, the next request written over it
+            # would meet that answer ("response sequence ... does not match"). Marked here, by
+            # the caller, and not before: another thread's _recover_pending may take it back
+            # from then on, and not while its caller still holds it.
             slot.pending = slot.seq
+        elif state in _ANSWERED:  # an answer not read (a ProtocolError on it): ours to reuse
+            slot.state[0] = SlotState.CLAIMED
         if slot.pending:
             return  # stays out of circulation until the sidecar has finished with it
         conn.free.append(slot)
@@ -1606,10 +1614,9 @@ class KalosClient:
                 alive = conn.sidecar_alive()
                 if state[0] in done:  # (as below: answered just before it said it stops)
                     return True
-                slot.pending = seq
                 if not alive:
                     self._drop_conn(conn)
-                    raise _gone(self.name, state[0])
+                    raise _gone(self.name, state[0], deadline)
                 raise SidecarTimeout(
                     f"sidecar {self.name!r} did not answer {OP_NAMES.get(_op_of(slot), '?')} "
                     "before the deadline (is it paused or overloaded? see `kalos-sidecar stats`)"
@@ -1624,16 +1631,14 @@ class KalosClient:
             if got is None or (not got and conn.closing):  # (closed under this call: close(), a reconnect)
                 if state[0] in done:
                     return True
-                slot.pending = seq
                 if self._closed:
                     raise KalosError(f"this KalosClient was closed during the call to sidecar {self.name!r}")
-                raise SidecarUnavailable(f"sidecar {self.name!r} stopped during the call")
+                raise _gone(self.name, state[0], deadline)  # (another thread's reconnect closed it)
             if not got and not conn.sidecar_alive():
                 if state[0] in done:  # answered before it said it stops, posted after our wait gave up
                     return True
-                slot.pending = seq
                 self._drop_conn(conn)
-                raise _gone(self.name, state[0])
+                raise _gone(self.name, state[0], deadline)
 
     def _observe_wait(self, waited_ns: int) -> None:
         """Learn the typical recall wait: an exponential moving average (1/8 per answer).
@@ -1652,17 +1657,26 @@ class KalosClient:
         return resp
 
 
+_IN_FLIGHT: Final = frozenset({SlotState.REQUEST, SlotState.BUSY, SlotState.DOORBELL})
+_ANSWERED: Final = frozenset({SlotState.RESPONSE, SlotState.ERROR})
+
+
 class _NotTaken(SidecarUnavailable):
     """The sidecar was gone before it took the request: its slot still says REQUEST or
     DOORBELL (the sidecar marks a request BUSY before it does anything with it), so nothing of
-    it was done and it may be sent again, to whichever sidecar holds the name now. What a
-    client meets on its first call after a restart: its connection is to the old segment."""
+    it was done and it may be sent again, to whichever sidecar holds the name now, by
+    ``deadline`` (the call's). What a client meets on its first call after a restart: its
+    connection is to the old segment."""
+
+    def __init__(self, message: str, deadline: float) -> None:
+        super().__init__(message)
+        self.deadline = deadline
 
 
-def _gone(name: str, state: int) -> SidecarUnavailable:
+def _gone(name: str, state: int, deadline: float) -> SidecarUnavailable:
     """The error for a sidecar found gone while a request waited in a slot in ``state``."""
     if state in (SlotState.REQUEST, SlotState.DOORBELL):
-        return _NotTaken(f"sidecar {name!r} was gone before it took the request (stopped, or restarted)")
+        return _NotTaken(f"sidecar {name!r} was gone before it took the request (stopped, or restarted)", deadline)
     return SidecarUnavailable(f"sidecar {name!r} stopped during the call")
 
 

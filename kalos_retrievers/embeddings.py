@@ -4,10 +4,12 @@ and an offline lexical hashing embedder that needs no model and no network.
 :class:`HashingEmbeddings` turns text into a fixed-size vector by hashing its words and
 word bigrams into signed buckets (the "hashing trick"), weighting each feature by a
 sublinear term frequency, and normalizing to unit length. Texts that share words get
-similar vectors; texts that share none are nearly orthogonal. Words are runs of letters and
-digits in any script, case-folded ("Müller" is one word, "straße" and "STRASSE" the same);
-in Chinese and Japanese, written without spaces, each Han or kana character is a feature and
-adjacent pairs are its bigrams. It is deterministic across
+similar vectors; texts that share none are nearly orthogonal. Words are runs of letters,
+digits and combining marks in any script, case-folded and composed ("Müller" is one word in
+either Unicode form, "straße" and "STRASSE" the same); in Chinese and Japanese, written
+without spaces, each Han or kana character is a feature and adjacent pairs are its bigrams.
+(Until session 45 only ASCII letters and digits were read: vectors of other text stored with
+an earlier version differ from this one's, and such rows need embedding again.) It is deterministic across
 processes and machines (BLAKE2b, not Python's salted ``hash``), so vectors stored by one
 process are found by another.
 
@@ -25,6 +27,7 @@ import hashlib
 import itertools
 import math
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -72,7 +75,7 @@ class HashingEmbeddings(Embeddings):
 
     def _features(self, text: str) -> Counter[str]:
         words = []
-        for w in _TOKEN.findall(text.casefold()):
+        for w in _words(text.casefold()):
             if _UNSPACED.search(w):  # split only the unspaced script's characters
                 words.extend(p for p in _UNSPACED.split(w) if p)
             elif w not in _STOP:
@@ -105,6 +108,28 @@ class HashingEmbeddings(Embeddings):
 
     def embed_query(self, text: str) -> list[float]:
         return self.vector(text).tolist()
+
+
+def _words(text: str) -> list[str]:
+    """The words of case-folded ``text``: on ASCII text the regex's; elsewhere, composed
+    (NFC: "Mu" + a combining diaeresis is "Mü") and read character by character, a word being
+    a run of letters, digits and combining marks (the vowel signs of Devanagari or Thai, which
+    the regex's ``\\w`` leaves out and would cut words at)."""
+    if text.isascii():
+        return _TOKEN.findall(text)
+    text = unicodedata.normalize("NFC", text)
+    words, cur = [], []
+    for i, ch in enumerate(text):
+        if ch.isalnum() or (cur and unicodedata.category(ch)[0] == "M"):
+            cur.append(ch)
+        elif ch == "'" and cur and "'" not in cur and text[i + 1 : i + 2].isalpha():
+            cur.append(ch)  # (one "'s" / "'t" kept on, as the regex keeps it)
+        elif cur:
+            words.append("".join(cur))
+            cur = []
+    if cur:
+        words.append("".join(cur))
+    return words
 
 
 class Embedder:

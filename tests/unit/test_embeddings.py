@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import unicodedata
 from collections import Counter
 
 import numpy as np
@@ -44,6 +45,12 @@ def test_words_in_other_scripts_are_features() -> None:
     assert cos("我们的退款政策", "退款政策是什么") > 0.4  # shared characters and character bigrams
     assert cos("STRASSE", "straße") == pytest.approx(1.0)  # case-folded
     assert list(E._features("日本語")) == ["日", "本", "語", "日 本", "本 語"]
+    # combining marks belong to their word, in either Unicode form (they cut words apart:
+    # "Mu" + U+0308 was "mu" and "ller"; a Devanagari word fell into its consonants)
+    nfd = unicodedata.normalize("NFD", "Müller naïve")
+    assert cos(nfd, "Müller naïve") == pytest.approx(1.0)
+    assert list(E._features("हिन्दी भाषा"))[:2] == ["हिन्दी", "भाषा"]
+    assert list(E._features("qu'il dit é"))[:3] == ["qu'il", "dit", "é"]  # ("'" kept on, as for ASCII)
 
 
 def test_vectors_are_unit_deterministic_and_never_zero() -> None:
