@@ -106,7 +106,6 @@ class _CarouselView:
         return cls(mm, dim, n)
 
 
-_MAIN: Final = threading.main_thread()
 _sigmask: Final = _signal.pthread_sigmask  # (the C function; see _Conn.wait_slot)
 # the signals held off during a main-thread wait (see _Conn.wait_slot): the asynchronous ones
 _HELD_SIGNALS: Final = frozenset(signal.valid_signals()) - {
@@ -319,7 +318,7 @@ class _Conn:
             self.sleepers.add(i)  # (in the try: a signal handler may raise at any step)
             if self._closing:
                 return None
-            if threading.current_thread() is not _MAIN:
+            if threading.current_thread() is not threading.main_thread():  # (a fork may change it)
                 return _ipc.wait(slot.sem, timeout)
             # The main thread runs Python's signal handlers, and posix_ipc runs them inside its
             # wait when a signal interrupts it, replacing whatever a handler raises (but
