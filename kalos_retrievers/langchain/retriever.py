@@ -212,15 +212,16 @@ class KalosRetriever(BaseRetriever):
         degrader: Degrader = self.__pydantic_private__["_degrader"]  # type: ignore[index]
         try:
             res = store._recall(vector, k, flt, namespace, store._seconds(timeout))
+            # (with a threshold, the metric is read: from the header, which reconnects if
+            # another thread found the sidecar gone meanwhile, and may fail as the recall may)
+            docs = docs_of(res) if threshold is None else self._documents(res, threshold)
         except Exception as exc:
             if degrade(degrader, exc, store.client.name, run_manager):
                 return []
             raise
         if degrader.in_episode:
             degrader.succeeded()
-        if threshold is None:
-            return docs_of(res)
-        return self._documents(res, threshold)
+        return docs
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
@@ -231,13 +232,14 @@ class KalosRetriever(BaseRetriever):
         degrader: Degrader = self.__pydantic_private__["_degrader"]  # type: ignore[index]
         try:
             res = await store._arecall(vector, k, flt, namespace, timeout)
+            docs = self._documents(res, threshold)  # (as in the sync path: the metric's read may fail too)
         except Exception as exc:
             if await adegrade(degrader, exc, store.client.name, run_manager):
                 return []
             raise
         if degrader.in_episode:
             degrader.succeeded()
-        return self._documents(res, threshold)
+        return docs
 
     def _options(
         self, kwargs: dict[str, Any]

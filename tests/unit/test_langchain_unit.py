@@ -231,3 +231,36 @@ def test_event_payload() -> None:
     assert data == {"retriever": "KalosRetriever(name='m')", "sidecar": "m",
                     "error": "SidecarTimeout", "message": "slow", "first_in_episode": True,
                     "episodes": 1, "degraded_calls": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["invoke", "ainvoke"])
+def test_a_threshold_whose_metric_lookup_fails_degrades_like_the_recall(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a score threshold the retriever reads the sidecar's metric after the recall, from
+    the header, which reconnects when another thread has found the sidecar gone meanwhile: a
+    failure there escaped the degradation (on_error="empty" raised). Control: "raise" raises."""
+    import asyncio
+
+    import numpy as np
+
+    from kalos_retrievers import RecallResult, SidecarUnavailable
+    from kalos_retrievers.protocol import encode_doc
+
+    docs = [encode_doc("a", "text a", b"{}", 1.0, 2.0)]
+    res = RecallResult(np.array([0], np.int32), np.array([0.9], np.float32), docs, None, "")
+
+    def gone(self: KalosClient) -> str:
+        raise SidecarUnavailable("sidecar 'x' stopped during the call")
+
+    monkeypatch.setattr(KalosVectorStore, "_recall", lambda self, *a, **kw: res)
+    monkeypatch.setattr(KalosVectorStore, "_arecall", lambda self, *a, **kw: asyncio.sleep(0, res))
+    monkeypatch.setattr(KalosClient, "metric", property(gone))
+    for on_error in ("empty", "raise"):
+        r = KalosRetriever(embedding=EMB, name=absent_name(), score_threshold=0.5, on_error=on_error)
+        call = r.invoke if mode == "invoke" else (lambda q, r=r: asyncio.run(r.ainvoke(q)))
+        if on_error == "empty":
+            assert call("question") == [] and r.degrader.degraded_calls == 1
+        else:
+            with pytest.raises(SidecarUnavailable):
+                call("question")
