@@ -9,13 +9,10 @@ client drops its connection and opens a new one.
 
 from __future__ import annotations
 
-import _signal
 import contextlib
 import mmap
 import os
 import random
-import signal
-import threading
 from typing import Any, Final
 
 import numpy as np
@@ -106,12 +103,6 @@ class _CarouselView:
         return cls(mm, dim, n)
 
 
-_sigmask: Final = _signal.pthread_sigmask  # (the C function; see _Conn.wait_slot)
-# the signals held off during a main-thread wait (see _Conn.wait_slot): the asynchronous ones
-_HELD_SIGNALS: Final = frozenset(signal.valid_signals()) - {
-    signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP,
-    signal.SIGABRT, signal.SIGSYS,
-}
 
 
 class _Conn:
@@ -318,23 +309,7 @@ class _Conn:
             self.sleepers.add(i)  # (in the try: a signal handler may raise at any step)
             if self._closing:
                 return None
-            if threading.current_thread() is not threading.main_thread():  # (a fork may change it)
-                return _ipc.wait(slot.sem, timeout)
-            # The main thread runs Python's signal handlers, and posix_ipc runs them inside its
-            # wait when a signal interrupts it, replacing whatever a handler raises (but
-            # KeyboardInterrupt) with its own SignalError: a SIGTERM handler's SystemExit, say,
-            # was lost. Held off for the wait (at most one liveness tick, 20 ms), the signals
-            # arrive after it, and their handlers run, and raise, here.
-            # (The mask read before the try that restores it, and through the C function:
-            # signal.pthread_sigmask is a Python wrapper, at whose entry a handler may raise
-            # before the mask is restored, and a mask left blocked is inherited by every child
-            # process: sidecars started after that ignored SIGTERM.)
-            mask = _sigmask(signal.SIG_BLOCK, ())
-            try:
-                _sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
-                return _ipc.wait(slot.sem, timeout)
-            finally:
-                _sigmask(signal.SIG_SETMASK, mask)
+            return _ipc.wait(slot.sem, timeout)
         finally:
             self.sleepers.discard(i)
             if self._closing and not self.sleepers:
@@ -387,17 +362,19 @@ class _Conn:
             if not s.pending:
                 with contextlib.suppress(ValueError, TypeError):
                     s.state[0] = SlotState.FREE
-        # (the slots' locks go with the descriptor, closed below with the segment)
+        # Every slot's lock, now: closing the segment does not drop them (the map keeps a
+        # duplicate of the descriptor until the slots' views into it are gone). Once only, so
+        # the descriptor is still ours: its number is never another connection's here.
+        for s in self.owned:
+            self.release_slot_lock(s.index)
         if not self.sleepers:
             self.close_semaphores()
         self.free.clear()
         self._drop_arena()
         self._states = None
         self._car = None
-        with contextlib.suppress(BufferError):
-            self._hdr32.release()
-        with contextlib.suppress(BufferError):
-            self._car_epoch.release()
+        # (the header's views are not released: another thread still in a call may read them,
+        # the doorbell's and the carousel's words; the map goes when the last view does)
         self.seg.close()
 
 

@@ -140,7 +140,7 @@ class Segment:
         with contextlib.suppress(BufferError):
             self.mm.close()
         with contextlib.suppress(posix_ipc.Error, OSError):
-            self.shm.close_fd()  # (its locks go with it)
+            self.shm.close_fd()
         self.fd = -1  # (the number may be reused by the next open: never lock or unlock through it)
 
 

@@ -582,8 +582,11 @@ class KalosClient:
             # an answer the sidecar gave (a request handed back) posts the slot's semaphore,
             # and a wait that saw it by spinning leaves the post: bell1 declines a slot with
             # one, so take it now (one that comes later costs the next recall the usual path)
-            if not slot.pending and _ipc.posts(slot.sem):
-                conn.drain_slot(slot)
+            try:
+                if not slot.pending and _ipc.posts(slot.sem):
+                    conn.drain_slot(slot)
+            except SidecarUnavailable:
+                pass  # (the connection closed meanwhile: nothing to drain, and the slot is released)
             self._release(conn, slot)
         return self._finish_one(conn, rep, q, k, deadline, arena)
 
