@@ -103,8 +103,6 @@ class _CarouselView:
         return cls(mm, dim, n)
 
 
-
-
 class _Conn:
     def __init__(self, name: str, seg: _ipc.Segment, header: Header) -> None:
         self.name = name

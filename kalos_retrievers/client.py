@@ -1289,17 +1289,18 @@ class KalosClient:
                     self._waiters -= 1
 
     def _release(self, conn: _Conn, slot: _Slot) -> None:
-        state = slot.state[0]
-        if not slot.pending and state in _IN_FLIGHT:
-            # a request written and its answer not read: the call ended at its deadline, or
-            # was left by an exception (KeyboardInterrupt, a signal handler's) while the sidecar
-            # may still answer it; back in circulation now, the next request written over it
-            # would meet that answer ("response sequence ... does not match"). Marked here, by
-            # the caller, and not before: another thread's _recover_pending may take it back
-            # from then on, and not while its caller still holds it.
-            slot.pending = slot.seq
-        elif state in _ANSWERED:  # an answer not read (a ProtocolError on it): ours to reuse
-            slot.state[0] = SlotState.CLAIMED
+        if not slot.pending:
+            state = slot.state[0]
+            if state in _IN_FLIGHT:
+                # a request written and its answer not read: the call ended at its deadline, or
+                # was left by an exception (KeyboardInterrupt, a signal handler's) while the
+                # sidecar may still answer it; back in circulation now, the next request written
+                # over it would meet that answer ("response sequence ... does not match").
+                # Marked here, by the caller, and not before: another thread's
+                # _recover_pending may take it back from then on, not while its caller holds it.
+                slot.pending = slot.seq
+            elif state in _ANSWERED:  # an answer not read (a ProtocolError on it): ours to reuse
+                slot.state[0] = SlotState.CLAIMED
         if slot.pending:
             return  # stays out of circulation until the sidecar has finished with it
         conn.free.append(slot)
