@@ -374,7 +374,7 @@ class Server:
         def open_segment(version: int, size: int) -> Any:
             try:  # (its pages reserved: a full /dev/shm is an error here, not a SIGBUS on a write)
                 seg = _ipc.Segment.create(arena_name(name, version), size)
-            except (FileExistsError, PermissionDenied, OSError) as e:
+            except (PermissionDenied, OSError) as e:  # (FileExistsError among the OSErrors)
                 raise OSError(f"cannot create the document arena {arena_name(name, version)}: {e}") from None
             self._arena_segs[version] = seg
             return seg.mm
@@ -451,7 +451,7 @@ class Server:
         name = carousel_segment_name(self.cfg.name)
         try:  # (its pages reserved: a full /dev/shm is an error here, not a SIGBUS later)
             seg = _ipc.Segment.create(name, size)
-        except (FileExistsError, PermissionDenied, OSError) as e:
+        except (PermissionDenied, OSError) as e:  # (FileExistsError among the OSErrors)
             raise OSError(f"cannot create the carousel's segment {name}: {e}") from None
         self._car_seg = seg
         return seg.mm
