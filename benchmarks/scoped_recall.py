@@ -1,0 +1,109 @@
+"""What a namespace and a filter cost a batch-1 recall, through the client and a real sidecar.
+
+    python -P benchmarks/scoped_recall.py [--device cpu|cuda] [--rows 100000] [--dim 768]
+        [--calls 3000] [--rounds 3] [--out DIR]
+
+The adapters scope their recalls: the agent memory store (``KalosMemory``) always recalls in
+its collection's namespace, usually with a filter on the user or the agent; the LangGraph
+store recalls in a namespace per item prefix; a ``KalosRetriever`` or vector store may be given
+a namespace. The figures elsewhere (``gpu_recall.py``) are all in the default namespace
+without a filter: the path built for speed on both sides (the client's C request, the
+sidecar's C pickup, a GPU sidecar's resident kernel). This times the others beside it.
+
+One sidecar holds ``--rows`` random unit rows twice: once in the default namespace and once in
+namespace ``scoped``, each row with metadata ``{"user": i % 2}``. Cases, each ``client.recall``
+of k = 10, timed in turn for ``--rounds`` rounds of ``--calls`` calls (the same queries):
+
+* ``default``: no namespace, no filter (half of the store's rows);
+* ``namespace``: ``namespace="scoped"`` (the other half: as many rows);
+* ``namespace+filter``: ``namespace="scoped", filter={"user": 1}`` (a quarter);
+* ``filter``: ``filter={"user": 1}`` in the default namespace.
+
+Printed: each case's median over rounds of its p50 and p99 (µs), and the sidecar's phases
+(pickup / search / answer) per path from ``stats()``. ``DIR/scoped_recall.json`` holds every
+round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from kalos_retrievers.sidecar.bench import machine, make_data, normalized_chunks, time_calls
+
+from kalos_retrievers import Sidecar
+
+CASES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "namespace": {"namespace": "scoped"},
+    "namespace+filter": {"namespace": "scoped", "filter": {"user": 1}},
+    "filter": {"filter": {"user": 1}},
+}
+
+
+def load(client: Any, rows: int, dim: int, seed: int, namespace: str) -> float:
+    """``rows`` unit rows (``bench.normalized_chunks``: the same for both namespaces) with
+    metadata ``{"user": i % 2}``; returns the seconds taken."""
+    t0 = time.perf_counter()
+    at = 0
+    for chunk in normalized_chunks(rows, dim, seed, chunk=8192):
+        n = len(chunk)
+        ids = [str(i) for i in range(at, at + n)]
+        client.upsert(ids, chunk, None, [{"user": i % 2} for i in range(at, at + n)], namespace=namespace,
+                      timeout=600)  # fmt: skip
+        at += n
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if a.rows < 20 or a.dim < 1 or a.calls < 1 or a.rounds < 1:
+        p.error("--rows must be at least 20; --dim, --calls and --rounds at least 1")
+    queries = make_data(1024, a.dim, 1)
+    dtype = None if a.device == "cpu" else "float16"
+    out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(sys.argv),
+                           "rows_per_namespace": a.rows, "dim": a.dim, "device": a.device, "rounds": {}}  # fmt: skip
+    with Sidecar(dim=a.dim, device=a.device, dtype=dtype, log_level="WARNING", startup_timeout=300) as sc:
+        with sc.client(timeout=30) as c:
+            out["load_s"] = [round(load(c, a.rows, a.dim, 0, ns), 2) for ns in ("", "scoped")]
+            for name, kw in CASES.items():  # every case's answer checked once: its rows are in scope
+                res = c.recall(queries[0], 10, **kw)
+                assert len(res) == 10, (name, len(res))
+                if "filter" in kw:
+                    assert all(h.metadata["user"] == 1 for h in res), name
+            for r in range(a.rounds):
+                for name, kw in CASES.items():
+                    t = time_calls(lambda i, kw=kw: c.recall(queries[i & 1023], 10, **kw), a.calls, min(200, a.calls))
+                    out["rounds"].setdefault(name, []).append(t)
+                    print(f"round {r} {name:17s} p50 {t['p50_us']:8.2f}  p99 {t['p99_us']:8.2f} µs", file=sys.stderr)
+            st = c.stats()
+            out["sidecar"] = {"latency": st["latency"].get("recall"), "phases": st.get("phases"),
+                              "backend": c.header.backend}  # fmt: skip
+    med = {name: {q: round(float(np.median([t[q] for t in ts])), 2) for q in ("p50_us", "p99_us")}
+           for name, ts in out["rounds"].items()}  # fmt: skip
+    out["median"] = med
+    print(f"{a.rows} rows x {a.dim} per namespace on {a.device} ({out['sidecar']['backend']}); {out['machine']}")
+    print("| case | p50 (µs) | p99 (µs) |\n|---|---|---|")
+    for name, m in med.items():
+        print(f"| {name} | {m['p50_us']} | {m['p99_us']} |")
+    print("sidecar phases:", json.dumps(out["sidecar"]["phases"]))
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "scoped_recall.json").write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
