@@ -75,22 +75,23 @@ def main() -> int:
     dtype = None if a.device == "cpu" else "float16"
     out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(sys.argv),
                            "rows_per_namespace": a.rows, "dim": a.dim, "device": a.device, "rounds": {}}  # fmt: skip
-    with Sidecar(dim=a.dim, device=a.device, dtype=dtype, log_level="WARNING", startup_timeout=300) as sc:
-        with sc.client(timeout=30) as c:
-            out["load_s"] = [round(load(c, a.rows, a.dim, 0, ns), 2) for ns in ("", "scoped")]
-            for name, kw in CASES.items():  # every case's answer checked once: its rows are in scope
-                res = c.recall(queries[0], 10, **kw)
-                assert len(res) == 10, (name, len(res))
-                if "filter" in kw:
-                    assert all(h.metadata["user"] == 1 for h in res), name
-            for r in range(a.rounds):
-                for name, kw in CASES.items():
-                    t = time_calls(lambda i, kw=kw: c.recall(queries[i & 1023], 10, **kw), a.calls, min(200, a.calls))
-                    out["rounds"].setdefault(name, []).append(t)
-                    print(f"round {r} {name:17s} p50 {t['p50_us']:8.2f}  p99 {t['p99_us']:8.2f} µs", file=sys.stderr)
-            st = c.stats()
-            out["sidecar"] = {"latency": st["latency"].get("recall"), "phases": st.get("phases"),
-                              "backend": c.header.backend}  # fmt: skip
+    sc = Sidecar(dim=a.dim, device=a.device, dtype=dtype, log_level="WARNING", startup_timeout=300)
+    with sc, sc.client(timeout=30) as c:
+        out["load_s"] = [round(load(c, a.rows, a.dim, 0, ns), 2) for ns in ("", "scoped")]
+        for name, kw in CASES.items():  # every case's answer checked once: its rows are in scope
+            res = c.recall(queries[0], 10, **kw)
+            assert len(res) == 10, (name, len(res))
+            if "filter" in kw:
+                assert all(h.metadata["user"] == 1 for h in res), name
+            assert all(h.namespace == kw.get("namespace", "") for h in res), name
+        for r in range(a.rounds):
+            for name, kw in CASES.items():
+                t = time_calls(lambda i, kw=kw: c.recall(queries[i & 1023], 10, **kw), a.calls, min(200, a.calls))
+                out["rounds"].setdefault(name, []).append(t)
+                print(f"round {r} {name:17s} p50 {t['p50_us']:8.2f}  p99 {t['p99_us']:8.2f} µs", file=sys.stderr)
+        st = c.stats()
+        out["sidecar"] = {"latency": st["latency"].get("recall"), "phases": st.get("phases"),
+                          "backend": c.header.backend}  # fmt: skip
     med = {name: {q: round(float(np.median([t[q] for t in ts])), 2) for q in ("p50_us", "p99_us")}
            for name, ts in out["rounds"].items()}  # fmt: skip
     out["median"] = med

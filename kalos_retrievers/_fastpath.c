@@ -190,8 +190,10 @@ static int check_query(const Bufs* b, const Layout* lay, long long k, Py_ssize_t
     return all_finite((const char*)b->qb.buf, lay->dim);
 }
 
-/* The request words and the query, before the state word (which the caller stores). */
-static void write_request(char* s, const Layout* lay, const void* q, uint64_t seq, long long k, uint64_t deadline) {
+/* The request words and the query, before the state word (which the caller stores); the
+   args (``alen`` bytes, request1's namespace and filter) are the caller's to write. */
+static void write_request(char* s, const Layout* lay, const void* q, uint64_t seq, long long k, uint64_t deadline,
+                          uint64_t alen) {
     const long long qbytes = 4 * lay->dim;
     memcpy(s + lay->payload, q, (size_t)qbytes);
     st64(s + OFF_SEQ, seq);
@@ -200,7 +202,7 @@ static void write_request(char* s, const Layout* lay, const void* q, uint64_t se
     st32(s + OFF_TOP_K, (uint32_t)k);
     st32(s + OFF_N_ITEMS, 1);
     st64(s + OFF_VEC_LEN, (uint64_t)qbytes);
-    st64(s + OFF_ARGS_LEN, 0);
+    st64(s + OFF_ARGS_LEN, alen);
     st64(s + OFF_DEADLINE, deadline);
 }
 
@@ -260,7 +262,7 @@ static int read_words(PyObject* const* args, unsigned long long* seq, long long*
    the header's doorbell word ``bell`` every CHECK_EVERY_NS, and read the answer (read_answer). */
 static PyObject* exchange(char* s, const Layout* lay, const void* q, uint64_t seq, long long k, uint64_t deadline,
                           uint64_t spin, const uint32_t* bell, PyObject* arena, PyObject* info) {
-    write_request(s, lay, q, seq, k, deadline);
+    write_request(s, lay, q, seq, k, deadline, 0);
     uint32_t* state = (uint32_t*)s;
     uint32_t st = 0;
     uint64_t t0, t1;
@@ -617,31 +619,50 @@ out_h:
 }
 
 PyDoc_STRVAR(request1_doc,
-"request1(slot, query, layout, seq, k, deadline_ns)\n"
+"request1(slot, query, layout, seq, k, deadline_ns[, args])\n"
 "\n"
 "Write a batch-1 recall into ``slot`` as a REQUEST, for the sidecar (whose doorbell semaphore\n"
 "the caller then posts, and whose answer it waits for as usual, then reads with ``answer1``).\n"
-"Returns True once written; None, having written nothing, when ``query`` is not ``dim`` finite\n"
-"float32 values in one C-contiguous buffer (the caller takes its general path).\n");
+"``args``: the recall's args blob (protocol.encode_recall_args: a namespace, a filter), copied\n"
+"after the query at its 8-byte-aligned end; none or empty for the default namespace without a\n"
+"filter. Returns True once written; None, having written nothing, when ``query`` is not ``dim``\n"
+"finite float32 values in one C-contiguous buffer (the caller takes its general path).\n"
+"ValueError when the query and the args do not fit the slot's payload.\n");
 
 static PyObject* request1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "request1 takes 6 arguments");
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "request1 takes 6 or 7 arguments");
         return NULL;
     }
     Layout lay;
     unsigned long long seq, deadline;
     long long k;
     if (read_layout(args[2], &lay) < 0 || read_words(args + 3, &seq, &k, &deadline) < 0) return NULL;
+    Py_buffer ab = {0};
+    int has_a = 0;
+    if (nargs == 7) {
+        if (PyObject_GetBuffer(args[6], &ab, PyBUF_SIMPLE) < 0) return NULL;
+        has_a = 1;
+    }
     Bufs b;
-    int got = get_slot_query(args[0], args[1], &b);
-    if (got <= 0) return got < 0 ? NULL : Py_NewRef(Py_None);
     PyObject* result = NULL;
+    int got = get_slot_query(args[0], args[1], &b);
+    if (got <= 0) {
+        if (got == 0) result = Py_NewRef(Py_None);
+        goto out;
+    }
     int ok = check_query(&b, &lay, k, -1);
+    /* the args at the query's 8-byte-aligned end, within the payload (which ends at the rows) */
+    const long long at = lay.payload + ((4 * lay.dim + 7) & ~7LL), alen = has_a ? (long long)ab.len : 0;
+    if (ok > 0 && alen && (lay.rows < lay.payload || at + alen > lay.rows || at + alen > b.sb.len)) {
+        PyErr_SetString(PyExc_ValueError, "request1: the query and the args do not fit the slot's payload");
+        ok = -1;
+    }
     if (ok > 0) {
         char* s = (char*)b.sb.buf;
-        write_request(s, &lay, b.qb.buf, seq, k, deadline);
+        if (alen) memcpy(s + at, ab.buf, (size_t)alen);
+        write_request(s, &lay, b.qb.buf, seq, k, deadline, (uint64_t)alen);
         /* the words above before the state word (a release store: in program order on x86) */
         __atomic_store_n((uint32_t*)s, (uint32_t)ST_REQUEST, __ATOMIC_RELEASE);
         result = Py_NewRef(Py_True);
@@ -649,6 +670,8 @@ static PyObject* request1(PyObject* self, PyObject* const* args, Py_ssize_t narg
         result = Py_NewRef(Py_None);
     }
     release(&b);
+out:
+    if (has_a) PyBuffer_Release(&ab);
     return result;
 }
 

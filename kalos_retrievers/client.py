@@ -290,6 +290,7 @@ class KalosClient:
         self.spin_ns = int(spin_us * 1000)
         self._typical_wait_ns = 0
         self._bell: tuple[Any, ...] | None = None  # _fastpath.bell1's plan for self._conn (_plan_bell)
+        self._ns_args: dict[str, bytes] = {}  # a namespace's recall args without a filter (_scope_args)
         self._typical_car_ns = 0  # the same for recalls written into the carousel's slots
         self.direct_recalls = 0  # recalls the carousel answered through its own slots (KALOS_CAROUSEL=direct)
         self._spin_payoff = 1.0  # share of recent long-wait spins that caught their answer
@@ -428,14 +429,18 @@ class KalosClient:
             ValueError: bad query, k, namespace or filter.
             SidecarUnavailable, SidecarTimeout: the sidecar is gone or too slow.
         """
-        if namespace == "" and filter is None and not with_vectors and docs:
+        if not with_vectors and docs:
             plan = self._bell
             try:
-                if plan is not None and timeout is None:  # the resident kernel's common recall, whole in C
-                    got = plan[12](self, plan, query, k)  # (_fastpath.bell1)
-                    if got is not None:
-                        return got if type(got) is RecallResult else self._bell_rest(plan, query, k, *got)
-                res = self._recall_one(query, k, timeout)
+                if namespace == "" and filter is None:
+                    if plan is not None and timeout is None:  # the resident kernel's common recall, whole in C
+                        got = plan[12](self, plan, query, k)  # (_fastpath.bell1)
+                        if got is not None:
+                            return got if type(got) is RecallResult else self._bell_rest(plan, query, k, *got)
+                    res = self._recall_one(query, k, timeout)
+                else:  # (a namespace or filter the general path would refuse goes there, to say why)
+                    args = self._scope_args(namespace, filter)
+                    res = None if args is None else self._recall_one(query, k, timeout, args, namespace)
             except _NotTaken as e:  # (a restart since the last call: asked again, of the sidecar there now)
                 left = e.deadline - time.monotonic()
                 if left <= 0:
@@ -448,11 +453,34 @@ class KalosClient:
             raise ValueError(f"query has {q.shape[0]} vectors; use recall_batch for several")
         return self._recall(q, k, namespace, filter, with_vectors, docs, timeout)[0]
 
-    def _recall_one(self, query: Any, k: Any, timeout: float | None) -> RecallResult | None:
-        """The common recall (one query, the default namespace, no filter, documents) in
-        fewer steps than :meth:`_recall`; None when anything is unusual (no live connection
-        yet, a fork, no free slot, a bad argument), and the caller takes the general path,
-        which connects, waits for a slot, or raises the argument's error.
+    def _scope_args(self, namespace: str, flt: Mapping[str, Any] | None) -> bytes | None:
+        """The args blob of a recall in ``namespace`` with filter ``flt``
+        (:func:`encode_recall_args`, as :meth:`_recall` makes it), a namespace's without a
+        filter kept; None when either is one the general path refuses (it says why)."""
+        if flt is None and type(namespace) is str:
+            got = self._ns_args.get(namespace)
+            if got is not None:
+                return got
+        try:
+            _check_namespace(namespace)
+            f = None if flt is None else validate_filter(flt)
+            args = encode_recall_args(namespace, encode_json(f) if f else None)
+        except (TypeError, ValueError):
+            return None
+        if flt is None:
+            if len(self._ns_args) >= 1024:  # (a bound for clients that recall in endless namespaces)
+                self._ns_args.clear()
+            self._ns_args[namespace] = args
+        return args
+
+    def _recall_one(self, query: Any, k: Any, timeout: float | None, args: bytes = b"",
+                    namespace: str = "") -> RecallResult | None:  # fmt: skip
+        """The common recall (one query, documents) in fewer steps than :meth:`_recall`;
+        None when anything is unusual (no live connection yet, a fork, no free slot, a bad
+        argument, ``args`` too long for a slot), and the caller takes the general path, which
+        connects, waits for a slot, or raises the argument's error. ``args``: the recall's
+        namespace and filter (:meth:`_scope_args`; empty for the default namespace without a
+        filter, the only recalls the resident kernel and the carousel take).
 
         Every check the general path makes on a good call is made here too, the same way:
         the query's dimension and finiteness, ``k``, the timeout, the response's sequence
@@ -475,7 +503,9 @@ class KalosClient:
         # kernel's recalls, whose documents come from the arena, waited for there too): it
         # checks the query is finite. (x86-64 only, as the spin paths and the arena.)
         fast = _fastpath is not None and _X86
-        bell = fast and arena is not None and k <= conn.doorbell_k()
+        if args and align8(4 * dim) + len(args) > conn.layout.payload_size:
+            return None  # (the general path says it does not fit)
+        bell = fast and arena is not None and not args and k <= conn.doorbell_k()
         if bell and _BELL1 and ((plan := self._bell) is None or plan[0] is not conn or plan[3] is not arena):
             self._plan_bell(conn, arena)  # type: ignore[arg-type]
         if fast and type(query) is np.ndarray and query.ndim == 1 and query.dtype is _F32:
@@ -513,36 +543,40 @@ class KalosClient:
         except IndexError:
             return None
         try:
-            if arena is not None and k <= CAR_KMAX and self.spin_ns and _X86:
+            if arena is not None and not args and k <= CAR_KMAX and self.spin_ns and _X86:
                 car = conn.carousel(slot.index)
                 if car is not None:
                     res = self._recall_direct(conn, car, slot, q, k, deadline)
                     if res is not None:
                         return res
             if fast:
-                rep = self._recall_fast(conn, slot, q, k, deadline, arena, bell)  # type: ignore[arg-type]
+                rep = self._recall_fast(conn, slot, q, k, deadline, arena, bell, args, namespace)  # type: ignore[arg-type]
                 if rep is None:
                     return None  # nothing was written: the general path copies or refuses q
                 if type(rep) is RecallResult:
                     return rep
             else:
                 slot.payload_f32[:dim] = q
+                if args:
+                    a = align8(4 * dim)
+                    slot.payload[a : a + len(args)] = args
                 flags = conn.arena_flags if arena is not None else 0
-                rep = self._roundtrip(conn, slot, Op.RECALL, flags, k, 1, 4 * dim, 0, deadline)
+                rep = self._roundtrip(conn, slot, Op.RECALL, flags, k, 1, 4 * dim, len(args), deadline)
             if rep.status != Status.OK:
                 raise _status_error(rep.status, rep.blob, Op.RECALL)
         finally:
             self._release(conn, slot)
-        return self._finish_one(conn, rep, q, k, deadline, arena)
+        return self._finish_one(conn, rep, q, k, deadline, arena, args, namespace)
 
     def _finish_one(self, conn: _Conn, rep: _Reply, q: np.ndarray, k: int, deadline: float,
-                    arena: ArenaView | None) -> RecallResult:  # fmt: skip
+                    arena: ArenaView | None, args: bytes = b"", namespace: str = "") -> RecallResult:  # fmt: skip
         """:meth:`_recall_one`'s result from an OK answer ``rep`` that Python reads."""
-        res = self._split_one(rep, k, arena if self._conn is conn else None, conn=conn)
+        res = self._split_one(rep, k, arena if self._conn is conn else None, namespace=namespace, conn=conn)
         if res is None:  # a hit's row was rewritten after the search: ask for it inline
             self.arena_retries += 1
-            rep = self._call(Op.RECALL, vectors=q.reshape(1, conn.header.dim), top_k=k, n_items=1, deadline=deadline)
-            res = self._split_one(rep, k, None)
+            rep = self._call(Op.RECALL, vectors=q.reshape(1, conn.header.dim), args=args, top_k=k, n_items=1,
+                             deadline=deadline)  # fmt: skip
+            res = self._split_one(rep, k, None, namespace=namespace)
             assert res is not None
         return res
 
@@ -756,7 +790,8 @@ class KalosClient:
                 _fastpath.car_wait1(spin[0], spin[1], min(spin_until, next_check))
 
     def _recall_fast(
-        self, conn: _Conn, slot: _Slot, q: np.ndarray, k: int, deadline: float, arena: ArenaView | None, bell: bool
+        self, conn: _Conn, slot: _Slot, q: np.ndarray, k: int, deadline: float, arena: ArenaView | None, bell: bool,
+        args: bytes = b"", namespace: str = "",
     ) -> RecallResult | _Reply | None:
         """:meth:`_recall_one`'s exchange in C (the slot in hand, released by the caller).
 
@@ -773,7 +808,8 @@ class KalosClient:
         answer as a :class:`_Reply` when it was written and then read by Python (the answer not
         within the C spin, or one the C code leaves to Python: see _fastpath.c), for the
         caller to check and split; None when nothing was written (``q`` is not finite, or not
-        one contiguous float32 vector)."""
+        one contiguous float32 vector). ``args``: the namespace and filter (not with ``bell``),
+        which request1 writes after the query; ``namespace`` goes into the result."""
         if _ipc.posts(slot.sem):  # posts left by responses we saw by spinning (as in _roundtrip)
             conn.drain_slot(slot)
         slot.seq = seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
@@ -786,9 +822,10 @@ class KalosClient:
             if out is None and not q.flags.c_contiguous:  # a strided view: its copy, as on the Python path
                 out = _fastpath.recall1(slot.mem, np.ascontiguousarray(q), *args)
         else:
-            out = _fastpath.request1(slot.mem, q, layout, seq, k, deadline_ns)
+            a = (args,) if args else ()  # (an extension built before args took 6 arguments)
+            out = _fastpath.request1(slot.mem, q, layout, seq, k, deadline_ns, *a)
             if out is None and not q.flags.c_contiguous:
-                out = _fastpath.request1(slot.mem, np.ascontiguousarray(q), layout, seq, k, deadline_ns)
+                out = _fastpath.request1(slot.mem, np.ascontiguousarray(q), layout, seq, k, deadline_ns, *a)
             if out is not None:
                 _ipc.post(conn.bell)
                 t_sent = time.monotonic_ns()
@@ -796,24 +833,25 @@ class KalosClient:
                 waited = time.monotonic_ns() - t_sent
                 out = _fastpath.answer1(slot.mem, layout, seq, k, waited, buf, info)
                 if out is None:  # an answer C leaves to Python: read (and continued) there, not waited for again
-                    return self._roundtrip(conn, slot, Op.RECALL, flags, k, 1, 4 * conn.header.dim, 0, deadline,
-                                           sent=(seq, waited, False, True))  # fmt: skip
+                    return self._roundtrip(conn, slot, Op.RECALL, flags, k, 1, 4 * conn.header.dim, len(args),
+                                           deadline, sent=(seq, waited, False, True))  # fmt: skip
         if out is None:
             return None
-        return self._fast_reply(conn, slot, seq, k, deadline, out)
+        return self._fast_reply(conn, slot, seq, k, deadline, out, namespace)
 
     def _fast_reply(self, conn: _Conn, slot: _Slot, seq: int, k: int, deadline: float,
-                    out: Any) -> RecallResult | _Reply:  # fmt: skip
+                    out: Any, namespace: str = "") -> RecallResult | _Reply:  # fmt: skip
         """What :meth:`_recall_fast` makes of its C call's ``out`` (not None: the request was
         written)."""
         if type(out) is int:  # written (and spun on for `out` ns): Python waits for and reads the answer
+            # (a DOORBELL request: the default namespace's, without args)
             return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, 0,
                                    deadline, sent=(seq, out, True, False))  # fmt: skip
         waited, n, rflags, rows_b, scores_b, blob, docs = out
         self._observe_wait(waited)
         rows, scores = np.frombuffer(rows_b, _I32LE), np.frombuffer(scores_b, _F32LE)  # (writable)
         if docs is not None and self._conn is conn:
-            return RecallResult(rows, scores, docs, None, "")
+            return RecallResult(rows, scores, docs, None, namespace)
         return _Reply(Status.OK, n, rflags, rows, scores, blob)
 
     def recall_batch(

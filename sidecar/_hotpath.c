@@ -24,8 +24,8 @@
  * Each does only the common case, completely, and otherwise returns None / False having
  * written nothing it should not: the dispatcher's Python path (sidecar/dispatcher.py) then
  * goes on its own way, reading the slot afresh and answering any error with its message.
- * take() leaves to Python every op but RECALL, batches, namespaces and filters (args), an
- * expired deadline, a query that is not finite and anything validate_request would refuse;
+ * take() leaves to Python every op but RECALL, batches, namespaces and filters (args: unless
+ * asked to return them, as the lone path does, whose Python decodes them), an expired deadline, a query that is not finite and anything validate_request would refuse;
  * answer1() leaves answers with vectors, answers that would not fit the blob (Python sends
  * those in parts), rows out of range, and rows that hold no document.
  *
@@ -95,7 +95,7 @@ static int read_layout(PyObject* t, Layout* l) {
 /* The layout's areas all inside a slot buffer of `len` bytes (a layout, unlike the slot's
    words, comes from the sidecar itself: a mismatch is a bug, raised). */
 static int check_fits(const Layout* l, Py_ssize_t len) {
-    if (l->payload < CTL_SIZE || l->payload + 4 * l->dim > len || l->rows + 4 * l->max_results > len ||
+    if (l->payload < CTL_SIZE || l->payload + 4 * l->dim > len || l->rows < l->payload + 4 * l->dim || l->rows + 4 * l->max_results > len ||
         l->scores + 4 * l->max_results > len || l->blob + l->blob_size > len) {
         PyErr_SetString(PyExc_ValueError, "the layout does not fit the slot buffer");
         return -1;
@@ -104,22 +104,27 @@ static int check_fits(const Layout* l, Py_ssize_t len) {
 }
 
 PyDoc_STRVAR(take_doc,
-"take(slot, layout) -> (seq, op, flags, top_k, n_items, vec_len, args_len, deadline_ns) | None\n\n"
+"take(slot, layout[, with_args]) -> (seq, op, flags, top_k, n_items, vec_len, args_len, deadline_ns[, args]) | None\n\n"
 "Take a batch-1 recall in the default namespace from ``slot`` (the slot's bytes, writable), a\n"
 "slot the dispatcher found in state REQUEST or DOORBELL: its request words copied once and\n"
 "checked (as protocol.validate_request does), its deadline not passed and its query finite,\n"
 "the slot is marked BUSY and the copied words returned. None, with nothing written, for\n"
 "anything else: the caller then takes the request its own way.\n"
+"``with_args`` true: a recall with args (a namespace, a filter) is taken too, and the words\n"
+"come with a ninth item, the args' bytes (copied once; b\"\" for none), for the caller to\n"
+"decode (protocol.decode_recall_args) and answer any error of.\n"
 "``layout``: (dim, payload_off, rows_off, scores_off, blob_off, blob_size, max_k, max_results).");
 
 static PyObject* take(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "take takes 2 arguments");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "take takes 2 or 3 arguments");
         return NULL;
     }
     Layout lay;
     if (read_layout(args[1], &lay) < 0) return NULL;
+    const int with_args = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
+    if (with_args < 0) return NULL;
     Py_buffer sb;
     if (PyObject_GetBuffer(args[0], &sb, PyBUF_WRITABLE) < 0) return NULL;
     PyObject* result = NULL;
@@ -135,7 +140,10 @@ static PyObject* take(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     const uint64_t args_len = ld64(w + OFF_ARGS_LEN - OFF_SEQ), deadline = ld64(w + OFF_DEADLINE - OFF_SEQ);
     const uint32_t op = ld32(w + OFF_OP - OFF_SEQ), flags = ld32(w + OFF_FLAGS - OFF_SEQ);
     const uint32_t top_k = ld32(w + OFF_TOP_K - OFF_SEQ), n_items = ld32(w + OFF_N_ITEMS - OFF_SEQ);
-    if (op != OP_RECALL || n_items != 1 || args_len != 0 || vec_len != (uint64_t)(4 * lay.dim) ||
+    /* the args at the query's 8-byte-aligned end, within the payload (validate_request's bound) */
+    const uint64_t args_at = (vec_len + 7) & ~(uint64_t)7;
+    if (op != OP_RECALL || n_items != 1 || (args_len && !with_args) || vec_len != (uint64_t)(4 * lay.dim) ||
+        args_len > (uint64_t)(lay.rows - lay.payload) || args_at + args_len > (uint64_t)(lay.rows - lay.payload) ||
         top_k < 1 || top_k > (uint64_t)lay.max_k || top_k > (uint64_t)lay.max_results ||
         (flags & ~(uint32_t)KNOWN_FLAGS) || ((flags & FL_ARENA_ENTRIES) && !(flags & FL_ARENA_DOCS)) ||
         (deadline && now_ns() > deadline)) {
@@ -151,9 +159,15 @@ static PyObject* take(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
             goto out;
         }
     }
-    result = Py_BuildValue("(KIIIIKKK)", (unsigned long long)seq, (unsigned int)op, (unsigned int)flags,
-                           (unsigned int)top_k, (unsigned int)n_items, (unsigned long long)vec_len,
-                           (unsigned long long)args_len, (unsigned long long)deadline);
+    if (with_args)  /* (y#: the args copied into a bytes object: read from the slot once) */
+        result = Py_BuildValue("(KIIIIKKKy#)", (unsigned long long)seq, (unsigned int)op, (unsigned int)flags,
+                               (unsigned int)top_k, (unsigned int)n_items, (unsigned long long)vec_len,
+                               (unsigned long long)args_len, (unsigned long long)deadline,
+                               s + lay.payload + args_at, (Py_ssize_t)args_len);
+    else
+        result = Py_BuildValue("(KIIIIKKK)", (unsigned long long)seq, (unsigned int)op, (unsigned int)flags,
+                               (unsigned int)top_k, (unsigned int)n_items, (unsigned long long)vec_len,
+                               (unsigned long long)args_len, (unsigned long long)deadline);
     if (result)  /* (the slot is ours only with its words in hand: a failed build writes nothing) */
         __atomic_store_n((uint32_t*)(s + OFF_STATE), (uint32_t)ST_BUSY, __ATOMIC_RELEASE);
 out:

@@ -210,6 +210,7 @@ class Dispatcher:
         # lone batch-1 recalls on a host index take the short path (see _lone), which reads
         # slot i's query as _lone_q[i]
         self._lone_path = self.hot is not None and service.index.host_search and not service.index.defers
+        self._scopes: dict[bytes, tuple[str, Any]] = {}  # args -> (namespace, None): _recall_scope
         self._lone_q = [self._first_query[j : j + 1] for j in range(lay.n_slots)]
         # every slot's query, rows and scores addresses (u64, one row per slot): a batch queued
         # behind another is launched from its members' slot numbers (Service.launch_queued)
@@ -449,17 +450,18 @@ class Dispatcher:
             due.append(("ql_after", (t_end - t_out) / 1000))
 
     def _lone(self, i: int) -> bool:
-        """Answer slot ``i``'s request the short way if it is a batch-1 recall in the default
-        namespace (a CPU sidecar's every recall from one client): taken by _hotpath.take,
-        searched, and answered by _hotpath.answer1 (the documents inline, from the arena, or
-        none), with none of the batch machinery around it: that Python, run cold after a scan,
-        was most of what the sidecar added to the search (issue 2;
+        """Answer slot ``i``'s request the short way if it is a batch-1 recall (a CPU
+        sidecar's every recall from one client): taken by _hotpath.take with its args (a
+        namespace, a filter), searched, and answered by _hotpath.answer1 (the documents inline,
+        from the arena, or none), with none of the batch machinery around it: that Python, run
+        cold after a scan, was most of what the sidecar added to the search (issue 2;
         benchmarks/dispatcher_batch.py --cold). What answer1 leaves (vectors, an answer in
         parts, a row that fails a check) and an empty namespace go on from the slot's rows
-        as usual. False, having done nothing, for any other request (_hotpath.take declined
-        it): the caller takes it the usual way, without asking take again."""
+        as usual; args that do not decode are answered BAD_REQUEST. False, having done
+        nothing, for any other request (_hotpath.take declined it): the caller takes it the
+        usual way, without asking take again."""
         t0 = time.perf_counter_ns()
-        words = self.hot.take(self._slot_views[i], self._hot_layout)
+        words = self.hot.take(self._slot_views[i], self._hot_layout, True)
         if words is None:
             return False
         if self.pending:  # an abandoned answer's rest is void once its slot asks anew
@@ -469,10 +471,11 @@ class Dispatcher:
         t_search = t_answer = time.perf_counter_ns()
         answered = False
         try:
-            ns, _, dense, n = svc.eligible("", None)
+            scope = ("", None) if not words[8] else self._recall_scope(words[8])
+            ns, cands, dense, n = svc.eligible_for(*scope)
             kk = min(k, n)
             if kk:
-                rows, scores = svc.index.search(self._lone_q[i], kk, svc.rows.high, ns, None, dense)
+                rows, scores = svc.index.search(self._lone_q[i], kk, svc.rows.high, ns, cands, dense)
                 t_answer = time.perf_counter_ns()
                 a = svc.rows.arena
                 arena = None if a is None else (a.table_bytes, a.rows_cap, a.version)
@@ -481,15 +484,15 @@ class Dispatcher:
             else:
                 t_answer = time.perf_counter_ns()
             if not answered:
-                req = Request._make(words)
+                req = Request._make(words[:8])
                 self._write_hits(i, req, self._spec(i, req), kk, flags, t0)
         except Invalid as e:
-            self._error(i, Request._make(words), e.status, str(e), t0)
+            self._error(i, Request._make(words[:8]), e.status, str(e), t0)
         except FatalDeviceError:
             raise
         except Exception as e:  # a bug must not take the sidecar down
             log.exception("internal error answering a recall")
-            self._error(i, Request._make(words), Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
+            self._error(i, Request._make(words[:8]), Status.INTERNAL, f"{type(e).__name__}: {e}", t0)
         if answered:  # by answer1 (outside the try: an answer given is never overwritten by an error)
             _ipc.post(self.sems[i])
         t_done = time.perf_counter_ns()
@@ -497,6 +500,22 @@ class Dispatcher:
             self.stats.record(Op.RECALL, Status.OK, (t_done - t0) / 1000)  # after the post
         self._lone_phases(t0, t_search, t_answer, t_done)
         return True
+
+    def _recall_scope(self, args: bytes) -> tuple[str, Any]:
+        """(namespace, filter) of a recall's args (:func:`decode_recall_args`), a namespace's
+        without a filter kept: an agent's recalls name the same few namespaces again and again.
+
+        Raises:
+            Invalid: args that do not decode (BAD_REQUEST).
+        """
+        got = self._scopes.get(args)
+        if got is None:
+            got = decode_recall_args(args)
+            if got[1] is None:  # (a filter is decoded each time: the search may hold on to it)
+                if len(self._scopes) >= 1024:
+                    self._scopes.clear()
+                self._scopes[args] = got
+        return got
 
     def _lone_phases(self, t0: int, t_search: int, t_answer: int, t_done: int) -> None:
         self._busy_until = t_done

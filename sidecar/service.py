@@ -193,6 +193,16 @@ class Service:
         cands = rows[self.rows.meta.evaluate(flt, rows)]
         return ns_id, cands, False, len(cands)
 
+    def eligible_for(self, namespace: str, flt: Any) -> tuple[int, np.ndarray | None, bool, int]:
+        """:meth:`eligible` of a filter as a request carries it (decoded JSON), validated
+        first.
+
+        Raises:
+            Invalid: a filter :func:`~kalos_retrievers.filters.validate_filter` refuses
+                (BAD_REQUEST, its message).
+        """
+        return self.eligible(namespace, _filter(flt))
+
     def recall_slots(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any,
                      check_finite: bool = True) -> int:  # fmt: skip
         """Answer requests in place (results written into each spec's rows/scores); returns
@@ -223,8 +233,7 @@ class Service:
         Nothing may change rows in between. ``behind``: queued behind the search left running
         (:meth:`queues_behind` must have said it can be); :meth:`finish` then finishes the
         older one first."""
-        flt = _filter(flt)
-        ns_id, cands, dense, n = self.eligible(namespace, flt)
+        ns_id, cands, dense, n = self.eligible_for(namespace, flt)
         kk = min(k, n)
         if kk and check_finite:
             for sp in specs:
@@ -307,8 +316,7 @@ class Service:
 
     def recall(self, queries: np.ndarray, k: int, namespace: str, flt: Any) -> tuple[np.ndarray, np.ndarray]:
         """Rows (q, k') and scores (q, k') with k' = min(k, eligible rows)."""
-        flt = _filter(flt)
-        ns_id, cands, dense, n = self.eligible(namespace, flt)
+        ns_id, cands, dense, n = self.eligible_for(namespace, flt)
         kk = min(k, n)
         if kk == 0:
             return np.empty((len(queries), 0), np.int32), np.empty((len(queries), 0), np.float32)

@@ -24,9 +24,14 @@ from kalos_retrievers.protocol import (
     Flag,
     Layout,
     Op,
+    Request,
     RespFlag,
     SlotState,
     Status,
+    align8,
+    decode_recall_args,
+    encode_recall_args,
+    validate_request,
 )
 
 fp = pytest.importorskip("kalos_retrievers._fastpath", reason="the C extension is not built here")
@@ -289,6 +294,32 @@ def test_request1_writes_the_request_words_and_query_then_request_state() -> Non
     assert np.array_equal(np.frombuffer(rig.slot, np.float32, DIM, rig.lay.payload_offset), q)
 
 
+def test_request1_writes_a_scoped_recalls_args_after_the_query() -> None:
+    """With args (a namespace, a filter): copied to the query's 8-byte-aligned end, args_len
+    set, a request the sidecar's Python validates and decodes as it would the general path's;
+    args that do not fit the payload: ValueError, nothing written."""
+    rig, q = Rig(), query()
+    args = encode_recall_args("memory/ünïcode", b'{"user":{"$in":[1,2]}}')
+    assert fp.request1(rig.slot, q, rig.layout, 9, K, 77, args) is True
+    assert rig.state[0] == SlotState.REQUEST
+    words = REQUEST_STRUCT.unpack_from(rig.slot, REQUEST_OFFSET)
+    assert words == (9, Op.RECALL, int(FLAGS), K, 1, 4 * DIM, len(args), 77)
+    validate_request(Request(*words), rig.lay)
+    at = rig.lay.payload_offset + align8(4 * DIM)
+    assert decode_recall_args(bytes(rig.slot[at : at + len(args)])) == ("memory/ünïcode", {"user": {"$in": [1, 2]}})
+    assert np.array_equal(np.frombuffer(rig.slot, np.float32, DIM, rig.lay.payload_offset), q)
+    rig.state[0] = SlotState.CLAIMED  # empty args: the default namespace's request, args_len 0
+    assert fp.request1(rig.slot, q, rig.layout, 10, K, 77, b"") is True
+    assert REQUEST_STRUCT.unpack_from(rig.slot, REQUEST_OFFSET)[6] == 0
+    rig.state[0] = SlotState.CLAIMED
+    room = rig.lay.payload_size - align8(4 * DIM)
+    before = bytes(rig.slot)
+    with pytest.raises(ValueError, match="do not fit the slot's payload"):
+        fp.request1(rig.slot, q, rig.layout, 11, K, 77, bytes(room + 1))
+    assert bytes(rig.slot) == before
+    assert fp.request1(rig.slot, q, rig.layout, 11, K, 77, bytes(room)) is True  # exactly full: written
+
+
 def test_request1_writes_what_recall1_writes() -> None:
     """The same request words and query as the DOORBELL path (only the state differs)."""
     a, b, q = Rig(), Rig(), query()
@@ -386,7 +417,7 @@ def test_request1_and_answer1_refuse_a_slot_the_layout_does_not_fit_and_a_bad_k(
             fp.request1(rig.slot, query(), rig.layout, 1, k, 0)
         with pytest.raises(ValueError, match="k must be positive"):
             fp.answer1(rig.slot, rig.layout, 1, k, 0, None, rig.arena.fast[1])
-    with pytest.raises(TypeError, match="takes 6 arguments"):
+    with pytest.raises(TypeError, match="takes 6 or 7 arguments"):
         fp.request1(rig.slot, query(), rig.layout, 1, K)
     with pytest.raises(TypeError, match="takes 7 arguments"):
         fp.answer1(rig.slot, rig.layout, 1, K, 0, None)

@@ -27,6 +27,7 @@ from kalos_retrievers.protocol import (
     RESPONSE_OFFSET,
     RESPONSE_STRUCT,
     Flag,
+    Invalid,
     Layout,
     Op,
     Request,
@@ -34,7 +35,9 @@ from kalos_retrievers.protocol import (
     SlotState,
     Status,
     align8,
+    decode_recall_args,
     encode_docs_blob,
+    encode_recall_args,
     validate_request,
 )
 
@@ -140,6 +143,40 @@ def test_take_leaves_every_other_request_untouched(why: str) -> None:
     assert bytes(s.view) == before  # nothing written, the state word included
     s.request(_recall())  # the negative control: the same slot, a valid recall, is taken
     assert hp.take(s.view, s.layout) is not None
+
+
+def test_take_with_args_returns_the_args_copied_once_and_still_checks_their_bound() -> None:
+    """A namespace's or a filter's recall (the lone path asks for it) comes with its args'
+    bytes, as decode_recall_args reads them; args that would run past the payload are left to
+    Python (which refuses them TOO_LARGE), as is any args recall without ``with_args``."""
+    s = Slot()
+    s.q[:] = 0.25
+    args = encode_recall_args("memory/agent-7", b'{"user":1}')
+    at = s.off + s.lay.payload_offset + align8(4 * DIM)
+    s.mm[at : at + len(args)] = args
+    req = _recall(args_len=len(args))
+    s.request(req)
+    before = bytes(s.view)
+    assert hp.take(s.view, s.layout) is None and bytes(s.view) == before  # (not asked for args)
+    words = hp.take(s.view, s.layout, True)
+    assert words is not None and words[:8] == tuple(req) and s.state == SlotState.BUSY
+    assert words[8] == args and decode_recall_args(words[8]) == ("memory/agent-7", {"user": 1})
+    s.mm[at : at + len(args)] = bytes(len(args))  # a copy: the slot rewritten does not change it
+    assert words[8] == args
+    s.request(_recall())  # no args: b""
+    assert hp.take(s.view, s.layout, True)[8:] == (b"",)
+    room = s.lay.payload_size - align8(4 * DIM)
+    for too_long in (room + 1, 2**63):
+        s.request(_recall(args_len=too_long))
+        before = bytes(s.view)
+        assert hp.take(s.view, s.layout, True) is None and bytes(s.view) == before
+        with pytest.raises(Invalid):
+            validate_request(_recall(args_len=too_long), s.lay)  # (Python says why)
+    s.request(_recall(args_len=room))  # the negative control: args filling the payload exactly
+    words = hp.take(s.view, s.layout, True)
+    assert words is not None and len(words[8]) == room
+    with pytest.raises(TypeError, match="2 or 3 arguments"):
+        hp.take(s.view, s.layout, True, True)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -477,17 +514,38 @@ def test_rows_the_short_path_declines_are_refused_by_the_python_checks(monkeypat
     assert RESPONSE_STRUCT.unpack_from(c, RESPONSE_OFFSET)[1] == Status.OK
 
 
-def test_a_lone_recall_in_a_namespace_takes_the_usual_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kalos_retrievers.protocol import encode_recall_args
+_SCOPES = {
+    "a namespace": ("mem/ü", None),
+    "a filter": ("", b'{"i": {"$lt": 20}}'),
+    "a namespace and a filter": ("mem/ü", b'{"i": {"$gte": 40}}'),
+    "a namespace with no rows": ("nobody", None),
+    "a filter no row matches": ("", b'{"i": -1}'),
+    "a filter the sidecar refuses": ("", b'{"i": {"$near": 3}}'),
+    "args that do not decode": None,
+}
 
+
+@pytest.mark.parametrize("why", list(_SCOPES))
+@pytest.mark.parametrize("flags", [0, ENTRIES])
+def test_a_lone_recall_in_a_namespace_or_with_a_filter_takes_the_short_path(
+    why: str, flags: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """take hands the args over, the search keeps to their namespace and filter, and the
+    answer (or the error: a filter the sidecar refuses, args that do not decode) is the Python
+    path's, byte for byte."""
     svc = _service(ROWS)
+    vecs = np.random.default_rng(8).standard_normal((ROWS, DIM)).astype(np.float32)
+    svc.upsert({"namespace": "mem/ü", "ids": [f"n{i}" for i in range(ROWS)],
+                "texts": [f"scoped {i}" for i in range(ROWS)], "metadatas": [{"i": i} for i in range(ROWS)]},
+               vecs)  # fmt: skip
     (dc, mc, lay), (dp, mp, _) = _two_dispatchers(svc, monkeypatch)
-    args = encode_recall_args("", b'{"i": {"$lt": 20}}')
+    scope = _SCOPES[why]
+    args = b"\x05\x00ab" if scope is None else encode_recall_args(*scope)
     off = lay.slot_offset(0)
     for mm in (mc, mp):
         start = off + lay.payload_offset + align8(4 * DIM)
         mm[start : start + len(args)] = args
-    req = _recall(args_len=len(args), flags=0)
+    req = _recall(args_len=len(args), flags=flags)
     out = []
     for d, mm in ((dc, mc), (dp, mp)):
         np.frombuffer(mm, np.float32, DIM, off + lay.payload_offset)[:] = 1.0
@@ -495,12 +553,23 @@ def test_a_lone_recall_in_a_namespace_takes_the_usual_path(monkeypatch: pytest.M
         np.ndarray((1,), np.uint32, mm, off)[0] = SlotState.REQUEST
         assert d.poll() == 1
         d.settle()
-        out.append(bytes(mm[off : off + lay.slot_size]))
-    assert out[0] == out[1]
-    resp = RESPONSE_STRUCT.unpack_from(out[0], RESPONSE_OFFSET)
-    assert resp[1:3] == (Status.OK, 10), out[0][lay.blob_offset : lay.blob_offset + resp[3]]
-    rows = np.frombuffer(out[0], np.int32, 10, lay.rows_offset)
-    assert (rows < 20).all()  # the filter held: not the short path's unfiltered search
+        out.append((bytes(mm[off : off + lay.slot_size]), d.sems[0].posts))
+    assert out[0] == out[1] and out[0][1] == 1
+    c = out[0][0]
+    resp = RESPONSE_STRUCT.unpack_from(c, RESPONSE_OFFSET)
+    calls = dc.hot.calls  # type: ignore[attr-defined]
+    assert calls["take"] == 1  # taken with its args: the short path
+    n = {"a namespace": 10, "a filter": 10, "a namespace and a filter": 10}.get(why, 0)
+    if why in ("a filter the sidecar refuses", "args that do not decode"):
+        assert c[:4] == np.uint32(SlotState.ERROR).tobytes() and resp[1] == Status.BAD_REQUEST
+        assert "answer1" not in calls
+        return
+    assert resp[1:3] == (Status.OK, n), c[lay.blob_offset : lay.blob_offset + resp[3]]
+    assert calls.get("answered", 0) == (1 if n else 0)
+    ids = [svc.rows.ids[r] for r in np.frombuffer(c, np.int32, n, lay.rows_offset)]
+    assert all(x[0] == ("n" if "namespace" in why else "r") for x in ids), ids  # in its namespace
+    if "filter" in why:  # the filter held: not an unfiltered search
+        assert all((int(x[1:]) < 20) if scope[0] == "" else (int(x[1:]) >= 40) for x in ids), ids
 
 
 def test_an_answer_given_in_c_is_never_overwritten_by_a_later_failure(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -526,7 +595,7 @@ def test_an_answer_given_in_c_is_never_overwritten_by_a_later_failure(monkeypatc
 @pytest.mark.parametrize(
     ("why", "status"),
     [("NaN", Status.BAD_REQUEST), ("deadline", Status.DEADLINE), ("k", Status.BAD_REQUEST),
-     ("dim", Status.DIMENSION), ("namespace", Status.OK), ("ping", Status.OK)],
+     ("dim", Status.DIMENSION), ("args past the payload", Status.TOO_LARGE), ("ping", Status.OK)],
 )  # fmt: skip
 def test_a_lone_request_take_declined_is_not_taken_again(
     why: str, status: int, monkeypatch: pytest.MonkeyPatch
@@ -534,7 +603,6 @@ def test_a_lone_request_take_declined_is_not_taken_again(
     """A lone request _hotpath.take declines (in _lone) goes the Python way at once: take is not
     asked of it again (a second read of the slot, ~1 µs, for the same None), and the answer is
     the Python path's, byte for byte."""
-    from kalos_retrievers.protocol import encode_recall_args
 
     svc = _service(ROWS)
     (dc, mc, lay), (dp, mp, _) = _two_dispatchers(svc, monkeypatch)
@@ -549,8 +617,8 @@ def test_a_lone_request_take_declined_is_not_taken_again(
         kw = {"top_k": 65}
     elif why == "dim":
         kw = {"vec_len": 4 * DIM - 4}
-    elif why == "namespace":
-        args = encode_recall_args("", b'{"i": {"$lt": 20}}')
+    elif why == "args past the payload":
+        kw = {"args_len": lay.payload_size}
     else:  # another op
         kw = {"op": Op.PING, "vec_len": 0}
     off = lay.slot_offset(0)
@@ -560,7 +628,7 @@ def test_a_lone_request_take_declined_is_not_taken_again(
         start = off + lay.payload_offset + align8(4 * DIM)
         mm[start : start + len(args)] = args
         np.frombuffer(mm, np.float32, DIM, off + lay.payload_offset)[:] = q
-        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, *_recall(args_len=len(args), **kw))
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, *_recall(**{"args_len": len(args), **kw}))
         np.ndarray((1,), np.uint32, mm, off)[0] = SlotState.REQUEST
         assert d.poll() == 1
         d.settle()
