@@ -347,7 +347,7 @@ def test_misspelled_argument_is_refused_not_written_elsewhere(start_sidecar) -> 
 
 
 def test_a_plain_recall_takes_the_short_path_and_answers_like_the_general_one(start_sidecar, monkeypatch) -> None:
-    """``recall`` of one query in the default namespace, without a filter, with documents,
+    """``recall`` of one query with documents (in any namespace, with or without a filter)
     goes through ``_recall_one``; every other call, and any argument that path does not
     take, through ``_recall``, which raises the argument's error. Both give numpy's top-k."""
     rng = np.random.default_rng()
@@ -375,11 +375,12 @@ def test_a_plain_recall_takes_the_short_path_and_answers_like_the_general_one(st
         assert general == []  # every one took the short path
         g = real(c, q[None, :], k, "", None, False, True, None)[0]
         assert g.ids == r.ids and np.array_equal(g.scores, r.scores) and [h.text for h in g] == [h.text for h in r]
-        c.recall(q, k, namespace="elsewhere")
-        c.recall(q, k, filter={"i": {"$gte": 0}})
+        assert len(c.recall(q, k, namespace="elsewhere")) == 0  # (scoped: the short path too, session 46)
+        assert c.recall(q, k, filter={"i": {"$gte": 0}}).ids == r.ids
+        assert general == []
         c.recall(q, k, with_vectors=True)
         assert len(c.recall(q, k, docs=False)) == k
-        assert len(general) == 4
+        assert len(general) == 2
         bad_query = q.copy()
         bad_query[5] = np.nan
         for args, err, match in [
@@ -392,7 +393,7 @@ def test_a_plain_recall_takes_the_short_path_and_answers_like_the_general_one(st
         ]:
             with pytest.raises(err, match=match):
                 c.recall(*args)
-        assert len(general) == 4 + 3  # the bad k reached _recall (a bad query is refused before it)
+        assert len(general) == 2 + 3  # the bad k reached _recall (a bad query is refused before it)
         with pytest.raises(ValueError, match="timeout"):
             c.recall(q, k, timeout=0)
         assert c.recall(q, np.int64(k)).ids == r.ids  # a numpy int k: the general path
