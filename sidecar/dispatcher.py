@@ -471,8 +471,8 @@ class Dispatcher:
         t_search = t_answer = time.perf_counter_ns()
         answered = False
         try:
-            scope = ("", None) if not words[8] else self._recall_scope(words[8])
-            ns, cands, dense, n = svc.eligible_for(*scope)
+            args = words[8]
+            ns, cands, dense, n = svc.eligible_for(*self._recall_scope(args), args) if args else svc.eligible("", None)
             kk = min(k, n)
             if kk:
                 rows, scores = svc.index.search(self._lone_q[i], kk, svc.rows.high, ns, cands, dense)
@@ -1267,9 +1267,10 @@ class Dispatcher:
         if op == Op.PING:
             self._respond(i, req, Status.OK, 0, b"", 0, t0)
         elif op == Op.RECALL:
-            ns, flt = decode_recall_args(self._args(i, req))
+            args = self._args(i, req)
+            ns, flt = decode_recall_args(args)
             spec = self._spec(i, req)
-            kk = svc.recall_slots([spec], req.top_k, ns, flt)
+            kk = svc.recall_slots([spec], req.top_k, ns, flt, key=args)
             self._write_hits(i, req, spec, kk, req.flags, t0)
         elif op == Op.UPSERT:
             args = decode_json_args(self._args(i, req), op)

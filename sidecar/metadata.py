@@ -1,12 +1,15 @@
 """Metadata columns: filters evaluated over all candidate rows at once.
 
-For each metadata key the sidecar keeps three aligned arrays over the rows: a kind code
+For each metadata key the sidecar keeps four aligned arrays over the rows: a kind code
 (missing, null, bool, number, string, list, object), a float64 (the number, the bool as 0/1, or
-a list's length) and the Python value itself. The common operators then become numpy
-comparisons over a namespace's rows (``$eq``/``$in`` on strings compare only the string rows;
-``$gt`` on numbers is one vector compare), and only the list and substring operators look at
-values one by one. The semantics are those of :func:`kalos_retrievers.filters.matches`, which
-the tests use as the reference.
+a list's length), a string's code (an int32 naming it in the column's dictionary of strings)
+and the Python value itself. The common operators then become numpy comparisons over a
+namespace's rows (``$eq``/``$in`` on strings compare codes: an agent memory store's
+``{"user_id": ...}`` over 100k rows took 2.3 ms comparing the strings themselves; ``$gt`` on
+numbers is one vector compare), and only string ordering and the list and substring operators
+look at values one by one. A column codes its first :data:`MAX_CODES` distinct strings; rows
+holding others (a column of unique strings) are compared by value. The semantics are those of
+:func:`kalos_retrievers.filters.matches`, which the tests use as the reference.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ STRING: Final = 4
 LIST: Final = 5
 OBJECT: Final = 6
 _CMP: Final = {"$gt": operator.gt, "$gte": operator.ge, "$lt": operator.lt, "$lte": operator.le}
+#: Distinct strings a column codes (its dictionary's bound: ~100 bytes each); beyond, a string
+#: row's code is UNCODED and its value is compared instead.
+MAX_CODES: Final = 1 << 16
+UNCODED: Final = -1
 
 
 def _kind(v: Any) -> int:
@@ -45,20 +52,51 @@ def _kind(v: Any) -> int:
 
 
 class _Column:
-    __slots__ = ("kind", "num", "obj")
+    __slots__ = ("code", "codes", "kind", "num", "obj", "overflow")
+    _ARRAYS: Final = ("kind", "num", "obj", "code")
 
     def __init__(self, capacity: int) -> None:
         self.kind = np.zeros(capacity, np.int8)
         self.num = np.zeros(capacity, np.float64)
         self.obj = np.empty(capacity, object)
+        self.code = np.full(capacity, UNCODED, np.int32)  # a STRING row's code (others: unread)
+        self.codes: dict[str, int] = {}  # string -> code, never reused (at most MAX_CODES)
+        self.overflow = False  # whether a string was ever left UNCODED
 
     def grow(self, capacity: int) -> None:
         n = len(self.kind)
-        for name in self.__slots__:
+        for name in self._ARRAYS:
             old = getattr(self, name)
-            new = np.zeros(capacity, old.dtype) if old.dtype != object else np.empty(capacity, object)
+            fill = UNCODED if name == "code" else 0
+            new = np.empty(capacity, object) if old.dtype == object else np.full(capacity, fill, old.dtype)
             new[:n] = old
             setattr(self, name, new)
+
+    def code_of(self, s: str) -> int:
+        """``s``'s code, given one now if the dictionary has room (else UNCODED)."""
+        c = self.codes.get(s)
+        if c is None:
+            if len(self.codes) >= MAX_CODES:
+                self.overflow = True
+                return UNCODED
+            c = self.codes[s] = len(self.codes)
+        return c
+
+    def strings_match(self, kind: np.ndarray, rows: np.ndarray, strs: set[str]) -> np.ndarray:
+        """Which of ``rows`` (``kind`` their kinds) hold one of the strings ``strs``: their
+        codes compared (one gather, one compare), and the values of uncoded rows."""
+        code = self.code[rows]
+        want = [c for c in (self.codes.get(x) for x in strs) if c is not None]
+        if len(want) == 1:
+            m = code == want[0]
+        else:  # (none coded: only an uncoded row can match)
+            m = np.isin(code, np.array(want, np.int32)) if want else np.zeros(len(rows), bool)
+        m &= kind == STRING  # (a row's code is stale once it holds no string)
+        if self.overflow:  # strings past the dictionary's bound: compared by value
+            unc = np.flatnonzero((kind == STRING) & (code == UNCODED))
+            if len(unc):
+                m[unc] = [v in strs for v in self.obj[rows[unc]]]
+        return m
 
 
 def _as_float(v: Any) -> float:
@@ -121,6 +159,7 @@ class MetadataColumns:
             k = _kind(v)
             col.kind[row] = k
             col.num[row] = _as_float(v) if k in (BOOL, NUMBER) else (len(v) if k == LIST else 0.0)
+            col.code[row] = col.code_of(v) if k == STRING else UNCODED
             col.obj[row] = v
         self.row_keys[row] = tuple(metadata)
 
@@ -139,7 +178,7 @@ class MetadataColumns:
         if keys:
             for key in keys:
                 c = self.cols[key]
-                c.kind[dst], c.num[dst], c.obj[dst] = c.kind[src], c.num[src], c.obj[src]
+                c.kind[dst], c.num[dst], c.obj[dst], c.code[dst] = c.kind[src], c.num[src], c.obj[src], c.code[src]
                 c.kind[src], c.obj[src] = MISSING, None
         self.row_keys[dst], self.row_keys[src] = keys, None
 
@@ -219,9 +258,7 @@ class MetadataColumns:
             m |= (kind == NUMBER) & np.isin(num, np.array([float(a) for a in nums]))
             _exact(m, col, rows, num, lambda v: any(values_equal(v, a) for a in nums))
         if strs:
-            sel = np.flatnonzero(kind == STRING)
-            if len(sel):
-                m[sel] = [v in strs for v in col.obj[rows[sel]]]
+            m |= col.strings_match(kind, rows, strs)
         for a in rest:
             m |= cls._eq(col, kind, a, rows)
         return m
@@ -237,11 +274,7 @@ class MetadataColumns:
             m = (kind == NUMBER) & (num == float(arg))
             _exact(m, col, rows, num, lambda v: values_equal(v, arg))
             return m
-        m = kind == STRING
-        sel = np.flatnonzero(m)
-        if len(sel):
-            m[sel] = col.obj[rows[sel]] == arg
-        return m
+        return col.strings_match(kind, rows, {arg})
 
     @staticmethod
     def _order(col: _Column, kind: np.ndarray, op: str, arg: Any, rows: np.ndarray) -> np.ndarray:

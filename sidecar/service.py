@@ -32,6 +32,8 @@ MAX_ID_BYTES = 512
 
 
 _ORDERS_KEPT = 16  # namespaces whose scan order is kept
+_SCOPES_KEPT = 64  # filters whose candidate rows are kept (Service.eligible_for)
+_SCOPE_ROWS_KEPT = 1 << 22  # their candidate rows in all, at most (32 MiB of int64)
 _FLOAT_MAX = int(sys.float_info.max)  # a metadata int beyond it has no float64 column value
 
 class Service:
@@ -43,6 +45,9 @@ class Service:
         self.rows = RowTable()
         self.index.reserve(self.rows.capacity)
         self._orders: dict[int, tuple[int, np.ndarray]] = {}  # ns id -> (its version, scan order)
+        # a recall's args -> (ns id, its version, eligible()'s answer): see eligible_for
+        self._scopes: dict[bytes, tuple[int, int, tuple[int, np.ndarray | None, bool, int]]] = {}
+        self._scope_rows = 0  # the candidate rows _scopes holds
 
     # ------------------------------------------------------------------ start-up
     def load(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -193,24 +198,50 @@ class Service:
         cands = rows[self.rows.meta.evaluate(flt, rows)]
         return ns_id, cands, False, len(cands)
 
-    def eligible_for(self, namespace: str, flt: Any) -> tuple[int, np.ndarray | None, bool, int]:
+    def eligible_for(self, namespace: str, flt: Any, key: bytes | None = None,
+                     ) -> tuple[int, np.ndarray | None, bool, int]:  # fmt: skip
         """:meth:`eligible` of a filter as a request carries it (decoded JSON), validated
-        first.
+        first. ``key``: the request's args (:func:`encode_recall_args` of ``namespace`` and
+        the filter, which they name exactly): a filter's candidate rows are kept under it
+        until a row of the namespace changes (its ``ns_version``), so that an agent recalling
+        again and again with the same filter (``{"user_id": ...}``) pays for the filter once
+        per change, not per recall (~260 µs over a 100k-row namespace on the development VM).
+        The rows kept are read-only: the searches only read them.
 
         Raises:
             Invalid: a filter :func:`~kalos_retrievers.filters.validate_filter` refuses
                 (BAD_REQUEST, its message).
         """
-        return self.eligible(namespace, _filter(flt))
+        if flt is None or key is None:
+            return self.eligible(namespace, _filter(flt))
+        ns_id = self.rows.ns_id(namespace)
+        hit = self._scopes.get(key)
+        if hit is not None and ns_id is not None and hit[0] == ns_id and hit[1] == self.rows.ns_version[ns_id]:
+            return hit[2]
+        got = self.eligible(namespace, _filter(flt))
+        cands = got[1]
+        if ns_id is None or cands is None or len(cands) > _SCOPE_ROWS_KEPT:
+            return got
+        old = self._scopes.pop(key, None)
+        if old is not None:
+            self._scope_rows -= len(old[2][1])  # type: ignore[arg-type]
+        while self._scopes and (len(self._scopes) >= _SCOPES_KEPT or self._scope_rows + len(cands) > _SCOPE_ROWS_KEPT):
+            gone = self._scopes.pop(next(iter(self._scopes)))  # (the oldest kept)
+            self._scope_rows -= len(gone[2][1])  # type: ignore[arg-type]
+        cands.flags.writeable = False
+        self._scopes[key] = (ns_id, self.rows.ns_version[ns_id], got)
+        self._scope_rows += len(cands)
+        return got
 
     def recall_slots(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any,
-                     check_finite: bool = True) -> int:  # fmt: skip
+                     check_finite: bool = True, key: bytes | None = None) -> int:  # fmt: skip
         """Answer requests in place (results written into each spec's rows/scores); returns
         k' = min(k, eligible rows), the number of valid results per query.
 
         ``check_finite=False``: the caller checked each request's queries itself (a batch must
-        not fail as a whole because one member's queries are not finite)."""
-        kk = self.launch_recall(specs, k, namespace, flt, check_finite)
+        not fail as a whole because one member's queries are not finite). ``key``: the
+        request's args, as :meth:`eligible_for` takes them."""
+        kk = self.launch_recall(specs, k, namespace, flt, check_finite, key=key)
         self.finish()
         return kk
 
@@ -227,13 +258,13 @@ class Service:
         return kk > 0 and cands is None and self.index.queues_behind(n, kk, self.rows.high)
 
     def launch_recall(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any,
-                      check_finite: bool = True, behind: bool = False) -> int:  # fmt: skip
+                      check_finite: bool = True, behind: bool = False, key: bytes | None = None) -> int:  # fmt: skip
         """:meth:`recall_slots` without waiting: the results are in the slots after
         :meth:`finish` (a backend that cannot search asynchronously has finished already).
         Nothing may change rows in between. ``behind``: queued behind the search left running
         (:meth:`queues_behind` must have said it can be); :meth:`finish` then finishes the
         older one first."""
-        ns_id, cands, dense, n = self.eligible_for(namespace, flt)
+        ns_id, cands, dense, n = self.eligible_for(namespace, flt, key)
         kk = min(k, n)
         if kk and check_finite:
             for sp in specs:

@@ -4,11 +4,13 @@ row-at-a-time reference on random metadata and random filters."""
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kalos_retrievers.sidecar import metadata as metadata_module
 from kalos_retrievers.sidecar.metadata import MetadataColumns
 
 from kalos_retrievers.filters import matches, validate_filter
@@ -102,6 +104,42 @@ def test_columns_agree_with_the_reference(metas: list[dict], flt: dict) -> None:
     got = cols.evaluate(norm, rows)
     want = np.array([matches(norm, m) for m in metas])
     assert np.array_equal(got, want), (flt, metas)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(METAS, min_size=1, max_size=25), FILTERS, st.integers(0, 3))
+def test_columns_agree_with_the_reference_past_the_string_dictionarys_bound(metas: list[dict], flt: dict,
+                                                                            bound: int) -> None:  # fmt: skip
+    """A column codes only its first MAX_CODES strings (here 0-3): rows holding the others are
+    compared by value, and rows rewritten, cleared and moved keep their codes straight."""
+    norm = validate_filter(flt)
+    with mock.patch.object(metadata_module, "MAX_CODES", bound):
+        cols = MetadataColumns(capacity=4)
+        cols.grow(2 * len(metas) + 3)
+        for r, m in enumerate(metas):  # written once elsewhere, then moved, then rewritten
+            cols.set(len(metas) + 2 + r, metas[-1 - r])
+            cols.move(len(metas) + 2 + r, r + 2)
+            cols.set(r + 2, m)
+        cols.clear(len(metas) + 2)
+    got = cols.evaluate(norm, np.arange(2, 2 + len(metas)))
+    want = np.array([matches(norm, m) for m in metas])
+    assert np.array_equal(got, want), (flt, metas, bound)
+
+
+def test_string_equality_compares_codes_not_values() -> None:
+    """$eq / $in on strings read the codes: values swapped behind the codes' back are not
+    looked at (the negative control of the code path: comparing values would see them)."""
+    cols = MetadataColumns(capacity=4)
+    for r, u in enumerate(["u1", "u2", "u1", 7]):
+        cols.set(r, {"user_id": u})
+    rows = np.arange(4)
+    f = validate_filter({"user_id": "u1"})
+    assert cols.evaluate(f, rows).tolist() == [True, False, True, False]
+    cols.cols["user_id"].obj[:] = "u1"  # (never done by the sidecar: only to see what is read)
+    assert cols.evaluate(f, rows).tolist() == [True, False, True, False]
+    f_in = validate_filter({"user_id": {"$in": ["u2", "zz"]}})
+    assert cols.evaluate(f_in, rows).tolist() == [False, True, False, False]
+    assert cols.evaluate(validate_filter({"user_id": "zz"}), rows).tolist() == [False] * 4
 
 
 def test_columns_follow_set_clear_and_move() -> None:

@@ -1,0 +1,112 @@
+"""``Service.eligible_for`` with a key: a filter's candidate rows kept until a row of its
+namespace changes. Every answer is checked against a fresh evaluation (no key) after random
+upserts, deletes and compactions in the namespace and beside it; the negative controls show
+that a kept answer that ignored the namespace's version would be wrong."""
+
+from __future__ import annotations
+
+import random
+
+import kalos_retrievers.sidecar.service as service_module
+import numpy as np
+import pytest
+from kalos_retrievers.sidecar.index import CpuIndex
+from kalos_retrievers.sidecar.service import Service
+from kalos_retrievers.sidecar.store import NullStore
+
+from kalos_retrievers.protocol import METRICS, encode_json, encode_recall_args
+
+DIM = 5
+NS = "memory/agent"
+
+
+def _service() -> Service:
+    return Service(CpuIndex(DIM, METRICS["cosine"]), NullStore(), dim=DIM, metric=METRICS["cosine"])
+
+
+def _upsert(svc: Service, ns: str, ids: list[str], users: list[str]) -> None:
+    vecs = np.random.default_rng(len(ids)).standard_normal((len(ids), DIM)).astype(np.float32)
+    svc.upsert({"namespace": ns, "ids": ids, "texts": ids, "metadatas": [{"user_id": u} for u in users]}, vecs)
+
+
+def _scope(svc: Service, ns: str, flt: dict, *, keyed: bool = True) -> tuple[list[int], int]:
+    key = encode_recall_args(ns, encode_json(flt)) if keyed else None
+    _, cands, _, n = svc.eligible_for(ns, flt, key)
+    return ([] if cands is None else cands.tolist()), n
+
+
+def test_a_kept_answer_is_the_fresh_one_through_random_changes() -> None:
+    rnd = random.Random(7)
+    svc = _service()
+    filters = [{"user_id": "u1"}, {"user_id": {"$in": ["u2", "u3"]}}, {"user_id": {"$ne": "u1"}},
+               {"$or": [{"user_id": "u0"}, {"user_id": {"$exists": False}}]}]  # fmt: skip
+    live: dict[str, set[str]] = {NS: set(), "other": set()}
+    for step in range(300):
+        op = rnd.random()
+        ns = NS if rnd.random() < 0.7 else "other"
+        if op < 0.45:
+            ids = [f"m{rnd.randrange(200)}" for _ in range(rnd.randrange(1, 6))]
+            ids = list(dict.fromkeys(ids))
+            _upsert(svc, ns, ids, [f"u{rnd.randrange(4)}" for _ in ids])
+            live[ns] |= set(ids)
+        elif op < 0.7 and live[ns]:
+            gone = rnd.sample(sorted(live[ns]), min(len(live[ns]), rnd.randrange(1, 4)))
+            svc.delete({"namespace": ns, "ids": gone})
+            live[ns] -= set(gone)
+        elif op < 0.75:
+            svc.compact(max_moves=rnd.randrange(1, 50))
+        for flt in filters:
+            for scope_ns in (NS, "other"):
+                assert _scope(svc, scope_ns, flt) == _scope(svc, scope_ns, flt, keyed=False), (step, flt)
+    assert 0 < len(svc._scopes) <= service_module._SCOPES_KEPT
+    assert svc._scope_rows == sum(len(v[2][1]) for v in svc._scopes.values())
+
+
+def test_a_write_to_the_namespace_is_seen_and_a_write_beside_it_keeps_the_answer() -> None:
+    svc = _service()
+    _upsert(svc, NS, ["a", "b", "c"], ["u1", "u2", "u1"])
+    _upsert(svc, "other", ["x"], ["u1"])
+    flt = {"user_id": "u1"}
+    first, n = _scope(svc, NS, flt)
+    assert n == 2
+    key = encode_recall_args(NS, encode_json(flt))
+    kept = svc._scopes[key][2][1]
+    assert kept is not None and not kept.flags.writeable  # (the searches only read it)
+    _upsert(svc, "other", ["y"], ["u1"])  # beside it: the same answer, the same array
+    assert svc.eligible_for(NS, flt, key)[1] is kept
+    _upsert(svc, NS, ["d"], ["u1"])  # in it: a new row matches
+    now, n = _scope(svc, NS, flt)
+    assert n == 3 and len(now) == 3 and set(first) < set(now)
+    _upsert(svc, NS, ["a"], ["u2"])  # its metadata changed: no longer matches
+    assert _scope(svc, NS, flt)[1] == 2
+
+
+def test_the_negative_control_a_cache_blind_to_the_version_would_answer_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same sequence with the namespace's version frozen: the kept answer misses the new row."""
+    svc = _service()
+    _upsert(svc, NS, ["a", "b"], ["u1", "u2"])
+    flt = {"user_id": "u1"}
+    assert _scope(svc, NS, flt)[1] == 1
+    frozen = list(svc.rows.ns_version)
+    monkeypatch.setattr(svc.rows, "ns_version", frozen)
+    _upsert(svc, NS, ["c"], ["u1"])
+    frozen[svc.rows.ns_id(NS)] -= 1  # (the upsert bumped it: taken back)
+    assert _scope(svc, NS, flt)[1] == 1  # stale: what eligible_for's version check prevents
+    assert _scope(svc, NS, flt, keyed=False)[1] == 2
+
+
+def test_the_kept_answers_are_bounded_in_number_and_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service_module, "_SCOPE_ROWS_KEPT", 10)
+    svc = _service()
+    _upsert(svc, NS, [f"m{i}" for i in range(12)], [f"u{i % 3}" for i in range(12)])
+    for u in range(3):  # 4 rows each: two fit in 10 rows
+        assert _scope(svc, NS, {"user_id": f"u{u}"})[1] == 4
+    assert len(svc._scopes) == 2 and svc._scope_rows == 8
+    assert _scope(svc, NS, {"user_id": {"$ne": "nobody"}})[1] == 12  # more than the bound: not kept
+    assert len(svc._scopes) == 2 and svc._scope_rows == 8
+    monkeypatch.setattr(service_module, "_SCOPES_KEPT", 3)
+    for u in range(6):
+        _scope(svc, NS, {"user_id": f"v{u}"})  # (none match: nothing to keep)
+    _scope(svc, NS, {"user_id": {"$in": ["u0"]}})
+    _scope(svc, NS, {"user_id": {"$in": ["u1"]}})
+    assert len(svc._scopes) <= 3 and svc._scope_rows == sum(len(v[2][1]) for v in svc._scopes.values())
