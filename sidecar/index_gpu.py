@@ -603,6 +603,9 @@ class GpuIndex(Index):
         self.behind_stamps: tuple[int, int, int] | None = None
         self.stamp_behind = HOST_TIMING
         self._pass_end_ev: Any = None
+        # the last filter's device mask, kept for a read-only candidates array (the service's
+        # kept answer, Service.eligible_for): (that array, high, the mask)
+        self._mask_kept: tuple[np.ndarray, int, Any] | None = None
         self.gemm_stream_note = ""
         self._closed = False
         self.seg_addr = 0
@@ -1319,13 +1322,19 @@ class GpuIndex(Index):
             return
         qs, rows, scores, out_ld = self._addresses(specs)
         mask_dev = None
-        if candidates is not None:
+        kept = self._mask_kept
+        if candidates is not None and kept is not None and kept[0] is candidates and kept[1] == high:
+            mask_dev = kept[2]  # (the same filter's answer again, its rows unchanged: uploaded once)
+        elif candidates is not None:
             m = np.zeros(high, np.uint8)
             m[candidates] = 1
             # uploaded on our stream: on the legacy default stream (outside the context) the
             # copy from pageable memory could still be in flight when the scan reads the mask
             with self.device, self.stream:
                 mask_dev = self.cp.asarray(m)
+            # a read-only array is the service's kept answer, which nobody changes: the mask
+            # stays right for it while ``high`` does (the array held, so its id is not reused)
+            self._mask_kept = (candidates, high, mask_dev) if not candidates.flags.writeable else None
         mask_addr = 0 if mask_dev is None else mask_dev.data.ptr
         if self.exact is None:
             # with a filter mask (a device array this call owns) the search finishes here
@@ -1938,6 +1947,7 @@ class GpuIndex(Index):
             return
         self.detach_segment()
         self._closed = True
+        self._mask_kept = None
         car, self._car = self._car, None
         self._direct = None  # (its view of the slots' words: before the slots' map is closed)
         if car is not None and not (car.running and self._car_fault):

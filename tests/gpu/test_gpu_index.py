@@ -720,3 +720,52 @@ def test_out_of_device_memory_is_a_clear_error_and_service_continues() -> None:
     rows, _ = svc.recall(data[:1], 1, "", None)
     assert svc.rows.ids[rows[0, 0]] == "0"
 
+
+
+def test_a_kept_filters_device_mask_is_uploaded_once_and_never_stale() -> None:
+    """A filter recalled again with its rows unchanged (the service's kept candidates,
+    ``eligible_for`` with a key) reuses its device mask; a row written in its namespace (new
+    candidates) or beside it (``high`` grows past the mask) makes a new one. Every answer is
+    checked against the float32 reference over the filter's rows."""
+    from kalos_retrievers.protocol import encode_json, encode_recall_args
+
+    rng = np.random.default_rng()
+    n, dim = 5003, 97
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    svc = make(dim)
+    put(svc, data, metas=[{"g": i % 7} for i in range(n)])
+    idx = svc.index
+    _mm, specs = _segment(idx, 1, dim, 10)
+    sp = specs[0]
+    flt = {"g": 3}
+    key = encode_recall_args("", encode_json(flt))
+
+    def recall(q: np.ndarray) -> list[str]:
+        sp.queries[0] = q
+        sp.rows.fill(0x7F7F7F7F)
+        sp.scores.fill(np.nan)
+        kk = svc.recall_slots([sp], 10, "", flt, key=key)
+        return [svc.rows.ids[r] for r in sp.rows[0, :kk]]
+
+    def want(q: np.ndarray, extra: list[tuple[str, np.ndarray]] = ()) -> list[str]:  # type: ignore[assignment]
+        keep = np.flatnonzero(np.arange(n) % 7 == 3)
+        ids = [str(i) for i in keep] + [e[0] for e in extra]
+        rows = np.concatenate([data[keep], *[e[1][None] for e in extra]])
+        s = (rows @ q) / np.linalg.norm(rows, axis=1)
+        return [ids[i] for i in np.argsort(-s, kind="stable")[:10]]
+
+    q = rng.standard_normal(dim).astype(np.float32)
+    assert recall(q) == want(q)
+    first = idx._mask_kept
+    assert first is not None and first[1] == svc.rows.high
+    q2 = rng.standard_normal(dim).astype(np.float32)
+    assert recall(q2) == want(q2) and idx._mask_kept[2] is first[2]  # uploaded once
+    put(svc, rng.standard_normal((50, dim)), [f"o{i}" for i in range(50)], ns="other",
+        metas=[{"g": 3}] * 50)  # fmt: skip  (beside it: high grows, the same candidates)
+    assert recall(q2) == want(q2) and idx._mask_kept[2] is not first[2] and idx._mask_kept[1] == svc.rows.high
+    close = (q2 / np.linalg.norm(q2) * 3).astype(np.float32)
+    put(svc, close[None], ["new"], metas=[{"g": 3}])  # in it: a new candidate, the best
+    got = recall(q2)
+    assert got[0] == "new" and got == want(q2, [("new", close)])
+    svc.recall_slots([sp], 10, "", flt)  # no key: a fresh (writable) answer is not kept
+    assert idx._mask_kept is None
