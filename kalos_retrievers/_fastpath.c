@@ -999,7 +999,10 @@ static int exec_module(PyObject* m) {
     if (!bell) return -1;
     rc = PyModule_AddObjectRef(m, "BELL_WORDS", bell);
     Py_DECREF(bell);
-    return rc;
+    if (rc < 0) return -1;
+    /* request1 takes a scoped recall's args (session 46): a client finding an extension built
+       before sends such recalls the general way */
+    return PyModule_AddIntConstant(m, "REQUEST1_ARGS", 1);
 }
 
 static PyModuleDef_Slot slots[] = {{Py_mod_exec, exec_module}, {0, NULL}};

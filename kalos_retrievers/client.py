@@ -99,6 +99,8 @@ if os.environ.get("KALOS_FASTPATH", "1") == "0":  # diagnostics: the Python path
 # the whole common recall to a resident kernel in one C call (KalosClient._plan_bell; not in an
 # extension built before it)
 _BELL1 = _fastpath is not None and hasattr(_fastpath, "bell1")
+# request1 writes a scoped recall's args (an extension built before session 46 does not)
+_REQUEST1_ARGS = _fastpath is not None and hasattr(_fastpath, "REQUEST1_ARGS")
 
 __all__ = ["KalosClient"]
 
@@ -502,7 +504,7 @@ class KalosClient:
         # in C where it is built (the request written and the answer read; the resident
         # kernel's recalls, whose documents come from the arena, waited for there too): it
         # checks the query is finite. (x86-64 only, as the spin paths and the arena.)
-        fast = _fastpath is not None and _X86
+        fast = _fastpath is not None and _X86 and (not args or _REQUEST1_ARGS)
         if args and align8(4 * dim) + len(args) > conn.layout.payload_size:
             return None  # (the general path says it does not fit)
         bell = fast and arena is not None and not args and k <= conn.doorbell_k()
@@ -822,7 +824,7 @@ class KalosClient:
             if out is None and not q.flags.c_contiguous:  # a strided view: its copy, as on the Python path
                 out = _fastpath.recall1(slot.mem, np.ascontiguousarray(q), *args)
         else:
-            a = (args,) if args else ()  # (an extension built before args took 6 arguments)
+            a = (args,) if args else ()  # (as an extension built before args takes them: 6)
             out = _fastpath.request1(slot.mem, q, layout, seq, k, deadline_ns, *a)
             if out is None and not q.flags.c_contiguous:
                 out = _fastpath.request1(slot.mem, np.ascontiguousarray(q), layout, seq, k, deadline_ns, *a)

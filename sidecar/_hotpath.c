@@ -392,7 +392,10 @@ static int exec_module(PyObject* m) {
     if (!vals) return -1;
     rc = PyModule_AddObjectRef(m, "CONSTANTS", vals);
     Py_DECREF(vals);
-    return rc;
+    if (rc < 0) return -1;
+    /* take's with_args (session 46): a dispatcher finding an extension built before takes
+       only recalls without args */
+    return PyModule_AddIntConstant(m, "TAKE_ARGS", 1);
 }
 
 static PyModuleDef_Slot slots[] = {{Py_mod_exec, exec_module}, {0, NULL}};

@@ -211,6 +211,8 @@ class Dispatcher:
         # slot i's query as _lone_q[i]
         self._lone_path = self.hot is not None and service.index.host_search and not service.index.defers
         self._scopes: dict[bytes, tuple[str, Any]] = {}  # args -> (namespace, None): _recall_scope
+        # take hands a recall's args over (an extension built before session 46 takes none)
+        self._take_args = hasattr(self.hot, "TAKE_ARGS")
         self._lone_q = [self._first_query[j : j + 1] for j in range(lay.n_slots)]
         # every slot's query, rows and scores addresses (u64, one row per slot): a batch queued
         # behind another is launched from its members' slot numbers (Service.launch_queued)
@@ -461,7 +463,10 @@ class Dispatcher:
         nothing, for any other request (_hotpath.take declined it): the caller takes it the
         usual way, without asking take again."""
         t0 = time.perf_counter_ns()
-        words = self.hot.take(self._slot_views[i], self._hot_layout, True)
+        if self._take_args:
+            words = self.hot.take(self._slot_views[i], self._hot_layout, True)
+        else:
+            words = self.hot.take(self._slot_views[i], self._hot_layout)
         if words is None:
             return False
         if self.pending:  # an abandoned answer's rest is void once its slot asks anew
@@ -471,7 +476,7 @@ class Dispatcher:
         t_search = t_answer = time.perf_counter_ns()
         answered = False
         try:
-            args = words[8]
+            args = words[8] if len(words) > 8 else b""
             ns, cands, dense, n = svc.eligible_for(*self._recall_scope(args), args) if args else svc.eligible("", None)
             kk = min(k, n)
             if kk:
@@ -511,7 +516,9 @@ class Dispatcher:
         got = self._scopes.get(args)
         if got is None:
             got = decode_recall_args(args)
-            if got[1] is None:  # (a filter is decoded each time: the search may hold on to it)
+            # (a filter is decoded each time: Service.eligible_for keeps its answer; a
+            # namespace the client would refuse, longer than 255 bytes, is not kept)
+            if got[1] is None and len(args) <= 261:
                 if len(self._scopes) >= 1024:
                     self._scopes.clear()
                 self._scopes[args] = got

@@ -7,8 +7,9 @@ and the Python value itself. The common operators then become numpy comparisons 
 namespace's rows (``$eq``/``$in`` on strings compare codes: an agent memory store's
 ``{"user_id": ...}`` over 100k rows took 2.3 ms comparing the strings themselves; ``$gt`` on
 numbers is one vector compare), and only string ordering and the list and substring operators
-look at values one by one. A column codes its first :data:`MAX_CODES` distinct strings; rows
-holding others (a column of unique strings) are compared by value. The semantics are those of
+look at values one by one. A column codes up to :data:`MAX_CODES` distinct strings of at most
+:data:`CODE_MAX_LEN` characters (rebuilt from the rows' own strings when full); rows holding
+others (a column of unique strings, long texts) are compared by value. The semantics are those of
 :func:`kalos_retrievers.filters.matches`, which the tests use as the reference.
 """
 
@@ -31,9 +32,11 @@ STRING: Final = 4
 LIST: Final = 5
 OBJECT: Final = 6
 _CMP: Final = {"$gt": operator.gt, "$gte": operator.ge, "$lt": operator.lt, "$lte": operator.le}
-#: Distinct strings a column codes (its dictionary's bound: ~100 bytes each); beyond, a string
-#: row's code is UNCODED and its value is compared instead.
+#: Distinct strings a column codes (its dictionary's bound). When it fills, it is rebuilt from
+#: the strings rows hold then (see _Column.code_of); past it, and for a string longer than
+#: CODE_MAX_LEN, a row's code is UNCODED and its value is compared instead.
 MAX_CODES: Final = 1 << 16
+CODE_MAX_LEN: Final = 256
 UNCODED: Final = -1
 
 
@@ -52,7 +55,7 @@ def _kind(v: Any) -> int:
 
 
 class _Column:
-    __slots__ = ("code", "codes", "kind", "num", "obj", "overflow")
+    __slots__ = ("code", "codes", "kind", "num", "obj", "saturated", "uncoded")
     _ARRAYS: Final = ("kind", "num", "obj", "code")
 
     def __init__(self, capacity: int) -> None:
@@ -60,8 +63,9 @@ class _Column:
         self.num = np.zeros(capacity, np.float64)
         self.obj = np.empty(capacity, object)
         self.code = np.full(capacity, UNCODED, np.int32)  # a STRING row's code (others: unread)
-        self.codes: dict[str, int] = {}  # string -> code, never reused (at most MAX_CODES)
-        self.overflow = False  # whether a string was ever left UNCODED
+        self.codes: dict[str, int] = {}  # string -> code (at most MAX_CODES; see code_of)
+        self.uncoded = False  # whether a row may hold an UNCODED string
+        self.saturated = False  # the rows' own strings fill half the dictionary: not rebuilt again
 
     def grow(self, capacity: int) -> None:
         n = len(self.kind)
@@ -73,14 +77,45 @@ class _Column:
             setattr(self, name, new)
 
     def code_of(self, s: str) -> int:
-        """``s``'s code, given one now if the dictionary has room (else UNCODED)."""
+        """``s``'s code, given one now if the dictionary has room (else UNCODED: a string
+        longer than CODE_MAX_LEN, or no room). A full dictionary is first rebuilt from the
+        strings the rows hold (:meth:`recode`): a column whose values come and go (session ids)
+        frees the codes of strings no row holds any more."""
         c = self.codes.get(s)
-        if c is None:
-            if len(self.codes) >= MAX_CODES:
-                self.overflow = True
-                return UNCODED
-            c = self.codes[s] = len(self.codes)
-        return c
+        if c is not None:
+            return c
+        if len(s) <= CODE_MAX_LEN:
+            if len(self.codes) >= MAX_CODES and not self.saturated:
+                self.recode()
+                c = self.codes.get(s)
+                if c is not None:
+                    return c
+            if len(self.codes) < MAX_CODES:
+                c = self.codes[s] = len(self.codes)
+                return c
+        self.uncoded = True
+        return UNCODED
+
+    def recode(self) -> None:
+        """Rebuild the dictionary from the strings rows hold now, and every string row's code.
+        When those strings alone fill half of it (a column of distinct values), it is not
+        rebuilt again: later strings past the bound stay UNCODED. One pass over the column's
+        string rows, at most once per MAX_CODES / 2 new strings."""
+        rows = np.flatnonzero(self.kind == STRING)
+        codes: dict[str, int] = {}
+        new = np.full(len(rows), UNCODED, np.int32)
+        uncoded = False
+        for j, v in enumerate(self.obj[rows].tolist()):
+            c = codes.get(v)
+            if c is None:
+                if len(v) > CODE_MAX_LEN or len(codes) >= MAX_CODES:
+                    uncoded = True
+                    continue
+                c = codes[v] = len(codes)
+            new[j] = c
+        self.code[rows] = new
+        self.codes, self.uncoded = codes, uncoded
+        self.saturated = len(codes) >= MAX_CODES // 2
 
     def strings_match(self, kind: np.ndarray, rows: np.ndarray, strs: set[str]) -> np.ndarray:
         """Which of ``rows`` (``kind`` their kinds) hold one of the strings ``strs``: their
@@ -92,7 +127,7 @@ class _Column:
         else:  # (none coded: only an uncoded row can match)
             m = np.isin(code, np.array(want, np.int32)) if want else np.zeros(len(rows), bool)
         m &= kind == STRING  # (a row's code is stale once it holds no string)
-        if self.overflow:  # strings past the dictionary's bound: compared by value
+        if self.uncoded:  # (strings past the dictionary's bound, or long ones): compared by value
             unc = np.flatnonzero((kind == STRING) & (code == UNCODED))
             if len(unc):
                 m[unc] = [v in strs for v in self.obj[rows[unc]]]
@@ -157,10 +192,10 @@ class MetadataColumns:
             if col is None:
                 col = self.cols[key] = _Column(self.capacity)
             k = _kind(v)
-            col.kind[row] = k
+            col.obj[row] = v  # (the value, then its kind: a rebuild of the codes in code_of reads both)
             col.num[row] = _as_float(v) if k in (BOOL, NUMBER) else (len(v) if k == LIST else 0.0)
+            col.kind[row] = k
             col.code[row] = col.code_of(v) if k == STRING else UNCODED
-            col.obj[row] = v
         self.row_keys[row] = tuple(metadata)
 
     def clear(self, row: int) -> None:

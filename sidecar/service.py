@@ -34,6 +34,7 @@ MAX_ID_BYTES = 512
 _ORDERS_KEPT = 16  # namespaces whose scan order is kept
 _SCOPES_KEPT = 64  # filters whose candidate rows are kept (Service.eligible_for)
 _SCOPE_ROWS_KEPT = 1 << 22  # their candidate rows in all, at most (32 MiB of int64)
+_SCOPE_KEY_KEPT = 4096  # the longest args kept as a key (a long $in list: evaluated each time)
 _FLOAT_MAX = int(sys.float_info.max)  # a metadata int beyond it has no float64 column value
 
 class Service:
@@ -206,17 +207,20 @@ class Service:
         until a row of the namespace changes (its ``ns_version``), so that an agent recalling
         again and again with the same filter (``{"user_id": ...}``) pays for the filter once
         per change, not per recall (~260 µs over a 100k-row namespace on the development VM).
-        The rows kept are read-only: the searches only read them.
+        At most :data:`_SCOPES_KEPT` answers are kept, the least recently used dropped first,
+        holding :data:`_SCOPE_ROWS_KEPT` rows in all, under keys of at most
+        :data:`_SCOPE_KEY_KEPT` bytes. The rows kept are read-only: the searches only read them.
 
         Raises:
             Invalid: a filter :func:`~kalos_retrievers.filters.validate_filter` refuses
                 (BAD_REQUEST, its message).
         """
-        if flt is None or key is None:
+        if flt is None or key is None or len(key) > _SCOPE_KEY_KEPT:
             return self.eligible(namespace, _filter(flt))
         ns_id = self.rows.ns_id(namespace)
         hit = self._scopes.get(key)
         if hit is not None and ns_id is not None and hit[0] == ns_id and hit[1] == self.rows.ns_version[ns_id]:
+            self._scopes[key] = self._scopes.pop(key)  # the most recently used last: evicted last
             return hit[2]
         got = self.eligible(namespace, _filter(flt))
         cands = got[1]
@@ -226,7 +230,7 @@ class Service:
         if old is not None:
             self._scope_rows -= len(old[2][1])  # type: ignore[arg-type]
         while self._scopes and (len(self._scopes) >= _SCOPES_KEPT or self._scope_rows + len(cands) > _SCOPE_ROWS_KEPT):
-            gone = self._scopes.pop(next(iter(self._scopes)))  # (the oldest kept)
+            gone = self._scopes.pop(next(iter(self._scopes)))  # (the least recently used)
             self._scope_rows -= len(gone[2][1])  # type: ignore[arg-type]
         cands.flags.writeable = False
         self._scopes[key] = (ns_id, self.rows.ns_version[ns_id], got)

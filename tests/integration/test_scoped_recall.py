@@ -174,3 +174,39 @@ def test_a_filter_too_long_for_the_slot_gets_the_general_paths_error(start_sidec
         assert str(fast.value) == str(general.value)
         c.upsert(["a"], q, None, [{"i": 5}])
         assert c.recall(q, 3, filter={"i": {"$in": list(range(200))}}).ids == ["a"]  # (one that fits)
+
+
+def test_an_extension_built_before_scoped_requests_sends_them_the_python_way(
+    start_sidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client whose ``_fastpath`` predates the args (no ``REQUEST1_ARGS``; its request1
+    takes 6 arguments) writes a scoped recall through the short Python path, and a default
+    recall still through C."""
+    rng = np.random.default_rng()
+    sc, data = loaded(start_sidecar, rng)
+
+    class Old:
+        calls = 0
+
+        def __getattr__(self, name: str) -> object:
+            if name == "REQUEST1_ARGS":
+                raise AttributeError(name)
+            return getattr(fastpath, name)
+
+        def request1(self, *a: object) -> object:
+            if len(a) != 6:
+                raise TypeError("request1 takes 6 arguments")
+            Old.calls += 1
+            return fastpath.request1(*a)
+
+    monkeypatch.setattr(client_module, "_fastpath", Old())
+    monkeypatch.setattr(client_module, "_REQUEST1_ARGS", hasattr(client_module._fastpath, "REQUEST1_ARGS"))
+    assert not client_module._REQUEST1_ARGS
+    with sc.client() as c:
+        c.ping()
+        for ns, flt in SCOPES:
+            q = rng.standard_normal(DIM).astype(np.float32)
+            assert c.recall(q, 5, namespace=ns, filter=flt).ids == reference(data, ns, flt, q.astype(np.float64), 5)
+        assert Old.calls == 0
+        q = rng.standard_normal(DIM).astype(np.float32)
+        assert c.recall(q, 5).ids == reference(data, "", None, q.astype(np.float64), 5) and Old.calls == 1

@@ -142,6 +142,35 @@ def test_string_equality_compares_codes_not_values() -> None:
     assert cols.evaluate(validate_filter({"user_id": "zz"}), rows).tolist() == [False] * 4
 
 
+def test_a_full_string_dictionary_is_rebuilt_from_the_rows_own_strings() -> None:
+    """Values that come and go (one row rewritten with ever new strings) free their codes when
+    the dictionary fills, so a later string is coded again; a column of distinct live strings
+    stops being rebuilt (saturated) and compares the rest by value; long strings are never
+    coded. Every answer against the reference."""
+    with mock.patch.object(metadata_module, "MAX_CODES", 8):
+        cols = MetadataColumns(capacity=16)
+        cols.set(0, {"s": "user1"})
+        for i in range(100):  # churn in row 1: 100 distinct strings through 8 codes
+            cols.set(1, {"s": f"session-{i}"})
+        col = cols.cols["s"]
+        assert len(col.codes) <= 8 and not col.saturated and not col.uncoded
+        cols.set(2, {"s": "user2"})
+        assert col.code[2] != metadata_module.UNCODED  # coded: the dead sessions' codes were freed
+        for r in range(3, 12):  # nine more distinct live strings: past the bound for good
+            cols.set(r, {"s": f"live-{r}"})
+        assert col.saturated and col.uncoded and len(col.codes) <= 8
+        cols.set(12, {"s": "x" * 300})  # long: compared by value
+        assert col.code[12] == metadata_module.UNCODED
+        metas = [{"s": "user1"}, {"s": "session-99"}, {"s": "user2"}, *({"s": f"live-{r}"} for r in range(3, 12)),
+                 {"s": "x" * 300}]  # fmt: skip
+        rows = np.arange(13)
+        for want_s in ("user1", "session-99", "live-11", "live-3", "x" * 300, "session-5", "nobody"):
+            for flt in ({"s": want_s}, {"s": {"$in": [want_s, "user2"]}}, {"s": {"$ne": want_s}}):
+                norm = validate_filter(flt)
+                want = np.array([matches(norm, m) for m in metas])
+                assert np.array_equal(cols.evaluate(norm, rows), want), flt
+
+
 def test_columns_follow_set_clear_and_move() -> None:
     cols = MetadataColumns(capacity=8)
     cols.set(0, {"a": 1, "b": "x"})

@@ -572,6 +572,50 @@ def test_a_lone_recall_in_a_namespace_or_with_a_filter_takes_the_short_path(
         assert all((int(x[1:]) < 20) if scope[0] == "" else (int(x[1:]) >= 40) for x in ids), ids
 
 
+def test_a_hotpath_built_before_take_had_args_leaves_scoped_recalls_to_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``_hotpath`` without ``TAKE_ARGS`` (its take has 2 arguments): the dispatcher asks it
+    only the old way, so a scoped lone recall goes the Python way (answered, as that path
+    answers it) and a default one still the short way."""
+
+    class Old:
+        def __init__(self) -> None:
+            self.calls: dict[str, int] = {}
+
+        def take(self, *a):  # type: ignore[no-untyped-def]
+            if len(a) != 2:
+                raise TypeError("take takes 2 arguments")
+            self.calls["take"] = self.calls.get("take", 0) + 1
+            return hp.take(*a)
+
+        def answer1(self, *a):  # type: ignore[no-untyped-def]
+            self.calls["answer1"] = self.calls.get("answer1", 0) + 1
+            return hp.answer1(*a)
+
+    monkeypatch.setattr(dispatcher_module, "_hotpath", Old())
+    svc = _service(ROWS)
+    lay = Layout(n_slots=3, dim=DIM, max_k=64, payload_size=1 << 14, blob_size=1 << 14)
+    mm = mmap.mmap(-1, lay.segment_size)
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(3)], svc, Stats(), max_batch=64, describe=lambda: {})
+    assert d._lone_path and not d._take_args
+    args = encode_recall_args("", b'{"i": {"$lt": 20}}')
+    off = lay.slot_offset(0)
+    start = off + lay.payload_offset + align8(4 * DIM)
+    mm[start : start + len(args)] = args
+    np.frombuffer(mm, np.float32, DIM, off + lay.payload_offset)[:] = 1.0
+    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, *_recall(args_len=len(args), flags=0))
+    np.ndarray((1,), np.uint32, mm, off)[0] = SlotState.REQUEST
+    assert d.poll() == 1
+    d.settle()
+    c, posts = bytes(mm[off : off + lay.slot_size]), d.sems[0].posts
+    resp = RESPONSE_STRUCT.unpack_from(c, RESPONSE_OFFSET)
+    assert posts == 1 and resp[1:3] == (Status.OK, 10)
+    assert (np.frombuffer(c, np.int32, 10, lay.rows_offset) < 20).all()  # the filter held
+    assert d.hot.calls == {"take": 1}  # declined (args), answered by Python
+    c, posts = _answer(d, mm, lay, np.ones(DIM, np.float32), _recall(flags=0))
+    assert posts == 1 and RESPONSE_STRUCT.unpack_from(c, RESPONSE_OFFSET)[1:3] == (Status.OK, 10)
+    assert d.hot.calls == {"take": 2, "answer1": 1}  # the default recall: the short path
+
+
 def test_an_answer_given_in_c_is_never_overwritten_by_a_later_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once answer1 has written RESPONSE the client may already have read it: a failure after
     that (here the semaphore's post) must not turn it into an INTERNAL error (and a second post)."""
