@@ -1178,6 +1178,28 @@ class Dispatcher:
                 left.append(m)
         return left
 
+    def _answer1(self, i: int, req: Request, spec: SlotSpec, kk: int, t0: int) -> bool:
+        """Answer a single recall of one query (a GPU sidecar's recall in a namespace or with
+        a filter, which :meth:`_one` answers) with _hotpath.answer1, as :meth:`_lone` and
+        :meth:`_answer_hot` answer theirs, from the rows the search left in the slot. False,
+        having answered nothing, for what it leaves (no C path, several queries, no results,
+        vectors, an answer in parts, a row that fails a check): the Python path answers."""
+        hot = self.hot
+        if hot is None or len(spec.rows) != 1 or not kk:
+            return False
+        rows = self.service.rows
+        a = rows.arena
+        arena = None if a is None else (a.table_bytes, a.rows_cap, a.version)
+        try:
+            answered = hot.answer1(self._slot_views[i], self._hot_layout, req.seq, req.flags, spec.rows[0, :kk],
+                                   spec.scores[0, :kk], rows.high, rows.docs, arena)  # fmt: skip
+        except Exception:  # a bug, in C or in its arguments: the Python path answers instead
+            log.exception("the C answer path failed; answering in Python")
+            return False
+        if answered:
+            self._answered(i, req, Status.OK, t0)
+        return bool(answered)
+
     def _answer_gens(self, b: _Batch, members: list[tuple[tuple[int, Request, int], SlotSpec]]) -> bool:
         """Answer a batch of batch-1 recalls whose clients read documents from the arena (32
         processes against a GPU sidecar) with numpy over all ``members`` at once: their rows
@@ -1278,7 +1300,8 @@ class Dispatcher:
             ns, flt = decode_recall_args(args)
             spec = self._spec(i, req)
             kk = svc.recall_slots([spec], req.top_k, ns, flt, key=args)
-            self._write_hits(i, req, spec, kk, req.flags, t0)
+            if not self._answer1(i, req, spec, kk, t0):
+                self._write_hits(i, req, spec, kk, req.flags, t0)
         elif op == Op.UPSERT:
             args = decode_json_args(self._args(i, req), op)
             n = svc.upsert(args, self._queries(i, req))

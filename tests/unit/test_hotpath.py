@@ -572,10 +572,47 @@ def test_a_lone_recall_in_a_namespace_or_with_a_filter_takes_the_short_path(
         assert all((int(x[1:]) < 20) if scope[0] == "" else (int(x[1:]) >= 40) for x in ids), ids
 
 
+@pytest.mark.parametrize("why", [w for w in _SCOPES if _SCOPES[w] is not None])
+@pytest.mark.parametrize("flags", [0, ENTRIES, Flag.NO_DOCS, Flag.WITH_VECTORS])
+def test_a_scoped_recall_off_the_lone_path_is_answered_in_c_as_python_answers_it(
+    why: str, flags: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off the lone path (a GPU index's, or a CPU sidecar's crowd) a scoped recall goes
+    through Dispatcher._one: its answer is written by answer1 where it can be (documents
+    inline or from the arena), and the slot's bytes, posts and stats are the Python path's."""
+    svc = _service(ROWS)
+    vecs = np.random.default_rng(8).standard_normal((ROWS, DIM)).astype(np.float32)
+    svc.upsert({"namespace": "mem/ü", "ids": [f"n{i}" for i in range(ROWS)],
+                "texts": [f"scoped {i}" for i in range(ROWS)], "metadatas": [{"i": i} for i in range(ROWS)]},
+               vecs)  # fmt: skip
+    (dc, mc, lay), (dp, mp, _) = _two_dispatchers(svc, monkeypatch)
+    dc._lone_path = False  # (as for a GPU index)
+    args = encode_recall_args(*_SCOPES[why])
+    off = lay.slot_offset(0)
+    out = []
+    for d, mm in ((dc, mc), (dp, mp)):
+        start = off + lay.payload_offset + align8(4 * DIM)
+        mm[start : start + len(args)] = args
+        np.frombuffer(mm, np.float32, DIM, off + lay.payload_offset)[:] = 1.0
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, *_recall(args_len=len(args), flags=flags))
+        np.ndarray((1,), np.uint32, mm, off)[0] = SlotState.REQUEST
+        assert d.poll() == 1
+        d.settle()
+        out.append((bytes(mm[off : off + lay.slot_size]), d.sems[0].posts))
+    assert out[0] == out[1] and out[0][1] == 1
+    resp = RESPONSE_STRUCT.unpack_from(out[0][0], RESPONSE_OFFSET)
+    n = resp[2] if resp[1] == Status.OK else 0
+    calls = dc.hot.calls  # type: ignore[attr-defined]
+    c_answers = n > 0 and not flags & Flag.WITH_VECTORS and resp[1] == Status.OK
+    assert calls.get("answered", 0) == (1 if c_answers else 0), calls
+    for d in (dc, dp):
+        assert sum(v for (op, _), v in d.stats.requests.items() if op == "recall") == 1
+
+
 def test_a_hotpath_built_before_take_had_args_leaves_scoped_recalls_to_python(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``_hotpath`` without ``TAKE_ARGS`` (its take has 2 arguments): the dispatcher asks it
-    only the old way, so a scoped lone recall goes the Python way (answered, as that path
-    answers it) and a default one still the short way."""
+    only the old way, so a scoped lone recall goes the usual way (Dispatcher._one, answered
+    as that path answers it) and a default one still the short way."""
 
     class Old:
         def __init__(self) -> None:
@@ -610,10 +647,10 @@ def test_a_hotpath_built_before_take_had_args_leaves_scoped_recalls_to_python(mo
     resp = RESPONSE_STRUCT.unpack_from(c, RESPONSE_OFFSET)
     assert posts == 1 and resp[1:3] == (Status.OK, 10)
     assert (np.frombuffer(c, np.int32, 10, lay.rows_offset) < 20).all()  # the filter held
-    assert d.hot.calls == {"take": 1}  # declined (args), answered by Python
+    assert d.hot.calls == {"take": 1, "answer1": 1}  # declined (args): taken by _one, answered in C
     c, posts = _answer(d, mm, lay, np.ones(DIM, np.float32), _recall(flags=0))
     assert posts == 1 and RESPONSE_STRUCT.unpack_from(c, RESPONSE_OFFSET)[1:3] == (Status.OK, 10)
-    assert d.hot.calls == {"take": 2, "answer1": 1}  # the default recall: the short path
+    assert d.hot.calls == {"take": 2, "answer1": 2}  # the default recall: the short path
 
 
 def test_an_answer_given_in_c_is_never_overwritten_by_a_later_failure(monkeypatch: pytest.MonkeyPatch) -> None:
