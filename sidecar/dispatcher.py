@@ -535,30 +535,36 @@ class Dispatcher:
                  take: bool = True) -> None:  # fmt: skip
         """Take the requests in ``ready``: mark each BUSY and check it; recalls without
         arguments join ``groups`` by (k, flags) for a batched search; anything else is
-        answered now, after the batch in flight (rows could change). ``take`` False: the Python
-        way only (_hotpath.take has declined them already: :meth:`_lone`'s request, not read
-        again for the same answer)."""
+        answered now, after the batch in flight (rows could change). A batch-1 recall is taken
+        and checked by _hotpath.take, a scoped one too (its args handed over, then answered by
+        :meth:`_one`). ``take`` False: the Python way only (_hotpath.take has declined them
+        already: :meth:`_lone`'s request, not read again for the same answer)."""
         hot = self.hot if take else None
+        with_args = self._take_args
         for i in ready.tolist():
             t0 = time.perf_counter_ns()
-            if hot is not None:  # a batch-1 recall in the default namespace, checked in C
-                words = hot.take(self._slot_views[i], self._hot_layout)
+            req = None
+            if hot is not None:  # a batch-1 recall, checked in C (a scoped one too: answered below)
+                view = self._slot_views[i]
+                words = hot.take(view, self._hot_layout, True) if with_args else hot.take(view, self._hot_layout)
                 if words is not None:
-                    req = Request._make(words)
-                    self._taken.add(i)
+                    req = Request._make(words[:8])
+                    if not req.args_len:
+                        self._taken.add(i)
+                        groups.setdefault((req.top_k, req.flags), []).append((i, req, t0))
+                        continue
+            self._taken.discard(i)
+            if req is None:
+                req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
+                _STATE.pack_into(self.mm, self.slot_off[i], SlotState.BUSY)
+                try:
+                    self._check(req)
+                except Invalid as e:
+                    self._error(i, req, e.status, str(e), t0)
+                    continue
+                if req.op == Op.RECALL and req.args_len == 0:
                     groups.setdefault((req.top_k, req.flags), []).append((i, req, t0))
                     continue
-            self._taken.discard(i)
-            req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
-            _STATE.pack_into(self.mm, self.slot_off[i], SlotState.BUSY)
-            try:
-                self._check(req)
-            except Invalid as e:
-                self._error(i, req, e.status, str(e), t0)
-                continue
-            if req.op == Op.RECALL and req.args_len == 0:
-                groups.setdefault((req.top_k, req.flags), []).append((i, req, t0))
-                continue
             host_only = req.op in _HOST_ONLY
             # nothing else runs while a search is in flight (rows could change); the carousel
             # keeps what it holds for host-only work

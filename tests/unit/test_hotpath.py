@@ -577,9 +577,10 @@ def test_a_lone_recall_in_a_namespace_or_with_a_filter_takes_the_short_path(
 def test_a_scoped_recall_off_the_lone_path_is_answered_in_c_as_python_answers_it(
     why: str, flags: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Off the lone path (a GPU index's, or a CPU sidecar's crowd) a scoped recall goes
-    through Dispatcher._one: its answer is written by answer1 where it can be (documents
-    inline or from the arena), and the slot's bytes, posts and stats are the Python path's."""
+    """Off the lone path (a GPU index's, or a CPU sidecar's crowd) a scoped recall is taken
+    and checked by take (its args handed over) and answered through Dispatcher._one: by
+    answer1 where it can be (documents inline or from the arena); the slot's bytes, posts and
+    stats are the Python path's."""
     svc = _service(ROWS)
     vecs = np.random.default_rng(8).standard_normal((ROWS, DIM)).astype(np.float32)
     svc.upsert({"namespace": "mem/ü", "ids": [f"n{i}" for i in range(ROWS)],
@@ -587,6 +588,11 @@ def test_a_scoped_recall_off_the_lone_path_is_answered_in_c_as_python_answers_it
                vecs)  # fmt: skip
     (dc, mc, lay), (dp, mp, _) = _two_dispatchers(svc, monkeypatch)
     dc._lone_path = False  # (as for a GPU index)
+
+    def checked_in_python(req: Request) -> None:
+        raise AssertionError(f"_hotpath.take checks a scoped recall; Python checked {req}")
+
+    monkeypatch.setattr(dc, "_check", checked_in_python)
     args = encode_recall_args(*_SCOPES[why])
     off = lay.slot_offset(0)
     out = []
