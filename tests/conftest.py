@@ -120,3 +120,14 @@ def _no_leaked_shm() -> Iterator[None]:
 def make_name() -> Callable[[str], str]:
     """``make_name()`` -> a sidecar name unique to this test run."""
     return unique_name
+
+
+@pytest.fixture(params=["arena", "inline"])
+def docs_from(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where a CPU sidecar's recalls' documents come from: its arena (``KALOS_ARENA=1``), or
+    inline in the answer (a CPU sidecar's default). Set before the sidecar starts."""
+    if request.param == "arena":
+        monkeypatch.setenv("KALOS_ARENA", "1")
+    else:
+        monkeypatch.delenv("KALOS_ARENA", raising=False)
+    return str(request.param)

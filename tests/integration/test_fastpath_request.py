@@ -54,16 +54,6 @@ class Counted:
         return out
 
 
-@pytest.fixture(params=["arena", "inline"])
-def docs_from(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Where the recalls' documents come from: the sidecar's arena, or inline in the answer."""
-    if request.param == "arena":
-        monkeypatch.setenv("KALOS_ARENA", "1")
-    else:
-        monkeypatch.delenv("KALOS_ARENA", raising=False)
-    return str(request.param)
-
-
 def loaded(start_sidecar, rng: np.random.Generator):  # type: ignore[no-untyped-def]
     sc = start_sidecar(dim=DIM)
     with sc.client() as c:

@@ -46,15 +46,6 @@ class Counted:
         return fastpath.request1(*a)
 
 
-@pytest.fixture(params=["arena", "inline"])
-def docs_from(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "arena":
-        monkeypatch.setenv("KALOS_ARENA", "1")
-    else:
-        monkeypatch.delenv("KALOS_ARENA", raising=False)
-    return str(request.param)
-
-
 def loaded(start_sidecar, rng: np.random.Generator):  # type: ignore[no-untyped-def]
     """A sidecar holding N rows in each of NAMESPACES; returns it and {namespace: vectors}."""
     sc = start_sidecar(dim=DIM)

@@ -514,6 +514,30 @@ def test_rows_the_short_path_declines_are_refused_by_the_python_checks(monkeypat
     assert RESPONSE_STRUCT.unpack_from(c, RESPONSE_OFFSET)[1] == Status.OK
 
 
+def _scoped_service() -> Service:
+    """_service's rows, and as many in namespace "mem/ü" (ids n0.., metadata {"i": i})."""
+    svc = _service(ROWS)
+    vecs = np.random.default_rng(8).standard_normal((ROWS, DIM)).astype(np.float32)
+    svc.upsert({"namespace": "mem/ü", "ids": [f"n{i}" for i in range(ROWS)],
+                "texts": [f"scoped {i}" for i in range(ROWS)], "metadatas": [{"i": i} for i in range(ROWS)]},
+               vecs)  # fmt: skip
+    return svc
+
+
+def _ask(d: Dispatcher, mm: mmap.mmap, lay: Layout, req: Request, args: bytes) -> tuple[bytes, int]:
+    """Slot 0's bytes and posts after ``d`` answered ``req`` (query all ones) with ``args``
+    written after the query (unlike _answer, the slot is not cleared first)."""
+    off = lay.slot_offset(0)
+    start = off + lay.payload_offset + align8(4 * lay.dim)
+    mm[start : start + len(args)] = args
+    np.frombuffer(mm, np.float32, lay.dim, off + lay.payload_offset)[:] = 1.0
+    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, *req)
+    np.ndarray((1,), np.uint32, mm, off)[0] = SlotState.REQUEST
+    assert d.poll() == 1
+    d.settle()
+    return bytes(mm[off : off + lay.slot_size]), d.sems[0].posts
+
+
 _SCOPES = {
     "a namespace": ("mem/ü", None),
     "a filter": ("", b'{"i": {"$lt": 20}}'),
@@ -533,27 +557,12 @@ def test_a_lone_recall_in_a_namespace_or_with_a_filter_takes_the_short_path(
     """take hands the args over, the search keeps to their namespace and filter, and the
     answer (or the error: a filter the sidecar refuses, args that do not decode) is the Python
     path's, byte for byte."""
-    svc = _service(ROWS)
-    vecs = np.random.default_rng(8).standard_normal((ROWS, DIM)).astype(np.float32)
-    svc.upsert({"namespace": "mem/ü", "ids": [f"n{i}" for i in range(ROWS)],
-                "texts": [f"scoped {i}" for i in range(ROWS)], "metadatas": [{"i": i} for i in range(ROWS)]},
-               vecs)  # fmt: skip
+    svc = _scoped_service()
     (dc, mc, lay), (dp, mp, _) = _two_dispatchers(svc, monkeypatch)
     scope = _SCOPES[why]
     args = b"\x05\x00ab" if scope is None else encode_recall_args(*scope)
-    off = lay.slot_offset(0)
-    for mm in (mc, mp):
-        start = off + lay.payload_offset + align8(4 * DIM)
-        mm[start : start + len(args)] = args
     req = _recall(args_len=len(args), flags=flags)
-    out = []
-    for d, mm in ((dc, mc), (dp, mp)):
-        np.frombuffer(mm, np.float32, DIM, off + lay.payload_offset)[:] = 1.0
-        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, *req)
-        np.ndarray((1,), np.uint32, mm, off)[0] = SlotState.REQUEST
-        assert d.poll() == 1
-        d.settle()
-        out.append((bytes(mm[off : off + lay.slot_size]), d.sems[0].posts))
+    out = [_ask(d, mm, lay, req, args) for d, mm in ((dc, mc), (dp, mp))]
     assert out[0] == out[1] and out[0][1] == 1
     c = out[0][0]
     resp = RESPONSE_STRUCT.unpack_from(c, RESPONSE_OFFSET)
@@ -581,11 +590,7 @@ def test_a_scoped_recall_off_the_lone_path_is_answered_in_c_as_python_answers_it
     and checked by take (its args handed over) and answered through Dispatcher._one: by
     answer1 where it can be (documents inline or from the arena); the slot's bytes, posts and
     stats are the Python path's."""
-    svc = _service(ROWS)
-    vecs = np.random.default_rng(8).standard_normal((ROWS, DIM)).astype(np.float32)
-    svc.upsert({"namespace": "mem/ü", "ids": [f"n{i}" for i in range(ROWS)],
-                "texts": [f"scoped {i}" for i in range(ROWS)], "metadatas": [{"i": i} for i in range(ROWS)]},
-               vecs)  # fmt: skip
+    svc = _scoped_service()
     (dc, mc, lay), (dp, mp, _) = _two_dispatchers(svc, monkeypatch)
     dc._lone_path = False  # (as for a GPU index)
 
@@ -594,17 +599,8 @@ def test_a_scoped_recall_off_the_lone_path_is_answered_in_c_as_python_answers_it
 
     monkeypatch.setattr(dc, "_check", checked_in_python)
     args = encode_recall_args(*_SCOPES[why])
-    off = lay.slot_offset(0)
-    out = []
-    for d, mm in ((dc, mc), (dp, mp)):
-        start = off + lay.payload_offset + align8(4 * DIM)
-        mm[start : start + len(args)] = args
-        np.frombuffer(mm, np.float32, DIM, off + lay.payload_offset)[:] = 1.0
-        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, *_recall(args_len=len(args), flags=flags))
-        np.ndarray((1,), np.uint32, mm, off)[0] = SlotState.REQUEST
-        assert d.poll() == 1
-        d.settle()
-        out.append((bytes(mm[off : off + lay.slot_size]), d.sems[0].posts))
+    req = _recall(args_len=len(args), flags=flags)
+    out = [_ask(d, mm, lay, req, args) for d, mm in ((dc, mc), (dp, mp))]
     assert out[0] == out[1] and out[0][1] == 1
     resp = RESPONSE_STRUCT.unpack_from(out[0][0], RESPONSE_OFFSET)
     n = resp[2] if resp[1] == Status.OK else 0
@@ -641,15 +637,7 @@ def test_a_hotpath_built_before_take_had_args_leaves_scoped_recalls_to_python(mo
     d = Dispatcher(mm, lay, [_Sem() for _ in range(3)], svc, Stats(), max_batch=64, describe=lambda: {})
     assert d._lone_path and not d._take_args
     args = encode_recall_args("", b'{"i": {"$lt": 20}}')
-    off = lay.slot_offset(0)
-    start = off + lay.payload_offset + align8(4 * DIM)
-    mm[start : start + len(args)] = args
-    np.frombuffer(mm, np.float32, DIM, off + lay.payload_offset)[:] = 1.0
-    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, *_recall(args_len=len(args), flags=0))
-    np.ndarray((1,), np.uint32, mm, off)[0] = SlotState.REQUEST
-    assert d.poll() == 1
-    d.settle()
-    c, posts = bytes(mm[off : off + lay.slot_size]), d.sems[0].posts
+    c, posts = _ask(d, mm, lay, _recall(args_len=len(args), flags=0), args)
     resp = RESPONSE_STRUCT.unpack_from(c, RESPONSE_OFFSET)
     assert posts == 1 and resp[1:3] == (Status.OK, 10)
     assert (np.frombuffer(c, np.int32, 10, lay.rows_offset) < 20).all()  # the filter held
