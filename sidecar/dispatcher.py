@@ -477,7 +477,11 @@ class Dispatcher:
         answered = False
         try:
             args = words[8] if len(words) > 8 else b""
-            ns, cands, dense, n = svc.eligible_for(*self._recall_scope(args), args) if args else svc.eligible("", None)
+            if not args:
+                ns, cands, dense, n = svc.eligible("", None)
+            else:  # (a filter's answer kept: its args not even decoded)
+                kept = svc.kept(args)
+                ns, cands, dense, n = kept if kept is not None else svc.eligible_for(*self._recall_scope(args), args)
             kk = min(k, n)
             if kk:
                 rows, scores = svc.index.search(self._lone_q[i], kk, svc.rows.high, ns, cands, dense)

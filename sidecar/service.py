@@ -217,13 +217,12 @@ class Service:
         """
         if flt is None or key is None or len(key) > _SCOPE_KEY_KEPT:
             return self.eligible(namespace, _filter(flt))
-        ns_id = self.rows.ns_id(namespace)
-        hit = self._scopes.get(key)
-        if hit is not None and ns_id is not None and hit[0] == ns_id and hit[1] == self.rows.ns_version[ns_id]:
-            self._scopes[key] = self._scopes.pop(key)  # the most recently used last: evicted last
-            return hit[2]
+        hit = self.kept(key)
+        if hit is not None:
+            return hit
         got = self.eligible(namespace, _filter(flt))
         cands = got[1]
+        ns_id = self.rows.ns_id(namespace)
         if ns_id is None or cands is None or len(cands) > _SCOPE_ROWS_KEPT:
             return got
         old = self._scopes.pop(key, None)
@@ -236,6 +235,17 @@ class Service:
         self._scopes[key] = (ns_id, self.rows.ns_version[ns_id], got)
         self._scope_rows += len(cands)
         return got
+
+    def kept(self, key: bytes) -> tuple[int, np.ndarray | None, bool, int] | None:
+        """The answer :meth:`eligible_for` keeps under ``key`` (a recall's args, which name its
+        namespace and filter), if no row of that namespace changed since; else None. (A
+        namespace's id is never reused, so the key alone finds it: the caller need not decode
+        the args first.)"""
+        hit = self._scopes.get(key)
+        if hit is None or hit[1] != self.rows.ns_version[hit[0]]:
+            return None
+        self._scopes[key] = self._scopes.pop(key)  # the most recently used last: evicted last
+        return hit[2]
 
     def recall_slots(self, specs: list[SlotSpec], k: int, namespace: str, flt: Any,
                      check_finite: bool = True, key: bytes | None = None) -> int:  # fmt: skip

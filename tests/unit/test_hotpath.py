@@ -581,6 +581,28 @@ def test_a_lone_recall_in_a_namespace_or_with_a_filter_takes_the_short_path(
         assert all((int(x[1:]) < 20) if scope[0] == "" else (int(x[1:]) >= 40) for x in ids), ids
 
 
+def test_a_filter_kept_by_the_service_is_not_decoded_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lone path asks the service for a filter's kept answer by the args' bytes first: the
+    same filter again decodes nothing; a write to its namespace, and it is evaluated anew (the
+    new row found)."""
+    svc = _scoped_service()
+    (dc, mc, lay), _ = _two_dispatchers(svc, monkeypatch)
+    decoded: list[bytes] = []
+    real = dispatcher_module.decode_recall_args
+    monkeypatch.setattr(dispatcher_module, "decode_recall_args", lambda a: decoded.append(a) or real(a))
+    args = encode_recall_args("mem/ü", b'{"i": {"$gte": 40}}')
+    req = _recall(args_len=len(args), flags=0, top_k=20)
+    first = _ask(dc, mc, lay, req, args)[0]
+    again = _ask(dc, mc, lay, req, args)[0]
+    assert len(decoded) == 1 and first == again
+    assert RESPONSE_STRUCT.unpack_from(again, RESPONSE_OFFSET)[1:3] == (Status.OK, 13)
+    svc.upsert({"namespace": "mem/ü", "ids": ["late"], "texts": ["late"], "metadatas": [{"i": 99}]},
+               np.ones((1, DIM), np.float32))  # fmt: skip
+    c = _ask(dc, mc, lay, req, args)[0]
+    assert len(decoded) == 2 and RESPONSE_STRUCT.unpack_from(c, RESPONSE_OFFSET)[1:3] == (Status.OK, 14)
+    assert "late" in [svc.rows.ids[r] for r in np.frombuffer(c, np.int32, 14, lay.rows_offset)]
+
+
 @pytest.mark.parametrize("why", [w for w in _SCOPES if _SCOPES[w] is not None])
 @pytest.mark.parametrize("flags", [0, ENTRIES, Flag.NO_DOCS, Flag.WITH_VECTORS])
 def test_a_scoped_recall_off_the_lone_path_is_answered_in_c_as_python_answers_it(
