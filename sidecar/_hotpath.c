@@ -25,7 +25,8 @@
  * written nothing it should not: the dispatcher's Python path (sidecar/dispatcher.py) then
  * goes on its own way, reading the slot afresh and answering any error with its message.
  * take() leaves to Python every op but RECALL, batches, namespaces and filters (args: unless
- * asked to return them, as the lone path does, whose Python decodes them), an expired deadline, a query that is not finite and anything validate_request would refuse;
+ * asked to hand them over, as the dispatcher does, whose Python decodes them), an expired
+ * deadline, a query that is not finite and anything validate_request would refuse;
  * answer1() leaves answers with vectors, answers that would not fit the blob (Python sends
  * those in parts), rows out of range, and rows that hold no document.
  *
@@ -95,7 +96,8 @@ static int read_layout(PyObject* t, Layout* l) {
 /* The layout's areas all inside a slot buffer of `len` bytes (a layout, unlike the slot's
    words, comes from the sidecar itself: a mismatch is a bug, raised). */
 static int check_fits(const Layout* l, Py_ssize_t len) {
-    if (l->payload < CTL_SIZE || l->payload + 4 * l->dim > len || l->rows < l->payload + 4 * l->dim || l->rows + 4 * l->max_results > len ||
+    if (l->payload < CTL_SIZE || l->payload + 4 * l->dim > len || l->rows < l->payload + 4 * l->dim ||
+        l->rows + 4 * l->max_results > len ||
         l->scores + 4 * l->max_results > len || l->blob + l->blob_size > len) {
         PyErr_SetString(PyExc_ValueError, "the layout does not fit the slot buffer");
         return -1;
