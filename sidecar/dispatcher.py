@@ -211,8 +211,6 @@ class Dispatcher:
         # slot i's query as _lone_q[i]
         self._lone_path = self.hot is not None and service.index.host_search and not service.index.defers
         self._scopes: dict[bytes, tuple[str, Any]] = {}  # args -> (namespace, None): _recall_scope
-        # take hands a recall's args over (an extension built before session 46 takes none)
-        self._take_args = hasattr(self.hot, "TAKE_ARGS")
         self._lone_q = [self._first_query[j : j + 1] for j in range(lay.n_slots)]
         # every slot's query, rows and scores addresses (u64, one row per slot): a batch queued
         # behind another is launched from its members' slot numbers (Service.launch_queued)
@@ -463,10 +461,11 @@ class Dispatcher:
         nothing, for any other request (_hotpath.take declined it): the caller takes it the
         usual way, without asking take again."""
         t0 = time.perf_counter_ns()
-        if self._take_args:
-            words = self.hot.take(self._slot_views[i], self._hot_layout, True)
+        hot = self.hot
+        if getattr(hot, "TAKE_ARGS", False):  # (take hands args over: not an extension built before session 46)
+            words = hot.take(self._slot_views[i], self._hot_layout, True)
         else:
-            words = self.hot.take(self._slot_views[i], self._hot_layout)
+            words = hot.take(self._slot_views[i], self._hot_layout)
         if words is None:
             return False
         if self.pending:  # an abandoned answer's rest is void once its slot asks anew
@@ -544,10 +543,10 @@ class Dispatcher:
         :meth:`_one`). ``take`` False: the Python way only (_hotpath.take has declined them
         already: :meth:`_lone`'s request, not read again for the same answer)."""
         hot = self.hot if take else None
-        with_args = self._take_args
+        with_args = getattr(hot, "TAKE_ARGS", False)  # (as in _lone)
         for i in ready.tolist():
             t0 = time.perf_counter_ns()
-            req = None
+            req, args = None, None
             if hot is not None:  # a batch-1 recall, checked in C (a scoped one too: answered below)
                 view = self._slot_views[i]
                 words = hot.take(view, self._hot_layout, True) if with_args else hot.take(view, self._hot_layout)
@@ -557,6 +556,7 @@ class Dispatcher:
                         self._taken.add(i)
                         groups.setdefault((req.top_k, req.flags), []).append((i, req, t0))
                         continue
+                    args = words[8]  # (copied once by take: _one does not read them again)
             self._taken.discard(i)
             if req is None:
                 req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
@@ -577,7 +577,7 @@ class Dispatcher:
                 if not host_only:
                     self._yield_device()
                     self.service.index.pause_doorbell()
-                self._one(i, req, t0)
+                self._one(i, req, t0, args)
             except Invalid as e:
                 self._error(i, req, e.status, str(e), t0)
             except FatalDeviceError:
@@ -1195,7 +1195,7 @@ class Dispatcher:
         having answered nothing, for what it leaves (no C path, several queries, no results,
         vectors, an answer in parts, a row that fails a check): the Python path answers."""
         hot = self.hot
-        if hot is None or len(spec.rows) != 1 or not kk:
+        if hot is None or len(spec.rows) != 1 or not kk or req.flags & Flag.WITH_VECTORS:
             return False
         rows = self.service.rows
         a = rows.arena
@@ -1299,14 +1299,17 @@ class Dispatcher:
         """Answer with the hits' arena references (:meth:`ArenaWriter.refs`)."""
         self._respond(i, req, Status.OK, kk, refs, _arena_resp_flags(flags), t0)
 
-    def _one(self, i: int, req: Request, t0: int) -> None:
+    def _one(self, i: int, req: Request, t0: int, args: bytes | None = None) -> None:
+        """Answer slot ``i``'s request ``req`` (BUSY, checked) alone. ``args``: a recall's
+        args as _hotpath.take copied them (None: read from the slot here)."""
         op, svc = req.op, self.service
         if op != Op.CONTINUE:
             self.pending.pop(i, None)
         if op == Op.PING:
             self._respond(i, req, Status.OK, 0, b"", 0, t0)
         elif op == Op.RECALL:
-            args = self._args(i, req)
+            if args is None:
+                args = self._args(i, req)
             ns, flt = decode_recall_args(args)
             spec = self._spec(i, req)
             kk = svc.recall_slots([spec], req.top_k, ns, flt, key=args)

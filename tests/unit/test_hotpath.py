@@ -652,12 +652,12 @@ def test_a_hotpath_built_before_take_had_args_leaves_scoped_recalls_to_python(mo
             self.calls["answer1"] = self.calls.get("answer1", 0) + 1
             return hp.answer1(*a)
 
-    monkeypatch.setattr(dispatcher_module, "_hotpath", Old())
     svc = _service(ROWS)
     lay = Layout(n_slots=3, dim=DIM, max_k=64, payload_size=1 << 14, blob_size=1 << 14)
     mm = mmap.mmap(-1, lay.segment_size)
     d = Dispatcher(mm, lay, [_Sem() for _ in range(3)], svc, Stats(), max_batch=64, describe=lambda: {})
-    assert d._lone_path and not d._take_args
+    d.hot = Old()  # (after the dispatcher was made: what it asks is decided by the module it has now)
+    assert d._lone_path
     args = encode_recall_args("", b'{"i": {"$lt": 20}}')
     c, posts = _ask(d, mm, lay, _recall(args_len=len(args), flags=0), args)
     resp = RESPONSE_STRUCT.unpack_from(c, RESPONSE_OFFSET)
