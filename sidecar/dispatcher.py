@@ -1404,6 +1404,33 @@ class Dispatcher:
                     _ipc.unlock(fd, _ipc.slot_lock_byte(i))
         return n
 
+    def answer_stranded(self, e: BaseException) -> int:
+        """After a pass that raised ``e`` (a bug, or a semaphore post that failed: :meth:`poll`
+        answers the errors it expects itself), answer every request that pass left picked up
+        and unanswered with INTERNAL, and return how many. Call it after :meth:`settle`.
+
+        A pass marks each request BUSY as it takes it, then groups batch recalls to launch
+        after its pickup: an exception escaping the pickup or the launches left the requests
+        already grouped BUSY with nobody to answer them, and their clients waited out their
+        timeouts (their slots, still BUSY, were never reclaimed while the client lived). Once
+        the batch in flight is answered and the carousel drained, nothing else answers a BUSY
+        slot (the dispatcher is the serve thread's alone), unless the resident kernel runs: it
+        marks the slots it takes BUSY itself, so nothing is done then."""
+        idx = self.service.index
+        crowd = idx.crowd
+        if self._inflight is not None or idx.doorbell_running or (crowd is not None and crowd.in_flight):
+            return 0  # (not settled: those hold their BUSY slots, and answer them)
+        stranded = np.flatnonzero(self.states == SlotState.BUSY).tolist()
+        message = f"the request was dropped by a failed pass ({type(e).__name__}: {e})"
+        for i in stranded:
+            self._taken.discard(i)
+            req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
+            try:
+                self._error(i, req, Status.INTERNAL, message, time.perf_counter_ns())
+            except Exception:  # (its post failed: the state says ERROR all the same)
+                log.exception("answering a stranded request failed")
+        return len(stranded)
+
     def refuse_all(self, status: int, message: str) -> None:
         """Answer everything waiting with ``status`` (used when stopping); a batch in flight
         is answered normally first (or, if the device failed, with the error)."""

@@ -570,7 +570,7 @@ class Server:
                     pace.worked(t_poll, time.monotonic_ns())
             except FatalDeviceError as e:
                 self._fatal_device(e)
-            except Exception:  # pragma: no cover - poll() answers its own errors
+            except Exception as failed:  # poll() answers the errors it expects itself
                 log.exception("dispatcher pass failed")
                 try:  # nothing may sleep, reclaim or compact under a batch still in flight
                     d.settle()
@@ -578,6 +578,10 @@ class Server:
                     self._fatal_device(e)
                 except Exception:
                     log.exception("answering the batch in flight failed")
+                else:  # what the pass had picked up and not answered: answered INTERNAL now
+                    n = d.answer_stranded(failed)
+                    if n:
+                        log.error("answered %d request(s) left unanswered by the failed pass", n)
             if worked:
                 # (outside the try above: a fatal device error here must end the loop)
                 if d.lone >= LONE_RECALLS:  # a client recalling alone: start the kernel

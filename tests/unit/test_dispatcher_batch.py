@@ -1223,3 +1223,62 @@ def test_a_recall_voids_the_rest_of_an_abandoned_answer_in_its_slot(members: int
     resp = Response.unpack(mm[off : off + CTL_SIZE])
     assert resp.seq == 20 and resp.status == Status.BAD_REQUEST
     assert bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len]) == b"nothing to continue"
+
+
+@pytest.mark.parametrize("recover", [True, False], ids=["answered", "control"])
+def test_a_pass_that_fails_before_its_launch_leaves_no_request_busy(recover: bool) -> None:
+    """Slot 5's query is NaN and its semaphore post fails: the batch's finiteness check
+    answers it BAD_REQUEST, and that answer's post raises out of the pass before the other
+    eight recalls, picked up (BUSY) and grouped with it, were launched. The serve loop
+    (emulated: the failed pass, then settle, then answer_stranded) answers those eight
+    INTERNAL, each posted once, and the next pass serves new requests in every slot as usual.
+    Control: without answer_stranded the eight stay BUSY, unposted (before the fix their
+    clients waited out their timeouts, and the slots stayed BUSY while the clients lived)."""
+    n_slots, dim, k, rows = 9, 11, 4, 97
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 12, blob_size=1 << 12)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc, data = _ip_service(dim, rows)
+    sems = [_Sem() for _ in range(n_slots)]
+    sems[5] = _BrokenSem()
+    d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {})
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    rng = np.random.default_rng()
+
+    def request(seq0: int, q: np.ndarray) -> None:
+        for i in range(n_slots):
+            off = lay.slot_offset(i)
+            np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q[i]
+            REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq0 + i, Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
+        states[:] = SlotState.REQUEST
+
+    q = rng.standard_normal((n_slots, dim)).astype(np.float32)
+    q[5, 2] = np.nan
+    request(200, q)
+    with pytest.raises(RuntimeError, match="sem_post failed"):
+        d.poll()
+    others = [i for i in range(n_slots) if i != 5]
+    assert states[5] == SlotState.ERROR and sems[5].posts == 1  # (written, then its post raised)
+    assert (states[others] == SlotState.BUSY).all()
+    d.settle()
+    if not recover:  # the control
+        assert (states[others] == SlotState.BUSY).all() and all(sems[i].posts == 0 for i in others)
+        return
+    assert d.answer_stranded(RuntimeError("sem_post failed")) == len(others)
+    for i in others:
+        off = lay.slot_offset(i)
+        resp = Response.unpack(mm[off : off + CTL_SIZE])
+        blob = bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len])
+        assert states[i] == SlotState.ERROR and resp.status == Status.INTERNAL and resp.seq == 200 + i
+        assert b"dropped by a failed pass" in blob and sems[i].posts == 1
+    assert d.answer_stranded(RuntimeError("again")) == 0  # nothing BUSY is left
+    d.sems[5] = _Sem()
+    q = rng.standard_normal((n_slots, dim)).astype(np.float32)
+    request(300, q)
+    assert d.poll() == n_slots
+    d.settle()
+    for i in range(n_slots):
+        off = lay.slot_offset(i)
+        resp = Response.unpack(mm[off : off + CTL_SIZE])
+        assert states[i] == SlotState.RESPONSE and resp.status == Status.OK and resp.seq == 300 + i
+        got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset)
+        assert sorted(got.tolist()) == sorted(np.argsort(-(data @ q[i]), kind="stable")[:k].tolist())
