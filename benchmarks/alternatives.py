@@ -25,8 +25,8 @@ documentation shows:
 * ``qdrant``    ``qdrant_client.QdrantClient(":memory:")``, Qdrant's local mode (in process,
   exact; not the Qdrant server, which needs a service this benchmark does not start).
 
-A system whose package is missing is reported as such, not timed (``pip install faiss-cpu
-chromadb qdrant-client`` brings the last three). Each system is built and warmed up (50
+A system whose package is missing is reported as such, not timed (the ``compare`` extra,
+``pip install -e ".[compare]"``, brings the last three). Each system is built and warmed up (50
 calls), then timed for ``--calls`` calls or about ``--budget-s`` seconds, whichever ends
 first, in 8 rounds: each system in turn (the order rotated) for an eighth of its calls and its
 time, at least one call a round, so that a shared machine whose speed drifts is sampled at the
