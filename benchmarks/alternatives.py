@@ -28,12 +28,15 @@ documentation shows:
 A system whose package is missing is reported as such, not timed (the ``compare`` extra,
 ``pip install -e ".[compare]"``, brings the last three). Each system is built and warmed up (50
 calls or 3 s), then timed for ``--calls`` calls or about ``--budget-s`` seconds, whichever ends
-first, in 8 rounds: each system in turn (the order rotated) for an eighth of its calls and its
-time, at least one call a round, so that a shared machine whose speed drifts is sampled at the
-same moments for every system. Its recall@k is measured against the exact answer (float64)
-over the first 200 queries: 1.0 for the exact systems (up to float16 rounding on a GPU),
-below for HNSW. Printed: one table (load time, p50, p99, calls, recall@k, and each p50 as a
-multiple of Kalos's).
+first. On a CPU (``--rounds`` 8) every system is built first and the timing is interleaved:
+each system in turn (the order rotated) for an eighth of its calls and its time, at least one
+call a round, so that a shared machine whose speed drifts is sampled at the same moments for
+every system. With a GPU (``--rounds`` 1) each system is timed alone and dropped before the
+next is built: Kalos's resident kernel keeps every SM polling for 5 s after its last recall,
+which would slow torch's and CuPy's kernels in the rounds after Kalos's. Recall@k is measured
+against the exact answer (float64) over the first 200 queries: 1.0 for the exact systems (up
+to float16 rounding on a GPU), below for HNSW. Printed: one table (load time, p50, p99, calls,
+recall@k, and each p50 as a multiple of Kalos's).
 """
 
 from __future__ import annotations
@@ -293,46 +296,65 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=None, help="the data's seed (default: fresh each run)")
     p.add_argument("--chroma-ef-search", type=int, default=0,
                    help="chroma's HNSW ef_search (0: Chroma's default); higher: better recall, slower")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=0,
+                   help="interleaved rounds (default 8 on a CPU, 1 with a GPU: see the docstring)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
     only = [s.strip() for s in a.only.split(",") if s.strip()]
     unknown = sorted(set(only) - set(SYSTEMS))
     if unknown:
         p.error(f"--only: unknown system(s) {unknown}; choose from {','.join(SYSTEMS)}")
-    if a.rows < 1 or not 1 <= a.k <= min(a.rows, 1024) or a.dim < 1 or a.calls < 20:
-        p.error("--rows and --dim must be positive, --k in [1, min(rows, 1024)], --calls at least 20")
+    if a.rows < 1 or not 1 <= a.k <= min(a.rows, 1024) or a.dim < 1 or a.calls < 20 or a.rounds < 0:
+        p.error("--rows and --dim must be positive, --k in [1, min(rows, 1024)], --calls at least 20, "
+                "--rounds not negative")
     seed = a.seed if a.seed is not None else int(np.random.default_rng().integers(1 << 31))
     data = make_data(a.rows, a.dim, seed)
     queries = make_data(N_QUERIES, a.dim, seed + 1)
     truth = exact_topk(data, queries, a.k)
+    rounds = a.rounds or (8 if a.device == "cpu" else 1)
     res: dict[str, dict[str, Any]] = {}
     timed: dict[str, Timed] = {}
     closers: list[Callable[[], None]] = []
+
+    def build(name: str) -> Timed | None:
+        print(f"{name}: building", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            search, close = MAKERS[name](data, queries, a.k, a)
+        except Missing as e:
+            res[name] = {"error": f"not run: {e}"}
+            return None
+        if close is not None:
+            closers.append(close)
+        res[name] = {"load_s": round(time.perf_counter() - t0, 2)}
+        end = time.perf_counter() + WARMUP_S
+        for i in range(WARMUP):
+            search(i)
+            if time.perf_counter() >= end:
+                break
+        return Timed(search, truth, a.k)
+
     try:
-        for name in only:
-            print(f"{name}: building", file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
-            try:
-                search, close = MAKERS[name](data, queries, a.k, a)
-            except Missing as e:
-                res[name] = {"error": f"not run: {e}"}
-                continue
-            if close is not None:
-                closers.append(close)
-            res[name] = {"load_s": round(time.perf_counter() - t0, 2)}
-            end = time.perf_counter() + WARMUP_S
-            for i in range(WARMUP):
-                search(i)
-                if time.perf_counter() >= end:
-                    break
-            timed[name] = Timed(search, truth, a.k)
-        # Rounds: each system in turn (the order rotated) for its share of the calls and the
-        # time, so that a machine whose speed drifts (a shared VM's memory bandwidth) is
-        # sampled at the same moments for every system.
-        names = list(timed)
-        for r in range(ROUNDS if names else 0):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                timed[name].block(-(-a.calls // ROUNDS), a.budget_s / ROUNDS)
+        if rounds == 1:  # one system at a time, each dropped (its sidecar stopped) before the next
+            for name in only:
+                t = build(name)
+                if t is not None:
+                    t.block(a.calls, a.budget_s)
+                    timed[name] = t
+                while closers:
+                    closers.pop()()
+        else:
+            # Rounds: each system in turn (the order rotated) for its share of the calls and
+            # the time, so that a machine whose speed drifts (a shared VM's memory bandwidth)
+            # is sampled at the same moments for every system.
+            for name in only:
+                t = build(name)
+                if t is not None:
+                    timed[name] = t
+            names = list(timed)
+            for r in range(rounds if names else 0):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    timed[name].block(-(-a.calls // rounds), a.budget_s / rounds)
         for name, t in timed.items():
             res[name].update(t.result())
             print(f"{name}: {res[name]}", file=sys.stderr, flush=True)

@@ -27,10 +27,11 @@ def _module():  # type: ignore[no-untyped-def]
     return mod
 
 
-def test_each_system_found_is_timed_and_exact_where_it_should_be(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rounds", ["8", "1"])  # interleaved (a CPU's default); one system at a time (a GPU's)
+def test_each_system_found_is_timed_and_exact_where_it_should_be(tmp_path: Path, rounds: str) -> None:
     out = subprocess.run([sys.executable, "-P", str(SCRIPT), "--rows", "1501", "--dim", "23", "--k", "7",
                           "--calls", "40", "--budget-s", "2", "--only", "kalos,numpy,inmemory,faiss,cupy",
-                          "--json", str(tmp_path / "r.json")],
+                          "--rounds", rounds, "--json", str(tmp_path / "r.json")],
                          capture_output=True, text=True, timeout=110)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {m[0]: m[1:] for m in re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \|",
