@@ -1413,15 +1413,22 @@ class Dispatcher:
         after its pickup: an exception escaping the pickup or the launches left the requests
         already grouped BUSY with nobody to answer them, and their clients waited out their
         timeouts (their slots, still BUSY, were never reclaimed while the client lived). Once
-        the batch in flight is answered and the carousel drained, nothing else answers a BUSY
-        slot (the dispatcher is the serve thread's alone), unless the resident kernel runs: it
-        marks the slots it takes BUSY itself, so nothing is done then."""
+        the batch in flight is answered and the carousel drained, only the resident kernel
+        answers a BUSY slot besides this thread (it marks the DOORBELL slots it takes BUSY):
+        it is stopped first (a stop waits for the recall it holds), so every BUSY slot left is
+        one the dispatcher took. A device fault in that stop is raised (FatalDeviceError)."""
         idx = self.service.index
         crowd = idx.crowd
-        if self._inflight is not None or idx.doorbell_running or (crowd is not None and crowd.in_flight):
+        if self._inflight is not None or (crowd is not None and crowd.in_flight):
             return 0  # (not settled: those hold their BUSY slots, and answer them)
+        if idx.doorbell_running:
+            idx.pause_doorbell()  # (the serve loop starts it again when lone recalls come)
         stranded = np.flatnonzero(self.states == SlotState.BUSY).tolist()
-        message = f"the request was dropped by a failed pass ({type(e).__name__}: {e})"
+        try:
+            why = f"{type(e).__name__}: {e}"
+        except Exception:  # (an exception whose str fails)
+            why = type(e).__name__
+        message = f"the request was dropped by a failed pass ({why})"
         for i in stranded:
             self._taken.discard(i)
             req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))

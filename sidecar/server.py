@@ -578,10 +578,14 @@ class Server:
                     self._fatal_device(e)
                 except Exception:
                     log.exception("answering the batch in flight failed")
-                else:  # what the pass had picked up and not answered: answered INTERNAL now
+                try:  # what the pass had picked up and not answered: answered INTERNAL now
                     n = d.answer_stranded(failed)
                     if n:
                         log.error("answered %d request(s) left unanswered by the failed pass", n)
+                except FatalDeviceError as e:
+                    self._fatal_device(e)
+                except Exception:
+                    log.exception("answering the requests the failed pass left failed")
             if worked:
                 # (outside the try above: a fatal device error here must end the loop)
                 if d.lone >= LONE_RECALLS:  # a client recalling alone: start the kernel

@@ -1225,6 +1225,41 @@ def test_a_recall_voids_the_rest_of_an_abandoned_answer_in_its_slot(members: int
     assert bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len]) == b"nothing to continue"
 
 
+def _stranded_rig(n_slots: int = 9, dim: int = 11, k: int = 4, rows: int = 97):  # type: ignore[no-untyped-def]
+    """A dispatcher whose every slot holds a recall; slot 5's query is NaN and its semaphore
+    post fails. Returns (dispatcher, layout, map, states, semaphores, rows, request), where
+    ``request(seq0, queries)`` writes a recall into every slot."""
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 12, blob_size=1 << 12)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc, data = _ip_service(dim, rows)
+    sems = [_Sem() for _ in range(n_slots)]
+    sems[5] = _BrokenSem()
+    d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {})
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+
+    def request(seq0: int, q: np.ndarray) -> None:
+        for i in range(n_slots):
+            off = lay.slot_offset(i)
+            np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q[i]
+            REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq0 + i, Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
+        states[:] = SlotState.REQUEST
+
+    q = np.random.default_rng().standard_normal((n_slots, dim)).astype(np.float32)
+    q[5, 2] = np.nan
+    request(200, q)
+    return d, lay, mm, states, sems, data, request
+
+
+def _assert_stranded_answered(lay: Layout, mm: mmap.mmap, states: np.ndarray, sems: list[_Sem],
+                              slots: list[int]) -> None:  # fmt: skip
+    for i in slots:
+        off = lay.slot_offset(i)
+        resp = Response.unpack(mm[off : off + CTL_SIZE])
+        blob = bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len])
+        assert states[i] == SlotState.ERROR and resp.status == Status.INTERNAL and resp.seq == 200 + i
+        assert b"dropped by a failed pass (RuntimeError: sem_post failed)" in blob and sems[i].posts == 1
+
+
 @pytest.mark.parametrize("recover", [True, False], ids=["answered", "control"])
 def test_a_pass_that_fails_before_its_launch_leaves_no_request_busy(recover: bool) -> None:
     """Slot 5's query is NaN and its semaphore post fails: the batch's finiteness check
@@ -1234,27 +1269,9 @@ def test_a_pass_that_fails_before_its_launch_leaves_no_request_busy(recover: boo
     INTERNAL, each posted once, and the next pass serves new requests in every slot as usual.
     Control: without answer_stranded the eight stay BUSY, unposted (before the fix their
     clients waited out their timeouts, and the slots stayed BUSY while the clients lived)."""
-    n_slots, dim, k, rows = 9, 11, 4, 97
-    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 12, blob_size=1 << 12)
-    mm = mmap.mmap(-1, lay.segment_size)
-    svc, data = _ip_service(dim, rows)
-    sems = [_Sem() for _ in range(n_slots)]
-    sems[5] = _BrokenSem()
-    d = Dispatcher(mm, lay, sems, svc, Stats(), max_batch=64, describe=lambda: {})
-    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
-    rng = np.random.default_rng()
-
-    def request(seq0: int, q: np.ndarray) -> None:
-        for i in range(n_slots):
-            off = lay.slot_offset(i)
-            np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q[i]
-            REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq0 + i, Op.RECALL, 0, k, 1, 4 * dim, 0, 0)
-        states[:] = SlotState.REQUEST
-
-    q = rng.standard_normal((n_slots, dim)).astype(np.float32)
-    q[5, 2] = np.nan
-    request(200, q)
-    with pytest.raises(RuntimeError, match="sem_post failed"):
+    d, lay, mm, states, sems, data, request = _stranded_rig()
+    n_slots, k = len(states), 4
+    with pytest.raises(RuntimeError, match="sem_post failed") as failed:
         d.poll()
     others = [i for i in range(n_slots) if i != 5]
     assert states[5] == SlotState.ERROR and sems[5].posts == 1  # (written, then its post raised)
@@ -1263,16 +1280,11 @@ def test_a_pass_that_fails_before_its_launch_leaves_no_request_busy(recover: boo
     if not recover:  # the control
         assert (states[others] == SlotState.BUSY).all() and all(sems[i].posts == 0 for i in others)
         return
-    assert d.answer_stranded(RuntimeError("sem_post failed")) == len(others)
-    for i in others:
-        off = lay.slot_offset(i)
-        resp = Response.unpack(mm[off : off + CTL_SIZE])
-        blob = bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len])
-        assert states[i] == SlotState.ERROR and resp.status == Status.INTERNAL and resp.seq == 200 + i
-        assert b"dropped by a failed pass" in blob and sems[i].posts == 1
+    assert d.answer_stranded(failed.value) == len(others)
+    _assert_stranded_answered(lay, mm, states, sems, others)
     assert d.answer_stranded(RuntimeError("again")) == 0  # nothing BUSY is left
     d.sems[5] = _Sem()
-    q = rng.standard_normal((n_slots, dim)).astype(np.float32)
+    q = np.random.default_rng().standard_normal((n_slots, lay.dim)).astype(np.float32)
     request(300, q)
     assert d.poll() == n_slots
     d.settle()
@@ -1282,3 +1294,47 @@ def test_a_pass_that_fails_before_its_launch_leaves_no_request_busy(recover: boo
         assert states[i] == SlotState.RESPONSE and resp.status == Status.OK and resp.seq == 300 + i
         got = np.frombuffer(mm, np.int32, k, off + lay.rows_offset)
         assert sorted(got.tolist()) == sorted(np.argsort(-(data @ q[i]), kind="stable")[:k].tolist())
+
+
+def test_stranded_requests_are_answered_once_the_resident_kernel_is_stopped() -> None:
+    """The same failed pass on a GPU sidecar whose resident kernel runs (it hands REQUEST
+    slots back; the dispatcher picks them up itself): the kernel is stopped first (it marks
+    the DOORBELL slots it takes BUSY, and a stop waits for the one it holds), then the eight
+    are answered. Before this, they were left BUSY whenever the kernel ran. And with a batch
+    still in flight nothing is done (its members are BUSY until it is answered)."""
+    d, lay, mm, states, sems, _data, _request = _stranded_rig()
+    index = d.service.index
+    stops: list[int] = []
+
+    def pause_doorbell() -> None:
+        stops.append(int((states == SlotState.BUSY).sum()))  # nothing answered before the stop
+        index.doorbell_running = False  # type: ignore[misc]
+
+    index.doorbell_running = True  # type: ignore[misc]
+    index.pause_doorbell = pause_doorbell  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="sem_post failed") as failed:
+        d.poll()
+    d.settle()
+    others = [i for i in range(len(states)) if i != 5]
+    d._inflight = object()  # type: ignore[assignment]  # a batch in flight: its members are its own
+    assert d.answer_stranded(failed.value) == 0 and not stops and (states[others] == SlotState.BUSY).all()
+    d._inflight = None
+    assert d.answer_stranded(failed.value) == len(others)
+    assert stops == [len(others)] and not index.doorbell_running
+    _assert_stranded_answered(lay, mm, states, sems, others)
+
+
+def test_a_failed_pass_whose_exception_cannot_be_printed_is_answered_all_the_same() -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ValueError("no")
+
+    d, lay, mm, states, _sems, _data, _request = _stranded_rig()
+    with pytest.raises(RuntimeError):
+        d.poll()
+    d.settle()
+    assert d.answer_stranded(Unprintable()) == len(states) - 1
+    off = lay.slot_offset(0)
+    resp = Response.unpack(mm[off : off + CTL_SIZE])
+    assert states[0] == SlotState.ERROR and resp.status == Status.INTERNAL
+    assert bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len]).endswith(b"(Unprintable)")
