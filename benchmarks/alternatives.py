@@ -29,14 +29,15 @@ A system whose package is missing is reported as such, not timed (the ``compare`
 ``pip install -e ".[compare]"``, brings the last three). Each system is built and warmed up (50
 calls or 3 s), then timed for ``--calls`` calls or about ``--budget-s`` seconds, whichever ends
 first. On a CPU (``--rounds`` 8) every system is built first and the timing is interleaved:
-each system in turn (the order rotated) for an eighth of its calls and its time, at least one
-call a round, so that a shared machine whose speed drifts is sampled at the same moments for
+each system in turn (the order rotated) for an eighth of its calls and its time, after 3
+untimed calls, at least one call a round, so that a shared machine whose speed drifts is sampled at the same moments for
 every system. With a GPU (``--rounds`` 1) each system is timed alone and dropped before the
 next is built: Kalos's resident kernel keeps every SM polling for 5 s after its last recall,
 which would slow torch's and CuPy's kernels in the rounds after Kalos's. Recall@k is measured
 against the exact answer (float64) over the first 200 queries: 1.0 for the exact systems (up
 to float16 rounding on a GPU), below for HNSW. Printed: one table (load time, p50, p99, calls,
-recall@k, and each p50 as a multiple of Kalos's).
+recall@k and how many queries it rests on, and each p50 as a multiple of Kalos's). A system
+that answers fewer than k is reported as wrong, not timed further.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ N_QUERIES = 256
 N_CHECK = 200
 WARMUP = 50  # calls, or WARMUP_S seconds (at least one call), whichever ends first
 WARMUP_S = 3.0
+REWARM = 3  # untimed calls at the start of each round's block
 ROUNDS = 8
 
 # A system's search: query number -> the k ids (ints, best first). Built by a maker, which
@@ -245,10 +247,13 @@ class Timed:
         self.found = self.checked = 0
         self.i = 0  # the next query number (the same sequence for every system)
 
-    def block(self, calls: int, budget_s: float) -> None:
-        """Up to ``calls`` calls, stopping once ``budget_s`` has passed (at least one call)."""
-        end = time.perf_counter() + budget_s
+    def block(self, calls: int, budget_s: float, rewarm: int = 0) -> None:
+        """Up to ``calls`` calls, stopping once ``budget_s`` has passed (at least one call),
+        after ``rewarm`` untimed ones (the caches the other systems' rounds took back)."""
         search, lat, k = self.search, self.lat, self.k
+        for j in range(min(rewarm, calls)):
+            search(self.i + j)
+        end = time.perf_counter() + budget_s
         for _ in range(calls):
             i = self.i
             t0 = time.perf_counter_ns()
@@ -267,20 +272,21 @@ class Timed:
         us = np.array(self.lat)
         return {"calls": len(us), "p50_us": round(float(np.percentile(us, 50)), 1),
                 "p99_us": round(float(np.percentile(us, 99)), 1),
-                "recall_at_k": round(self.found / (self.checked * self.k), 4) if self.checked else None}  # fmt: skip
+                "recall_at_k": round(self.found / (self.checked * self.k), 4) if self.checked else None,
+                "checked": self.checked}  # fmt: skip
 
 
 def table(res: dict[str, dict[str, Any]], k: int) -> str:
     base = res.get("kalos", {}).get("p50_us")
-    head = f"| system | load (s) | p50 (µs) | p99 (µs) | calls | recall@{k} | p50 / Kalos p50 |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = f"| system | load (s) | p50 (µs) | p99 (µs) | calls | recall@{k} | queries checked | p50 / Kalos p50 |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
         if "error" in r:
-            lines.append(f"| {name} | {r['error']} | | | | | |")
+            lines.append(f"| {name} | {r['error']} | | | | | | |")
             continue
         ratio = f"{r['p50_us'] / base:.1f}x" if base else "—"
         lines.append(f"| {name} | {r['load_s']:.1f} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | {r['calls']} | "
-                     f"{r['recall_at_k']} | {ratio} |")  # fmt: skip
+                     f"{r['recall_at_k']} | {r['checked']} | {ratio} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -334,13 +340,23 @@ def main() -> int:
                 break
         return Timed(search, truth, a.k)
 
+    def timed_block(name: str, calls: int, budget_s: float, rewarm: int = 0) -> None:
+        """A block of ``name``'s calls; a wrong answer (too few results) is that system's
+        error, reported in its row, and it is timed no further."""
+        try:
+            timed[name].block(calls, budget_s, rewarm)
+        except AssertionError as e:
+            del timed[name]
+            res[name] = {"error": f"wrong answer: {e}"}
+
     try:
         if rounds == 1:  # one system at a time, each dropped (its sidecar stopped) before the next
             for name in only:
                 t = build(name)
                 if t is not None:
-                    t.block(a.calls, a.budget_s)
                     timed[name] = t
+                    timed_block(name, a.calls, a.budget_s)
+                    t.search = None  # type: ignore[assignment]  # (its rows, on a GPU too, go now)
                 while closers:
                     closers.pop()()
         else:
@@ -351,10 +367,11 @@ def main() -> int:
                 t = build(name)
                 if t is not None:
                     timed[name] = t
-            names = list(timed)
-            for r in range(rounds if names else 0):
-                for name in names[r % len(names) :] + names[: r % len(names)]:
-                    timed[name].block(-(-a.calls // rounds), a.budget_s / rounds)
+            for r in range(rounds):
+                names = list(timed)
+                for name in names[r % len(names) :] + names[: r % len(names)] if names else []:
+                    calls = a.calls * (r + 1) // rounds - a.calls * r // rounds
+                    timed_block(name, calls, a.budget_s / rounds, REWARM)
         for name, t in timed.items():
             res[name].update(t.result())
             print(f"{name}: {res[name]}", file=sys.stderr, flush=True)

@@ -34,11 +34,12 @@ def test_each_system_found_is_timed_and_exact_where_it_should_be(tmp_path: Path,
                           "--rounds", rounds, "--json", str(tmp_path / "r.json")],
                          capture_output=True, text=True, timeout=110)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {m[0]: m[1:] for m in re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \|",
-                                            out.stdout, re.M)}  # fmt: skip
+    row = r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \| (\d+) \|"
+    rows = {m[0]: m[1:] for m in re.findall(row, out.stdout, re.M)}
     for name in ("kalos", "numpy", "inmemory"):
-        _load, p50, p99, calls, recall = rows[name]
+        _load, p50, p99, calls, recall, checked = rows[name]
         assert float(p50) > 0 and float(p99) >= float(p50) and int(calls) == 40 and float(recall) == 1.0, out.stdout
+        assert int(checked) == 40  # (every answer: fewer calls than checked queries)
     assert "| cupy | not run: " in out.stdout  # (no GPU here: never a figure)
     assert ("| faiss | not run: " in out.stdout) != ("faiss" in rows)
 
@@ -65,3 +66,17 @@ def test_a_wrong_or_short_answer_is_caught() -> None:
     short = alt.Timed(lambda i: [i, i + 1, i + 2], truth, 4)
     with pytest.raises(AssertionError, match="3 results, not 4"):
         short.block(5, 10.0)
+
+
+@pytest.mark.parametrize("rounds", ["8", "1"])
+def test_a_system_that_answers_short_is_reported_wrong_and_the_others_still_timed(
+    rounds: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    alt = _module()
+    monkeypatch.setitem(alt.MAKERS, "faiss", lambda data, queries, k, opts: (lambda i: [0], None))
+    monkeypatch.setattr(sys, "argv", ["alternatives.py", "--rows", "301", "--dim", "7", "--k", "3", "--calls", "24",
+                                      "--budget-s", "1", "--only", "faiss,numpy", "--rounds", rounds])  # fmt: skip
+    assert alt.main() == 0
+    out = capsys.readouterr().out
+    assert "| faiss | wrong answer: query 0: 1 results, not 3 |" in out
+    assert re.search(r"^\| numpy \| [\d.]+ \| [\d.]+ \| [\d.]+ \| 24 \| 1.0 \| 24 \|", out, re.M), out
