@@ -128,12 +128,12 @@ def make_cupy(data: np.ndarray, queries: np.ndarray, k: int, opts: argparse.Name
     cp = _import("cupy")
     if not opts.device.startswith("cuda"):
         raise Missing("cupy runs on a GPU only (--device cuda)")
-    with cp.cuda.Device(int(opts.device.partition(":")[2] or 0)):
-        m = cp.asarray(data, cp.float16)
+    cp.cuda.Device(int(opts.device.partition(":")[2] or 0)).use()
+    m = cp.asarray(data.astype(np.float16))
 
     def search(i: int) -> list[int]:
         s = m @ cp.asarray(queries[i % N_QUERIES], cp.float16)
-        top = cp.argpartition(s, -k)[-k:]
+        top = cp.argpartition(-s, k - 1)[:k]  # (the k largest: kth counted from the front)
         return top[cp.argsort(-s[top])].get().tolist()
 
     return search, None
