@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -90,6 +92,23 @@ def start_sidecar(request: pytest.FixtureRequest) -> Iterator[Callable[..., Side
     for sc in started:
         sc.stop()
         sc.log_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def serving(cfg: Any) -> Iterator[Any]:
+    """A sidecar ``Server`` for ``cfg`` (a ``ServeConfig``) started in this process, its serve
+    loop in a thread: for tests that patch the sidecar's own code. Stopped and joined on exit."""
+    from kalos_retrievers.sidecar.server import Server
+
+    srv = Server(cfg)
+    srv.start()
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        t.join(30)
 
 
 @pytest.fixture(scope="module")

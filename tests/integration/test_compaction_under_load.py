@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import unique_name
+from conftest import serving, unique_name
 from kalos_retrievers.sidecar.server import ServeConfig, Server
 
 from kalos_retrievers import KalosClient
@@ -23,13 +23,8 @@ DIM = 13
 
 @pytest.fixture
 def server() -> Iterator[Server]:
-    srv = Server(ServeConfig(name=unique_name("compact"), dim=DIM, metric="ip", device="cpu", slots=8))
-    srv.start()
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield srv
-    srv.stop()
-    t.join(30)
+    with serving(ServeConfig(name=unique_name("compact"), dim=DIM, metric="ip", device="cpu", slots=8)) as srv:
+        yield srv
 
 
 def _top1_ok(got: list[str], data: np.ndarray, rows: np.ndarray | None, q: np.ndarray) -> bool:

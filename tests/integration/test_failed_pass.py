@@ -5,13 +5,12 @@ stranded requests, the client waits out its whole timeout."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import unique_name
+from conftest import serving, unique_name
 from kalos_retrievers.sidecar.dispatcher import Dispatcher
 from kalos_retrievers.sidecar.server import ServeConfig, Server
 
@@ -24,13 +23,8 @@ DIM, ROWS, TIMEOUT = 19, 211, 3.0
 
 @pytest.fixture
 def server() -> Iterator[Server]:
-    srv = Server(ServeConfig(name=unique_name("failpass"), dim=DIM, metric="ip", device="cpu", slots=4))
-    srv.start()
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield srv
-    srv.stop()
-    t.join(30)
+    with serving(ServeConfig(name=unique_name("failpass"), dim=DIM, metric="ip", device="cpu", slots=4)) as srv:
+        yield srv
 
 
 @pytest.mark.parametrize("recover", [True, False], ids=["answered", "control"])
