@@ -89,8 +89,12 @@ def make_kalos(data: np.ndarray, queries: np.ndarray, k: int, opts: argparse.Nam
     sc = Sidecar(dim=data.shape[1], metric="cosine", device=device, dtype=dtype, log_level="WARNING",
                  startup_timeout=600)  # fmt: skip
     sc.start()
-    c = KalosClient(sc.name, dim=data.shape[1], timeout=60)
-    load(c, data, progress=False)
+    try:
+        c = KalosClient(sc.name, dim=data.shape[1], timeout=60)
+        load(c, data, progress=False)
+    except BaseException:
+        sc.stop()
+        raise
 
     def search(i: int) -> list[int]:
         return [int(x) for x in c.recall(queries[i % N_QUERIES], k).ids]
@@ -317,7 +321,7 @@ def main() -> int:
     data = make_data(a.rows, a.dim, seed)
     queries = make_data(N_QUERIES, a.dim, seed + 1)
     truth = exact_topk(data, queries, a.k)
-    rounds = a.rounds or (8 if a.device == "cpu" else 1)
+    rounds = a.rounds or (ROUNDS if a.device == "cpu" else 1)
     res: dict[str, dict[str, Any]] = {}
     timed: dict[str, Timed] = {}
     closers: list[Callable[[], None]] = []
