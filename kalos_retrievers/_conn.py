@@ -44,7 +44,8 @@ _DOORBELL_K_WORD = 64  # header u32 index of doorbell_k (offset 256)
 _DOORBELL_CAP_WORD = 65  # header u32 index of doorbell_cap (offset 260)
 _CAROUSEL_EPOCH_WORD = 66  # header u32 index of carousel_epoch (offset 264, two words; v1.4)
 _CAROUSEL_SLOTS_WORD = 68  # header u32 index of carousel_slots (offset 272)
-_HEADER_WORDS = 70  # the header's u32 words the client reads (through carousel_slots)
+_DOORBELL_SPACES_WORD = 69  # header u32 index of doorbell_spaces (offset 276; v1.5)
+_HEADER_WORDS = 70  # the header's u32 words the client reads (through doorbell_spaces)
 _DOORBELL: Final = np.uint32(SlotState.DOORBELL)
 
 
@@ -152,6 +153,12 @@ class _Conn:
     def doorbell_cap(self) -> int:
         """Largest k of the sidecar's resident kernel, running or not (0: it has none)."""
         return self._hdr32[_DOORBELL_CAP_WORD]
+
+    def doorbell_spaces(self) -> int:
+        """Nonzero when the resident kernel serves namespaces besides the default one (v1.5):
+        a namespace's recall without a filter may then be sent as DOORBELL too (the kernel
+        hands back one it does not serve)."""
+        return self._hdr32[_DOORBELL_SPACES_WORD]
 
     def carousel_epoch(self) -> int:
         """The header's carousel epoch (v1.4): odd while the sidecar's carousel takes direct

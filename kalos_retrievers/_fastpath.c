@@ -261,8 +261,8 @@ static int read_words(PyObject* const* args, unsigned long long* seq, long long*
    set DOORBELL, spin (the GIL released) until an answer, ``spin`` ns or the deadline, reading
    the header's doorbell word ``bell`` every CHECK_EVERY_NS, and read the answer (read_answer). */
 static PyObject* exchange(char* s, const Layout* lay, const void* q, uint64_t seq, long long k, uint64_t deadline,
-                          uint64_t spin, const uint32_t* bell, PyObject* arena, PyObject* info) {
-    write_request(s, lay, q, seq, k, deadline, 0);
+                          uint64_t spin, const uint32_t* bell, PyObject* arena, PyObject* info, uint64_t alen) {
+    write_request(s, lay, q, seq, k, deadline, alen);
     uint32_t* state = (uint32_t*)s;
     uint32_t st = 0;
     uint64_t t0, t1;
@@ -289,11 +289,14 @@ static PyObject* exchange(char* s, const Layout* lay, const void* q, uint64_t se
 }
 
 PyDoc_STRVAR(recall1_doc,
-"recall1(slot, query, layout, seq, k, deadline_ns, spin_ns, header, arena, arena_info)\n"
+"recall1(slot, query, layout, seq, k, deadline_ns, spin_ns, header, arena, arena_info[, args])\n"
 "\n"
 "Write a batch-1 DOORBELL recall into ``slot`` (a writable buffer over the whole slot) and\n"
 "spin (the GIL released) for its answer for up to ``spin_ns``, at most until ``deadline_ns``\n"
-"(CLOCK_MONOTONIC), reading the header's doorbell word every 50 us.\n"
+"(CLOCK_MONOTONIC), reading the header's doorbell word every 50 us. ``args``: a namespace's\n"
+"args (protocol.encode_recall_args, no filter; a v1.5 sidecar whose header's doorbell_spaces\n"
+"is nonzero), copied after the query at its 8-byte-aligned end as request1 copies them.\n"
+"ValueError when the query and the args do not fit the slot's payload.\n"
 "\n"
 "Returns None, having written nothing, when ``query`` is not ``dim`` finite float32 values in\n"
 "one C-contiguous buffer: the caller takes its general path (which copies or refuses it).\n"
@@ -306,8 +309,8 @@ PyDoc_STRVAR(recall1_doc,
 
 static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "recall1 takes 10 arguments");
+    if (nargs != 10 && nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "recall1 takes 10 or 11 arguments");
         return NULL;
     }
     Layout lay;
@@ -329,14 +332,28 @@ static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     }
     b.has_h = 1;
     PyObject* result = NULL;
+    Py_buffer ab = {0};
+    int has_a = 0;
     int ok = check_query(&b, &lay, k, b.hb.len);
     if (ok <= 0) {
         result = ok < 0 ? NULL : Py_NewRef(Py_None);
         goto out;
     }
+    if (nargs == 11) {
+        if (PyObject_GetBuffer(args[10], &ab, PyBUF_SIMPLE) < 0) goto out;
+        has_a = 1;
+    }
+    /* the args at the query's 8-byte-aligned end, within the payload (which ends at the rows) */
+    const long long at = lay.payload + ((4 * lay.dim + 7) & ~7LL), alen = has_a ? (long long)ab.len : 0;
+    if (alen && (lay.rows < lay.payload || at + alen > lay.rows || at + alen > b.sb.len)) {
+        PyErr_SetString(PyExc_ValueError, "recall1: the query and the args do not fit the slot's payload");
+        goto out;
+    }
+    if (alen) memcpy((char*)b.sb.buf + at, ab.buf, (size_t)alen);
     result = exchange((char*)b.sb.buf, &lay, b.qb.buf, seq, k, deadline, (uint64_t)spin,
-                      (const uint32_t*)b.hb.buf + lay.bell_word, args[8], args[9]);
+                      (const uint32_t*)b.hb.buf + lay.bell_word, args[8], args[9], (uint64_t)alen);
 out:
+    if (has_a) PyBuffer_Release(&ab);
     release(&b);
     return result;
 }
@@ -554,7 +571,7 @@ static PyObject* bell1(PyObject* self, PyObject* const* args, Py_ssize_t nargs) 
     if (got < 0) goto out_s;
     const uint64_t deadline = now_ns() + (uint64_t)(timeout * 1e9);
     PyObject* out = exchange((char*)sb.buf, &lay, qb.buf, seq, k, deadline, (uint64_t)p.spin_ns, (const uint32_t*)hb.buf + lay.bell_word,
-                             PyTuple_GetItem(plan, PLAN_ARENA_BUF), PyTuple_GetItem(plan, PLAN_ARENA_INFO));
+                             PyTuple_GetItem(plan, PLAN_ARENA_BUF), PyTuple_GetItem(plan, PLAN_ARENA_INFO), 0);
     PyBuffer_Release(&sb);
     if (!out) goto out_give;
     /* read whole (its documents too), and the client still on this connection: the result */
@@ -1002,7 +1019,9 @@ static int exec_module(PyObject* m) {
     if (rc < 0) return -1;
     /* request1 takes a scoped recall's args (session 46): a client finding an extension built
        before sends such recalls the general way */
-    return PyModule_AddIntConstant(m, "REQUEST1_ARGS", 1);
+    if (PyModule_AddIntConstant(m, "REQUEST1_ARGS", 1) < 0) return -1;
+    /* recall1 takes a namespace's args (session 48: the resident kernel serves namespaces) */
+    return PyModule_AddIntConstant(m, "RECALL1_ARGS", 1);
 }
 
 static PyModuleDef_Slot slots[] = {{Py_mod_exec, exec_module}, {0, NULL}};

@@ -60,6 +60,7 @@ from .protocol import (
     CAR_KMAX,
     CAR_REQUEST,
     CAR_TAKEN,
+    DOORBELL_ARGS_MAX,
     OP_NAMES,
     REQUEST_OFFSET,
     REQUEST_STRUCT,
@@ -101,6 +102,8 @@ if os.environ.get("KALOS_FASTPATH", "1") == "0":  # diagnostics: the Python path
 _BELL1 = _fastpath is not None and hasattr(_fastpath, "bell1")
 # request1 writes a scoped recall's args (an extension built before session 46 does not)
 _REQUEST1_ARGS = _fastpath is not None and hasattr(_fastpath, "REQUEST1_ARGS")
+# recall1 writes a namespace's args, for a resident kernel that serves namespaces (session 48)
+_RECALL1_ARGS = _fastpath is not None and hasattr(_fastpath, "RECALL1_ARGS")
 
 __all__ = ["KalosClient"]
 
@@ -442,7 +445,8 @@ class KalosClient:
                     res = self._recall_one(query, k, timeout)
                 else:  # (a namespace or filter the general path would refuse goes there, to say why)
                     args = self._scope_args(namespace, filter)
-                    res = None if args is None else self._recall_one(query, k, timeout, args, namespace)
+                    res = None if args is None else self._recall_one(query, k, timeout, args, namespace,
+                                                                     filter is None)  # fmt: skip
             except _NotTaken as e:  # (a restart since the last call: asked again, of the sidecar there now)
                 left = e.deadline - time.monotonic()
                 if left <= 0:
@@ -476,13 +480,15 @@ class KalosClient:
         return args
 
     def _recall_one(self, query: Any, k: Any, timeout: float | None, args: bytes = b"",
-                    namespace: str = "") -> RecallResult | None:  # fmt: skip
+                    namespace: str = "", unfiltered: bool = False) -> RecallResult | None:  # fmt: skip
         """The common recall (one query, documents) in fewer steps than :meth:`_recall`;
         None when anything is unusual (no live connection yet, a fork, no free slot, a bad
         argument, ``args`` too long for a slot), and the caller takes the general path, which
         connects, waits for a slot, or raises the argument's error. ``args``: the recall's
         namespace and filter (:meth:`_scope_args`; empty for the default namespace without a
-        filter, the only recalls the resident kernel and the carousel take).
+        filter, the only recalls the carousel takes). ``unfiltered``: ``args`` name a namespace
+        and no filter, which the resident kernel takes too where the sidecar's header says it
+        serves namespaces (``doorbell_spaces``; it hands back one it does not serve).
 
         Every check the general path makes on a good call is made here too, the same way:
         the query's dimension and finiteness, ``k``, the timeout, the response's sequence
@@ -507,8 +513,10 @@ class KalosClient:
         fast = _fastpath is not None and _X86 and (not args or _REQUEST1_ARGS)
         if args and align8(4 * dim) + len(args) > conn.layout.payload_size:
             return None  # (the general path says it does not fit)
-        bell = fast and arena is not None and not args and k <= conn.doorbell_k()
-        if bell and _BELL1 and ((plan := self._bell) is None or plan[0] is not conn or plan[3] is not arena):
+        bell = fast and arena is not None and k <= conn.doorbell_k() and (
+            not args or (unfiltered and _RECALL1_ARGS and len(args) <= DOORBELL_ARGS_MAX and conn.doorbell_spaces()))
+        if (bell and not args and _BELL1
+                and ((plan := self._bell) is None or plan[0] is not conn or plan[3] is not arena)):  # fmt: skip
             self._plan_bell(conn, arena)  # type: ignore[arg-type]
         if fast and type(query) is np.ndarray and query.ndim == 1 and query.dtype is _F32:
             # _fastpath checks the length and finiteness of a float32 vector (and writes
@@ -810,8 +818,9 @@ class KalosClient:
         answer as a :class:`_Reply` when it was written and then read by Python (the answer not
         within the C spin, or one the C code leaves to Python: see _fastpath.c), for the
         caller to check and split; None when nothing was written (``q`` is not finite, or not
-        one contiguous float32 vector). ``args``: the namespace and filter (not with ``bell``),
-        which request1 writes after the query; ``namespace`` goes into the result."""
+        one contiguous float32 vector). ``args``: the namespace and filter (with ``bell``, a
+        namespace alone), which recall1 or request1 writes after the query; ``namespace`` goes
+        into the result."""
         if _ipc.posts(slot.sem):  # posts left by responses we saw by spinning (as in _roundtrip)
             conn.drain_slot(slot)
         slot.seq = seq = (slot.seq + 1) & 0xFFFFFFFFFFFFFFFF
@@ -819,10 +828,12 @@ class KalosClient:
         layout, flags = (conn.fast_layout, conn.arena_flags) if arena is not None else (conn.fast_layout_inline, 0)
         deadline_ns = int(deadline * 1e9)
         if bell:
-            args = (conn.fast_layout, seq, k, deadline_ns, _FAST_SPIN_NS, conn.hdr, buf, info)
-            out = _fastpath.recall1(slot.mem, q, *args)
+            words: tuple[Any, ...] = (conn.fast_layout, seq, k, deadline_ns, _FAST_SPIN_NS, conn.hdr, buf, info)
+            if args:
+                words += (args,)
+            out = _fastpath.recall1(slot.mem, q, *words)
             if out is None and not q.flags.c_contiguous:  # a strided view: its copy, as on the Python path
-                out = _fastpath.recall1(slot.mem, np.ascontiguousarray(q), *args)
+                out = _fastpath.recall1(slot.mem, np.ascontiguousarray(q), *words)
         else:
             a = (args,) if args else ()  # (as an extension built before args takes them: 6)
             out = _fastpath.request1(slot.mem, q, layout, seq, k, deadline_ns, *a)
@@ -839,15 +850,15 @@ class KalosClient:
                                            deadline, sent=(seq, waited, False, True))  # fmt: skip
         if out is None:
             return None
-        return self._fast_reply(conn, slot, seq, k, deadline, out, namespace)
+        return self._fast_reply(conn, slot, seq, k, deadline, out, namespace, len(args))
 
     def _fast_reply(self, conn: _Conn, slot: _Slot, seq: int, k: int, deadline: float,
-                    out: Any, namespace: str = "") -> RecallResult | _Reply:  # fmt: skip
+                    out: Any, namespace: str = "", args_len: int = 0) -> RecallResult | _Reply:  # fmt: skip
         """What :meth:`_recall_fast` makes of its C call's ``out`` (not None: the request was
-        written)."""
+        written; ``args_len`` bytes of args after the query)."""
         if type(out) is int:  # written (and spun on for `out` ns): Python waits for and reads the answer
-            # (a DOORBELL request: the default namespace's, without args)
-            return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, 0,
+            # (a DOORBELL request: the default namespace's without args, or a namespace's)
+            return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, args_len,
                                    deadline, sent=(seq, out, True, False))  # fmt: skip
         waited, n, rflags, rows_b, scores_b, blob, docs = out
         self._observe_wait(waited)

@@ -42,7 +42,12 @@ import numpy as np
 
 MAGIC: Final = b"KALOSHM\x00"
 VERSION_MAJOR: Final = 1
-VERSION_MINOR: Final = 4
+VERSION_MINOR: Final = 5
+
+#: The longest args (:func:`encode_recall_args`: a namespace without a filter, a name of up to
+#: 58 bytes of UTF-8) a DOORBELL recall may carry, once the header's ``doorbell_spaces`` is
+#: nonzero (v1.5): the resident kernel compares that many bytes with the namespaces it serves.
+DOORBELL_ARGS_MAX: Final = 64
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -204,7 +209,7 @@ _HEADER_FIELDS: Final = (
     ("doorbell_cap", "I"),
     ("carousel_epoch", "Q"),
     ("carousel_slots", "I"),
-    ("reserved0", "I"),
+    ("doorbell_spaces", "I"),
 )
 HEADER_STRUCT: Final = struct.Struct("<" + "".join(f for _, f in _HEADER_FIELDS))
 
@@ -324,7 +329,7 @@ class Header:
     doorbell_cap: int = 0
     carousel_epoch: int = 0
     carousel_slots: int = 0
-    reserved0: int = 0
+    doorbell_spaces: int = 0
 
     @property
     def layout(self) -> Layout:

@@ -1713,8 +1713,10 @@ struct BellCtl {
     u64 exact;                   // int8 storage: device address of the registered host copy of the
                                  // rows in float16 (row r at exact + 2 * ld * r), for re-scoring
     int rescore;                 // int8 storage: candidates scanned per result (0 otherwise)
-    int pad0;
-    u64 host_pad[3];             // to 128 bytes
+    int n_spaces;                // entries of `spaces` (0: the default namespace's recalls only)
+    u64 spaces;                  // device address of the namespaces it serves besides the default
+                                 // one (BellSpaces, written by the host before the launch)
+    u64 host_pad[2];             // to 128 bytes
     u64 served;                  // (offset 128) recalls this kernel answered (it counts; the host reads)
     u64 stamp[12];               // %globaltimer (ns) of the last request: [0] taken, [1] launched to
                                  // the blocks, [2] merged (response begins), [3] answered, [4] polling
@@ -1724,6 +1726,23 @@ struct BellCtl {
                                  // candidate's exact score in -> [10] -> answered)
                                  // (diagnostics: benchmarks/doorbell_probe.py)
 };
+
+// The namespaces a resident kernel serves besides the default one (BellCtl::spaces, device
+// memory, written by the host before each launch; sidecar/index_gpu.py bell_spaces_table): a
+// recall whose args are exactly entry i's image (protocol.encode_recall_args of its name and
+// no filter: u16 length, the name's UTF-8, u32 0, zero-padded to 64 bytes; `len` bytes of it
+// count) is answered over the rows of namespace id[i]. Any other args go back to the sidecar.
+// The host only names namespaces that exist while the kernel runs (it stops the kernel before
+// any row changes), so a name's id cannot go stale under it.
+#define BELL_SPACES_MAX 8
+#define BELL_ARGS_WORDS 16       // 64 bytes: a name of up to 58 bytes
+#define BELL_IMAGE_WORDS 128     // BELL_SPACES_MAX x BELL_ARGS_WORDS: entry i's at i x BELL_ARGS_WORDS
+struct BellSpaces {
+    int id[BELL_SPACES_MAX];
+    int len[BELL_SPACES_MAX];
+    unsigned int image[BELL_IMAGE_WORDS];
+};
+static_assert(BELL_IMAGE_WORDS == BELL_SPACES_MAX * BELL_ARGS_WORDS, "an image per entry");
 
 // How the kernel touches host memory (BellCtl::mode), so one build can compare them
 // (benchmarks/doorbell_probe.py --modes). Plain volatile accesses (mode 0) are what session 4
@@ -2038,6 +2057,14 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
     __shared__ unsigned int s_seen;
     auto seen = [&]() -> unsigned int { return *reinterpret_cast<volatile unsigned int*>(&s_seen); };
     if (threadIdx.x == 0) s_seen = 0u;
+    // block 0: the namespaces it serves besides the default one, once per launch (the host
+    // changes them only while the kernel is stopped)
+    __shared__ BellSpaces s_spaces;
+    if (blockIdx.x == 0 && S.n_spaces > 0) {
+        const unsigned int* src = reinterpret_cast<const unsigned int*>(S.spaces);
+        unsigned int* dst = reinterpret_cast<unsigned int*>(&s_spaces);
+        for (int i = threadIdx.x; i < (int)(sizeof(BellSpaces) / 4); i += blockDim.x) dst[i] = src[i];
+    }
     __syncthreads();
     unsigned int rot = 0;        // where the poll starts (fairness between slots)
     for (;;) {
@@ -2135,10 +2162,21 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             // second round trip. When the words say the request is not the kernel's, qbuf
             // (free: every block is done with the last request) holds it unused.
             __shared__ unsigned int s_w[W_REQUEST];
-            __shared__ int s_ok;
+            __shared__ unsigned int s_args[BELL_ARGS_WORDS];
+            __shared__ int s_ok, s_req_ns;
             __threadfence_system();  // the words and the query after the state word that announced them
             unsigned int word = 0;
             if (threadIdx.x < W_REQUEST) word = hload(reinterpret_cast<const unsigned int*>(sb) + threadIdx.x, mode);
+            // With namespaces to serve, warp 1 reads the args' first 64 bytes (at the query's
+            // 8-byte-aligned end, where the client writes them) in the same round trip: a
+            // namespace's name, which block 0 compares with the ones it serves. Unused when
+            // args_len says there are none.
+            unsigned int aword = 0;
+            const int aj = (int)threadIdx.x - 32;
+            if (aj >= 0 && aj < BELL_ARGS_WORDS && S.n_spaces > 0) {
+                const u64 aoff = (u64)S.payload_off + ((4ull * (u64)S.dim + 7ull) & ~7ull) + 4ull * (u64)aj;
+                if (aoff + 4ull <= (u64)S.rows_off) aword = hload(reinterpret_cast<const unsigned int*>(sb + aoff), mode);
+            }
             const float* q = reinterpret_cast<const float*>(sb + S.payload_off);
             const bool q16 = ((sb + S.payload_off) & 15) == 0;
             float part = 0.f, amax = 0.f;
@@ -2168,14 +2206,34 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             __shared__ float s_amax[KALOS_BLOCK / 32];
             if ((threadIdx.x & 31) == 0) { s_red[threadIdx.x >> 5] = part; s_amax[threadIdx.x >> 5] = amax; }
             if (threadIdx.x < W_REQUEST) s_w[threadIdx.x] = word;
+            if (aj >= 0 && aj < BELL_ARGS_WORDS) s_args[aj] = aword;
             __syncthreads();
             if (threadIdx.x == 0) {
                 const u64 vec_len = (u64)s_w[W_VEC_LEN] | ((u64)s_w[W_VEC_LEN + 1] << 32);
                 const u64 args_len = (u64)s_w[W_ARGS_LEN] | ((u64)s_w[W_ARGS_LEN + 1] << 32);
+                // the rows it asks for: no args, the default namespace (-3: empty); args, the
+                // namespace whose image they are, byte for byte (bytes past args_len do not count)
+                int req_ns = S.ns_id;
+                bool scope = args_len == 0 && req_ns != -3;
+                if (args_len != 0 && args_len <= 4ull * BELL_ARGS_WORDS) {
+                    const int n_spaces = min((int)S.n_spaces, BELL_SPACES_MAX);
+                    for (int e = 0; e < n_spaces && !scope; e++) {
+                        if ((u64)s_spaces.len[e] != args_len) continue;
+                        bool same = true;
+                        for (int j = 0; j < BELL_ARGS_WORDS && same; j++) {
+                            const int v = (int)args_len - 4 * j;  // bytes of word j that count
+                            if (v <= 0) break;
+                            const unsigned int m = v >= 4 ? 0xFFFFFFFFu : (1u << (8 * v)) - 1u;
+                            same = (s_args[j] & m) == s_spaces.image[e * BELL_ARGS_WORDS + j];
+                        }
+                        if (same) { req_ns = s_spaces.id[e]; scope = true; }
+                    }
+                }
+                s_req_ns = req_ns;
                 s_ok = s_w[W_OP] == OP_RECALL &&
                        (s_w[W_FLAGS] | FLAG_ARENA_ENTRIES) == (FLAG_ARENA_DOCS | FLAG_ARENA_ENTRIES) &&
-                       s_w[W_N_ITEMS] == 1 && args_len == 0 && vec_len == 4ull * S.dim && s_w[W_TOP_K] >= 1 &&
-                       (int)s_w[W_TOP_K] <= S.max_k && S.ns_id != -3;
+                       s_w[W_N_ITEMS] == 1 && scope && vec_len == 4ull * S.dim && s_w[W_TOP_K] >= 1 &&
+                       (int)s_w[W_TOP_K] <= S.max_k;
             }
             __syncthreads();
             const unsigned int top_k = s_w[W_TOP_K];
@@ -2226,7 +2284,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 params->n_queries = 1;
                 params->k = kc;
                 params->n_rows = S.n_rows;
-                params->ns_id = S.ns_id;
+                params->ns_id = s_req_ns;
                 params->mask = nullptr;
                 params->out_ld = kc;
                 params->seq = 0;

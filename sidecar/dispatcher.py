@@ -28,6 +28,7 @@ import numpy as np
 
 from kalos_retrievers import _ipc
 from kalos_retrievers.protocol import (
+    DOORBELL_ARGS_MAX,
     HEADER_SIZE,
     REQUEST_OFFSET,
     REQUEST_STRUCT,
@@ -239,13 +240,34 @@ class Dispatcher:
         if len(ready) != 1:
             return 0
         i = int(ready[0])
-        if self.states[i] == SlotState.DOORBELL:
+        bell = self.states[i] == SlotState.DOORBELL
+        idx = self.service.index
+        if bell and not idx.doorbell_spaces:
             return self.lone + 1
         req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
-        if (req.op == Op.RECALL and req.n_items == 1 and req.args_len == 0 and req.flags in _KERNEL_FLAGS
-                and 0 < req.top_k <= self.service.index.doorbell_k):  # fmt: skip
+        kernel = (req.op == Op.RECALL and req.n_items == 1 and req.flags in _KERNEL_FLAGS
+                  and 0 < req.top_k <= idx.doorbell_k)  # fmt: skip
+        if kernel and (req.args_len == 0 or (idx.doorbell_spaces and self._bell_space(i, req))):
+            return self.lone + 1
+        if bell:  # (a DOORBELL the stopped kernel left: the client rang it as one it takes)
             return self.lone + 1
         return self.lone if req.op in _HOST_ONLY else 0
+
+    def _bell_space(self, i: int, req: Request) -> bool:
+        """Whether slot ``i``'s recall ``req`` (batch 1, with args) names a namespace the
+        resident kernel could serve: no filter, args it can compare (BELL_ARGS_MAX bytes). Such
+        a namespace is noted (:meth:`Service.note_bell_space`): the kernel serves it from its
+        next start, and its next recalls skip the sidecar."""
+        if req.args_len > DOORBELL_ARGS_MAX or req.vec_len != 4 * self.layout.dim:
+            return False
+        try:
+            namespace, flt = self._recall_scope(self._args(i, req))
+        except Invalid:
+            return False
+        if flt is not None or not namespace:
+            return False
+        self.service.note_bell_space(namespace)
+        return True
 
     def poll(self) -> int:
         """Answer every request waiting now; return how many. The index's resident kernel (if

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -181,6 +181,8 @@ class Index(abc.ABC):
     # doorbell_topk); the CPU backend has none. doorbell_k: the largest k it answers (0: none).
     doorbell_k = 0
     doorbell_running = False
+    # how many namespaces besides the default one it can serve at once (0: the default one only)
+    doorbell_spaces = 0
     # called with True when the kernel has started and with False before it stops (the
     # server publishes it in the header: clients ring the kernel only while it runs)
     on_doorbell: Callable[[bool], None] | None = None
@@ -195,8 +197,10 @@ class Index(abc.ABC):
     def pause_doorbell(self) -> None:  # noqa: B027 - optional hook
         """Stop the resident kernel before the host works on the device or the rows."""
 
-    def resume_doorbell(self, high: int, ns: int) -> None:  # noqa: B027 - optional hook
-        """Start the resident kernel again over rows [0, high) of namespace id ``ns``."""
+    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[tuple[str, int]] = ()) -> None:  # noqa: B027
+        """Start the resident kernel again over rows [0, high) of namespace id ``ns`` (the
+        default namespace's), serving also the namespaces ``spaces`` ((name, id) pairs: at most
+        :attr:`doorbell_spaces` of them)."""
 
     def doorbell_served(self) -> int:
         """Recalls the resident kernel has answered, all launches together."""

@@ -45,7 +45,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 
 from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE
-from kalos_retrievers.protocol import CarouselLayout, Metric
+from kalos_retrievers.protocol import DOORBELL_ARGS_MAX, CarouselLayout, Metric, encode_recall_args
 
 from . import carousel
 from . import cuda_kernels as kernels
@@ -135,9 +135,19 @@ _NPTYPE: Final = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 _DESC_HEAD: Final = struct.Struct("<iiiiQii")  # n_queries k n_rows ns_id mask out_ld seq
 # struct BellCtl in kernels/recall.cu: the host's line (stop n_rows ns_id n_slots seg slot0
 # slot_size payload_off rows_off scores_off blob_off dim max_k arena arena_rows mode arena_version
-# exact rescore pad), then from offset 128 what the kernel writes: served and 12 u64 stamps
-_BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQiiQQii")
+# exact rescore n_spaces spaces), then from offset 128 what the kernel writes: served and 12 u64
+# stamps
+_BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQiiQQiiQ")
 _BELL_SERVED: Final = 128
+# struct BellSpaces in kernels/recall.cu: the namespaces the resident kernel serves besides the
+# default one (ids, args images' lengths, the images of 64 bytes each). A client may ring the
+# kernel with a namespace's recall (no filter) once the header's doorbell_spaces says so; the
+# kernel answers it when its args are one of these images, and hands it back otherwise.
+# KALOS_BELL_SPACES=0: the default namespace's recalls only, as before session 48.
+BELL_SPACES: Final = os.environ.get("KALOS_BELL_SPACES", "1") == "1"
+BELL_SPACES_MAX: Final = 8
+BELL_ARGS_MAX: Final = DOORBELL_ARGS_MAX  # BELL_ARGS_WORDS x 4: the longest args the kernel compares
+_BELL_SPACES: Final = struct.Struct(f"<{BELL_SPACES_MAX}i{BELL_SPACES_MAX}i{BELL_SPACES_MAX * BELL_ARGS_MAX}s")
 _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # BellCtl::mode, the BELL_* bits: loads from host memory with ld.global.cv (1), stores with
 # st.global.wt (2), a system fence after the RESPONSE word (4), ld/st.relaxed.sys otherwise (8).
@@ -301,6 +311,34 @@ def choose_tpr(chunks: int) -> int:
     while tpr < 32 and chunks // (tpr * 2) >= 16:
         tpr *= 2
     return tpr
+
+
+def bell_spaces_table(spaces: Sequence[tuple[str, int]]) -> tuple[bytes, tuple[str, ...]]:
+    """The resident kernel's namespace table (``struct BellSpaces``) for ``spaces``, (name,
+    namespace id) pairs in order of preference, and the names it holds.
+
+    Each entry is the args a client writes for a recall in that namespace without a filter
+    (:func:`~kalos_retrievers.protocol.encode_recall_args`), zero-padded to
+    :data:`BELL_ARGS_MAX` bytes: the kernel compares a request's args with them byte for byte.
+    Left out: the default namespace (its recalls carry no args), a name whose args exceed
+    :data:`BELL_ARGS_MAX` bytes (58 bytes of UTF-8), a negative id, a name already taken, and
+    everything past :data:`BELL_SPACES_MAX` entries.
+
+    >>> table, names = bell_spaces_table([("notes", 3), ("", 0), ("x" * 59, 4)])
+    >>> names, len(table)
+    (('notes',), 576)
+    """
+    ids, lens, image, names = [0] * BELL_SPACES_MAX, [0] * BELL_SPACES_MAX, bytearray(), []
+    for name, ns_id in spaces:
+        if len(names) == BELL_SPACES_MAX:
+            break
+        a = encode_recall_args(name, None)
+        if not name or ns_id < 0 or len(a) > BELL_ARGS_MAX or name in names:
+            continue
+        ids[len(names)], lens[len(names)] = ns_id, len(a)
+        image += a.ljust(BELL_ARGS_MAX, b"\0")
+        names.append(name)
+    return _BELL_SPACES.pack(*ids, *lens, bytes(image)), tuple(names)
 
 
 def _pow2(x: int) -> int:
@@ -579,6 +617,9 @@ class GpuIndex(Index):
         with self.device:
             self.bell_words = cp.zeros(_BELL_WORDS, cp.uint32)
             self.bell_cfg = cp.zeros(_BELL_SERVED, cp.uint8)  # the kernel's copy of the host's line
+            self.bell_spaces = cp.zeros(_BELL_SPACES.size, cp.uint8)  # struct BellSpaces
+        self.doorbell_spaces = BELL_SPACES_MAX if BELL_SPACES else 0
+        self.bell_served_spaces: tuple[str, ...] = ()  # the namespaces the kernel serves (or last served)
         self.bstream = cp.cuda.Stream(non_blocking=True)
         self.doorbell_k = 0  # > 0 once enabled: the largest k the resident kernel answers
         self.doorbell_running = False
@@ -888,11 +929,14 @@ class GpuIndex(Index):
             self._direct.publish(3)  # (E + 3: from here on the rows may change)
         car.data = car.ns = car.sqnorm = None  # (the rows' arrays not kept alive: a growth frees the old ones)
 
-    def resume_doorbell(self, high: int, ns: int) -> None:
+    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[tuple[str, int]] = ()) -> None:
         """(Re)start the resident kernel over rows [0, ``high``) of namespace id ``ns`` (NS_ANY:
-        all of them; NS_NONE: the default namespace is empty)."""
+        all of them; NS_NONE: the default namespace is empty), serving the recalls of the
+        namespaces ``spaces`` too ((name, id) pairs, :func:`bell_spaces_table`; none while
+        ``doorbell_spaces`` is 0)."""
         if self.doorbell_running or not self.doorbell_k or not self.seg_addr or self._closed:
             return
+        table, names = bell_spaces_table(spaces if self.doorbell_spaces else ())
         self.stop_carousel()  # (both hold every SM)
         self._finish_all()
         lay = self._bell_layout
@@ -911,7 +955,8 @@ class GpuIndex(Index):
                             lay.slot_size, lay.payload_offset, lay.rows_offset, lay.scores_offset,
                             lay.blob_offset, self.dim, self.doorbell_k, entries,
                             arena_rows, mode, arena_version, self._exact_reg,
-                            self.rescore_factor if self.exact is not None else 0, 0)  # fmt: skip
+                            self.rescore_factor if self.exact is not None else 0, len(names),
+                            self.bell_spaces.data.ptr if names else 0)  # fmt: skip
         self._bell_mm[_BELL_SERVED : _BELL_SERVED + 8 + _BELL_STAMPS.size] = bytes(8 + _BELL_STAMPS.size)
         cfg = np.frombuffer(self._bell_mm, np.uint8, _BELL_SERVED).copy()
         # (int8: the merge's buffer holds the candidates, then their exact order)
@@ -938,6 +983,8 @@ class GpuIndex(Index):
                 if self.exact is not None:  # int8: no record tagged by an earlier launch
                     self.bell_cand.fill(0)
                 self.bell_cfg.set(cfg, stream=self.bstream)
+                if names:
+                    self.bell_spaces.set(np.frombuffer(table, np.uint8), stream=self.bstream)
                 i8 = self.exact is not None
                 kern((grid,), (kernels.BLOCK,),
                      (self.data, self.ns, self.sqnorm, self.rowscale if i8 else np.uint64(0), self.params,
@@ -951,6 +998,7 @@ class GpuIndex(Index):
         # and serving that means stopping the kernel again (S5-5: 20 of 300 back-to-back
         # recalls went round that loop). If the launch fails, clients are told at once.
         self.doorbell_running = True
+        self.bell_served_spaces = names
         try:
             if self.on_doorbell is not None:
                 self.on_doorbell(True)
@@ -1004,6 +1052,7 @@ class GpuIndex(Index):
                  mma_batches=self.mma_batches, queued_batches=self.queued_batches, queued_c=self.queued_c,
                  doorbell_k=self.doorbell_k, doorbell_running=self.doorbell_running,
                  doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served(),
+                 doorbell_spaces=list(self.bell_served_spaces),
                  carousel_k=self.carousel_k, carousel_running=self.carousel_running,
                  carousel_launches=self.carousel_launches,
                  carousel_boarded=self.crowd.boarded if self.crowd is not None else 0,

@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ class Service:
         # a recall's args -> (ns id, its version, eligible()'s answer): see eligible_for
         self._scopes: dict[bytes, tuple[int, int, tuple[int, np.ndarray | None, bool, int]]] = {}
         self._scope_rows = 0  # the candidate rows _scopes holds
+        self._bell_spaces: OrderedDict[str, None] = OrderedDict()  # note_bell_space's, oldest first
 
     # ------------------------------------------------------------------ start-up
     def load(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -303,17 +305,40 @@ class Service:
 
     def doorbell_useful(self) -> bool:
         """Whether starting the index's resident kernel now could answer anything: it has one,
-        it is stopped, and the default namespace has rows (it declines every recall of an
-        empty one, each a round trip back to the sidecar)."""
+        it is stopped, and the default namespace, or a namespace it would serve
+        (:meth:`note_bell_space`), has rows (it declines every recall of an empty one, each a
+        round trip back to the sidecar)."""
         idx = self.index
         if not idx.doorbell_k or idx.doorbell_running:
             return False
         ns = self.rows.ns_id("")
-        return ns is not None and bool(self.rows.ns_count[ns])
+        return (ns is not None and bool(self.rows.ns_count[ns])) or bool(self.bell_spaces())
+
+    def note_bell_space(self, namespace: str) -> None:
+        """A namespace recalled in alone, without a filter (the dispatcher's lone recalls):
+        the resident kernel serves the index's ``doorbell_spaces`` most recent of them, from its
+        next start, besides the default namespace."""
+        spaces = self._bell_spaces
+        if namespace in spaces:
+            spaces.move_to_end(namespace)
+            return
+        spaces[namespace] = None
+        while len(spaces) > self.index.doorbell_spaces:
+            spaces.popitem(last=False)
+
+    def bell_spaces(self) -> list[tuple[str, int]]:
+        """(name, id) of the noted namespaces that hold rows now, the most recent first."""
+        out = []
+        for name in reversed(self._bell_spaces):
+            ns = self.rows.ns_id(name)
+            if ns is not None and self.rows.ns_count[ns]:
+                out.append((name, ns))
+        return out
 
     def resume_doorbell(self) -> None:
         """Restart the index's resident kernel, if it has one, over the default namespace as
-        the rows are now (the kernel is stopped whenever they change)."""
+        the rows are now (the kernel is stopped whenever they change), and the noted namespaces
+        (:meth:`note_bell_space`) that hold rows."""
         idx = self.index
         if not idx.doorbell_k or idx.doorbell_running:
             return
@@ -324,7 +349,7 @@ class Service:
             ns_arg = NS_ANY
         else:
             ns_arg = ns
-        idx.resume_doorbell(self.rows.high, ns_arg)
+        idx.resume_doorbell(self.rows.high, ns_arg, self.bell_spaces())
 
     def compact(self, max_moves: int = 4096) -> int:
         """Move up to ``max_moves`` live rows from the tail into holes left by deletes, so the

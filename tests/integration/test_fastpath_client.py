@@ -77,6 +77,46 @@ def test_the_c_path_gives_what_the_python_path_and_the_sidecar_give(start_sideca
                 assert [h.metadata for h in r] == [h.metadata for h in w]
 
 
+@pytest.mark.parametrize("hand_back", [False, True], ids=["answered", "handed-back"])
+def test_a_namespaces_recall_rings_the_kernel_where_the_header_says_it_serves_namespaces(
+        start_sidecar, monkeypatch, hand_back: bool) -> None:  # fmt: skip
+    """With ``doorbell_spaces`` set (v1.5), a recall in a namespace without a filter is sent
+    as DOORBELL with its args after the query: the stand-in answers it in that namespace, or
+    hands it back and the sidecar answers it from the same slot; either way the results are
+    the sidecar's own. A filter, or a header without ``doorbell_spaces`` (the control), sends
+    it to the sidecar as before."""
+    monkeypatch.setenv("KALOS_ARENA", "1")
+    sc = start_sidecar(dim=DIM)
+    rng = np.random.default_rng()
+    with sc.client(arena_docs=True) as c, sc.client(arena_docs=False) as plain:
+        for ns, n in (("", 51), ("notes", 203), ("ünï-名前", 37)):
+            c.upsert([f"{ns}{i}" for i in range(n)], rng.standard_normal((n, DIM)).astype(np.float32),
+                     texts=[f"{ns} memory {i}" for i in range(n)], metadatas=[{"i": i} for i in range(n)],
+                     namespace=ns)  # fmt: skip
+        c.ping()
+        monkeypatch.setattr(client_module._Conn, "doorbell_k", lambda self: 64)  # "a kernel runs"
+        spaces = {"n": 8}
+        monkeypatch.setattr(client_module._Conn, "doorbell_spaces", lambda self: spaces["n"])
+        queries = rng.standard_normal((9, DIM)).astype(np.float32)
+
+        def check(namespace: str, flt: dict | None = None) -> None:
+            for q in queries:
+                r = c.recall(q, K, namespace=namespace, filter=flt)
+                w = plain.recall(q, K, namespace=namespace, filter=flt)
+                assert r.ids == w.ids and np.allclose(r.scores, w.scores)
+                assert [h.text for h in r] == [h.text for h in w] and r.namespace == namespace
+
+        with stand_in(sc.name, hand_back) as kernel:
+            check("notes")
+            check("ünï-名前")
+            rung = len(queries) * 2
+            assert (kernel.handed_back.value, kernel.answered.value) == ((rung, 0) if hand_back else (0, rung))
+            check("notes", {"i": {"$gte": 100}})  # a filter: the sidecar's, never rung
+            spaces["n"] = 0
+            check("notes")  # the control: no doorbell_spaces, no namespace rung
+            assert kernel.handed_back.value + kernel.answered.value == rung
+
+
 def test_a_query_that_is_not_finite_is_refused_as_on_the_python_path(start_sidecar, monkeypatch) -> None:
     monkeypatch.setenv("KALOS_ARENA", "1")
     sc = start_sidecar(dim=DIM)

@@ -38,6 +38,7 @@ from kalos_retrievers.protocol import (
     Status,
     align8,
     decode_docs_blob,
+    encode_recall_args,
 )
 
 
@@ -1338,3 +1339,54 @@ def test_a_failed_pass_whose_exception_cannot_be_printed_is_answered_all_the_sam
     resp = Response.unpack(mm[off : off + CTL_SIZE])
     assert states[0] == SlotState.ERROR and resp.status == Status.INTERNAL
     assert bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len]).endswith(b"(Unprintable)")
+
+
+def test_a_namespaces_lone_recall_counts_for_the_kernel_and_is_noted_for_it() -> None:
+    """With an index whose resident kernel serves namespaces (``doorbell_spaces``), a lone
+    batch-1 recall in a namespace without a filter counts towards the kernel's start, as the
+    default namespace's does, and the namespace is noted for it (Service.bell_spaces: the
+    kernel serves it from its next start). A filter, a name too long for the kernel's
+    comparison, or an index whose kernel serves the default namespace only resets the count
+    and notes nothing (the negative controls); every one of them is answered all the same."""
+    k, dim = 3, 5
+    lay, mm, svc, _, d, states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
+    rng = np.random.default_rng()
+    long_name = "n" * 59  # args of 65 bytes: past DOORBELL_ARGS_MAX
+    for ns, n in (("notes", 23), ("ünï-名前", 7), (long_name, 5)):
+        svc.upsert({"namespace": ns, "ids": [f"{ns}{i}" for i in range(n)], "texts": [f"{ns} t{i}" for i in range(n)],
+                    "metadatas": [{"u": i % 2} for i in range(n)]},
+                   rng.standard_normal((n, dim)).astype(np.float32))  # fmt: skip
+    svc.index.doorbell_k = 16  # type: ignore[misc]  # the index offers a resident kernel (stopped)
+    svc.index.doorbell_spaces = 8  # type: ignore[misc]  # which serves namespaces
+    q = rng.standard_normal(dim).astype(np.float32)
+    off = lay.slot_offset(0)
+    np.frombuffer(mm, np.float32, dim, off + lay.payload_offset)[:] = q
+    seq = 0
+
+    def ask(namespace: str, flt: bytes | None = None, state: int = SlotState.REQUEST) -> int:
+        nonlocal seq
+        seq += 1
+        args = encode_recall_args(namespace, flt)
+        a = off + lay.payload_offset + align8(4 * dim)
+        mm[a : a + len(args)] = args
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES,
+                                 k, 1, 4 * dim, len(args), 0)  # fmt: skip
+        states[0] = state
+        assert d.poll() == 1
+        d.settle()
+        resp = Response.unpack(mm[off : off + CTL_SIZE])
+        assert states[0] == SlotState.RESPONSE and resp.status == Status.OK and resp.seq == seq
+        return resp.n_results
+
+    assert ask("notes") == k and d.lone == 1
+    assert ask("ünï-名前") == k and d.lone == 2
+    assert ask("", None) == k and d.lone == 3  # the default namespace: counts, as before
+    assert [name for name, _ in svc.bell_spaces()] == ["ünï-名前", "notes"]  # the most recent first
+    assert ask("notes", b'{"u": 1}') == k and d.lone == 0  # a filter: the sidecar's
+    assert ask("notes", state=SlotState.DOORBELL) == k and d.lone == 1  # rung while it was stopped
+    assert [name for name, _ in svc.bell_spaces()] == ["notes", "ünï-名前"]
+    assert ask(long_name) == k and d.lone == 0  # too long to compare: the sidecar's
+    assert ask("nowhere") == 0 and d.lone == 1  # noted, but it holds no rows: not served
+    assert [name for name, _ in svc.bell_spaces()] == ["notes", "ünï-名前"]
+    svc.index.doorbell_spaces = 0  # type: ignore[misc]  # a kernel for the default namespace only
+    assert ask("notes") == k and d.lone == 0

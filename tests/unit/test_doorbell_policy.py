@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from kalos_retrievers.sidecar.index import NS_NONE, CpuIndex
 from kalos_retrievers.sidecar.server import Server
+from kalos_retrievers.sidecar.service import Service
+from kalos_retrievers.sidecar.store import NullStore
 
-from kalos_retrievers.protocol import HEADER_OFFSETS
+from kalos_retrievers.protocol import HEADER_OFFSETS, METRICS
 
 K = HEADER_OFFSETS["doorbell_k"]  # nonzero only while the kernel runs (or is about to)
 
 
 class _Index:
     doorbell_k = 1024
+    doorbell_spaces = 0
 
     def __init__(self, fail: bool = False) -> None:
         self.doorbell_running = False
@@ -116,3 +121,67 @@ def test_a_failed_start_is_announced_as_stopped() -> None:
     srv._doorbell_failed = lambda: failed.append(True)
     srv._resume_doorbell_if_idle()
     assert failed and d.header_at_settle == 1024 and not index.doorbell_running and on(mm) == 0
+
+
+def test_the_header_says_whether_the_kernel_serves_namespaces() -> None:
+    """``doorbell_spaces`` (v1.5): nonzero while the index has a resident kernel that serves
+    namespaces, so that clients ring it with a namespace's recalls too; 0 for a kernel of the
+    default namespace only, and once the kernel is given up (doorbell_k 0)."""
+    spaces = HEADER_OFFSETS["doorbell_spaces"]
+    index = _Index()
+    srv, _, mm = server(index)
+    srv._publish_doorbell()
+    assert struct.unpack_from("<I", mm, spaces)[0] == 0  # the control: a kernel of the default namespace
+    index.doorbell_spaces = 8  # type: ignore[misc]
+    srv._publish_doorbell()
+    assert struct.unpack_from("<I", mm, spaces)[0] == 8
+    index.doorbell_k = 0  # type: ignore[misc]  # given up (_doorbell_failed)
+    srv._publish_doorbell()
+    assert struct.unpack_from("<I", mm, spaces)[0] == 0
+
+
+class _SpacesIndex(CpuIndex):
+    """A CPU index that says it has a resident kernel serving namespaces, and records its starts."""
+
+    doorbell_k = 16
+    doorbell_spaces = 2
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim, METRICS["ip"])
+        self.starts: list[tuple[int, int, list[tuple[str, int]]]] = []
+
+    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[tuple[str, int]] = ()) -> None:
+        self.starts.append((high, ns, list(spaces)))
+
+
+def test_the_kernel_is_started_with_the_namespaces_recalled_alone_most_recently() -> None:
+    """Service.note_bell_space keeps the index's ``doorbell_spaces`` most recent namespaces;
+    each start names those that hold rows now, with their ids, the most recent first. With an
+    empty default namespace, a noted namespace with rows is reason enough to start it."""
+    dim = 3
+    svc = Service(_SpacesIndex(dim), NullStore(), dim=dim, metric=METRICS["ip"])
+    rng = np.random.default_rng()
+
+    def add(ns: str, n: int) -> None:
+        svc.upsert({"namespace": ns, "ids": [f"{ns}{i}" for i in range(n)], "texts": [""] * n,
+                    "metadatas": [{} for _ in range(n)]}, rng.standard_normal((n, dim)).astype(np.float32))  # fmt: skip
+
+    add("a", 5)
+    add("b", 3)
+    assert not svc.doorbell_useful()  # the default namespace is empty and nothing is noted
+    svc.note_bell_space("a")
+    assert svc.doorbell_useful()
+    svc.note_bell_space("b")
+    svc.note_bell_space("gone")  # holds no rows: noted, never named to the kernel
+    svc.resume_doorbell()
+    ids = {ns: svc.rows.ns_id(ns) for ns in ("a", "b")}
+    assert svc.index.starts[-1] == (svc.rows.high, NS_NONE, [("b", ids["b"])])  # "a" fell out (2 kept)
+    svc.note_bell_space("b")
+    svc.note_bell_space("a")
+    add("", 4)
+    svc.resume_doorbell()
+    assert svc.index.starts[-1][2] == [("a", ids["a"]), ("b", ids["b"])]
+    assert svc.index.starts[-1][1] == svc.rows.ns_id("")  # the default namespace beside others: its id
+    svc.delete({"namespace": "a", "ids": [f"a{i}" for i in range(5)]})
+    svc.resume_doorbell()
+    assert svc.index.starts[-1][2] == [("b", ids["b"])]  # emptied: not named

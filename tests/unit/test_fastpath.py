@@ -320,6 +320,42 @@ def test_request1_writes_a_scoped_recalls_args_after_the_query() -> None:
     assert fp.request1(rig.slot, q, rig.layout, 11, K, 77, bytes(room)) is True  # exactly full: written
 
 
+def test_recall1_rings_the_kernel_with_a_namespaces_args_after_the_query() -> None:
+    """With args (a namespace, for a kernel that serves namespaces): copied to the query's
+    8-byte-aligned end and args_len set, before DOORBELL; the answer read as for the default
+    namespace. Args that do not fit the payload: ValueError, nothing written (the control: a
+    call without args writes args_len 0)."""
+    rig, q = Rig(), query()
+    args = encode_recall_args("memory/ünï", None)
+    rows = [4, 0, 33]
+    seen: list[bytes] = []
+
+    def answer(req: tuple, _: np.ndarray) -> None:
+        at = rig.lay.payload_offset + align8(4 * DIM)
+        seen.append(bytes(rig.slot[at : at + req[6]]))
+        rig.respond(req[0], rows)
+
+    t = rig.kernel(answer)
+    buf, info = rig.arena.fast
+    out = fp.recall1(rig.slot, q, rig.layout, 21, K, 0, 2_000_000_000, rig.hdr, buf, info, args)
+    t.join()
+    (req, got_q), = rig.seen
+    assert req[:7] == (21, Op.RECALL, int(FLAGS), K, 1, 4 * DIM, len(args)) and np.array_equal(got_q, q)
+    assert seen == [args] and decode_recall_args(seen[0]) == ("memory/ünï", None)
+    assert type(out) is tuple and np.frombuffer(out[3], np.int32).tolist() == rows
+    assert rig.state[0] == SlotState.CLAIMED
+    rig.seen.clear()
+    t = rig.kernel(lambda req, _: rig.respond(req[0], rows))
+    assert type(rig.call(q, seq=22)) is tuple  # without args: args_len 0
+    t.join()
+    assert rig.seen[0][0][6] == 0
+    room = rig.lay.payload_size - align8(4 * DIM)
+    before = bytes(rig.slot)
+    with pytest.raises(ValueError, match="do not fit the slot's payload"):
+        fp.recall1(rig.slot, q, rig.layout, 23, K, 0, 0, rig.hdr, buf, info, bytes(room + 1))
+    assert bytes(rig.slot) == before
+
+
 def test_request1_writes_what_recall1_writes() -> None:
     """The same request words and query as the DOORBELL path (only the state differs)."""
     a, b, q = Rig(), Rig(), query()

@@ -13,7 +13,16 @@ import struct
 import pytest
 from kalos_retrievers.sidecar import cuda_kernels, index, index_gpu
 
-from kalos_retrievers.protocol import CTL_OFFSETS, Flag, Metric, Op, RespFlag, SlotState
+from kalos_retrievers.protocol import (
+    CTL_OFFSETS,
+    DOORBELL_ARGS_MAX,
+    Flag,
+    Metric,
+    Op,
+    RespFlag,
+    SlotState,
+    encode_recall_args,
+)
 
 SOURCE = cuda_kernels.packaged_source()
 
@@ -259,3 +268,38 @@ def test_int8_refuses_a_max_k_its_rescoring_cannot_answer(monkeypatch: pytest.Mo
     assert server.make_index(at) == "index" and len(opened) == 1
     f16 = server.ServeConfig(name="kalos-unit-maxk", dim=8, device="cuda", dtype="float16", max_k=cap + 1)
     assert server.make_index(f16) == "index"  # float16 answers any k the layout allows
+
+
+def test_the_namespace_table_matches_struct_bellspaces() -> None:
+    """The host's table (index_gpu.bell_spaces_table) is laid out as ``struct BellSpaces``:
+    ids, then the images' lengths, then the images of DOORBELL_ARGS_MAX bytes each."""
+    d = defines()
+    assert d["BELL_SPACES_MAX"] == index_gpu.BELL_SPACES_MAX
+    assert 4 * d["BELL_ARGS_WORDS"] == index_gpu.BELL_ARGS_MAX == DOORBELL_ARGS_MAX
+    assert d["BELL_IMAGE_WORDS"] == d["BELL_SPACES_MAX"] * d["BELL_ARGS_WORDS"]
+    fields = struct_fields("BellSpaces")
+    assert [(n, off) for n, off, _ in fields] == [("id", 0), ("len", 4 * d["BELL_SPACES_MAX"]),
+                                                  ("image", 8 * d["BELL_SPACES_MAX"])]  # fmt: skip
+    assert fields[-1][1] + fields[-1][2] == index_gpu._BELL_SPACES.size
+
+
+def test_the_namespace_table_holds_each_namespaces_exact_args() -> None:
+    """Each entry is the args a client writes for that namespace without a filter, zero-padded:
+    the kernel compares a request's args with it byte for byte. The default namespace, a name
+    whose args pass 64 bytes, a negative id and a repeated name are left out, and at most
+    BELL_SPACES_MAX are kept, in the order given."""
+    n, w = index_gpu.BELL_SPACES_MAX, index_gpu.BELL_ARGS_MAX
+    fits = "é" * 29  # 58 bytes of UTF-8: args of 64
+    spaces = [("notes", 7), ("", 0), ("x" * 59, 3), ("neg", -1), (fits, 9), ("notes", 8)]
+    spaces += [(f"s{i}", 10 + i) for i in range(n)]
+    table, names = index_gpu.bell_spaces_table(spaces)
+    assert names == ("notes", fits, *[f"s{i}" for i in range(n - 2)])
+    ids = struct.unpack_from(f"<{n}i", table, 0)
+    lens = struct.unpack_from(f"<{n}i", table, 4 * n)
+    assert ids == (7, 9, *range(10, 10 + n - 2))
+    for e, name in enumerate(names):
+        args = encode_recall_args(name, None)
+        assert lens[e] == len(args) <= w
+        assert table[8 * n + w * e : 8 * n + w * (e + 1)] == args.ljust(w, b"\0")
+    assert len(encode_recall_args(fits, None)) == w
+    assert index_gpu.bell_spaces_table([]) == (bytes(index_gpu._BELL_SPACES.size), ())
