@@ -936,7 +936,7 @@ class GpuIndex(Index):
         ``doorbell_spaces`` is 0)."""
         if self.doorbell_running or not self.doorbell_k or not self.seg_addr or self._closed:
             return
-        table, names = bell_spaces_table(spaces if self.doorbell_spaces else ())
+        spaces_table, names = bell_spaces_table(spaces if self.doorbell_spaces else ())
         self.stop_carousel()  # (both hold every SM)
         self._finish_all()
         lay = self._bell_layout
@@ -984,7 +984,7 @@ class GpuIndex(Index):
                     self.bell_cand.fill(0)
                 self.bell_cfg.set(cfg, stream=self.bstream)
                 if names:
-                    self.bell_spaces.set(np.frombuffer(table, np.uint8), stream=self.bstream)
+                    self.bell_spaces.set(np.frombuffer(spaces_table, np.uint8), stream=self.bstream)
                 i8 = self.exact is not None
                 kern((grid,), (kernels.BLOCK,),
                      (self.data, self.ns, self.sqnorm, self.rowscale if i8 else np.uint64(0), self.params,
