@@ -334,6 +334,7 @@ static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     PyObject* result = NULL;
     Py_buffer ab = {0};
     int has_a = 0;
+    long long at = 0, alen = 0;  /* (declared before the first goto: none jumps over an initializer) */
     int ok = check_query(&b, &lay, k, b.hb.len);
     if (ok <= 0) {
         result = ok < 0 ? NULL : Py_NewRef(Py_None);
@@ -344,7 +345,8 @@ static PyObject* recall1(PyObject* self, PyObject* const* args, Py_ssize_t nargs
         has_a = 1;
     }
     /* the args at the query's 8-byte-aligned end, within the payload (which ends at the rows) */
-    const long long at = lay.payload + ((4 * lay.dim + 7) & ~7LL), alen = has_a ? (long long)ab.len : 0;
+    at = lay.payload + ((4 * lay.dim + 7) & ~7LL);
+    alen = has_a ? (long long)ab.len : 0;
     if (alen && (lay.rows < lay.payload || at + alen > lay.rows || at + alen > b.sb.len)) {
         PyErr_SetString(PyExc_ValueError, "recall1: the query and the args do not fit the slot's payload");
         goto out;

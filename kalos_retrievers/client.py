@@ -60,7 +60,6 @@ from .protocol import (
     CAR_KMAX,
     CAR_REQUEST,
     CAR_TAKEN,
-    DOORBELL_ARGS_MAX,
     OP_NAMES,
     REQUEST_OFFSET,
     REQUEST_STRUCT,
@@ -88,6 +87,7 @@ from .protocol import (
     decode_docs_blob,
     encode_json,
     encode_recall_args,
+    ringable_args,
 )
 from .results import RecallResult, Record
 
@@ -445,8 +445,7 @@ class KalosClient:
                     res = self._recall_one(query, k, timeout)
                 else:  # (a namespace or filter the general path would refuse goes there, to say why)
                     args = self._scope_args(namespace, filter)
-                    res = None if args is None else self._recall_one(query, k, timeout, args, namespace,
-                                                                     filter is None)  # fmt: skip
+                    res = None if args is None else self._recall_one(query, k, timeout, args, namespace)
             except _NotTaken as e:  # (a restart since the last call: asked again, of the sidecar there now)
                 left = e.deadline - time.monotonic()
                 if left <= 0:
@@ -480,14 +479,14 @@ class KalosClient:
         return args
 
     def _recall_one(self, query: Any, k: Any, timeout: float | None, args: bytes = b"",
-                    namespace: str = "", unfiltered: bool = False) -> RecallResult | None:  # fmt: skip
+                    namespace: str = "") -> RecallResult | None:  # fmt: skip
         """The common recall (one query, documents) in fewer steps than :meth:`_recall`;
         None when anything is unusual (no live connection yet, a fork, no free slot, a bad
         argument, ``args`` too long for a slot), and the caller takes the general path, which
         connects, waits for a slot, or raises the argument's error. ``args``: the recall's
         namespace and filter (:meth:`_scope_args`; empty for the default namespace without a
-        filter, the only recalls the carousel takes). ``unfiltered``: ``args`` name a namespace
-        and no filter, which the resident kernel takes too where the sidecar's header says it
+        filter, the only recalls the carousel takes). Args that name a namespace and no filter
+        (:func:`ringable_args`) go to the resident kernel too where the sidecar's header says it
         serves namespaces (``doorbell_spaces``; it hands back one it does not serve).
 
         Every check the general path makes on a good call is made here too, the same way:
@@ -513,8 +512,8 @@ class KalosClient:
         fast = _fastpath is not None and _X86 and (not args or _REQUEST1_ARGS)
         if args and align8(4 * dim) + len(args) > conn.layout.payload_size:
             return None  # (the general path says it does not fit)
-        bell = fast and arena is not None and k <= conn.doorbell_k() and (
-            not args or (unfiltered and _RECALL1_ARGS and len(args) <= DOORBELL_ARGS_MAX and conn.doorbell_spaces()))
+        bell = fast and arena is not None and k <= conn.doorbell_k() and (not args or (
+            _RECALL1_ARGS and ringable_args(len(args), int.from_bytes(args[:2], "little")) and conn.doorbell_spaces()))
         if (bell and not args and _BELL1
                 and ((plan := self._bell) is None or plan[0] is not conn or plan[3] is not arena)):  # fmt: skip
             self._plan_bell(conn, arena)  # type: ignore[arg-type]
@@ -1449,9 +1448,15 @@ class KalosClient:
                 REQUEST_STRUCT.pack_into(slot.ctl, REQUEST_OFFSET, seq, op, flags, top_k, n_items,
                                          vec_len, args_len, int(deadline * 1e9))  # fmt: skip
                 # the GPU's resident kernel takes batch-1 recalls of the default namespace whose
-                # documents come from the arena; it polls the state word (no semaphore)
+                # documents come from the arena, and of a namespace without a filter where the
+                # header says it serves namespaces (v1.5; it hands back one it does not serve);
+                # it polls the state word (no semaphore)
                 bell = (op == Op.RECALL and flags | Flag.ARENA_ENTRIES == _KERNEL_FLAGS and n_items == 1
-                        and not args_len and top_k <= conn.doorbell_k())  # fmt: skip
+                        and top_k <= conn.doorbell_k())  # fmt: skip
+                if bell and args_len:  # (the args' first two bytes: the name's length)
+                    at = align8(vec_len)
+                    name_len = int.from_bytes(slot.payload[at : at + 2], "little")
+                    bell = bool(conn.doorbell_spaces()) and ringable_args(args_len, name_len)
                 if bell:
                     slot.state[0] = SlotState.DOORBELL
                 else:

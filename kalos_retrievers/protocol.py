@@ -49,6 +49,14 @@ VERSION_MINOR: Final = 5
 #: nonzero (v1.5): the resident kernel compares that many bytes with the namespaces it serves.
 DOORBELL_ARGS_MAX: Final = 64
 
+
+def ringable_args(args_len: int, name_len: int) -> bool:
+    """Whether a recall's args of ``args_len`` bytes, whose first two bytes give ``name_len``,
+    name a namespace and no filter within :data:`DOORBELL_ARGS_MAX` bytes: what a DOORBELL
+    recall may carry (v1.5). (:func:`encode_recall_args` writes a u16 name length, the name and
+    a u32 filter length: without a filter the args are the name's length plus 6 bytes.)"""
+    return 6 < args_len <= DOORBELL_ARGS_MAX and args_len == name_len + 6
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 

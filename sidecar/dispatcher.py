@@ -28,7 +28,6 @@ import numpy as np
 
 from kalos_retrievers import _ipc
 from kalos_retrievers.protocol import (
-    DOORBELL_ARGS_MAX,
     HEADER_SIZE,
     REQUEST_OFFSET,
     REQUEST_STRUCT,
@@ -48,6 +47,7 @@ from kalos_retrievers.protocol import (
     decode_recall_args,
     encode_docs_blob,
     encode_json,
+    ringable_args,
     validate_request,
 )
 
@@ -254,26 +254,31 @@ class Dispatcher:
         return self.lone if req.op in _HOST_ONLY else 0
 
     def _bell_space(self, i: int, req: Request) -> bool:
-        """Whether slot ``i``'s recall ``req`` (batch 1, with args) names a namespace the
-        resident kernel could serve: no filter, args it can compare (BELL_ARGS_MAX bytes). Such
-        a namespace is noted (:meth:`Service.note_bell_space`): the kernel serves it from its
-        next start, and its next recalls skip the sidecar."""
-        if req.args_len > DOORBELL_ARGS_MAX or req.vec_len != 4 * self.layout.dim:
+        """Whether slot ``i``'s recall ``req`` (batch 1, with args) is one the resident kernel
+        would answer from its next start, so that it counts towards that start: its args name a
+        namespace and no filter (:func:`ringable_args`), the namespace holds rows, and it was
+        noted before (:meth:`Service.note_bell_space`, which this does now in any case): a
+        namespace recalled once, or one of more than the kernel's ``doorbell_spaces`` recalled
+        in turn, would only stop the kernel again and again. And not while the kernel runs and
+        serves it: that client does not ring it (a library before v1.5), and each of its
+        recalls would stop the kernel."""
+        if req.vec_len != 4 * self.layout.dim:
             return False
-        # u16 name length, the name, u32 filter length: anything but 6 bytes more than the name
-        # has a filter (or does not decode): not the kernel's, and not decoded here (a filter's
-        # JSON, decoded again by the pickup, cost ~3 µs a recall on the development VM)
+        # the filter's length not decoded (a filter's JSON, decoded again by the pickup, cost
+        # ~3 µs a recall on the development VM): the name's length says whether there is one
         start = self.slot_off[i] + self.layout.payload_offset + align8(req.vec_len)
-        if req.args_len != int.from_bytes(self.mm[start : start + 2], "little") + 6:
+        if not ringable_args(req.args_len, int.from_bytes(self.mm[start : start + 2], "little")):
             return False
         try:
             namespace, flt = self._recall_scope(self._args(i, req))
         except Invalid:
             return False
-        if flt is not None or not namespace:
+        svc, idx = self.service, self.service.index
+        if flt is not None or not namespace or not svc.holds_rows(namespace):
             return False
-        self.service.note_bell_space(namespace)
-        return True
+        if idx.doorbell_running and namespace in idx.bell_served_spaces:
+            return False
+        return svc.note_bell_space(namespace)
 
     def poll(self) -> int:
         """Answer every request waiting now; return how many. The index's resident kernel (if

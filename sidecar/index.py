@@ -181,8 +181,10 @@ class Index(abc.ABC):
     # doorbell_topk); the CPU backend has none. doorbell_k: the largest k it answers (0: none).
     doorbell_k = 0
     doorbell_running = False
-    # how many namespaces besides the default one it can serve at once (0: the default one only)
+    # how many namespaces besides the default one it can serve at once (0: the default one only),
+    # and the names it serves while it runs (or served when it last ran)
     doorbell_spaces = 0
+    bell_served_spaces: tuple[str, ...] = ()
     # called with True when the kernel has started and with False before it stops (the
     # server publishes it in the header: clients ring the kernel only while it runs)
     on_doorbell: Callable[[bool], None] | None = None

@@ -314,17 +314,23 @@ class Service:
         ns = self.rows.ns_id("")
         return (ns is not None and bool(self.rows.ns_count[ns])) or bool(self.bell_spaces())
 
-    def note_bell_space(self, namespace: str) -> None:
+    def note_bell_space(self, namespace: str) -> bool:
         """A namespace recalled in alone, without a filter (the dispatcher's lone recalls):
         the resident kernel serves the index's ``doorbell_spaces`` most recent of them, from its
-        next start, besides the default namespace."""
+        next start, besides the default namespace. Returns whether it was noted already."""
         spaces = self._bell_spaces
         if namespace in spaces:
             spaces.move_to_end(namespace)
-            return
+            return True
         spaces[namespace] = None
         while len(spaces) > self.index.doorbell_spaces:
             spaces.popitem(last=False)
+        return False
+
+    def holds_rows(self, namespace: str) -> bool:
+        """Whether ``namespace`` has live rows now."""
+        ns = self.rows.ns_id(namespace)
+        return ns is not None and bool(self.rows.ns_count[ns])
 
     def bell_spaces(self) -> list[tuple[str, int]]:
         """(name, id) of the noted namespaces that hold rows now, the most recent first."""

@@ -111,6 +111,10 @@ def test_a_namespaces_recalls_are_answered_by_the_kernel_exactly(start_sidecar, 
         poison(sc.name)
         check(c.recall(q, 10, namespace=ns), ns, data[ns], q, 10, dtype)
     assert served(c) - before == 4
+    # a name of a served one's length that differs in its last byte: handed back, and empty
+    # (it holds no rows); the kernel must not take it for "notes"
+    before = served(c)
+    assert len(c.recall(q, 10, namespace="notez")) == 0 and served(c) == before
     # the controls: a filter (one every row passes), and documents inline, are the sidecar's
     before = served(c)
     check(c.recall(q, 10, namespace="notes", filter={"i": {"$gte": 0}}), "notes", data["notes"], q, 10, dtype)
@@ -122,8 +126,9 @@ def test_a_namespaces_recalls_are_answered_by_the_kernel_exactly(start_sidecar, 
 
 def test_a_write_in_a_served_namespace_is_seen_and_a_recreated_one_is_not_stale(start_sidecar) -> None:  # type: ignore[no-untyped-def]
     """The kernel is stopped for every write and names its namespaces afresh at each start:
-    a row written into a served namespace is found at once, and a namespace deleted and
-    written again (a new id for the same name) returns only its new rows."""
+    a row written into a served namespace is found at once, and a namespace whose rows were
+    all deleted and then written again (the same id: ids are never reused) returns only its
+    new rows, none of the deleted ones."""
     rng = np.random.default_rng()
     dim = 33
     sc = start_sidecar(dim=dim, device="cuda", dtype="float32")

@@ -81,10 +81,11 @@ def test_the_c_path_gives_what_the_python_path_and_the_sidecar_give(start_sideca
 def test_a_namespaces_recall_rings_the_kernel_where_the_header_says_it_serves_namespaces(
         start_sidecar, monkeypatch, hand_back: bool) -> None:  # fmt: skip
     """With ``doorbell_spaces`` set (v1.5), a recall in a namespace without a filter is sent
-    as DOORBELL with its args after the query: the stand-in answers it in that namespace, or
-    hands it back and the sidecar answers it from the same slot; either way the results are
-    the sidecar's own. A filter, or a header without ``doorbell_spaces`` (the control), sends
-    it to the sidecar as before."""
+    as DOORBELL with its args after the query, by the C path, the Python path and a batch of
+    one query alike: the stand-in answers it in that namespace, or hands it back and the
+    sidecar answers it from the same slot; either way the results are the sidecar's own. A
+    filter, or a header without ``doorbell_spaces`` (the control), sends it to the sidecar as
+    before."""
     monkeypatch.setenv("KALOS_ARENA", "1")
     sc = start_sidecar(dim=DIM)
     rng = np.random.default_rng()
@@ -112,6 +113,14 @@ def test_a_namespaces_recall_rings_the_kernel_where_the_header_says_it_serves_na
             rung = len(queries) * 2
             assert (kernel.handed_back.value, kernel.answered.value) == ((rung, 0) if hand_back else (0, rung))
             check("notes", {"i": {"$gte": 100}})  # a filter: the sidecar's, never rung
+            assert kernel.handed_back.value + kernel.answered.value == rung
+            monkeypatch.setattr(client_module, "_fastpath", None)  # the Python path rings it too
+            check("notes")
+            for q in queries[:3]:  # and so does a batch of one query
+                (r,) = c.recall_batch(q[None], K, namespace="notes")
+                assert r.ids == plain.recall(q, K, namespace="notes").ids
+            rung += len(queries) + 3
+            assert kernel.handed_back.value + kernel.answered.value == rung
             spaces["n"] = 0
             check("notes")  # the control: no doorbell_spaces, no namespace rung
             assert kernel.handed_back.value + kernel.answered.value == rung

@@ -1343,11 +1343,13 @@ def test_a_failed_pass_whose_exception_cannot_be_printed_is_answered_all_the_sam
 
 def test_a_namespaces_lone_recall_counts_for_the_kernel_and_is_noted_for_it() -> None:
     """With an index whose resident kernel serves namespaces (``doorbell_spaces``), a lone
-    batch-1 recall in a namespace without a filter counts towards the kernel's start, as the
-    default namespace's does, and the namespace is noted for it (Service.bell_spaces: the
-    kernel serves it from its next start). A filter, a name too long for the kernel's
-    comparison, or an index whose kernel serves the default namespace only resets the count
-    and notes nothing (the negative controls); every one of them is answered all the same."""
+    batch-1 recall in a namespace without a filter is noted for the kernel (Service.bell_spaces:
+    it serves the namespace from its next start), and from its second time on counts towards
+    that start, as the default namespace's does. Nothing that would only stop the kernel again
+    counts: a filter, a name too long for the kernel's comparison, a namespace without rows, a
+    recall of a namespace the running kernel serves (a client that does not ring it), or an
+    index whose kernel serves the default namespace only (the negative controls); every one of
+    them is answered all the same."""
     k, dim = 3, 5
     lay, mm, svc, _, d, states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
     rng = np.random.default_rng()
@@ -1378,15 +1380,23 @@ def test_a_namespaces_lone_recall_counts_for_the_kernel_and_is_noted_for_it() ->
         assert states[0] == SlotState.RESPONSE and resp.status == Status.OK and resp.seq == seq
         return resp.n_results
 
+    assert ask("notes") == k and d.lone == 0  # noted; not counted the first time
     assert ask("notes") == k and d.lone == 1
-    assert ask("ünï-名前") == k and d.lone == 2
-    assert ask("", None) == k and d.lone == 3  # the default namespace: counts, as before
+    assert ask("ünï-名前") == k and d.lone == 0
+    assert ask("ünï-名前") == k and d.lone == 1
+    assert ask("", None) == k and d.lone == 2  # the default namespace: counts, as before
     assert [name for name, _ in svc.bell_spaces()] == ["ünï-名前", "notes"]  # the most recent first
     assert ask("notes", b'{"u": 1}') == k and d.lone == 0  # a filter: the sidecar's
     assert ask("notes", state=SlotState.DOORBELL) == k and d.lone == 1  # rung while it was stopped
     assert [name for name, _ in svc.bell_spaces()] == ["notes", "ünï-名前"]
     assert ask(long_name) == k and d.lone == 0  # too long to compare: the sidecar's
-    assert ask("nowhere") == 0 and d.lone == 1  # noted, but it holds no rows: not served
+    assert ask("notes") == k and d.lone == 1
+    assert ask("nowhere") == 0 and ask("nowhere") == 0 and d.lone == 0  # no rows: never counted
     assert [name for name, _ in svc.bell_spaces()] == ["notes", "ünï-名前"]
+    svc.index.doorbell_running = True  # type: ignore[misc]  # the kernel runs and serves "notes":
+    svc.index.bell_served_spaces = ("notes",)  # type: ignore[misc]  # a REQUEST for it is a client
+    assert ask("notes") == k and d.lone == 0  # that does not ring it
+    assert ask("ünï-名前") == k and d.lone == 1  # (one it handed back, or sent while it ran)
+    svc.index.doorbell_running = False  # type: ignore[misc]
     svc.index.doorbell_spaces = 0  # type: ignore[misc]  # a kernel for the default namespace only
     assert ask("notes") == k and d.lone == 0

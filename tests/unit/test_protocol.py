@@ -535,3 +535,19 @@ def test_encode_json_refuses_what_json_dumps_refuses(obj, error) -> None:
         dumps()
     with pytest.raises(error):
         P.encode_json(obj)
+
+
+def test_ringable_args_are_a_namespace_alone_within_64_bytes() -> None:
+    """What a DOORBELL recall may carry (v1.5): a namespace's args without a filter, at most
+    DOORBELL_ARGS_MAX bytes (a name of up to 58 bytes of UTF-8); told apart from a filter's
+    by the name's length alone, as the client and the dispatcher do."""
+
+    def ringable(namespace: str, flt: bytes | None = None) -> bool:
+        args = P.encode_recall_args(namespace, flt)
+        return P.ringable_args(len(args), int.from_bytes(args[:2], "little"))
+
+    assert ringable("notes") and ringable("é" * 29) and ringable("x" * 58)
+    assert not ringable("x" * 59) and not ringable("é" * 30)  # 65 and 66 bytes
+    assert not ringable("notes", b'{"u":1}') and not ringable("", b'{"u":1}')
+    assert not ringable("")  # the default namespace's recall carries no args at all
+    assert not P.ringable_args(6, 0) and not P.ringable_args(0, 0)
