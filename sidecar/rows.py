@@ -21,6 +21,10 @@ from .metadata import MetadataColumns
 
 log = logging.getLogger("kalos.sidecar")
 
+# The rows touched by the last CHANGES_KEPT changes (RowTable.touched_since), so that a filter's
+# kept candidates can be brought up to date by evaluating those rows alone (Service.eligible_for)
+CHANGES_KEPT = 1 << 16
+
 
 class RowTable:
     def __init__(self, capacity: int = 1024) -> None:
@@ -37,6 +41,10 @@ class RowTable:
         # per namespace, bumped by every change of its rows (a scan's cached order is as old)
         self.ns_version: list[int] = []
         self.free: list[int] = []
+        # every row a change touched (set, remove, both ends of a move), in a ring of
+        # CHANGES_KEPT: change number c touched row changes[c % CHANGES_KEPT]
+        self.changes = np.zeros(CHANGES_KEPT, np.int64)
+        self.change_seq = 0  # changes so far
         self.high = 0  # rows >= high are all empty
         self.live = 0
         # the document arena clients read (kalos_retrievers.arena), kept in step with `docs`;
@@ -92,6 +100,7 @@ class RowTable:
             raise AssertionError("row reassigned across namespaces")
         self.ns_of[row] = ns
         self.ns_version[ns] += 1
+        self._touch(row)
         self.ids[row] = id_
         self.docs[row] = doc
         if self.arena is not None:
@@ -126,6 +135,7 @@ class RowTable:
         del self.key_row[(ns, id_)]  # type: ignore[arg-type]
         self.ns_of[row] = -1
         self.ns_version[ns] += 1
+        self._touch(row)
         self.ids[row] = None
         self.docs[row] = None
         if self.arena is not None:
@@ -151,6 +161,8 @@ class RowTable:
         assert ns >= 0 and self.ns_of[dst] < 0
         self.ns_of[dst], self.ns_of[src] = ns, -1
         self.ns_version[ns] += 1
+        self._touch(src)
+        self._touch(dst)
         self.ids[dst], self.ids[src] = self.ids[src], None
         self.docs[dst], self.docs[src] = self.docs[src], None
         if self.arena is not None:
@@ -158,6 +170,22 @@ class RowTable:
         self.created[dst] = self.created[src]
         self.meta.move(src, dst)
         self.key_row[(ns, self.ids[dst])] = dst  # type: ignore[index]
+
+    def _touch(self, row: int) -> None:
+        self.changes[self.change_seq % CHANGES_KEPT] = row
+        self.change_seq += 1
+
+    def touched_since(self, seq: int) -> np.ndarray | None:
+        """The rows the changes since ``change_seq`` was ``seq`` touched (in any namespace;
+        a row once per change, so possibly repeated), or None when more than CHANGES_KEPT
+        changes came since (the caller then looks at every row)."""
+        n = self.change_seq - seq
+        if n < 0 or n > CHANGES_KEPT:
+            return None
+        i, j = seq % CHANGES_KEPT, self.change_seq % CHANGES_KEPT
+        if i < j or n == 0:
+            return self.changes[i:j].copy()
+        return np.concatenate([self.changes[i:], self.changes[:j]])
 
     def rows_of(self, ns: int) -> np.ndarray:
         """Live rows of a namespace, ascending."""

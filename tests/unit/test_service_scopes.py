@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import kalos_retrievers.sidecar.rows as rows_module
 import kalos_retrievers.sidecar.service as service_module
 import numpy as np
 import pytest
@@ -60,6 +61,56 @@ def test_a_kept_answer_is_the_fresh_one_through_random_changes() -> None:
                 assert _scope(svc, scope_ns, flt) == _scope(svc, scope_ns, flt, keyed=False), (step, flt)
     assert 0 < len(svc._scopes) <= service_module._SCOPES_KEPT
     assert svc._scope_rows == sum(len(v[2][1]) for v in svc._scopes.values())
+    assert svc.scope_refreshes > 100  # brought up to date from the touched rows, not afresh
+
+
+def test_a_kept_answer_is_brought_up_to_date_from_the_rows_the_changes_touched() -> None:
+    """A write between two recalls costs the evaluation of the rows it touched: the kept
+    answer is updated (rows added, rows whose metadata no longer match dropped, the tail row
+    deleted, rows moved by compaction followed), and equals a fresh evaluation each time."""
+    svc = _service()
+    _upsert(svc, NS, [f"m{i}" for i in range(40)], [f"u{i % 4}" for i in range(40)])
+    flt = {"user_id": "u1"}
+    assert _scope(svc, NS, flt)[1] == 10
+    refreshes = svc.scope_refreshes
+    _upsert(svc, NS, ["new"], ["u1"])  # added
+    assert _scope(svc, NS, flt) == _scope(svc, NS, flt, keyed=False) and _scope(svc, NS, flt)[1] == 11
+    _upsert(svc, NS, ["m1"], ["u2"])  # no longer matches
+    assert _scope(svc, NS, flt) == _scope(svc, NS, flt, keyed=False) and _scope(svc, NS, flt)[1] == 10
+    svc.delete({"namespace": NS, "ids": ["new"]})  # the last row: the table's high falls below it
+    assert _scope(svc, NS, flt) == _scope(svc, NS, flt, keyed=False) and _scope(svc, NS, flt)[1] == 9
+    svc.delete({"namespace": NS, "ids": [f"m{i}" for i in range(0, 20)]})
+    svc.compact(max_moves=100)  # rows of u1 move into the holes
+    assert _scope(svc, NS, flt) == _scope(svc, NS, flt, keyed=False) and _scope(svc, NS, flt)[1] == 5
+    assert svc.scope_refreshes == refreshes + 4
+
+
+def test_the_negative_control_a_refresh_blind_to_the_touched_rows_would_answer_stale(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    svc = _service()
+    _upsert(svc, NS, ["a", "b"], ["u1", "u2"])
+    flt = {"user_id": "u1"}
+    assert _scope(svc, NS, flt)[1] == 1
+    monkeypatch.setattr(svc.rows, "touched_since", lambda seq: np.empty(0, np.int64))
+    _upsert(svc, NS, ["c"], ["u1"])
+    assert _scope(svc, NS, flt)[1] == 1  # stale: what the touched rows prevent
+    assert _scope(svc, NS, flt, keyed=False)[1] == 2
+
+
+def test_after_more_changes_than_the_table_remembers_the_answer_is_made_afresh(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setattr(rows_module, "CHANGES_KEPT", 8)
+    svc = _service()
+    assert len(svc.rows.changes) == 8
+    _upsert(svc, NS, ["a", "b"], ["u1", "u2"])
+    flt = {"user_id": "u1"}
+    assert _scope(svc, NS, flt)[1] == 1
+    _upsert(svc, NS, [f"n{i}" for i in range(7)], ["u1"] * 7)  # 7 changes: still known
+    assert _scope(svc, NS, flt)[1] == 8 and svc.scope_refreshes == 1
+    _upsert(svc, NS, [f"p{i}" for i in range(9)], ["u1"] * 9)  # 9: more than the ring holds
+    assert svc.rows.touched_since(svc._scopes[encode_recall_args(NS, encode_json(flt))][3]) is None
+    assert _scope(svc, NS, flt) == _scope(svc, NS, flt, keyed=False) and _scope(svc, NS, flt)[1] == 17
+    assert svc.scope_refreshes == 1  # made afresh
 
 
 def test_a_write_to_the_namespace_is_seen_and_a_write_beside_it_keeps_the_answer() -> None:
