@@ -1,7 +1,9 @@
-"""``Service.eligible_for`` with a key: a filter's candidate rows kept until a row of its
-namespace changes. Every answer is checked against a fresh evaluation (no key) after random
+"""``Service.eligible_for`` with a key: a filter's candidate rows kept, and brought up to date
+from the rows each change touched once a row of its namespace changes (or made afresh after
+too many changes). Every answer is checked against a fresh evaluation (no key) after random
 upserts, deletes and compactions in the namespace and beside it; the negative controls show
-that a kept answer that ignored the namespace's version would be wrong."""
+that a kept answer that ignored the namespace's version, or the rows a change touched, would
+be wrong."""
 
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ def _upsert(svc: Service, ns: str, ids: list[str], users: list[str]) -> None:
     svc.upsert({"namespace": ns, "ids": ids, "texts": ids, "metadatas": [{"user_id": u} for u in users]}, vecs)
 
 
-def _scope(svc: Service, ns: str, flt: dict, *, keyed: bool = True) -> tuple[list[int], int]:
+def _scope(svc: Service, ns: str, flt: dict, *, keyed: bool = True) -> tuple[list[int], int, int, bool]:
+    """(candidate rows, how many, the namespace id, dense) of eligible_for, with or without a key."""
     key = encode_recall_args(ns, encode_json(flt)) if keyed else None
-    _, cands, _, n = svc.eligible_for(ns, flt, key)
-    return ([] if cands is None else cands.tolist()), n
+    ns_id, cands, dense, n = svc.eligible_for(ns, flt, key)
+    return ([] if cands is None else cands.tolist()), n, ns_id, dense
 
 
 def test_a_kept_answer_is_the_fresh_one_through_random_changes() -> None:
@@ -107,10 +110,46 @@ def test_after_more_changes_than_the_table_remembers_the_answer_is_made_afresh(
     assert _scope(svc, NS, flt)[1] == 1
     _upsert(svc, NS, [f"n{i}" for i in range(7)], ["u1"] * 7)  # 7 changes: still known
     assert _scope(svc, NS, flt)[1] == 8 and svc.scope_refreshes == 1
-    _upsert(svc, NS, [f"p{i}" for i in range(9)], ["u1"] * 9)  # 9: more than the ring holds
+    _upsert(svc, NS, [f"p{i}" for i in range(8)], ["u1"] * 8)  # 8: exactly what the ring holds
+    assert _scope(svc, NS, flt)[1] == 16 and svc.scope_refreshes == 2
+    _upsert(svc, NS, [f"q{i}" for i in range(9)], ["u1"] * 9)  # 9: more than it holds
     assert svc.rows.touched_since(svc._scopes[encode_recall_args(NS, encode_json(flt))][3]) is None
-    assert _scope(svc, NS, flt) == _scope(svc, NS, flt, keyed=False) and _scope(svc, NS, flt)[1] == 17
-    assert svc.scope_refreshes == 1  # made afresh
+    assert _scope(svc, NS, flt) == _scope(svc, NS, flt, keyed=False) and _scope(svc, NS, flt)[1] == 25
+    assert svc.scope_refreshes == 2  # made afresh
+
+
+def test_many_changes_are_not_followed_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More changes since than _REFRESH_MAX (or a 64th of the namespace's rows): made
+    afresh, which is then cheaper; and a stale answer not kept again is dropped, so that later
+    recalls do not follow the same changes from its old place again."""
+    monkeypatch.setattr(service_module, "_REFRESH_MAX", 4)
+    svc = _service()
+    _upsert(svc, NS, ["a", "b"], ["u1", "u2"])
+    flt = {"user_id": "u1"}
+    assert _scope(svc, NS, flt)[1] == 1
+    _upsert(svc, "other", [f"x{i}" for i in range(5)], ["u1"] * 5)  # beside it: 5 changes
+    _upsert(svc, NS, ["c"], ["u1"])
+    assert _scope(svc, NS, flt) == _scope(svc, NS, flt, keyed=False) and svc.scope_refreshes == 0
+    _upsert(svc, NS, ["d"], ["u1"])
+    assert _scope(svc, NS, flt)[1] == 3 and svc.scope_refreshes == 1  # one change: followed
+    key = encode_recall_args(NS, encode_json(flt))
+    svc.delete({"namespace": NS, "ids": ["a", "b", "c", "d"]})  # emptied: nothing to keep
+    assert _scope(svc, NS, flt) == _scope(svc, NS, flt, keyed=False) == ([], 0, -1, False)
+    assert key not in svc._scopes and svc._scope_rows == 0
+    _upsert(svc, NS, ["e", "f"], ["u1", "u1"])  # refilled
+    assert _scope(svc, NS, flt) == _scope(svc, NS, flt, keyed=False) and _scope(svc, NS, flt)[1] == 2
+
+
+def test_a_kept_answer_follows_the_table_growing() -> None:
+    """The row table grows (1024 rows, then more) between the kept answer and its refresh."""
+    svc = _service()
+    _upsert(svc, NS, [f"m{i}" for i in range(1020)], [f"u{i % 4}" for i in range(1020)])
+    flt = {"user_id": "u1"}
+    assert _scope(svc, NS, flt)[1] == 255 and svc.rows.capacity == 1024
+    _upsert(svc, NS, [f"n{i}" for i in range(10)], ["u1"] * 10)
+    assert svc.rows.capacity > 1024
+    assert _scope(svc, NS, flt) == _scope(svc, NS, flt, keyed=False) and _scope(svc, NS, flt)[1] == 265
+    assert svc.scope_refreshes == 1
 
 
 def test_a_write_to_the_namespace_is_seen_and_a_write_beside_it_keeps_the_answer() -> None:
@@ -118,7 +157,7 @@ def test_a_write_to_the_namespace_is_seen_and_a_write_beside_it_keeps_the_answer
     _upsert(svc, NS, ["a", "b", "c"], ["u1", "u2", "u1"])
     _upsert(svc, "other", ["x"], ["u1"])
     flt = {"user_id": "u1"}
-    first, n = _scope(svc, NS, flt)
+    first, n, _, _ = _scope(svc, NS, flt)
     assert n == 2
     key = encode_recall_args(NS, encode_json(flt))
     kept = svc._scopes[key][2][1]
@@ -126,7 +165,7 @@ def test_a_write_to_the_namespace_is_seen_and_a_write_beside_it_keeps_the_answer
     _upsert(svc, "other", ["y"], ["u1"])  # beside it: the same answer, the same array
     assert svc.eligible_for(NS, flt, key)[1] is kept
     _upsert(svc, NS, ["d"], ["u1"])  # in it: a new row matches
-    now, n = _scope(svc, NS, flt)
+    now, n, _, _ = _scope(svc, NS, flt)
     assert n == 3 and len(now) == 3 and set(first) < set(now)
     _upsert(svc, NS, ["a"], ["u2"])  # its metadata changed: no longer matches
     assert _scope(svc, NS, flt)[1] == 2
