@@ -213,8 +213,8 @@ class Service:
         does not pay for the filter per recall (~260 µs over a 100k-row namespace on the
         development VM). Once a row of the namespace changes (its ``ns_version``), the kept
         rows are brought up to date by evaluating only the rows the changes since touched
-        (``RowTable.touched_since``: an agent's write between two recalls is one row), or, after
-        more changes than the table remembers, afresh.
+        (``RowTable.touched_since``: an agent's write between two recalls is one row), or afresh
+        after more changes than that is worth (:meth:`_refreshed`).
         At most :data:`_SCOPES_KEPT` answers are kept, the least recently used dropped first,
         holding :data:`_SCOPE_ROWS_KEPT` rows in all, under keys of at most
         :data:`_SCOPE_KEY_KEPT` bytes. The rows kept are read-only: the searches only read them.
@@ -357,8 +357,7 @@ class Service:
         idx = self.index
         if not idx.doorbell_k or idx.doorbell_running:
             return False
-        ns = self.rows.ns_id("")
-        return (ns is not None and bool(self.rows.ns_count[ns])) or bool(self.bell_spaces())
+        return self.holds_rows("") or bool(self.bell_spaces())
 
     def note_bell_space(self, namespace: str) -> bool:
         """A namespace recalled in alone, without a filter (the dispatcher's lone recalls):
