@@ -45,7 +45,8 @@ _DOORBELL_CAP_WORD = 65  # header u32 index of doorbell_cap (offset 260)
 _CAROUSEL_EPOCH_WORD = 66  # header u32 index of carousel_epoch (offset 264, two words; v1.4)
 _CAROUSEL_SLOTS_WORD = 68  # header u32 index of carousel_slots (offset 272)
 _DOORBELL_SPACES_WORD = 69  # header u32 index of doorbell_spaces (offset 276; v1.5)
-_HEADER_WORDS = 70  # the header's u32 words the client reads (through doorbell_spaces)
+_DOORBELL_ARGS_WORD = 70  # header u32 index of doorbell_args (offset 280; v1.6)
+_HEADER_WORDS = 71  # the header's u32 words the client reads (through doorbell_args)
 _DOORBELL: Final = np.uint32(SlotState.DOORBELL)
 
 
@@ -159,6 +160,13 @@ class _Conn:
         a namespace's recall without a filter may then be sent as DOORBELL too (the kernel
         hands back one it does not serve)."""
         return self._hdr32[_DOORBELL_SPACES_WORD]
+
+    def doorbell_args(self) -> int:
+        """The longest recall args the resident kernel compares with the scopes it serves
+        (v1.6; 0 from an older sidecar, or one that serves namespaces without filters): a
+        recall whose args are that long or shorter, a filter's too, may be sent as DOORBELL
+        (:func:`~kalos_retrievers.protocol.ringable_args`)."""
+        return self._hdr32[_DOORBELL_ARGS_WORD]
 
     def carousel_epoch(self) -> int:
         """The header's carousel epoch (v1.4): odd while the sidecar's carousel takes direct

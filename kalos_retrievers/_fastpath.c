@@ -293,9 +293,10 @@ PyDoc_STRVAR(recall1_doc,
 "\n"
 "Write a batch-1 DOORBELL recall into ``slot`` (a writable buffer over the whole slot) and\n"
 "spin (the GIL released) for its answer for up to ``spin_ns``, at most until ``deadline_ns``\n"
-"(CLOCK_MONOTONIC), reading the header's doorbell word every 50 us. ``args``: a namespace's\n"
-"args (protocol.encode_recall_args, no filter; a v1.5 sidecar whose header's doorbell_spaces\n"
-"is nonzero), copied after the query at its 8-byte-aligned end as request1 copies them.\n"
+"(CLOCK_MONOTONIC), reading the header's doorbell word every 50 us. ``args``: a recall's\n"
+"args (protocol.encode_recall_args) the header lets it ring (protocol.ringable_args: a\n"
+"namespace's, v1.5; and a filter's, v1.6), copied after the query at its 8-byte-aligned end\n"
+"as request1 copies them.\n"
 "ValueError when the query and the args do not fit the slot's payload.\n"
 "\n"
 "Returns None, having written nothing, when ``query`` is not ``dim`` finite float32 values in\n"
@@ -380,7 +381,7 @@ static PyObject* fork_gen_now(PyObject* self, PyObject* unused) {
 }
 
 
-enum { HDR_ARENA_VERSION = 62, HDR_CAR_EPOCH = 66, HDR_WORDS = 70 };  /* _conn.py's header u32 words */
+enum { HDR_ARENA_VERSION = 62, HDR_CAR_EPOCH = 66, HDR_WORDS = 71 };  /* _conn.py's header u32 words */
 enum { PLAN_CONN, PLAN_FREE, PLAN_HDR, PLAN_ARENA, PLAN_ARENA_BUF, PLAN_ARENA_INFO, PLAN_PACKED, PLAN_NDARRAY,
        PLAN_FROMBUFFER, PLAN_I32, PLAN_F32, PLAN_RESULT, PLAN_BELL1, PLAN_ITEMS };  /* (PLAN_BELL1: this function) */
 /* the plan's packed words: the layout (as recall1's), the header's max_k, the spin, the arena

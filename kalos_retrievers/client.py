@@ -485,9 +485,10 @@ class KalosClient:
         argument, ``args`` too long for a slot), and the caller takes the general path, which
         connects, waits for a slot, or raises the argument's error. ``args``: the recall's
         namespace and filter (:meth:`_scope_args`; empty for the default namespace without a
-        filter, the only recalls the carousel takes). Args that name a namespace and no filter
-        (:func:`ringable_args`) go to the resident kernel too where the sidecar's header says it
-        serves namespaces (``doorbell_spaces``; it hands back one it does not serve).
+        filter, the only recalls the carousel takes). Args the sidecar's header lets a client ring
+        (:func:`ringable_args`: a namespace without a filter where ``doorbell_spaces`` is
+        nonzero, v1.5; any args up to ``doorbell_args`` bytes, a filter's too, v1.6) go to the
+        resident kernel too (it hands back one it does not serve).
 
         Every check the general path makes on a good call is made here too, the same way:
         the query's dimension and finiteness, ``k``, the timeout, the response's sequence
@@ -513,7 +514,8 @@ class KalosClient:
         if args and align8(4 * dim) + len(args) > conn.layout.payload_size:
             return None  # (the general path says it does not fit)
         bell = fast and arena is not None and k <= conn.doorbell_k() and (not args or (
-            _RECALL1_ARGS and ringable_args(len(args), int.from_bytes(args[:2], "little")) and conn.doorbell_spaces()))
+            _RECALL1_ARGS and conn.doorbell_spaces()
+            and ringable_args(len(args), int.from_bytes(args[:2], "little"), conn.doorbell_args())))
         if (bell and not args and _BELL1
                 and ((plan := self._bell) is None or plan[0] is not conn or plan[3] is not arena)):  # fmt: skip
             self._plan_bell(conn, arena)  # type: ignore[arg-type]
@@ -1448,15 +1450,15 @@ class KalosClient:
                 REQUEST_STRUCT.pack_into(slot.ctl, REQUEST_OFFSET, seq, op, flags, top_k, n_items,
                                          vec_len, args_len, int(deadline * 1e9))  # fmt: skip
                 # the GPU's resident kernel takes batch-1 recalls of the default namespace whose
-                # documents come from the arena, and of a namespace without a filter where the
-                # header says it serves namespaces (v1.5; it hands back one it does not serve);
+                # documents come from the arena, and of a namespace or a filter where the header
+                # says it serves them (ringable_args, v1.5/v1.6; it hands back one it does not serve);
                 # it polls the state word (no semaphore)
                 bell = (op == Op.RECALL and flags | Flag.ARENA_ENTRIES == _KERNEL_FLAGS and n_items == 1
                         and top_k <= conn.doorbell_k())  # fmt: skip
                 if bell and args_len:  # (the args' first two bytes: the name's length)
                     at = align8(vec_len)
                     name_len = int.from_bytes(slot.payload[at : at + 2], "little")
-                    bell = bool(conn.doorbell_spaces()) and ringable_args(args_len, name_len)
+                    bell = bool(conn.doorbell_spaces()) and ringable_args(args_len, name_len, conn.doorbell_args())
                 if bell:
                     slot.state[0] = SlotState.DOORBELL
                 else:

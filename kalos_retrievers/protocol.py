@@ -42,19 +42,29 @@ import numpy as np
 
 MAGIC: Final = b"KALOSHM\x00"
 VERSION_MAJOR: Final = 1
-VERSION_MINOR: Final = 5
+VERSION_MINOR: Final = 6
 
 #: The longest args (:func:`encode_recall_args`: a namespace without a filter, a name of up to
 #: 58 bytes of UTF-8) a DOORBELL recall may carry, once the header's ``doorbell_spaces`` is
-#: nonzero (v1.5): the resident kernel compares that many bytes with the namespaces it serves.
+#: nonzero (v1.5) and its ``doorbell_args`` is 0: the resident kernel compares that many bytes
+#: with the namespaces it serves.
 DOORBELL_ARGS_MAX: Final = 64
+#: The longest args a v1.6 resident kernel compares (the header's ``doorbell_args`` where it
+#: serves filters): a namespace, a filter or both, in 128 bytes (``{"user_id":"u-1234"}`` in a
+#: namespace ``memories``: 36 bytes).
+DOORBELL_SCOPE_ARGS_MAX: Final = 128
 
 
-def ringable_args(args_len: int, name_len: int) -> bool:
+def ringable_args(args_len: int, name_len: int, args_max: int = 0) -> bool:
     """Whether a recall's args of ``args_len`` bytes, whose first two bytes give ``name_len``,
-    name a namespace and no filter within :data:`DOORBELL_ARGS_MAX` bytes: what a DOORBELL
-    recall may carry (v1.5). (:func:`encode_recall_args` writes a u16 name length, the name and
-    a u32 filter length: without a filter the args are the name's length plus 6 bytes.)"""
+    may go to the resident kernel as a DOORBELL recall. ``args_max``: the header's
+    ``doorbell_args`` (v1.6): nonzero, any args up to that many bytes (a namespace, a filter
+    or both: the kernel compares them with the scopes it serves and hands back others); 0,
+    the v1.5 rule, a namespace and no filter within :data:`DOORBELL_ARGS_MAX` bytes.
+    (:func:`encode_recall_args` writes a u16 name length, the name, a u32 filter length and
+    the filter: without a filter the args are the name's length plus 6 bytes.)"""
+    if args_max:
+        return 6 < args_len <= args_max
     return 6 < args_len <= DOORBELL_ARGS_MAX and args_len == name_len + 6
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -218,6 +228,7 @@ _HEADER_FIELDS: Final = (
     ("carousel_epoch", "Q"),
     ("carousel_slots", "I"),
     ("doorbell_spaces", "I"),
+    ("doorbell_args", "I"),
 )
 HEADER_STRUCT: Final = struct.Struct("<" + "".join(f for _, f in _HEADER_FIELDS))
 
@@ -338,6 +349,7 @@ class Header:
     carousel_epoch: int = 0
     carousel_slots: int = 0
     doorbell_spaces: int = 0
+    doorbell_args: int = 0
 
     @property
     def layout(self) -> Layout:
@@ -402,6 +414,7 @@ def encode_header(
         name.encode()[:64],
         backend.encode()[:64],
         arena_version,
+        0,
         0,
         0,
         0,

@@ -1727,19 +1727,22 @@ struct BellCtl {
                                  // (diagnostics: benchmarks/doorbell_probe.py)
 };
 
-// The namespaces a resident kernel serves besides the default one (BellCtl::spaces, device
+// The scopes a resident kernel serves besides the default namespace (BellCtl::spaces, device
 // memory, written by the host before each launch; sidecar/index_gpu.py bell_spaces_table): a
-// recall whose args are exactly entry i's image (protocol.encode_recall_args of its name and
-// no filter: u16 length, the name's UTF-8, u32 0, zero-padded to 64 bytes; `len` bytes of it
-// count) is answered over the rows of namespace id[i]. Any other args go back to the sidecar.
-// The host only names namespaces that exist while the kernel runs (it stops the kernel before
-// any row changes), so a name's id cannot go stale under it.
+// recall whose args are exactly entry i's image (protocol.encode_recall_args of a namespace and
+// an optional filter: u16 length, the name's UTF-8, u32 length, the filter's JSON, zero-padded
+// to 128 bytes; `len` bytes of it count) is answered over the rows of namespace id[i] for
+// which mask[i] (a device uint8 per row, 1 = the filter keeps it; 0: no filter) is nonzero.
+// Any other args go back to the sidecar. The host names only namespaces that exist and builds
+// each mask from the rows as they are while the kernel runs (it stops the kernel before any
+// row changes), so neither an id nor a mask can go stale under it.
 #define BELL_SPACES_MAX 8
-#define BELL_ARGS_WORDS 16       // 64 bytes: a name of up to 58 bytes
-#define BELL_IMAGE_WORDS 128     // BELL_SPACES_MAX x BELL_ARGS_WORDS: entry i's at i x BELL_ARGS_WORDS
+#define BELL_ARGS_WORDS 32       // 128 bytes, one word per lane of warp 1
+#define BELL_IMAGE_WORDS 256     // BELL_SPACES_MAX x BELL_ARGS_WORDS: entry i's at i x BELL_ARGS_WORDS
 struct BellSpaces {
     int id[BELL_SPACES_MAX];
     int len[BELL_SPACES_MAX];
+    u64 mask[BELL_SPACES_MAX];
     unsigned int image[BELL_IMAGE_WORDS];
 };
 static_assert(BELL_IMAGE_WORDS == BELL_SPACES_MAX * BELL_ARGS_WORDS, "an image per entry");
@@ -2164,13 +2167,14 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             __shared__ unsigned int s_w[W_REQUEST];
             __shared__ unsigned int s_args[BELL_ARGS_WORDS];
             __shared__ int s_ok, s_req_ns;
+            __shared__ u64 s_req_mask;
             __threadfence_system();  // the words and the query after the state word that announced them
             unsigned int word = 0;
             if (threadIdx.x < W_REQUEST) word = hload(reinterpret_cast<const unsigned int*>(sb) + threadIdx.x, mode);
-            // With namespaces to serve, warp 1 reads the args' first 64 bytes (at the query's
-            // 8-byte-aligned end, where the client writes them) in the same round trip: a
-            // namespace's name, which block 0 compares with the ones it serves. Unused when
-            // args_len says there are none.
+            // With scopes to serve, warp 1 reads the args' first 128 bytes (at the query's
+            // 8-byte-aligned end, where the client writes them), a word per lane, in the same
+            // round trip: a namespace's name and a filter, which block 0 compares with the
+            // ones it serves. Unused when args_len says there are none.
             unsigned int aword = 0;
             const int aj = (int)threadIdx.x - 32;
             if (aj >= 0 && aj < BELL_ARGS_WORDS && S.n_spaces > 0) {
@@ -2212,8 +2216,10 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 const u64 vec_len = (u64)s_w[W_VEC_LEN] | ((u64)s_w[W_VEC_LEN + 1] << 32);
                 const u64 args_len = (u64)s_w[W_ARGS_LEN] | ((u64)s_w[W_ARGS_LEN + 1] << 32);
                 // the rows it asks for: no args, the default namespace (-3: empty); args, the
-                // namespace whose image they are, byte for byte (bytes past args_len do not count)
+                // namespace and filter mask whose image they are, byte for byte (bytes past
+                // args_len do not count)
                 int req_ns = S.ns_id;
+                u64 req_mask = 0;
                 bool scope = args_len == 0 && req_ns != -3;
                 if (args_len != 0 && args_len <= 4ull * BELL_ARGS_WORDS) {
                     const int n_spaces = min((int)S.n_spaces, BELL_SPACES_MAX);
@@ -2226,10 +2232,11 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                             const unsigned int m = v >= 4 ? 0xFFFFFFFFu : (1u << (8 * v)) - 1u;
                             same = (s_args[j] & m) == s_spaces.image[e * BELL_ARGS_WORDS + j];
                         }
-                        if (same) { req_ns = s_spaces.id[e]; scope = true; }
+                        if (same) { req_ns = s_spaces.id[e]; req_mask = s_spaces.mask[e]; scope = true; }
                     }
                 }
                 s_req_ns = req_ns;
+                s_req_mask = req_mask;
                 s_ok = s_w[W_OP] == OP_RECALL &&
                        (s_w[W_FLAGS] | FLAG_ARENA_ENTRIES) == (FLAG_ARENA_DOCS | FLAG_ARENA_ENTRIES) &&
                        s_w[W_N_ITEMS] == 1 && scope && vec_len == 4ull * S.dim && s_w[W_TOP_K] >= 1 &&
@@ -2285,7 +2292,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 params->k = kc;
                 params->n_rows = S.n_rows;
                 params->ns_id = s_req_ns;
-                params->mask = nullptr;
+                params->mask = reinterpret_cast<const unsigned char*>(s_req_mask);
                 params->out_ld = kc;
                 params->seq = 0;
                 params->out_rows[0] = Vec<T>::INT8 ? cand : reinterpret_cast<int*>(sb + S.rows_off);

@@ -27,6 +27,7 @@ from typing import Any, Final, NoReturn
 import numpy as np
 
 from kalos_retrievers import _ipc
+from kalos_retrievers.filters import validate_filter
 from kalos_retrievers.protocol import (
     HEADER_SIZE,
     REQUEST_OFFSET,
@@ -255,30 +256,37 @@ class Dispatcher:
 
     def _bell_space(self, i: int, req: Request) -> bool:
         """Whether slot ``i``'s recall ``req`` (batch 1, with args) is one the resident kernel
-        would answer from its next start, so that it counts towards that start: its args name a
-        namespace and no filter (:func:`ringable_args`), the namespace holds rows, and it was
-        noted before (:meth:`Service.note_bell_space`, which this does now in any case): a
-        namespace recalled once, or one of more than the kernel's ``doorbell_spaces`` recalled
-        in turn, would only stop the kernel again and again. And not while the kernel runs and
-        serves it: that client does not ring it (a library before v1.5), and each of its
-        recalls would stop the kernel."""
+        would answer from its next start, so that it counts towards that start: its args are
+        ones a client may ring (:func:`ringable_args`: a namespace without a filter; a filter
+        too where the index serves filters, ``doorbell_args``), its filter is valid, its
+        namespace holds rows, and it was noted before (:meth:`Service.note_bell_space`, which
+        this does now in any case): a scope recalled once, or one of more than the kernel's
+        ``doorbell_spaces`` recalled in turn, would only stop the kernel again and again. And
+        not while the kernel runs and serves it: that client does not ring it (a library
+        before v1.5, or before v1.6 for a filter), and each of its recalls would stop the
+        kernel."""
         if req.vec_len != 4 * self.layout.dim:
             return False
-        # the filter's length not decoded (a filter's JSON, decoded again by the pickup, cost
-        # ~3 µs a recall on the development VM): the name's length says whether there is one
-        start = self.slot_off[i] + self.layout.payload_offset + align8(req.vec_len)
-        if not ringable_args(req.args_len, int.from_bytes(self.mm[start : start + 2], "little")):
-            return False
-        try:
-            namespace, flt = self._recall_scope(self._args(i, req))
-        except Invalid:
-            return False
         svc, idx = self.service, self.service.index
-        if flt is not None or not namespace or not svc.holds_rows(namespace):
+        # (without filters served, a filter's JSON is not decoded: the name's length says
+        # whether there is one; decoded again by the pickup, it cost ~3 µs a recall on the
+        # development VM)
+        start = self.slot_off[i] + self.layout.payload_offset + align8(req.vec_len)
+        name_len = int.from_bytes(self.mm[start : start + 2], "little")
+        if not ringable_args(req.args_len, name_len, idx.doorbell_args):
             return False
-        if idx.doorbell_running and namespace in idx.bell_served_spaces:
+        args = self._args(i, req)
+        try:
+            namespace, flt = self._recall_scope(args)
+            if flt is not None:
+                validate_filter(flt)
+        except (Invalid, ValueError, TypeError):
             return False
-        return svc.note_bell_space(namespace)
+        if (not namespace and flt is None) or not svc.holds_rows(namespace):
+            return False
+        if idx.doorbell_running and args in idx.bell_served_spaces:
+            return False
+        return svc.note_bell_space(namespace, flt, args)
 
     def poll(self) -> int:
         """Answer every request waiting now; return how many. The index's resident kernel (if

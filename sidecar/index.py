@@ -16,7 +16,7 @@ import abc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
@@ -51,6 +51,18 @@ class SlotSpec:
     q_addr: int
     rows_addr: int
     scores_addr: int
+
+
+class BellScope(NamedTuple):
+    """A scope the resident kernel serves besides the default namespace: the args a client
+    writes for its recalls (:func:`~kalos_retrievers.protocol.encode_recall_args` of a
+    namespace and an optional filter, exactly as clients send them: the kernel compares them
+    byte for byte), the namespace's id, and for a filter the rows it keeps (ascending, below
+    the rows' high-water mark; None: no filter, the whole namespace)."""
+
+    args: bytes
+    ns_id: int
+    rows: np.ndarray | None = None
 
 
 class Index(abc.ABC):
@@ -181,10 +193,13 @@ class Index(abc.ABC):
     # doorbell_topk); the CPU backend has none. doorbell_k: the largest k it answers (0: none).
     doorbell_k = 0
     doorbell_running = False
-    # how many namespaces besides the default one it can serve at once (0: the default one only),
-    # and the names it serves while it runs (or served when it last ran)
+    # how many scopes besides the default namespace it can serve at once (0: the default one
+    # only), the longest args it compares with theirs where it serves filters too (0: namespaces
+    # alone, within protocol.DOORBELL_ARGS_MAX bytes), and the args of the scopes it serves
+    # while it runs (or served when it last ran)
     doorbell_spaces = 0
-    bell_served_spaces: tuple[str, ...] = ()
+    doorbell_args = 0
+    bell_served_spaces: tuple[bytes, ...] = ()
     # called with True when the kernel has started and with False before it stops (the
     # server publishes it in the header: clients ring the kernel only while it runs)
     on_doorbell: Callable[[bool], None] | None = None
@@ -199,9 +214,9 @@ class Index(abc.ABC):
     def pause_doorbell(self) -> None:  # noqa: B027 - optional hook
         """Stop the resident kernel before the host works on the device or the rows."""
 
-    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[tuple[str, int]] = ()) -> None:  # noqa: B027
+    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[BellScope] = ()) -> None:  # noqa: B027
         """Start the resident kernel again over rows [0, high) of namespace id ``ns`` (the
-        default namespace's), serving also the namespaces ``spaces`` ((name, id) pairs: at most
+        default namespace's), serving also the scopes ``spaces`` (at most
         :attr:`doorbell_spaces` of them)."""
 
     def doorbell_served(self) -> int:

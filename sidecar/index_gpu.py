@@ -45,7 +45,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 
 from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE
-from kalos_retrievers.protocol import DOORBELL_ARGS_MAX, CarouselLayout, Metric, encode_recall_args
+from kalos_retrievers.protocol import DOORBELL_SCOPE_ARGS_MAX, CarouselLayout, Metric, decode_recall_args
 
 from . import carousel
 from . import cuda_kernels as kernels
@@ -53,6 +53,7 @@ from .crowd import CrowdLane
 from .direct import DirectSlots
 from .index import (
     NS_ANY,
+    BellScope,
     FatalDeviceError,
     Index,
     IndexCapacityError,
@@ -139,15 +140,19 @@ _DESC_HEAD: Final = struct.Struct("<iiiiQii")  # n_queries k n_rows ns_id mask o
 # stamps
 _BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQiiQQiiQ")
 _BELL_SERVED: Final = 128
-# struct BellSpaces in kernels/recall.cu: the namespaces the resident kernel serves besides the
-# default one (ids, args images' lengths, the images of 64 bytes each). A client may ring the
-# kernel with a namespace's recall (no filter) once the header's doorbell_spaces says so; the
+# struct BellSpaces in kernels/recall.cu: the scopes the resident kernel serves besides the
+# default namespace (ids, args images' lengths, filter masks' device addresses, the images of
+# 128 bytes each). A client may ring the kernel with a namespace's recall once the header's
+# doorbell_spaces says so (v1.5), and with a filter's once its doorbell_args does (v1.6); the
 # kernel answers it when its args are one of these images, and hands it back otherwise.
-# KALOS_BELL_SPACES=0: the default namespace's recalls only, as before session 48.
+# KALOS_BELL_SPACES=0: the default namespace's recalls only, as before session 48;
+# KALOS_BELL_FILTERS=0: namespaces without filters only, as in session 48.
 BELL_SPACES: Final = os.environ.get("KALOS_BELL_SPACES", "1") == "1"
+BELL_FILTERS: Final = BELL_SPACES and os.environ.get("KALOS_BELL_FILTERS", "1") == "1"
 BELL_SPACES_MAX: Final = 8
-BELL_ARGS_MAX: Final = DOORBELL_ARGS_MAX  # BELL_ARGS_WORDS x 4: the longest args the kernel compares
-_BELL_SPACES: Final = struct.Struct(f"<{BELL_SPACES_MAX}i{BELL_SPACES_MAX}i{BELL_SPACES_MAX * BELL_ARGS_MAX}s")
+BELL_ARGS_MAX: Final = DOORBELL_SCOPE_ARGS_MAX  # BELL_ARGS_WORDS x 4: the longest args the kernel compares
+_BELL_SPACES: Final = struct.Struct(
+    f"<{BELL_SPACES_MAX}i{BELL_SPACES_MAX}i{BELL_SPACES_MAX}Q{BELL_SPACES_MAX * BELL_ARGS_MAX}s")
 _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # BellCtl::mode, the BELL_* bits: loads from host memory with ld.global.cv (1), stores with
 # st.global.wt (2), a system fence after the RESPONSE word (4), ld/st.relaxed.sys otherwise (8).
@@ -313,32 +318,50 @@ def choose_tpr(chunks: int) -> int:
     return tpr
 
 
-def bell_spaces_table(spaces: Sequence[tuple[str, int]]) -> tuple[bytes, tuple[str, ...]]:
-    """The resident kernel's namespace table (``struct BellSpaces``) for ``spaces``, (name,
-    namespace id) pairs in order of preference, and the names it holds.
+def bell_spaces_table(spaces: Sequence[tuple[bytes, int, int]]) -> tuple[bytes, tuple[bytes, ...]]:
+    """The resident kernel's scope table (``struct BellSpaces``) for ``spaces``, (args,
+    namespace id, filter mask's device address or 0) triples in order of preference, and the
+    args it holds.
 
-    Each entry is the args a client writes for a recall in that namespace without a filter
-    (:func:`~kalos_retrievers.protocol.encode_recall_args`), zero-padded to
-    :data:`BELL_ARGS_MAX` bytes: the kernel compares a request's args with them byte for byte.
-    Left out: the default namespace (its recalls carry no args), a name whose args exceed
-    :data:`BELL_ARGS_MAX` bytes (58 bytes of UTF-8), a negative id, a name already taken, and
-    everything past :data:`BELL_SPACES_MAX` entries.
+    Each entry's args are those a client writes for a recall in that scope
+    (:func:`~kalos_retrievers.protocol.encode_recall_args` of a namespace and an optional
+    filter), zero-padded to :data:`BELL_ARGS_MAX` bytes: the kernel compares a request's args
+    with them byte for byte. Left out: empty args (the default namespace's recalls carry none),
+    args longer than :data:`BELL_ARGS_MAX` bytes, a negative id, args already taken, and everything past
+    :data:`BELL_SPACES_MAX` entries.
 
-    >>> table, names = bell_spaces_table([("notes", 3), ("", 0), ("x" * 59, 4)])
-    >>> names, len(table)
-    (('notes',), 576)
+    >>> from kalos_retrievers.protocol import encode_recall_args as a
+    >>> table, keys = bell_spaces_table([(a("notes", None), 3, 0), (b"", 0, 0), (a("x" * 123, None), 4, 0)])
+    >>> keys == (a("notes", None),), len(table)
+    (True, 1152)
     """
-    ids, lens, image, names = [0] * BELL_SPACES_MAX, [0] * BELL_SPACES_MAX, bytearray(), []
-    for name, ns_id in spaces:
-        if len(names) == BELL_SPACES_MAX:
+    ids, lens, masks = [0] * BELL_SPACES_MAX, [0] * BELL_SPACES_MAX, [0] * BELL_SPACES_MAX
+    image, keys = bytearray(), []
+    for args, ns_id, mask in spaces:
+        if len(keys) == BELL_SPACES_MAX:
             break
-        a = encode_recall_args(name, None)
-        if not name or ns_id < 0 or len(a) > BELL_ARGS_MAX or name in names:
+        if not args or ns_id < 0 or len(args) > BELL_ARGS_MAX or args in keys:
             continue
-        ids[len(names)], lens[len(names)] = ns_id, len(a)
-        image += a.ljust(BELL_ARGS_MAX, b"\0")
-        names.append(name)
-    return _BELL_SPACES.pack(*ids, *lens, bytes(image)), tuple(names)
+        i = len(keys)
+        ids[i], lens[i], masks[i] = ns_id, len(args), mask
+        image += args.ljust(BELL_ARGS_MAX, b"\0")
+        keys.append(args)
+    return _BELL_SPACES.pack(*ids, *lens, *masks, bytes(image)), tuple(keys)
+
+
+def scope_names(keys: Sequence[bytes]) -> tuple[list[str], list[dict[str, Any]]]:
+    """The namespaces (no filter) and the filters (``{"namespace", "filter"}``) among the
+    scopes whose args are ``keys`` (:func:`bell_spaces_table`'s): how the index's
+    :meth:`describe` names what its resident kernel serves."""
+    names: list[str] = []
+    filters: list[dict[str, Any]] = []
+    for key in keys:
+        namespace, flt = decode_recall_args(key)
+        if flt is None:
+            names.append(namespace)
+        else:
+            filters.append({"namespace": namespace, "filter": flt})
+    return names, filters
 
 
 def _pow2(x: int) -> int:
@@ -619,7 +642,12 @@ class GpuIndex(Index):
             self.bell_cfg = cp.zeros(_BELL_SERVED, cp.uint8)  # the kernel's copy of the host's line
             self.bell_spaces = cp.zeros(_BELL_SPACES.size, cp.uint8)  # struct BellSpaces
         self.doorbell_spaces = BELL_SPACES_MAX if BELL_SPACES else 0
-        self.bell_served_spaces: tuple[str, ...] = ()  # the namespaces the kernel serves (or last served)
+        self.doorbell_args = BELL_ARGS_MAX if BELL_FILTERS else 0
+        self.bell_served_spaces: tuple[bytes, ...] = ()  # the scopes' args the kernel serves (or last served)
+        # the filters' device masks (uint8 per row) the kernel reads, by args: (the rows kept,
+        # the high-water mark, the mask); rebuilt at each start for the scopes it serves then
+        self._bell_masks: dict[bytes, tuple[np.ndarray, int, Any]] = {}
+        self.bell_mask_uploads = 0
         self.bstream = cp.cuda.Stream(non_blocking=True)
         self.doorbell_k = 0  # > 0 once enabled: the largest k the resident kernel answers
         self.doorbell_running = False
@@ -929,16 +957,17 @@ class GpuIndex(Index):
             self._direct.publish(3)  # (E + 3: from here on the rows may change)
         car.data = car.ns = car.sqnorm = None  # (the rows' arrays not kept alive: a growth frees the old ones)
 
-    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[tuple[str, int]] = ()) -> None:
+    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[BellScope] = ()) -> None:
         """(Re)start the resident kernel over rows [0, ``high``) of namespace id ``ns`` (NS_ANY:
         all of them; NS_NONE: the default namespace is empty), serving the recalls of the
-        namespaces ``spaces`` too ((name, id) pairs, :func:`bell_spaces_table`; none while
-        ``doorbell_spaces`` is 0)."""
+        scopes ``spaces`` too (:func:`bell_spaces_table`; none while ``doorbell_spaces`` is 0,
+        no filter while ``doorbell_args`` is 0): a filter's through a device mask of the rows it
+        keeps (:meth:`_bell_mask`)."""
         if self.doorbell_running or not self.doorbell_k or not self.seg_addr or self._closed:
             return
-        spaces_table, names = bell_spaces_table(spaces if self.doorbell_spaces else ())
         self.stop_carousel()  # (both hold every SM)
         self._finish_all()
+        spaces_table, names = bell_spaces_table(self._bell_entries(spaces, high) if self.doorbell_spaces else ())
         lay = self._bell_layout
         table, _, arena_rows, arena_version = self._arena_table
         entries, mode = table + ARENA_HEADER_SIZE, self.doorbell_mode & ~BELL_ARENA_DEVICE
@@ -1010,6 +1039,46 @@ class GpuIndex(Index):
             raise
         self.doorbell_launches += 1
 
+    def _bell_entries(self, spaces: Sequence[BellScope], high: int) -> list[tuple[bytes, int, int]]:
+        """:func:`bell_spaces_table`'s triples for ``spaces``: a filter's mask uploaded where
+        :meth:`_bell_mask` has none for its rows (a filter left out while ``doorbell_args`` is
+        0, or where its mask could not be made). Masks of scopes no longer served are freed."""
+        out: list[tuple[bytes, int, int]] = []
+        masks: dict[bytes, tuple[np.ndarray, int, Any]] = {}
+        for sc in spaces[: BELL_SPACES_MAX]:
+            if sc.rows is None:
+                out.append((sc.args, sc.ns_id, 0))
+                continue
+            if not self.doorbell_args or len(sc.args) > self.doorbell_args:
+                continue
+            try:
+                masks[sc.args] = kept = self._bell_mask(sc.args, sc.rows, high)
+            except FatalDeviceError:
+                raise
+            except Exception:  # (no room for it: that filter goes to the sidecar, as before)
+                log.warning("a filter's mask could not be made on %s; the sidecar answers its recalls", self.name,
+                            exc_info=True)  # fmt: skip
+                continue
+            out.append((sc.args, sc.ns_id, int(kept[2].data.ptr)))
+        self._bell_masks = masks
+        return out
+
+    def _bell_mask(self, key: bytes, rows: np.ndarray, high: int) -> tuple[np.ndarray, int, Any]:
+        """The device mask (uint8 per row below ``high``, 1 where the filter keeps the row) of
+        the filter whose args are ``key`` and whose rows are ``rows``: the one kept from the
+        kernel's last start while it is for the same array (the service's kept answer, which
+        nobody changes: read-only) and ``high``, else a new one, uploaded on the kernel's
+        stream (its launch follows it there). ~0.1 MB at 100k rows."""
+        kept = self._bell_masks.get(key)
+        if kept is not None and kept[0] is rows and kept[1] == high and not rows.flags.writeable:
+            return kept
+        m = np.zeros(max(high, 1), np.uint8)
+        m[rows] = 1
+        with self.device, self.bstream:
+            dev = self.cp.asarray(m)
+        self.bell_mask_uploads += 1
+        return rows, high, dev
+
     def doorbell_stamps(self) -> tuple[int, ...]:
         """The resident kernel's diagnostics (benchmarks/doorbell_probe.py): GPU clock (ns) of
         its last answer's request taken, blocks started, merge done, answered; when polling for
@@ -1052,7 +1121,9 @@ class GpuIndex(Index):
                  mma_batches=self.mma_batches, queued_batches=self.queued_batches, queued_c=self.queued_c,
                  doorbell_k=self.doorbell_k, doorbell_running=self.doorbell_running,
                  doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served(),
-                 doorbell_spaces=list(self.bell_served_spaces),
+                 doorbell_spaces=scope_names(self.bell_served_spaces)[0],
+                 doorbell_filters=scope_names(self.bell_served_spaces)[1],
+                 bell_mask_uploads=self.bell_mask_uploads,
                  carousel_k=self.carousel_k, carousel_running=self.carousel_running,
                  carousel_launches=self.carousel_launches,
                  carousel_boarded=self.crowd.boarded if self.crowd is not None else 0,

@@ -407,7 +407,8 @@ class Server:
         """Tell clients up to which k the index's resident kernel answers now (``doorbell_k``:
         0 while it is stopped: ``running``, or else as the index says) and whether it has one
         (``doorbell_cap``), and whether it serves namespaces besides the default one
-        (``doorbell_spaces``, v1.5: clients then ring it with a namespace's recalls too). The
+        (``doorbell_spaces``, v1.5: clients then ring it with a namespace's recalls too) and
+        filters (``doorbell_args``, v1.6: the longest args it compares, a filter's too). The
         index calls this (``on_doorbell``) after the kernel starts and before it stops. (A v1.1
         client reads only ``doorbell_k``: it rings the kernel only while it runs, too.)"""
         if self.seg is not None and self.service is not None:
@@ -415,8 +416,9 @@ class Server:
             if running is None:
                 running = idx.doorbell_running
             k = idx.doorbell_k if running else 0
-            struct.pack_into("<I", self.seg.mm, HEADER_OFFSETS["doorbell_spaces"],
-                             idx.doorbell_spaces if idx.doorbell_k else 0)  # fmt: skip
+            struct.pack_into("<II", self.seg.mm, HEADER_OFFSETS["doorbell_spaces"],
+                             idx.doorbell_spaces if idx.doorbell_k else 0,
+                             idx.doorbell_args if idx.doorbell_k and idx.doorbell_spaces else 0)  # fmt: skip
             struct.pack_into("<II", self.seg.mm, HEADER_OFFSETS["doorbell_k"], k, idx.doorbell_k)
 
     def _offer_carousel(self, n_slots: int, first: bool) -> None:

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from kalos_retrievers.filters import validate_filter
-from kalos_retrievers.protocol import Invalid, Metric, Status, encode_doc, encode_json
+from kalos_retrievers.protocol import Invalid, Metric, Status, encode_doc, encode_json, encode_recall_args
 
-from .index import NS_ANY, NS_NONE, Index, IndexCapacityError, SlotSpec, normalize_rows
+from .index import NS_ANY, NS_NONE, BellScope, Index, IndexCapacityError, SlotSpec, normalize_rows
 from .rows import RowTable
 from .store import NullStore, SqliteStore, StoredRow
 
@@ -53,7 +53,8 @@ class Service:
         self._scopes: dict[bytes, tuple[int, int, tuple[int, np.ndarray | None, bool, int], int]] = {}
         self._scope_rows = 0  # the candidate rows _scopes holds
         self.scope_refreshes = 0  # kept answers brought up to date from the rows changes touched
-        self._bell_spaces: OrderedDict[str, None] = OrderedDict()  # note_bell_space's, oldest first
+        # note_bell_space's, oldest first: (namespace, filter or None) by the recalls' args
+        self._bell_spaces: OrderedDict[bytes, tuple[str, Any]] = OrderedDict()
 
     # ------------------------------------------------------------------ start-up
     def load(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -351,23 +352,28 @@ class Service:
 
     def doorbell_useful(self) -> bool:
         """Whether starting the index's resident kernel now could answer anything: it has one,
-        it is stopped, and the default namespace, or a namespace it would serve
+        it is stopped, and the default namespace, or the namespace of a scope it would serve
         (:meth:`note_bell_space`), has rows (it declines every recall of an empty one, each a
         round trip back to the sidecar)."""
         idx = self.index
         if not idx.doorbell_k or idx.doorbell_running:
             return False
-        return self.holds_rows("") or bool(self.bell_spaces())
+        return self.holds_rows("") or any(self.holds_rows(ns) for ns, _ in self._bell_spaces.values())
 
-    def note_bell_space(self, namespace: str) -> bool:
-        """A namespace recalled in alone, without a filter (the dispatcher's lone recalls):
-        the resident kernel serves the index's ``doorbell_spaces`` most recent of them, from its
-        next start, besides the default namespace. Returns whether it was noted already."""
+    def note_bell_space(self, namespace: str, flt: Any = None, key: bytes | None = None) -> bool:
+        """A scope recalled in alone (the dispatcher's lone recalls): ``namespace``, with the
+        filter ``flt`` (decoded JSON, valid) if any, whose recalls' args are ``key`` (exactly as
+        clients write them: the kernel compares them byte for byte; by default
+        :func:`encode_recall_args` of the namespace alone). The resident kernel serves the
+        index's ``doorbell_spaces`` most recent of them, from its next start, besides the
+        default namespace. Returns whether it was noted already."""
+        if key is None:
+            key = encode_recall_args(namespace, None)
         spaces = self._bell_spaces
-        if namespace in spaces:
-            spaces.move_to_end(namespace)
+        if key in spaces:
+            spaces.move_to_end(key)
             return True
-        spaces[namespace] = None
+        spaces[key] = (namespace, flt)
         while len(spaces) > self.index.doorbell_spaces:
             spaces.popitem(last=False)
         return False
@@ -377,19 +383,30 @@ class Service:
         ns = self.rows.ns_id(namespace)
         return ns is not None and bool(self.rows.ns_count[ns])
 
-    def bell_spaces(self) -> list[tuple[str, int]]:
-        """(name, id) of the noted namespaces that hold rows now, the most recent first."""
+    def bell_spaces(self) -> list[BellScope]:
+        """The noted scopes (:meth:`note_bell_space`) whose namespace holds rows now, the most
+        recent first: a filter's with the rows it keeps now (:meth:`eligible_for`, its kept
+        answer: read-only, the same array while no row of the namespace changes)."""
         out = []
-        for name in reversed(self._bell_spaces):
-            ns = self.rows.ns_id(name)
-            if ns is not None and self.rows.ns_count[ns]:
-                out.append((name, ns))
+        for key in reversed(self._bell_spaces):
+            namespace, flt = self._bell_spaces[key]
+            ns = self.rows.ns_id(namespace)
+            if ns is None or not self.rows.ns_count[ns]:
+                continue
+            if flt is None:
+                out.append(BellScope(key, ns))
+                continue
+            try:
+                _, rows, _, _ = self.eligible_for(namespace, flt, key)
+            except Invalid:  # (noted valid: a filter the rows cannot answer now goes to the sidecar)
+                continue
+            out.append(BellScope(key, ns, rows))  # (rows None: a filter of no condition, ``{}``)
         return out
 
     def resume_doorbell(self) -> None:
         """Restart the index's resident kernel, if it has one, over the default namespace as
-        the rows are now (the kernel is stopped whenever they change), and the noted namespaces
-        (:meth:`note_bell_space`) that hold rows."""
+        the rows are now (the kernel is stopped whenever they change), and the noted scopes
+        (:meth:`note_bell_space`) whose namespaces hold rows (:meth:`bell_spaces`)."""
         idx = self.index
         if not idx.doorbell_k or idx.doorbell_running:
             return

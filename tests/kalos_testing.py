@@ -314,9 +314,9 @@ def doorbell_stand_in(name: str, dim: int, hand_back: bool, answered: Any, hande
     (tests/integration/test_fastpath_client.py): answer every DOORBELL request in the sidecar's
     slots with a recall through an ordinary client and the hits' arena entries, as the kernel
     answers, or (``hand_back``) hand it back to the sidecar, as the kernel does in a crowd. A
-    request with args (a namespace, protocol v1.5) is answered in that namespace when they
-    name one without a filter, as the kernel answers the namespaces it serves, and handed back
-    otherwise. In a process of its own: a thread of the test's process would wait for the GIL
+    request with args (a namespace, protocol v1.5; a filter, v1.6) is answered in that scope
+    when they fit the 128 bytes a v1.6 kernel compares, as the kernel answers the scopes it
+    serves, and handed back otherwise. In a process of its own: a thread of the test's process would wait for the GIL
     while the client's Python path spins."""
     from kalos_retrievers import KalosClient
     from kalos_retrievers.protocol import (
@@ -347,7 +347,7 @@ def doorbell_stand_in(name: str, dim: int, hand_back: bool, answered: Any, hande
                 args_len = int(np.frombuffer(mm, "<u8", 1, off + 40)[0])
                 at = off + lay.payload_offset + align8(4 * dim)
                 namespace, flt = decode_recall_args(bytes(mm[at : at + args_len]))
-                if flt is not None or args_len > 64:
+                if args_len > 128:  # (DOORBELL_SCOPE_ARGS_MAX: the longest args a v1.6 kernel compares)
                     states[i] = SlotState.REQUEST
                     handed_back.value += 1
                     continue
@@ -355,7 +355,7 @@ def doorbell_stand_in(name: str, dim: int, hand_back: bool, answered: Any, hande
                 seq = int(np.frombuffer(mm, "<u8", 1, off + 8)[0])
                 k = int(np.frombuffer(mm, "<u4", 1, off + 24)[0])
                 q = np.frombuffer(mm, "<f4", dim, off + lay.payload_offset).copy()
-                res = searcher.recall(q, k, namespace=namespace)
+                res = searcher.recall(q, k, namespace=namespace, filter=flt)
                 rows = np.asarray(res.rows, np.int32)
                 arena = conn.arena()
                 assert arena is not None

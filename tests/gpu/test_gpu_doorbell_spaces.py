@@ -7,7 +7,8 @@ namespace so that the kernel serves it from its next start. Each test starts a r
 sidecar and reads how many recalls the kernel answered (``doorbell_served``) and which
 namespaces it serves (``doorbell_spaces``) from its stats: a result must be right *and* come
 from the path the test means. The controls: a client with documents inline (never rung), a
-filter (the sidecar's), a sidecar with ``KALOS_BELL_SPACES=0``.
+filter not served yet (handed back; tests/gpu/test_gpu_doorbell_filters.py serves filters), a
+sidecar with ``KALOS_BELL_SPACES=0``.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def test_a_namespaces_recalls_are_answered_by_the_kernel_exactly(start_sidecar, 
     # (it holds no rows); the kernel must not take it for "notes"
     before = served(c)
     assert len(c.recall(q, 10, namespace="notez")) == 0 and served(c) == before
-    # the controls: a filter (one every row passes), and documents inline, are the sidecar's
+    # the controls: a filter (one every row passes: rung, v1.6, but not served yet, so handed
+    # back), and documents inline, are the sidecar's
     before = served(c)
     check(c.recall(q, 10, namespace="notes", filter={"i": {"$gte": 0}}), "notes", data["notes"], q, 10, dtype)
     check(plain.recall(q, 10, namespace="notes"), "notes", data["notes"], q, 10, dtype)

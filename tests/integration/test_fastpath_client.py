@@ -84,8 +84,9 @@ def test_a_namespaces_recall_rings_the_kernel_where_the_header_says_it_serves_na
     as DOORBELL with its args after the query, by the C path, the Python path and a batch of
     one query alike: the stand-in answers it in that namespace, or hands it back and the
     sidecar answers it from the same slot; either way the results are the sidecar's own. A
-    filter, or a header without ``doorbell_spaces`` (the control), sends it to the sidecar as
-    before."""
+    filter is rung too once ``doorbell_args`` is set (v1.6), within its 128 bytes. A filter
+    without ``doorbell_args``, args past it, or a header without ``doorbell_spaces`` (the
+    controls) send it to the sidecar as before."""
     monkeypatch.setenv("KALOS_ARENA", "1")
     sc = start_sidecar(dim=DIM)
     rng = np.random.default_rng()
@@ -112,17 +113,28 @@ def test_a_namespaces_recall_rings_the_kernel_where_the_header_says_it_serves_na
             check("ünï-名前")
             rung = len(queries) * 2
             assert (kernel.handed_back.value, kernel.answered.value) == ((rung, 0) if hand_back else (0, rung))
-            check("notes", {"i": {"$gte": 100}})  # a filter: the sidecar's, never rung
+            check("notes", {"i": {"$gte": 100}})  # a filter: the sidecar's, never rung (v1.5)
+            assert kernel.handed_back.value + kernel.answered.value == rung
+            monkeypatch.setattr(client_module._Conn, "doorbell_args", lambda self: 128)  # v1.6: rung
+            check("notes", {"i": {"$gte": 100}})
+            check("", {"i": {"$lt": 20}})
+            rung += 2 * len(queries)
+            assert kernel.handed_back.value + kernel.answered.value == rung
+            check("notes", {"i": {"$in": list(range(40))}})  # args of 136 bytes: never rung
             assert kernel.handed_back.value + kernel.answered.value == rung
             monkeypatch.setattr(client_module, "_fastpath", None)  # the Python path rings it too
             check("notes")
+            check("notes", {"i": {"$gte": 100}})
             for q in queries[:3]:  # and so does a batch of one query
                 (r,) = c.recall_batch(q[None], K, namespace="notes")
                 assert r.ids == plain.recall(q, K, namespace="notes").ids
-            rung += len(queries) + 3
+                (r,) = c.recall_batch(q[None], K, namespace="notes", filter={"i": {"$lt": 9}})
+                assert r.ids == plain.recall(q, K, namespace="notes", filter={"i": {"$lt": 9}}).ids
+            rung += 2 * len(queries) + 6
             assert kernel.handed_back.value + kernel.answered.value == rung
             spaces["n"] = 0
             check("notes")  # the control: no doorbell_spaces, no namespace rung
+            check("notes", {"i": {"$gte": 100}})  # nor a filter (doorbell_args alone says nothing)
             assert kernel.handed_back.value + kernel.answered.value == rung
 
 

@@ -38,6 +38,7 @@ from kalos_retrievers.protocol import (
     Status,
     align8,
     decode_docs_blob,
+    decode_recall_args,
     encode_recall_args,
 )
 
@@ -1385,18 +1386,82 @@ def test_a_namespaces_lone_recall_counts_for_the_kernel_and_is_noted_for_it() ->
     assert ask("ünï-名前") == k and d.lone == 0
     assert ask("ünï-名前") == k and d.lone == 1
     assert ask("", None) == k and d.lone == 2  # the default namespace: counts, as before
-    assert [name for name, _ in svc.bell_spaces()] == ["ünï-名前", "notes"]  # the most recent first
+    def names() -> list[str]:
+        return [decode_recall_args(sc.args)[0] for sc in svc.bell_spaces() if sc.rows is None]
+
+    assert names() == ["ünï-名前", "notes"]  # the most recent first
     assert ask("notes", b'{"u": 1}') == k and d.lone == 0  # a filter: the sidecar's
     assert ask("notes", state=SlotState.DOORBELL) == k and d.lone == 1  # rung while it was stopped
-    assert [name for name, _ in svc.bell_spaces()] == ["notes", "ünï-名前"]
+    assert names() == ["notes", "ünï-名前"]
     assert ask(long_name) == k and d.lone == 0  # too long to compare: the sidecar's
     assert ask("notes") == k and d.lone == 1
     assert ask("nowhere") == 0 and ask("nowhere") == 0 and d.lone == 0  # no rows: never counted
-    assert [name for name, _ in svc.bell_spaces()] == ["notes", "ünï-名前"]
+    assert names() == ["notes", "ünï-名前"]
     svc.index.doorbell_running = True  # type: ignore[misc]  # the kernel runs and serves "notes":
-    svc.index.bell_served_spaces = ("notes",)  # type: ignore[misc]  # a REQUEST for it is a client
+    svc.index.bell_served_spaces = (encode_recall_args("notes", None),)  # type: ignore[misc]  # a REQUEST for it is a client
     assert ask("notes") == k and d.lone == 0  # that does not ring it
     assert ask("ünï-名前") == k and d.lone == 1  # (one it handed back, or sent while it ran)
     svc.index.doorbell_running = False  # type: ignore[misc]
     svc.index.doorbell_spaces = 0  # type: ignore[misc]  # a kernel for the default namespace only
     assert ask("notes") == k and d.lone == 0
+
+
+def test_a_filters_lone_recall_counts_for_the_kernel_where_it_serves_filters() -> None:
+    """With an index whose resident kernel serves filters too (``doorbell_args``, v1.6), a lone
+    batch-1 recall with a filter is noted for the kernel under its exact args, with the rows the
+    filter keeps (Service.bell_spaces), and from its second time on counts towards its start.
+    Never counted: a filter the sidecar refuses (answered BAD_REQUEST), args longer than
+    ``doorbell_args``, a filter the running kernel serves (a client that does not ring it), or
+    an index that serves namespaces without filters (the negative control, v1.5's rule)."""
+    k, dim = 3, 5
+    lay, mm, svc, _, d, states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
+    rng = np.random.default_rng()
+    n = 23
+    svc.upsert({"namespace": "mem", "ids": [f"m{i}" for i in range(n)], "texts": [f"t{i}" for i in range(n)],
+                "metadatas": [{"user": f"u{i % 3}"} for i in range(n)]},
+               rng.standard_normal((n, dim)).astype(np.float32))  # fmt: skip
+    svc.index.doorbell_k = 16  # type: ignore[misc]  # the index offers a resident kernel (stopped)
+    svc.index.doorbell_spaces = 8  # type: ignore[misc]  # which serves namespaces
+    svc.index.doorbell_args = 128  # type: ignore[misc]  # and filters
+    np.frombuffer(mm, np.float32, dim, lay.slot_offset(0) + lay.payload_offset)[:] = rng.standard_normal(dim)
+    off, seq = lay.slot_offset(0), 0
+
+    def ask(namespace: str, flt: bytes | None) -> tuple[int, int]:
+        nonlocal seq
+        seq += 1
+        args = encode_recall_args(namespace, flt)
+        a = off + lay.payload_offset + align8(4 * dim)
+        mm[a : a + len(args)] = args
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES,
+                                 k, 1, 4 * dim, len(args), 0)  # fmt: skip
+        states[0] = SlotState.REQUEST
+        assert d.poll() == 1
+        d.settle()
+        resp = Response.unpack(mm[off : off + CTL_SIZE])
+        assert resp.seq == seq
+        return resp.status, resp.n_results
+
+    u1 = b'{"user":"u1"}'
+    assert ask("mem", u1) == (Status.OK, k) and d.lone == 0  # noted; not counted the first time
+    assert ask("mem", u1) == (Status.OK, k) and d.lone == 1
+    # the default namespace's 40 rows have no "user": a scope of no rows, noted all the same
+    assert ask("", u1) == (Status.OK, 0) and d.lone == 0
+    dflt, sc = svc.bell_spaces()  # the most recent first
+    assert dflt.args == encode_recall_args("", u1) and dflt.rows is not None and len(dflt.rows) == 0
+    assert sc.args == encode_recall_args("mem", u1) and sc.ns_id == svc.rows.ns_id("mem")
+    assert sc.rows is not None and sorted(svc.rows.ids[r] for r in sc.rows) == sorted(f"m{i}" for i in range(1, n, 3))
+    assert ask("mem", b'{"user":{"$bogus":1}}')[0] == Status.BAD_REQUEST and d.lone == 0
+    assert ask("mem", b'{"user":{"$bogus":1}}')[0] == Status.BAD_REQUEST and d.lone == 0  # never counted
+    long = b'{"user":"' + b"x" * 120 + b'"}'  # args of 140 bytes
+    assert ask("mem", long) == (Status.OK, 0) and ask("mem", long) == (Status.OK, 0) and d.lone == 0
+    assert ask("mem", u1) == (Status.OK, k) and d.lone == 1
+    assert [sc.args for sc in svc.bell_spaces()] == [encode_recall_args("mem", u1), encode_recall_args("", u1)]
+    svc.index.doorbell_running = True  # type: ignore[misc]  # the kernel runs and serves it:
+    svc.index.bell_served_spaces = (encode_recall_args("mem", u1),)  # type: ignore[misc]
+    assert ask("mem", u1) == (Status.OK, k) and d.lone == 0  # a client that does not ring it
+    svc.index.doorbell_running = False  # type: ignore[misc]
+    u2 = b'{"user":"u2"}'
+    svc.index.doorbell_args = 0  # type: ignore[misc]  # namespaces without filters only (v1.5)
+    assert ask("mem", u2) == (Status.OK, k) and ask("mem", u2) == (Status.OK, k) and d.lone == 0
+    svc.index.doorbell_args = 128  # type: ignore[misc]  # (the control's own control: noted now,
+    assert ask("mem", u2) == (Status.OK, k) and ask("mem", u2) == (Status.OK, k) and d.lone == 1  # counted next)

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from kalos_retrievers.sidecar.index import NS_NONE, CpuIndex
+from kalos_retrievers.sidecar.index import NS_NONE, BellScope, CpuIndex
 from kalos_retrievers.sidecar.server import Server
 from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.store import NullStore
 
-from kalos_retrievers.protocol import HEADER_OFFSETS, METRICS
+from kalos_retrievers.protocol import HEADER_OFFSETS, METRICS, decode_recall_args, encode_recall_args
 
 K = HEADER_OFFSETS["doorbell_k"]  # nonzero only while the kernel runs (or is about to)
 
@@ -126,18 +126,27 @@ def test_a_failed_start_is_announced_as_stopped() -> None:
 def test_the_header_says_whether_the_kernel_serves_namespaces() -> None:
     """``doorbell_spaces`` (v1.5): nonzero while the index has a resident kernel that serves
     namespaces, so that clients ring it with a namespace's recalls too; 0 for a kernel of the
-    default namespace only, and once the kernel is given up (doorbell_k 0)."""
+    default namespace only, and once the kernel is given up (doorbell_k 0). ``doorbell_args``
+    (v1.6): the longest args it compares where it serves filters too, 0 otherwise."""
     spaces = HEADER_OFFSETS["doorbell_spaces"]
+    assert HEADER_OFFSETS["doorbell_args"] == spaces + 4
     index = _Index()
     srv, _, mm = server(index)
     srv._publish_doorbell()
-    assert struct.unpack_from("<I", mm, spaces)[0] == 0  # the control: a kernel of the default namespace
-    index.doorbell_spaces = 8  # type: ignore[misc]
+    assert struct.unpack_from("<II", mm, spaces) == (0, 0)  # the control: a kernel of the default namespace
+    index.doorbell_args = 128  # type: ignore[misc]  # (no namespaces served: no filters either)
     srv._publish_doorbell()
-    assert struct.unpack_from("<I", mm, spaces)[0] == 8
+    assert struct.unpack_from("<II", mm, spaces) == (0, 0)
+    index.doorbell_spaces = 8  # type: ignore[misc]
+    index.doorbell_args = 0  # type: ignore[misc]  # namespaces alone (KALOS_BELL_FILTERS=0)
+    srv._publish_doorbell()
+    assert struct.unpack_from("<II", mm, spaces) == (8, 0)
+    index.doorbell_args = 128  # type: ignore[misc]  # and filters (v1.6)
+    srv._publish_doorbell()
+    assert struct.unpack_from("<II", mm, spaces) == (8, 128)
     index.doorbell_k = 0  # type: ignore[misc]  # given up (_doorbell_failed)
     srv._publish_doorbell()
-    assert struct.unpack_from("<I", mm, spaces)[0] == 0
+    assert struct.unpack_from("<II", mm, spaces) == (0, 0)
 
 
 class _SpacesIndex(CpuIndex):
@@ -149,9 +158,12 @@ class _SpacesIndex(CpuIndex):
     def __init__(self, dim: int) -> None:
         super().__init__(dim, METRICS["ip"])
         self.starts: list[tuple[int, int, list[tuple[str, int]]]] = []
+        self.scopes: list[BellScope] = []
 
-    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[tuple[str, int]] = ()) -> None:
-        self.starts.append((high, ns, list(spaces)))
+    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[BellScope] = ()) -> None:
+        """(Recorded with each scope as (name, id), and as given in ``scopes``.)"""
+        self.starts.append((high, ns, [(decode_recall_args(sc.args)[0], sc.ns_id) for sc in spaces]))
+        self.scopes = list(spaces)
 
 
 def test_the_kernel_is_started_with_the_namespaces_recalled_alone_most_recently() -> None:
@@ -185,3 +197,49 @@ def test_the_kernel_is_started_with_the_namespaces_recalled_alone_most_recently(
     svc.delete({"namespace": "a", "ids": [f"a{i}" for i in range(5)]})
     svc.resume_doorbell()
     assert svc.index.starts[-1][2] == [("b", ids["b"])]  # emptied: not named
+
+
+def test_a_filter_is_started_with_the_rows_it_keeps_as_they_are_then() -> None:
+    """A noted filter (Service.note_bell_space with its args) is named to each start with the
+    rows it keeps at that start, the service's kept answer: after a write into its namespace,
+    the next start gets the rows as they are after it (the kernel is stopped before any
+    write). A filter of no condition (``{}``) is its whole namespace; a namespace emptied is
+    named no more, filter or not; and with the default namespace empty, a noted filter whose
+    namespace has rows is reason enough to start the kernel."""
+    dim = 3
+    svc = Service(_SpacesIndex(dim), NullStore(), dim=dim, metric=METRICS["ip"])
+    rng = np.random.default_rng()
+
+    def add(ids: list[str], users: list[str]) -> None:
+        vectors = rng.standard_normal((len(ids), dim)).astype(np.float32)
+        svc.upsert({"namespace": "mem", "ids": ids, "texts": [""] * len(ids),
+                    "metadatas": [{"user": u} for u in users]}, vectors)  # fmt: skip
+
+    add([f"m{i}" for i in range(11)], [f"u{i % 3}" for i in range(11)])
+    key = encode_recall_args("mem", b'{"user":"u1"}')
+    assert not svc.doorbell_useful()
+    assert not svc.note_bell_space("mem", {"user": "u1"}, key)
+    assert svc.note_bell_space("mem", {"user": "u1"}, key)  # noted already
+    assert svc.doorbell_useful()
+
+    def served() -> list[str]:
+        (sc,) = svc.index.scopes
+        assert sc.args == key and sc.ns_id == svc.rows.ns_id("mem") and sc.rows is not None
+        return sorted(svc.rows.ids[r] for r in sc.rows)
+
+    svc.resume_doorbell()
+    assert served() == ["m1", "m10", "m4", "m7"]
+    add(["m4", "m20"], ["u2", "u1"])  # m4 leaves the filter, m20 joins it
+    svc.resume_doorbell()
+    assert served() == ["m1", "m10", "m20", "m7"]
+    svc.delete({"namespace": "mem", "ids": ["m1"]})
+    svc.resume_doorbell()
+    assert served() == ["m10", "m20", "m7"]
+    everything = encode_recall_args("mem", b"{}")
+    svc.note_bell_space("mem", {}, everything)
+    svc.resume_doorbell()
+    assert svc.index.scopes[0] == BellScope(everything, svc.rows.ns_id("mem"))  # the most recent first
+    svc.delete({"namespace": "mem", "all": True})
+    assert not svc.doorbell_useful()
+    svc.resume_doorbell()
+    assert svc.index.scopes == []

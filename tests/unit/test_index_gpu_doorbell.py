@@ -10,15 +10,17 @@ on the GPU only: session 48.)"""
 from __future__ import annotations
 
 import mmap
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 from kalos_retrievers.sidecar import index_gpu
+from kalos_retrievers.sidecar.index import BellScope
 from kalos_retrievers.sidecar.index_gpu import GpuIndex, SmLimits, bell_spaces_table
 from kernel_fakes import DevArray, FakeKernel
 
-from kalos_retrievers.protocol import Layout
+from kalos_retrievers.protocol import Layout, encode_recall_args
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,8 +63,10 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
     u8 = np.uint8
     bell_mm = mmap.mmap(-1, 4096)
     idx.__dict__.update(
-        cp=None, dim=16, ld=16, metric=0, name="cuda:0", ctype="__half", tpr=2, device=_Null(), bstream=_Null(),
+        cp=SimpleNamespace(asarray=_dev), dim=16, ld=16, metric=0, name="cuda:0", ctype="__half", tpr=2,
+        device=_Null(), bstream=_Null(),
         stream=_Null(), doorbell_running=False, doorbell_k=64, doorbell_spaces=index_gpu.BELL_SPACES_MAX,
+        doorbell_args=index_gpu.BELL_ARGS_MAX, _bell_masks={}, bell_mask_uploads=0,
         bell_served_spaces=(), doorbell_launches=0, doorbell_mode=index_gpu.DOORBELL_MODE, seg_addr=1 << 40,
         _closed=False, _bell_layout=Layout(n_slots=3, dim=16), _arena_table=(1 << 41, 0, 0, 7), exact=None,
         _exact_reg=0, rescore_factor=1, _bell_mm=bell_mm, _bell_addr=np.frombuffer(bell_mm, u8).ctypes.data,
@@ -85,17 +89,72 @@ def host_line(idx: Any) -> tuple:
     return index_gpu._BELL_CTL.unpack_from(bytes(idx.bell_cfg.view(np.ndarray)))
 
 
+def _ns(name: str, ns_id: int) -> BellScope:
+    return BellScope(encode_recall_args(name, None), ns_id)
+
+
 def test_a_start_names_the_namespaces_it_serves_in_the_kernels_table(index: Any) -> None:
     idx, log = index
-    spaces = [("notes", 5), ("ünï-名前", 9), ("x" * 59, 11)]  # the last one's args are too long
+    spaces = [_ns("notes", 5), _ns("ünï-名前", 9), _ns("x" * 123, 11)]  # the last one's args are too long
     idx.resume_doorbell(21, 3, spaces)
     assert idx.doorbell_running and idx.doorbell_launches == 1 and len(log) == 1
     line = host_line(idx)
     assert line[1:3] == (21, 3)  # n_rows, the default namespace's id
     assert line[-2:] == (2, idx.bell_spaces.data.ptr)  # n_spaces, where the table is
-    table, names = bell_spaces_table(spaces)
-    assert names == idx.bell_served_spaces == ("notes", "ünï-名前")
+    table, keys = bell_spaces_table([(sc.args, sc.ns_id, 0) for sc in spaces])
+    assert keys == idx.bell_served_spaces == (spaces[0].args, spaces[1].args)
     assert bytes(idx.bell_spaces.view(np.ndarray)) == table  # copied to the device before the launch
+
+
+def _masks(idx: Any) -> dict[bytes, tuple[int, np.ndarray]]:
+    """Each served scope's mask address in the kernel's table, and the mask there."""
+    n = index_gpu.BELL_SPACES_MAX
+    raw = bytes(idx.bell_spaces.view(np.ndarray))
+    addrs = index_gpu.struct.unpack_from(f"<{n}Q", raw, 8 * n)
+    out = {}
+    for key, addr in zip(idx.bell_served_spaces, addrs, strict=False):
+        kept = idx._bell_masks.get(key)
+        out[key] = (addr, None if kept is None else kept[2].view(np.ndarray))
+    return out
+
+
+def test_a_filter_is_served_through_a_mask_of_the_rows_it_keeps(index: Any) -> None:
+    """A filter's scope gets a device mask (1 for each row it keeps, below the high-water mark)
+    whose address is its table entry's; a namespace alone gets none. The mask is kept while the
+    filter's rows are the same read-only array and the rows' high-water mark the same, and made
+    again otherwise; one no longer served is freed. Without ``doorbell_args`` (KALOS_BELL_FILTERS=0,
+    the control) a filter is left out and a namespace still served."""
+    idx, log = index
+    rows = np.array([0, 4, 7, 20], np.int64)
+    rows.flags.writeable = False  # (the service's kept answer)
+    flt = BellScope(encode_recall_args("mem", b'{"user":"u1"}'), 6, rows)
+    ns = _ns("notes", 5)
+    idx.resume_doorbell(21, 3, [flt, ns])
+    m = _masks(idx)
+    addr, mask = m[flt.args]
+    assert addr == idx._bell_masks[flt.args][2].data.ptr != 0 and m[ns.args][0] == 0
+    assert mask.shape == (21,) and np.flatnonzero(mask).tolist() == [0, 4, 7, 20]
+    assert idx.bell_mask_uploads == 1
+    idx.doorbell_running = False
+    idx.resume_doorbell(21, 3, [flt, ns])
+    assert idx.bell_mask_uploads == 1 and _masks(idx)[flt.args][0] == addr  # the same rows: kept
+    idx.doorbell_running = False
+    idx.resume_doorbell(22, 3, [flt])
+    assert idx.bell_mask_uploads == 2 and _masks(idx)[flt.args][1].shape == (22,)  # the rows grew: made again
+    fresh = np.array([4], np.int64)  # (a writable array: the service keeps none, so no mask is kept for it)
+    idx.doorbell_running = False
+    idx.resume_doorbell(22, 3, [flt._replace(rows=fresh)])
+    assert idx.bell_mask_uploads == 3 and np.flatnonzero(_masks(idx)[flt.args][1]).tolist() == [4]
+    idx.doorbell_running = False
+    idx.resume_doorbell(22, 3, [flt._replace(rows=fresh)])
+    assert idx.bell_mask_uploads == 4
+    idx.doorbell_running = False
+    idx.resume_doorbell(22, 3, [ns])
+    assert idx._bell_masks == {} and idx.bell_served_spaces == (ns.args,)  # no longer served: freed
+    idx.doorbell_running = False
+    idx.doorbell_args = 0
+    idx.resume_doorbell(21, 3, [flt, ns])
+    assert idx.bell_served_spaces == (ns.args,) and idx.bell_mask_uploads == 4 and len(log) == 7
 
 
 def test_no_namespaces_leaves_the_table_unread(index: Any) -> None:
@@ -106,13 +165,13 @@ def test_no_namespaces_leaves_the_table_unread(index: Any) -> None:
     assert host_line(idx)[-2:] == (0, 0) and idx.bell_served_spaces == ()
     idx.doorbell_running = False
     idx.doorbell_spaces = 0
-    idx.resume_doorbell(21, 3, [("notes", 5)])
+    idx.resume_doorbell(21, 3, [_ns("notes", 5)])
     assert host_line(idx)[-2:] == (0, 0) and idx.bell_served_spaces == () and len(log) == 2
     assert not idx.bell_spaces.view(np.ndarray).any()
 
 
 def test_a_running_kernel_is_not_started_again(index: Any) -> None:
     idx, log = index
-    idx.resume_doorbell(21, 3, [("notes", 5)])
-    idx.resume_doorbell(21, 3, [("other", 6)])
-    assert len(log) == 1 and idx.bell_served_spaces == ("notes",)
+    idx.resume_doorbell(21, 3, [_ns("notes", 5)])
+    idx.resume_doorbell(21, 3, [_ns("other", 6)])
+    assert len(log) == 1 and idx.bell_served_spaces == (_ns("notes", 5).args,)

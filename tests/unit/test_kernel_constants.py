@@ -16,6 +16,7 @@ from kalos_retrievers.sidecar import cuda_kernels, index, index_gpu
 from kalos_retrievers.protocol import (
     CTL_OFFSETS,
     DOORBELL_ARGS_MAX,
+    DOORBELL_SCOPE_ARGS_MAX,
     Flag,
     Metric,
     Op,
@@ -270,36 +271,45 @@ def test_int8_refuses_a_max_k_its_rescoring_cannot_answer(monkeypatch: pytest.Mo
     assert server.make_index(f16) == "index"  # float16 answers any k the layout allows
 
 
-def test_the_namespace_table_matches_struct_bellspaces() -> None:
+def test_the_scope_table_matches_struct_bellspaces() -> None:
     """The host's table (index_gpu.bell_spaces_table) is laid out as ``struct BellSpaces``:
-    ids, then the images' lengths, then the images of DOORBELL_ARGS_MAX bytes each."""
+    ids, then the images' lengths, then the filter masks' addresses, then the images of
+    DOORBELL_SCOPE_ARGS_MAX bytes each (v1.6; v1.5's rule, DOORBELL_ARGS_MAX, is shorter)."""
     d = defines()
     assert d["BELL_SPACES_MAX"] == index_gpu.BELL_SPACES_MAX
-    assert 4 * d["BELL_ARGS_WORDS"] == index_gpu.BELL_ARGS_MAX == DOORBELL_ARGS_MAX
+    assert 4 * d["BELL_ARGS_WORDS"] == index_gpu.BELL_ARGS_MAX == DOORBELL_SCOPE_ARGS_MAX > DOORBELL_ARGS_MAX
+    assert d["BELL_ARGS_WORDS"] == 32  # one word per lane of the warp that reads them
     assert d["BELL_IMAGE_WORDS"] == d["BELL_SPACES_MAX"] * d["BELL_ARGS_WORDS"]
+    m = d["BELL_SPACES_MAX"]
     fields = struct_fields("BellSpaces")
-    assert [(n, off) for n, off, _ in fields] == [("id", 0), ("len", 4 * d["BELL_SPACES_MAX"]),
-                                                  ("image", 8 * d["BELL_SPACES_MAX"])]  # fmt: skip
+    assert [(n, off) for n, off, _ in fields] == [("id", 0), ("len", 4 * m), ("mask", 8 * m), ("image", 16 * m)]
     assert fields[-1][1] + fields[-1][2] == index_gpu._BELL_SPACES.size
 
 
-def test_the_namespace_table_holds_each_namespaces_exact_args() -> None:
-    """Each entry is the args a client writes for that namespace without a filter, zero-padded:
-    the kernel compares a request's args with it byte for byte. The default namespace, a name
-    whose args pass 64 bytes, a negative id and a repeated name are left out, and at most
-    BELL_SPACES_MAX are kept, in the order given."""
+def test_the_scope_table_holds_each_scopes_exact_args_and_mask() -> None:
+    """Each entry is the args a client writes for that scope (a namespace, a filter or both),
+    zero-padded, and its filter mask's address: the kernel compares a request's args with it
+    byte for byte. Empty args (the default namespace's), args past 128 bytes, a negative id and
+    repeated args are left out, and at most BELL_SPACES_MAX are kept, in the order given."""
     n, w = index_gpu.BELL_SPACES_MAX, index_gpu.BELL_ARGS_MAX
-    fits = "é" * 29  # 58 bytes of UTF-8: args of 64
-    spaces = [("notes", 7), ("", 0), ("x" * 59, 3), ("neg", -1), (fits, 9), ("notes", 8)]
-    spaces += [(f"s{i}", 10 + i) for i in range(n)]
-    table, names = index_gpu.bell_spaces_table(spaces)
-    assert names == ("notes", fits, *[f"s{i}" for i in range(n - 2)])
+    fits = encode_recall_args("é" * 61, None)  # 122 bytes of UTF-8: args of 128
+    flt = encode_recall_args("mem", b'{"user_id":"u-17"}')
+    spaces = [(encode_recall_args("notes", None), 7, 0), (b"", 0, 0), (encode_recall_args("x" * 123, None), 3, 0),
+              (encode_recall_args("neg", None), -1, 0), (fits, 9, 0), (flt, 4, 0xABC000),
+              (encode_recall_args("notes", None), 8, 0)]  # fmt: skip
+    spaces += [(encode_recall_args(f"s{i}", None), 10 + i, 0) for i in range(n)]
+    table, keys = index_gpu.bell_spaces_table(spaces)
+    rest = [encode_recall_args(f"s{i}", None) for i in range(n - 3)]
+    assert keys == (encode_recall_args("notes", None), fits, flt, *rest)
     ids = struct.unpack_from(f"<{n}i", table, 0)
     lens = struct.unpack_from(f"<{n}i", table, 4 * n)
-    assert ids == (7, 9, *range(10, 10 + n - 2))
-    for e, name in enumerate(names):
-        args = encode_recall_args(name, None)
+    masks = struct.unpack_from(f"<{n}Q", table, 8 * n)
+    assert ids == (7, 9, 4, *range(10, 10 + n - 3))
+    assert masks == (0, 0, 0xABC000, *[0] * (n - 3))
+    for e, args in enumerate(keys):
         assert lens[e] == len(args) <= w
-        assert table[8 * n + w * e : 8 * n + w * (e + 1)] == args.ljust(w, b"\0")
-    assert len(encode_recall_args(fits, None)) == w
+        assert table[16 * n + w * e : 16 * n + w * (e + 1)] == args.ljust(w, b"\0")
+    assert len(fits) == w
     assert index_gpu.bell_spaces_table([]) == (bytes(index_gpu._BELL_SPACES.size), ())
+    names, filters = index_gpu.scope_names(keys[:3])
+    assert names == ["notes", "é" * 61] and filters == [{"namespace": "mem", "filter": {"user_id": "u-17"}}]

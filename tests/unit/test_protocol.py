@@ -551,3 +551,23 @@ def test_ringable_args_are_a_namespace_alone_within_64_bytes() -> None:
     assert not ringable("notes", b'{"u":1}') and not ringable("", b'{"u":1}')
     assert not ringable("")  # the default namespace's recall carries no args at all
     assert not P.ringable_args(6, 0) and not P.ringable_args(0, 0)
+
+
+def test_ringable_args_with_doorbell_args_are_any_args_within_it() -> None:
+    """Where the header's ``doorbell_args`` is nonzero (v1.6), any args up to that many bytes
+    may be rung: a namespace, a filter, or both; longer ones, and none at all, may not. With
+    ``doorbell_args`` 0 (the control) the v1.5 rule holds for the same args."""
+
+    def ringable(namespace: str, flt: bytes | None, args_max: int) -> bool:
+        args = P.encode_recall_args(namespace, flt)
+        return P.ringable_args(len(args), int.from_bytes(args[:2], "little"), args_max)
+
+    m = P.DOORBELL_SCOPE_ARGS_MAX
+    assert m == 128
+    flt = b'{"user_id":"u-1234"}'
+    assert ringable("memories", flt, m) and ringable("", flt, m) and ringable("notes", None, m)
+    assert not ringable("memories", flt, 0) and not ringable("", flt, 0) and ringable("notes", None, 0)
+    assert ringable("x" * 122, None, m) and not ringable("x" * 123, None, m)  # 128 and 129 bytes
+    assert ringable("", b'"' + b"x" * 120 + b'"', m) and not ringable("", b'"' + b"x" * 121 + b'"', m)
+    assert ringable("x" * 58, None, 64) and not ringable("x" * 59, None, 64)
+    assert not ringable("", None, m) and not P.ringable_args(6, 0, m)

@@ -1,0 +1,232 @@
+"""The resident kernel serves filters (session 49; protocol v1.6).
+
+A lone batch-1 recall with a filter is rung to the kernel where the header's ``doorbell_args``
+says it compares args that long; the kernel answers it over the rows the filter keeps (a mask
+the sidecar builds at each start) when it serves that exact filter, and hands it back to the
+sidecar otherwise, which notes it so that the kernel serves it from its next start. Each test
+starts a real GPU sidecar and reads how many recalls the kernel answered (``doorbell_served``)
+and which filters it serves (``doorbell_filters``) from its stats: a result must be right *and*
+come from the path the test means. The controls: a filter of the same length that differs in
+one byte (handed back, and answered with its own rows), documents inline (never rung), and a
+sidecar with ``KALOS_BELL_FILTERS=0``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kalos_testing import as_float16_stored, assert_topk_equal, poison, recall_at_k, reference_topk
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
+
+SPACES = {"": 2003, "mem": 6007}  # rows per namespace
+USERS = 5  # metadata {"i": i, "user": f"u{i % USERS}"}
+
+
+@pytest.fixture(autouse=True)
+def _doorbell_on(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KALOS_DOORBELL", "1")
+
+
+def index_stats(c) -> dict:  # type: ignore[no-untyped-def]
+    return c.stats()["index"]
+
+
+def served(c) -> int:  # type: ignore[no-untyped-def]
+    return int(index_stats(c)["doorbell_served"])
+
+
+def serving(c, q, namespace: str, flt: dict) -> None:  # type: ignore[no-untyped-def]
+    """Lone recalls with ``flt`` in ``namespace`` until the kernel runs and serves it."""
+    want = {"namespace": namespace, "filter": flt}
+    for _ in range(30):
+        idx = index_stats(c)
+        if idx["doorbell_running"] and want in idx["doorbell_filters"]:
+            return
+        c.recall(q, 1, namespace=namespace, filter=flt)
+    raise AssertionError(f"the kernel does not serve {want}: {index_stats(c)}")
+
+
+def load(c, rng, dim: int) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
+    """SPACES' rows in chunks that alternate between the namespaces, texts ``"<ns> text <i>"``;
+    each namespace's vectors by row."""
+    data = {ns: rng.standard_normal((n, dim)).astype(np.float32) for ns, n in SPACES.items()}
+    at = dict.fromkeys(SPACES, 0)
+    while any(at[ns] < n for ns, n in SPACES.items()):
+        for ns, n in SPACES.items():
+            lo, hi = at[ns], min(at[ns] + 701, n)
+            if lo < hi:
+                c.upsert([f"{ns}#{i}" for i in range(lo, hi)], data[ns][lo:hi],
+                         texts=[f"{ns} text {i}" for i in range(lo, hi)],
+                         metadatas=[{"i": i, "user": f"u{i % USERS}"} for i in range(lo, hi)],
+                         namespace=ns)  # fmt: skip
+                at[ns] = hi
+    return data
+
+
+def check(r, ns: str, data: np.ndarray, keep: np.ndarray, q: np.ndarray, k: int, dtype: str) -> None:  # type: ignore[no-untyped-def]
+    """``r`` is the exact top-k of namespace ``ns`` (``data``: its rows) among the rows
+    ``keep`` (bool per row), with their texts; float16 rows scored as stored, within 2e-3."""
+    if dtype == "float32":
+        ref_i, ref_s = reference_topk(data, q[None], k, eligible=keep)
+        atol = 1e-4
+    else:
+        qn = q.astype(np.float64) / np.linalg.norm(q.astype(np.float64))
+        ref_i, ref_s = reference_topk(as_float16_stored(data, "cosine"), qn[None], k, "ip", eligible=keep)
+        atol = 2e-3
+    want = [f"{ns}#{i}" for i in ref_i[0]]
+    assert_topk_equal(r.ids, r.scores, want, ref_s[0], atol=atol, context=f"{ns!r} k={k}")
+    assert r.namespace == ns
+    assert all(hit.text == f"{ns} text {hit.id.split('#')[1]}" for hit in r)
+
+
+def user(n: int, u: int) -> np.ndarray:
+    return np.arange(n) % USERS == u
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_filters_recalls_are_answered_by_the_kernel_exactly(start_sidecar, dtype) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng()
+    dim = 97
+    sc = start_sidecar(dim=dim, device="cuda", dtype=dtype)
+    c, plain = sc.client(), sc.client(arena_docs=False)
+    assert c._conn.doorbell_args() == 128  # type: ignore[union-attr]  # the header says it serves filters
+    data = load(c, rng, dim)
+    n = SPACES["mem"]
+    u1 = {"user": "u1"}
+    serving(c, data["mem"][0], "mem", u1)
+    before = served(c)
+    calls = 0
+    for k in (1, 10, 33, 100):
+        for _ in range(3):
+            q = rng.standard_normal(dim).astype(np.float32)
+            poison(sc.name)
+            check(c.recall(q, k, namespace="mem", filter=u1), "mem", data["mem"], user(n, 1), q, k, dtype)
+            calls += 1
+    assert served(c) - before == calls  # every one answered by the kernel
+    # a filter of the same length differing in one byte: not what it serves. Handed back and
+    # answered by the sidecar over its own rows (a kernel that took u1's mask for it would
+    # return u1's rows)
+    q = rng.standard_normal(dim).astype(np.float32)
+    before = served(c)
+    poison(sc.name)
+    check(c.recall(q, 10, namespace="mem", filter={"user": "u2"}), "mem", data["mem"], user(n, 2), q, 10, dtype)
+    assert served(c) == before
+    # a filter that keeps fewer rows than k, one that keeps none, and one in the default
+    # namespace, served beside u1 once noted
+    few = {"i": {"$lt": 3}}
+    none = {"user": "nobody"}
+    mine = {"user": "u3"}
+    for ns, flt in (("mem", few), ("mem", none), ("", mine)):
+        serving(c, q, ns, flt)
+    assert {"namespace": "mem", "filter": u1} in index_stats(c)["doorbell_filters"]
+    before = served(c)
+    for _ in range(2):
+        q = rng.standard_normal(dim).astype(np.float32)
+        poison(sc.name)
+        r = c.recall(q, 10, namespace="mem", filter=few)
+        assert sorted(r.ids) == ["mem#0", "mem#1", "mem#2"]
+        check(r, "mem", data["mem"], np.arange(n) < 3, q, 10, dtype)
+        assert len(c.recall(q, 10, namespace="mem", filter=none)) == 0
+        check(c.recall(q, 10, filter=mine), "", data[""], user(SPACES[""], 3), q, 10, dtype)
+        check(c.recall(q, 10, namespace="mem", filter=u1), "mem", data["mem"], user(n, 1), q, 10, dtype)
+    assert served(c) - before == 8
+    # the controls: documents inline are never rung; the sidecar's answer is the same
+    before = served(c)
+    check(plain.recall(q, 10, namespace="mem", filter=u1), "mem", data["mem"], user(n, 1), q, 10, dtype)
+    assert served(c) == before
+    c.close()
+    plain.close()
+
+
+def test_a_write_is_seen_by_the_filters_the_kernel_serves(start_sidecar) -> None:  # type: ignore[no-untyped-def]
+    """The kernel is stopped for every write and each served filter's mask is made from the
+    rows as they are at its next start: a row written into the filter is found at once, one
+    whose metadata moves it out of the filter is gone at once, and a deleted one too."""
+    rng = np.random.default_rng()
+    dim = 33
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    data = load(c, rng, dim)
+    u1 = {"user": "u1"}
+    serving(c, data["mem"][0], "mem", u1)
+    q = rng.standard_normal(dim).astype(np.float32)
+    c.upsert(["mem#new"], (5 * q)[None], texts=["mem text new"], metadatas=[{"user": "u1"}], namespace="mem")
+    serving(c, q, "mem", u1)
+    before = served(c)
+    assert c.recall(q, 3, namespace="mem", filter=u1).ids[0] == "mem#new" and served(c) == before + 1
+    c.upsert(["mem#new"], (5 * q)[None], texts=["mem text new"], metadatas=[{"user": "u2"}], namespace="mem")
+    serving(c, q, "mem", u1)
+    before = served(c)
+    r = c.recall(q, 10, namespace="mem", filter=u1)
+    assert "mem#new" not in r.ids and served(c) == before + 1
+    keep = user(SPACES["mem"], 1)
+    ref_i, ref_s = reference_topk(data["mem"], q[None], 10, eligible=keep)
+    assert_topk_equal(r.ids, r.scores, [f"mem#{i}" for i in ref_i[0]], ref_s[0])
+    gone = [f"mem#{i}" for i in ref_i[0][:4]]
+    c.delete(gone, namespace="mem")
+    serving(c, q, "mem", u1)
+    before = served(c)
+    r = c.recall(q, 10, namespace="mem", filter=u1)
+    assert served(c) == before + 1 and not set(gone) & set(r.ids)
+    keep[ref_i[0][:4]] = False
+    ref_i, ref_s = reference_topk(data["mem"], q[None], 10, eligible=keep)
+    assert_topk_equal(r.ids, r.scores, [f"mem#{i}" for i in ref_i[0]], ref_s[0])
+    c.close()
+
+
+def test_int8_a_filters_recalls_are_rescored_by_the_kernel(start_sidecar) -> None:  # type: ignore[no-untyped-def]
+    """int8 storage: the kernel's scan with a filter's mask finds candidates among the rows it
+    keeps only, and re-scores them: every hit passes the filter, its answers are the sidecar's
+    own (documents inline, never rung), and recall@10 >= 0.99 against exact search."""
+    rng = np.random.default_rng()
+    dim = 96
+    sc = start_sidecar(dim=dim, device="cuda", dtype="int8")
+    c, inline = sc.client(), sc.client(arena_docs=False)
+    data = load(c, rng, dim)
+    keep = user(SPACES["mem"], 4)
+    u4 = {"user": "u4"}
+    serving(c, data["mem"][0], "mem", u4)
+    got, ref = [], []
+    before = served(c)
+    for _ in range(20):
+        q = rng.standard_normal(dim).astype(np.float32)
+        poison(sc.name)
+        r = c.recall(q, 10, namespace="mem", filter=u4)
+        assert all(keep[int(i.split("#")[1])] for i in r.ids) and len(r) == 10
+        own = inline.recall(q, 10, namespace="mem", filter=u4)
+        assert_topk_equal(r.ids, r.scores, own.ids, own.scores)
+        ref_i, _ = reference_topk(data["mem"], q[None], 10, eligible=keep)
+        got.append(r.ids)
+        ref.append([f"mem#{i}" for i in ref_i[0]])
+    assert served(c) - before == 20
+    assert recall_at_k(got, ref) >= 0.99
+    inline.close()
+    c.close()
+
+
+def test_without_filters_the_kernel_serves_namespaces_only(start_sidecar, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The negative control: ``KALOS_BELL_FILTERS=0`` leaves ``doorbell_args`` 0, clients send
+    a filter's recalls to the sidecar, and the kernel never answers one (it still serves a
+    namespace without a filter)."""
+    monkeypatch.setenv("KALOS_BELL_FILTERS", "0")
+    rng = np.random.default_rng()
+    dim = 33
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    assert c._conn.doorbell_args() == 0 and c._conn.doorbell_spaces() > 0  # type: ignore[union-attr]
+    data = load(c, rng, dim)
+    for _ in range(20):
+        c.recall(data["mem"][0], 1, namespace="mem", filter={"user": "u1"})
+        c.recall(data["mem"][0], 1, namespace="mem")
+    idx = index_stats(c)
+    assert idx["doorbell_running"] and idx["doorbell_filters"] == [] and "mem" in idx["doorbell_spaces"]
+    before = served(c)
+    for _ in range(10):
+        q = rng.standard_normal(dim).astype(np.float32)
+        check(c.recall(q, 10, namespace="mem", filter={"user": "u1"}), "mem", data["mem"], user(SPACES["mem"], 1),
+              q, 10, "float32")  # fmt: skip
+    assert served(c) == before
+    check(c.recall(q, 10, namespace="mem"), "mem", data["mem"], np.ones(SPACES["mem"], bool), q, 10, "float32")
+    assert served(c) == before + 1
+    c.close()
