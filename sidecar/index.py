@@ -58,11 +58,13 @@ class BellScope(NamedTuple):
     writes for its recalls (:func:`~kalos_retrievers.protocol.encode_recall_args` of a
     namespace and an optional filter, exactly as clients send them: the kernel compares them
     byte for byte), the namespace's id, and for a filter the rows it keeps (ascending, below
-    the rows' high-water mark; None: no filter, the whole namespace)."""
+    the rows' high-water mark; None: no filter, the whole namespace) as they were after the row
+    table's ``seq``-th change (-1: not said)."""
 
     args: bytes
     ns_id: int
     rows: np.ndarray | None = None
+    seq: int = -1
 
 
 class Index(abc.ABC):
@@ -214,10 +216,14 @@ class Index(abc.ABC):
     def pause_doorbell(self) -> None:  # noqa: B027 - optional hook
         """Stop the resident kernel before the host works on the device or the rows."""
 
-    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[BellScope] = ()) -> None:  # noqa: B027
+    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[BellScope] = (),  # noqa: B027
+                        touched_since: Callable[[int], np.ndarray | None] | None = None) -> None:  # fmt: skip
         """Start the resident kernel again over rows [0, high) of namespace id ``ns`` (the
         default namespace's), serving also the scopes ``spaces`` (at most
-        :attr:`doorbell_spaces` of them)."""
+        :attr:`doorbell_spaces` of them). ``touched_since(seq)``: the rows the changes since the
+        row table's ``seq``-th touched, or None when it cannot say
+        (:meth:`~sidecar.rows.RowTable.touched_since`), by which a filter's rows kept from an
+        earlier start may be brought up to date instead of sent again."""
 
     def doorbell_served(self) -> int:
         """Recalls the resident kernel has answered, all launches together."""

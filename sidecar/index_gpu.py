@@ -151,6 +151,7 @@ BELL_SPACES: Final = os.environ.get("KALOS_BELL_SPACES", "1") == "1"
 BELL_FILTERS: Final = BELL_SPACES and os.environ.get("KALOS_BELL_FILTERS", "1") == "1"
 BELL_SPACES_MAX: Final = 8
 BELL_ARGS_MAX: Final = DOORBELL_SCOPE_ARGS_MAX  # BELL_ARGS_WORDS x 4: the longest args the kernel compares
+BELL_MASK_FOLLOW: Final = 4096  # touched rows a filter's mask follows one by one at least (_bell_mask)
 _BELL_SPACES: Final = struct.Struct(
     f"<{BELL_SPACES_MAX}i{BELL_SPACES_MAX}i{BELL_SPACES_MAX}Q{BELL_SPACES_MAX * BELL_ARGS_MAX}s")
 _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
@@ -645,9 +646,11 @@ class GpuIndex(Index):
         self.doorbell_args = BELL_ARGS_MAX if BELL_FILTERS else 0
         self.bell_served_spaces: tuple[bytes, ...] = ()  # the scopes' args the kernel serves (or last served)
         # the filters' device masks (uint8 per row) the kernel reads, by args: (the rows kept,
-        # the high-water mark, the mask); rebuilt at each start for the scopes it serves then
-        self._bell_masks: dict[bytes, tuple[np.ndarray, int, Any]] = {}
-        self.bell_mask_uploads = 0
+        # the high-water mark, the mask, the row table's change they are as of); brought up
+        # to date at each start for the scopes it serves then (_bell_mask)
+        self._bell_masks: dict[bytes, tuple[np.ndarray, int, Any, int]] = {}
+        self.bell_mask_uploads = 0  # masks made whole
+        self.bell_mask_follows = 0  # masks brought up to date by the rows changes touched
         self.bstream = cp.cuda.Stream(non_blocking=True)
         self.doorbell_k = 0  # > 0 once enabled: the largest k the resident kernel answers
         self.doorbell_running = False
@@ -957,17 +960,20 @@ class GpuIndex(Index):
             self._direct.publish(3)  # (E + 3: from here on the rows may change)
         car.data = car.ns = car.sqnorm = None  # (the rows' arrays not kept alive: a growth frees the old ones)
 
-    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[BellScope] = ()) -> None:
+    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[BellScope] = (),
+                        touched_since: Callable[[int], np.ndarray | None] | None = None) -> None:  # fmt: skip
         """(Re)start the resident kernel over rows [0, ``high``) of namespace id ``ns`` (NS_ANY:
         all of them; NS_NONE: the default namespace is empty), serving the recalls of the
         scopes ``spaces`` too (:func:`bell_spaces_table`; none while ``doorbell_spaces`` is 0,
         no filter while ``doorbell_args`` is 0): a filter's through a device mask of the rows it
-        keeps (:meth:`_bell_mask`)."""
+        keeps (:meth:`_bell_mask`, which ``touched_since`` lets bring an earlier start's mask up
+        to date)."""
         if self.doorbell_running or not self.doorbell_k or not self.seg_addr or self._closed:
             return
         self.stop_carousel()  # (both hold every SM)
         self._finish_all()
-        spaces_table, names = bell_spaces_table(self._bell_entries(spaces, high) if self.doorbell_spaces else ())
+        entries = self._bell_entries(spaces, high, touched_since) if self.doorbell_spaces else []
+        spaces_table, names = bell_spaces_table(entries)
         lay = self._bell_layout
         table, _, arena_rows, arena_version = self._arena_table
         entries, mode = table + ARENA_HEADER_SIZE, self.doorbell_mode & ~BELL_ARENA_DEVICE
@@ -1039,20 +1045,23 @@ class GpuIndex(Index):
             raise
         self.doorbell_launches += 1
 
-    def _bell_entries(self, spaces: Sequence[BellScope], high: int) -> list[tuple[bytes, int, int]]:
-        """:func:`bell_spaces_table`'s triples for ``spaces``: a filter's mask uploaded where
-        :meth:`_bell_mask` has none for its rows (a filter left out while ``doorbell_args`` is
-        0, or where its mask could not be made). Masks of scopes no longer served are freed."""
+    def _bell_entries(self, spaces: Sequence[BellScope], high: int,
+                      touched_since: Callable[[int], np.ndarray | None] | None = None,
+                      ) -> list[tuple[bytes, int, int]]:  # fmt: skip
+        """:func:`bell_spaces_table`'s triples for ``spaces``, each filter's with its mask
+        (:meth:`_bell_mask`; a filter left out while ``doorbell_args`` is 0, or where its mask
+        could not be made). Masks of scopes no longer served are freed. (The kernel is stopped:
+        nothing reads the masks meanwhile.)"""
         out: list[tuple[bytes, int, int]] = []
-        masks: dict[bytes, tuple[np.ndarray, int, Any]] = {}
-        for sc in spaces[: BELL_SPACES_MAX]:
+        masks: dict[bytes, tuple[np.ndarray, int, Any, int]] = {}
+        for sc in spaces[:BELL_SPACES_MAX]:
             if sc.rows is None:
                 out.append((sc.args, sc.ns_id, 0))
                 continue
             if not self.doorbell_args or len(sc.args) > self.doorbell_args:
                 continue
             try:
-                masks[sc.args] = kept = self._bell_mask(sc.args, sc.rows, high)
+                masks[sc.args] = kept = self._bell_mask(sc, high, touched_since)
             except FatalDeviceError:
                 raise
             except Exception:  # (no room for it: that filter goes to the sidecar, as before)
@@ -1063,21 +1072,54 @@ class GpuIndex(Index):
         self._bell_masks = masks
         return out
 
-    def _bell_mask(self, key: bytes, rows: np.ndarray, high: int) -> tuple[np.ndarray, int, Any]:
-        """The device mask (uint8 per row below ``high``, 1 where the filter keeps the row) of
-        the filter whose args are ``key`` and whose rows are ``rows``: the one kept from the
-        kernel's last start while it is for the same array (the service's kept answer, which
-        nobody changes: read-only) and ``high``, else a new one, uploaded on the kernel's
-        stream (its launch follows it there). ~0.1 MB at 100k rows."""
-        kept = self._bell_masks.get(key)
-        if kept is not None and kept[0] is rows and kept[1] == high and not rows.flags.writeable:
-            return kept
+    def _bell_mask(self, sc: BellScope, high: int, touched_since: Callable[[int], np.ndarray | None] | None,
+                   ) -> tuple[np.ndarray, int, Any, int]:  # fmt: skip
+        """The device mask (uint8 per row, at least ``high`` of them; 1 where the filter keeps
+        the row) of the filter ``sc``: the one kept from the kernel's last start while it is
+        for the same rows array (the service's kept answer, which nobody changes: read-only)
+        and ``high``; else that one brought up to date where ``touched_since`` names the rows
+        the changes since it touched, at most :data:`BELL_MASK_FOLLOW` or a 16th of ``high``
+        (each set to whether ``sc.rows`` holds it: rows no change touched kept their namespace
+        and metadata, so the filter keeps or drops them as before; a few bytes written where a
+        whole mask is ~1 MB at 1M rows, made on the host in ~0.36 ms on the development VM);
+        else a new one. Written on the kernel's stream, which its launch follows."""
+        assert sc.rows is not None
+        rows = sc.rows
+        kept = self._bell_masks.get(sc.args)
+        if kept is not None:
+            k_rows, k_high, dev, k_seq = kept
+            if k_rows is rows and k_high == high and not rows.flags.writeable:
+                return kept
+            if touched_since is not None and k_seq >= 0 and sc.seq >= k_seq:
+                t = touched_since(k_seq)
+                if t is not None and len(t) <= max(BELL_MASK_FOLLOW, high // 16):
+                    return self._bell_mask_follow(dev, rows, high, sc.seq, t)
         m = np.zeros(max(high, 1), np.uint8)
         m[rows] = 1
         with self.device, self.bstream:
             dev = self.cp.asarray(m)
         self.bell_mask_uploads += 1
-        return rows, high, dev
+        return rows, high, dev, sc.seq
+
+    def _bell_mask_follow(self, dev: Any, rows: np.ndarray, high: int, seq: int, touched: np.ndarray,
+                          ) -> tuple[np.ndarray, int, Any, int]:  # fmt: skip
+        """:meth:`_bell_mask`'s update of ``dev`` in place: grown (zeros) to ``high`` rows if
+        shorter, and each row of ``touched`` set to whether ``rows`` (ascending) holds it."""
+        t = np.unique(touched)
+        pos = np.searchsorted(rows, t)
+        held = pos < len(rows)
+        held[held] = rows[pos[held]] == t[held]
+        cp = self.cp
+        with self.device, self.bstream:
+            if len(dev) < high:
+                grown = cp.zeros(high, np.uint8)
+                grown[: len(dev)] = dev
+                dev = grown
+            t_in = t < len(dev)  # (a row past the mask: removed, and the mask was never that long)
+            if t_in.any():
+                dev[cp.asarray(t[t_in])] = cp.asarray(held[t_in].astype(np.uint8))
+        self.bell_mask_follows += 1
+        return rows, high, dev, seq
 
     def doorbell_stamps(self) -> tuple[int, ...]:
         """The resident kernel's diagnostics (benchmarks/doorbell_probe.py): GPU clock (ns) of
@@ -1123,7 +1165,7 @@ class GpuIndex(Index):
                  doorbell_launches=self.doorbell_launches, doorbell_served=self.doorbell_served(),
                  doorbell_spaces=scope_names(self.bell_served_spaces)[0],
                  doorbell_filters=scope_names(self.bell_served_spaces)[1],
-                 bell_mask_uploads=self.bell_mask_uploads,
+                 bell_mask_uploads=self.bell_mask_uploads, bell_mask_follows=self.bell_mask_follows,
                  carousel_k=self.carousel_k, carousel_running=self.carousel_running,
                  carousel_launches=self.carousel_launches,
                  carousel_boarded=self.crowd.boarded if self.crowd is not None else 0,

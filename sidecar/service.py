@@ -400,7 +400,8 @@ class Service:
                 _, rows, _, _ = self.eligible_for(namespace, flt, key)
             except Invalid:  # (noted valid: a filter the rows cannot answer now goes to the sidecar)
                 continue
-            out.append(BellScope(key, ns, rows))  # (rows None: a filter of no condition, ``{}``)
+            # (rows None: a filter of no condition, ``{}``)
+            out.append(BellScope(key, ns, rows, self.rows.change_seq if rows is not None else -1))
         return out
 
     def resume_doorbell(self) -> None:
@@ -417,7 +418,7 @@ class Service:
             ns_arg = NS_ANY
         else:
             ns_arg = ns
-        idx.resume_doorbell(self.rows.high, ns_arg, self.bell_spaces())
+        idx.resume_doorbell(self.rows.high, ns_arg, self.bell_spaces(), self.rows.touched_since)
 
     def compact(self, max_moves: int = 4096) -> int:
         """Move up to ``max_moves`` live rows from the tail into holes left by deletes, so the

@@ -160,8 +160,10 @@ class _SpacesIndex(CpuIndex):
         self.starts: list[tuple[int, int, list[tuple[str, int]]]] = []
         self.scopes: list[BellScope] = []
 
-    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[BellScope] = ()) -> None:
+    def resume_doorbell(self, high: int, ns: int, spaces: Sequence[BellScope] = (),
+                        touched_since: Any = None) -> None:  # fmt: skip
         """(Recorded with each scope as (name, id), and as given in ``scopes``.)"""
+        assert touched_since is None or touched_since(0) is not None  # (the row table's)
         self.starts.append((high, ns, [(decode_recall_args(sc.args)[0], sc.ns_id) for sc in spaces]))
         self.scopes = list(spaces)
 
@@ -225,6 +227,7 @@ def test_a_filter_is_started_with_the_rows_it_keeps_as_they_are_then() -> None:
     def served() -> list[str]:
         (sc,) = svc.index.scopes
         assert sc.args == key and sc.ns_id == svc.rows.ns_id("mem") and sc.rows is not None
+        assert sc.seq == svc.rows.change_seq  # (the rows as of the table's last change)
         return sorted(svc.rows.ids[r] for r in sc.rows)
 
     svc.resume_doorbell()

@@ -10,17 +10,20 @@ on the GPU only: session 48.)"""
 from __future__ import annotations
 
 import mmap
+import random
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 from kalos_retrievers.sidecar import index_gpu
-from kalos_retrievers.sidecar.index import BellScope
+from kalos_retrievers.sidecar.index import BellScope, CpuIndex
 from kalos_retrievers.sidecar.index_gpu import GpuIndex, SmLimits, bell_spaces_table
+from kalos_retrievers.sidecar.service import Service
+from kalos_retrievers.sidecar.store import NullStore
 from kernel_fakes import DevArray, FakeKernel
 
-from kalos_retrievers.protocol import Layout, encode_recall_args
+from kalos_retrievers.protocol import METRICS, Layout, encode_json, encode_recall_args
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,10 +66,11 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
     u8 = np.uint8
     bell_mm = mmap.mmap(-1, 4096)
     idx.__dict__.update(
-        cp=SimpleNamespace(asarray=_dev), dim=16, ld=16, metric=0, name="cuda:0", ctype="__half", tpr=2,
+        cp=SimpleNamespace(asarray=_dev, zeros=lambda n, dt: _dev(np.zeros(n, dt))),
+        dim=16, ld=16, metric=0, name="cuda:0", ctype="__half", tpr=2,
         device=_Null(), bstream=_Null(),
         stream=_Null(), doorbell_running=False, doorbell_k=64, doorbell_spaces=index_gpu.BELL_SPACES_MAX,
-        doorbell_args=index_gpu.BELL_ARGS_MAX, _bell_masks={}, bell_mask_uploads=0,
+        doorbell_args=index_gpu.BELL_ARGS_MAX, _bell_masks={}, bell_mask_uploads=0, bell_mask_follows=0,
         bell_served_spaces=(), doorbell_launches=0, doorbell_mode=index_gpu.DOORBELL_MODE, seg_addr=1 << 40,
         _closed=False, _bell_layout=Layout(n_slots=3, dim=16), _arena_table=(1 << 41, 0, 0, 7), exact=None,
         _exact_reg=0, rescore_factor=1, _bell_mm=bell_mm, _bell_addr=np.frombuffer(bell_mm, u8).ctypes.data,
@@ -175,3 +179,67 @@ def test_a_running_kernel_is_not_started_again(index: Any) -> None:
     idx.resume_doorbell(21, 3, [_ns("notes", 5)])
     idx.resume_doorbell(21, 3, [_ns("other", 6)])
     assert len(log) == 1 and idx.bell_served_spaces == (_ns("notes", 5).args,)
+
+
+def _follow_rig(index: Any, touched_since: Any = None) -> tuple[int, int]:
+    """300 random upserts, deletes and compactions in two namespaces of a CPU service; after
+    each, the fake GPU index started with the service's scopes (3 filters and a namespace) and
+    its ``touched_since`` (or the one given), and each filter's device mask compared with the
+    rows a fresh evaluation keeps, below the high-water mark. Returns (masks made whole, masks
+    followed); raises AssertionError at the first wrong mask."""
+    idx, _ = index
+    dim, ns = 4, "mem"
+    svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
+    svc.index.doorbell_spaces = 8  # type: ignore[misc]  # (what the service notes: as many as the GPU's)
+    rnd = random.Random(11)
+    filters = [{"user": {"$eq": "u1"}}, {"user": {"$in": ["u2", "u3"]}}, {"user": {"$ne": "u1"}}]
+    for flt in filters:
+        svc.note_bell_space(ns, flt, encode_recall_args(ns, encode_json(flt)))
+    svc.note_bell_space(ns)
+    live: dict[str, set[str]] = {ns: set(), "other": set()}
+    for step in range(300):
+        where = ns if rnd.random() < 0.7 else "other"
+        op = rnd.random()
+        if op < 0.5:
+            ids = list(dict.fromkeys(f"m{rnd.randrange(150)}" for _ in range(rnd.randrange(1, 7))))
+            vecs = np.ones((len(ids), dim), np.float32)
+            svc.upsert({"namespace": where, "ids": ids, "texts": ids,
+                        "metadatas": [{"user": f"u{rnd.randrange(4)}"} for _ in ids]}, vecs)  # fmt: skip
+            live[where] |= set(ids)
+        elif op < 0.8 and live[where]:
+            gone = rnd.sample(sorted(live[where]), min(len(live[where]), rnd.randrange(1, 5)))
+            svc.delete({"namespace": where, "ids": gone})
+            live[where] -= set(gone)
+        else:
+            svc.compact(max_moves=rnd.randrange(1, 40))
+        idx.doorbell_running = False
+        high = svc.rows.high
+        idx.resume_doorbell(high, 0, svc.bell_spaces(), touched_since or svc.rows.touched_since)
+        for flt in filters:
+            key = encode_recall_args(ns, encode_json(flt))
+            if key not in idx.bell_served_spaces:
+                assert not live[ns], step  # (an empty namespace is not served)
+                continue
+            _, fresh, _, _ = svc.eligible(ns, flt)
+            want = np.zeros(high, np.uint8)
+            if fresh is not None:
+                want[fresh] = 1
+            got = idx._bell_masks[key][2].view(np.ndarray)[:high]
+            bad = np.flatnonzero(got != want)[:5]
+            assert not len(bad), f"mask wrong at step {step} for {flt}: rows {bad}"
+    return idx.bell_mask_uploads, idx.bell_mask_follows
+
+
+def test_a_served_filters_mask_follows_the_rows_changes_touched(index: Any) -> None:
+    """Through random writes, deletes and compactions, each served filter's mask is what a
+    whole new one would be at every start, while most starts write only the rows the changes
+    touched (bell_mask_follows) instead of making it whole again (bell_mask_uploads)."""
+    uploads, follows = _follow_rig(index)
+    assert follows > 500 and uploads < follows // 10, (uploads, follows)
+
+
+def test_the_negative_control_a_mask_blind_to_the_touched_rows_goes_wrong(index: Any) -> None:
+    """The control: told that no change touched any row, the masks kept are followed into
+    wrong ones, and the comparison sees it."""
+    with pytest.raises(AssertionError, match="mask wrong"):
+        _follow_rig(index, touched_since=lambda seq: np.zeros(0, np.int64))
