@@ -118,6 +118,13 @@ def _rows_struct(k: int) -> struct.Struct:
 # the flags of a recall the resident kernel can take (the client rings it for these): documents
 # from the arena, named by generations (v1.2 clients) or by entries (v1.3)
 _KERNEL_FLAGS: Final = (Flag.ARENA_DOCS, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES)
+LONE_RECALLS: Final = 4  # lone batch-1 recalls in a row after which the resident kernel is started
+# the back-off of that start while scoped recalls the kernel does not take keep stopping it
+# (Dispatcher.lone_enough): runs of fewer answers than BELL_RUN_MIN double the count, up to
+# BELL_BACKOFF_MAX; it ends a second after the last such stop
+BELL_RUN_MIN: Final = 16
+BELL_BACKOFF_MAX: Final = 256
+BELL_BACKOFF_NS: Final = 1_000_000_000
 
 
 def _arena_resp_flags(flags: int) -> int:
@@ -168,6 +175,17 @@ class Dispatcher:
         # writes and many processes keep the kernel stopped instead of stopping it for each
         # (S5-4: stopped and restarted around every request, 32 processes went 19.6k -> 5.8k/s).
         self.lone = 0
+        # The back-off of that restart: a scoped recall the running kernel does not take (a
+        # scope it does not serve, handed back; or a client that does not ring it) stops it.
+        # With more scopes recalled in turn than it serves (9 users' filters for 8 entries),
+        # each run would serve a few recalls and cost a stop and a start; so while runs end
+        # that way after fewer than BELL_RUN_MIN answers, each doubles the lone recalls the
+        # next start waits for (up to BELL_BACKOFF_MAX), and a second without such a stop, or
+        # a run that answered BELL_RUN_MIN, ends the back-off (lone_enough).
+        self._lone_need = 0  # the backed-off count (0: none)
+        self._declined_ns = 0  # when a scoped recall last stopped the running kernel
+        self._served_at_start = 0  # the kernel's answers when it last started (kernel_started)
+        self.kernel_declines = 0
         # slot -> when its last batched recall was picked up (see _queue_behind), or boarded the carousel
         self._seen: dict[int, int] = {}
         self.crowd_min = CAROUSEL_MIN
@@ -248,11 +266,43 @@ class Dispatcher:
         req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
         kernel = (req.op == Op.RECALL and req.n_items == 1 and req.flags in _KERNEL_FLAGS
                   and 0 < req.top_k <= idx.doorbell_k)  # fmt: skip
+        if kernel and req.args_len and not bell and idx.doorbell_running:
+            self._kernel_declined(LONE_RECALLS)  # (handed back, or never rung: it stops the kernel)
         if kernel and (req.args_len == 0 or (idx.doorbell_spaces and self._bell_space(i, req))):
             return self.lone + 1
         if bell:  # (a DOORBELL the stopped kernel left: the client rang it as one it takes)
             return self.lone + 1
         return self.lone if req.op in _HOST_ONLY else 0
+
+    def kernel_started(self) -> None:
+        """The serve loop has (re)started the resident kernel: its lone count starts over, and
+        the kernel's answers from here on count for the back-off (:meth:`lone_enough`)."""
+        self.lone = 0
+        self._served_at_start = self.service.index.doorbell_served()
+
+    def lone_enough(self, base: int) -> bool:
+        """Whether enough lone recalls came in a row to start the resident kernel: ``base``
+        of them, or the back-off's count while scoped recalls the kernel did not take have
+        been stopping it after short runs (the last less than a second ago)."""
+        need = base
+        if self._lone_need and time.monotonic_ns() - self._declined_ns < BELL_BACKOFF_NS:
+            need = max(base, self._lone_need)
+        return self.lone >= need
+
+    def _kernel_declined(self, base: int) -> None:
+        """A scoped recall the running kernel did not take: this pass stops the kernel to
+        answer it. The back-off doubles after a run of fewer than BELL_RUN_MIN answers, and
+        ends after a longer one."""
+        served = self.service.index.doorbell_served() - self._served_at_start
+        now = time.monotonic_ns()
+        if now - self._declined_ns >= BELL_BACKOFF_NS:
+            self._lone_need = 0  # (the last such stop was long ago: a back-off starts over)
+        if served < BELL_RUN_MIN:
+            self._lone_need = min(max(self._lone_need, base) * 2, BELL_BACKOFF_MAX)
+        else:
+            self._lone_need = 0
+        self._declined_ns = now
+        self.kernel_declines += 1
 
     def _bell_space(self, i: int, req: Request) -> bool:
         """Whether slot ``i``'s recall ``req`` (batch 1, with args) is one the resident kernel
@@ -276,12 +326,16 @@ class Dispatcher:
         if not ringable_args(req.args_len, name_len, idx.doorbell_args):
             return False
         args = self._args(i, req)
-        try:
-            namespace, flt = self._recall_scope(args)
-            if flt is not None:
-                validate_filter(flt)
-        except (Invalid, ValueError, TypeError):
-            return False
+        noted = svc.bell_scope(args)  # (noted: decoded and checked when it was; ~6 µs a filter)
+        if noted is not None:
+            namespace, flt = noted
+        else:
+            try:
+                namespace, flt = self._recall_scope(args)
+                if flt is not None:
+                    validate_filter(flt)
+            except (Invalid, ValueError, TypeError):
+                return False
         if (not namespace and flt is None) or not svc.holds_rows(namespace):
             return False
         if idx.doorbell_running and args in idx.bell_served_spaces:

@@ -1049,8 +1049,8 @@ class GpuIndex(Index):
                       touched_since: Callable[[int], np.ndarray | None] | None = None,
                       ) -> list[tuple[bytes, int, int]]:  # fmt: skip
         """:func:`bell_spaces_table`'s triples for ``spaces``, each filter's with its mask
-        (:meth:`_bell_mask`; a filter left out while ``doorbell_args`` is 0, or where its mask
-        could not be made). Masks of scopes no longer served are freed. (The kernel is stopped:
+        (:meth:`_bell_mask`; a filter left out while ``doorbell_args`` is 0, or where there is
+        no room for its mask). Masks of scopes no longer served are freed. (The kernel is stopped:
         nothing reads the masks meanwhile.)"""
         out: list[tuple[bytes, int, int]] = []
         masks: dict[bytes, tuple[np.ndarray, int, Any, int]] = {}
@@ -1062,10 +1062,8 @@ class GpuIndex(Index):
                 continue
             try:
                 masks[sc.args] = kept = self._bell_mask(sc, high, touched_since)
-            except FatalDeviceError:
-                raise
-            except Exception:  # (no room for it: that filter goes to the sidecar, as before)
-                log.warning("a filter's mask could not be made on %s; the sidecar answers its recalls", self.name,
+            except MemoryError:  # (CuPy's OutOfMemoryError: that filter goes to the sidecar, as before)
+                log.warning("no room for a filter's mask on %s; the sidecar answers its recalls", self.name,
                             exc_info=True)  # fmt: skip
                 continue
             out.append((sc.args, sc.ns_id, int(kept[2].data.ptr)))
@@ -1076,20 +1074,25 @@ class GpuIndex(Index):
                    ) -> tuple[np.ndarray, int, Any, int]:  # fmt: skip
         """The device mask (uint8 per row, at least ``high`` of them; 1 where the filter keeps
         the row) of the filter ``sc``: the one kept from the kernel's last start while it is
-        for the same rows array (the service's kept answer, which nobody changes: read-only)
-        and ``high``; else that one brought up to date where ``touched_since`` names the rows
-        the changes since it touched, at most :data:`BELL_MASK_FOLLOW` or a 16th of ``high``
-        (each set to whether ``sc.rows`` holds it: rows no change touched kept their namespace
-        and metadata, so the filter keeps or drops them as before; a few bytes written where a
-        whole mask is ~1 MB at 1M rows, made on the host in ~0.36 ms on the development VM);
-        else a new one. Written on the kernel's stream, which its launch follows."""
+        for the same rows array (the service's kept answer, which nobody changes: read-only),
+        grown with zeros if ``high`` passed its end; else that one brought up to date where
+        ``touched_since`` names the rows the changes since it touched, at most
+        :data:`BELL_MASK_FOLLOW` or a 16th of ``high``, each set to whether ``sc.rows`` holds
+        it (rows no change touched kept their namespace and metadata, so the filter keeps or
+        drops them as before: a few bytes written where a whole mask is ~1 MB at 1M rows, made
+        on the host in ~0.36 ms on the development VM); else a new one. Written on the
+        kernel's stream, which its launch follows."""
         assert sc.rows is not None
         rows = sc.rows
         kept = self._bell_masks.get(sc.args)
         if kept is not None:
-            k_rows, k_high, dev, k_seq = kept
-            if k_rows is rows and k_high == high and not rows.flags.writeable:
-                return kept
+            k_rows, _, dev, k_seq = kept
+            if k_rows is rows and not rows.flags.writeable:
+                # the same kept answer (no row of its namespace changed): only rows past the
+                # mask, if the rows grew (a write elsewhere), need a byte, 0
+                if len(dev) >= high:
+                    return rows, high, dev, sc.seq
+                return self._bell_mask_follow(dev, rows, high, sc.seq, rows[:0])
             if touched_since is not None and k_seq >= 0 and sc.seq >= k_seq:
                 t = touched_since(k_seq)
                 if t is not None and len(t) <= max(BELL_MASK_FOLLOW, high // 16):

@@ -54,7 +54,7 @@ from kalos_retrievers.protocol import (
 )
 
 from . import blas
-from .dispatcher import Dispatcher
+from .dispatcher import LONE_RECALLS, Dispatcher
 from .index import CpuIndex, FatalDeviceError, Index, IndexCapacityError
 from .service import Service
 from .stats import Stats, thread_sched, time_gc
@@ -593,7 +593,7 @@ class Server:
                     log.exception("answering the requests the failed pass left failed")
             if worked:
                 # (outside the try above: a fatal device error here must end the loop)
-                if d.lone >= LONE_RECALLS:  # a client recalling alone: start the kernel
+                if d.lone_enough(LONE_RECALLS):  # a client recalling alone: start the kernel
                     self._resume_doorbell_if_idle()
                 continue
             now = time.monotonic_ns()
@@ -665,7 +665,7 @@ class Server:
         try:
             self._publish_doorbell(True)  # a DOORBELL rung from now is taken once it starts
             d.settle()
-            d.lone = 0
+            d.kernel_started()
             self.service.resume_doorbell()
             self._bell_idle = (self.service.index.doorbell_served(), time.monotonic_ns())
         except FatalDeviceError as e:
@@ -923,7 +923,6 @@ def arena_segments_to_close(segs: Mapping[int, Any], version: int) -> list[int]:
 
 
 _IDLE_WAIT_NS = 50_000_000  # longest doorbell wait: housekeeping and stop run between waits
-LONE_RECALLS = 4  # lone batch-1 recalls in a row after which the resident kernel is started
 # Diagnostics (KALOS_PROFILE=FILE): the dispatcher's launches of batches queued behind another
 # run under cProfile (Dispatcher.profile), its statistics written to FILE (pstats' format) when
 # the serve loop stops: where the host's time goes between a cohort's last request and its pass.

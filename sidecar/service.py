@@ -378,6 +378,11 @@ class Service:
             spaces.popitem(last=False)
         return False
 
+    def bell_scope(self, key: bytes) -> tuple[str, Any] | None:
+        """(namespace, filter) of the scope :meth:`note_bell_space` noted under ``key``, if
+        it is noted: its args need not be decoded and checked again."""
+        return self._bell_spaces.get(key)
+
     def holds_rows(self, namespace: str) -> bool:
         """Whether ``namespace`` has live rows now."""
         ns = self.rows.ns_id(namespace)

@@ -1465,3 +1465,76 @@ def test_a_filters_lone_recall_counts_for_the_kernel_where_it_serves_filters() -
     assert ask("mem", u2) == (Status.OK, k) and ask("mem", u2) == (Status.OK, k) and d.lone == 0
     svc.index.doorbell_args = 128  # type: ignore[misc]  # (the control's own control: noted now,
     assert ask("mem", u2) == (Status.OK, k) and ask("mem", u2) == (Status.OK, k) and d.lone == 1  # counted next)
+
+
+def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eagerly(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The back-off of the kernel's start (Dispatcher.lone_enough): a scoped recall that comes
+    as a REQUEST while the kernel runs (handed back, or from a client that does not ring it)
+    stops it; after a run of fewer than BELL_RUN_MIN answers the next start waits for twice the
+    lone recalls, up to BELL_BACKOFF_MAX. A run that answered BELL_RUN_MIN, or a second with no
+    such stop, ends it. The controls: a default namespace's REQUEST, a DOORBELL the stopped
+    kernel left and a write while the kernel runs are not such stops."""
+    import kalos_retrievers.sidecar.dispatcher as dmod
+
+    k, dim = 3, 5
+    lay, mm, svc, _, d, states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
+    rng = np.random.default_rng()
+    svc.upsert({"namespace": "mem", "ids": [f"m{i}" for i in range(9)], "texts": ["t"] * 9,
+                "metadatas": [{"user": f"u{i % 3}"} for i in range(9)]},
+               rng.standard_normal((9, dim)).astype(np.float32))  # fmt: skip
+    idx = svc.index
+    idx.doorbell_k, idx.doorbell_spaces, idx.doorbell_args = 16, 8, 128  # type: ignore[misc]
+    served = {"n": 0}
+    idx.doorbell_served = lambda: served["n"]  # type: ignore[method-assign]
+    clock = {"ns": 10**12}
+    monkeypatch.setattr(dmod.time, "monotonic_ns", lambda: clock["ns"])
+    np.frombuffer(mm, np.float32, dim, lay.slot_offset(0) + lay.payload_offset)[:] = rng.standard_normal(dim)
+    off, seq = lay.slot_offset(0), 0
+
+    def ask(flt: bytes | None, namespace: str = "mem", state: int = SlotState.REQUEST, running: bool = True) -> None:
+        nonlocal seq
+        seq += 1
+        args = encode_recall_args(namespace, flt)
+        a = off + lay.payload_offset + align8(4 * dim)
+        mm[a : a + len(args)] = args
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES,
+                                 k, 1, 4 * dim, len(args), 0)  # fmt: skip
+        states[0] = state
+        idx.doorbell_running = running  # type: ignore[misc]  # (the CPU index's pause leaves it so)
+        assert d.poll() == 1
+        d.settle()
+        assert Response.unpack(mm[off : off + CTL_SIZE]).seq == seq
+
+    def needs() -> int:
+        """The fewest lone recalls lone_enough(LONE_RECALLS) takes now."""
+        for n in range(dmod.BELL_BACKOFF_MAX + 1):
+            d.lone = n
+            if d.lone_enough(dmod.LONE_RECALLS):
+                return n
+        raise AssertionError("never enough")
+
+    d.kernel_started()
+    assert needs() == dmod.LONE_RECALLS
+    # the controls: none of these stops the kernel for a scope it does not take
+    ask(None, "")  # the default namespace, sent as a REQUEST
+    ask(b'{"user":"u1"}', state=SlotState.DOORBELL, running=False)  # rung as the kernel stopped
+    svc.upsert({"namespace": "mem", "ids": ["w"], "texts": ["t"], "metadatas": [{}]},
+               rng.standard_normal((1, dim)).astype(np.float32))  # fmt: skip
+    assert d.kernel_declines == 0 and needs() == dmod.LONE_RECALLS
+    want = dmod.LONE_RECALLS
+    for _ in range(8):  # short runs: each doubles it, to the cap
+        d.kernel_started()
+        served["n"] += dmod.BELL_RUN_MIN - 1
+        ask(b'{"user":"u1"}')
+        want = min(2 * want, dmod.BELL_BACKOFF_MAX)
+        assert needs() == want
+    assert want == dmod.BELL_BACKOFF_MAX and d.kernel_declines == 8
+    clock["ns"] += dmod.BELL_BACKOFF_NS + 1  # a second without such a stop: over
+    assert needs() == dmod.LONE_RECALLS
+    d.kernel_started()
+    ask(b'{"user":"u2"}')  # a client that does not ring its filter (served no more since)
+    assert needs() == 2 * dmod.LONE_RECALLS
+    d.kernel_started()
+    served["n"] += dmod.BELL_RUN_MIN  # a run long enough: over
+    ask(b'{"user":"u2"}')
+    assert needs() == dmod.LONE_RECALLS and d.kernel_declines == 10

@@ -63,6 +63,9 @@ class _Dispatcher:
         self.header_at_settle = struct.unpack_from("<I", self.mm, K)[0]
         return 1
 
+    def kernel_started(self) -> None:
+        self.lone = 0
+
 
 class _Seg:
     def __init__(self, mm: mmap.mmap) -> None:

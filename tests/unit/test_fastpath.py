@@ -109,6 +109,15 @@ def test_the_modules_control_word_offsets_are_the_protocols() -> None:
     assert set(fp.CTL_OFFSETS) >= {"state", "seq", "deadline_ns", "resp_seq", "resp_flags"}
 
 
+def test_the_modules_header_words_are_the_clients() -> None:
+    """bell1 reads the header through the client's view of its first words (``hdr_all``):
+    the C module's count is the client's (a header field added on one side only, as
+    doorbell_args in v1.6, would be read short or past the view)."""
+    from kalos_retrievers import _conn
+
+    assert fp.BELL_WORDS["header_words"] == _conn._HEADER_WORDS == 1 + _conn._DOORBELL_ARGS_WORD
+
+
 def test_an_ok_answer_comes_back_whole_with_its_documents_and_the_slot_claimed_again() -> None:
     rig = Rig()
     q = query()

@@ -125,8 +125,9 @@ def _masks(idx: Any) -> dict[bytes, tuple[int, np.ndarray]]:
 def test_a_filter_is_served_through_a_mask_of_the_rows_it_keeps(index: Any) -> None:
     """A filter's scope gets a device mask (1 for each row it keeps, below the high-water mark)
     whose address is its table entry's; a namespace alone gets none. The mask is kept while the
-    filter's rows are the same read-only array and the rows' high-water mark the same, and made
-    again otherwise; one no longer served is freed. Without ``doorbell_args`` (KALOS_BELL_FILTERS=0,
+    filter's rows are the same read-only array (grown with zeros when the high-water mark
+    passes its end), and made again for other rows that say nothing of the changes since;
+    one no longer served is freed. Without ``doorbell_args`` (KALOS_BELL_FILTERS=0,
     the control) a filter is left out and a namespace still served."""
     idx, log = index
     rows = np.array([0, 4, 7, 20], np.int64)
@@ -143,22 +144,24 @@ def test_a_filter_is_served_through_a_mask_of_the_rows_it_keeps(index: Any) -> N
     idx.resume_doorbell(21, 3, [flt, ns])
     assert idx.bell_mask_uploads == 1 and _masks(idx)[flt.args][0] == addr  # the same rows: kept
     idx.doorbell_running = False
-    idx.resume_doorbell(22, 3, [flt])
-    assert idx.bell_mask_uploads == 2 and _masks(idx)[flt.args][1].shape == (22,)  # the rows grew: made again
+    idx.resume_doorbell(22, 3, [flt])  # the rows grew (a write elsewhere): a zero past the end
+    grown = _masks(idx)[flt.args][1]
+    assert idx.bell_mask_uploads == 1 and idx.bell_mask_follows == 1
+    assert grown.shape == (22,) and np.flatnonzero(grown).tolist() == [0, 4, 7, 20]
     fresh = np.array([4], np.int64)  # (a writable array: the service keeps none, so no mask is kept for it)
     idx.doorbell_running = False
     idx.resume_doorbell(22, 3, [flt._replace(rows=fresh)])
-    assert idx.bell_mask_uploads == 3 and np.flatnonzero(_masks(idx)[flt.args][1]).tolist() == [4]
+    assert idx.bell_mask_uploads == 2 and np.flatnonzero(_masks(idx)[flt.args][1]).tolist() == [4]
     idx.doorbell_running = False
     idx.resume_doorbell(22, 3, [flt._replace(rows=fresh)])
-    assert idx.bell_mask_uploads == 4
+    assert idx.bell_mask_uploads == 3
     idx.doorbell_running = False
     idx.resume_doorbell(22, 3, [ns])
     assert idx._bell_masks == {} and idx.bell_served_spaces == (ns.args,)  # no longer served: freed
     idx.doorbell_running = False
     idx.doorbell_args = 0
     idx.resume_doorbell(21, 3, [flt, ns])
-    assert idx.bell_served_spaces == (ns.args,) and idx.bell_mask_uploads == 4 and len(log) == 7
+    assert idx.bell_served_spaces == (ns.args,) and idx.bell_mask_uploads == 3 and len(log) == 7
 
 
 def test_no_namespaces_leaves_the_table_unread(index: Any) -> None:
