@@ -13,6 +13,8 @@ sidecar with ``KALOS_BELL_FILTERS=0``.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from kalos_testing import as_float16_stored, assert_topk_equal, poison, recall_at_k, reference_topk
@@ -239,4 +241,42 @@ def test_without_filters_the_kernel_serves_namespaces_only(start_sidecar, monkey
     before = served(c)
     check(c.recall(q, 10, namespace="mem"), "mem", data["mem"], np.ones(SPACES["mem"], bool), q, 10, "float32")
     assert served(c) == before + 1
+    c.close()
+
+
+def test_more_filters_in_turn_than_the_kernel_serves_do_not_stop_and_start_it_again_and_again(start_sidecar) -> None:  # type: ignore[no-untyped-def]
+    """12 users' filters recalled in random turn, for the kernel's 8 entries: each recall of a
+    filter it does not serve stops it, and the start backs off (Dispatcher.lone_enough), so 360
+    recalls start it a handful of times (without the back-off, every few recalls: ~20 starts
+    per 300 in a review's model). Every answer stays exact. The control: 6 users, fewer than
+    it serves, are almost all the kernel's, from a start or two."""
+    rng = np.random.default_rng()
+    dim = 33
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    n = 2411
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    users = 12
+    c.upsert([f"mem#{i}" for i in range(n)], data, texts=[f"mem text {i}" for i in range(n)],
+             metadatas=[{"i": i, "user": f"u{i % users}"} for i in range(n)], namespace="mem")  # fmt: skip
+
+    def turns(active: int, calls: int) -> tuple[int, int]:
+        """(kernel starts, kernel answers) over ``calls`` recalls of ``active`` users in random
+        turn (in strict rotation, more users than 8 are never counted: each is out of the 8
+        most recent by its next recall)."""
+        idx = index_stats(c)
+        launches, answers = idx["doorbell_launches"], idx["doorbell_served"]
+        for _ in range(calls):
+            u = int(rng.integers(active))
+            q = rng.standard_normal(dim).astype(np.float32)
+            r = c.recall(q, 5, namespace="mem", filter={"user": f"u{u}"})
+            check(r, "mem", data, np.arange(n) % users == u, q, 5, "float32")
+        idx = index_stats(c)
+        return idx["doorbell_launches"] - launches, idx["doorbell_served"] - answers
+
+    starts, answered = turns(users, 360)
+    assert starts <= 10, (starts, answered)
+    time.sleep(1.1)  # (a second without such a stop: the back-off is over)
+    starts, answered = turns(6, 360)  # the control
+    assert starts <= 3 and answered >= 300, (starts, answered)
     c.close()
