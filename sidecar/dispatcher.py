@@ -326,7 +326,9 @@ class Dispatcher:
         if not ringable_args(req.args_len, name_len, idx.doorbell_args):
             return False
         args = self._args(i, req)
-        noted = svc.bell_scope(args)  # (noted: decoded and checked when it was; ~6 µs a filter)
+        if not svc.note_bell_args(args):
+            return False  # seen for the first time: noted, not decoded (most never come again in time)
+        noted = svc.bell_scope(args)  # (decoded and checked already: ~6 µs a filter)
         if noted is not None:
             namespace, flt = noted
         else:
@@ -335,6 +337,7 @@ class Dispatcher:
                 if flt is not None:
                     validate_filter(flt)
             except (Invalid, ValueError, TypeError):
+                svc.forget_bell_space(args)
                 return False
         if (not namespace and flt is None) or not svc.holds_rows(namespace):
             return False

@@ -53,8 +53,9 @@ class Service:
         self._scopes: dict[bytes, tuple[int, int, tuple[int, np.ndarray | None, bool, int], int]] = {}
         self._scope_rows = 0  # the candidate rows _scopes holds
         self.scope_refreshes = 0  # kept answers brought up to date from the rows changes touched
-        # note_bell_space's, oldest first: (namespace, filter or None) by the recalls' args
-        self._bell_spaces: OrderedDict[bytes, tuple[str, Any]] = OrderedDict()
+        # note_bell_space's, oldest first: (namespace, filter or None) by the recalls' args;
+        # None: noted by note_bell_args, not decoded yet
+        self._bell_spaces: OrderedDict[bytes, tuple[str, Any] | None] = OrderedDict()
 
     # ------------------------------------------------------------------ start-up
     def load(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -358,7 +359,8 @@ class Service:
         idx = self.index
         if not idx.doorbell_k or idx.doorbell_running:
             return False
-        return self.holds_rows("") or any(self.holds_rows(ns) for ns, _ in self._bell_spaces.values())
+        noted = self._bell_spaces.values()
+        return self.holds_rows("") or any(sc is not None and self.holds_rows(sc[0]) for sc in noted)
 
     def note_bell_space(self, namespace: str, flt: Any = None, key: bytes | None = None) -> bool:
         """A scope recalled in alone (the dispatcher's lone recalls): ``namespace``, with the
@@ -370,17 +372,36 @@ class Service:
         if key is None:
             key = encode_recall_args(namespace, None)
         spaces = self._bell_spaces
-        if key in spaces:
+        was = key in spaces
+        spaces[key] = (namespace, flt)
+        if was:
             spaces.move_to_end(key)
             return True
-        spaces[key] = (namespace, flt)
         while len(spaces) > self.index.doorbell_spaces:
             spaces.popitem(last=False)
         return False
 
+    def note_bell_args(self, key: bytes) -> bool:
+        """:meth:`note_bell_space` of a scope known by its args alone, not decoded: a scope
+        recalled once, or one of more than the kernel serves recalled in turn, is never
+        decoded (a filter's JSON decoded and checked cost ~6 µs a recall on the development
+        VM). Returns whether it was noted already (its :meth:`bell_scope` then says whether
+        it was decoded since)."""
+        spaces = self._bell_spaces
+        if key in spaces:
+            return True
+        spaces[key] = None
+        while len(spaces) > self.index.doorbell_spaces:
+            spaces.popitem(last=False)
+        return False
+
+    def forget_bell_space(self, key: bytes) -> None:
+        """Drop the scope noted under ``key`` (args that do not decode, or a filter refused)."""
+        self._bell_spaces.pop(key, None)
+
     def bell_scope(self, key: bytes) -> tuple[str, Any] | None:
-        """(namespace, filter) of the scope :meth:`note_bell_space` noted under ``key``, if
-        it is noted: its args need not be decoded and checked again."""
+        """(namespace, filter) of the scope noted under ``key``, if it is noted and decoded:
+        its args need not be decoded and checked again."""
         return self._bell_spaces.get(key)
 
     def holds_rows(self, namespace: str) -> bool:
@@ -394,7 +415,10 @@ class Service:
         answer: read-only, the same array while no row of the namespace changes)."""
         out = []
         for key in reversed(self._bell_spaces):
-            namespace, flt = self._bell_spaces[key]
+            scope = self._bell_spaces[key]
+            if scope is None:  # (seen once: not served before it is recalled again)
+                continue
+            namespace, flt = scope
             ns = self.rows.ns_id(namespace)
             if ns is None or not self.rows.ns_count[ns]:
                 continue

@@ -43,10 +43,12 @@ def served(c) -> int:  # type: ignore[no-untyped-def]
 def serving(c, q, namespace: str, flt: dict) -> None:  # type: ignore[no-untyped-def]
     """Lone recalls with ``flt`` in ``namespace`` until the kernel runs and serves it."""
     want = {"namespace": namespace, "filter": validate_filter(flt)}  # (as the client sends it)
-    for _ in range(30):
+    for attempt in range(40):
         idx = index_stats(c)
         if idx["doorbell_running"] and want in idx["doorbell_filters"]:
             return
+        if attempt == 20:  # the start backs off after scopes it did not take stopped it: a second
+            time.sleep(1.1)
         c.recall(q, 1, namespace=namespace, filter=flt)
     raise AssertionError(f"the kernel does not serve {want}: {index_stats(c)}")
 

@@ -13,6 +13,8 @@ sidecar with ``KALOS_BELL_SPACES=0``.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from kalos_testing import as_float16_stored, assert_topk_equal, poison, reference_topk
@@ -38,10 +40,12 @@ def served(c) -> int:  # type: ignore[no-untyped-def]
 def serving(c, q, namespace: str) -> None:  # type: ignore[no-untyped-def]
     """Lone recalls in ``namespace`` until the kernel runs and serves it (the sidecar notes
     the namespace of a lone recall, and starts the kernel after a few of them)."""
-    for _ in range(30):
+    for attempt in range(40):
         idx = index_stats(c)
         if idx["doorbell_running"] and namespace in idx["doorbell_spaces"]:
             return
+        if attempt == 20:  # the start backs off after scopes it did not take stopped it: a second
+            time.sleep(1.1)
         c.recall(q, 1, namespace=namespace)
     raise AssertionError(f"the kernel does not serve {namespace!r}: {index_stats(c)}")
 

@@ -1446,6 +1446,8 @@ def test_a_filters_lone_recall_counts_for_the_kernel_where_it_serves_filters() -
     assert ask("mem", u1) == (Status.OK, k) and d.lone == 1
     # the default namespace's 40 rows have no "user": a scope of no rows, noted all the same
     assert ask("", u1) == (Status.OK, 0) and d.lone == 0
+    assert [sc.args for sc in svc.bell_spaces()] == [encode_recall_args("mem", u1)]  # (seen once: not yet)
+    assert ask("", u1) == (Status.OK, 0) and d.lone == 1
     dflt, sc = svc.bell_spaces()  # the most recent first
     assert dflt.args == encode_recall_args("", u1) and dflt.rows is not None and len(dflt.rows) == 0
     assert sc.args == encode_recall_args("mem", u1) and sc.ns_id == svc.rows.ns_id("mem")
@@ -1538,3 +1540,56 @@ def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eag
     served["n"] += dmod.BELL_RUN_MIN  # a run long enough: over
     ask(b'{"user":"u2"}')
     assert needs() == dmod.LONE_RECALLS and d.kernel_declines == 10
+
+
+def test_scopes_seen_once_in_turn_are_never_decoded_for_the_kernel(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A lone filtered recall counts for the kernel only from its scope's second time; its first
+    is noted by its args alone, so more filters in turn than the kernel serves (12 for 8) cost
+    no decoding of their JSON for it, and never count. A scope seen again is decoded once, and
+    not again after. (The pickup decodes each recall for its answer, in any case.)"""
+    k, dim = 3, 5
+    lay, mm, svc, _, d, states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
+    rng = np.random.default_rng()
+    svc.upsert({"namespace": "mem", "ids": [f"m{i}" for i in range(24)], "texts": ["t"] * 24,
+                "metadatas": [{"user": f"u{i % 12}"} for i in range(24)]},
+               rng.standard_normal((24, dim)).astype(np.float32))  # fmt: skip
+    svc.index.doorbell_k, svc.index.doorbell_spaces, svc.index.doorbell_args = 16, 8, 128  # type: ignore[misc]
+    import kalos_retrievers.sidecar.dispatcher as dmod
+
+    decoded: list[object] = []  # the filters the lone count decoded and checked
+    check = dmod.validate_filter
+
+    def counting(flt: object) -> object:
+        decoded.append(flt)
+        return check(flt)
+
+    monkeypatch.setattr(dmod, "validate_filter", counting)
+
+    np.frombuffer(mm, np.float32, dim, lay.slot_offset(0) + lay.payload_offset)[:] = rng.standard_normal(dim)
+    off, seq = lay.slot_offset(0), 0
+
+    def ask(user: int) -> None:
+        nonlocal seq
+        seq += 1
+        args = encode_recall_args("mem", f'{{"user":"u{user}"}}'.encode())
+        a = off + lay.payload_offset + align8(4 * dim)
+        mm[a : a + len(args)] = args
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES,
+                                 k, 1, 4 * dim, len(args), 0)  # fmt: skip
+        states[0] = SlotState.REQUEST
+        assert d.poll() == 1
+        d.settle()
+        assert Response.unpack(mm[off : off + CTL_SIZE]).status == Status.OK
+
+    for _ in range(3):
+        for u in range(12):
+            ask(u)
+            assert d.lone == 0
+    assert decoded == [] and svc.bell_spaces() == []
+    ask(0)  # (out of the 8 most recent since: seen for the first time again)
+    assert decoded == [] and d.lone == 0
+    ask(0)
+    assert len(decoded) == 1 and d.lone == 1
+    ask(0)
+    assert len(decoded) == 1 and d.lone == 2
+    assert [sc.args for sc in svc.bell_spaces()] == [encode_recall_args("mem", b'{"user":"u0"}')]
