@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -283,6 +283,70 @@ def busy_client(name: str, dim: int) -> None:
     with KalosClient(name, dim=dim, timeout=5) as c:
         while True:
             c.recall(q, k=3)
+
+
+def load_interleaved(client: Any, rng: Any, dim: int, spaces: dict[str, int], chunk: int,
+                     metadata: Callable[[int], dict]) -> dict[str, np.ndarray]:  # fmt: skip
+    """Random rows, ``spaces[ns]`` of them per namespace, upserted in chunks of ``chunk`` that
+    alternate between the namespaces (so their rows lie mixed in the index): ids
+    ``"<ns>#<i>"``, texts ``"<ns> text <i>"``, metadata ``metadata(i)``. Returns each
+    namespace's vectors by row."""
+    data = {ns: rng.standard_normal((n, dim)).astype(np.float32) for ns, n in spaces.items()}
+    at = dict.fromkeys(spaces, 0)
+    while any(at[ns] < n for ns, n in spaces.items()):
+        for ns, n in spaces.items():
+            lo, hi = at[ns], min(at[ns] + chunk, n)
+            if lo < hi:
+                client.upsert([f"{ns}#{i}" for i in range(lo, hi)], data[ns][lo:hi],
+                              texts=[f"{ns} text {i}" for i in range(lo, hi)],
+                              metadatas=[metadata(i) for i in range(lo, hi)], namespace=ns)  # fmt: skip
+                at[ns] = hi
+    return data
+
+
+def check_scoped(r: Any, ns: str, data: np.ndarray, q: np.ndarray, k: int, dtype: str,
+                 keep: np.ndarray | None = None) -> None:  # fmt: skip
+    """``r`` (a recall in namespace ``ns``, rows loaded by :func:`load_interleaved`) is the exact
+    top-k of ``data`` (its vectors by row) among the rows ``keep`` (bool per row; None: all),
+    with their texts. Cosine; float16 rows scored as stored (normalized, then rounded) against
+    the float32 query, as the GPU's scans do, within 2e-3; float32 within 1e-4."""
+    if dtype == "float32":
+        ref_i, ref_s = reference_topk(data, q[None], k, eligible=keep)
+        atol = 1e-4
+    else:
+        qn = q.astype(np.float64) / np.linalg.norm(q.astype(np.float64))
+        ref_i, ref_s = reference_topk(as_float16_stored(data, "cosine"), qn[None], k, "ip", eligible=keep)
+        atol = 2e-3
+    assert_topk_equal(r.ids, r.scores, [f"{ns}#{i}" for i in ref_i[0]], ref_s[0], atol=atol, context=f"{ns!r} k={k}")
+    assert r.namespace == ns
+    assert all(hit.text == f"{ns} text {hit.id.split('#')[1]}" for hit in r)
+
+
+def index_stats(client: Any) -> dict:
+    """The sidecar's index stats (``stats()["index"]``): for a GPU sidecar, what its resident
+    kernel serves (``doorbell_spaces``, ``doorbell_filters``) and has answered."""
+    return client.stats()["index"]
+
+
+def kernel_answers(client: Any) -> int:
+    """Recalls the sidecar's resident kernel has answered, all its runs together: a GPU test
+    reads it before and after a recall to know the kernel answered it, not the sidecar."""
+    return int(index_stats(client)["doorbell_served"])
+
+
+def until_kernel_serves(client: Any, ask: Callable[[], object], serves: Callable[[dict], bool], what: str) -> None:
+    """``ask()`` (a lone recall) until the sidecar's resident kernel runs and ``serves(stats)``
+    says it serves the scope meant (the sidecar notes a lone recall's scope, and starts the
+    kernel after a few of them). Halfway, a second's wait: the start backs off after scoped
+    recalls it did not take stopped it (Dispatcher.lone_enough), for a second."""
+    for attempt in range(40):
+        idx = index_stats(client)
+        if idx["doorbell_running"] and serves(idx):
+            return
+        if attempt == 20:
+            time.sleep(1.1)
+        ask()
+    raise AssertionError(f"the kernel does not serve {what}: {index_stats(client)}")
 
 
 def poison(name: str) -> None:

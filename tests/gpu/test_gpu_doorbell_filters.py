@@ -17,7 +17,17 @@ import time
 
 import numpy as np
 import pytest
-from kalos_testing import as_float16_stored, assert_topk_equal, poison, recall_at_k, reference_topk
+from kalos_testing import (
+    assert_topk_equal,
+    check_scoped,
+    index_stats,
+    load_interleaved,
+    poison,
+    recall_at_k,
+    reference_topk,
+    until_kernel_serves,
+)
+from kalos_testing import kernel_answers as served
 
 from kalos_retrievers.filters import validate_filter
 
@@ -32,58 +42,23 @@ def _doorbell_on(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("KALOS_DOORBELL", "1")
 
 
-def index_stats(c) -> dict:  # type: ignore[no-untyped-def]
-    return c.stats()["index"]
-
-
-def served(c) -> int:  # type: ignore[no-untyped-def]
-    return int(index_stats(c)["doorbell_served"])
-
-
 def serving(c, q, namespace: str, flt: dict) -> None:  # type: ignore[no-untyped-def]
     """Lone recalls with ``flt`` in ``namespace`` until the kernel runs and serves it."""
     want = {"namespace": namespace, "filter": validate_filter(flt)}  # (as the client sends it)
-    for attempt in range(40):
-        idx = index_stats(c)
-        if idx["doorbell_running"] and want in idx["doorbell_filters"]:
-            return
-        if attempt == 20:  # the start backs off after scopes it did not take stopped it: a second
-            time.sleep(1.1)
-        c.recall(q, 1, namespace=namespace, filter=flt)
-    raise AssertionError(f"the kernel does not serve {want}: {index_stats(c)}")
+    until_kernel_serves(c, lambda: c.recall(q, 1, namespace=namespace, filter=flt),
+                        lambda idx: want in idx["doorbell_filters"], str(want))  # fmt: skip
 
 
 def load(c, rng, dim: int) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
-    """SPACES' rows in chunks that alternate between the namespaces, texts ``"<ns> text <i>"``;
-    each namespace's vectors by row."""
-    data = {ns: rng.standard_normal((n, dim)).astype(np.float32) for ns, n in SPACES.items()}
-    at = dict.fromkeys(SPACES, 0)
-    while any(at[ns] < n for ns, n in SPACES.items()):
-        for ns, n in SPACES.items():
-            lo, hi = at[ns], min(at[ns] + 701, n)
-            if lo < hi:
-                c.upsert([f"{ns}#{i}" for i in range(lo, hi)], data[ns][lo:hi],
-                         texts=[f"{ns} text {i}" for i in range(lo, hi)],
-                         metadatas=[{"i": i, "user": f"u{i % USERS}"} for i in range(lo, hi)],
-                         namespace=ns)  # fmt: skip
-                at[ns] = hi
-    return data
+    """SPACES' rows, mixed in the index (:func:`load_interleaved`), metadata ``{"i": i,
+    "user": f"u{i % USERS}"}``."""
+    return load_interleaved(c, rng, dim, SPACES, 701, lambda i: {"i": i, "user": f"u{i % USERS}"})
 
 
 def check(r, ns: str, data: np.ndarray, keep: np.ndarray, q: np.ndarray, k: int, dtype: str) -> None:  # type: ignore[no-untyped-def]
     """``r`` is the exact top-k of namespace ``ns`` (``data``: its rows) among the rows
-    ``keep`` (bool per row), with their texts; float16 rows scored as stored, within 2e-3."""
-    if dtype == "float32":
-        ref_i, ref_s = reference_topk(data, q[None], k, eligible=keep)
-        atol = 1e-4
-    else:
-        qn = q.astype(np.float64) / np.linalg.norm(q.astype(np.float64))
-        ref_i, ref_s = reference_topk(as_float16_stored(data, "cosine"), qn[None], k, "ip", eligible=keep)
-        atol = 2e-3
-    want = [f"{ns}#{i}" for i in ref_i[0]]
-    assert_topk_equal(r.ids, r.scores, want, ref_s[0], atol=atol, context=f"{ns!r} k={k}")
-    assert r.namespace == ns
-    assert all(hit.text == f"{ns} text {hit.id.split('#')[1]}" for hit in r)
+    ``keep`` (bool per row), with their texts."""
+    check_scoped(r, ns, data, q, k, dtype, keep)
 
 
 def user(n: int, u: int) -> np.ndarray:

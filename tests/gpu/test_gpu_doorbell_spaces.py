@@ -13,11 +13,18 @@ sidecar with ``KALOS_BELL_SPACES=0``.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
-from kalos_testing import as_float16_stored, assert_topk_equal, poison, reference_topk
+from kalos_testing import (
+    assert_topk_equal,
+    check_scoped,
+    index_stats,
+    load_interleaved,
+    poison,
+    reference_topk,
+    until_kernel_serves,
+)
+from kalos_testing import kernel_answers as served
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
 
@@ -29,58 +36,20 @@ def _doorbell_on(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("KALOS_DOORBELL", "1")
 
 
-def index_stats(c) -> dict:  # type: ignore[no-untyped-def]
-    return c.stats()["index"]
-
-
-def served(c) -> int:  # type: ignore[no-untyped-def]
-    return int(index_stats(c)["doorbell_served"])
-
-
 def serving(c, q, namespace: str) -> None:  # type: ignore[no-untyped-def]
-    """Lone recalls in ``namespace`` until the kernel runs and serves it (the sidecar notes
-    the namespace of a lone recall, and starts the kernel after a few of them)."""
-    for attempt in range(40):
-        idx = index_stats(c)
-        if idx["doorbell_running"] and namespace in idx["doorbell_spaces"]:
-            return
-        if attempt == 20:  # the start backs off after scopes it did not take stopped it: a second
-            time.sleep(1.1)
-        c.recall(q, 1, namespace=namespace)
-    raise AssertionError(f"the kernel does not serve {namespace!r}: {index_stats(c)}")
+    """Lone recalls in ``namespace`` until the kernel runs and serves it."""
+    until_kernel_serves(c, lambda: c.recall(q, 1, namespace=namespace),
+                        lambda idx: namespace in idx["doorbell_spaces"], repr(namespace))  # fmt: skip
 
 
 def load(c, rng, dim: int) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
-    """SPACES' rows, written in chunks that alternate between the namespaces (so their rows
-    lie mixed in the index), texts ``"<ns> text <i>"``, metadata ``{"i": i}``; each
-    namespace's vectors by row."""
-    data = {ns: rng.standard_normal((n, dim)).astype(np.float32) for ns, n in SPACES.items()}
-    at = dict.fromkeys(SPACES, 0)
-    while any(at[ns] < n for ns, n in SPACES.items()):
-        for ns, n in SPACES.items():
-            lo, hi = at[ns], min(at[ns] + 499, n)
-            if lo < hi:
-                c.upsert([f"{ns}#{i}" for i in range(lo, hi)], data[ns][lo:hi],
-                         texts=[f"{ns} text {i}" for i in range(lo, hi)],
-                         metadatas=[{"i": i} for i in range(lo, hi)], namespace=ns)  # fmt: skip
-                at[ns] = hi
-    return data
+    """SPACES' rows, mixed in the index (:func:`load_interleaved`), metadata ``{"i": i}``."""
+    return load_interleaved(c, rng, dim, SPACES, 499, lambda i: {"i": i})
 
 
 def check(r, ns: str, data: np.ndarray, q: np.ndarray, k: int, dtype: str) -> None:  # type: ignore[no-untyped-def]
-    """``r`` is the exact top-k of namespace ``ns`` (``data``: its rows), with its texts. For
-    float16 rows the reference scores the rows as stored (normalized, then rounded) against
-    the float32 query, as the resident kernel does, within 2e-3."""
-    if dtype == "float32":
-        ref_i, ref_s = reference_topk(data, q[None], k)
-        atol = 1e-4
-    else:
-        qn = q.astype(np.float64) / np.linalg.norm(q.astype(np.float64))
-        ref_i, ref_s = reference_topk(as_float16_stored(data, "cosine"), qn[None], k, "ip")
-        atol = 2e-3
-    assert_topk_equal(r.ids, r.scores, [f"{ns}#{i}" for i in ref_i[0]], ref_s[0], atol=atol, context=f"{ns!r} k={k}")
-    assert r.namespace == ns
-    assert all(hit.text == f"{ns} text {hit.id.split('#')[1]}" for hit in r)
+    """``r`` is the exact top-k of namespace ``ns`` (``data``: its rows), with its texts."""
+    check_scoped(r, ns, data, q, k, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])

@@ -9,7 +9,7 @@ import ctypes
 import mmap
 import time
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -41,6 +41,19 @@ from kalos_retrievers.protocol import (
     decode_recall_args,
     encode_recall_args,
 )
+
+
+def _write_scoped_recall(mm: Any, lay: Layout, slot: int, seq: int, k: int, dim: int, namespace: str,
+                         flt: bytes | None, state: int = SlotState.REQUEST) -> None:  # fmt: skip
+    """Write a batch-1 recall of ``k`` with documents from the arena, in ``namespace`` with the
+    filter ``flt`` (JSON bytes), into ``slot`` (its query left as it is), and set its state."""
+    off = lay.slot_offset(slot)
+    args = encode_recall_args(namespace, flt)
+    a = off + lay.payload_offset + align8(4 * dim)
+    mm[a : a + len(args)] = args
+    REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES,
+                             k, 1, 4 * dim, len(args), 0)  # fmt: skip
+    np.frombuffer(mm, "<u4", 1, off)[0] = state
 
 
 def _ip_service(dim: int, rows: int) -> tuple[Service, np.ndarray]:
@@ -1369,12 +1382,7 @@ def test_a_namespaces_lone_recall_counts_for_the_kernel_and_is_noted_for_it() ->
     def ask(namespace: str, flt: bytes | None = None, state: int = SlotState.REQUEST) -> int:
         nonlocal seq
         seq += 1
-        args = encode_recall_args(namespace, flt)
-        a = off + lay.payload_offset + align8(4 * dim)
-        mm[a : a + len(args)] = args
-        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES,
-                                 k, 1, 4 * dim, len(args), 0)  # fmt: skip
-        states[0] = state
+        _write_scoped_recall(mm, lay, 0, seq, k, dim, namespace, flt, state)
         assert d.poll() == 1
         d.settle()
         resp = Response.unpack(mm[off : off + CTL_SIZE])
@@ -1414,7 +1422,7 @@ def test_a_filters_lone_recall_counts_for_the_kernel_where_it_serves_filters() -
     ``doorbell_args``, a filter the running kernel serves (a client that does not ring it), or
     an index that serves namespaces without filters (the negative control, v1.5's rule)."""
     k, dim = 3, 5
-    lay, mm, svc, _, d, states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
+    lay, mm, svc, _, d, _states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
     rng = np.random.default_rng()
     n = 23
     svc.upsert({"namespace": "mem", "ids": [f"m{i}" for i in range(n)], "texts": [f"t{i}" for i in range(n)],
@@ -1429,12 +1437,7 @@ def test_a_filters_lone_recall_counts_for_the_kernel_where_it_serves_filters() -
     def ask(namespace: str, flt: bytes | None) -> tuple[int, int]:
         nonlocal seq
         seq += 1
-        args = encode_recall_args(namespace, flt)
-        a = off + lay.payload_offset + align8(4 * dim)
-        mm[a : a + len(args)] = args
-        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES,
-                                 k, 1, 4 * dim, len(args), 0)  # fmt: skip
-        states[0] = SlotState.REQUEST
+        _write_scoped_recall(mm, lay, 0, seq, k, dim, namespace, flt, SlotState.REQUEST)
         assert d.poll() == 1
         d.settle()
         resp = Response.unpack(mm[off : off + CTL_SIZE])
@@ -1479,7 +1482,7 @@ def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eag
     import kalos_retrievers.sidecar.dispatcher as dmod
 
     k, dim = 3, 5
-    lay, mm, svc, _, d, states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
+    lay, mm, svc, _, d, _states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
     rng = np.random.default_rng()
     svc.upsert({"namespace": "mem", "ids": [f"m{i}" for i in range(9)], "texts": ["t"] * 9,
                 "metadatas": [{"user": f"u{i % 3}"} for i in range(9)]},
@@ -1496,12 +1499,7 @@ def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eag
     def ask(flt: bytes | None, namespace: str = "mem", state: int = SlotState.REQUEST, running: bool = True) -> None:
         nonlocal seq
         seq += 1
-        args = encode_recall_args(namespace, flt)
-        a = off + lay.payload_offset + align8(4 * dim)
-        mm[a : a + len(args)] = args
-        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES,
-                                 k, 1, 4 * dim, len(args), 0)  # fmt: skip
-        states[0] = state
+        _write_scoped_recall(mm, lay, 0, seq, k, dim, namespace, flt, state)
         idx.doorbell_running = running  # type: ignore[misc]  # (the CPU index's pause leaves it so)
         assert d.poll() == 1
         d.settle()
@@ -1548,7 +1546,7 @@ def test_scopes_seen_once_in_turn_are_never_decoded_for_the_kernel(monkeypatch) 
     no decoding of their JSON for it, and never count. A scope seen again is decoded once, and
     not again after. (The pickup decodes each recall for its answer, in any case.)"""
     k, dim = 3, 5
-    lay, mm, svc, _, d, states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
+    lay, mm, svc, _, d, _states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
     rng = np.random.default_rng()
     svc.upsert({"namespace": "mem", "ids": [f"m{i}" for i in range(24)], "texts": ["t"] * 24,
                 "metadatas": [{"user": f"u{i % 12}"} for i in range(24)]},
@@ -1571,12 +1569,7 @@ def test_scopes_seen_once_in_turn_are_never_decoded_for_the_kernel(monkeypatch) 
     def ask(user: int) -> None:
         nonlocal seq
         seq += 1
-        args = encode_recall_args("mem", f'{{"user":"u{user}"}}'.encode())
-        a = off + lay.payload_offset + align8(4 * dim)
-        mm[a : a + len(args)] = args
-        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, Op.RECALL, Flag.ARENA_DOCS | Flag.ARENA_ENTRIES,
-                                 k, 1, 4 * dim, len(args), 0)  # fmt: skip
-        states[0] = SlotState.REQUEST
+        _write_scoped_recall(mm, lay, 0, seq, k, dim, "mem", f'{{"user":"u{user}"}}'.encode(), SlotState.REQUEST)
         assert d.poll() == 1
         d.settle()
         assert Response.unpack(mm[off : off + CTL_SIZE]).status == Status.OK
