@@ -384,7 +384,7 @@ class Service:
     def note_bell_args(self, key: bytes) -> bool:
         """:meth:`note_bell_space` of a scope known by its args alone, not decoded: a scope
         recalled once, or one of more than the kernel serves recalled in turn, is never
-        decoded (a filter's JSON decoded and checked cost ~6 µs a recall on the development
+        decoded (a filter's JSON decoded and checked cost ~10 µs a recall on the development
         VM). Returns whether it was noted already (its :meth:`bell_scope` then says whether
         it was decoded since)."""
         spaces = self._bell_spaces
