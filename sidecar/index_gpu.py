@@ -151,7 +151,10 @@ BELL_SPACES: Final = os.environ.get("KALOS_BELL_SPACES", "1") == "1"
 BELL_FILTERS: Final = BELL_SPACES and os.environ.get("KALOS_BELL_FILTERS", "1") == "1"
 BELL_SPACES_MAX: Final = 8
 BELL_ARGS_MAX: Final = DOORBELL_SCOPE_ARGS_MAX  # BELL_ARGS_WORDS x 4: the longest args the kernel compares
-BELL_MASK_FOLLOW: Final = 4096  # touched rows a filter's mask follows one by one at least (_bell_mask)
+# touched rows a filter's mask follows one by one at least, or a 512th of the rows (_bell_mask):
+# on the development VM, following them cost ~7 µs and ~0.1 µs a row on the host, making a
+# mask whole ~26 µs at 100k rows and ~360 at 1M (a quarter of the rows kept), besides its upload
+BELL_MASK_FOLLOW: Final = 256
 _BELL_SPACES: Final = struct.Struct(
     f"<{BELL_SPACES_MAX}i{BELL_SPACES_MAX}i{BELL_SPACES_MAX}Q{BELL_SPACES_MAX * BELL_ARGS_MAX}s")
 _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
@@ -1077,7 +1080,7 @@ class GpuIndex(Index):
         for the same rows array (the service's kept answer, which nobody changes: read-only),
         grown with zeros if ``high`` passed its end; else that one brought up to date where
         ``touched_since`` names the rows the changes since it touched, at most
-        :data:`BELL_MASK_FOLLOW` or a 16th of ``high``, each set to whether ``sc.rows`` holds
+        :data:`BELL_MASK_FOLLOW` or a 512th of ``high``, each set to whether ``sc.rows`` holds
         it (rows no change touched kept their namespace and metadata, so the filter keeps or
         drops them as before: a few bytes written where a whole mask is ~1 MB at 1M rows, made
         on the host in ~0.36 ms on the development VM); else a new one. Written on the
@@ -1095,7 +1098,7 @@ class GpuIndex(Index):
                 return self._bell_mask_follow(dev, rows, high, sc.seq, rows[:0])
             if touched_since is not None and k_seq >= 0 and sc.seq >= k_seq:
                 t = touched_since(k_seq)
-                if t is not None and len(t) <= max(BELL_MASK_FOLLOW, high // 16):
+                if t is not None and len(t) <= max(BELL_MASK_FOLLOW, high // 512):
                     return self._bell_mask_follow(dev, rows, high, sc.seq, t)
         m = np.zeros(max(high, 1), np.uint8)
         m[rows] = 1
