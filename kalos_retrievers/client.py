@@ -102,7 +102,7 @@ if os.environ.get("KALOS_FASTPATH", "1") == "0":  # diagnostics: the Python path
 _BELL1 = _fastpath is not None and hasattr(_fastpath, "bell1")
 # request1 writes a scoped recall's args (an extension built before session 46 does not)
 _REQUEST1_ARGS = _fastpath is not None and hasattr(_fastpath, "REQUEST1_ARGS")
-# recall1 writes a namespace's args, for a resident kernel that serves namespaces (session 48)
+# recall1 writes a scope's args, for a resident kernel that serves namespaces (session 48) and filters (49)
 _RECALL1_ARGS = _fastpath is not None and hasattr(_fastpath, "RECALL1_ARGS")
 
 __all__ = ["KalosClient"]
@@ -819,8 +819,8 @@ class KalosClient:
         answer as a :class:`_Reply` when it was written and then read by Python (the answer not
         within the C spin, or one the C code leaves to Python: see _fastpath.c), for the
         caller to check and split; None when nothing was written (``q`` is not finite, or not
-        one contiguous float32 vector). ``args``: the namespace and filter (with ``bell``, a
-        namespace alone), which recall1 or request1 writes after the query; ``namespace`` goes
+        one contiguous float32 vector). ``args``: the namespace and filter (with ``bell``, those
+        :func:`ringable_args` allows), which recall1 or request1 writes after the query; ``namespace`` goes
         into the result."""
         if _ipc.posts(slot.sem):  # posts left by responses we saw by spinning (as in _roundtrip)
             conn.drain_slot(slot)
@@ -858,7 +858,7 @@ class KalosClient:
         """What :meth:`_recall_fast` makes of its C call's ``out`` (not None: the request was
         written; ``args_len`` bytes of args after the query)."""
         if type(out) is int:  # written (and spun on for `out` ns): Python waits for and reads the answer
-            # (a DOORBELL request: the default namespace's without args, or a namespace's)
+            # (a DOORBELL request: the default namespace's without args, or a scope's with them)
             return self._roundtrip(conn, slot, Op.RECALL, conn.arena_flags, k, 1, 4 * conn.header.dim, args_len,
                                    deadline, sent=(seq, out, True, False))  # fmt: skip
         waited, n, rflags, rows_b, scores_b, blob, docs = out
