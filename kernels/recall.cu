@@ -260,6 +260,45 @@ __device__ __forceinline__ uint4 ld_row(const uint4* p) {
     return __ldg(p);
 }
 
+// Rows kept in L2 between scans (an experiment, off at 0): the first KALOS_L2_KEEP_MB megabytes
+// of rows are loaded with the L2 eviction priority KALOS_L2_KEEP_HINT (0: evict_normal, 1:
+// evict_last) and every later row with evict_first, so that a scan's stream of rows read once
+// is what L2 replaces, not the rows at the start that the next scan reads again. No set-aside
+// (cudaLimitPersistingL2CacheSize): S15-2's set-aside slowed every streaming scan.
+#ifndef KALOS_L2_KEEP_MB
+#define KALOS_L2_KEEP_MB 0
+#endif
+#ifndef KALOS_L2_KEEP_HINT
+#define KALOS_L2_KEEP_HINT 0
+#endif
+__device__ __forceinline__ unsigned long long l2_policy(bool keep) {
+    unsigned long long pol = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if (!keep)
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    else if (KALOS_L2_KEEP_HINT)
+        asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    else
+        asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
+#endif
+    return pol;
+}
+
+// ld_row<PF>, with the L2 eviction policy ``pol`` (l2_policy) while KALOS_L2_KEEP_MB is set
+template <int PF>
+__device__ __forceinline__ uint4 ld_row_pol(const uint4* p, unsigned long long pol) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (KALOS_L2_KEEP_MB > 0) {
+        static_assert(PF == 0, "KALOS_L2_KEEP_MB: without an L2 prefetch size");
+        uint4 v;
+        asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+        return v;
+    }
+#endif
+    return ld_row<PF>(p);
+}
+
 // Sort n (a power of two) (key, val) pairs in shared memory, descending by key; ties by val
 // ascending so results are deterministic. All threads of the block must call it.
 __device__ void bitonic_desc(float* key, int* val, int n) {
@@ -1447,6 +1486,10 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     int scan_cap = next_pow2(k + KALOS_BLOCK);  // k plus a block's worth of offers
     if (scan_cap > buf) scan_cap = buf;
     const uint4* base = reinterpret_cast<const uint4*>(data);
+    // KALOS_L2_KEEP_MB: rows below keep_rows are read with pol_keep, the others with pol_stream
+    const int keep_rows = KALOS_L2_KEEP_MB > 0 ? (int)(((long long)KALOS_L2_KEEP_MB << 20) / ((long long)chunks * 16)) : 0;
+    const unsigned long long pol_keep = KALOS_L2_KEEP_MB > 0 ? l2_policy(true) : 0ull;
+    const unsigned long long pol_stream = KALOS_L2_KEEP_MB > 0 ? l2_policy(false) : 0ull;
     // Rows by the round: with KALOS_DYNAMIC_ROWS, thread 0 asks the counter for the next round's
     // rows as a round begins (the atomic's latency hides behind the round's loads) and passes
     // them on through s_next, double-buffered: a slow thread may still read one entry while
@@ -1494,6 +1537,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
             constexpr bool split = QB == 1 && (Vec<T>::INT8 ? KALOS_SCAN_SPLIT_I8 : KALOS_SCAN_SPLIT_F);
             constexpr int UNROLL = !Vec<T>::INT8 ? 8 : split ? KALOS_UNROLL_I8_SPLIT : KALOS_UNROLL_I8;
             const uint4* rp = base + (size_t)row * chunks;
+            const unsigned long long pol = row < keep_rows ? pol_keep : pol_stream;
             int ch0 = lane;
             if constexpr (split) {
                 // whole spans of UNROLL chunks first, with no per-chunk bounds check: every chunk's
@@ -1509,7 +1553,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
                 for (; ch0 + (UNROLL - 1) * TPR < chunks; ch0 += UNROLL * TPR) {
                     uint4 v[UNROLL];
 #pragma unroll
-                    for (int u = 0; u < UNROLL; u++) v[u] = ld_row<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch0 + u * TPR);
+                    for (int u = 0; u < UNROLL; u++) v[u] = ld_row_pol<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch0 + u * TPR, pol);
 #pragma unroll
                     for (int u = 0; u < UNROLL; u++) {
 #pragma unroll
@@ -1529,7 +1573,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
 #pragma unroll
                 for (int u = 0; u < UNROLL; u++) {
                     int ch = ch0 + u * TPR;
-                    if (ch < chunks) v[u] = ld_row<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch);
+                    if (ch < chunks) v[u] = ld_row_pol<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch, pol);
                 }
 #pragma unroll
                 for (int u = 0; u < UNROLL; u++) {
