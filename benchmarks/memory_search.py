@@ -3,7 +3,7 @@ makes it (the query embedded, the recall in the collection's namespace with the 
 the results as mem0-style dicts).
 
     python -P benchmarks/memory_search.py [--memories 20000] [--users 100] [--calls 600]
-        [--device cpu] [--add-every N] [--active 3]
+        [--device cpu] [--add-every N] [--pause-ms MS] [--active 3]
 
 The store holds ``--memories`` memories spread over ``--users`` users (with their history
 events beside them, as ``add`` writes them), embedded by ``HashingEmbeddings(dim=384)`` (no
@@ -13,6 +13,8 @@ timed), as an agent that learns between recalls: the search after it finds its n
 changed. Printed: p50 and p90 of the calls, in µs. Every answer is checked to belong to the
 user asked for. ``--active N``: the searches go to N users in turn (3 by default; more than
 the 8 scopes a GPU sidecar's resident kernel serves shows what its back-off does).
+``--pause-ms MS``: a pause after each add, before its search (not timed): the model's turn of
+an agent, during which a GPU sidecar may start its resident kernel again after the write.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--add-every", type=int, default=0, help="an add before every Nth search (0: none)")
     p.add_argument("--active", type=int, default=3, help="users searched in turn (default 3)")
+    p.add_argument("--pause-ms", type=float, default=0.0, help="a pause after each add (ms, not timed)")
     a = p.parse_args()
-    if a.users < 3 or a.memories < a.users or a.calls < 1 or a.add_every < 0 or not 1 <= a.active <= a.users:
+    if (a.users < 3 or a.memories < a.users or a.calls < 1 or a.add_every < 0 or not 1 <= a.active <= a.users
+            or a.pause_ms < 0):  # fmt: skip
         p.error("--users must be at least 3, --memories at least --users, --calls at least 1, --add-every >= 0, "
-                "--active between 1 and --users")
+                "--active between 1 and --users, --pause-ms >= 0")
     dtype = None if a.device == "cpu" else "float16"
     with Sidecar(dim=384, device=a.device, dtype=dtype, log_level="WARNING", startup_timeout=300) as sc:
         m = KalosMemory(sc.name, embedding=HashingEmbeddings(dim=384), timeout=30)
@@ -54,6 +58,8 @@ def main() -> int:
             user = f"u{i % a.active}"
             if a.add_every and i % a.add_every == 0:
                 m.add([f"user {user} learned fact {i}: likes topic {i % 50}"], user_id=user)
+                if a.pause_ms:
+                    time.sleep(a.pause_ms / 1000)
             t0 = time.perf_counter_ns()
             got = m.search(queries[i & 63], user_id=user, limit=5)
             us[i] = (time.perf_counter_ns() - t0) / 1000
@@ -62,6 +68,7 @@ def main() -> int:
         idx = m.client.stats()["index"]
         m.close()
     adds = f", an add before every {a.add_every}" if a.add_every else ""
+    adds += f" and a {a.pause_ms:g} ms pause" if a.add_every and a.pause_ms else ""
     kernel = (f"; resident kernel: {idx['doorbell_launches']} starts, {idx['doorbell_served']} answers"
               if "doorbell_launches" in idx else "")  # fmt: skip
     print(f"{per * a.users} memories of {a.users} users on {a.device}: KalosMemory.search p50 "

@@ -280,6 +280,10 @@ class Dispatcher:
         self.lone = 0
         self._served_at_start = self.service.index.doorbell_served()
 
+    def kernel_answers(self) -> int:
+        """The resident kernel's answers since it last started (:meth:`kernel_started`)."""
+        return self.service.index.doorbell_served() - self._served_at_start
+
     def lone_enough(self, base: int) -> bool:
         """Whether enough lone recalls came in a row to start the resident kernel: ``base``
         of them, or the back-off's count while scoped recalls the kernel did not take have
@@ -293,7 +297,7 @@ class Dispatcher:
         """A scoped recall the running kernel did not take: this pass stops the kernel to
         answer it. The back-off doubles after a run of fewer than BELL_RUN_MIN answers, and
         ends after a longer one."""
-        served = self.service.index.doorbell_served() - self._served_at_start
+        served = self.kernel_answers()
         now = time.monotonic_ns()
         if now - self._declined_ns >= BELL_BACKOFF_NS:
             self._lone_need = 0  # (the last such stop was long ago: a back-off starts over)

@@ -208,6 +208,7 @@ class Server:
         self._arena_segs: dict[int, _ipc.Segment] = {}
         self._arena_tried = False
         self._bell_idle = (0, 0)  # the resident kernel's served count, and since when unchanged
+        self._bell_rearm = False  # a pass stopped a kernel that was answering: restart it when idle
         self._car_seg: _ipc.Segment | None = None  # the carousel's slots (KALOS_CAROUSEL=direct)
         self._car_words = (0, 0)  # the header's carousel_epoch and carousel_slots, as last published
         self._car_closed = False  # True after a re-publication: no direct slot is offered (_offer_carousel)
@@ -568,6 +569,8 @@ class Server:
             d = self.dispatcher
             assert d is not None and self.seg is not None
             worked = 0
+            idx = self.service.index  # type: ignore[union-attr]
+            was_running, declines = idx.doorbell_running, d.kernel_declines
             try:
                 t_poll = time.monotonic_ns()
                 worked = d.poll()
@@ -593,10 +596,14 @@ class Server:
                     log.exception("answering the requests the failed pass left failed")
             if worked:
                 # (outside the try above: a fatal device error here must end the loop)
+                if was_running and not idx.doorbell_running:
+                    self._note_bell_stop(d, declines)
                 if d.lone_enough(LONE_RECALLS):  # a client recalling alone: start the kernel
                     self._resume_doorbell_if_idle()
                 continue
             now = time.monotonic_ns()
+            if self._rearm_bell(now, pace.last_work):
+                continue
             if now >= next_housekeeping:
                 next_housekeeping = now + 250_000_000
                 try:
@@ -631,6 +638,8 @@ class Server:
                     self._compact_if_fragmented()
                 continue  # poll again before sleeping: the drain may have taken a new request's post
             sleep_ns = pace.sleep_ns(now)
+            if self._bell_rearm and sleep_ns:  # (awake for the restart when it is due)
+                sleep_ns = max(min(sleep_ns, pace.last_work + BELL_REARM_NS - now), 1)
             if not sleep_ns or d.crowd_in_flight():
                 continue  # (the carousel's answers are posted by this loop: poll on until they are in)
             # (The resident kernel need not run while we sleep: while it is stopped the header
@@ -662,6 +671,7 @@ class Server:
         assert d is not None and self.service is not None
         if d.waiting().size or not self.service.doorbell_useful():
             return
+        self._bell_rearm = False
         try:
             self._publish_doorbell(True)  # a DOORBELL rung from now is taken once it starts
             d.settle()
@@ -674,6 +684,25 @@ class Server:
             self._doorbell_failed()
         finally:
             self._publish_doorbell()  # as it is: not running if it could not start
+
+    def _note_bell_stop(self, d: Dispatcher, declines: int) -> None:
+        """A pass stopped the resident kernel (a write, a batch, a recall only the sidecar
+        answers): restart it once the sidecar has been idle for ``BELL_REARM_NS``, if it had
+        answered recalls since it started and the stop was not for a scoped recall it did not
+        take (those follow the start's back-off, :meth:`Dispatcher.lone_enough`). Without this,
+        only lone recalls in a row restart it, and an agent that writes a memory between its
+        recalls (a search, then an add, a turn of seconds apart) would never find it running."""
+        self._bell_rearm = bool(BELL_REARM_NS) and d.kernel_declines == declines and d.kernel_answers() > 0
+
+    def _rearm_bell(self, now: int, last_work: int) -> bool:
+        """The restart :meth:`_note_bell_stop` asked for, once the sidecar has been idle for
+        ``BELL_REARM_NS`` since ``last_work`` (ns, monotonic): tried once (if a request waits
+        then, lone recalls start the kernel as usual). True if it was tried."""
+        if not self._bell_rearm or now - last_work < BELL_REARM_NS:
+            return False
+        self._bell_rearm = False
+        self._resume_doorbell_if_idle()
+        return True
 
     def _stop_idle_doorbell(self, now: int) -> None:
         """Housekeeping: stop a resident kernel that has answered nothing for
@@ -928,6 +957,10 @@ _IDLE_WAIT_NS = 50_000_000  # longest doorbell wait: housekeeping and stop run b
 # the serve loop stops: where the host's time goes between a cohort's last request and its pass.
 PROFILE = os.environ.get("KALOS_PROFILE", "")
 DOORBELL_IDLE_S = float(os.environ.get("KALOS_DOORBELL_IDLE_S", "5"))  # stopped after this idle
+# A kernel that was answering when a pass stopped it (a write, most often) is restarted after
+# the sidecar has been idle this long (KALOS_BELL_REARM_MS; 0: only lone recalls restart it).
+# Idle, so that back-to-back traffic does not wait for a start (~0.2-0.4 ms of the host's time).
+BELL_REARM_NS = int(float(os.environ.get("KALOS_BELL_REARM_MS", "1")) * 1_000_000)
 _PACE_MIN_MARGIN_NS = 250_000  # a timed wait oversleeps by ~0.1 ms on a small VM
 _PACE_MAX_GAP_NS = 100_000_000  # longer gaps are not predicted: the sidecar just sleeps
 

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from kalos_testing import assert_topk_equal, poison, recall_at_k, recall_id_worker, reference_topk
+from kalos_testing import assert_topk_equal, index_stats, poison, recall_at_k, recall_id_worker, reference_topk
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
 
@@ -348,6 +348,34 @@ def test_an_idle_kernel_is_stopped_and_recalls_go_on(start_sidecar, monkeypatch)
     assert c.recall(data[5], 1).ids == ["5"] and served(c) == before  # the sidecar's
     kernel_back(c, data[6])
     assert c.recall(data[7], 1).ids == ["7"] and served(c) == before + 1  # the kernel's
+    c.close()
+
+
+@pytest.mark.parametrize("rearm", ["1", "0"])
+def test_a_write_between_recalls_leaves_the_kernel_running_for_the_next(start_sidecar, monkeypatch, rearm) -> None:  # type: ignore[no-untyped-def]
+    """An agent's turn: a recall, a memory written, a pause (the model's turn), a recall. The
+    write stops the kernel; once the sidecar has been idle ``KALOS_BELL_REARM_MS`` (1 ms) it
+    starts the kernel again, so the next recall is the kernel's, and exact with the new row.
+    Control (``0``): only lone recalls in a row restart it, and with a write between every two
+    recalls none does: every recall after a write is the sidecar's."""
+    monkeypatch.setenv("KALOS_BELL_REARM_MS", rearm)
+    rng = np.random.default_rng()
+    n, dim = 3_001, 40
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    c.upsert([str(i) for i in range(n)], data)
+    kernel_back(c, data[0])
+    before = served(c)
+    assert c.recall(data[1], 1).ids == ["1"] and served(c) == before + 1  # the kernel answered
+    for turn in range(4):
+        new = rng.standard_normal(dim).astype(np.float32) * 3
+        c.upsert([f"new{turn}"], new[None])  # stops the kernel
+        time.sleep(0.02)
+        before = served(c)
+        poison(sc.name)
+        assert c.recall(new, 1).ids == [f"new{turn}"]
+        assert served(c) == before + (rearm == "1"), f"turn {turn}: {index_stats(c)}"
     c.close()
 
 

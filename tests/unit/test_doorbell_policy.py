@@ -249,3 +249,84 @@ def test_a_filter_is_started_with_the_rows_it_keeps_as_they_are_then() -> None:
     assert not svc.doorbell_useful()
     svc.resume_doorbell()
     assert svc.index.scopes == []
+
+
+class _Stopped(_Dispatcher):
+    """A dispatcher whose last pass stopped a kernel that had answered ``answers`` recalls,
+    with ``declines`` scoped recalls it did not take counted by then."""
+
+    def __init__(self, mm: mmap.mmap, answers: int, declines: int = 0) -> None:
+        super().__init__(mm)
+        self.answers, self.kernel_declines = answers, declines
+
+    def kernel_answers(self) -> int:
+        return self.answers
+
+
+def stopped(answers: int, declines_in_pass: int = 0) -> tuple[Any, _Index]:
+    """A server whose pass just stopped the kernel (``_note_bell_stop`` called as the serve
+    loop calls it): the kernel had answered ``answers``; the pass counted ``declines_in_pass``
+    scoped recalls it did not take."""
+    index = _Index()
+    srv, _, mm = server(index)
+    srv._bell_rearm = False
+    srv.dispatcher = d = _Stopped(mm, answers, declines=3 + declines_in_pass)
+    srv._note_bell_stop(d, 3)  # (the count before the pass)
+    return srv, index
+
+
+MS = 1_000_000
+
+
+def test_a_kernel_a_write_stopped_after_answering_is_restarted_once_the_sidecar_is_idle(monkeypatch) -> None:
+    """An agent recalls, writes a memory, and recalls again a turn later: the write stops the
+    kernel, and without the restart only 4 lone recalls in a row would start it again, so an
+    agent writing between its recalls would never find it running. Restarted after
+    ``BELL_REARM_NS`` idle, not before (back-to-back traffic must not wait for a start), once."""
+    import kalos_retrievers.sidecar.server as server_module
+
+    monkeypatch.setattr(server_module, "BELL_REARM_NS", 1 * MS)
+    srv, index = stopped(answers=5)
+    last = 10_000 * MS
+    assert not srv._rearm_bell(last + MS - 1, last) and not index.doorbell_running  # not yet
+    assert srv._rearm_bell(last + MS, last) and index.doorbell_running and on(srv.seg.mm) == 1024
+    index.doorbell_running = False  # (stopped again by something that is not a pass)
+    assert not srv._rearm_bell(last + 5 * MS, last) and not index.doorbell_running  # once
+
+
+def test_no_restart_of_a_kernel_that_answered_nothing_or_was_declined(monkeypatch) -> None:
+    """Negative controls: a kernel that answered nothing since its start was not worth it (a
+    bulk load's writes would otherwise restart it after every pause); a stop for a scoped
+    recall it did not take follows the start's back-off (Dispatcher.lone_enough), which a
+    restart on idle would undo; ``KALOS_BELL_REARM_MS=0`` turns the restart off."""
+    import kalos_retrievers.sidecar.server as server_module
+
+    monkeypatch.setattr(server_module, "BELL_REARM_NS", 1 * MS)
+    for srv, index in (stopped(answers=0), stopped(answers=5, declines_in_pass=1)):
+        assert not srv._bell_rearm
+        assert not srv._rearm_bell(20_000 * MS, 0) and not index.doorbell_running
+    monkeypatch.setattr(server_module, "BELL_REARM_NS", 0)
+    srv, index = stopped(answers=5)
+    assert not srv._bell_rearm and not srv._rearm_bell(20_000 * MS, 0) and not index.doorbell_running
+
+
+def test_a_restart_due_while_a_request_waits_is_left_to_the_lone_recalls(monkeypatch) -> None:
+    """A request waiting when the restart falls due is served first (as for any start); the
+    restart is not tried again: the lone recalls start the kernel from there."""
+    import kalos_retrievers.sidecar.server as server_module
+
+    monkeypatch.setattr(server_module, "BELL_REARM_NS", 1 * MS)
+    srv, index = stopped(answers=5)
+    srv.dispatcher.n_waiting = 1
+    assert srv._rearm_bell(2 * MS, 0) and not index.doorbell_running and not srv._bell_rearm
+    srv.dispatcher.n_waiting = 0
+    assert not srv._rearm_bell(4 * MS, 0) and not index.doorbell_running
+
+
+def test_a_start_by_lone_recalls_clears_a_pending_restart(monkeypatch) -> None:
+    import kalos_retrievers.sidecar.server as server_module
+
+    monkeypatch.setattr(server_module, "BELL_REARM_NS", 1 * MS)
+    srv, index = stopped(answers=5)
+    srv._resume_doorbell_if_idle()  # (the lone recalls came first)
+    assert index.doorbell_running and not srv._bell_rearm
