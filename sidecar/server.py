@@ -208,7 +208,12 @@ class Server:
         self._arena_segs: dict[int, _ipc.Segment] = {}
         self._arena_tried = False
         self._bell_idle = (0, 0)  # the resident kernel's served count, and since when unchanged
-        self._bell_rearm = False  # a pass stopped a kernel that was answering: restart it when idle
+        # Restarts of the resident kernel once the sidecar is idle (_rearm_bell): one a pass's
+        # stop asked for; the kernel's runs in a row that ended without an answer; whether the
+        # start after a lone recall was tried since the last work
+        self._bell_rearm = False
+        self._bell_fruitless = 0
+        self._bell_idle_tried = False
         self._car_seg: _ipc.Segment | None = None  # the carousel's slots (KALOS_CAROUSEL=direct)
         self._car_words = (0, 0)  # the header's carousel_epoch and carousel_slots, as last published
         self._car_closed = False  # True after a re-publication: no direct slot is offered (_offer_carousel)
@@ -596,8 +601,7 @@ class Server:
                     log.exception("answering the requests the failed pass left failed")
             if worked:
                 # (outside the try above: a fatal device error here must end the loop)
-                if was_running and not idx.doorbell_running:
-                    self._note_bell_stop(d, declines)
+                self._after_pass(d, was_running and not idx.doorbell_running, declines)
                 if d.lone_enough(LONE_RECALLS):  # a client recalling alone: start the kernel
                     self._resume_doorbell_if_idle()
                 continue
@@ -638,7 +642,7 @@ class Server:
                     self._compact_if_fragmented()
                 continue  # poll again before sleeping: the drain may have taken a new request's post
             sleep_ns = pace.sleep_ns(now)
-            if self._bell_rearm and sleep_ns:  # (awake for the restart when it is due)
+            if sleep_ns and self._rearm_pending():  # (awake when the restart falls due)
                 sleep_ns = max(min(sleep_ns, pace.last_work + BELL_REARM_NS - now), 1)
             if not sleep_ns or d.crowd_in_flight():
                 continue  # (the carousel's answers are posted by this loop: poll on until they are in)
@@ -685,24 +689,61 @@ class Server:
         finally:
             self._publish_doorbell()  # as it is: not running if it could not start
 
+    def _after_pass(self, d: Dispatcher, stopped: bool, declines: int) -> None:
+        """The resident kernel's restarts after a pass that worked (``stopped``: it stopped the
+        kernel; ``declines``: ``d.kernel_declines`` before it): a new idle spell, for
+        :meth:`_rearm_bell`; a lone recall the kernel would take makes restarts after writes
+        worth it again; and a stop asks for a restart (:meth:`_note_bell_stop`)."""
+        self._bell_idle_tried = False
+        if d.lone:
+            self._bell_fruitless = 0
+        if stopped:
+            self._note_bell_stop(d, declines)
+
     def _note_bell_stop(self, d: Dispatcher, declines: int) -> None:
         """A pass stopped the resident kernel (a write, a batch, a recall only the sidecar
-        answers): restart it once the sidecar has been idle for ``BELL_REARM_NS``, if it had
-        answered recalls since it started and the stop was not for a scoped recall it did not
-        take (those follow the start's back-off, :meth:`Dispatcher.lone_enough`). Without this,
-        only lone recalls in a row restart it, and an agent that writes a memory between its
-        recalls (a search, then an add, a turn of seconds apart) would never find it running."""
-        self._bell_rearm = bool(BELL_REARM_NS) and d.kernel_declines == declines and d.kernel_answers() > 0
+        answers): restart it once the sidecar has been idle for ``BELL_REARM_NS``
+        (:meth:`_rearm_bell`), unless the stop was for a scoped recall it did not take (those
+        follow the start's back-off, :meth:`Dispatcher.lone_enough`) or ``BELL_FRUITLESS_MAX``
+        runs in a row answered nothing with no recall it would take in between (writes alone,
+        a pause between each, would restart it after every one). Without this only lone
+        recalls in a row start it, and an agent that writes a memory between its recalls (a
+        search, an add, a turn of seconds) would never find it running."""
+        if d.kernel_declines != declines:
+            self._bell_rearm = False
+            return
+        self._bell_run_ended(d)
+        self._bell_rearm = bool(BELL_REARM_NS) and self._bell_fruitless < BELL_FRUITLESS_MAX
+
+    def _bell_run_ended(self, d: Dispatcher) -> None:
+        """A run of the resident kernel ended (a pass's stop, or idle): fruitless if it
+        answered nothing (the count starts over at a run that answered, and at a lone recall
+        the kernel would take, served by the sidecar)."""
+        self._bell_fruitless = 0 if d.kernel_answers() > 0 else self._bell_fruitless + 1
+
+    def _rearm_pending(self) -> bool:
+        """Whether :meth:`_rearm_bell` may start the kernel once the sidecar is idle long enough:
+        a pass's stop asked for it, or a lone recall the kernel would take came last."""
+        d = self.dispatcher
+        return bool(BELL_REARM_NS) and bool(self.service.index.doorbell_k) and (  # type: ignore[union-attr]
+            self._bell_rearm or (not self._bell_idle_tried and d is not None and d.lone > 0))
 
     def _rearm_bell(self, now: int, last_work: int) -> bool:
-        """The restart :meth:`_note_bell_stop` asked for, once the sidecar has been idle for
-        ``BELL_REARM_NS`` since ``last_work`` (ns, monotonic): tried once (if a request waits
-        then, lone recalls start the kernel as usual). True if it was tried."""
-        if not self._bell_rearm or now - last_work < BELL_REARM_NS:
+        """Once the sidecar has been idle ``BELL_REARM_NS`` since ``last_work`` (ns, monotonic):
+        start the resident kernel if a pass's stop asked for it (:meth:`_note_bell_stop`), or if
+        the last request was a lone recall it would take (``Dispatcher.lone``) while the start
+        is not backing off: the next recall, a moment later (an agent's next turn), finds it
+        running, where 4 lone recalls in a row would be needed otherwise. Tried once per idle
+        spell (if a request waits then, it is served first). True if a start was tried."""
+        if now - last_work < BELL_REARM_NS or not self._rearm_pending():
             return False
-        self._bell_rearm = False
-        self._resume_doorbell_if_idle()
-        return True
+        d = self.dispatcher
+        assert d is not None
+        start = self._bell_rearm or d.lone_enough(1)
+        self._bell_rearm, self._bell_idle_tried = False, True
+        if start:
+            self._resume_doorbell_if_idle()
+        return start
 
     def _stop_idle_doorbell(self, now: int) -> None:
         """Housekeeping: stop a resident kernel that has answered nothing for
@@ -715,6 +756,8 @@ class Server:
             self._bell_idle = (served, now)
         elif now - self._bell_idle[1] > DOORBELL_IDLE_S * 1e9:
             idx.pause_doorbell()
+            if self.dispatcher is not None:
+                self._bell_run_ended(self.dispatcher)
 
     def _doorbell_failed(self) -> None:
         """The resident kernel could not be started or checked (not a sticky fault): serve
@@ -957,10 +1000,13 @@ _IDLE_WAIT_NS = 50_000_000  # longest doorbell wait: housekeeping and stop run b
 # the serve loop stops: where the host's time goes between a cohort's last request and its pass.
 PROFILE = os.environ.get("KALOS_PROFILE", "")
 DOORBELL_IDLE_S = float(os.environ.get("KALOS_DOORBELL_IDLE_S", "5"))  # stopped after this idle
-# A kernel that was answering when a pass stopped it (a write, most often) is restarted after
-# the sidecar has been idle this long (KALOS_BELL_REARM_MS; 0: only lone recalls restart it).
-# Idle, so that back-to-back traffic does not wait for a start (~0.2-0.4 ms of the host's time).
+# The resident kernel is started again after the sidecar has been idle this long, once a pass
+# stopped it (a write, most often) or after a lone recall it would take (Server._rearm_bell;
+# KALOS_BELL_REARM_MS, 0: only 4 lone recalls in a row start it). Idle, so that back-to-back
+# traffic does not wait for a start (~0.2-0.4 ms of the host's time); not after a pass's stop
+# of this many runs in a row that answered nothing, with no recall it would take in between.
 BELL_REARM_NS = int(float(os.environ.get("KALOS_BELL_REARM_MS", "1")) * 1_000_000)
+BELL_FRUITLESS_MAX = 2
 _PACE_MIN_MARGIN_NS = 250_000  # a timed wait oversleeps by ~0.1 ms on a small VM
 _PACE_MAX_GAP_NS = 100_000_000  # longer gaps are not predicted: the sidecar just sleeps
 
