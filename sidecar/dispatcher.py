@@ -284,13 +284,22 @@ class Dispatcher:
         """The resident kernel's answers since it last started (:meth:`kernel_started`)."""
         return self.service.index.doorbell_served() - self._served_at_start
 
+    def backing_off(self) -> bool:
+        """Whether the start waits for more lone recalls than usual (:meth:`lone_enough`):
+        scoped recalls the kernel did not take stopped it after short runs, the last less than
+        ``BELL_BACKOFF_NS`` ago."""
+        return bool(self._lone_need) and time.monotonic_ns() - self._declined_ns < BELL_BACKOFF_NS
+
+    def device_busy(self) -> bool:
+        """Whether a batch's search or the carousel's recalls are in flight on the device (a
+        start of the resident kernel would have to wait for them, or stop the carousel)."""
+        return self._inflight is not None or self.crowd_in_flight()
+
     def lone_enough(self, base: int) -> bool:
         """Whether enough lone recalls came in a row to start the resident kernel: ``base``
         of them, or the back-off's count while scoped recalls the kernel did not take have
         been stopping it after short runs (the last less than a second ago)."""
-        need = base
-        if self._lone_need and time.monotonic_ns() - self._declined_ns < BELL_BACKOFF_NS:
-            need = max(base, self._lone_need)
+        need = max(base, self._lone_need) if self.backing_off() else base
         return self.lone >= need
 
     def _kernel_declined(self, base: int) -> None:

@@ -208,12 +208,12 @@ class Server:
         self._arena_segs: dict[int, _ipc.Segment] = {}
         self._arena_tried = False
         self._bell_idle = (0, 0)  # the resident kernel's served count, and since when unchanged
-        # Restarts of the resident kernel once the sidecar is idle (_rearm_bell): one a pass's
-        # stop asked for; the kernel's runs in a row that ended without an answer; whether the
-        # start after a lone recall was tried since the last work
+        # Starts of the resident kernel once the sidecar is idle (_rearm_bell, _after_pass): one a
+        # pass's stop asked for; one a lone recall it would take asked for; the kernel's runs in
+        # a row that ended without an answer
         self._bell_rearm = False
+        self._bell_wanted = False
         self._bell_fruitless = 0
-        self._bell_idle_tried = False
         self._car_seg: _ipc.Segment | None = None  # the carousel's slots (KALOS_CAROUSEL=direct)
         self._car_words = (0, 0)  # the header's carousel_epoch and carousel_slots, as last published
         self._car_closed = False  # True after a re-publication: no direct slot is offered (_offer_carousel)
@@ -675,7 +675,7 @@ class Server:
         assert d is not None and self.service is not None
         if d.waiting().size or not self.service.doorbell_useful():
             return
-        self._bell_rearm = False
+        self._bell_rearm = self._bell_wanted = False
         try:
             self._publish_doorbell(True)  # a DOORBELL rung from now is taken once it starts
             d.settle()
@@ -690,30 +690,28 @@ class Server:
             self._publish_doorbell()  # as it is: not running if it could not start
 
     def _after_pass(self, d: Dispatcher, stopped: bool, declines: int) -> None:
-        """The resident kernel's restarts after a pass that worked (``stopped``: it stopped the
-        kernel; ``declines``: ``d.kernel_declines`` before it): a new idle spell, for
-        :meth:`_rearm_bell`; a lone recall the kernel would take makes restarts after writes
-        worth it again; and a stop asks for a restart (:meth:`_note_bell_stop`)."""
-        self._bell_idle_tried = False
+        """Book-keeping of the resident kernel's starts on idle (:meth:`_rearm_bell`) after a
+        pass that worked; ``stopped``: it stopped the kernel; ``declines``:
+        ``d.kernel_declines`` before it.
+
+        * A lone recall the kernel would take (``d.lone``) asks for a start once the sidecar is
+          idle (``_bell_wanted``): a write right after it does not undo that (an agent's search,
+          then its add, then the model's turn), where 4 lone recalls in a row never come.
+        * A stop asks for a restart (``_bell_rearm``; a write, most often), unless
+          ``BELL_FRUITLESS_MAX`` runs in a row answered nothing with no such recall in between
+          (writes alone, a pause between each, would restart it after every one).
+        * A scoped recall the running kernel did not take (a decline) cancels both: that is the
+          start's back-off's to handle (:meth:`Dispatcher.lone_enough`). So does a carousel
+          running (a crowd's: starting the kernel would stop it)."""
         if d.lone:
             self._bell_fruitless = 0
-        if stopped:
-            self._note_bell_stop(d, declines)
-
-    def _note_bell_stop(self, d: Dispatcher, declines: int) -> None:
-        """A pass stopped the resident kernel (a write, a batch, a recall only the sidecar
-        answers): restart it once the sidecar has been idle for ``BELL_REARM_NS``
-        (:meth:`_rearm_bell`), unless the stop was for a scoped recall it did not take (those
-        follow the start's back-off, :meth:`Dispatcher.lone_enough`) or ``BELL_FRUITLESS_MAX``
-        runs in a row answered nothing with no recall it would take in between (writes alone,
-        a pause between each, would restart it after every one). Without this only lone
-        recalls in a row start it, and an agent that writes a memory between its recalls (a
-        search, an add, a turn of seconds) would never find it running."""
-        if d.kernel_declines != declines:
-            self._bell_rearm = False
+            self._bell_wanted = True
+        if d.kernel_declines != declines or self.service.index.carousel_running:  # type: ignore[union-attr]
+            self._bell_rearm = self._bell_wanted = False
             return
-        self._bell_run_ended(d)
-        self._bell_rearm = bool(BELL_REARM_NS) and self._bell_fruitless < BELL_FRUITLESS_MAX
+        if stopped:
+            self._bell_run_ended(d)
+            self._bell_rearm = self._bell_fruitless < BELL_FRUITLESS_MAX
 
     def _bell_run_ended(self, d: Dispatcher) -> None:
         """A run of the resident kernel ended (a pass's stop, or idle): fruitless if it
@@ -722,25 +720,26 @@ class Server:
         self._bell_fruitless = 0 if d.kernel_answers() > 0 else self._bell_fruitless + 1
 
     def _rearm_pending(self) -> bool:
-        """Whether :meth:`_rearm_bell` may start the kernel once the sidecar is idle long enough:
-        a pass's stop asked for it, or a lone recall the kernel would take came last."""
-        d = self.dispatcher
-        return bool(BELL_REARM_NS) and bool(self.service.index.doorbell_k) and (  # type: ignore[union-attr]
-            self._bell_rearm or (not self._bell_idle_tried and d is not None and d.lone > 0))
+        """Whether :meth:`_rearm_bell` will start the kernel once the sidecar has been idle long
+        enough: asked for (:meth:`_after_pass`), with a kernel to start (not on a CPU index),
+        and the device free of a crowd's carousel and of a batch in flight."""
+        if not (self._bell_rearm or self._bell_wanted) or not BELL_REARM_NS:
+            return False
+        idx, d = self.service.index, self.dispatcher  # type: ignore[union-attr]
+        return bool(idx.doorbell_k) and not idx.carousel_running and d is not None and not d.device_busy()
 
     def _rearm_bell(self, now: int, last_work: int) -> bool:
-        """Once the sidecar has been idle ``BELL_REARM_NS`` since ``last_work`` (ns, monotonic):
-        start the resident kernel if a pass's stop asked for it (:meth:`_note_bell_stop`), or if
-        the last request was a lone recall it would take (``Dispatcher.lone``) while the start
-        is not backing off: the next recall, a moment later (an agent's next turn), finds it
-        running, where 4 lone recalls in a row would be needed otherwise. Tried once per idle
-        spell (if a request waits then, it is served first). True if a start was tried."""
+        """Once the sidecar has been idle ``BELL_REARM_NS`` since ``last_work`` (ns, monotonic),
+        start the resident kernel if :meth:`_after_pass` asked for it and the start is not
+        backing off (:meth:`Dispatcher.backing_off`): the next recall, a moment later (an
+        agent's next turn), finds it running. Tried once (if a request waits then, it is
+        served first, and lone recalls start the kernel as before). True if it was tried."""
         if now - last_work < BELL_REARM_NS or not self._rearm_pending():
             return False
         d = self.dispatcher
         assert d is not None
-        start = self._bell_rearm or d.lone_enough(1)
-        self._bell_rearm, self._bell_idle_tried = False, True
+        start = self._bell_rearm or not d.backing_off()
+        self._bell_rearm = self._bell_wanted = False
         if start:
             self._resume_doorbell_if_idle()
         return start
@@ -889,6 +888,8 @@ class Server:
             with contextlib.suppress(Exception):
                 self.dispatcher.refuse_all(Status.STOPPING, "the sidecar is re-publishing")
         self.dispatcher = None
+        self._bell_rearm = self._bell_wanted = False  # (no client of the new segment recalled yet)
+        self._bell_fruitless = 0
         if self.service is not None:
             with contextlib.suppress(Exception):
                 self.service.index.detach_segment()

@@ -1520,7 +1520,7 @@ def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eag
     ask(b'{"user":"u1"}', state=SlotState.DOORBELL, running=False)  # rung as the kernel stopped
     svc.upsert({"namespace": "mem", "ids": ["w"], "texts": ["t"], "metadatas": [{}]},
                rng.standard_normal((1, dim)).astype(np.float32))  # fmt: skip
-    assert d.kernel_declines == 0 and needs() == dmod.LONE_RECALLS
+    assert d.kernel_declines == 0 and needs() == dmod.LONE_RECALLS and not d.backing_off()
     want = dmod.LONE_RECALLS
     for _ in range(8):  # short runs: each doubles it, to the cap
         d.kernel_started()
@@ -1528,9 +1528,9 @@ def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eag
         ask(b'{"user":"u1"}')
         want = min(2 * want, dmod.BELL_BACKOFF_MAX)
         assert needs() == want
-    assert want == dmod.BELL_BACKOFF_MAX and d.kernel_declines == 8
+    assert want == dmod.BELL_BACKOFF_MAX and d.kernel_declines == 8 and d.backing_off()
     clock["ns"] += dmod.BELL_BACKOFF_NS + 1  # a second without such a stop: over
-    assert needs() == dmod.LONE_RECALLS
+    assert needs() == dmod.LONE_RECALLS and not d.backing_off()
     d.kernel_started()
     ask(b'{"user":"u2"}')  # a client that does not ring its filter (served no more since)
     assert needs() == 2 * dmod.LONE_RECALLS

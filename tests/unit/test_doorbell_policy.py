@@ -27,6 +27,7 @@ K = HEADER_OFFSETS["doorbell_k"]  # nonzero only while the kernel runs (or is ab
 class _Index:
     doorbell_k = 1024
     doorbell_spaces = 0
+    carousel_running = False
 
     def __init__(self, fail: bool = False) -> None:
         self.doorbell_running = False
@@ -253,43 +254,57 @@ def test_a_filter_is_started_with_the_rows_it_keeps_as_they_are_then() -> None:
 
 
 
+
 class _Stopped(_Dispatcher):
     """A dispatcher whose kernel had answered ``answers`` recalls when it last stopped, with
-    ``declines`` scoped recalls it did not take counted by then; ``lone`` lone recalls came
-    since (the back-off asks for ``need`` of them)."""
+    ``declines`` scoped recalls it did not take counted by then; ``lone`` lone recalls the
+    kernel would take came last; ``backing`` says whether the start backs off."""
 
-    def __init__(self, mm: mmap.mmap, answers: int, declines: int = 0, lone: int = 0, need: int = 1) -> None:
+    def __init__(self, mm: mmap.mmap, answers: int, declines: int = 0, lone: int = 0) -> None:
         super().__init__(mm)
-        self.answers, self.kernel_declines, self.lone, self.need = answers, declines, lone, need
+        self.answers, self.kernel_declines, self.lone = answers, declines, lone
+        self.backing = self.busy = False
 
     def kernel_answers(self) -> int:
         return self.answers
 
-    def lone_enough(self, base: int) -> bool:
-        return self.lone >= max(base, self.need)
+    def backing_off(self) -> bool:
+        return self.backing
+
+    def device_busy(self) -> bool:
+        return self.busy
 
 
-def idle_server(answers: int = 0, lone: int = 0, need: int = 1) -> tuple[Any, _Index, _Stopped]:
+def idle_server(answers: int = 0) -> tuple[Any, _Index, _Stopped]:
     """A server with a stopped kernel whose dispatcher says what :class:`_Stopped` says."""
     index = _Index()
     srv, _, mm = server(index)
-    srv._bell_rearm, srv._bell_fruitless, srv._bell_idle_tried = False, 0, False
-    srv.dispatcher = d = _Stopped(mm, answers, declines=3, lone=lone, need=need)
+    srv._bell_rearm, srv._bell_wanted, srv._bell_fruitless = False, False, 0
+    srv.dispatcher = d = _Stopped(mm, answers, declines=3)
     return srv, index, d
 
 
-def stopped(answers: int, declines_in_pass: int = 0, fruitless: int = 0) -> tuple[Any, _Index]:
-    """A server after a pass that stopped the kernel (``_after_pass`` as the serve loop calls
-    it): the kernel had answered ``answers``; the pass counted ``declines_in_pass`` scoped
-    recalls it did not take; ``fruitless`` runs before it had answered nothing."""
-    srv, index, d = idle_server(answers)
+def after_pass(srv: Any, *, stopped: bool = False, lone: int = 0, declined: bool = False) -> None:
+    """``_after_pass`` as the serve loop calls it after a pass that worked: ``stopped`` the
+    kernel, left ``lone`` lone recalls counted, ``declined`` a scoped recall."""
+    d = srv.dispatcher
+    before = d.kernel_declines
+    d.lone = lone
+    d.kernel_declines += declined
+    srv._after_pass(d, stopped, before)
+
+
+def stopped(answers: int, declined: bool = False, fruitless: int = 0) -> tuple[Any, _Index]:
+    """A server after a write's pass stopped the kernel, which had answered ``answers``;
+    ``fruitless`` runs before it had answered nothing."""
+    srv, index, _ = idle_server(answers)
     srv._bell_fruitless = fruitless
-    d.kernel_declines += declines_in_pass
-    srv._after_pass(d, True, 3)  # (the count before the pass)
+    after_pass(srv, stopped=True, declined=declined)
     return srv, index
 
 
 MS = 1_000_000
+FAR = 20_000 * MS  # a time long after the last work
 
 
 @pytest.fixture(autouse=True)
@@ -312,45 +327,90 @@ def test_a_kernel_a_write_stopped_is_restarted_once_the_sidecar_is_idle() -> Non
     assert not srv._rearm_bell(last + 5 * MS, last) and not index.doorbell_running  # once
 
 
+def test_a_lone_recall_then_a_write_then_an_idle_spell_starts_the_kernel() -> None:
+    """The memory store's turn: a search (a lone recall the kernel would take, answered by the
+    sidecar), an add right after it (lone back to 0, nothing to stop), then the model's turn:
+    the kernel is started in that pause, so the next search is its. Not before
+    ``BELL_REARM_NS`` idle; once."""
+    srv, index, _ = idle_server()
+    after_pass(srv, lone=1)  # the search
+    after_pass(srv, lone=0)  # the add
+    assert srv._rearm_pending() and not srv._rearm_bell(MS - 1, 0) and not index.doorbell_running
+    assert srv._rearm_bell(MS, 0) and index.doorbell_running
+    index.doorbell_running = False
+    assert not srv._rearm_pending() and not srv._rearm_bell(5 * MS, 0)  # once, until the next recall
+    after_pass(srv, lone=1)
+    assert srv._rearm_bell(7 * MS, 6 * MS) and index.doorbell_running
+
+
 def test_restarts_after_runs_that_answered_nothing_stop_after_two() -> None:
     """A kernel that answered nothing since its start is restarted after a write too (a start
-    after a recall, then the write: the next recall would have been its first), but not after
+    after a search, then the add: the next search would have been its first), but not after
     ``BELL_FRUITLESS_MAX`` such runs in a row (writes alone, a pause between each, would
     otherwise restart it after every one). A run that answered, or a lone recall the kernel
     would take, starts the count over."""
     for fruitless, restarts in ((0, True), (1, False)):
         srv, index = stopped(answers=0, fruitless=fruitless)
-        assert srv._rearm_bell(20_000 * MS, 0) == restarts and index.doorbell_running == restarts
+        assert srv._rearm_bell(FAR, 0) == restarts and index.doorbell_running == restarts
     srv, index = stopped(answers=1, fruitless=5)
-    assert srv._bell_fruitless == 0 and srv._rearm_bell(20_000 * MS, 0) and index.doorbell_running
-    srv, index, d = idle_server(answers=0)
+    assert srv._bell_fruitless == 0 and srv._rearm_bell(FAR, 0) and index.doorbell_running
+    srv, index, _ = idle_server(answers=0)
     srv._bell_fruitless = 5
-    d.lone = 1
-    srv._after_pass(d, False, 3)  # a recall the kernel would take, answered by the sidecar
+    after_pass(srv, lone=1)  # a recall the kernel would take, answered by the sidecar
     assert srv._bell_fruitless == 0
-    d.lone = 0
-    srv._after_pass(d, True, 3)  # then a write stopped a run that answered nothing: restarted
-    assert srv._bell_rearm and srv._rearm_bell(20_000 * MS, 0) and index.doorbell_running
+    srv._bell_wanted = False
+    after_pass(srv, stopped=True)  # then a write stopped a run that answered nothing: restarted
+    assert srv._bell_rearm and srv._rearm_bell(FAR, 0) and index.doorbell_running
 
 
-def test_no_restart_after_a_scoped_recall_the_kernel_did_not_take(monkeypatch) -> None:
-    """Negative controls: a stop for a scoped recall the kernel did not take follows the start's
-    back-off (Dispatcher.lone_enough), which a restart on idle would undo; and
-    ``KALOS_BELL_REARM_MS=0`` turns every restart on idle off."""
+def test_a_scoped_recall_the_kernel_did_not_take_cancels_the_starts_on_idle(monkeypatch) -> None:
+    """Negative controls: a stop for a scoped recall the kernel did not take is the start's
+    back-off's (Dispatcher.lone_enough), which a start on idle would undo, and it is not
+    counted as a fruitless run (a first, unserved filter's stop would use up the restarts an
+    agent's writes need); ``KALOS_BELL_REARM_MS=0`` turns every start on idle off."""
     import kalos_retrievers.sidecar.server as server_module
 
-    srv, index = stopped(answers=5, declines_in_pass=1)
-    assert not srv._bell_rearm and not srv._rearm_bell(20_000 * MS, 0) and not index.doorbell_running
+    srv, index = stopped(answers=0, declined=True, fruitless=1)
+    assert srv._bell_fruitless == 1 and not srv._bell_rearm and not srv._bell_wanted
+    assert not srv._rearm_bell(FAR, 0) and not index.doorbell_running
     monkeypatch.setattr(server_module, "BELL_REARM_NS", 0)
+    for srv, index in (stopped(answers=5), idle_server()[:2]):
+        after_pass(srv, lone=1)
+        assert not srv._rearm_pending() and not srv._rearm_bell(FAR, 0) and not index.doorbell_running
+
+
+def test_no_start_on_idle_while_the_start_backs_off() -> None:
+    """After a lone recall, while scoped recalls the kernel did not take keep the start
+    backing off: no start, and none tried again in the same idle spell (no spin on the
+    check). A restart a write's stop asked for is not the back-off's (the kernel was running)."""
+    srv, index, d = idle_server()
+    d.backing = True
+    after_pass(srv, lone=1)
+    assert not srv._rearm_bell(FAR, 0) and not index.doorbell_running and not srv._rearm_pending()
     srv, index = stopped(answers=5)
-    assert not srv._bell_rearm and not srv._rearm_bell(20_000 * MS, 0) and not index.doorbell_running
-    srv, index, _ = idle_server(lone=3)
-    assert not srv._rearm_pending() and not srv._rearm_bell(20_000 * MS, 0) and not index.doorbell_running
+    srv.dispatcher.backing = True
+    assert srv._rearm_bell(FAR, 0) and index.doorbell_running
+
+
+def test_no_start_on_idle_while_the_device_is_busy_or_a_carousel_runs() -> None:
+    """A crowd's carousel (starting the kernel stops it) or a batch in flight (the start would
+    settle it early): nothing is started on idle while either is there, and a carousel running
+    after a pass cancels the starts asked for before it."""
+    srv, index = stopped(answers=5)
+    srv.dispatcher.busy = True
+    assert not srv._rearm_pending() and not srv._rearm_bell(FAR, 0) and not index.doorbell_running
+    srv.dispatcher.busy = False
+    assert srv._rearm_pending()  # (still asked for once the batch is answered)
+    index.carousel_running = True
+    assert not srv._rearm_pending()
+    after_pass(srv, lone=1)  # a pass with the carousel running
+    index.carousel_running = False
+    assert not srv._bell_rearm and not srv._bell_wanted and not srv._rearm_bell(FAR, 0)
 
 
 def test_a_restart_due_while_a_request_waits_is_left_to_the_lone_recalls() -> None:
-    """A request waiting when the restart falls due is served first (as for any start); the
-    restart is not tried again: the lone recalls start the kernel from there."""
+    """A request waiting when the start falls due is served first (as for any start); the
+    start is not tried again: the lone recalls start the kernel from there."""
     srv, index = stopped(answers=5)
     srv.dispatcher.n_waiting = 1
     assert srv._rearm_bell(2 * MS, 0) and not index.doorbell_running and not srv._bell_rearm
@@ -358,46 +418,16 @@ def test_a_restart_due_while_a_request_waits_is_left_to_the_lone_recalls() -> No
     assert not srv._rearm_bell(4 * MS, 0) and not index.doorbell_running
 
 
-def test_a_start_by_lone_recalls_clears_a_pending_restart() -> None:
+def test_a_start_by_lone_recalls_clears_the_starts_asked_for() -> None:
     srv, index = stopped(answers=5)
-    srv._resume_doorbell_if_idle()  # (the lone recalls came first)
-    assert index.doorbell_running and not srv._bell_rearm
+    after_pass(srv, lone=4)
+    srv._resume_doorbell_if_idle()  # (the serve loop's start after 4 lone recalls)
+    assert index.doorbell_running and not srv._bell_rearm and not srv._bell_wanted
 
 
-def test_a_lone_recall_followed_by_an_idle_spell_starts_the_kernel() -> None:
-    """An agent's turn is a recall and then seconds of the model's work: the kernel is started
-    in that pause, so the next turn's recall is its (4 lone recalls in a row would never come
-    where a write follows each recall). Once per idle spell; not before ``BELL_REARM_NS``."""
-    srv, index, d = idle_server(lone=1)
-    assert srv._rearm_pending()
-    assert not srv._rearm_bell(MS - 1, 0) and not index.doorbell_running
-    assert srv._rearm_bell(MS, 0) and index.doorbell_running and d.lone == 0  # (kernel_started)
-    index.doorbell_running, d.lone = False, 1
-    assert not srv._rearm_pending() and not srv._rearm_bell(5 * MS, 0)  # once, until work comes
-    srv._bell_idle_tried = False  # (what the serve loop does after a pass that worked)
-    assert srv._rearm_bell(7 * MS, 6 * MS) and index.doorbell_running
-
-
-def test_no_start_after_a_lone_recall_while_the_start_backs_off() -> None:
-    """Negative controls: no lone recall (a write came last: lone 0); the back-off asking for
-    more lone recalls than came (scoped recalls the kernel did not take stopped it lately).
-    Neither starts the kernel, and neither is tried again in the same idle spell (no spin on
-    the check)."""
-    for kw in ({"lone": 0}, {"lone": 1, "need": 8}):
-        srv, index, _ = idle_server(**kw)
-        assert not srv._rearm_bell(20_000 * MS, 0) and not index.doorbell_running
-        assert not srv._rearm_pending()
-
-
-def test_a_stop_for_a_scoped_recall_not_taken_leaves_the_fruitless_count() -> None:
-    """Such stops are the back-off's to count (Dispatcher.lone_enough): not a fruitless run
-    (else a first, unserved filter's stop would use up the restarts an agent's writes need)."""
-    srv, _ = stopped(answers=0, declines_in_pass=1, fruitless=1)
-    assert srv._bell_fruitless == 1 and not srv._bell_rearm
-
-
-def test_an_index_without_a_resident_kernel_never_waits_for_a_restart() -> None:
-    """A CPU sidecar: no restart pending, so its serve loop sleeps as long as it would."""
-    srv, index, _ = idle_server(lone=1)
+def test_an_index_without_a_resident_kernel_never_waits_for_a_start() -> None:
+    """A CPU sidecar: no start pending, so its serve loop sleeps as long as it would."""
+    srv, index, _ = idle_server()
+    after_pass(srv, lone=1)
     index.doorbell_k = 0
     assert not srv._rearm_pending()
