@@ -1,4 +1,4 @@
-# session 50's next lease: the restarts on idle as extended in 302d0cc (a lone recall then an idle ms starts
+# session 50's next lease: the starts on idle as of d97301f (a lone recall, then an idle ms, starts
 # the kernel; restarts after writes until two fruitless runs): test_gpu_doorbell.py (its agent test now with
 # three users' filters), the filter and namespace files, then the memory store's add + 2 ms pause + search
 # with KALOS_BELL_REARM_MS=1 and 0 alternated (1,000 calls: the first second is the back-off after the first,
