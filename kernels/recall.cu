@@ -61,7 +61,10 @@
 // last one ended finds those there. H200, in process, builds alternated twice (S15-1): 100k
 // float16 rows 52.0 -> 49.4 µs scan + merge, 1M 357.3 -> 354.7, int8 1M 211.0 -> 208.4 (about
 // 11 MB fewer read from DRAM). (Keeping the first 37.5 MB of rows in L2 set aside for persisting
-// lines, evict_last, instead cost 40-80 µs at 1M: the set-aside slowed every scan, S15-2.)
+// lines, evict_last, instead cost 40-80 µs at 1M: the set-aside slowed every scan, S15-2. Without
+// a set-aside, by eviction priority alone: the first 32 MB evict_last and the rest evict_first
+// took 0.7 µs off a 100k scan on an H100 and nothing at 1M, S50-2..4; not kept,
+// docs/experiments/2026-12-06-s50-l2-keep-priorities.patch.)
 #ifndef KALOS_ALTERNATE
 #define KALOS_ALTERNATE 1
 #endif
@@ -258,49 +261,6 @@ __device__ __forceinline__ uint4 ld_row(const uint4* p) {
     }
 #endif
     return __ldg(p);
-}
-
-// Rows kept in L2 between scans (an experiment, off at 0): the first KALOS_L2_KEEP_MB megabytes
-// of rows are loaded with the L2 eviction priority KALOS_L2_KEEP_HINT (0: evict_normal, 1:
-// evict_last) and every later row with evict_first, so that a scan's stream of rows read once
-// is what L2 replaces, not the rows at the start that the next scan reads again. No set-aside
-// (cudaLimitPersistingL2CacheSize): S15-2's set-aside slowed every streaming scan. Measured on
-// an H100 (S50-2..4, resident kernel, 100k float16 rows of 768, scan + merge 55.5 µs): the
-// rest evict_first alone, nothing; evict_last on the first 32 MB, -0.7 µs (~2 MB read from L2);
-// 1M, nothing. L2 does not keep a fixed part of the rows across scans, so it stays off (and
-// with it on, the graph scan's float16 instance spills 4 bytes).
-#ifndef KALOS_L2_KEEP_MB
-#define KALOS_L2_KEEP_MB 0
-#endif
-#ifndef KALOS_L2_KEEP_HINT
-#define KALOS_L2_KEEP_HINT 0
-#endif
-__device__ __forceinline__ unsigned long long l2_policy(bool keep) {
-    unsigned long long pol = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if (!keep)
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    else if (KALOS_L2_KEEP_HINT)
-        asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-    else
-        asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
-#endif
-    return pol;
-}
-
-// ld_row<PF>, with the L2 eviction policy ``pol`` (l2_policy) while KALOS_L2_KEEP_MB is set
-template <int PF>
-__device__ __forceinline__ uint4 ld_row_pol(const uint4* p, unsigned long long pol) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if constexpr (KALOS_L2_KEEP_MB > 0) {
-        static_assert(PF == 0, "KALOS_L2_KEEP_MB: without an L2 prefetch size");
-        uint4 v;
-        asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
-        return v;
-    }
-#endif
-    return ld_row<PF>(p);
 }
 
 // Sort n (a power of two) (key, val) pairs in shared memory, descending by key; ties by val
@@ -1490,10 +1450,6 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
     int scan_cap = next_pow2(k + KALOS_BLOCK);  // k plus a block's worth of offers
     if (scan_cap > buf) scan_cap = buf;
     const uint4* base = reinterpret_cast<const uint4*>(data);
-    // KALOS_L2_KEEP_MB: rows below keep_rows are read with pol_keep, the others with pol_stream
-    const int keep_rows = KALOS_L2_KEEP_MB > 0 ? (int)(((long long)KALOS_L2_KEEP_MB << 20) / ((long long)chunks * 16)) : 0;
-    const unsigned long long pol_keep = KALOS_L2_KEEP_MB > 0 ? l2_policy(true) : 0ull;
-    const unsigned long long pol_stream = KALOS_L2_KEEP_MB > 0 ? l2_policy(false) : 0ull;
     // Rows by the round: with KALOS_DYNAMIC_ROWS, thread 0 asks the counter for the next round's
     // rows as a round begins (the atomic's latency hides behind the round's loads) and passes
     // them on through s_next, double-buffered: a slow thread may still read one entry while
@@ -1541,7 +1497,6 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
             constexpr bool split = QB == 1 && (Vec<T>::INT8 ? KALOS_SCAN_SPLIT_I8 : KALOS_SCAN_SPLIT_F);
             constexpr int UNROLL = !Vec<T>::INT8 ? 8 : split ? KALOS_UNROLL_I8_SPLIT : KALOS_UNROLL_I8;
             const uint4* rp = base + (size_t)row * chunks;
-            const unsigned long long pol = row < keep_rows ? pol_keep : pol_stream;
             int ch0 = lane;
             if constexpr (split) {
                 // whole spans of UNROLL chunks first, with no per-chunk bounds check: every chunk's
@@ -1557,7 +1512,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
                 for (; ch0 + (UNROLL - 1) * TPR < chunks; ch0 += UNROLL * TPR) {
                     uint4 v[UNROLL];
 #pragma unroll
-                    for (int u = 0; u < UNROLL; u++) v[u] = ld_row_pol<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch0 + u * TPR, pol);
+                    for (int u = 0; u < UNROLL; u++) v[u] = ld_row<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch0 + u * TPR);
 #pragma unroll
                     for (int u = 0; u < UNROLL; u++) {
 #pragma unroll
@@ -1577,7 +1532,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
 #pragma unroll
                 for (int u = 0; u < UNROLL; u++) {
                     int ch = ch0 + u * TPR;
-                    if (ch < chunks) v[u] = ld_row_pol<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch, pol);
+                    if (ch < chunks) v[u] = ld_row<Vec<T>::INT8 ? KALOS_L2PF_I8 : KALOS_L2PF_F>(rp + ch);
                 }
 #pragma unroll
                 for (int u = 0; u < UNROLL; u++) {

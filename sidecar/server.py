@@ -1006,7 +1006,7 @@ DOORBELL_IDLE_S = float(os.environ.get("KALOS_DOORBELL_IDLE_S", "5"))  # stopped
 # KALOS_BELL_REARM_MS, 0: only 4 lone recalls in a row start it). Idle, so that back-to-back
 # traffic does not wait for a start (~0.2-0.4 ms of the host's time); not after a pass's stop
 # of this many runs in a row that answered nothing, with no recall it would take in between.
-BELL_REARM_NS = int(float(os.environ.get("KALOS_BELL_REARM_MS", "1")) * 1_000_000)
+BELL_REARM_NS = max(0, int(float(os.environ.get("KALOS_BELL_REARM_MS", "1")) * 1_000_000))
 BELL_FRUITLESS_MAX = 2
 _PACE_MIN_MARGIN_NS = 250_000  # a timed wait oversleeps by ~0.1 ms on a small VM
 _PACE_MAX_GAP_NS = 100_000_000  # longer gaps are not predicted: the sidecar just sleeps

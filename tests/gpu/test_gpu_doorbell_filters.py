@@ -255,5 +255,8 @@ def test_more_filters_in_turn_than_the_kernel_serves_do_not_stop_and_start_it_ag
     assert starts <= 10, (starts, answered)
     time.sleep(1.1)  # (a second without such a stop: the back-off is over)
     starts, answered = turns(6, 360)  # the control
-    assert starts <= 3 and answered >= 300, (starts, answered)
+    # (up to 4: since session 50 a lone recall followed by an idle millisecond starts the
+    # kernel, which can come before all 6 scopes are noted: a review's model put the chance
+    # of a fourth start at ~3%)
+    assert starts <= 4 and answered >= 300, (starts, answered)
     c.close()
