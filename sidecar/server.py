@@ -214,6 +214,7 @@ class Server:
         self._bell_rearm = False
         self._bell_wanted = False
         self._bell_fruitless = 0
+        self._bell_answered = 0  # when _settle last answered a search (ns, monotonic)
         self._car_seg: _ipc.Segment | None = None  # the carousel's slots (KALOS_CAROUSEL=direct)
         self._car_words = (0, 0)  # the header's carousel_epoch and carousel_slots, as last published
         self._car_closed = False  # True after a re-publication: no direct slot is offered (_offer_carousel)
@@ -575,7 +576,7 @@ class Server:
             assert d is not None and self.seg is not None
             worked = 0
             idx = self.service.index  # type: ignore[union-attr]
-            was_running, declines = idx.doorbell_running, d.kernel_declines
+            was_running, declines, lone = idx.doorbell_running, d.kernel_declines, d.lone
             try:
                 t_poll = time.monotonic_ns()
                 worked = d.poll()
@@ -601,12 +602,12 @@ class Server:
                     log.exception("answering the requests the failed pass left failed")
             if worked:
                 # (outside the try above: a fatal device error here must end the loop)
-                self._after_pass(d, was_running and not idx.doorbell_running, declines)
+                self._after_pass(d, was_running and not idx.doorbell_running, declines, lone)
                 if d.lone_enough(LONE_RECALLS):  # a client recalling alone: start the kernel
                     self._resume_doorbell_if_idle()
                 continue
             now = time.monotonic_ns()
-            if self._rearm_bell(now, pace.last_work):
+            if self._rearm_bell(now, max(pace.last_work, self._bell_answered)):
                 continue
             if now >= next_housekeeping:
                 next_housekeeping = now + 250_000_000
@@ -643,7 +644,7 @@ class Server:
                 continue  # poll again before sleeping: the drain may have taken a new request's post
             sleep_ns = pace.sleep_ns(now)
             if sleep_ns and self._rearm_pending():  # (awake when the restart falls due)
-                sleep_ns = max(min(sleep_ns, pace.last_work + BELL_REARM_NS - now), 1)
+                sleep_ns = max(min(sleep_ns, max(pace.last_work, self._bell_answered) + BELL_REARM_NS - now), 1)
             if not sleep_ns or d.crowd_in_flight():
                 continue  # (the carousel's answers are posted by this loop: poll on until they are in)
             # (The resident kernel need not run while we sleep: while it is stopped the header
@@ -658,9 +659,12 @@ class Server:
     def _settle(self, d: Dispatcher) -> int:
         """``d.settle()``, a device fault in it ending the sidecar as any other does."""
         try:
-            return d.settle()
+            n = d.settle()
         except FatalDeviceError as e:
             self._fatal_device(e)
+        if n:  # (answers the loop's passes did not: the idle before a start counts from them too)
+            self._bell_answered = time.monotonic_ns()
+        return n
 
     def _resume_doorbell_if_idle(self) -> None:
         """(Re)start the index's resident kernel, unless a request waits (the next pass serves
@@ -689,21 +693,23 @@ class Server:
         finally:
             self._publish_doorbell()  # as it is: not running if it could not start
 
-    def _after_pass(self, d: Dispatcher, stopped: bool, declines: int) -> None:
+    def _after_pass(self, d: Dispatcher, stopped: bool, declines: int, lone: int) -> None:
         """Book-keeping of the resident kernel's starts on idle (:meth:`_rearm_bell`) after a
-        pass that worked; ``stopped``: it stopped the kernel; ``declines``:
-        ``d.kernel_declines`` before it.
+        pass that worked; ``stopped``: it stopped the kernel; ``declines`` and ``lone``:
+        ``d.kernel_declines`` and ``d.lone`` before it.
 
-        * A lone recall the kernel would take (``d.lone``) asks for a start once the sidecar is
-          idle (``_bell_wanted``): a write right after it does not undo that (an agent's search,
-          then its add, then the model's turn), where 4 lone recalls in a row never come.
+        * A lone recall the kernel would take (``d.lone`` grew) asks for a start once the
+          sidecar is idle (``_bell_wanted``): a write right after it does not undo that (an
+          agent's search, then its add, then the model's turn), where 4 lone recalls in a row
+          never come. (Requests served beside the kernel, stats or a ping, leave ``d.lone`` as
+          it was: they ask for nothing again.)
         * A stop asks for a restart (``_bell_rearm``; a write, most often), unless
           ``BELL_FRUITLESS_MAX`` runs in a row answered nothing with no such recall in between
           (writes alone, a pause between each, would restart it after every one).
         * A scoped recall the running kernel did not take (a decline) cancels both: that is the
           start's back-off's to handle (:meth:`Dispatcher.lone_enough`). So does a carousel
           running (a crowd's: starting the kernel would stop it)."""
-        if d.lone:
+        if d.lone > lone:
             self._bell_fruitless = 0
             self._bell_wanted = True
         if d.kernel_declines != declines or self.service.index.carousel_running:  # type: ignore[union-attr]
@@ -729,10 +735,12 @@ class Server:
         return bool(idx.doorbell_k) and not idx.carousel_running and d is not None and not d.device_busy()
 
     def _rearm_bell(self, now: int, last_work: int) -> bool:
-        """Once the sidecar has been idle ``BELL_REARM_NS`` since ``last_work`` (ns, monotonic),
-        start the resident kernel if :meth:`_after_pass` asked for it and the start is not
-        backing off (:meth:`Dispatcher.backing_off`): the next recall, a moment later (an
-        agent's next turn), finds it running. Tried once (if a request waits then, it is
+        """Once the sidecar has been idle ``BELL_REARM_NS`` since ``last_work`` (ns, monotonic:
+        its last pass's work or answer), start the resident kernel if :meth:`_after_pass` asked
+        for it: the next recall, a moment later (an agent's next turn), finds it running. A
+        start asked for by a lone recall waits while the start backs off
+        (:meth:`Dispatcher.backing_off`); a restart after a pass's stop does not (the kernel was
+        running: the back-off had let it start). Tried once (if a request waits then, it is
         served first, and lone recalls start the kernel as before). True if it was tried."""
         if now - last_work < BELL_REARM_NS or not self._rearm_pending():
             return False
@@ -889,7 +897,7 @@ class Server:
                 self.dispatcher.refuse_all(Status.STOPPING, "the sidecar is re-publishing")
         self.dispatcher = None
         self._bell_rearm = self._bell_wanted = False  # (no client of the new segment recalled yet)
-        self._bell_fruitless = 0
+        self._bell_fruitless = self._bell_answered = 0
         if self.service is not None:
             with contextlib.suppress(Exception):
                 self.service.index.detach_segment()

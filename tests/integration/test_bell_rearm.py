@@ -52,18 +52,24 @@ def stand_in(srv: Server) -> list[float]:
 
 
 @pytest.fixture
-def server() -> Iterator[Server]:
-    with serving(ServeConfig(name=unique_name("rearm"), dim=DIM, metric="ip", device="cpu", slots=4)) as srv:
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The sidecar; ``spin_us`` from the test's parameter ``spin_us`` if it has one (0: the loop
+    never spins, so between requests it sleeps its longest, 50 ms, unless cut short)."""
+    spin = getattr(request, "param", 1000.0)
+    cfg = ServeConfig(name=unique_name("rearm"), dim=DIM, metric="ip", device="cpu", slots=4, spin_us=spin)
+    with serving(cfg) as srv:
         yield srv
 
 
+@pytest.mark.parametrize("server", [0.0], indirect=True)
 @pytest.mark.parametrize("rearm_ms", [1.0, 0.0], ids=["rearm", "control"])
 def test_a_write_that_stops_the_kernel_is_followed_by_a_start_a_millisecond_later(
     server: Server, monkeypatch: pytest.MonkeyPatch, rearm_ms: float
 ) -> None:
     """A write's pass stops the kernel; once the sidecar has been idle 1 ms the loop starts it
-    again: within a few ms, not at the end of the loop's longest sleep (50 ms: the sleep is
-    cut short for it). Control: ``KALOS_BELL_REARM_MS=0``, no start in 200 ms."""
+    again: within a few ms, not at the end of the loop's sleep (a loop that does not spin
+    sleeps 50 ms: the sleep is cut short for it). Control: ``KALOS_BELL_REARM_MS=0``, no
+    start in 200 ms."""
     import kalos_retrievers.sidecar.server as server_module
 
     monkeypatch.setattr(server_module, "BELL_REARM_NS", int(rearm_ms * 1e6))
@@ -78,7 +84,7 @@ def test_a_write_that_stops_the_kernel_is_followed_by_a_start_a_millisecond_late
     if not rearm_ms:
         assert starts == []
         return
-    assert len(starts) == 1, starts  # once: the run it started answered nothing
+    assert len(starts) == 1, starts  # once (one stop)
     assert starts[0] - t_write < 0.02, f"started {1000 * (starts[0] - t_write):.1f} ms after the write"
 
 

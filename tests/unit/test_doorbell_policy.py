@@ -284,14 +284,16 @@ def idle_server(answers: int = 0) -> tuple[Any, _Index, _Stopped]:
     return srv, index, d
 
 
-def after_pass(srv: Any, *, stopped: bool = False, lone: int = 0, declined: bool = False) -> None:
+def after_pass(srv: Any, *, stopped: bool = False, lone: int | None = None, declined: bool = False) -> None:
     """``_after_pass`` as the serve loop calls it after a pass that worked: ``stopped`` the
-    kernel, left ``lone`` lone recalls counted, ``declined`` a scoped recall."""
+    kernel, left ``lone`` lone recalls counted (None: as before it), ``declined`` a scoped
+    recall."""
     d = srv.dispatcher
-    before = d.kernel_declines
-    d.lone = lone
+    before, lone_before = d.kernel_declines, d.lone
+    if lone is not None:
+        d.lone = lone
     d.kernel_declines += declined
-    srv._after_pass(d, stopped, before)
+    srv._after_pass(d, stopped, before, lone_before)
 
 
 def stopped(answers: int, declined: bool = False, fruitless: int = 0) -> tuple[Any, _Index]:
@@ -377,6 +379,21 @@ def test_a_scoped_recall_the_kernel_did_not_take_cancels_the_starts_on_idle(monk
     for srv, index in (stopped(answers=5), idle_server()[:2]):
         after_pass(srv, lone=1)
         assert not srv._rearm_pending() and not srv._rearm_bell(FAR, 0) and not index.doorbell_running
+
+
+def test_requests_served_beside_the_kernel_do_not_ask_for_a_start_again() -> None:
+    """Stats or a ping after a lone recall leave the dispatcher's lone count as it was: once
+    the start that recall asked for was tried (here: skipped, backing off) or cancelled by a
+    decline, they do not ask for it again (the kernel would hold every SM for 5 s for nothing)."""
+    srv, index, d = idle_server()
+    d.backing = True
+    after_pass(srv, lone=1)  # the recall
+    assert not srv._rearm_bell(FAR, 0)  # tried: backing off
+    d.backing = False
+    after_pass(srv)  # a stats request: lone still 1
+    assert not srv._rearm_pending() and not srv._rearm_bell(2 * FAR, FAR) and not index.doorbell_running
+    after_pass(srv, lone=2)  # another lone recall does ask
+    assert srv._rearm_bell(3 * FAR, 2 * FAR) and index.doorbell_running
 
 
 def test_no_start_on_idle_while_the_start_backs_off() -> None:
