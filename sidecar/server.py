@@ -607,7 +607,8 @@ class Server:
                     self._resume_doorbell_if_idle()
                 continue
             now = time.monotonic_ns()
-            if self._rearm_bell(now, max(pace.last_work, self._bell_answered)):
+            quiet_since = max(pace.last_work, self._bell_answered)  # (the last work or answer)
+            if self._rearm_bell(now, quiet_since):
                 continue
             if now >= next_housekeeping:
                 next_housekeeping = now + 250_000_000
@@ -644,7 +645,7 @@ class Server:
                 continue  # poll again before sleeping: the drain may have taken a new request's post
             sleep_ns = pace.sleep_ns(now)
             if sleep_ns and self._rearm_pending():  # (awake when the restart falls due)
-                sleep_ns = max(min(sleep_ns, max(pace.last_work, self._bell_answered) + BELL_REARM_NS - now), 1)
+                sleep_ns = max(min(sleep_ns, quiet_since + BELL_REARM_NS - now), 1)
             if not sleep_ns or d.crowd_in_flight():
                 continue  # (the carousel's answers are posted by this loop: poll on until they are in)
             # (The resident kernel need not run while we sleep: while it is stopped the header
@@ -726,7 +727,7 @@ class Server:
         self._bell_fruitless = 0 if d.kernel_answers() > 0 else self._bell_fruitless + 1
 
     def _rearm_pending(self) -> bool:
-        """Whether :meth:`_rearm_bell` will start the kernel once the sidecar has been idle long
+        """Whether :meth:`_rearm_bell` has a start to try once the sidecar has been idle long
         enough: asked for (:meth:`_after_pass`), with a kernel to start (not on a CPU index),
         and the device free of a crowd's carousel and of a batch in flight."""
         if not (self._bell_rearm or self._bell_wanted) or not BELL_REARM_NS:
