@@ -21,6 +21,7 @@ what it names: ``search(agent_id="planner")`` sees that agent's memories of ever
 from __future__ import annotations
 
 import asyncio
+import functools
 import numbers
 import secrets
 import threading
@@ -590,7 +591,11 @@ def _translate_filter(flt: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
 def _iso(ts: float) -> str:
+    """A stored time (POSIX seconds) as ISO 8601 in UTC, as mem0 gives it. Cached: two per
+    result, and an agent recalls the same memories again and again; ``isoformat`` took ~2.8 µs
+    a call on the development VM, most of a search's result building (session 51)."""
     return datetime.fromtimestamp(ts, UTC).isoformat()
 
 

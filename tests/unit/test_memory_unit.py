@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.embeddings import MockEmbedding
 
 from kalos_retrievers.filters import matches, validate_filter
-from kalos_retrievers.memory import Embedder, KalosMemory, _messages, _translate_filter
+from kalos_retrievers.memory import Embedder, KalosMemory, _iso, _messages, _translate_filter
 
 
 @pytest.fixture
@@ -172,3 +173,15 @@ def test_ids_sort_in_creation_order() -> None:
     assert ids == sorted(ids)
     assert len(set(ids)) == 9
     assert all(len(i) == 36 and i.count("-") == 4 for i in ids)  # UUID-shaped
+
+
+def test_times_read_as_iso_utc_each_its_own_though_cached() -> None:
+    # _iso keeps its answers (an agent recalls the same memories again and again): each time
+    # still gets its own string, the one datetime gives, a second call the same one
+    times = [1_764_633_600.0, 1_764_633_600.000001, 1_764_633_601.5, 1_764_633_600.25, 0.0, 1_764_633_600.0]
+    want = [datetime.fromtimestamp(t, UTC).isoformat() for t in times]
+    assert [_iso(t) for t in times] == want
+    assert [_iso(t) for t in reversed(times)] == want[::-1]
+    assert want[0] == "2025-12-02T00:00:00+00:00" and want[1] == "2025-12-02T00:00:00.000001+00:00"
+    assert len(set(want)) == 5
+    assert datetime.fromisoformat(_iso(1_764_633_601.5)).timestamp() == 1_764_633_601.5
