@@ -186,6 +186,10 @@ class Dispatcher:
         self._declined_ns = 0  # when a scoped recall last stopped the running kernel
         self._served_at_start = 0  # the kernel's answers when it last started (kernel_started)
         self.kernel_declines = 0
+        # Declines while the kernel's table fills up (_learned): no sign of more scopes in turn
+        # than it serves, so they neither back its start off nor cancel a start on idle.
+        self.kernel_learns = 0
+        self._known_at_start: frozenset[bytes] = frozenset()  # Service.bell_known() at kernel_started
         # slot -> when its last batched recall was picked up (see _queue_behind), or boarded the carousel
         self._seen: dict[int, int] = {}
         self.crowd_min = CAROUSEL_MIN
@@ -266,9 +270,15 @@ class Dispatcher:
         req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
         kernel = (req.op == Op.RECALL and req.n_items == 1 and req.flags in _KERNEL_FLAGS
                   and 0 < req.top_k <= idx.doorbell_k)  # fmt: skip
-        if kernel and req.args_len and not bell and idx.doorbell_running:
-            self._kernel_declined(LONE_RECALLS)  # (handed back, or never rung: it stops the kernel)
-        if kernel and (req.args_len == 0 or (idx.doorbell_spaces and self._bell_space(i, req))):
+        # (handed back, or never rung: it stops the kernel)
+        declined = kernel and req.args_len and not bell and idx.doorbell_running
+        counts = kernel and (req.args_len == 0 or (idx.doorbell_spaces and self._bell_space(i, req)))
+        if declined:
+            if self._learned(i, req):
+                self.kernel_learns += 1
+            else:
+                self._kernel_declined(LONE_RECALLS)
+        if counts:
             return self.lone + 1
         if bell:  # (a DOORBELL the stopped kernel left: the client rang it as one it takes)
             return self.lone + 1
@@ -279,6 +289,7 @@ class Dispatcher:
         the kernel's answers from here on count for the back-off (:meth:`lone_enough`)."""
         self.lone = 0
         self._served_at_start = self.service.index.doorbell_served()
+        self._known_at_start = self.service.bell_known()
 
     def kernel_answers(self) -> int:
         """The resident kernel's answers since it last started (:meth:`kernel_started`)."""
@@ -316,6 +327,22 @@ class Dispatcher:
             self._lone_need = 0
         self._declined_ns = now
         self.kernel_declines += 1
+
+    def _learned(self, i: int, req: Request) -> bool:
+        """Whether the kernel's table is filling up, so that slot ``i``'s recall ``req``, which
+        the running kernel declined, is no sign of more scopes in turn than it serves: its
+        scope is neither in the table the kernel runs with nor among the scopes decoded for it
+        at its start (:meth:`Service.bell_known`), and the scopes recalled alone in the last
+        ``BELL_BACKOFF_NS`` (:meth:`Service.bell_recent`, this one included) leave room in the
+        table for one more. A new user's first search (noted now) and second (served from the
+        next start) are such declines: each costs a start, where the back-off would hand every
+        user's searches to the sidecar for a second. (A scope declined although it was in the
+        table, or a client that does not ring a scope the kernel serves, is the back-off's.)"""
+        svc = self.service
+        if svc.bell_recent(time.monotonic_ns() - BELL_BACKOFF_NS) >= svc.index.doorbell_spaces:
+            return False
+        args = self._args(i, req)
+        return args not in self._known_at_start and args not in svc.index.bell_served_spaces
 
     def _bell_space(self, i: int, req: Request) -> bool:
         """Whether slot ``i``'s recall ``req`` (batch 1, with args) is one the resident kernel

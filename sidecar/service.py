@@ -56,6 +56,7 @@ class Service:
         # note_bell_space's, oldest first: (namespace, filter or None) by the recalls' args;
         # None: noted by note_bell_args, not decoded yet
         self._bell_spaces: OrderedDict[bytes, tuple[str, Any] | None] = OrderedDict()
+        self._bell_seen: dict[bytes, int] = {}  # when each of them was last noted (monotonic ns)
 
     # ------------------------------------------------------------------ start-up
     def load(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -374,12 +375,17 @@ class Service:
         spaces = self._bell_spaces
         was = key in spaces
         spaces[key] = (namespace, flt)
+        self._bell_seen[key] = time.monotonic_ns()
         if was:
             spaces.move_to_end(key)
             return True
-        while len(spaces) > self.index.doorbell_spaces:
-            spaces.popitem(last=False)
+        self._trim_bell_spaces()
         return False
+
+    def _trim_bell_spaces(self) -> None:
+        spaces = self._bell_spaces
+        while len(spaces) > self.index.doorbell_spaces:
+            self._bell_seen.pop(spaces.popitem(last=False)[0], None)
 
     def note_bell_args(self, key: bytes) -> bool:
         """:meth:`note_bell_space` of a scope known by its args alone, not decoded: a scope
@@ -388,16 +394,28 @@ class Service:
         VM). Returns whether it was noted already (its :meth:`bell_scope` then says whether
         it was decoded since)."""
         spaces = self._bell_spaces
+        self._bell_seen[key] = time.monotonic_ns()
         if key in spaces:
             return True
         spaces[key] = None
-        while len(spaces) > self.index.doorbell_spaces:
-            spaces.popitem(last=False)
+        self._trim_bell_spaces()
         return False
+
+    def bell_known(self) -> frozenset[bytes]:
+        """The args of the noted scopes that are decoded (recalled more than once): those the
+        resident kernel serves from its next start, where their namespaces hold rows."""
+        return frozenset(k for k, v in self._bell_spaces.items() if v is not None)
+
+    def bell_recent(self, since_ns: int) -> int:
+        """How many of the noted scopes (:meth:`note_bell_space`, :meth:`note_bell_args`)
+        were last noted at or after ``since_ns`` (monotonic ns): the scopes recalled alone
+        lately, which compete for the kernel's table."""
+        return sum(1 for t in self._bell_seen.values() if t >= since_ns)
 
     def forget_bell_space(self, key: bytes) -> None:
         """Drop the scope noted under ``key`` (args that do not decode, or a filter refused)."""
         self._bell_spaces.pop(key, None)
+        self._bell_seen.pop(key, None)
 
     def bell_scope(self, key: bytes) -> tuple[str, Any] | None:
         """(namespace, filter) of the scope noted under ``key``, if it is noted and decoded:

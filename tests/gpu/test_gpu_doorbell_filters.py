@@ -226,7 +226,7 @@ def test_more_filters_in_turn_than_the_kernel_serves_do_not_stop_and_start_it_ag
     filter it does not serve stops it, and the start backs off (Dispatcher.lone_enough), so 360
     recalls start it a handful of times (without the back-off, every few recalls: ~20 starts
     per 300 in a review's model). Every answer stays exact. The control: 6 users, fewer than
-    it serves, are almost all the kernel's, from a start or two."""
+    it serves, are almost all the kernel's, from a start or so per user."""
     rng = np.random.default_rng()
     dim = 33
     sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
@@ -255,8 +255,8 @@ def test_more_filters_in_turn_than_the_kernel_serves_do_not_stop_and_start_it_ag
     assert starts <= 10, (starts, answered)
     time.sleep(1.1)  # (a second without such a stop: the back-off is over)
     starts, answered = turns(6, 360)  # the control
-    # (up to 4: since session 50 a lone recall followed by an idle millisecond starts the
-    # kernel, which can come before all 6 scopes are noted: a review's model put the chance
-    # of a fourth start at ~3%)
-    assert starts <= 4 and answered >= 300, (starts, answered)
+    # (up to 7: since session 51 a scope the kernel declines while its table has room costs a
+    # start, not the back-off's second, at most one per user (Dispatcher._learned), and since
+    # session 50 a lone recall followed by an idle millisecond starts it too)
+    assert starts <= 7 and answered >= 300, (starts, answered)
     c.close()

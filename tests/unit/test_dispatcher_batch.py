@@ -1521,6 +1521,10 @@ def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eag
     svc.upsert({"namespace": "mem", "ids": ["w"], "texts": ["t"], "metadatas": [{}]},
                rng.standard_normal((1, dim)).astype(np.float32))  # fmt: skip
     assert d.kernel_declines == 0 and needs() == dmod.LONE_RECALLS and not d.backing_off()
+    for user in (b'{"user":"u1"}', b'{"user":"u2"}'):  # each scope's first decline: a new user's, not
+        d.kernel_started()  # a sign of too many scopes (test_a_new_scopes_decline_does_not_back_off)
+        ask(user)
+    assert d.kernel_learns == 2 and d.kernel_declines == 0 and needs() == dmod.LONE_RECALLS
     want = dmod.LONE_RECALLS
     for _ in range(8):  # short runs: each doubles it, to the cap
         d.kernel_started()
@@ -1532,12 +1536,94 @@ def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eag
     clock["ns"] += dmod.BELL_BACKOFF_NS + 1  # a second without such a stop: over
     assert needs() == dmod.LONE_RECALLS and not d.backing_off()
     d.kernel_started()
-    ask(b'{"user":"u2"}')  # a client that does not ring its filter (served no more since)
+    idx.bell_served_spaces = (encode_recall_args("mem", b'{"user":"u2"}'),)  # type: ignore[misc]
+    ask(b'{"user":"u2"}')  # a client that does not ring a filter the kernel serves
     assert needs() == 2 * dmod.LONE_RECALLS
     d.kernel_started()
     served["n"] += dmod.BELL_RUN_MIN  # a run long enough: over
     ask(b'{"user":"u2"}')
     assert needs() == dmod.LONE_RECALLS and d.kernel_declines == 10
+
+
+def test_declines_while_the_kernels_table_fills_up_do_not_back_off(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A scoped recall the running kernel hands back after a short run backs its start off (the
+    test above) unless its table is filling up (Dispatcher._learned): the scope was not in the
+    table at the kernel's start, and the scopes recalled alone in the last second leave room in
+    it. A new user's first search (noted) and second (served from the next start) then count as
+    ``kernel_learns``, not ``kernel_declines`` (which cancel the starts on idle), the second as
+    lone too; so does a new scope once those the table holds are not recalled any more.
+    Negative controls: the scope declined again once it was in the table at the start; a table
+    with no room left after the noting, or full; a scope the kernel serves, sent unrung."""
+    import kalos_retrievers.sidecar.dispatcher as dmod
+
+    k, dim = 3, 5
+    lay, mm, svc, _, d, _states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
+    rng = np.random.default_rng()
+    svc.upsert({"namespace": "mem", "ids": [f"m{i}" for i in range(9)], "texts": ["t"] * 9,
+                "metadatas": [{"user": f"u{i % 3}"} for i in range(9)]},
+               rng.standard_normal((9, dim)).astype(np.float32))  # fmt: skip
+    idx = svc.index
+    idx.doorbell_k, idx.doorbell_spaces, idx.doorbell_args = 16, 8, 128  # type: ignore[misc]
+    idx.doorbell_served = lambda: 0  # type: ignore[method-assign]  # every run a short one
+    clock = {"ns": 10**12}
+    monkeypatch.setattr(dmod.time, "monotonic_ns", lambda: clock["ns"])
+    np.frombuffer(mm, np.float32, dim, lay.slot_offset(0) + lay.payload_offset)[:] = rng.standard_normal(dim)
+    seq = 0
+
+    def ask(user: str, running: bool = True) -> None:
+        nonlocal seq
+        seq += 1
+        _write_scoped_recall(mm, lay, 0, seq, k, dim, "mem", b'{"user":"%s"}' % user.encode(), SlotState.REQUEST)
+        idx.doorbell_running = running  # type: ignore[misc]
+        assert d.poll() == 1
+        d.settle()
+
+    def backs_off() -> bool:
+        lone, d.lone = d.lone, dmod.LONE_RECALLS
+        try:
+            return not d.lone_enough(dmod.LONE_RECALLS)
+        finally:
+            d.lone = lone
+
+    def over() -> None:  # a second without a decline: any back-off over
+        clock["ns"] += dmod.BELL_BACKOFF_NS + 1
+        assert not backs_off()
+
+    d.kernel_started()
+    ask("u1")  # a new user's first search, handed back: noted, no back-off, not lone yet
+    assert (d.kernel_learns, d.kernel_declines, d.lone) == (1, 0, 0) and not backs_off()
+    ask("u1")  # its second: noted for the next start, where it was not at this one
+    assert (d.kernel_learns, d.kernel_declines, d.lone) == (2, 0, 1) and not backs_off()
+    d.kernel_started()  # (with u1 in its table)
+    ask("u1")  # declined again although served from this start: the back-off's
+    assert (d.kernel_learns, d.kernel_declines) == (2, 1) and backs_off()
+    over()
+    for user in ("u1", "u2", "u2"):  # (u1 and u2 recalled again: noted lately, decoded)
+        ask(user, running=False)
+    idx.doorbell_spaces = 3  # type: ignore[misc]  # a table of three
+    d.kernel_started()
+    ask("u0")  # the third scope lately: no room left after it
+    assert (d.kernel_learns, d.kernel_declines) == (2, 2) and backs_off()
+    over()
+    for user in ("u1", "u2", "u0"):
+        ask(user, running=False)
+    d.kernel_started()
+    ask("u5")  # a new user's first search, in a full table: drops u1
+    assert (d.kernel_learns, d.kernel_declines) == (2, 3) and backs_off()
+    assert encode_recall_args("mem", b'{"user":"u1"}') not in svc.bell_known()
+    assert len(svc._bell_seen) == 3  # (the times of the noted scopes only: a dropped one's goes)
+    over()  # a second later: the scopes noted are no longer recalled lately
+    d.kernel_started()
+    ask("u7")  # the table full of scopes no one recalls now: learned
+    assert (d.kernel_learns, d.kernel_declines) == (3, 3) and not backs_off()
+    idx.doorbell_spaces = 8  # type: ignore[misc]
+    d.kernel_started()
+    idx.bell_served_spaces = (encode_recall_args("mem", b'{"user":"u6"}'),)  # type: ignore[misc]
+    ask("u6")  # room, but a scope the kernel serves (a client that does not ring it)
+    assert (d.kernel_learns, d.kernel_declines) == (3, 4) and backs_off()
+    over()
+    ask("u1")  # room, and u1 (dropped above) not in the table: learned again
+    assert (d.kernel_learns, d.kernel_declines) == (4, 4) and not backs_off()
 
 
 def test_scopes_seen_once_in_turn_are_never_decoded_for_the_kernel(monkeypatch) -> None:  # type: ignore[no-untyped-def]
