@@ -448,3 +448,25 @@ def test_an_index_without_a_resident_kernel_never_waits_for_a_start() -> None:
     after_pass(srv, lone=1)
     index.doorbell_k = 0
     assert not srv._rearm_pending()
+
+
+def test_answers_settled_on_the_way_to_sleep_move_the_idle_spells_start(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Answers ``_settle`` posts as the serve loop goes to sleep (a batch queued behind another)
+    are work too: they stamp ``_bell_answered``, from which (with the loop's last work) the idle
+    spell before a start is counted, so the start comes 1 ms after them, not 1 ms after the
+    pass. The negative control: a settle that answered nothing leaves the stamp."""
+    import kalos_retrievers.sidecar.server as server_module
+
+    clock = {"ns": 50 * MS}
+    monkeypatch.setattr(server_module.time, "monotonic_ns", lambda: clock["ns"])
+    srv, index, d = idle_server(answers=5)
+    srv._bell_answered = 0
+    after_pass(srv, stopped=True)  # a write stopped the kernel at 49 ms (the pass's work)
+    last_work = 49 * MS
+    assert srv._settle(d) == 1 and srv._bell_answered == 50 * MS  # answers posted at 50 ms
+    quiet_since = max(last_work, srv._bell_answered)  # (as serve_forever counts it)
+    assert not srv._rearm_bell(50 * MS + MS - 1, quiet_since) and not index.doorbell_running
+    assert srv._rearm_bell(51 * MS, quiet_since) and index.doorbell_running
+    clock["ns"] = 60 * MS
+    d.settle = lambda crowd=True: 0  # type: ignore[method-assign]
+    assert srv._settle(d) == 0 and srv._bell_answered == 50 * MS
