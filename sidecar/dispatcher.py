@@ -272,9 +272,13 @@ class Dispatcher:
                   and 0 < req.top_k <= idx.doorbell_k)  # fmt: skip
         # (handed back, or never rung: it stops the kernel)
         declined = kernel and req.args_len and not bell and idx.doorbell_running
+        args = self._args(i, req) if declined else b""
+        fresh = declined and not self.service.bell_noted(args)  # (not noted before this recall)
         counts = kernel and (req.args_len == 0 or (idx.doorbell_spaces and self._bell_space(i, req)))
         if declined:
-            if self._learned(i, req):
+            # (servable: counted, or noted now for the first time; not a scope _bell_space
+            # refuses, which it never notes or forgets again)
+            if self._learned(args, counts or (fresh and self.service.bell_noted(args))):
                 self.kernel_learns += 1
             else:
                 self._kernel_declined(LONE_RECALLS)
@@ -328,21 +332,24 @@ class Dispatcher:
         self._declined_ns = now
         self.kernel_declines += 1
 
-    def _learned(self, i: int, req: Request) -> bool:
-        """Whether the kernel's table is filling up, so that slot ``i``'s recall ``req``, which
-        the running kernel declined, is no sign of more scopes in turn than it serves: its
-        scope is neither in the table the kernel runs with nor among the scopes decoded for it
-        at its start (:meth:`Service.bell_known`), and the scopes recalled alone in the last
-        ``BELL_BACKOFF_NS`` (:meth:`Service.bell_recent`, this one included) leave room in the
-        table for one more. A new user's first search (noted now) and second (served from the
-        next start) are such declines: each costs a start, where the back-off would hand every
-        user's searches to the sidecar for a second. (A scope declined although it was in the
-        table, or a client that does not ring a scope the kernel serves, is the back-off's.)"""
+    def _learned(self, args: bytes, servable: bool) -> bool:
+        """Whether the kernel's table is filling up, so that a recall of the scope ``args``,
+        which the running kernel declined, is no sign of more scopes in turn than it serves:
+        the scope is one it could serve (``servable``: noted for it by :meth:`_bell_space`,
+        and never refused there), neither in the table it runs with nor among the scopes
+        decoded for it at its start (:meth:`Service.bell_known`), and the scopes recalled
+        alone in the last ``BELL_BACKOFF_NS`` (:meth:`Service.bell_recent`, this one
+        included) fit the table. A new user's first search (noted now) and second (served
+        from the next start) are such declines: each costs a stop and a start, where the
+        back-off would hand every user's searches to the sidecar for a second. (A scope
+        declined although it was in the table, a client that does not ring a scope the kernel
+        serves, args too long for it or a filter it refused, are the back-off's.)"""
         svc = self.service
-        if svc.bell_recent(time.monotonic_ns() - BELL_BACKOFF_NS) >= svc.index.doorbell_spaces:
+        if not servable or args in self._known_at_start or args in svc.index.bell_served_spaces:
             return False
-        args = self._args(i, req)
-        return args not in self._known_at_start and args not in svc.index.bell_served_spaces
+        if svc.bell_refused(args):
+            return False
+        return svc.bell_recent(time.monotonic_ns() - BELL_BACKOFF_NS) <= svc.index.doorbell_spaces
 
     def _bell_space(self, i: int, req: Request) -> bool:
         """Whether slot ``i``'s recall ``req`` (batch 1, with args) is one the resident kernel

@@ -707,9 +707,12 @@ class Server:
         * A stop asks for a restart (``_bell_rearm``; a write, most often), unless
           ``BELL_FRUITLESS_MAX`` runs in a row answered nothing with no such recall in between
           (writes alone, a pause between each, would restart it after every one).
-        * A scoped recall the running kernel did not take (a decline) cancels both: that is the
-          start's back-off's to handle (:meth:`Dispatcher.lone_enough`). So does a carousel
-          running (a crowd's: starting the kernel would stop it)."""
+        * A scoped recall the running kernel did not take (a decline, ``d.kernel_declines``)
+          cancels both: that is the start's back-off's to handle
+          (:meth:`Dispatcher.lone_enough`). Not one while the kernel's table fills up (a new
+          user's first or second search, ``d.kernel_learns``, :meth:`Dispatcher._learned`):
+          its stop is any pass's, and the kernel starts again with the scope in its table. A
+          carousel running cancels both too (a crowd's: starting the kernel would stop it)."""
         if d.lone > lone:
             self._bell_fruitless = 0
             self._bell_wanted = True

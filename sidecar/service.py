@@ -36,6 +36,9 @@ _ORDERS_KEPT = 16  # namespaces whose scan order is kept
 _SCOPES_KEPT = 64  # filters whose candidate rows are kept (Service.eligible_for)
 _SCOPE_ROWS_KEPT = 1 << 22  # their candidate rows in all, at most (32 MiB of int64)
 _SCOPE_KEY_KEPT = 4096  # the longest args kept as a key (a long $in list: evaluated each time)
+# scopes whose last noting Service.bell_recent counts (more than any kernel's table holds), and
+# refused scopes remembered (Service.bell_refused)
+_BELL_SEEN_MAX = 64
 _REFRESH_MAX = 256  # changes a kept answer follows one by one at least (Service._refreshed)
 _FLOAT_MAX = int(sys.float_info.max)  # a metadata int beyond it has no float64 column value
 
@@ -56,7 +59,10 @@ class Service:
         # note_bell_space's, oldest first: (namespace, filter or None) by the recalls' args;
         # None: noted by note_bell_args, not decoded yet
         self._bell_spaces: OrderedDict[bytes, tuple[str, Any] | None] = OrderedDict()
-        self._bell_seen: dict[bytes, int] = {}  # when each of them was last noted (monotonic ns)
+        # when each scope was last noted (monotonic ns), those dropped since too, the
+        # _BELL_SEEN_MAX most recent; and the scopes forget_bell_space dropped (refused)
+        self._bell_seen: OrderedDict[bytes, int] = OrderedDict()
+        self._bell_refused: OrderedDict[bytes, None] = OrderedDict()
 
     # ------------------------------------------------------------------ start-up
     def load(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -375,7 +381,7 @@ class Service:
         spaces = self._bell_spaces
         was = key in spaces
         spaces[key] = (namespace, flt)
-        self._bell_seen[key] = time.monotonic_ns()
+        self._seen_now(key)
         if was:
             spaces.move_to_end(key)
             return True
@@ -385,7 +391,14 @@ class Service:
     def _trim_bell_spaces(self) -> None:
         spaces = self._bell_spaces
         while len(spaces) > self.index.doorbell_spaces:
-            self._bell_seen.pop(spaces.popitem(last=False)[0], None)
+            spaces.popitem(last=False)
+
+    def _seen_now(self, key: bytes) -> None:
+        seen = self._bell_seen
+        seen[key] = time.monotonic_ns()
+        seen.move_to_end(key)
+        if len(seen) > _BELL_SEEN_MAX:
+            seen.popitem(last=False)
 
     def note_bell_args(self, key: bytes) -> bool:
         """:meth:`note_bell_space` of a scope known by its args alone, not decoded: a scope
@@ -394,7 +407,7 @@ class Service:
         VM). Returns whether it was noted already (its :meth:`bell_scope` then says whether
         it was decoded since)."""
         spaces = self._bell_spaces
-        self._bell_seen[key] = time.monotonic_ns()
+        self._seen_now(key)
         if key in spaces:
             return True
         spaces[key] = None
@@ -406,16 +419,31 @@ class Service:
         resident kernel serves from its next start, where their namespaces hold rows."""
         return frozenset(k for k, v in self._bell_spaces.items() if v is not None)
 
+    def bell_noted(self, key: bytes) -> bool:
+        """Whether a scope is noted under ``key`` (decoded or not)."""
+        return key in self._bell_spaces
+
     def bell_recent(self, since_ns: int) -> int:
-        """How many of the noted scopes (:meth:`note_bell_space`, :meth:`note_bell_args`)
-        were last noted at or after ``since_ns`` (monotonic ns): the scopes recalled alone
-        lately, which compete for the kernel's table."""
+        """How many scopes were noted (:meth:`note_bell_space`, :meth:`note_bell_args`) at or
+        after ``since_ns`` (monotonic ns), those dropped since for newer ones too (up to
+        :data:`_BELL_SEEN_MAX`): the scopes recalled alone lately, which compete for the
+        kernel's table."""
         return sum(1 for t in self._bell_seen.values() if t >= since_ns)
 
+    def bell_refused(self, key: bytes) -> bool:
+        """Whether :meth:`forget_bell_space` dropped the scope ``key`` (of the last
+        :data:`_BELL_SEEN_MAX` it dropped)."""
+        return key in self._bell_refused
+
     def forget_bell_space(self, key: bytes) -> None:
-        """Drop the scope noted under ``key`` (args that do not decode, or a filter refused)."""
+        """Drop the scope noted under ``key`` (args that do not decode, or a filter refused),
+        and remember it was (:meth:`bell_refused`)."""
         self._bell_spaces.pop(key, None)
-        self._bell_seen.pop(key, None)
+        refused = self._bell_refused
+        refused[key] = None
+        refused.move_to_end(key)
+        if len(refused) > _BELL_SEEN_MAX:
+            refused.popitem(last=False)
 
     def bell_scope(self, key: bytes) -> tuple[str, Any] | None:
         """(namespace, filter) of the scope noted under ``key``, if it is noted and decoded:

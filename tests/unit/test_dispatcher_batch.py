@@ -1522,7 +1522,7 @@ def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eag
                rng.standard_normal((1, dim)).astype(np.float32))  # fmt: skip
     assert d.kernel_declines == 0 and needs() == dmod.LONE_RECALLS and not d.backing_off()
     for user in (b'{"user":"u1"}', b'{"user":"u2"}'):  # each scope's first decline: a new user's, not
-        d.kernel_started()  # a sign of too many scopes (test_a_new_scopes_decline_does_not_back_off)
+        d.kernel_started()  # a sign of too many scopes (test_declines_while_the_kernels_table_fills_up_do_not_back_off)
         ask(user)
     assert d.kernel_learns == 2 and d.kernel_declines == 0 and needs() == dmod.LONE_RECALLS
     want = dmod.LONE_RECALLS
@@ -1598,32 +1598,81 @@ def test_declines_while_the_kernels_table_fills_up_do_not_back_off(monkeypatch) 
     ask("u1")  # declined again although served from this start: the back-off's
     assert (d.kernel_learns, d.kernel_declines) == (2, 1) and backs_off()
     over()
+    idx.doorbell_spaces = 3  # type: ignore[misc]  # a table of three
     for user in ("u1", "u2", "u2"):  # (u1 and u2 recalled again: noted lately, decoded)
         ask(user, running=False)
-    idx.doorbell_spaces = 3  # type: ignore[misc]  # a table of three
     d.kernel_started()
-    ask("u0")  # the third scope lately: no room left after it
-    assert (d.kernel_learns, d.kernel_declines) == (2, 2) and backs_off()
-    over()
-    for user in ("u1", "u2", "u0"):
-        ask(user, running=False)
-    d.kernel_started()
-    ask("u5")  # a new user's first search, in a full table: drops u1
-    assert (d.kernel_learns, d.kernel_declines) == (2, 3) and backs_off()
+    ask("u0")  # a third scope lately: the table holds them all
+    assert (d.kernel_learns, d.kernel_declines) == (3, 1) and not backs_off()
+    ask("u4")  # a fourth: more scopes lately than the table holds (and u1 dropped for it)
+    assert (d.kernel_learns, d.kernel_declines) == (3, 2) and backs_off()
     assert encode_recall_args("mem", b'{"user":"u1"}') not in svc.bell_known()
-    assert len(svc._bell_seen) == 3  # (the times of the noted scopes only: a dropped one's goes)
     over()  # a second later: the scopes noted are no longer recalled lately
     d.kernel_started()
     ask("u7")  # the table full of scopes no one recalls now: learned
-    assert (d.kernel_learns, d.kernel_declines) == (3, 3) and not backs_off()
+    assert (d.kernel_learns, d.kernel_declines) == (4, 2) and not backs_off()
     idx.doorbell_spaces = 8  # type: ignore[misc]
     d.kernel_started()
     idx.bell_served_spaces = (encode_recall_args("mem", b'{"user":"u6"}'),)  # type: ignore[misc]
     ask("u6")  # room, but a scope the kernel serves (a client that does not ring it)
-    assert (d.kernel_learns, d.kernel_declines) == (3, 4) and backs_off()
+    assert (d.kernel_learns, d.kernel_declines) == (4, 3) and backs_off()
     over()
     ask("u1")  # room, and u1 (dropped above) not in the table: learned again
-    assert (d.kernel_learns, d.kernel_declines) == (4, 4) and not backs_off()
+    assert (d.kernel_learns, d.kernel_declines) == (5, 3) and not backs_off()
+    for j in range(70):  # (the times kept: the 64 scopes noted most recently)
+        ask(f"v{j}", running=False)
+    assert len(svc._bell_seen) == 64 and svc.bell_recent(0) == 64
+
+
+def test_declines_of_scopes_the_kernel_could_not_serve_back_off(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The negative controls of Dispatcher._learned for scopes the kernel's table could never
+    hold: args longer than ``doorbell_args`` (never rung, never noted), a filter where the
+    kernel serves none (``doorbell_args`` 0), a filter the sidecar refuses (noted at first
+    sight, when it is not decoded yet: one learn; refused at its second, and remembered so,
+    never again), a namespace without rows (one learn at first sight, then never). Each of
+    them, declined after a short run, backs the start off."""
+    import kalos_retrievers.sidecar.dispatcher as dmod
+
+    k, dim = 3, 5
+    lay, mm, svc, _, d, _states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
+    rng = np.random.default_rng()
+    svc.upsert({"namespace": "mem", "ids": [f"m{i}" for i in range(9)], "texts": ["t"] * 9,
+                "metadatas": [{"user": f"u{i % 3}"} for i in range(9)]},
+               rng.standard_normal((9, dim)).astype(np.float32))  # fmt: skip
+    idx = svc.index
+    idx.doorbell_k, idx.doorbell_spaces, idx.doorbell_args = 16, 8, 128  # type: ignore[misc]
+    idx.doorbell_served = lambda: 0  # type: ignore[method-assign]  # every run a short one
+    clock = {"ns": 10**12}
+    monkeypatch.setattr(dmod.time, "monotonic_ns", lambda: clock["ns"])
+    np.frombuffer(mm, np.float32, dim, lay.slot_offset(0) + lay.payload_offset)[:] = rng.standard_normal(dim)
+    seq = 0
+
+    def declined(namespace: str, flt: bytes | None) -> tuple[int, int]:
+        """(learns, declines) after the running kernel handed back a recall of this scope, a
+        second after the last (no back-off left), the kernel having started just before."""
+        nonlocal seq
+        seq += 1
+        clock["ns"] += dmod.BELL_BACKOFF_NS + 1
+        d.kernel_started()
+        _write_scoped_recall(mm, lay, 0, seq, k, dim, namespace, flt, SlotState.REQUEST)
+        idx.doorbell_running = True  # type: ignore[misc]
+        assert d.poll() == 1
+        d.settle()
+        assert Response.unpack(mm[lay.slot_offset(0) : lay.slot_offset(0) + CTL_SIZE]).seq == seq
+        return d.kernel_learns, d.kernel_declines
+
+    long = b'{"user":"' + b"x" * 120 + b'"}'  # args of 140 bytes
+    assert declined("mem", long) == (0, 1) and d.backing_off()
+    idx.doorbell_args = 0  # type: ignore[misc]  # filters not served
+    assert declined("mem", b'{"user":"u1"}') == (0, 2) and d.backing_off()
+    idx.doorbell_args = 128  # type: ignore[misc]
+    bogus = b'{"user":{"$bogus":1}}'
+    assert declined("mem", bogus) == (1, 2) and not d.backing_off()  # (not decoded at first sight)
+    assert declined("mem", bogus) == (1, 3) and d.backing_off()  # refused
+    assert declined("mem", bogus) == (1, 4) and d.backing_off()  # remembered as refused
+    assert declined("nowhere", b'{"user":"u1"}') == (2, 4)  # (not decoded at first sight)
+    assert declined("nowhere", b'{"user":"u1"}') == (2, 5) and d.backing_off()  # no rows
+    assert declined("mem", b'{"user":"u1"}') == (3, 5) and not d.backing_off()  # the control: learned
 
 
 def test_scopes_seen_once_in_turn_are_never_decoded_for_the_kernel(monkeypatch) -> None:  # type: ignore[no-untyped-def]
