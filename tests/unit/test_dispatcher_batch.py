@@ -1472,16 +1472,15 @@ def test_a_filters_lone_recall_counts_for_the_kernel_where_it_serves_filters() -
     assert ask("mem", u2) == (Status.OK, k) and ask("mem", u2) == (Status.OK, k) and d.lone == 1  # counted next)
 
 
-def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eagerly(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The back-off of the kernel's start (Dispatcher.lone_enough): a scoped recall that comes
-    as a REQUEST while the kernel runs (handed back, or from a client that does not ring it)
-    stops it; after a run of fewer than BELL_RUN_MIN answers the next start waits for twice the
-    lone recalls, up to BELL_BACKOFF_MAX. A run that answered BELL_RUN_MIN, or a second with no
-    such stop, ends it. The controls: a default namespace's REQUEST, a DOORBELL the stopped
-    kernel left and a write while the kernel runs are not such stops."""
+def _scoped_bell_rig(monkeypatch: pytest.MonkeyPatch, dim: int,
+                     ) -> tuple[Any, Any, Any, Any, dict[str, int], dict[str, int]]:  # fmt: skip
+    """The back-off tests' rig: an arena rig whose index stands in for one with a resident
+    kernel serving 8 scopes with filters (``doorbell_spaces`` 8, ``doorbell_args`` 128), 9 rows
+    of three users in namespace "mem", the kernel's answer count ``served["n"]`` (0: every run a
+    short one), the dispatcher's clock ``clock["ns"]``, and a query in slot 0. Returns
+    ``(lay, mm, svc, d, served, clock)``."""
     import kalos_retrievers.sidecar.dispatcher as dmod
 
-    k, dim = 3, 5
     lay, mm, svc, _, d, _states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
     rng = np.random.default_rng()
     svc.upsert({"namespace": "mem", "ids": [f"m{i}" for i in range(9)], "texts": ["t"] * 9,
@@ -1494,6 +1493,21 @@ def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eag
     clock = {"ns": 10**12}
     monkeypatch.setattr(dmod.time, "monotonic_ns", lambda: clock["ns"])
     np.frombuffer(mm, np.float32, dim, lay.slot_offset(0) + lay.payload_offset)[:] = rng.standard_normal(dim)
+    return lay, mm, svc, d, served, clock
+
+
+def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eagerly(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The back-off of the kernel's start (Dispatcher.lone_enough): a scoped recall that comes
+    as a REQUEST while the kernel runs (handed back, or from a client that does not ring it)
+    stops it; after a run of fewer than BELL_RUN_MIN answers the next start waits for twice the
+    lone recalls, up to BELL_BACKOFF_MAX. A run that answered BELL_RUN_MIN, or a second with no
+    such stop, ends it. The controls: a default namespace's REQUEST, a DOORBELL the stopped
+    kernel left and a write while the kernel runs are not such stops."""
+    import kalos_retrievers.sidecar.dispatcher as dmod
+
+    k, dim = 3, 5
+    lay, mm, svc, d, served, clock = _scoped_bell_rig(monkeypatch, dim)
+    idx = svc.index
     off, seq = lay.slot_offset(0), 0
 
     def ask(flt: bytes | None, namespace: str = "mem", state: int = SlotState.REQUEST, running: bool = True) -> None:
@@ -1519,7 +1533,7 @@ def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eag
     ask(None, "")  # the default namespace, sent as a REQUEST
     ask(b'{"user":"u1"}', state=SlotState.DOORBELL, running=False)  # rung as the kernel stopped
     svc.upsert({"namespace": "mem", "ids": ["w"], "texts": ["t"], "metadatas": [{}]},
-               rng.standard_normal((1, dim)).astype(np.float32))  # fmt: skip
+               np.random.default_rng().standard_normal((1, dim)).astype(np.float32))  # fmt: skip
     assert d.kernel_declines == 0 and needs() == dmod.LONE_RECALLS and not d.backing_off()
     for user in (b'{"user":"u1"}', b'{"user":"u2"}'):  # each scope's first decline: a new user's, not
         d.kernel_started()  # a sign of too many scopes (test_declines_while_the_kernels_table_fills_up_do_not_back_off)
@@ -1557,17 +1571,8 @@ def test_declines_while_the_kernels_table_fills_up_do_not_back_off(monkeypatch) 
     import kalos_retrievers.sidecar.dispatcher as dmod
 
     k, dim = 3, 5
-    lay, mm, svc, _, d, _states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
-    rng = np.random.default_rng()
-    svc.upsert({"namespace": "mem", "ids": [f"m{i}" for i in range(9)], "texts": ["t"] * 9,
-                "metadatas": [{"user": f"u{i % 3}"} for i in range(9)]},
-               rng.standard_normal((9, dim)).astype(np.float32))  # fmt: skip
+    lay, mm, svc, d, _, clock = _scoped_bell_rig(monkeypatch, dim)
     idx = svc.index
-    idx.doorbell_k, idx.doorbell_spaces, idx.doorbell_args = 16, 8, 128  # type: ignore[misc]
-    idx.doorbell_served = lambda: 0  # type: ignore[method-assign]  # every run a short one
-    clock = {"ns": 10**12}
-    monkeypatch.setattr(dmod.time, "monotonic_ns", lambda: clock["ns"])
-    np.frombuffer(mm, np.float32, dim, lay.slot_offset(0) + lay.payload_offset)[:] = rng.standard_normal(dim)
     seq = 0
 
     def ask(user: str, running: bool = True) -> None:
@@ -1634,17 +1639,8 @@ def test_declines_of_scopes_the_kernel_could_not_serve_back_off(monkeypatch) -> 
     import kalos_retrievers.sidecar.dispatcher as dmod
 
     k, dim = 3, 5
-    lay, mm, svc, _, d, _states, _ = _arena_rig(n_slots=2, dim=dim, rows=40)
-    rng = np.random.default_rng()
-    svc.upsert({"namespace": "mem", "ids": [f"m{i}" for i in range(9)], "texts": ["t"] * 9,
-                "metadatas": [{"user": f"u{i % 3}"} for i in range(9)]},
-               rng.standard_normal((9, dim)).astype(np.float32))  # fmt: skip
+    lay, mm, svc, d, _, clock = _scoped_bell_rig(monkeypatch, dim)
     idx = svc.index
-    idx.doorbell_k, idx.doorbell_spaces, idx.doorbell_args = 16, 8, 128  # type: ignore[misc]
-    idx.doorbell_served = lambda: 0  # type: ignore[method-assign]  # every run a short one
-    clock = {"ns": 10**12}
-    monkeypatch.setattr(dmod.time, "monotonic_ns", lambda: clock["ns"])
-    np.frombuffer(mm, np.float32, dim, lay.slot_offset(0) + lay.payload_offset)[:] = rng.standard_normal(dim)
     seq = 0
 
     def declined(namespace: str, flt: bytes | None) -> tuple[int, int]:
