@@ -271,14 +271,12 @@ class Dispatcher:
         kernel = (req.op == Op.RECALL and req.n_items == 1 and req.flags in _KERNEL_FLAGS
                   and 0 < req.top_k <= idx.doorbell_k)  # fmt: skip
         # (handed back, or never rung: it stops the kernel)
-        declined = kernel and req.args_len and not bell and idx.doorbell_running
-        args = self._args(i, req) if declined else b""
-        fresh = declined and not self.service.bell_noted(args)  # (not noted before this recall)
-        counts = kernel and (req.args_len == 0 or (idx.doorbell_spaces and self._bell_space(i, req)))
+        declined = bool(kernel and req.args_len and not bell and idx.doorbell_running)
+        counts = kernel and (req.args_len == 0 or (idx.doorbell_spaces and self._bell_space(i, req, declined)))
         if declined:
-            # (servable: counted, or noted now for the first time; not a scope _bell_space
-            # refuses, which it never notes or forgets again)
-            if self._learned(args, counts or (fresh and self.service.bell_noted(args))):
+            # (counted: a scope the kernel's table could hold, noted and checked; its args then
+            # within the header's doorbell_args)
+            if counts and self._learned(self._args(i, req)):
                 self.kernel_learns += 1
             else:
                 self._kernel_declined(LONE_RECALLS)
@@ -332,26 +330,28 @@ class Dispatcher:
         self._declined_ns = now
         self.kernel_declines += 1
 
-    def _learned(self, args: bytes, servable: bool) -> bool:
+    def _learned(self, args: bytes) -> bool:
         """Whether the kernel's table is filling up, so that a recall of the scope ``args``,
-        which the running kernel declined, is no sign of more scopes in turn than it serves:
-        the scope is one it could serve (``servable``: noted for it by :meth:`_bell_space`,
-        and never refused there), neither in the table it runs with nor among the scopes
-        decoded for it at its start (:meth:`Service.bell_known`), and the scopes recalled
-        alone in the last ``BELL_BACKOFF_NS`` (:meth:`Service.bell_recent`, this one
-        included) fit the table. A new user's first search (noted now) and second (served
-        from the next start) are such declines: each costs a stop and a start, where the
-        back-off would hand every user's searches to the sidecar for a second. (A scope
-        declined although it was in the table, a client that does not ring a scope the kernel
-        serves, args too long for it or a filter it refused, are the back-off's.)"""
+        which the running kernel declined and :meth:`_bell_space` counted (a scope its table
+        could hold), is no sign of more scopes in turn than it serves: the scope is neither in
+        the table the kernel runs with nor among the scopes decoded for it at its start
+        (:meth:`Service.bell_known`), and the scopes handed to the sidecar alone in the last
+        ``BELL_BACKOFF_NS`` (:meth:`Service.bell_recent`, this one included) fit the table.
+        A new user's first search is such a decline: it costs a stop and a start, with the
+        scope in the table from then on, where the back-off would hand every user's searches
+        to the sidecar for a second. (A scope declined although it was in the table is the
+        back-off's; so is every scope :meth:`_bell_space` does not count: one the kernel serves
+        sent unrung, args too long, a filter refused, a namespace without rows.) Recalls the
+        kernel answers never reach the sidecar, so with more users than the table holds,
+        recalling slowly enough that no more than it holds reach the sidecar in a second, each
+        recall of a user outside the table is a learn too: the table follows the users, at a
+        stop and a start per such recall."""
         svc = self.service
-        if not servable or args in self._known_at_start or args in svc.index.bell_served_spaces:
-            return False
-        if svc.bell_refused(args):
+        if args in self._known_at_start:
             return False
         return svc.bell_recent(time.monotonic_ns() - BELL_BACKOFF_NS) <= svc.index.doorbell_spaces
 
-    def _bell_space(self, i: int, req: Request) -> bool:
+    def _bell_space(self, i: int, req: Request, now: bool = False) -> bool:
         """Whether slot ``i``'s recall ``req`` (batch 1, with args) is one the resident kernel
         would answer from its next start, so that it counts towards that start: its args are
         ones a client may ring (:func:`ringable_args`: a namespace without a filter; a filter
@@ -361,7 +361,9 @@ class Dispatcher:
         ``doorbell_spaces`` recalled in turn, would only stop the kernel again and again. And
         not while the kernel runs and serves it: that client does not ring it (a library
         before v1.5, or before v1.6 for a filter), and each of its recalls would stop the
-        kernel."""
+        kernel. Never a scope refused before (:meth:`Service.bell_refused`). ``now``: a recall
+        the running kernel handed back; a scope seen for the first time is decoded, checked and
+        counted at once (its stop is paid anyway: a new user then costs the kernel one start)."""
         if req.vec_len != 4 * self.layout.dim:
             return False
         svc, idx = self.service, self.service.index
@@ -373,7 +375,9 @@ class Dispatcher:
         if not ringable_args(req.args_len, name_len, idx.doorbell_args):
             return False
         args = self._args(i, req)
-        if not svc.note_bell_args(args):
+        if svc.bell_refused(args):
+            return False  # (refused before: not noted, decoded or checked again)
+        if not svc.note_bell_args(args) and not now:
             return False  # seen for the first time: noted, not decoded (most never come again in time)
         noted = svc.bell_scope(args)  # (decoded and checked already: ~10 µs a filter)
         if noted is not None:

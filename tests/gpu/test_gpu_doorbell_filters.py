@@ -256,7 +256,7 @@ def test_more_filters_in_turn_than_the_kernel_serves_do_not_stop_and_start_it_ag
     time.sleep(1.1)  # (a second without such a stop: the back-off is over)
     starts, answered = turns(6, 360)  # the control
     # (up to 7: since session 51 a scope the kernel declines while its table has room costs a
-    # start, not the back-off's second, at most one per user (Dispatcher._learned), and since
-    # session 50 a lone recall followed by an idle millisecond starts it too)
+    # start, not the back-off's second (Dispatcher._learned; a model of these recalls gave 2-4),
+    # and since session 50 a lone recall followed by an idle millisecond starts it too)
     assert starts <= 7 and answered >= 300, (starts, answered)
     c.close()

@@ -1562,10 +1562,11 @@ def test_a_kernel_stopped_by_scoped_recalls_it_does_not_take_is_started_less_eag
 def test_declines_while_the_kernels_table_fills_up_do_not_back_off(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A scoped recall the running kernel hands back after a short run backs its start off (the
     test above) unless its table is filling up (Dispatcher._learned): the scope was not in the
-    table at the kernel's start, and the scopes recalled alone in the last second leave room in
-    it. A new user's first search (noted) and second (served from the next start) then count as
-    ``kernel_learns``, not ``kernel_declines`` (which cancel the starts on idle), the second as
-    lone too; so does a new scope once those the table holds are not recalled any more.
+    table at the kernel's start, and the scopes handed to the sidecar alone in the last second,
+    it included, fit the table. A new user's first search (its scope decoded, noted and counted
+    as lone at once, served from the next start) then counts as ``kernel_learns``, not
+    ``kernel_declines`` (which cancel the starts on idle); so does a new scope once those the
+    table holds are not recalled any more.
     Negative controls: the scope declined again once it was in the table at the start; a table
     with no room left after the noting, or full; a scope the kernel serves, sent unrung."""
     import kalos_retrievers.sidecar.dispatcher as dmod
@@ -1595,35 +1596,34 @@ def test_declines_while_the_kernels_table_fills_up_do_not_back_off(monkeypatch) 
         assert not backs_off()
 
     d.kernel_started()
-    ask("u1")  # a new user's first search, handed back: noted, no back-off, not lone yet
-    assert (d.kernel_learns, d.kernel_declines, d.lone) == (1, 0, 0) and not backs_off()
-    ask("u1")  # its second: noted for the next start, where it was not at this one
-    assert (d.kernel_learns, d.kernel_declines, d.lone) == (2, 0, 1) and not backs_off()
+    ask("u1")  # a new user's first search, handed back: decoded and noted at once, lone, no back-off
+    assert (d.kernel_learns, d.kernel_declines, d.lone) == (1, 0, 1) and not backs_off()
+    assert svc.bell_known() == {encode_recall_args("mem", b'{"user":"u1"}')}
     d.kernel_started()  # (with u1 in its table)
     ask("u1")  # declined again although served from this start: the back-off's
-    assert (d.kernel_learns, d.kernel_declines) == (2, 1) and backs_off()
+    assert (d.kernel_learns, d.kernel_declines) == (1, 1) and backs_off()
     over()
     idx.doorbell_spaces = 3  # type: ignore[misc]  # a table of three
     for user in ("u1", "u2", "u2"):  # (u1 and u2 recalled again: noted lately, decoded)
         ask(user, running=False)
     d.kernel_started()
     ask("u0")  # a third scope lately: the table holds them all
-    assert (d.kernel_learns, d.kernel_declines) == (3, 1) and not backs_off()
+    assert (d.kernel_learns, d.kernel_declines) == (2, 1) and not backs_off()
     ask("u4")  # a fourth: more scopes lately than the table holds (and u1 dropped for it)
-    assert (d.kernel_learns, d.kernel_declines) == (3, 2) and backs_off()
+    assert (d.kernel_learns, d.kernel_declines) == (2, 2) and backs_off()
     assert encode_recall_args("mem", b'{"user":"u1"}') not in svc.bell_known()
     over()  # a second later: the scopes noted are no longer recalled lately
     d.kernel_started()
     ask("u7")  # the table full of scopes no one recalls now: learned
-    assert (d.kernel_learns, d.kernel_declines) == (4, 2) and not backs_off()
+    assert (d.kernel_learns, d.kernel_declines) == (3, 2) and not backs_off()
     idx.doorbell_spaces = 8  # type: ignore[misc]
     d.kernel_started()
     idx.bell_served_spaces = (encode_recall_args("mem", b'{"user":"u6"}'),)  # type: ignore[misc]
     ask("u6")  # room, but a scope the kernel serves (a client that does not ring it)
-    assert (d.kernel_learns, d.kernel_declines) == (4, 3) and backs_off()
+    assert (d.kernel_learns, d.kernel_declines) == (3, 3) and backs_off()
     over()
     ask("u1")  # room, and u1 (dropped above) not in the table: learned again
-    assert (d.kernel_learns, d.kernel_declines) == (5, 3) and not backs_off()
+    assert (d.kernel_learns, d.kernel_declines) == (4, 3) and not backs_off()
     for j in range(70):  # (the times kept: the 64 scopes noted most recently)
         ask(f"v{j}", running=False)
     assert len(svc._bell_seen) == 64 and svc.bell_recent(0) == 64
@@ -1632,10 +1632,9 @@ def test_declines_while_the_kernels_table_fills_up_do_not_back_off(monkeypatch) 
 def test_declines_of_scopes_the_kernel_could_not_serve_back_off(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The negative controls of Dispatcher._learned for scopes the kernel's table could never
     hold: args longer than ``doorbell_args`` (never rung, never noted), a filter where the
-    kernel serves none (``doorbell_args`` 0), a filter the sidecar refuses (noted at first
-    sight, when it is not decoded yet: one learn; refused at its second, and remembered so,
-    never again), a namespace without rows (one learn at first sight, then never). Each of
-    them, declined after a short run, backs the start off."""
+    kernel serves none (``doorbell_args`` 0), a filter the sidecar refuses (decoded at once, as
+    a declined scope is, and remembered as refused: never noted again), a namespace without
+    rows. Each of them, declined after a short run, backs the start off."""
     import kalos_retrievers.sidecar.dispatcher as dmod
 
     k, dim = 3, 5
@@ -1663,12 +1662,20 @@ def test_declines_of_scopes_the_kernel_could_not_serve_back_off(monkeypatch) -> 
     assert declined("mem", b'{"user":"u1"}') == (0, 2) and d.backing_off()
     idx.doorbell_args = 128  # type: ignore[misc]
     bogus = b'{"user":{"$bogus":1}}'
-    assert declined("mem", bogus) == (1, 2) and not d.backing_off()  # (not decoded at first sight)
-    assert declined("mem", bogus) == (1, 3) and d.backing_off()  # refused
-    assert declined("mem", bogus) == (1, 4) and d.backing_off()  # remembered as refused
-    assert declined("nowhere", b'{"user":"u1"}') == (2, 4)  # (not decoded at first sight)
-    assert declined("nowhere", b'{"user":"u1"}') == (2, 5) and d.backing_off()  # no rows
-    assert declined("mem", b'{"user":"u1"}') == (3, 5) and not d.backing_off()  # the control: learned
+    assert declined("mem", bogus) == (0, 3) and d.backing_off()  # refused (decoded at once)
+    assert declined("mem", bogus) == (0, 4) and d.backing_off()  # remembered as refused:
+    assert not svc.bell_noted(encode_recall_args("mem", bogus))  # not noted again
+    assert declined("nowhere", b'{"user":"u1"}') == (0, 5) and d.backing_off()  # no rows
+    assert declined("nowhere", b'{"user":"u1"}') == (0, 6) and d.backing_off()
+    assert declined("mem", b'{"user":"u1"}') == (1, 6) and not d.backing_off()  # the control: learned
+    bogus2 = b'{"user":{"$nope":2}}'
+    for _ in range(3):  # with the kernel stopped: noted, then refused at its second time, then never
+        seq += 1
+        _write_scoped_recall(mm, lay, 0, seq, k, dim, "mem", bogus2, SlotState.REQUEST)
+        idx.doorbell_running = False  # type: ignore[misc]
+        assert d.poll() == 1
+        d.settle()
+    assert not svc.bell_noted(encode_recall_args("mem", bogus2)) and svc.bell_refused(encode_recall_args("mem", bogus2))
 
 
 def test_scopes_seen_once_in_turn_are_never_decoded_for_the_kernel(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -49,8 +49,10 @@ class Sim:
         def failed():
             raise
         srv._doorbell_failed = failed
-        if old:
-            self.d._learned = lambda i, req: False
+        if old:  # (the dispatcher before 5a3a39a: every decline backs off, a new scope decoded at its second recall)
+            self.d._learned = lambda *a: False
+            first_time = self.d._bell_space
+            self.d._bell_space = lambda i, req, now=False: first_time(i, req)
         self.k, self.dim, self.seq = k, dim, 0
         self.last_work = CLOCK["ns"]
         self.host = self.kern = self.stops = 0
