@@ -824,6 +824,11 @@ class Server:
     def describe(self) -> dict[str, Any]:
         assert self.service is not None
         idx = self.service.index.describe()
+        d = self.dispatcher
+        if d is not None and self.service.index.doorbell_k:
+            # scoped recalls the resident kernel handed back: those its start's back-off counted,
+            # and those while its table filled up (Dispatcher._learned)
+            idx.update(doorbell_declines=d.kernel_declines, doorbell_learns=d.kernel_learns)
         return {
             "name": self.cfg.name,
             "pid": os.getpid(),

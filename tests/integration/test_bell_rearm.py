@@ -106,3 +106,17 @@ def test_writes_alone_restart_a_kernel_that_answers_nothing_once(
             c.upsert([f"w{i}"], rng.standard_normal((1, DIM)).astype(np.float32))
             time.sleep(0.03)
     assert server_module.BELL_FRUITLESS_MAX == 2 and len(starts) == 1, starts
+
+
+def test_the_stats_count_the_kernels_declines_and_learns(server: Server) -> None:
+    """The index's stats show the dispatcher's counts of scoped recalls the resident kernel
+    handed back (``doorbell_declines``, which its start's back-off counted, and
+    ``doorbell_learns``, while its table filled up) where the index offers a kernel; a CPU
+    index, which offers none, shows neither (the negative control)."""
+    with KalosClient(server.cfg.name, dim=DIM, arena_docs=False) as c:
+        assert "doorbell_declines" not in c.stats()["index"] and "doorbell_learns" not in c.stats()["index"]
+        stand_in(server)
+        d: Any = server.dispatcher
+        d.kernel_declines, d.kernel_learns = 3, 5
+        idx = c.stats()["index"]
+        assert (idx["doorbell_declines"], idx["doorbell_learns"]) == (3, 5)
