@@ -710,7 +710,7 @@ class Server:
         * A scoped recall the running kernel did not take (a decline, ``d.kernel_declines``)
           cancels both: that is the start's back-off's to handle
           (:meth:`Dispatcher.lone_enough`). Not one while the kernel's table fills up (a new
-          user's first or second search, ``d.kernel_learns``, :meth:`Dispatcher._learned`):
+          user's first search, ``d.kernel_learns``, :meth:`Dispatcher._learned`):
           its stop is any pass's, and the kernel starts again with the scope in its table. A
           carousel running cancels both too (a crowd's: starting the kernel would stop it)."""
         if d.lone > lone:

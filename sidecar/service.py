@@ -426,8 +426,8 @@ class Service:
     def bell_recent(self, since_ns: int) -> int:
         """How many scopes were noted (:meth:`note_bell_space`, :meth:`note_bell_args`) at or
         after ``since_ns`` (monotonic ns), those dropped since for newer ones too (up to
-        :data:`_BELL_SEEN_MAX`): the scopes recalled alone lately, which compete for the
-        kernel's table."""
+        :data:`_BELL_SEEN_MAX`): the scopes handed to the sidecar alone lately, which compete
+        for the kernel's table (those the kernel answers never reach it)."""
         return sum(1 for t in self._bell_seen.values() if t >= since_ns)
 
     def bell_refused(self, key: bytes) -> bool:
