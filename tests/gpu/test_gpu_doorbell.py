@@ -359,10 +359,11 @@ def test_a_write_between_recalls_leaves_the_kernel_running_for_the_next(start_si
     """An agent's turn: a recall, a memory written, a pause (the model's turn), a recall. The
     write stops the kernel; once the sidecar has been idle ``KALOS_BELL_REARM_MS`` (1 ms) it
     starts the kernel again, so the next recall is the kernel's, and exact with the new row.
-    Then the same with three users' filters in turn, as the memory store recalls: once the
-    start's back-off after the first, unserved, filter is over (a second), every recall is the
-    kernel's. Control (``0``): only lone recalls in a row restart it, and with a write between
-    every two recalls none does: every recall after a write is the sidecar's."""
+    Then the same with three users' filters in turn, as the memory store recalls: after each
+    new user's first filter, handed back (a restart since session 51; before, the start's
+    back-off for a second), every recall is the kernel's. Control (``0``): only lone recalls
+    in a row restart it, and with a write between every two recalls none does: every recall
+    after a write is the sidecar's."""
     monkeypatch.setenv("KALOS_BELL_REARM_MS", rearm)
     rng = np.random.default_rng()
     n, dim = 3_001, 40
