@@ -11,13 +11,17 @@ without a filter: the path built for speed on both sides (the client's C request
 sidecar's C pickup, a GPU sidecar's resident kernel). This times the others beside it.
 
 One sidecar holds ``--rows`` random unit rows twice: once in the default namespace and once in
-namespace ``scoped``, each row with metadata ``{"user": i % 2}``. Cases, each ``client.recall``
-of k = 10, timed in turn for ``--rounds`` rounds of ``--calls`` calls (the same queries):
+namespace ``scoped``, each row with metadata ``{"user": i % 2, "tenant": i % 100}``. Cases, each
+``client.recall`` of k = 10, timed in turn for ``--rounds`` rounds of ``--calls`` calls (the same
+queries):
 
 * ``default``: no namespace, no filter (half of the store's rows);
 * ``namespace``: ``namespace="scoped"`` (the other half: as many rows);
 * ``namespace+filter``: ``namespace="scoped", filter={"user": 1}`` (a quarter);
-* ``filter``: ``filter={"user": 1}`` in the default namespace.
+* ``filter``: ``filter={"user": 1}`` in the default namespace;
+* ``namespace+1% filter``: ``namespace="scoped", filter={"tenant": 7}`` (a 200th of the rows:
+  one tenant's, the agent memory store's usual shape; a GPU sidecar scans a list of its rows
+  since session 52, ``KALOS_FILTER_LIST=0`` compares the mask it scanned before).
 
 Printed: each case's median over rounds of its p50 and p99 (µs), and the sidecar's phases
 (pickup / search / answer) per path from ``stats()``. ``DIR/scoped_recall.json`` holds every
@@ -43,19 +47,20 @@ CASES: dict[str, dict[str, Any]] = {
     "namespace": {"namespace": "scoped"},
     "namespace+filter": {"namespace": "scoped", "filter": {"user": 1}},
     "filter": {"filter": {"user": 1}},
+    "namespace+1% filter": {"namespace": "scoped", "filter": {"tenant": 7}},
 }
 
 
 def load(client: Any, rows: int, dim: int, seed: int, namespace: str) -> float:
     """``rows`` unit rows (``bench.normalized_chunks``: the same for both namespaces) with
-    metadata ``{"user": i % 2}``; returns the seconds taken."""
+    metadata ``{"user": i % 2, "tenant": i % 100}``; returns the seconds taken."""
     t0 = time.perf_counter()
     at = 0
     for chunk in normalized_chunks(rows, dim, seed, chunk=8192):
         n = len(chunk)
         ids = [str(i) for i in range(at, at + n)]
-        client.upsert(ids, chunk, None, [{"user": i % 2} for i in range(at, at + n)], namespace=namespace,
-                      timeout=600)  # fmt: skip
+        metas = [{"user": i % 2, "tenant": i % 100} for i in range(at, at + n)]
+        client.upsert(ids, chunk, None, metas, namespace=namespace, timeout=600)
         at += n
     return time.perf_counter() - t0
 
@@ -86,8 +91,8 @@ def main() -> int:
         for name, kw in CASES.items():  # every case's answer checked once: its rows are in scope
             res = c.recall(queries[0], 10, **kw)
             assert len(res) == 10, (name, len(res))
-            if "filter" in kw:
-                assert all(h.metadata["user"] == 1 for h in res), name
+            for key, want in kw.get("filter", {}).items():
+                assert all(h.metadata[key] == want for h in res), name
             assert all(h.namespace == kw.get("namespace", "") for h in res), name
         for r in range(a.rounds):
             for name, kw in CASES.items():
@@ -96,7 +101,7 @@ def main() -> int:
                 # the recalls a GPU's resident kernel answered, warm-up included (0 on a CPU)
                 t["kernel_answered"] = served(c) - before
                 out["rounds"].setdefault(name, []).append(t)
-                print(f"round {r} {name:17s} p50 {t['p50_us']:8.2f}  p99 {t['p99_us']:8.2f} µs"
+                print(f"round {r} {name:20s} p50 {t['p50_us']:8.2f}  p99 {t['p99_us']:8.2f} µs"
                       f"  (the resident kernel answered {t['kernel_answered']})", file=sys.stderr)  # fmt: skip
         st = c.stats()
         out["sidecar"] = {"latency": st["latency"].get("recall"), "phases": st.get("phases"),

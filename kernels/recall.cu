@@ -137,6 +137,11 @@ __device__ unsigned long long kalos_stamps[24];  // (unmangled: the benchmark lo
 // namespace covers [0, n_rows) without holes), so the top-k kernels read the scores alone, not
 // the namespace array too.
 #define NS_ANY (-2)
+// ns_id NS_LIST: `mask` points to an int32 list of n_rows rows (device memory), the rows a
+// selective filter keeps, each eligible: the scan walks the list instead of rows [0, n_rows)
+// and never reads the namespace array. scan_list and the resident kernel take it; the GEMM
+// paths never see it. (NS_NONE, -3, is the resident kernel's empty default namespace.)
+#define NS_LIST (-4)
 
 typedef unsigned long long u64;
 
@@ -1408,7 +1413,7 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
 // merging block only (block 0 for the tagged lists, the last block to finish for the appended
 // ones; after it wrote the answer), how many results query 0 has; -1 elsewhere. The
 // queries are read through L2 (__ldcg): the resident kernel rewrites them between requests.
-template <typename T, int TPR, int QB, int METRIC>
+template <typename T, int TPR, int QB, int METRIC, bool LIST = false>
 __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
                          const float* __restrict__ rowscale, const Params* p,
                          const float* qbuf, const signed char* qbuf_i8, int ld, int buf,
@@ -1476,10 +1481,16 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
         int ahead = 0;
         if (dynamic && threadIdx.x == 0) ahead = atomicAdd(next_row, groups);
         const int r = r0 + group;
-        const int row = rev ? n - 1 - r : r;
-        bool ok = (KALOS_PROBE & PROBE_NO_NS)
-                      ? r < n
-                      : r < n && (my_ns == NS_ANY || ns[row] == my_ns) && (mask == nullptr || mask[row]);
+        int row = rev ? n - 1 - r : r;
+        bool ok;
+        if constexpr (LIST) {  // (p->ns_id is NS_LIST: `mask` is the list of the rows to scan)
+            ok = r < n;
+            if (ok) row = __ldg(reinterpret_cast<const int*>(mask) + row);
+        } else {
+            ok = (KALOS_PROBE & PROBE_NO_NS)
+                     ? r < n
+                     : r < n && (my_ns == NS_ANY || ns[row] == my_ns) && (mask == nullptr || mask[row]);
+        }
         float acc[QB];
 #pragma unroll
         for (int q = 0; q < QB; q++) acc[q] = 0.f;
@@ -1645,6 +1656,24 @@ scan_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* _
         final_fence();
 }
 
+// scan_list<T, TPR, QB, METRIC>: scan_topk over a list of rows (Params::ns_id NS_LIST,
+// Params::mask the list, Params::n_rows its length), for a selective filter: where a mask
+// makes the scan walk every row of the index (a namespace id and a mask byte each, and a
+// round per grid's worth of rows, most of them dropped), the list walks only the rows the
+// filter keeps. Its own kernel, so that scan_topk's code and registers stay as they were.
+template <typename T, int TPR, int QB, int METRIC>
+__global__ void __launch_bounds__(KALOS_BLOCK)
+scan_list(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
+          const float* __restrict__ rowscale, const Params* __restrict__ p,
+          const float* __restrict__ qbuf, const signed char* __restrict__ qbuf_i8, int ld, int buf,
+          float* __restrict__ scratch_k, int* __restrict__ scratch_v,
+          unsigned int* __restrict__ sync) {
+    extern __shared__ float smem[];
+    if (scan_body<T, TPR, QB, METRIC, true>(data, ns, sqnorm, rowscale, p, qbuf, qbuf_i8, ld, buf, scratch_k,
+                                            scratch_v, sync, smem) >= 0)
+        final_fence();
+}
+
 // ------------------------------------------------------------------------------------------
 // doorbell_topk<T, TPR, METRIC>: the resident kernel. Launched once and left running, it answers
 // batch-1 recalls that clients hand it through the mapped segment, with no host work at all:
@@ -1735,16 +1764,18 @@ struct BellCtl {
 // recall whose args are exactly entry i's image (protocol.encode_recall_args of a namespace and
 // an optional filter: u16 length, the name's UTF-8, u32 length, the filter's JSON, zero-padded
 // to 128 bytes; `len` bytes of it count) is answered over the rows of namespace id[i] for
-// which mask[i] (a device uint8 per row, 1 = the filter keeps it; 0: no filter) is nonzero.
-// Any other args go back to the sidecar. The host names only namespaces that exist and builds
-// each mask from the rows as they are while the kernel runs (it stops the kernel before any
-// row changes), so neither an id nor a mask can go stale under it.
+// which mask[i] (a device uint8 per row, 1 = the filter keeps it; 0: no filter) is nonzero;
+// or, where id[i] is NS_LIST, over the rows[i] rows of the int32 list mask[i] points to (a
+// selective filter's). Any other args go back to the sidecar. The host names only namespaces
+// that exist and builds each mask and list from the rows as they are while the kernel runs
+// (it stops the kernel before any row changes), so no id, mask or list can go stale under it.
 #define BELL_SPACES_MAX 8
 #define BELL_ARGS_WORDS 32       // 128 bytes, one word per lane of warp 1
 #define BELL_IMAGE_WORDS 256     // BELL_SPACES_MAX x BELL_ARGS_WORDS: entry i's at i x BELL_ARGS_WORDS
 struct BellSpaces {
     int id[BELL_SPACES_MAX];
     int len[BELL_SPACES_MAX];
+    int rows[BELL_SPACES_MAX];   // a list's length (id NS_LIST); unused otherwise
     u64 mask[BELL_SPACES_MAX];
     unsigned int image[BELL_IMAGE_WORDS];
 };
@@ -2169,7 +2200,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             // (free: every block is done with the last request) holds it unused.
             __shared__ unsigned int s_w[W_REQUEST];
             __shared__ unsigned int s_args[BELL_ARGS_WORDS];
-            __shared__ int s_ok, s_req_ns;
+            __shared__ int s_ok, s_req_ns, s_req_rows;
             __shared__ u64 s_req_mask;
             __threadfence_system();  // the words and the query after the state word that announced them
             unsigned int word = 0;
@@ -2221,7 +2252,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                 // the rows it asks for: no args, the default namespace (-3: empty); args, the
                 // namespace and filter mask whose image they are, byte for byte (bytes past
                 // args_len do not count)
-                int req_ns = S.ns_id;
+                int req_ns = S.ns_id, req_rows = S.n_rows;
                 u64 req_mask = 0;
                 bool scope = args_len == 0 && req_ns != -3;
                 if (args_len != 0 && args_len <= 4ull * BELL_ARGS_WORDS) {
@@ -2235,10 +2266,16 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                             const unsigned int m = v >= 4 ? 0xFFFFFFFFu : (1u << (8 * v)) - 1u;
                             same = (s_args[j] & m) == s_spaces.image[e * BELL_ARGS_WORDS + j];
                         }
-                        if (same) { req_ns = s_spaces.id[e]; req_mask = s_spaces.mask[e]; scope = true; }
+                        if (same) {
+                            req_ns = s_spaces.id[e];
+                            req_mask = s_spaces.mask[e];
+                            if (req_ns == NS_LIST) req_rows = s_spaces.rows[e];
+                            scope = true;
+                        }
                     }
                 }
                 s_req_ns = req_ns;
+                s_req_rows = req_rows;
                 s_req_mask = req_mask;
                 s_ok = s_w[W_OP] == OP_RECALL &&
                        (s_w[W_FLAGS] | FLAG_ARENA_ENTRIES) == (FLAG_ARENA_DOCS | FLAG_ARENA_ENTRIES) &&
@@ -2293,7 +2330,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             if (threadIdx.x == 0) {
                 params->n_queries = 1;
                 params->k = kc;
-                params->n_rows = S.n_rows;
+                params->n_rows = s_req_rows;
                 params->ns_id = s_req_ns;
                 params->mask = reinterpret_cast<const unsigned char*>(s_req_mask);
                 params->out_ld = kc;
@@ -2336,8 +2373,12 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             for (int i = threadIdx.x; i < (int)(sizeof(Params) / 4); i += blockDim.x) dst[i] = __ldcg(src + i);
         }
         __syncthreads();
-        int kk = scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8, ld, buf,
-                                              scratch_k, scratch_v, sync, smem);
+        // (a list's scope: the scan walks its rows; block-uniform, as every block read sp)
+        int kk = sp.ns_id == NS_LIST
+                     ? scan_body<T, TPR, 1, METRIC, true>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8, ld, buf,
+                                                          scratch_k, scratch_v, sync, smem)
+                     : scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8, ld, buf,
+                                                    scratch_k, scratch_v, sync, smem);
         if constexpr (Vec<T>::INT8) {
             // the candidates' exact scores, by blocks 0 .. kc - 1 (rescore_share): the last
             // block hands them out, a tagged record per candidate, once the merge is done
@@ -3678,6 +3719,8 @@ __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
 #ifdef KALOS_INSTANTIATE
 #define SCAN(T, TPR, QB, M) template __global__ void scan_topk<T, TPR, QB, M>(const T*, const int*, const float*, const float*, const Params*, const float*, const signed char*, int, int, float*, int*, unsigned int*);
 SCAN(__half, 4, 1, 0) SCAN(__half, 8, 1, 0) SCAN(float, 8, 1, 0) SCAN(signed char, 4, 1, 0) SCAN(__half, 1, 8, 2)
+#define SCANL(T, TPR, QB, M) template __global__ void scan_list<T, TPR, QB, M>(const T*, const int*, const float*, const float*, const Params*, const float*, const signed char*, int, int, float*, int*, unsigned int*);
+SCANL(__half, 4, 1, 0) SCANL(__half, 4, 8, 1) SCANL(signed char, 4, 1, 2) SCANL(float, 8, 2, 0)
 #define BELL(T, TPR, M) template __global__ void doorbell_topk<T, TPR, M>(const T*, const int*, const float*, const float*, Params*, float*, signed char*, int, int, float*, int*, unsigned int*, BellCtl*, const BellCtl*, unsigned int*, int*);
 BELL(__half, 4, 0) BELL(signed char, 2, 0) BELL(signed char, 2, 2) BELL(float, 8, 1)
 template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, signed char*, int, int, const float*, int*, float*);

@@ -155,8 +155,54 @@ BELL_ARGS_MAX: Final = DOORBELL_SCOPE_ARGS_MAX  # BELL_ARGS_WORDS x 4: the longe
 # on the development VM, following them cost ~7 µs and ~0.1 µs a row on the host, making a
 # mask whole ~26 µs at 100k rows and ~360 at 1M (a quarter of the rows kept), besides its upload
 BELL_MASK_FOLLOW: Final = 256
-_BELL_SPACES: Final = struct.Struct(
-    f"<{BELL_SPACES_MAX}i{BELL_SPACES_MAX}i{BELL_SPACES_MAX}Q{BELL_SPACES_MAX * BELL_ARGS_MAX}s")
+_BELL_SPACES: Final = struct.Struct(f"<{3 * BELL_SPACES_MAX}i{BELL_SPACES_MAX}Q{BELL_SPACES_MAX * BELL_ARGS_MAX}s")
+# NS_LIST in kernels/recall.cu: the ns id that says a recall's rows are a list (the mask field
+# its int32 device address, n_rows its length), not the rows below n_rows through a mask
+NS_LIST: Final = -4
+# A filter that keeps at most 1/FILTER_LIST of the rows below the high-water mark is scanned
+# through a list of its rows (scan_list, the resident kernel's NS_LIST entries): a mask makes
+# the scan walk every row of the index (its namespace id and mask byte, and a round per grid's
+# worth of rows), the list only the filter's, at 4 bytes a row where the mask is 1 (and kept
+# up to date row by row where a list is uploaded whole: hence only selective filters).
+# KALOS_FILTER_LIST=0: masks always, as before session 52.
+FILTER_LIST_DEFAULT: Final = 16
+
+
+def filter_list_fraction(value: str | None) -> int:
+    """KALOS_FILTER_LIST's value (None or empty: :data:`FILTER_LIST_DEFAULT`): a filter that
+    keeps at most 1/value of the rows is scanned through a list of them; 0: never. Anything
+    but a non-negative integer is refused with a ValueError naming it.
+
+    >>> filter_list_fraction(None), filter_list_fraction(" 4 "), filter_list_fraction("0")
+    (16, 4, 0)
+    """
+    v = (value or "").strip()
+    if not v:
+        return FILTER_LIST_DEFAULT
+    if not v.isdigit():
+        raise ValueError(f"KALOS_FILTER_LIST={value!r}: expected a whole number >= 0 (a filter keeping at most "
+                         f"1/N of the rows is scanned through a list of them; 0: never; default "
+                         f"{FILTER_LIST_DEFAULT})")  # fmt: skip
+    return int(v)
+
+
+FILTER_LIST = filter_list_fraction(os.environ.get("KALOS_FILTER_LIST"))
+
+
+def use_list(kept: int, high: int, fraction: int | None = None) -> bool:
+    """Whether a filter that keeps ``kept`` of the rows below ``high`` is scanned through a
+    list of its rows rather than a mask: where it keeps at most 1/``fraction`` of them
+    (default :data:`FILTER_LIST`; 0: never).
+
+    >>> use_list(1_000, 1_000_000), use_list(62_500, 1_000_000), use_list(62_501, 1_000_000)
+    (True, True, False)
+    >>> use_list(0, 100), use_list(5, 100, fraction=0)
+    (True, False)
+    """
+    f = FILTER_LIST if fraction is None else fraction
+    return f > 0 and kept * f <= high
+
+
 _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # BellCtl::mode, the BELL_* bits: loads from host memory with ld.global.cv (1), stores with
 # st.global.wt (2), a system fence after the RESPONSE word (4), ld/st.relaxed.sys otherwise (8).
@@ -322,10 +368,11 @@ def choose_tpr(chunks: int) -> int:
     return tpr
 
 
-def bell_spaces_table(spaces: Sequence[tuple[bytes, int, int]]) -> tuple[bytes, tuple[bytes, ...]]:
+def bell_spaces_table(spaces: Sequence[tuple[bytes, int, int, int]]) -> tuple[bytes, tuple[bytes, ...]]:
     """The resident kernel's scope table (``struct BellSpaces``) for ``spaces``, (args,
-    namespace id, filter mask's device address or 0) triples in order of preference, and the
-    args it holds.
+    namespace id, filter's device address or 0, list length) quadruples in order of
+    preference, and the args it holds. The address is a mask's (uint8 per row) where the list
+    length is -1, else a list's of that many int32 rows: the entry's id is then NS_LIST.
 
     Each entry's args are those a client writes for a recall in that scope
     (:func:`~kalos_retrievers.protocol.encode_recall_args` of a namespace and an optional
@@ -335,22 +382,23 @@ def bell_spaces_table(spaces: Sequence[tuple[bytes, int, int]]) -> tuple[bytes, 
     :data:`BELL_SPACES_MAX` entries.
 
     >>> from kalos_retrievers.protocol import encode_recall_args as a
-    >>> table, keys = bell_spaces_table([(a("notes", None), 3, 0), (b"", 0, 0), (a("x" * 123, None), 4, 0)])
+    >>> table, keys = bell_spaces_table([(a("notes", None), 3, 0, -1), (b"", 0, 0, -1), (a("x" * 123, None), 4, 0, -1)])
     >>> keys == (a("notes", None),), len(table)
-    (True, 1152)
+    (True, 1184)
     """
-    ids, lens, masks = [0] * BELL_SPACES_MAX, [0] * BELL_SPACES_MAX, [0] * BELL_SPACES_MAX
+    ids, lens, rows, masks = ([0] * BELL_SPACES_MAX for _ in range(4))
     image, keys = bytearray(), []
-    for args, ns_id, mask in spaces:
+    for args, ns_id, mask, n_list in spaces:
         if len(keys) == BELL_SPACES_MAX:
             break
         if not args or ns_id < 0 or len(args) > BELL_ARGS_MAX or args in keys:
             continue
         i = len(keys)
-        ids[i], lens[i], masks[i] = ns_id, len(args), mask
+        ids[i], lens[i], masks[i] = (NS_LIST if n_list >= 0 else ns_id), len(args), mask
+        rows[i] = max(n_list, 0)
         image += args.ljust(BELL_ARGS_MAX, b"\0")
         keys.append(args)
-    return _BELL_SPACES.pack(*ids, *lens, *masks, bytes(image)), tuple(keys)
+    return _BELL_SPACES.pack(*ids, *lens, *rows, *masks, bytes(image)), tuple(keys)
 
 
 def scope_names(keys: Sequence[bytes]) -> tuple[list[str], list[dict[str, Any]]]:
@@ -654,6 +702,10 @@ class GpuIndex(Index):
         self._bell_masks: dict[bytes, tuple[np.ndarray, int, Any, int]] = {}
         self.bell_mask_uploads = 0  # masks made whole
         self.bell_mask_follows = 0  # masks brought up to date by the rows changes touched
+        # and the selective filters' row lists (use_list), by args: (the rows kept, the device
+        # list of them as int32), uploaded again whenever the kept rows are another array
+        self._bell_lists: dict[bytes, tuple[np.ndarray, Any]] = {}
+        self.bell_list_uploads = 0
         self.bstream = cp.cuda.Stream(non_blocking=True)
         self.doorbell_k = 0  # > 0 once enabled: the largest k the resident kernel answers
         self.doorbell_running = False
@@ -678,9 +730,11 @@ class GpuIndex(Index):
         self.behind_stamps: tuple[int, int, int] | None = None
         self.stamp_behind = HOST_TIMING
         self._pass_end_ev: Any = None
-        # the last filter's device mask, kept for a read-only candidates array (the service's
-        # kept answer, Service.eligible_for): (that array, high, the mask)
-        self._mask_kept: tuple[np.ndarray, int, Any] | None = None
+        # the last filter's device mask or list (use_list), kept for a read-only candidates
+        # array (the service's kept answer, Service.eligible_for): (that array, high, the mask
+        # or list, whether a list)
+        self._mask_kept: tuple[np.ndarray, int, Any, bool] | None = None
+        self.filter_lists = 0  # host-path searches that scanned a filter's list of rows
         self.gemm_stream_note = ""
         self._closed = False
         self.seg_addr = 0
@@ -698,7 +752,8 @@ class GpuIndex(Index):
                  kernels.expression("select_cands", m),
                  kernels.expression("set_rows", t), kernels.expression("move_rows", t),
                  kernels.expression("get_rows", t), "fault_kernel"]  # fmt: skip
-        exprs += [kernels.expression("scan_topk", t, self.tpr, qb, m) for qb in (1, 2, 4, 8)]
+        exprs += [kernels.expression(scan, t, self.tpr, qb, m) for scan in ("scan_topk", "scan_list")
+                  for qb in (1, 2, 4, 8)]  # fmt: skip
         exprs.append(kernels.expression("doorbell_topk", t, self.tpr, m))
         if self.dtype == "float16":
             exprs += [kernels.expression("mma_filter", nt, m) for nt in _MMA_NT]
@@ -1050,28 +1105,51 @@ class GpuIndex(Index):
 
     def _bell_entries(self, spaces: Sequence[BellScope], high: int,
                       touched_since: Callable[[int], np.ndarray | None] | None = None,
-                      ) -> list[tuple[bytes, int, int]]:  # fmt: skip
-        """:func:`bell_spaces_table`'s triples for ``spaces``, each filter's with its mask
-        (:meth:`_bell_mask`; a filter left out while ``doorbell_args`` is 0, or where there is
-        no room for its mask). Masks of scopes no longer served are freed. (The kernel is stopped:
-        nothing reads the masks meanwhile.)"""
-        out: list[tuple[bytes, int, int]] = []
+                      ) -> list[tuple[bytes, int, int, int]]:  # fmt: skip
+        """:func:`bell_spaces_table`'s quadruples for ``spaces``, each filter's with its list
+        of rows where it is selective (:func:`use_list`, :meth:`_bell_list`), else its mask
+        (:meth:`_bell_mask`); a filter is left out while ``doorbell_args`` is 0, or where there
+        is no room for its mask or list. Masks and lists of scopes no longer served are freed.
+        (The kernel is stopped: nothing reads them meanwhile.)"""
+        out: list[tuple[bytes, int, int, int]] = []
         masks: dict[bytes, tuple[np.ndarray, int, Any, int]] = {}
+        lists: dict[bytes, tuple[np.ndarray, Any]] = {}
         for sc in spaces[:BELL_SPACES_MAX]:
             if sc.rows is None:
-                out.append((sc.args, sc.ns_id, 0))
+                out.append((sc.args, sc.ns_id, 0, -1))
                 continue
             if not self.doorbell_args or len(sc.args) > self.doorbell_args:
                 continue
             try:
-                masks[sc.args] = kept = self._bell_mask(sc, high, touched_since)
+                if use_list(len(sc.rows), high):
+                    lists[sc.args] = listed = self._bell_list(sc)
+                    out.append((sc.args, sc.ns_id, int(listed[1].data.ptr), len(listed[0])))
+                else:
+                    masks[sc.args] = kept = self._bell_mask(sc, high, touched_since)
+                    out.append((sc.args, sc.ns_id, int(kept[2].data.ptr), -1))
             except MemoryError:  # (CuPy's OutOfMemoryError: that filter goes to the sidecar, as before)
-                log.warning("no room for a filter's mask on %s; the sidecar answers its recalls", self.name,
-                            exc_info=True)  # fmt: skip
+                log.warning("no room for a filter's mask or list on %s; the sidecar answers its recalls",
+                            self.name, exc_info=True)  # fmt: skip
                 continue
-            out.append((sc.args, sc.ns_id, int(kept[2].data.ptr)))
-        self._bell_masks = masks
+        self._bell_masks, self._bell_lists = masks, lists
         return out
+
+    def _bell_list(self, sc: BellScope) -> tuple[np.ndarray, Any]:
+        """The device list (int32, ascending) of the rows the selective filter ``sc`` keeps:
+        the one kept from the kernel's last start while it is for the same rows array (the
+        service's kept answer, which nobody changes: read-only), else a new one (at most a
+        16th of the rows below the high-water mark: 250 KB at 1M rows). Written on the
+        kernel's stream, which its launch follows. (A list with no rows is a device array of
+        one, which the kernel never reads: its length is 0.)"""
+        assert sc.rows is not None
+        rows = sc.rows
+        kept = self._bell_lists.get(sc.args)
+        if kept is not None and kept[0] is rows and not rows.flags.writeable:
+            return kept
+        with self.device, self.bstream:
+            dev = self.cp.asarray(rows.astype(np.int32) if len(rows) else np.zeros(1, np.int32))
+        self.bell_list_uploads += 1
+        return rows, dev
 
     def _bell_mask(self, sc: BellScope, high: int, touched_since: Callable[[int], np.ndarray | None] | None,
                    ) -> tuple[np.ndarray, int, Any, int]:  # fmt: skip
@@ -1172,6 +1250,7 @@ class GpuIndex(Index):
                  doorbell_spaces=scope_names(self.bell_served_spaces)[0],
                  doorbell_filters=scope_names(self.bell_served_spaces)[1],
                  bell_mask_uploads=self.bell_mask_uploads, bell_mask_follows=self.bell_mask_follows,
+                 bell_list_uploads=self.bell_list_uploads, filter_lists=self.filter_lists,
                  carousel_k=self.carousel_k, carousel_running=self.carousel_running,
                  carousel_launches=self.carousel_launches,
                  carousel_boarded=self.crowd.boarded if self.crowd is not None else 0,
@@ -1362,11 +1441,13 @@ class GpuIndex(Index):
             qb //= 2
         return qb
 
-    def _graph(self, k: int, qb: int, grid: int, slot: tuple[int, int, int] = (0, 0, 0)) -> Any:
+    def _graph(self, k: int, qb: int, grid: int, slot: tuple[int, int, int] = (0, 0, 0),
+               listed: bool = False) -> Any:  # fmt: skip
         """The captured prep + scan graph for (k, queries bucket, grid), and for one query from
         one slot (``slot`` = its query, rows and scores addresses, baked into the launch so
-        prep reads the descriptor and the query in one PCIe round trip)."""
-        key = (k, qb, grid, *slot)
+        prep reads the descriptor and the query in one PCIe round trip); ``listed``: the scan
+        of a list of rows (scan_list, for a descriptor whose ns id is NS_LIST)."""
+        key = (k, qb, grid, *slot, listed)
         g = self.graphs.get(key)
         if g is not None:
             return g
@@ -1376,7 +1457,7 @@ class GpuIndex(Index):
         buf = self._buf(kp)
         smem = self._smem(qb, buf)
         prep = kernels.get_kernel("prep_queries", self.metric)
-        scan = kernels.get_kernel("scan_topk", self.ctype, self.tpr, qb, self.metric)
+        scan = kernels.get_kernel("scan_list" if listed else "scan_topk", self.ctype, self.tpr, qb, self.metric)
         if smem > max(48 * 1024, scan.max_dynamic_shared_size_bytes):
             scan.max_dynamic_shared_size_bytes = smem
         rs = self.rowscale if self.rowscale is not None else np.uint64(0)
@@ -1490,26 +1571,34 @@ class GpuIndex(Index):
             return
         qs, rows, scores, out_ld = self._addresses(specs)
         mask_dev = None
+        listed = candidates is not None and use_list(len(candidates), high)
         kept = self._mask_kept
         if candidates is not None and kept is not None and kept[0] is candidates and kept[1] == high:
             mask_dev = kept[2]  # (the same filter's answer again, its rows unchanged: uploaded once)
         elif candidates is not None:
-            m = np.zeros(high, np.uint8)
-            m[candidates] = 1
+            if listed:  # a selective filter: the list of its rows (scan_list walks only them)
+                m = candidates.astype(np.int32) if len(candidates) else np.zeros(1, np.int32)
+            else:
+                m = np.zeros(high, np.uint8)
+                m[candidates] = 1
             # uploaded on our stream: on the legacy default stream (outside the context) the
-            # copy from pageable memory could still be in flight when the scan reads the mask
+            # copy from pageable memory could still be in flight when the scan reads it
             with self.device, self.stream:
                 mask_dev = self.cp.asarray(m)
-            # a read-only array is the service's kept answer, which nobody changes: the mask
-            # stays right for it while ``high`` does (the array held, so its id is not reused)
-            self._mask_kept = (candidates, high, mask_dev) if not candidates.flags.writeable else None
+            # a read-only array is the service's kept answer, which nobody changes: the mask or
+            # list stays right for it while ``high`` does (the array held, so its id is not reused)
+            self._mask_kept = (candidates, high, mask_dev, listed) if not candidates.flags.writeable else None
         mask_addr = 0 if mask_dev is None else mask_dev.data.ptr
+        if listed:  # the list's rows, each eligible: no namespace to check
+            assert candidates is not None
+            high, ns = len(candidates), NS_LIST
+            self.filter_lists += 1
         if self.exact is None:
             # with a filter mask (a device array this call owns) the search finishes here
             self._run(qs, rows, scores, k, high, ns, mask_addr, out_ld, dense and mask_dev is None,
                       defer=mask_dev is None)  # fmt: skip
         else:  # int8: kc candidates per query into the scratch, then exact re-scoring
-            kc = min(self.rescore_factor * k, high, CAND_MAX)
+            kc = min(self.rescore_factor * k, max(high, 1), CAND_MAX)
             flat = [(s, j) for s in specs for j in range(len(s.queries))]
             for start in range(0, len(flat), MAXQ):
                 part = flat[start : start + MAXQ]
@@ -1718,7 +1807,8 @@ class GpuIndex(Index):
         then skip the namespace check). ``defer``: leave the last launch running and
         its wait among the pending searches (``self._pending``)."""
         kp = _pow2(k)
-        use_gemm = USE_GEMM and self.dtype != "int8" and len(qs) >= GEMM_MIN_Q
+        listed = ns == NS_LIST  # (a list of rows: the fused scan's scan_list, never the GEMM paths)
+        use_gemm = USE_GEMM and self.dtype != "int8" and len(qs) >= GEMM_MIN_Q and not listed
         step = MAXQ if use_gemm else self._fused_qb(FUSED_MAX_Q, kp)
         if dense:  # the kernels skip reading the namespace array (10-90 us at 1M rows)
             ns = NS_ANY
@@ -1728,10 +1818,10 @@ class GpuIndex(Index):
             graph = None
             if n == 1:  # the hot path: the slot's addresses are baked into its own graph
                 _DESC_HEAD.pack_into(self._desc_mm, 0, 1, k, high, ns, mask_addr, out_ld, 0)
-                graph = self._graph(k, 1, self._grid(high, kp), (qs[start], rows[start], scores[start]))
+                graph = self._graph(k, 1, self._grid(high, kp), (qs[start], rows[start], scores[start]), listed)
             elif not use_gemm:
                 self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
-                graph = self._graph(k, self._fused_qb(n, kp), self._grid(high, kp))
+                graph = self._graph(k, self._fused_qb(n, kp), self._grid(high, kp), listed=listed)
             last = start + step >= len(qs)
             self._mma_end = None
             if graph is None:

@@ -112,6 +112,7 @@ def test_a_filters_recalls_are_answered_by_the_kernel_exactly(start_sidecar, dty
         check(c.recall(q, 10, filter=mine), "", data[""], user(SPACES[""], 3), q, 10, dtype)
         check(c.recall(q, 10, namespace="mem", filter=u1), "mem", data["mem"], user(n, 1), q, 10, dtype)
     assert served(c) - before == 8
+    assert index_stats(c)["bell_list_uploads"] >= 1  # (few, none and mine keep under a 16th of the rows: lists)
     # the controls: documents inline are never rung; the sidecar's answer is the same
     before = served(c)
     check(plain.recall(q, 10, namespace="mem", filter=u1), "mem", data["mem"], user(n, 1), q, 10, dtype)
@@ -156,17 +157,64 @@ def test_a_write_is_seen_by_the_filters_the_kernel_serves(start_sidecar) -> None
     c.close()
 
 
-def test_int8_a_filters_recalls_are_rescored_by_the_kernel(start_sidecar) -> None:  # type: ignore[no-untyped-def]
-    """int8 storage: the kernel's scan with a filter's mask finds candidates among the rows it
-    keeps only, and re-scores them: every hit passes the filter, its answers are the sidecar's
-    own (documents inline, never rung), and recall@10 >= 0.99 against exact search."""
+@pytest.mark.parametrize("lists", ["16", "0"])
+def test_a_selective_filter_is_served_through_a_list_that_follows_writes(start_sidecar, monkeypatch, lists) -> None:  # type: ignore[no-untyped-def]
+    """A filter that keeps at most a 16th of the rows is served through a list of its rows
+    (session 52: the kernel walks those rows only; ``bell_list_uploads`` counts the lists
+    made): its recalls are the kernel's and exact for k below and above the rows it keeps, a
+    row written into it is found at once, and rows deleted from it are gone at once (each write
+    stops the kernel, and its next start makes the list again). The control,
+    ``KALOS_FILTER_LIST=0``: the same recalls through a mask, no list made."""
+    monkeypatch.setenv("KALOS_FILTER_LIST", lists)
+    rng = np.random.default_rng()
+    dim = 33
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    data = load(c, rng, dim)
+    n = SPACES["mem"]
+    few = {"i": {"$lt": 301}}  # 301 of the 8,010 rows: 301 x 16 <= 8,010
+    keep = np.arange(n) < 301
+    serving(c, data["mem"][0], "mem", few)
+    before = served(c)
+    for k in (1, 10, 400):
+        q = rng.standard_normal(dim).astype(np.float32)
+        poison(sc.name)
+        check(c.recall(q, k, namespace="mem", filter=few), "mem", data["mem"], keep, q, k, "float32")
+    assert served(c) - before == 3
+    q = rng.standard_normal(dim).astype(np.float32)
+    c.upsert(["mem#new"], (5 * q)[None], texts=["mem text new"], metadatas=[{"i": 7}], namespace="mem")
+    serving(c, q, "mem", few)
+    before = served(c)
+    assert c.recall(q, 3, namespace="mem", filter=few).ids[0] == "mem#new" and served(c) == before + 1
+    c.delete(["mem#new"], namespace="mem")
+    ref_i, _ = reference_topk(data["mem"], q[None], 10, eligible=keep)
+    gone = [f"mem#{i}" for i in ref_i[0][:4]]
+    c.delete(gone, namespace="mem")
+    keep[ref_i[0][:4]] = False
+    serving(c, q, "mem", few)
+    before = served(c)
+    poison(sc.name)
+    r = c.recall(q, 10, namespace="mem", filter=few)
+    assert served(c) == before + 1 and not {"mem#new", *gone} & set(r.ids)
+    check(r, "mem", data["mem"], keep, q, 10, "float32")
+    uploads = index_stats(c)["bell_list_uploads"]
+    assert uploads >= 3 if lists != "0" else uploads == 0, uploads
+    c.close()
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_int8_a_filters_recalls_are_rescored_by_the_kernel(start_sidecar, selective) -> None:  # type: ignore[no-untyped-def]
+    """int8 storage: the kernel's scan with a filter's mask (or, for a selective filter, its
+    list of rows) finds candidates among the rows it keeps only, and re-scores them: every
+    hit passes the filter, its answers are the sidecar's own (documents inline, never rung),
+    and recall@10 >= 0.99 against exact search."""
     rng = np.random.default_rng()
     dim = 96
     sc = start_sidecar(dim=dim, device="cuda", dtype="int8")
     c, inline = sc.client(), sc.client(arena_docs=False)
     data = load(c, rng, dim)
-    keep = user(SPACES["mem"], 4)
-    u4 = {"user": "u4"}
+    keep = np.arange(SPACES["mem"]) < 301 if selective else user(SPACES["mem"], 4)
+    u4 = {"i": {"$lt": 301}} if selective else {"user": "u4"}
     got, ref = [], []
     for _ in range(20):
         q = rng.standard_normal(dim).astype(np.float32)
@@ -182,6 +230,7 @@ def test_int8_a_filters_recalls_are_rescored_by_the_kernel(start_sidecar) -> Non
         got.append(r.ids)
         ref.append([f"mem#{i}" for i in ref_i[0]])
     assert recall_at_k(got, ref) >= 0.99
+    assert (index_stats(c)["bell_list_uploads"] > 0) == selective
     inline.close()
     c.close()
 

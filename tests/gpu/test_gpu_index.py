@@ -769,3 +769,103 @@ def test_a_kept_filters_device_mask_is_uploaded_once_and_never_stale() -> None:
     assert got[0] == "new" and got == want(q2, [("new", close)])
     svc.recall_slots([sp], 10, "", flt)  # no key: a fresh (writable) answer is not kept
     assert idx._mask_kept is None
+
+
+@pytest.mark.parametrize(("dim", "metric"), [(97, "cosine"), (768, "l2"), (1536, "ip")])
+def test_selective_filters_scan_a_list_of_their_rows_exactly(dim: int, metric: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A filter that keeps at most 1/FILTER_LIST of the rows is searched through a list of its
+    rows (scan_list; the index's ``filter_lists`` counts those searches): exact against the
+    float32 reference over the rows it keeps, for batches of 1 and 11 (a launch of 8 queries
+    and one of 3) and k from 1 to above the rows it keeps, with deleted rows among them, in the
+    default namespace and in another one. The control: with FILTER_LIST 0 the same recalls go
+    through masks, count no list, and are exact too."""
+    from kalos_retrievers.sidecar import index_gpu
+
+    rng = np.random.default_rng()
+    n, m = 40_009, 3001
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    other = rng.standard_normal((m, dim)).astype(np.float32)
+    svc = make(dim, metric)
+    g = np.arange(n) % 101  # g == 5: 396 rows, a 101st
+    put(svc, data, metas=[{"g": int(x)} for x in g])
+    put(svc, other, [f"o{i}" for i in range(m)], ns="N", metas=[{"g": i % 200} for i in range(m)])
+    gone = rng.choice(np.flatnonzero(g == 5), 100, replace=False)
+    svc.delete({"namespace": "", "ids": [str(i) for i in gone]})
+    alive = np.ones(n, bool)
+    alive[gone] = False
+    keep, keep_n = alive & (g == 5), np.arange(m) % 200 == 7  # 296 and 15 rows
+    atol = 2e-3 if metric == "l2" else 1e-4
+    for fraction, listed in ((16, True), (0, False)):
+        monkeypatch.setattr(index_gpu, "FILTER_LIST", fraction)
+        before = svc.index.filter_lists
+        for b in (1, 11):
+            q = rng.standard_normal((b, dim)).astype(np.float32)
+            for k in (1, 10, 300):
+                check(svc, data, q, k, metric, eligible=keep, atol=atol, flt={"g": 5})
+                check(svc, other, q, k, metric, eligible=keep_n, atol=atol, ns="N", flt={"g": 7},
+                      id_of=lambda i: f"o{i}")  # fmt: skip
+        assert (svc.index.filter_lists - before == 12) if listed else svc.index.filter_lists == before
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_selective_filters_lists_in_reduced_precision(dtype: str) -> None:
+    """float16 and int8 storage (int8: the list's scan finds candidates, re-scored exactly):
+    a selective filter's recalls go through its list, every result is one of its rows, and
+    recall@10 against the exact reference is at least 0.99."""
+    rng = np.random.default_rng()
+    n, dim = 30_011, 768
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    svc = make(dim, dtype=dtype)
+    put(svc, data, metas=[{"g": i % 37} for i in range(n)])
+    q = rng.standard_normal((11, dim)).astype(np.float32)
+    keep = np.arange(n) % 37 == 4
+    before = svc.index.filter_lists
+    rows, scores = svc.recall(q, 10, "", {"g": 4})
+    assert svc.index.filter_lists == before + 1 and np.all(np.isfinite(scores))
+    got = [[int(svc.rows.ids[r]) for r in rr] for rr in rows]
+    assert all(i % 37 == 4 for rr in got for i in rr)
+    ref_i, _ = reference_topk(data, q, 10, eligible=keep)
+    assert recall_at_k(got, ref_i.tolist()) >= 0.99
+
+
+def test_a_kept_selective_filters_list_is_uploaded_once_and_never_stale() -> None:
+    """A selective filter recalled again with its rows unchanged (the service's kept answer)
+    reuses its device list; a row written into it makes a new one, and the answer has it."""
+    from kalos_retrievers.protocol import encode_json, encode_recall_args
+
+    rng = np.random.default_rng()
+    n, dim = 5003, 97
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    svc = make(dim)
+    put(svc, data, metas=[{"g": i % 41} for i in range(n)])
+    idx = svc.index
+    _mm, specs = _segment(idx, 1, dim, 10)
+    sp = specs[0]
+    flt = {"g": 3}
+    key = encode_recall_args("", encode_json(flt))
+
+    def recall(q: np.ndarray) -> list[str]:
+        sp.queries[0] = q
+        sp.rows.fill(0x7F7F7F7F)
+        sp.scores.fill(np.nan)
+        kk = svc.recall_slots([sp], 10, "", flt, key=key)
+        return [svc.rows.ids[r] for r in sp.rows[0, :kk]]
+
+    def want(q: np.ndarray, extra: list[tuple[str, np.ndarray]] = ()) -> list[str]:  # type: ignore[assignment]
+        keep = np.flatnonzero(np.arange(n) % 41 == 3)
+        ids = [str(i) for i in keep] + [e[0] for e in extra]
+        rows = np.concatenate([data[keep], *[e[1][None] for e in extra]])
+        s = (rows @ q) / np.linalg.norm(rows, axis=1)
+        return [ids[i] for i in np.argsort(-s, kind="stable")[:10]]
+
+    q = rng.standard_normal(dim).astype(np.float32)
+    assert recall(q) == want(q)
+    first = idx._mask_kept
+    assert first is not None and first[3] and first[2].dtype == np.int32  # a list, not a mask
+    q2 = rng.standard_normal(dim).astype(np.float32)
+    assert recall(q2) == want(q2) and idx._mask_kept[2] is first[2]  # uploaded once
+    close = (q2 / np.linalg.norm(q2) * 3).astype(np.float32)
+    put(svc, close[None], ["new"], metas=[{"g": 3}])  # in it: a new row, the best
+    got = recall(q2)
+    assert got[0] == "new" and got == want(q2, [("new", close)]) and idx._mask_kept[2] is not first[2]

@@ -71,6 +71,7 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
         device=_Null(), bstream=_Null(),
         stream=_Null(), doorbell_running=False, doorbell_k=64, doorbell_spaces=index_gpu.BELL_SPACES_MAX,
         doorbell_args=index_gpu.BELL_ARGS_MAX, _bell_masks={}, bell_mask_uploads=0, bell_mask_follows=0,
+        _bell_lists={}, bell_list_uploads=0,
         bell_served_spaces=(), doorbell_launches=0, doorbell_mode=index_gpu.DOORBELL_MODE, seg_addr=1 << 40,
         _closed=False, _bell_layout=Layout(n_slots=3, dim=16), _arena_table=(1 << 41, 0, 0, 7), exact=None,
         _exact_reg=0, rescore_factor=1, _bell_mm=bell_mm, _bell_addr=np.frombuffer(bell_mm, u8).ctypes.data,
@@ -105,7 +106,7 @@ def test_a_start_names_the_namespaces_it_serves_in_the_kernels_table(index: Any)
     line = host_line(idx)
     assert line[1:3] == (21, 3)  # n_rows, the default namespace's id
     assert line[-2:] == (2, idx.bell_spaces.data.ptr)  # n_spaces, where the table is
-    table, keys = bell_spaces_table([(sc.args, sc.ns_id, 0) for sc in spaces])
+    table, keys = bell_spaces_table([(sc.args, sc.ns_id, 0, -1) for sc in spaces])
     assert keys == idx.bell_served_spaces == (spaces[0].args, spaces[1].args)
     assert bytes(idx.bell_spaces.view(np.ndarray)) == table  # copied to the device before the launch
 
@@ -114,7 +115,7 @@ def _masks(idx: Any) -> dict[bytes, tuple[int, np.ndarray]]:
     """Each served scope's mask address in the kernel's table, and the mask there."""
     n = index_gpu.BELL_SPACES_MAX
     raw = bytes(idx.bell_spaces.view(np.ndarray))
-    addrs = index_gpu.struct.unpack_from(f"<{n}Q", raw, 8 * n)
+    addrs = index_gpu.struct.unpack_from(f"<{n}Q", raw, 12 * n)
     out = {}
     for key, addr in zip(idx.bell_served_spaces, addrs, strict=False):
         kept = idx._bell_masks.get(key)
@@ -122,14 +123,78 @@ def _masks(idx: Any) -> dict[bytes, tuple[int, np.ndarray]]:
     return out
 
 
-def test_a_filter_is_served_through_a_mask_of_the_rows_it_keeps(index: Any) -> None:
+def _entries(idx: Any) -> dict[bytes, tuple[int, int, int]]:
+    """Each served scope's (id, list length, address) in the kernel's table."""
+    n = index_gpu.BELL_SPACES_MAX
+    raw = bytes(idx.bell_spaces.view(np.ndarray))
+    ids = index_gpu.struct.unpack_from(f"<{n}i", raw, 0)
+    rows = index_gpu.struct.unpack_from(f"<{n}i", raw, 8 * n)
+    addrs = index_gpu.struct.unpack_from(f"<{n}Q", raw, 12 * n)
+    return {key: (ids[e], rows[e], addrs[e]) for e, key in enumerate(idx.bell_served_spaces)}
+
+
+def test_a_selective_filter_is_served_through_a_list_of_its_rows(index: Any) -> None:
+    """A filter that keeps at most 1/FILTER_LIST of the rows gets a device list of them (int32,
+    ascending): its entry's id is NS_LIST, its length the list's, its address the list's. The
+    list is kept while the filter's rows are the same read-only array, uploaded again for other
+    rows, freed when the scope is no longer served; a filter whose rows grow past the fraction
+    goes back to a mask, and one that keeps none gets a list of length 0. The control:
+    ``KALOS_FILTER_LIST=0`` (FILTER_LIST 0) serves the same filter through a mask."""
+    idx, _ = index
+    rows = np.array([3, 11], np.int64)
+    rows.flags.writeable = False  # (the service's kept answer)
+    flt = BellScope(encode_recall_args("mem", b'{"user":"u1"}'), 6, rows)
+    ns = _ns("notes", 5)
+    idx.resume_doorbell(21, 3, [flt, ns])  # 2 of 21 rows: 2 x 16 > 21, a mask
+    assert _entries(idx)[flt.args][:2] == (6, 0) and idx.bell_mask_uploads == 1 and idx._bell_lists == {}
+    idx.doorbell_running = False
+    idx.resume_doorbell(24, 3, [flt, ns])  # 2 x 16 > 24 still: a mask
+    assert idx._bell_lists == {}
+    idx.doorbell_running = False
+    idx.resume_doorbell(32, 3, [flt, ns])  # 2 x 16 <= 32: the list
+    ids, n_list, addr = _entries(idx)[flt.args]
+    dev = idx._bell_lists[flt.args][1]
+    assert (ids, n_list, addr) == (index_gpu.NS_LIST, 2, dev.data.ptr) and idx.bell_list_uploads == 1
+    assert dev.dtype == np.int32 and dev.view(np.ndarray).tolist() == [3, 11]
+    assert _entries(idx)[ns.args] == (5, 0, 0) and idx._bell_masks == {}  # (the mask freed)
+    idx.doorbell_running = False
+    idx.resume_doorbell(40, 3, [flt, ns])  # the same rows: the list kept
+    assert idx.bell_list_uploads == 1 and _entries(idx)[flt.args][2] == addr
+    fresh = np.array([1, 2, 30], np.int64)  # (a writable array: uploaded at every start)
+    for want in (2, 3):
+        idx.doorbell_running = False
+        idx.resume_doorbell(48, 3, [flt._replace(rows=fresh)])
+        assert idx.bell_list_uploads == want and _entries(idx)[flt.args][:2] == (index_gpu.NS_LIST, 3)
+        assert idx._bell_lists[flt.args][1].view(np.ndarray).tolist() == [1, 2, 30]
+    idx.doorbell_running = False
+    idx.resume_doorbell(48, 3, [flt._replace(rows=np.zeros(0, np.int64))])  # keeps none: an empty list
+    assert _entries(idx)[flt.args][:2] == (index_gpu.NS_LIST, 0)
+    idx.doorbell_running = False
+    idx.resume_doorbell(48, 3, [ns])
+    assert idx._bell_lists == {}  # no longer served: freed
+    idx.doorbell_running = False
+    idx.resume_doorbell(48, 3, [flt._replace(rows=np.arange(4, dtype=np.int64))])  # 4 x 16 > 48: a mask
+    assert _entries(idx)[flt.args][:2] == (6, 0) and idx._bell_lists == {}
+
+
+def test_the_negative_control_filter_list_0_serves_masks_only(index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    idx, _ = index
+    monkeypatch.setattr(index_gpu, "FILTER_LIST", 0)
+    flt = BellScope(encode_recall_args("mem", b'{"user":"u1"}'), 6, np.array([3], np.int64))
+    idx.resume_doorbell(1000, 3, [flt])
+    assert _entries(idx)[flt.args][:2] == (6, 0) and idx._bell_lists == {} and idx.bell_mask_uploads == 1
+
+
+def test_a_filter_is_served_through_a_mask_of_the_rows_it_keeps(index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A filter's scope gets a device mask (1 for each row it keeps, below the high-water mark)
     whose address is its table entry's; a namespace alone gets none. The mask is kept while the
     filter's rows are the same read-only array (grown with zeros when the high-water mark
     passes its end), and made again for other rows that say nothing of the changes since;
     one no longer served is freed. Without ``doorbell_args`` (KALOS_BELL_FILTERS=0,
-    the control) a filter is left out and a namespace still served."""
+    the control) a filter is left out and a namespace still served. (Masks only here:
+    FILTER_LIST 0; lists are the test above.)"""
     idx, log = index
+    monkeypatch.setattr(index_gpu, "FILTER_LIST", 0)
     rows = np.array([0, 4, 7, 20], np.int64)
     rows.flags.writeable = False  # (the service's kept answer)
     flt = BellScope(encode_recall_args("mem", b'{"user":"u1"}'), 6, rows)
@@ -187,9 +252,9 @@ def test_a_running_kernel_is_not_started_again(index: Any) -> None:
 def _follow_rig(index: Any, touched_since: Any = None) -> tuple[int, int]:
     """300 random upserts, deletes and compactions in two namespaces of a CPU service; after
     each, the fake GPU index started with the service's scopes (3 filters and a namespace) and
-    its ``touched_since`` (or the one given), and each filter's device mask compared with the
-    rows a fresh evaluation keeps, below the high-water mark. Returns (masks made whole, masks
-    followed); raises AssertionError at the first wrong mask."""
+    its ``touched_since`` (or the one given), and each filter's device mask or list compared
+    with the rows a fresh evaluation keeps, below the high-water mark. Returns (masks made
+    whole, masks followed); raises AssertionError at the first wrong mask or list."""
     idx, _ = index
     dim, ns = 4, "mem"
     svc = Service(CpuIndex(dim, METRICS["ip"]), NullStore(), dim=dim, metric=METRICS["ip"])
@@ -224,6 +289,13 @@ def _follow_rig(index: Any, touched_since: Any = None) -> tuple[int, int]:
                 assert not live[ns], step  # (an empty namespace is not served)
                 continue
             _, fresh, _, _ = svc.eligible(ns, flt)
+            listed = idx._bell_lists.get(key)
+            if listed is not None:  # (a selective filter's list of rows)
+                n_list = _entries(idx)[key][1]
+                got_rows = listed[1].view(np.ndarray)[:n_list].tolist()
+                want_rows = [] if fresh is None else fresh.tolist()
+                assert got_rows == want_rows, f"list wrong at step {step} for {flt}"
+                continue
             want = np.zeros(high, np.uint8)
             if fresh is not None:
                 want[fresh] = 1
@@ -233,16 +305,49 @@ def _follow_rig(index: Any, touched_since: Any = None) -> tuple[int, int]:
     return idx.bell_mask_uploads, idx.bell_mask_follows
 
 
-def test_a_served_filters_mask_follows_the_rows_changes_touched(index: Any) -> None:
+def test_a_served_filters_mask_follows_the_rows_changes_touched(index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through random writes, deletes and compactions, each served filter's mask is what a
     whole new one would be at every start, while most starts write only the rows the changes
-    touched (bell_mask_follows) instead of making it whole again (bell_mask_uploads)."""
+    touched (bell_mask_follows) instead of making it whole again (bell_mask_uploads). (Masks
+    only: FILTER_LIST 0.)"""
+    monkeypatch.setattr(index_gpu, "FILTER_LIST", 0)
     uploads, follows = _follow_rig(index)
     assert follows > 500 and uploads < follows // 10, (uploads, follows)
 
 
-def test_the_negative_control_a_mask_blind_to_the_touched_rows_goes_wrong(index: Any) -> None:
+def test_the_negative_control_a_mask_blind_to_the_touched_rows_goes_wrong(
+    index: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The control: told that no change touched any row, the masks kept are followed into
     wrong ones, and the comparison sees it."""
+    monkeypatch.setattr(index_gpu, "FILTER_LIST", 0)
     with pytest.raises(AssertionError, match="mask wrong"):
         _follow_rig(index, touched_since=lambda seq: np.zeros(0, np.int64))
+
+
+def test_served_filters_switch_between_lists_and_masks_and_stay_right(
+    index: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With FILTER_LIST 4 the rig's filters (keeping about a quarter, a half and three quarters
+    of the namespace's rows, beside another namespace) are served through lists at some starts
+    and masks at others, as their share of the rows crosses a quarter: every list and every
+    mask is right at every start."""
+    monkeypatch.setattr(index_gpu, "FILTER_LIST", 4)
+    uploads, follows = _follow_rig(index)
+    idx, _ = index
+    assert idx.bell_list_uploads > 30 and uploads + follows > 30, (idx.bell_list_uploads, uploads, follows)
+
+
+def test_the_negative_control_a_list_kept_for_other_rows_goes_wrong(
+    index: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control: a list kept whatever the filter's rows are now is seen wrong."""
+    monkeypatch.setattr(index_gpu, "FILTER_LIST", 4)
+    real = GpuIndex._bell_list
+
+    def stale(self: Any, sc: BellScope) -> Any:
+        return self._bell_lists.get(sc.args) or real(self, sc)
+
+    monkeypatch.setattr(GpuIndex, "_bell_list", stale)
+    with pytest.raises(AssertionError, match="list wrong"):
+        _follow_rig(index)

@@ -98,6 +98,8 @@ def test_sizes_and_limits_match() -> None:
     assert 4 * d["LL_K_MAX"] + 4 == index_gpu.LL_WORDS_PER_BLOCK
     assert index_gpu.SYNC_WORDS * 4 % 16 == 0
     assert d["NS_ANY"] == index.NS_ANY
+    assert d["NS_LIST"] == index_gpu.NS_LIST
+    assert len({index.NS_ANY, index.NS_NONE, index_gpu.NS_LIST}) == 3  # (no namespace id is negative)
     # the int8 resident kernel's candidates (RESCORE_FACTOR x k) fit its buffer for every k it takes
     assert d["KALOS_CAND_MAX"] >= index_gpu.RESCORE_FACTOR * index_gpu.DOORBELL_MAX_K
 
@@ -273,8 +275,9 @@ def test_int8_refuses_a_max_k_its_rescoring_cannot_answer(monkeypatch: pytest.Mo
 
 def test_the_scope_table_matches_struct_bellspaces() -> None:
     """The host's table (index_gpu.bell_spaces_table) is laid out as ``struct BellSpaces``:
-    ids, then the images' lengths, then the filter masks' addresses, then the images of
-    DOORBELL_SCOPE_ARGS_MAX bytes each (v1.6; v1.5's rule, DOORBELL_ARGS_MAX, is shorter)."""
+    ids, then the images' lengths, then the lists' lengths, then the filter masks' or lists'
+    addresses, then the images of DOORBELL_SCOPE_ARGS_MAX bytes each (v1.6; v1.5's rule,
+    DOORBELL_ARGS_MAX, is shorter)."""
     d = defines()
     assert d["BELL_SPACES_MAX"] == index_gpu.BELL_SPACES_MAX
     assert 4 * d["BELL_ARGS_WORDS"] == index_gpu.BELL_ARGS_MAX == DOORBELL_SCOPE_ARGS_MAX > DOORBELL_ARGS_MAX
@@ -282,33 +285,39 @@ def test_the_scope_table_matches_struct_bellspaces() -> None:
     assert d["BELL_IMAGE_WORDS"] == d["BELL_SPACES_MAX"] * d["BELL_ARGS_WORDS"]
     m = d["BELL_SPACES_MAX"]
     fields = struct_fields("BellSpaces")
-    assert [(n, off) for n, off, _ in fields] == [("id", 0), ("len", 4 * m), ("mask", 8 * m), ("image", 16 * m)]
+    assert [(n, off) for n, off, _ in fields] == [("id", 0), ("len", 4 * m), ("rows", 8 * m), ("mask", 12 * m),
+                                                   ("image", 20 * m)]  # fmt: skip
     assert fields[-1][1] + fields[-1][2] == index_gpu._BELL_SPACES.size
 
 
 def test_the_scope_table_holds_each_scopes_exact_args_and_mask() -> None:
     """Each entry is the args a client writes for that scope (a namespace, a filter or both),
-    zero-padded, and its filter mask's address: the kernel compares a request's args with it
-    byte for byte. Empty args (the default namespace's), args past 128 bytes, a negative id and
-    repeated args are left out, and at most BELL_SPACES_MAX are kept, in the order given."""
+    zero-padded, and its filter mask's address, or its list's with the id NS_LIST and the
+    list's length: the kernel compares a request's args with it byte for byte. Empty args (the
+    default namespace's), args past 128 bytes, a negative id and repeated args are left out,
+    and at most BELL_SPACES_MAX are kept, in the order given."""
     n, w = index_gpu.BELL_SPACES_MAX, index_gpu.BELL_ARGS_MAX
     fits = encode_recall_args("é" * 61, None)  # 122 bytes of UTF-8: args of 128
     flt = encode_recall_args("mem", b'{"user_id":"u-17"}')
-    spaces = [(encode_recall_args("notes", None), 7, 0), (b"", 0, 0), (encode_recall_args("x" * 123, None), 3, 0),
-              (encode_recall_args("neg", None), -1, 0), (fits, 9, 0), (flt, 4, 0xABC000),
-              (encode_recall_args("notes", None), 8, 0)]  # fmt: skip
-    spaces += [(encode_recall_args(f"s{i}", None), 10 + i, 0) for i in range(n)]
+    few = encode_recall_args("mem", b'{"user_id":"u-3"}')
+    spaces = [(encode_recall_args("notes", None), 7, 0, -1), (b"", 0, 0, -1),
+              (encode_recall_args("x" * 123, None), 3, 0, -1), (encode_recall_args("neg", None), -1, 0, -1),
+              (fits, 9, 0, -1), (flt, 4, 0xABC000, -1), (few, 4, 0xDEF000, 37),
+              (encode_recall_args("notes", None), 8, 0, -1)]  # fmt: skip
+    spaces += [(encode_recall_args(f"s{i}", None), 10 + i, 0, -1) for i in range(n)]
     table, keys = index_gpu.bell_spaces_table(spaces)
-    rest = [encode_recall_args(f"s{i}", None) for i in range(n - 3)]
-    assert keys == (encode_recall_args("notes", None), fits, flt, *rest)
+    rest = [encode_recall_args(f"s{i}", None) for i in range(n - 4)]
+    assert keys == (encode_recall_args("notes", None), fits, flt, few, *rest)
     ids = struct.unpack_from(f"<{n}i", table, 0)
     lens = struct.unpack_from(f"<{n}i", table, 4 * n)
-    masks = struct.unpack_from(f"<{n}Q", table, 8 * n)
-    assert ids == (7, 9, 4, *range(10, 10 + n - 3))
-    assert masks == (0, 0, 0xABC000, *[0] * (n - 3))
+    rows = struct.unpack_from(f"<{n}i", table, 8 * n)
+    masks = struct.unpack_from(f"<{n}Q", table, 12 * n)
+    assert ids == (7, 9, 4, index_gpu.NS_LIST, *range(10, 10 + n - 4))
+    assert rows == (0, 0, 0, 37, *[0] * (n - 4))
+    assert masks == (0, 0, 0xABC000, 0xDEF000, *[0] * (n - 4))
     for e, args in enumerate(keys):
         assert lens[e] == len(args) <= w
-        assert table[16 * n + w * e : 16 * n + w * (e + 1)] == args.ljust(w, b"\0")
+        assert table[20 * n + w * e : 20 * n + w * (e + 1)] == args.ljust(w, b"\0")
     assert len(fits) == w
     assert index_gpu.bell_spaces_table([]) == (bytes(index_gpu._BELL_SPACES.size), ())
     names, filters = index_gpu.scope_names(keys[:3])
