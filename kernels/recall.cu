@@ -2056,7 +2056,11 @@ template <typename T> struct BellMinBlocks { static constexpr int value = KALOS_
 template <> struct BellMinBlocks<__half> { static constexpr int value = KALOS_BELL_MINB_H; };
 template <> struct BellMinBlocks<signed char> { static constexpr int value = KALOS_BELL_MINB_I8; };
 
-template <typename T, int TPR, int METRIC>
+// LISTS: the build that also serves scopes of id NS_LIST (a selective filter's list of rows),
+// which the host launches only while it serves one: its scan body comes twice (the list's and
+// the mask's), and that build's default-namespace recall was ~3.8 µs slower at 100k rows than
+// the build without (S52-4, H100), so the host keeps the build without for every other start.
+template <typename T, int TPR, int METRIC, bool LISTS>
 __global__ void __launch_bounds__(KALOS_BLOCK, BellMinBlocks<T>::value)
 doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
               const float* __restrict__ rowscale, Params* params, float* qbuf, signed char* qbuf_i8,
@@ -2200,7 +2204,8 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             // (free: every block is done with the last request) holds it unused.
             __shared__ unsigned int s_w[W_REQUEST];
             __shared__ unsigned int s_args[BELL_ARGS_WORDS];
-            __shared__ int s_ok, s_req_ns, s_req_rows;
+            __shared__ int s_ok, s_req_ns;
+            __shared__ int s_req_rows;  // (LISTS: a list's length; unused otherwise)
             __shared__ u64 s_req_mask;
             __threadfence_system();  // the words and the query after the state word that announced them
             unsigned int word = 0;
@@ -2269,13 +2274,13 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
                         if (same) {
                             req_ns = s_spaces.id[e];
                             req_mask = s_spaces.mask[e];
-                            if (req_ns == NS_LIST) req_rows = s_spaces.rows[e];
+                            if (LISTS && req_ns == NS_LIST) req_rows = s_spaces.rows[e];
                             scope = true;
                         }
                     }
                 }
                 s_req_ns = req_ns;
-                s_req_rows = req_rows;
+                if (LISTS) s_req_rows = req_rows;
                 s_req_mask = req_mask;
                 s_ok = s_w[W_OP] == OP_RECALL &&
                        (s_w[W_FLAGS] | FLAG_ARENA_ENTRIES) == (FLAG_ARENA_DOCS | FLAG_ARENA_ENTRIES) &&
@@ -2330,7 +2335,7 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             if (threadIdx.x == 0) {
                 params->n_queries = 1;
                 params->k = kc;
-                params->n_rows = s_req_rows;
+                params->n_rows = LISTS ? s_req_rows : S.n_rows;
                 params->ns_id = s_req_ns;
                 params->mask = reinterpret_cast<const unsigned char*>(s_req_mask);
                 params->out_ld = kc;
@@ -2373,12 +2378,17 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
             for (int i = threadIdx.x; i < (int)(sizeof(Params) / 4); i += blockDim.x) dst[i] = __ldcg(src + i);
         }
         __syncthreads();
-        // (a list's scope: the scan walks its rows; block-uniform, as every block read sp)
-        int kk = sp.ns_id == NS_LIST
-                     ? scan_body<T, TPR, 1, METRIC, true>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8, ld, buf,
-                                                          scratch_k, scratch_v, sync, smem)
-                     : scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8, ld, buf,
-                                                    scratch_k, scratch_v, sync, smem);
+        int kk;
+        if constexpr (LISTS) {  // a list's scope: the scan walks its rows (block-uniform: every block read sp)
+            kk = sp.ns_id == NS_LIST ? scan_body<T, TPR, 1, METRIC, true>(data, ns, sqnorm, rowscale, &sp, qbuf,
+                                                                          qbuf_i8, ld, buf, scratch_k, scratch_v,
+                                                                          sync, smem)
+                                     : scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8,
+                                                                    ld, buf, scratch_k, scratch_v, sync, smem);
+        } else {
+            kk = scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8, ld, buf, scratch_k,
+                                              scratch_v, sync, smem);
+        }
         if constexpr (Vec<T>::INT8) {
             // the candidates' exact scores, by blocks 0 .. kc - 1 (rescore_share): the last
             // block hands them out, a tagged record per candidate, once the merge is done
@@ -3721,8 +3731,9 @@ __global__ void fault_kernel(int* p) { p[threadIdx.x] = 1; }
 SCAN(__half, 4, 1, 0) SCAN(__half, 8, 1, 0) SCAN(float, 8, 1, 0) SCAN(signed char, 4, 1, 0) SCAN(__half, 1, 8, 2)
 #define SCANL(T, TPR, QB, M) template __global__ void scan_list<T, TPR, QB, M>(const T*, const int*, const float*, const float*, const Params*, const float*, const signed char*, int, int, float*, int*, unsigned int*);
 SCANL(__half, 4, 1, 0) SCANL(__half, 4, 8, 1) SCANL(signed char, 4, 1, 2) SCANL(float, 8, 2, 0)
-#define BELL(T, TPR, M) template __global__ void doorbell_topk<T, TPR, M>(const T*, const int*, const float*, const float*, Params*, float*, signed char*, int, int, float*, int*, unsigned int*, BellCtl*, const BellCtl*, unsigned int*, int*);
-BELL(__half, 4, 0) BELL(signed char, 2, 0) BELL(signed char, 2, 2) BELL(float, 8, 1)
+#define BELL(T, TPR, M, L) template __global__ void doorbell_topk<T, TPR, M, L>(const T*, const int*, const float*, const float*, Params*, float*, signed char*, int, int, float*, int*, unsigned int*, BellCtl*, const BellCtl*, unsigned int*, int*);
+BELL(__half, 4, 0, false) BELL(signed char, 2, 0, false) BELL(signed char, 2, 2, false) BELL(float, 8, 1, false)
+BELL(__half, 4, 0, true) BELL(signed char, 2, 2, true) BELL(float, 8, 1, true)
 template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, signed char*, int, int, const float*, int*, float*);
 template __global__ void topk_scores<0>(const float*, int, const int*, const float*, const float*, const Params*, int, float*, int*, unsigned int*);
 template __global__ void tau_scores<0>(const float*, int, const int*, const float*, const Params*, int, float*);

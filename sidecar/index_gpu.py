@@ -754,7 +754,9 @@ class GpuIndex(Index):
                  kernels.expression("get_rows", t), "fault_kernel"]  # fmt: skip
         exprs += [kernels.expression(scan, t, self.tpr, qb, m) for scan in ("scan_topk", "scan_list")
                   for qb in (1, 2, 4, 8)]  # fmt: skip
-        exprs.append(kernels.expression("doorbell_topk", t, self.tpr, m))
+        # the resident kernel without lists, and the one that serves them too (launched only while
+        # a selective filter is served: see kernels/recall.cu)
+        exprs += [kernels.expression("doorbell_topk", t, self.tpr, m, lists) for lists in ("false", "true")]
         if self.dtype == "float16":
             exprs += [kernels.expression("mma_filter", nt, m) for nt in _MMA_NT]
             if USE_CAROUSEL:
@@ -1030,8 +1032,8 @@ class GpuIndex(Index):
             return
         self.stop_carousel()  # (both hold every SM)
         self._finish_all()
-        entries = self._bell_entries(spaces, high, touched_since) if self.doorbell_spaces else []
-        spaces_table, names = bell_spaces_table(entries)
+        scopes = self._bell_entries(spaces, high, touched_since) if self.doorbell_spaces else []
+        spaces_table, names = bell_spaces_table(scopes)
         lay = self._bell_layout
         table, _, arena_rows, arena_version = self._arena_table
         entries, mode = table + ARENA_HEADER_SIZE, self.doorbell_mode & ~BELL_ARENA_DEVICE
@@ -1056,7 +1058,10 @@ class GpuIndex(Index):
         kp = _pow2(self.doorbell_k * (self.rescore_factor if self.exact is not None else 1))
         buf = self._buf(kp)
         smem = self._smem(1, buf)
-        kern = kernels.get_kernel("doorbell_topk", self.ctype, self.tpr, self.metric)
+        # (the build that serves lists only while one is served: the other's default-namespace
+        # recall is faster)
+        lists = "true" if any(e[3] >= 0 for e in scopes) else "false"
+        kern = kernels.get_kernel("doorbell_topk", self.ctype, self.tpr, self.metric, lists)
         if smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
             kern.max_dynamic_shared_size_bytes = smem
         # BELL_PER_SM blocks per SM at most, and never more than can be resident at once: a

@@ -795,7 +795,7 @@ def test_selective_filters_scan_a_list_of_their_rows_exactly(dim: int, metric: s
     alive = np.ones(n, bool)
     alive[gone] = False
     keep, keep_n = alive & (g == 5), np.arange(m) % 200 == 7  # 296 and 15 rows
-    atol = 2e-3 if metric == "l2" else 1e-4
+    atol = {"cosine": 1e-4, "l2": 2e-3, "ip": 1e-3}[metric]  # (ip at 1536-d: scores near 100, float32 sums)
     for fraction, listed in ((16, True), (0, False)):
         monkeypatch.setattr(index_gpu, "FILTER_LIST", fraction)
         before = svc.index.filter_lists

@@ -61,7 +61,8 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
     kern = FakeKernel("doorbell_topk", log)
     kern.num_regs = 80
     kern.shared_size_bytes = 5888
-    monkeypatch.setattr(index_gpu.kernels, "get_kernel", lambda name, *t: kern)
+    built: list[tuple] = []  # the template arguments of each doorbell_topk asked for
+    monkeypatch.setattr(index_gpu.kernels, "get_kernel", lambda name, *t: built.append(t) or kern)
     idx = GpuIndex.__new__(GpuIndex)
     u8 = np.uint8
     bell_mm = mmap.mmap(-1, 4096)
@@ -86,6 +87,7 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
         sm_limits=SmLimits(65536, 233472, 2048, 1024), sms=132, max_grid=4096, on_doorbell=None,
         stop_carousel=lambda: None, _finish_all=lambda: None, _check=lambda fn: fn(),
     )  # fmt: skip
+    idx.__dict__["built"] = built
     return idx, log
 
 
@@ -147,6 +149,7 @@ def test_a_selective_filter_is_served_through_a_list_of_its_rows(index: Any) -> 
     ns = _ns("notes", 5)
     idx.resume_doorbell(21, 3, [flt, ns])  # 2 of 21 rows: 2 x 16 > 21, a mask
     assert _entries(idx)[flt.args][:2] == (6, 0) and idx.bell_mask_uploads == 1 and idx._bell_lists == {}
+    assert idx.built[-1] == ("__half", 2, 0, "false")  # (the kernel's build without lists)
     idx.doorbell_running = False
     idx.resume_doorbell(24, 3, [flt, ns])  # 2 x 16 > 24 still: a mask
     assert idx._bell_lists == {}
@@ -155,6 +158,7 @@ def test_a_selective_filter_is_served_through_a_list_of_its_rows(index: Any) -> 
     ids, n_list, addr = _entries(idx)[flt.args]
     dev = idx._bell_lists[flt.args][1]
     assert (ids, n_list, addr) == (index_gpu.NS_LIST, 2, dev.data.ptr) and idx.bell_list_uploads == 1
+    assert idx.built[-1] == ("__half", 2, 0, "true")  # the build that serves lists
     assert dev.dtype == np.int32 and dev.view(np.ndarray).tolist() == [3, 11]
     assert _entries(idx)[ns.args] == (5, 0, 0) and idx._bell_masks == {}  # (the mask freed)
     idx.doorbell_running = False
@@ -171,7 +175,7 @@ def test_a_selective_filter_is_served_through_a_list_of_its_rows(index: Any) -> 
     assert _entries(idx)[flt.args][:2] == (index_gpu.NS_LIST, 0)
     idx.doorbell_running = False
     idx.resume_doorbell(48, 3, [ns])
-    assert idx._bell_lists == {}  # no longer served: freed
+    assert idx._bell_lists == {} and idx.built[-1][-1] == "false"  # no longer served: freed
     idx.doorbell_running = False
     idx.resume_doorbell(48, 3, [flt._replace(rows=np.arange(4, dtype=np.int64))])  # 4 x 16 > 48: a mask
     assert _entries(idx)[flt.args][:2] == (6, 0) and idx._bell_lists == {}
