@@ -752,11 +752,14 @@ class GpuIndex(Index):
                  kernels.expression("select_cands", m),
                  kernels.expression("set_rows", t), kernels.expression("move_rows", t),
                  kernels.expression("get_rows", t), "fault_kernel"]  # fmt: skip
-        exprs += [kernels.expression(scan, t, self.tpr, qb, m) for scan in ("scan_topk", "scan_list")
+        # the scans (of a list of rows too), and the resident kernel without lists and with them
+        # (launched only while a selective filter is served: see kernels/recall.cu). The list
+        # builds more than double the compile (the development VM's nvcc, float16 cosine:
+        # 6.6 -> 16.4 s), so KALOS_FILTER_LIST=0, which never asks for them, leaves them out.
+        lists = ("false", "true") if FILTER_LIST else ("false",)
+        exprs += [kernels.expression(scan, t, self.tpr, qb, m) for scan in ("scan_topk", "scan_list")[: len(lists)]
                   for qb in (1, 2, 4, 8)]  # fmt: skip
-        # the resident kernel without lists, and the one that serves them too (launched only while
-        # a selective filter is served: see kernels/recall.cu)
-        exprs += [kernels.expression("doorbell_topk", t, self.tpr, m, lists) for lists in ("false", "true")]
+        exprs += [kernels.expression("doorbell_topk", t, self.tpr, m, flag) for flag in lists]
         if self.dtype == "float16":
             exprs += [kernels.expression("mma_filter", nt, m) for nt in _MMA_NT]
             if USE_CAROUSEL:

@@ -322,3 +322,25 @@ def test_the_scope_table_holds_each_scopes_exact_args_and_mask() -> None:
     assert index_gpu.bell_spaces_table([]) == (bytes(index_gpu._BELL_SPACES.size), ())
     names, filters = index_gpu.scope_names(keys[:3])
     assert names == ["notes", "é" * 61] and filters == [{"namespace": "mem", "filter": {"user_id": "u-17"}}]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8", "float32"])
+def test_the_list_builds_are_compiled_unless_lists_are_off(monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """An index compiles the scans of a list of rows and the resident kernel's build that serves
+    lists (session 52) with the rest at start, in one module; ``KALOS_FILTER_LIST=0``, under
+    which the host never asks for them, leaves them out (they more than double the compile).
+    Every template the host names exists in kernels/recall.cu."""
+    asked: list[list[str]] = []
+    monkeypatch.setattr(index_gpu.kernels, "compile_kernels", lambda exprs: asked.append(list(exprs)))
+    idx = index_gpu.GpuIndex.__new__(index_gpu.GpuIndex)
+    idx.__dict__.update(metric=0, ctype=index_gpu._CTYPE[dtype], tpr=4, dtype=dtype)
+    for fraction in (16, 0):
+        monkeypatch.setattr(index_gpu, "FILTER_LIST", fraction)
+        idx._compile()
+    on, off = asked
+    t = index_gpu._CTYPE[dtype]
+    lists = {f"scan_list<{t}, 4, {qb}, 0>" for qb in (1, 2, 4, 8)} | {f"doorbell_topk<{t}, 4, 0, true>"}
+    assert lists <= set(on) and not lists & set(off)
+    assert set(on) - set(off) == lists and f"doorbell_topk<{t}, 4, 0, false>" in off
+    for name in {e.split("<")[0] for e in on}:
+        assert re.search(rf"\b{name}\(", SOURCE), name
