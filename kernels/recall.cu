@@ -3733,7 +3733,7 @@ SCAN(__half, 4, 1, 0) SCAN(__half, 8, 1, 0) SCAN(float, 8, 1, 0) SCAN(signed cha
 SCANL(__half, 4, 1, 0) SCANL(__half, 4, 8, 1) SCANL(signed char, 4, 1, 2) SCANL(float, 8, 2, 0)
 #define BELL(T, TPR, M, L) template __global__ void doorbell_topk<T, TPR, M, L>(const T*, const int*, const float*, const float*, Params*, float*, signed char*, int, int, float*, int*, unsigned int*, BellCtl*, const BellCtl*, unsigned int*, int*);
 BELL(__half, 4, 0, false) BELL(signed char, 2, 0, false) BELL(signed char, 2, 2, false) BELL(float, 8, 1, false)
-BELL(__half, 4, 0, true) BELL(signed char, 2, 2, true) BELL(float, 8, 1, true)
+BELL(__half, 4, 0, true) BELL(signed char, 2, 0, true) BELL(signed char, 2, 2, true) BELL(float, 8, 1, true)
 template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, signed char*, int, int, const float*, int*, float*);
 template __global__ void topk_scores<0>(const float*, int, const int*, const float*, const float*, const Params*, int, float*, int*, unsigned int*);
 template __global__ void tau_scores<0>(const float*, int, const int*, const float*, const Params*, int, float*);

@@ -1581,7 +1581,8 @@ class GpuIndex(Index):
         mask_dev = None
         listed = candidates is not None and use_list(len(candidates), high)
         kept = self._mask_kept
-        if candidates is not None and kept is not None and kept[0] is candidates and kept[1] == high:
+        if (candidates is not None and kept is not None and kept[0] is candidates and kept[1] == high
+                and kept[3] == listed):  # fmt: skip  (a mask is never read as a list, nor a list as a mask)
             mask_dev = kept[2]  # (the same filter's answer again, its rows unchanged: uploaded once)
         elif candidates is not None:
             if listed:  # a selective filter: the list of its rows (scan_list walks only them)

@@ -777,9 +777,9 @@ def test_selective_filters_scan_a_list_of_their_rows_exactly(dim: int, metric: s
     """A filter that keeps at most 1/FILTER_LIST of the rows is searched through a list of its
     rows (scan_list; the index's ``filter_lists`` counts those searches): exact against the
     float32 reference over the rows it keeps, for batches of 1 and 11 (a launch of 8 queries
-    and one of 3) and k from 1 to above the rows it keeps, with deleted rows among them, in the
-    default namespace and in another one. The control: with FILTER_LIST 0 the same recalls go
-    through masks, count no list, and are exact too."""
+    and one of 3) and k from 1 to all the rows it keeps (the service clamps k to them), with
+    deleted rows among them, in the default namespace and in another one. The control: with
+    FILTER_LIST 0 the same recalls go through masks, count no list, and are exact too."""
     from kalos_retrievers.sidecar import index_gpu
 
     rng = np.random.default_rng()

@@ -295,10 +295,11 @@ def _follow_rig(index: Any, touched_since: Any = None) -> tuple[int, int]:
             _, fresh, _, _ = svc.eligible(ns, flt)
             listed = idx._bell_lists.get(key)
             if listed is not None:  # (a selective filter's list of rows)
-                n_list = _entries(idx)[key][1]
+                ns_list, n_list, addr = _entries(idx)[key]
                 got_rows = listed[1].view(np.ndarray)[:n_list].tolist()
                 want_rows = [] if fresh is None else fresh.tolist()
-                assert got_rows == want_rows, f"list wrong at step {step} for {flt}"
+                assert got_rows == want_rows and n_list == len(want_rows), f"list wrong at step {step} for {flt}"
+                assert ns_list == index_gpu.NS_LIST and addr == listed[1].data.ptr, step
                 continue
             want = np.zeros(high, np.uint8)
             if fresh is not None:

@@ -99,7 +99,7 @@ def test_sizes_and_limits_match() -> None:
     assert index_gpu.SYNC_WORDS * 4 % 16 == 0
     assert d["NS_ANY"] == index.NS_ANY
     assert d["NS_LIST"] == index_gpu.NS_LIST
-    assert len({index.NS_ANY, index.NS_NONE, index_gpu.NS_LIST}) == 3  # (no namespace id is negative)
+    assert len({index.NS_ANY, index.NS_NONE, index_gpu.NS_LIST}) == 3  # (the host's three special ids differ)
     # the int8 resident kernel's candidates (RESCORE_FACTOR x k) fit its buffer for every k it takes
     assert d["KALOS_CAND_MAX"] >= index_gpu.RESCORE_FACTOR * index_gpu.DOORBELL_MAX_K
 
