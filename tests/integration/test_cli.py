@@ -300,10 +300,15 @@ def test_stop_reaches_a_sidecar_still_loading(make_name, tmp_path) -> None:
     refuses: it said "not running", exit 1, and the sidecar went on to serve. It reads the pid
     from the header the sidecar wrote before the load (its lock held). The sidecar is frozen
     (SIGSTOP) between publishing its segment and loading, so the stop finds it mid-start every
-    time; SIGCONT lets the pending SIGTERM land. Control: a name nobody holds is "not running"."""
+    time; SIGCONT lets the pending SIGTERM land. Control: a name nobody holds is "not running".
+    The store holds 40,000 rows so that its load lasts ~0.3 s: the SIGSTOP is sent after the
+    test reads the log line, and with 50 rows the whole load took ~1.5 ms, a race a busy CI
+    machine lost (session 52: the client connected to a sidecar already ready)."""
     name = make_name()
     with KalosClient.spawn(name, dim=8, device="cpu", data_dir=tmp_path) as c:
-        c.upsert([str(i) for i in range(50)], np.random.default_rng().random((50, 8), np.float32))
+        rng = np.random.default_rng()
+        for at in range(0, 40_000, 8_000):
+            c.upsert([str(i) for i in range(at, at + 8_000)], rng.random((8_000, 8), np.float32))
     proc = serve(name, "--dim", "8", "--data-dir", str(tmp_path))
     assert proc.stdout is not None
     for line in proc.stdout:
