@@ -1,0 +1,197 @@
+"""The sidecar's side of a selective filter's list of rows (session 52) without a GPU:
+``GpuIndex.launch_slots`` hands the search a list of the filter's rows (int32, the namespace id
+NS_LIST, the list's length as the row count) where the filter keeps at most 1/FILTER_LIST of the
+rows, a mask otherwise; a kept answer's device array is reused only as what it was made as;
+``_run`` never takes a list to the GEMM paths; ``_graph`` captures ``scan_list`` for a list,
+its launch checked against the kernel's parameter list in kernels/recall.cu (tests/kernel_fakes.py).
+What the kernels compute with a list is for tests/gpu/test_gpu_index.py."""
+
+from __future__ import annotations
+
+import mmap
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from kalos_retrievers.sidecar import index_gpu
+from kalos_retrievers.sidecar.index import SlotSpec
+from kalos_retrievers.sidecar.index_gpu import NS_LIST, GpuIndex
+from kernel_fakes import DevArray, FakeKernel
+from kernel_fakes import dev as _dev
+
+pytestmark = pytest.mark.timeout(60)
+
+HIGH = 1000  # rows below the high-water mark
+
+
+class _Null:
+    """A device or stream context that does nothing; a stream's capture returns a token."""
+
+    def __enter__(self) -> _Null:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def begin_capture(self) -> None:
+        return None
+
+    def end_capture(self) -> object:
+        return object()
+
+
+def _spec() -> SlotSpec:
+    q = np.zeros((1, 8), np.float32)
+    rows, scores = np.zeros((1, 10), np.int32), np.zeros((1, 10), np.float32)
+    return SlotSpec(q, rows, scores, q.ctypes.data, rows.ctypes.data, scores.ctypes.data)
+
+
+@pytest.fixture
+def index() -> Any:
+    """A GpuIndex without CuPy whose ``_run`` records what the search was given: (k, high, ns,
+    the device array at mask_addr, dense)."""
+    idx = GpuIndex.__new__(GpuIndex)
+    arrays: dict[int, DevArray] = {}
+
+    def asarray(a: np.ndarray) -> DevArray:
+        d = _dev(np.array(a))
+        arrays[d.data.ptr] = d
+        return d
+
+    runs: list[tuple[int, int, int, Any, bool]] = []
+
+    def run(qs: list, rows: list, scores: list, k: int, high: int, ns: int, mask_addr: int, out_ld: int,
+            dense: bool = False, defer: bool = False) -> None:  # fmt: skip
+        runs.append((k, high, ns, arrays.get(mask_addr), dense))
+
+    idx.__dict__.update(
+        cp=SimpleNamespace(asarray=asarray), device=_Null(), stream=_Null(), seg_addr=1 << 40, exact=None,
+        _mask_kept=None, filter_lists=0, fault_inject=None, _pass_end_ev=None, dim=8,
+        _finish_all=lambda: None, _run=run,
+    )  # fmt: skip
+    return idx, runs
+
+
+def _search(idx: Any, cands: np.ndarray | None, ns: int = 3) -> None:
+    idx.launch_slots([_spec()], 10, HIGH, ns, cands, False)
+
+
+def test_a_selective_filter_is_searched_through_a_list_of_its_rows(index: Any) -> None:
+    idx, runs = index
+    cands = np.array([2, 17, 400, 999], np.int64)  # 4 of 1,000 rows: 4 x 16 <= 1,000
+    _search(idx, cands)
+    k, high, ns, arr, dense = runs[-1]
+    assert (k, high, ns, dense) == (10, 4, NS_LIST, False) and idx.filter_lists == 1
+    assert arr.dtype == np.int32 and arr.tolist() == [2, 17, 400, 999]
+
+
+def test_a_filter_keeping_more_is_searched_through_a_mask(index: Any) -> None:
+    idx, runs = index
+    cands = np.arange(0, HIGH, 7, dtype=np.int64)  # 143 rows: 143 x 16 > 1,000
+    _search(idx, cands)
+    k, high, ns, arr, _ = runs[-1]
+    assert (k, high, ns) == (10, HIGH, 3) and idx.filter_lists == 0
+    assert arr.dtype == np.uint8 and len(arr) == HIGH and np.flatnonzero(arr).tolist() == cands.tolist()
+
+
+def test_the_control_filter_list_0_searches_every_filter_through_a_mask(index: Any, monkeypatch: Any) -> None:
+    idx, runs = index
+    monkeypatch.setattr(index_gpu, "FILTER_LIST", 0)
+    _search(idx, np.array([5], np.int64))
+    assert runs[-1][1:3] == (HIGH, 3) and runs[-1][3].dtype == np.uint8 and idx.filter_lists == 0
+
+
+def test_no_filter_gets_neither(index: Any) -> None:
+    idx, runs = index
+    _search(idx, None)
+    assert runs[-1][1:4] == (HIGH, 3, None) and idx.filter_lists == 0
+
+
+def test_a_kept_answers_list_is_uploaded_once_and_reused_only_as_a_list(index: Any, monkeypatch: Any) -> None:
+    """A read-only candidates array (the service's kept answer) keeps its device list: the
+    same array again reuses it. Were lists switched off meanwhile, the kept int32 list must not
+    be read as a uint8 mask (nor a mask as a list): a new array is made as what is needed now."""
+    idx, runs = index
+    cands = np.array([3, 30, 300], np.int64)
+    cands.flags.writeable = False
+    _search(idx, cands)
+    first = runs[-1][3]
+    _search(idx, cands)
+    assert runs[-1][3] is first and idx.filter_lists == 2  # the same list
+    monkeypatch.setattr(index_gpu, "FILTER_LIST", 0)
+    _search(idx, cands)
+    mask = runs[-1][3]
+    assert mask is not first and mask.dtype == np.uint8 and np.flatnonzero(mask).tolist() == [3, 30, 300]
+    monkeypatch.setattr(index_gpu, "FILTER_LIST", 16)
+    _search(idx, cands)
+    assert runs[-1][3] is not mask and runs[-1][3].dtype == np.int32 and runs[-1][2] == NS_LIST
+
+
+def test_a_writable_answer_is_not_kept(index: Any) -> None:
+    idx, runs = index
+    cands = np.array([3, 30, 300], np.int64)
+    _search(idx, cands)
+    _search(idx, cands)
+    assert runs[0][3] is not runs[1][3] and idx._mask_kept is None
+
+
+class _Graph:
+    def __init__(self, log: list, key: tuple) -> None:
+        self.log, self.key = log, key
+
+    def launch(self, stream: object) -> None:
+        self.log.append(("launch", self.key))
+
+
+def test_a_list_never_takes_the_gemm_path_and_asks_for_list_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_run`` of 11 queries: with a list, fused graphs of the list's scan (8 queries, then 3),
+    never the GEMM / mma path; the control: the same batch through a mask takes that path."""
+    idx = GpuIndex.__new__(GpuIndex)
+    log: list = []
+    mm = mmap.mmap(-1, 4096)
+
+    def graph(k: int, qb: int, grid: int, slot: tuple = (0, 0, 0), listed: bool = False) -> _Graph:
+        log.append(("graph", qb, listed))
+        return _Graph(log, (qb, listed))
+
+    idx.__dict__.update(
+        dim=8, ld=8, tpr=1, max_grid=528, smem_optin=227 * 1024, dtype="float16", stream=_Null(),
+        _desc_mm=mm, _desc_u64=np.frombuffer(mm, np.uint64), _graph=graph, _check=lambda fn: fn(),
+        _graph_done=lambda: None, _pending=[], _mma_end=None, trace=None,
+        _batch_topk=lambda n, k, high: log.append(("gemm", n)) or (lambda: None),
+    )  # fmt: skip
+    qs = [1 << 30] * 11
+    idx._run(qs, qs, qs, 10, 4, NS_LIST, 1 << 31, 10)
+    assert log == [("graph", 8, True), ("launch", (8, True)), ("graph", 4, True), ("launch", (4, True))]
+    log.clear()
+    idx._run(qs, qs, qs, 10, HIGH, 3, 1 << 31, 10)
+    assert log == [("gemm", 11)] if index_gpu.USE_GEMM else all(e[0] != "gemm" for e in log)
+
+
+def test_a_lists_graph_captures_scan_list_with_its_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_graph(..., listed=True)`` captures prep_queries and scan_list (not scan_topk), each
+    launch checked against the kernel's parameter list; cached apart from the mask's graph."""
+    launched: list[tuple[str, tuple]] = []
+    asked: list[str] = []
+
+    def get_kernel(name: str, *t: object) -> FakeKernel:
+        asked.append(name)
+        return FakeKernel(name, launched)
+
+    monkeypatch.setattr(index_gpu.kernels, "get_kernel", get_kernel)
+    idx = GpuIndex.__new__(GpuIndex)
+    ptr = _dev(np.zeros(8, np.float32))
+    idx.__dict__.update(
+        graphs={}, ld=8, dim=8, metric=0, ctype="__half", tpr=1, rowscale=None, stream=_Null(), device=_Null(),
+        desc_addr=1 << 20, params=ptr, qbuf=ptr, qbuf_h=ptr, qbuf_i8=ptr, data=ptr, ns=ptr, sqnorm=ptr,
+        scratch_k=ptr, scratch_v=ptr, sync=ptr,
+    )  # fmt: skip
+    g_list = idx._graph(10, 1, 2, (1, 2, 3), True)
+    g_mask = idx._graph(10, 1, 2, (1, 2, 3))
+    assert asked == ["prep_queries", "scan_list", "prep_queries", "scan_topk"]
+    assert [name for name, _ in launched] == ["prep_queries", "scan_list", "prep_queries", "scan_topk"]
+    assert g_list is not g_mask and idx._graph(10, 1, 2, (1, 2, 3), True) is g_list and len(idx.graphs) == 2
