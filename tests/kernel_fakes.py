@@ -67,3 +67,23 @@ class FakeKernel:
         assert shared_mem <= max(48 * 1024, self.max_dynamic_shared_size_bytes), (self.name, shared_mem)
         assert all(isinstance(x, int) and x > 0 for x in grid + block), (self.name, grid, block)
         self.log.append((self.name, args))
+
+
+class NullStream:
+    """A CuPy device or stream stood in for: a context that does nothing, a synchronize that
+    returns at once, and a graph capture that returns a token."""
+
+    def __enter__(self) -> NullStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def begin_capture(self) -> None:
+        return None
+
+    def end_capture(self) -> object:
+        return object()

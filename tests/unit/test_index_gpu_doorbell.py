@@ -21,7 +21,7 @@ from kalos_retrievers.sidecar.index import BellScope, CpuIndex
 from kalos_retrievers.sidecar.index_gpu import GpuIndex, SmLimits, bell_spaces_table
 from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.store import NullStore
-from kernel_fakes import DevArray, FakeKernel
+from kernel_fakes import DevArray, FakeKernel, NullStream
 
 from kalos_retrievers.protocol import METRICS, Layout, encode_json, encode_recall_args
 
@@ -42,17 +42,6 @@ def _dev(a: np.ndarray) -> _Dev:
     return np.ascontiguousarray(a).view(_Dev)
 
 
-class _Null:
-    def __enter__(self) -> _Null:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-
 @pytest.fixture
 def index(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A GpuIndex made without CuPy, with what resume_doorbell reads: 24 rows of 16-d float16,
@@ -69,8 +58,8 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
     idx.__dict__.update(
         cp=SimpleNamespace(asarray=_dev, zeros=lambda n, dt: _dev(np.zeros(n, dt))),
         dim=16, ld=16, metric=0, name="cuda:0", ctype="__half", tpr=2,
-        device=_Null(), bstream=_Null(),
-        stream=_Null(), doorbell_running=False, doorbell_k=64, doorbell_spaces=index_gpu.BELL_SPACES_MAX,
+        device=NullStream(), bstream=NullStream(),
+        stream=NullStream(), doorbell_running=False, doorbell_k=64, doorbell_spaces=index_gpu.BELL_SPACES_MAX,
         doorbell_args=index_gpu.BELL_ARGS_MAX, _bell_masks={}, bell_mask_uploads=0, bell_mask_follows=0,
         _bell_lists={}, bell_list_uploads=0,
         bell_served_spaces=(), doorbell_launches=0, doorbell_mode=index_gpu.DOORBELL_MODE, seg_addr=1 << 40,

@@ -17,31 +17,12 @@ import pytest
 from kalos_retrievers.sidecar import index_gpu
 from kalos_retrievers.sidecar.index import SlotSpec
 from kalos_retrievers.sidecar.index_gpu import NS_LIST, GpuIndex
-from kernel_fakes import DevArray, FakeKernel
+from kernel_fakes import DevArray, FakeKernel, NullStream
 from kernel_fakes import dev as _dev
 
 pytestmark = pytest.mark.timeout(60)
 
 HIGH = 1000  # rows below the high-water mark
-
-
-class _Null:
-    """A device or stream context that does nothing; a stream's capture returns a token."""
-
-    def __enter__(self) -> _Null:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def begin_capture(self) -> None:
-        return None
-
-    def end_capture(self) -> object:
-        return object()
 
 
 def _spec() -> SlotSpec:
@@ -69,7 +50,7 @@ def index() -> Any:
         runs.append((k, high, ns, arrays.get(mask_addr), dense))
 
     idx.__dict__.update(
-        cp=SimpleNamespace(asarray=asarray), device=_Null(), stream=_Null(), seg_addr=1 << 40, exact=None,
+        cp=SimpleNamespace(asarray=asarray), device=NullStream(), stream=NullStream(), seg_addr=1 << 40, exact=None,
         _mask_kept=None, filter_lists=0, fault_inject=None, _pass_end_ev=None, dim=8,
         _finish_all=lambda: None, _run=run,
     )  # fmt: skip
@@ -159,7 +140,7 @@ def test_a_list_never_takes_the_gemm_path_and_asks_for_list_graphs(monkeypatch: 
         return _Graph(log, (qb, listed))
 
     idx.__dict__.update(
-        dim=8, ld=8, tpr=1, max_grid=528, smem_optin=227 * 1024, dtype="float16", stream=_Null(),
+        dim=8, ld=8, tpr=1, max_grid=528, smem_optin=227 * 1024, dtype="float16", stream=NullStream(),
         _desc_mm=mm, _desc_u64=np.frombuffer(mm, np.uint64), _graph=graph, _check=lambda fn: fn(),
         _graph_done=lambda: None, _pending=[], _mma_end=None, trace=None,
         _batch_topk=lambda n, k, high: log.append(("gemm", n)) or (lambda: None),
@@ -186,8 +167,8 @@ def test_a_lists_graph_captures_scan_list_with_its_parameters(monkeypatch: pytes
     idx = GpuIndex.__new__(GpuIndex)
     ptr = _dev(np.zeros(8, np.float32))
     idx.__dict__.update(
-        graphs={}, ld=8, dim=8, metric=0, ctype="__half", tpr=1, rowscale=None, stream=_Null(), device=_Null(),
-        desc_addr=1 << 20, params=ptr, qbuf=ptr, qbuf_h=ptr, qbuf_i8=ptr, data=ptr, ns=ptr, sqnorm=ptr,
+        graphs={}, ld=8, dim=8, metric=0, ctype="__half", tpr=1, rowscale=None, stream=NullStream(),
+        device=NullStream(), desc_addr=1 << 20, params=ptr, qbuf=ptr, qbuf_h=ptr, qbuf_i8=ptr, data=ptr, ns=ptr, sqnorm=ptr,
         scratch_k=ptr, scratch_v=ptr, sync=ptr,
     )  # fmt: skip
     g_list = idx._graph(10, 1, 2, (1, 2, 3), True)
