@@ -168,8 +168,8 @@ def test_a_lists_graph_captures_scan_list_with_its_parameters(monkeypatch: pytes
     ptr = _dev(np.zeros(8, np.float32))
     idx.__dict__.update(
         graphs={}, ld=8, dim=8, metric=0, ctype="__half", tpr=1, rowscale=None, stream=NullStream(),
-        device=NullStream(), desc_addr=1 << 20, params=ptr, qbuf=ptr, qbuf_h=ptr, qbuf_i8=ptr, data=ptr, ns=ptr, sqnorm=ptr,
-        scratch_k=ptr, scratch_v=ptr, sync=ptr,
+        device=NullStream(), desc_addr=1 << 20, params=ptr, qbuf=ptr, qbuf_h=ptr, qbuf_i8=ptr, data=ptr, ns=ptr,
+        sqnorm=ptr, scratch_k=ptr, scratch_v=ptr, sync=ptr,
     )  # fmt: skip
     g_list = idx._graph(10, 1, 2, (1, 2, 3), True)
     g_mask = idx._graph(10, 1, 2, (1, 2, 3))
