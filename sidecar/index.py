@@ -59,12 +59,15 @@ class BellScope(NamedTuple):
     namespace and an optional filter, exactly as clients send them: the kernel compares them
     byte for byte), the namespace's id, and for a filter the rows it keeps (ascending, below
     the rows' high-water mark; None: no filter, the whole namespace) as they were after the row
-    table's ``seq``-th change (-1: not said)."""
+    table's ``seq``-th change (-1: not said). ``whole``: there is no filter, and ``rows`` are
+    the namespace's every row (:meth:`Index.wants_rows`): served as the namespace alone where
+    the index makes no list of them."""
 
     args: bytes
     ns_id: int
     rows: np.ndarray | None = None
     seq: int = -1
+    whole: bool = False
 
 
 class Index(abc.ABC):
@@ -173,6 +176,13 @@ class Index(abc.ABC):
 
     def pending_done(self) -> bool:
         """Whether the search left running has finished on the device (False where unknown)."""
+        return False
+
+    def wants_rows(self, count: int, high: int) -> bool:
+        """Whether a search of a namespace that holds ``count`` of the rows below ``high`` (not
+        all of them) is best given the namespace's rows as ``candidates`` rather than its id
+        alone: the service then keeps that list between searches (``Service.eligible_for``)
+        and hands it to every search of the namespace. This default: never."""
         return False
 
     @property
@@ -407,6 +417,12 @@ class CpuIndex(Index):
 
     def clear_rows(self, rows: np.ndarray) -> None:
         self.ns[rows] = -1
+
+    def wants_rows(self, count: int, high: int) -> bool:
+        """Always: without them, :meth:`search` finds a mixed namespace's rows itself on every
+        call (a pass over ``high`` ids: ~33 µs at 100k rows, ~275 µs at 1M on the development
+        VM), where the service's kept list is brought up to date by the rows a write touched."""
+        return True
 
     def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.data[dst] = self.data[src]

@@ -202,14 +202,18 @@ class Service:
             raise Invalid(Status.STORE, f"the store of record failed to commit: {e}") from None
 
     # ------------------------------------------------------------------ reads
-    def eligible(self, namespace: str, flt: Any) -> tuple[int, np.ndarray | None, bool, int]:
-        """(ns_id, candidate rows or None, dense, how many rows are eligible) for a search."""
+    def eligible(self, namespace: str, flt: Any, listed: bool = False) -> tuple[int, np.ndarray | None, bool, int]:
+        """(ns_id, candidate rows or None, dense, how many rows are eligible) for a search.
+        ``listed``: a namespace without a filter is given as its rows too, unless it holds
+        every row (dense)."""
         ns_id = self.rows.ns_id(namespace)
         if ns_id is None or self.rows.ns_count[ns_id] == 0:
             return -1, None, False, 0
-        if flt is None:
+        if flt is None and not (listed and not self.rows.dense(ns_id)):
             return ns_id, None, self.rows.dense(ns_id), self.rows.ns_count[ns_id]
         rows = self.rows.rows_of(ns_id)
+        if flt is None:
+            return ns_id, rows, False, len(rows)
         cands = rows[self.rows.meta.evaluate(flt, rows)]
         return ns_id, cands, False, len(cands)
 
@@ -232,17 +236,18 @@ class Service:
             Invalid: a filter :func:`~kalos_retrievers.filters.validate_filter` refuses
                 (BAD_REQUEST, its message).
         """
-        if flt is None or key is None or len(key) > _SCOPE_KEY_KEPT:
+        bare = flt is None or (isinstance(flt, Mapping) and not flt)  # no filter: the namespace alone
+        if key is None or len(key) > _SCOPE_KEY_KEPT or (bare and not self._lists_rows(namespace)):
+            if bare:
+                self._drop_scope(key)  # (a namespace's list kept while it was listed: stale now)
             return self.eligible(namespace, _filter(flt))
         hit = self.kept(key)
         if hit is not None:
             return hit
         got = self._refreshed(key, flt)
         if got is None:
-            got = self.eligible(namespace, _filter(flt))
-        old = self._scopes.pop(key, None)  # (stale: replaced, or dropped if this is not kept)
-        if old is not None:
-            self._scope_rows -= len(old[2][1])  # type: ignore[arg-type]
+            got = self.eligible(namespace, _filter(flt), listed=True)
+        self._drop_scope(key)  # (stale: replaced, or dropped if this is not kept)
         cands = got[1]
         ns_id = self.rows.ns_id(namespace)
         if ns_id is None or cands is None or len(cands) > _SCOPE_ROWS_KEPT:
@@ -254,6 +259,22 @@ class Service:
         self._scopes[key] = (ns_id, self.rows.ns_version[ns_id], got, self.rows.change_seq)
         self._scope_rows += len(cands)
         return got
+
+    def _lists_rows(self, namespace: str) -> bool:
+        """Whether a search of ``namespace`` without a filter is best given the namespace's
+        rows (the index's :meth:`~sidecar.index.Index.wants_rows`): it holds rows, not every
+        row below the high-water mark."""
+        ns_id = self.rows.ns_id(namespace)
+        if ns_id is None:
+            return False
+        count, high = self.rows.ns_count[ns_id], self.rows.high
+        return 0 < count < high and self.index.wants_rows(count, high)
+
+    def _drop_scope(self, key: bytes | None) -> None:
+        """Forget the answer kept under ``key``, if any."""
+        old = self._scopes.pop(key, None) if key is not None else None
+        if old is not None:
+            self._scope_rows -= len(old[2][1])  # type: ignore[arg-type]
 
     def _refreshed(self, key: bytes, flt: Any) -> tuple[int, np.ndarray | None, bool, int] | None:
         """The answer kept under ``key`` brought up to date with the changes since it was kept:
@@ -282,7 +303,7 @@ class Service:
         else:
             touched = np.unique(touched)
         mine = touched[rt.ns_of[touched] == ns_id]
-        now = mine[rt.meta.evaluate(_filter(flt), mine)] if len(mine) else mine
+        now = mine[rt.meta.evaluate(_filter(flt), mine)] if len(mine) and flt is not None else mine
         # both sorted: the touched rows found in the kept ones dropped, those that pass put in
         pos = np.searchsorted(cands, touched)
         found = pos < len(cands)
@@ -468,15 +489,13 @@ class Service:
             ns = self.rows.ns_id(namespace)
             if ns is None or not self.rows.ns_count[ns]:
                 continue
-            if flt is None:
-                out.append(BellScope(key, ns))
-                continue
             try:
                 _, rows, _, _ = self.eligible_for(namespace, flt, key)
             except Invalid:  # (noted valid: a filter the rows cannot answer now goes to the sidecar)
                 continue
-            # (rows None: a filter of no condition, ``{}``)
-            out.append(BellScope(key, ns, rows, self.rows.change_seq if rows is not None else -1))
+            # (rows None: the namespace alone, no filter or one of no condition, ``{}``; without a
+            # filter, rows are the namespace's where the index wants them: Index.wants_rows)
+            out.append(BellScope(key, ns) if rows is None else BellScope(key, ns, rows, self.rows.change_seq, not flt))
         return out
 
     def resume_doorbell(self) -> None:

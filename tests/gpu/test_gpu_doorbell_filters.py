@@ -202,6 +202,60 @@ def test_a_selective_filter_is_served_through_a_list_that_follows_writes(start_s
     c.close()
 
 
+@pytest.mark.parametrize("lists", ["16", "0"])
+def test_a_small_namespace_is_served_through_a_list_of_its_rows(start_sidecar, monkeypatch, lists) -> None:  # type: ignore[no-untyped-def]
+    """A namespace that holds at most a 16th of the rows, recalled without a filter, is scanned
+    through a list of its rows (session 53), by the kernel and on the sidecar's path alike:
+    its lone recalls are the kernel's and exact for k below and above its rows, a row written
+    into it is found at once and rows deleted from it are gone at once; a batch of its recalls
+    (the sidecar's path) is exact too. The control, ``KALOS_FILTER_LIST=0``: the same recalls
+    over the namespace's ids, no list made."""
+    monkeypatch.setenv("KALOS_FILTER_LIST", lists)
+    rng = np.random.default_rng()
+    dim = 33
+    sc = start_sidecar(dim=dim, device="cuda", dtype="float32")
+    c = sc.client()
+    spaces = {"": 4003, "few": 211}  # 211 x 16 <= 4,214
+    data = load_interleaved(c, rng, dim, spaces, 501, lambda i: {"i": i})
+    keep = np.ones(spaces["few"], bool)
+
+    def kernel_serves(q: np.ndarray) -> None:
+        until_kernel_serves(c, lambda: c.recall(q, 1, namespace="few"),
+                            lambda idx: "few" in idx["doorbell_spaces"], "few")  # fmt: skip
+
+    kernel_serves(data["few"][0])
+    before = served(c)
+    for k in (1, 10, 250):
+        q = rng.standard_normal(dim).astype(np.float32)
+        poison(sc.name)
+        check(c.recall(q, k, namespace="few"), "few", data["few"], keep, q, k, "float32")
+    assert served(c) - before == 3
+    listed = index_stats(c)["filter_lists"]
+    qs = rng.standard_normal((3, dim)).astype(np.float32)
+    for q, r in zip(qs, c.recall_batch(qs, 10, namespace="few"), strict=True):  # (the sidecar's path)
+        check(r, "few", data["few"], keep, q, 10, "float32")
+    assert index_stats(c)["filter_lists"] - listed == (1 if lists != "0" else 0)
+    q = rng.standard_normal(dim).astype(np.float32)
+    c.upsert(["few#new"], (5 * q)[None], texts=["few text new"], metadatas=[{"i": 7}], namespace="few")
+    kernel_serves(q)
+    before = served(c)
+    assert c.recall(q, 3, namespace="few").ids[0] == "few#new" and served(c) == before + 1
+    c.delete(["few#new"], namespace="few")
+    ref_i, _ = reference_topk(data["few"], q[None], 10)
+    gone = [f"few#{i}" for i in ref_i[0][:4]]
+    c.delete(gone, namespace="few")
+    keep[ref_i[0][:4]] = False
+    kernel_serves(q)
+    before = served(c)
+    poison(sc.name)
+    r = c.recall(q, 10, namespace="few")
+    assert served(c) == before + 1 and not {"few#new", *gone} & set(r.ids)
+    check(r, "few", data["few"], keep, q, 10, "float32")
+    uploads = index_stats(c)["bell_list_uploads"]
+    assert uploads >= 3 if lists != "0" else uploads == 0, uploads
+    c.close()
+
+
 @pytest.mark.parametrize("selective", [False, True])
 def test_int8_a_filters_recalls_are_rescored_by_the_kernel(start_sidecar, selective) -> None:  # type: ignore[no-untyped-def]
     """int8 storage: the kernel's scan with a filter's mask (or, for a selective filter, its

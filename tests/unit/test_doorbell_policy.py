@@ -155,15 +155,20 @@ def test_the_header_says_whether_the_kernel_serves_namespaces() -> None:
 
 
 class _SpacesIndex(CpuIndex):
-    """A CPU index that says it has a resident kernel serving namespaces, and records its starts."""
+    """A CPU index that says it has a resident kernel serving namespaces, and records its starts.
+    ``lists``: what it answers Index.wants_rows (the GPU index's answer for a selective one)."""
 
     doorbell_k = 16
     doorbell_spaces = 2
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, lists: bool = False) -> None:
         super().__init__(dim, METRICS["ip"])
         self.starts: list[tuple[int, int, list[tuple[str, int]]]] = []
         self.scopes: list[BellScope] = []
+        self.lists = lists
+
+    def wants_rows(self, count: int, high: int) -> bool:
+        return self.lists
 
     def resume_doorbell(self, high: int, ns: int, spaces: Sequence[BellScope] = (),
                         touched_since: Any = None) -> None:  # fmt: skip
@@ -251,6 +256,39 @@ def test_a_filter_is_started_with_the_rows_it_keeps_as_they_are_then() -> None:
     assert not svc.doorbell_useful()
     svc.resume_doorbell()
     assert svc.index.scopes == []
+
+
+def test_a_namespace_the_index_wants_as_rows_is_named_with_them() -> None:
+    """Where the index wants a namespace's rows (Index.wants_rows: the GPU index where they
+    would be scanned as a list), a noted namespace without a filter, or with one of no
+    condition (``{}``), is named to each start with its rows as they are then, marked
+    ``whole`` (the index serves it as the namespace alone where it makes no list); the
+    namespace holding every row is named alone. Where the index does not want them (the
+    control), the namespace is named alone."""
+    dim = 3
+    for lists in (True, False):
+        svc = Service(_SpacesIndex(dim, lists=lists), NullStore(), dim=dim, metric=METRICS["ip"])
+        vectors = np.random.default_rng().standard_normal((13, dim)).astype(np.float32)
+        for ns, ids in (("docs", range(10)), ("mem", range(10, 13))):
+            svc.upsert({"namespace": ns, "ids": [f"d{i}" for i in ids], "texts": [""] * len(ids),
+                        "metadatas": [{}] * len(ids)}, vectors[list(ids)])  # fmt: skip
+        keys = [encode_recall_args("mem", None), encode_recall_args("mem", b"{}")]
+        for key, flt in zip(keys, (None, {}), strict=True):
+            svc.note_bell_space("mem", flt, key)
+            svc.note_bell_space("mem", flt, key)
+        svc.resume_doorbell()
+        mem = svc.rows.ns_id("mem")
+        for sc, key in zip(svc.index.scopes, reversed(keys), strict=True):
+            assert (sc.args, sc.ns_id) == (key, mem)
+            if lists:
+                assert sc.whole and sc.seq == svc.rows.change_seq and sc.rows.tolist() == [10, 11, 12]
+            else:
+                assert sc == BellScope(key, mem)
+        svc.delete({"namespace": "docs", "all": True})
+        svc.compact(max_moves=100)  # "mem" holds every row: no list
+        svc.index.doorbell_running = False
+        svc.resume_doorbell()
+        assert svc.index.scopes == [BellScope(k, mem) for k in reversed(keys)]
 
 
 

@@ -170,6 +170,48 @@ def test_a_selective_filter_is_served_through_a_list_of_its_rows(index: Any) -> 
     assert _entries(idx)[flt.args][:2] == (6, 0) and idx._bell_lists == {}
 
 
+def test_a_namespace_given_as_its_rows_is_served_through_their_list_where_selective(
+        index: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A namespace without a filter given with its rows (BellScope.whole, Service.bell_spaces)
+    gets a list of them like a selective filter's where they are at most 1/FILTER_LIST of
+    the rows; otherwise, with lists off (KALOS_FILTER_LIST=0), with filters off
+    (doorbell_args 0), or with no room for the list, it is served as the namespace alone:
+    never a mask, never dropped. The control: the same rows as a filter's (not whole) get a
+    mask where they are not selective."""
+    idx, _ = index
+    rows = np.array([3, 11], np.int64)
+    rows.flags.writeable = False
+    mem = BellScope(encode_recall_args("mem", None), 6, rows, 4, True)
+    idx.resume_doorbell(32, 3, [mem])  # 2 x 16 <= 32: the list
+    dev = idx._bell_lists[mem.args][1]
+    assert _entries(idx)[mem.args] == (index_gpu.NS_LIST, 2, dev.data.ptr) and idx.built[-1][-1] == "true"
+    assert dev.view(np.ndarray).tolist() == [3, 11] and idx.bell_mask_uploads == 0
+
+    def alone(high: int) -> None:
+        idx.doorbell_running = False
+        idx.resume_doorbell(high, 3, [mem])
+        assert _entries(idx)[mem.args] == (6, 0, 0) and idx.built[-1][-1] == "false"
+        assert idx.bell_mask_uploads == 0 and idx._bell_lists == {} and idx._bell_masks == {}
+
+    alone(31)  # 2 x 16 > 31: the namespace alone, no mask
+    with monkeypatch.context() as m:
+        m.setattr(index_gpu, "FILTER_LIST", 0)
+        alone(1000)
+    with monkeypatch.context() as m:
+        m.setitem(idx.__dict__, "doorbell_args", 0)
+        alone(1000)
+
+    def no_room(sc: BellScope) -> Any:
+        raise MemoryError("out of device memory")
+
+    with monkeypatch.context() as m:
+        m.setitem(idx.__dict__, "_bell_list", no_room)
+        alone(1000)
+    idx.doorbell_running = False
+    idx.resume_doorbell(31, 3, [mem._replace(whole=False)])  # the control: a filter's rows, a mask
+    assert _entries(idx)[mem.args][:2] == (6, 0) and idx.bell_mask_uploads == 1
+
+
 def test_the_negative_control_filter_list_0_serves_masks_only(index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     idx, _ = index
     monkeypatch.setattr(index_gpu, "FILTER_LIST", 0)

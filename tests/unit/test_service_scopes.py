@@ -200,3 +200,93 @@ def test_the_kept_answers_are_bounded_in_number_and_rows(monkeypatch: pytest.Mon
     _scope(svc, NS, {"user_id": {"$in": ["u0"]}})
     _scope(svc, NS, {"user_id": {"$in": ["u1"]}})
     assert len(svc._scopes) <= 3 and svc._scope_rows == sum(len(v[2][1]) for v in svc._scopes.values())
+
+
+# A namespace recalled without a filter (session 53): its rows are kept under its args where the
+# index wants them (Index.wants_rows: the CPU index always, the GPU index where they would be
+# scanned as a list), brought up to date as a filter's are.
+
+
+def _bare(svc: Service, ns: str, flt: dict | None = None) -> tuple[np.ndarray | None, int, bool]:
+    """(candidate rows, how many, dense) of eligible_for of ``ns`` without a filter (or ``{}``),
+    keyed as a client's args are."""
+    key = encode_recall_args(ns, None if flt is None else encode_json(flt))
+    _, cands, dense, n = svc.eligible_for(ns, flt, key)
+    return cands, n, dense
+
+
+def test_a_namespace_is_kept_as_its_rows_through_random_changes() -> None:
+    rnd = random.Random(11)
+    svc = _service()
+    live: dict[str, set[str]] = {NS: set(), "other": set()}
+    q = np.random.default_rng(3).standard_normal((2, DIM)).astype(np.float32)
+    listed = 0
+    for step in range(300):
+        ns = NS if rnd.random() < 0.5 else "other"
+        op = rnd.random()
+        if op < 0.5:
+            ids = list(dict.fromkeys(f"m{rnd.randrange(120)}" for _ in range(rnd.randrange(1, 6))))
+            _upsert(svc, ns, ids, ["u"] * len(ids))
+            live[ns] |= set(ids)
+        elif op < 0.85 and live[ns]:
+            gone = rnd.sample(sorted(live[ns]), min(len(live[ns]), rnd.randrange(1, 6)))
+            svc.delete({"namespace": ns, "ids": gone})
+            live[ns] -= set(gone)
+        else:
+            svc.compact(max_moves=rnd.randrange(1, 50))
+        for scope_ns in (NS, "other"):
+            for flt in (None, {}):
+                cands, n, dense = _bare(svc, scope_ns, flt)
+                ns_id = svc.rows.ns_id(scope_ns)
+                assert n == len(live[scope_ns]), (step, scope_ns)
+                if not n or dense:  # (empty, or every row below the high-water mark: no list)
+                    assert cands is None, (step, scope_ns)
+                    continue
+                listed += 1
+                assert not cands.flags.writeable  # (the kept answer: the searches only read it)
+                assert cands.tolist() == svc.rows.rows_of(ns_id).tolist(), (step, scope_ns, flt)
+                high = svc.rows.high
+                got = svc.index.search(q, min(3, n), high, ns_id, cands, False)
+                want = svc.index.search(q, min(3, n), high, ns_id, None, False)
+                assert np.array_equal(got[0], want[0]) and np.allclose(got[1], want[1])
+    assert listed > 300 and svc.scope_refreshes > 100  # (lists brought up to date, not made afresh)
+    assert svc._scope_rows == sum(len(v[2][1]) for v in svc._scopes.values())
+
+
+def test_the_negative_control_a_namespaces_list_blind_to_the_touched_rows_would_answer_stale(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    svc = _service()
+    _upsert(svc, NS, ["a", "b"], ["u", "u"])
+    _upsert(svc, "other", ["x"], ["u"])
+    assert _bare(svc, NS)[0].tolist() == [0, 1]
+    monkeypatch.setattr(svc.rows, "touched_since", lambda seq: np.empty(0, np.int64))
+    _upsert(svc, NS, ["c"], ["u"])
+    assert _bare(svc, NS)[0].tolist() == [0, 1]  # stale: row 3 missed, what the touched rows prevent
+    assert svc.rows.rows_of(svc.rows.ns_id(NS)).tolist() == [0, 1, 3]
+
+
+def test_a_namespace_is_given_as_its_rows_only_where_the_index_wants_them() -> None:
+    """An index that wants no rows (the GPU index for a namespace above its list fraction) gets
+    the namespace alone, and nothing is kept; a list kept while the namespace was wanted as rows
+    is dropped once it is not, and once the namespace holds every row (dense)."""
+
+    class Wants(CpuIndex):
+        wanted = False
+
+        def wants_rows(self, count: int, high: int) -> bool:
+            return self.wanted
+
+    svc = Service(Wants(DIM, METRICS["ip"]), NullStore(), dim=DIM, metric=METRICS["ip"])
+    _upsert(svc, NS, ["a", "b", "c"], ["u"] * 3)
+    _upsert(svc, "other", ["x", "y"], ["u"] * 2)
+    assert _bare(svc, NS) == (None, 3, False) and svc._scopes == {}
+    svc.index.wanted = True
+    assert _bare(svc, NS)[0].tolist() == [0, 1, 2] and len(svc._scopes) == 1 and svc._scope_rows == 3
+    svc.index.wanted = False
+    assert _bare(svc, NS) == (None, 3, False) and svc._scopes == {} and svc._scope_rows == 0
+    svc.index.wanted = True
+    assert _bare(svc, NS)[0] is not None
+    svc.delete({"namespace": "other", "all": True})
+    svc.compact(max_moves=100)
+    assert svc.rows.dense(svc.rows.ns_id(NS))
+    assert _bare(svc, NS) == (None, 3, True) and svc._scopes == {}  # dense: the namespace alone, no list
