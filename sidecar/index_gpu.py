@@ -1437,9 +1437,15 @@ class GpuIndex(Index):
         return self._check(run)
 
     # ------------------------------------------------------------------ search
-    def _grid(self, high: int, kp: int) -> int:
+    def _grid(self, high: int, kp: int, listed: bool = False) -> int:
+        """Blocks for a scan of ``high`` rows: two rounds of each block's groups, within the
+        device's and the merge's bounds. ``listed``: a list's length, which differs from filter
+        to filter, rounded up to a power of two so that its graphs, one per grid (and per slot
+        and k), stay few: at most one more block per block needed, each without rows to read."""
         groups = kernels.BLOCK // self.tpr
         g = -(-high // (2 * groups))
+        if listed:
+            g = _pow2(g)
         return max(1, min(self.max_grid, g, max(1, 16384 // kp)))
 
     def _buf(self, kp: int) -> int:
@@ -1838,10 +1844,10 @@ class GpuIndex(Index):
             graph = None
             if n == 1:  # the hot path: the slot's addresses are baked into its own graph
                 _DESC_HEAD.pack_into(self._desc_mm, 0, 1, k, high, ns, mask_addr, out_ld, 0)
-                graph = self._graph(k, 1, self._grid(high, kp), (qs[start], rows[start], scores[start]), listed)
+                graph = self._graph(k, 1, self._grid(high, kp, listed), (qs[start], rows[start], scores[start]), listed)
             elif not use_gemm:
                 self._write_desc(k, high, ns, mask_addr, qs[sl], rows[sl], scores[sl], out_ld)
-                graph = self._graph(k, self._fused_qb(n, kp), self._grid(high, kp), listed=listed)
+                graph = self._graph(k, self._fused_qb(n, kp), self._grid(high, kp, listed), listed=listed)
             last = start + step >= len(qs)
             self._mma_end = None
             if graph is None:
