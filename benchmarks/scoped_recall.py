@@ -11,7 +11,9 @@ without a filter: the path built for speed on both sides (the client's C request
 sidecar's C pickup, a GPU sidecar's resident kernel). This times the others beside it.
 
 One sidecar holds ``--rows`` random unit rows twice: once in the default namespace and once in
-namespace ``scoped``, each row with metadata ``{"user": i % 2, "tenant": i % 100}``. Cases, each
+namespace ``scoped``, each row with metadata ``{"user": i % 2, "tenant": i % 100}``; and a
+100th as many again in namespace ``small`` (the agent memory store's collection beside a
+large store of documents). Cases, each
 ``client.recall`` of k = 10, timed in turn for ``--rounds`` rounds of ``--calls`` calls (the same
 queries):
 
@@ -21,7 +23,10 @@ queries):
 * ``filter``: ``filter={"user": 1}`` in the default namespace;
 * ``namespace+1% filter``: ``namespace="scoped", filter={"tenant": 7}`` (a 200th of the rows:
   one tenant's, the agent memory store's usual shape; a GPU sidecar scans a list of its rows
-  since session 52, ``KALOS_FILTER_LIST=0`` compares the mask it scanned before).
+  since session 52, ``KALOS_FILTER_LIST=0`` compares the mask it scanned before);
+* ``small namespace``: ``namespace="small"`` (a 201st of the rows; since session 53 the sidecar
+  keeps a list of its rows: a GPU sidecar scans it as a filter's list, a CPU one no longer
+  finds the namespace's rows at every recall).
 
 Printed: each case's median over rounds of its p50 and p99 (µs), and the sidecar's phases
 (pickup / search / answer) per path from ``stats()``. ``DIR/scoped_recall.json`` holds every
@@ -48,6 +53,7 @@ CASES: dict[str, dict[str, Any]] = {
     "namespace+filter": {"namespace": "scoped", "filter": {"user": 1}},
     "filter": {"filter": {"user": 1}},
     "namespace+1% filter": {"namespace": "scoped", "filter": {"tenant": 7}},
+    "small namespace": {"namespace": "small"},
 }
 
 
@@ -88,6 +94,7 @@ def main() -> int:
     sc = Sidecar(dim=a.dim, device=a.device, dtype=dtype, log_level="WARNING", startup_timeout=300)
     with sc, sc.client(timeout=30) as c:
         out["load_s"] = [round(load(c, a.rows, a.dim, 0, ns), 2) for ns in ("", "scoped")]
+        out["load_s"].append(round(load(c, max(a.rows // 100, 10), a.dim, 1, "small"), 2))
         for name, kw in CASES.items():  # every case's answer checked once: its rows are in scope
             res = c.recall(queries[0], 10, **kw)
             assert len(res) == 10, (name, len(res))
