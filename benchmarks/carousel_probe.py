@@ -185,9 +185,10 @@ def main() -> int:
     out["kernel_options"] = os.environ.get("KALOS_KERNEL_OPTIONS", "")
     prof = None
     if args.profile:
-        from kalos_retrievers.sidecar import cuda_kernels
+        from kalos_retrievers.sidecar import carousel, cuda_kernels
 
-        prof = cp.ndarray((1024, 16), cp.uint64, memptr=cuda_kernels._modules[-1].get_global("car_prof"))
+        mod = cuda_kernels.module_of("carousel_topk", carousel.NT, 0)  # (the Carousel's metric above: 0)
+        prof = cp.ndarray((1024, 16), cp.uint64, memptr=mod.get_global("car_prof"))
         khz = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["clockRate"])
     car.start()
     try:

@@ -2,16 +2,27 @@
 
 ``kernels/recall.cu`` ships as package data of ``kalos_retrievers.sidecar.kernels``. The GPU
 backend names, at start, every template instantiation it will launch; :func:`compile_kernels`
-builds them all in one NVRTC module right away (``RawModule`` would otherwise compile lazily on
-the first query), so a compile error fails the sidecar's start with the compiler's log instead
-of failing a user's recall later. :func:`get_kernel` is the memoized lookup the backend uses.
-CuPy caches the compiled module on disk, so later starts skip the compiler.
+builds them all right away (``RawModule`` would otherwise compile lazily on the first query),
+so a compile error fails the sidecar's start with the compiler's log instead of failing a
+user's recall later. :func:`get_kernel` is the memoized lookup the backend uses. CuPy caches
+the compiled modules on disk, so later starts skip the compiler.
+
+A first start compiles for seconds (NVRTC: one dtype and metric's kernels took ~16 s of one
+core on the development VM's nvcc, the resident kernel's two builds most of it), so the
+instantiations can be split into up to :data:`COMPILE_THREADS` modules (:func:`compile_groups`,
+the heaviest apart) compiled at once on as many threads: CuPy's ``compileProgram`` releases
+the GIL around NVRTC, which compiles separate programs concurrently. The modules share no
+state: the kernels pass everything through their arguments (the two ``__device__`` arrays in
+recall.cu are diagnostics' stamps, each module with its own; :func:`module_of` finds the one
+a kernel's is in).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +31,67 @@ BLOCK = 256  # KALOS_BLOCK in recall.cu
 
 _modules: list[Any] = []
 _kernels: dict[str, Any] = {}
+_module_of: dict[str, Any] = {}  # each compiled kernel's module
+
+
+def compile_threads(value: str | None, cpus: int | None) -> int:
+    """``KALOS_COMPILE_THREADS``' value (None or empty: :data:`COMPILE_THREADS_DEFAULT`, at most
+    one per CPU): how many modules a start's kernels are split into and compiled at once; 1
+    compiles them as one.
+
+    >>> compile_threads(None, 16), compile_threads("4", 16), compile_threads("1", 16), compile_threads(None, None)
+    (1, 4, 1, 1)
+
+    Raises:
+        ValueError: not a whole number from 1 to 32.
+    """
+    if value is None or not value.strip():
+        return max(1, min(COMPILE_THREADS_DEFAULT, cpus or 1))
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 32:
+        raise ValueError(f"KALOS_COMPILE_THREADS={value!r}: expected a whole number from 1 to 32 "
+                         "(the kernels compiled at once; 1: as one module)")  # fmt: skip
+    return n
+
+
+# 1 (one module, as before session 53) until the split has run on a GPU; then 4
+COMPILE_THREADS_DEFAULT = 1
+COMPILE_THREADS = compile_threads(os.environ.get("KALOS_COMPILE_THREADS"), os.cpu_count())
+
+# What an instantiation costs to compile, relative (the development VM's nvcc, float16 cosine:
+# doorbell_topk's build without lists ~2.1 s over the source's ~0.9 s alone, with lists ~6.7,
+# scan_topk or scan_list ~0.8 each, the rest ~0.1-0.4)
+_COST = {"doorbell_topk": 20, "scan_topk": 8, "scan_list": 8, "carousel_topk": 4, "mma_filter": 1}
+
+
+def _cost(expression: str) -> int:
+    name = expression.split("<", 1)[0]
+    if name == "doorbell_topk" and expression.replace(" ", "").endswith(",true>"):
+        return 60  # (the build that serves lists: both scan bodies)
+    return _COST.get(name, 1)
+
+
+def compile_groups(expressions: list[str], n: int) -> list[list[str]]:
+    """``expressions`` split into at most ``n`` groups of about equal compile cost, the
+    costliest first into the cheapest group so far (each group in the order given; no group
+    empty; the same split for the same list, so CuPy's disk cache finds each module again).
+
+    >>> compile_groups(["a", "doorbell_topk<__half, 4, 0, true>", "scan_topk<__half, 4, 1, 0>", "b"], 2)
+    [['doorbell_topk<__half, 4, 0, true>'], ['a', 'scan_topk<__half, 4, 1, 0>', 'b']]
+    >>> compile_groups(["a", "b"], 1)
+    [['a', 'b']]
+    """
+    n = max(1, min(n, len(expressions)))
+    bins: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in sorted(range(len(expressions)), key=lambda i: (-_cost(expressions[i]), i)):
+        b = min(range(n), key=lambda j: (load[j], j))
+        bins[b].append(i)
+        load[b] += _cost(expressions[i])
+    return [[expressions[i] for i in sorted(b)] for b in bins if b]
 
 
 class KernelCompileError(Exception):
@@ -72,29 +144,53 @@ def extra_options() -> tuple[str, ...]:
     return tuple(shlex.split(os.environ.get("KALOS_KERNEL_OPTIONS", "")))
 
 
-def compile_kernels(expressions: list[str]) -> None:
-    """Compile every listed kernel now (one module).
+def compile_kernels(expressions: list[str], device: int | None = None, threads: int | None = None) -> None:
+    """Compile every listed kernel now, for ``device`` (an ordinal; None: the current one),
+    in up to ``threads`` modules at once (default :data:`COMPILE_THREADS`; see the module's
+    docstring). Kernels compiled already (an earlier index of this process) are not again.
 
     Raises:
-        KernelCompileError: with NVRTC's log.
+        KernelCompileError: with NVRTC's log (the first failed module's).
     """
     import cupy
 
-    if all(e in _kernels for e in expressions):
+    todo = [e for e in dict.fromkeys(expressions) if e not in _kernels]
+    if not todo:
         return  # an earlier index of this process compiled them
+    code, options = source(), ("-std=c++17", f"-DKALOS_BLOCK={BLOCK}", *extra_options())
+
+    def build(group: list[str]) -> tuple[Any, dict[str, Any]]:
+        # (a worker thread's current device is 0 until it says otherwise: the arch compiled
+        # for and the context the module is loaded into are the device's)
+        with cupy.cuda.Device(device) if device is not None else nullcontext():
+            mod = cupy.RawModule(code=code, options=options, name_expressions=group)
+            return mod, {e: mod.get_function(e) for e in group}  # forces the compile and the load
+
+    groups = compile_groups(todo, COMPILE_THREADS if threads is None else threads)
     try:
-        mod = cupy.RawModule(
-            code=source(),
-            options=("-std=c++17", f"-DKALOS_BLOCK={BLOCK}", *extra_options()),
-            name_expressions=list(expressions),
-        )
-        kernels = {e: mod.get_function(e) for e in expressions}  # forces the compile
+        if len(groups) == 1:
+            built = [build(groups[0])]
+        else:
+            with ThreadPoolExecutor(len(groups), thread_name_prefix="kalos-compile") as pool:
+                built = list(pool.map(build, groups))
     except cupy.cuda.compiler.CompileException as e:
         raise KernelCompileError(f"compiling kernels/{KERNEL_FILES[0]} failed:\n{e}") from None
     # Keep every module alive for as long as its kernels are used; a second index in the same
     # process (other metric or dtype) adds its instantiations instead of replacing the first's.
-    _modules.append(mod)
-    _kernels.update(kernels)
+    for mod, kernels in built:
+        _modules.append(mod)
+        _kernels.update(kernels)
+        _module_of.update(dict.fromkeys(kernels, mod))
+
+
+def module_of(name: str, *targs: object) -> Any:
+    """The module the compiled kernel ``name<targs...>`` is in (diagnostics read its
+    ``__device__`` arrays through ``get_global``)."""
+    e = expression(name, *targs)
+    try:
+        return _module_of[e]
+    except KeyError:
+        raise KeyError(f"kernel {e} was not compiled at start (listed: {sorted(_kernels)})") from None
 
 
 def get_kernel(name: str, *targs: object) -> Any:
