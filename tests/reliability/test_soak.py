@@ -4,8 +4,9 @@ Mixed load (16 client processes: checked recalls, upserts, gets, deletes, counts
 configured time, then N connect/recall/close cycles.
 
 Pass: zero errors and zero wrong answers; the sidecar's RSS and open descriptors (from
-/proc/PID/status and /proc/PID/fd) at the end within 5% of their level after warm-up; the cycling
-client's own descriptors and RSS stable the same way; /dev/shm holds exactly the sidecar's
+/proc/PID/status and /proc/PID/fd) at the end at most 5% above their level after warm-up (a
+leak grows; one descriptor in use at the warm-up sample and closed by the end is not one); the
+cycling client's own descriptors and RSS the same way; /dev/shm holds exactly the sidecar's
 objects throughout and nothing once it stopped.
 
 Negative controls: a client that never closes (``_Conn.close`` switched off) and a sidecar that
@@ -52,7 +53,8 @@ STOP_AT = 200
 
 
 def _within(base: float, end: float) -> bool:
-    return abs(end - base) <= TOLERANCE * base
+    """Whether ``end`` grew at most TOLERANCE above ``base``."""
+    return end - base <= TOLERANCE * base
 
 
 def run_soak(sc: Sidecar, duration: float, cycles: int, seed: int, cycle_timeout: float = 5.0) -> dict[str, Any]:
