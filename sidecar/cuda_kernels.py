@@ -167,6 +167,8 @@ def compile_kernels(expressions: list[str], device: int | None = None, threads: 
             return mod, {e: mod.get_function(e) for e in group}  # forces the compile and the load
 
     groups = compile_groups(todo, COMPILE_THREADS if threads is None else threads)
+    if device is None and len(groups) > 1:
+        device = cupy.cuda.runtime.getDevice()  # (the calling thread's: the workers' is 0)
     try:
         if len(groups) == 1:
             built = [build(groups[0])]

@@ -765,7 +765,7 @@ class GpuIndex(Index):
             if USE_CAROUSEL:
                 exprs.append(kernels.expression("carousel_topk", carousel.NT, m))
         try:
-            kernels.compile_kernels(exprs)
+            kernels.compile_kernels(exprs, self.ordinal)
         except kernels.KernelCompileError as e:
             from .server import EXIT_DEVICE, StartError
 
