@@ -419,10 +419,13 @@ class CpuIndex(Index):
         self.ns[rows] = -1
 
     def wants_rows(self, count: int, high: int) -> bool:
-        """Always: without them, :meth:`search` finds a mixed namespace's rows itself on every
-        call (a pass over ``high`` ids: ~33 µs at 100k rows, ~275 µs at 1M on the development
-        VM), where the service's kept list is brought up to date by the rows a write touched."""
-        return True
+        """Where :meth:`search` would gather them (fewer than 1/_GATHER_BELOW of the rows):
+        without them it finds a mixed namespace's rows itself on every call (a pass over
+        ``high`` ids: ~33 µs at 100k rows, ~275 µs at 1M on the development VM) before it
+        scores only those, where the service's kept list is brought up to date by the rows a
+        write touched. A larger namespace is scored in place, a pass that costs far more than
+        finding its rows, so its list would only take room from the filters' kept answers."""
+        return count * _GATHER_BELOW < high
 
     def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.data[dst] = self.data[src]

@@ -303,7 +303,8 @@ class Service:
         else:
             touched = np.unique(touched)
         mine = touched[rt.ns_of[touched] == ns_id]
-        now = mine[rt.meta.evaluate(_filter(flt), mine)] if len(mine) and flt is not None else mine
+        f = _filter(flt)  # (None: no filter, or one of no condition: the namespace's rows)
+        now = mine[rt.meta.evaluate(f, mine)] if len(mine) and f is not None else mine
         # both sorted: the touched rows found in the kept ones dropped, those that pass put in
         pos = np.searchsorted(cands, touched)
         found = pos < len(cands)

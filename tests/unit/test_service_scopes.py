@@ -23,8 +23,19 @@ DIM = 5
 NS = "memory/agent"
 
 
-def _service() -> Service:
-    return Service(CpuIndex(DIM, METRICS["cosine"]), NullStore(), dim=DIM, metric=METRICS["cosine"])
+class _Wants(CpuIndex):
+    """A CPU index that wants a namespace's rows (Index.wants_rows) or not, as ``wanted`` says,
+    whatever its size (the CPU index itself: where it would gather them)."""
+
+    wanted = True
+
+    def wants_rows(self, count: int, high: int) -> bool:
+        return self.wanted
+
+
+def _service(index: CpuIndex | None = None) -> Service:
+    index = index or CpuIndex(DIM, METRICS["cosine"])
+    return Service(index, NullStore(), dim=DIM, metric=index.metric)
 
 
 def _upsert(svc: Service, ns: str, ids: list[str], users: list[str]) -> None:
@@ -203,8 +214,8 @@ def test_the_kept_answers_are_bounded_in_number_and_rows(monkeypatch: pytest.Mon
 
 
 # A namespace recalled without a filter (session 53): its rows are kept under its args where the
-# index wants them (Index.wants_rows: the CPU index always, the GPU index where they would be
-# scanned as a list), brought up to date as a filter's are.
+# index wants them (Index.wants_rows: the CPU index where it would gather them, the GPU index
+# where they would be scanned as a list), brought up to date as a filter's are.
 
 
 def _bare(svc: Service, ns: str, flt: dict | None = None) -> tuple[np.ndarray | None, int, bool]:
@@ -217,7 +228,7 @@ def _bare(svc: Service, ns: str, flt: dict | None = None) -> tuple[np.ndarray | 
 
 def test_a_namespace_is_kept_as_its_rows_through_random_changes() -> None:
     rnd = random.Random(11)
-    svc = _service()
+    svc = _service(_Wants(DIM, METRICS["cosine"]))
     live: dict[str, set[str]] = {NS: set(), "other": set()}
     q = np.random.default_rng(3).standard_normal((2, DIM)).astype(np.float32)
     listed = 0
@@ -255,7 +266,7 @@ def test_a_namespace_is_kept_as_its_rows_through_random_changes() -> None:
 
 def test_the_negative_control_a_namespaces_list_blind_to_the_touched_rows_would_answer_stale(
         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    svc = _service()
+    svc = _service(_Wants(DIM, METRICS["cosine"]))
     _upsert(svc, NS, ["a", "b"], ["u", "u"])
     _upsert(svc, "other", ["x"], ["u"])
     assert _bare(svc, NS)[0].tolist() == [0, 1]
@@ -270,13 +281,9 @@ def test_a_namespace_is_given_as_its_rows_only_where_the_index_wants_them() -> N
     the namespace alone, and nothing is kept; a list kept while the namespace was wanted as rows
     is dropped once it is not, and once the namespace holds every row (dense)."""
 
-    class Wants(CpuIndex):
-        wanted = False
-
-        def wants_rows(self, count: int, high: int) -> bool:
-            return self.wanted
-
-    svc = Service(Wants(DIM, METRICS["ip"]), NullStore(), dim=DIM, metric=METRICS["ip"])
+    index = _Wants(DIM, METRICS["ip"])
+    index.wanted = False
+    svc = _service(index)
     _upsert(svc, NS, ["a", "b", "c"], ["u"] * 3)
     _upsert(svc, "other", ["x", "y"], ["u"] * 2)
     assert _bare(svc, NS) == (None, 3, False) and svc._scopes == {}
@@ -290,3 +297,16 @@ def test_a_namespace_is_given_as_its_rows_only_where_the_index_wants_them() -> N
     svc.compact(max_moves=100)
     assert svc.rows.dense(svc.rows.ns_id(NS))
     assert _bare(svc, NS) == (None, 3, True) and svc._scopes == {}  # dense: the namespace alone, no list
+
+
+def test_the_cpu_index_wants_the_rows_it_would_gather() -> None:
+    """CpuIndex.search gathers a namespace of fewer than an eighth of the rows (its rows found
+    at each call without a list) and scores a larger one in place: only the first is kept."""
+    svc = _service()
+    _upsert(svc, NS, [f"m{i}" for i in range(5)], ["u"] * 5)
+    _upsert(svc, "other", [f"o{i}" for i in range(36)], ["u"] * 36)  # 5 of 41 rows: 5 x 8 < 41
+    cands, n, _ = _bare(svc, NS)
+    assert n == 5 and cands.tolist() == svc.rows.rows_of(svc.rows.ns_id(NS)).tolist()
+    assert _bare(svc, "other") == (None, 36, False)  # 36 of 41: scored in place, not kept
+    _upsert(svc, NS, ["m5"], ["u"])  # 6 of 42: 6 x 8 > 42
+    assert _bare(svc, NS) == (None, 6, False) and svc._scopes == {}
