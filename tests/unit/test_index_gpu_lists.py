@@ -178,8 +178,8 @@ def test_a_lists_graph_captures_scan_list_with_its_parameters(monkeypatch: pytes
     assert g_list is not g_mask and idx._graph(10, 1, 2, (1, 2, 3), True) is g_list and len(idx.graphs) == 2
 
 
-def test_lists_of_many_lengths_share_a_few_grids() -> None:
-    """A batch-1 search through a list takes a grid of a power of two blocks (or the most the
+def test_lists_of_many_lengths_share_a_few_grids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A search through a list (batch 1, and a batch of 3) takes a grid of a power of two blocks (or the most the
     device and the merge allow), so lists of every length from 1 to 80,000 rows capture graphs
     for a dozen grids at most, each with at least the blocks the list needs; the control: the
     same row counts without a list take a grid per 2 x 64 rows, hundreds of them."""
@@ -196,11 +196,16 @@ def test_lists_of_many_lengths_share_a_few_grids() -> None:
         _desc_mm=mm, _desc_u64=np.frombuffer(mm, np.uint64), _graph=graph, _check=lambda fn: fn(),
         _graph_done=lambda: None, _pending=[], _mma_end=None, trace=None,
     )  # fmt: skip
+    monkeypatch.setattr(index_gpu, "USE_GEMM", False)  # (the control's batch: fused graphs too)
     lengths = range(1, 80_001, 7)
-    for n in lengths:
-        idx._run([1 << 30], [1 << 30], [1 << 30], 10, n, NS_LIST, 1 << 31, 10)
-        idx._run([1 << 30], [1 << 30], [1 << 30], 10, n, 3, 0, 10)
-    listed = grids[True]
-    assert len(set(listed)) <= 12 and all(g & (g - 1) == 0 or g == 528 for g in listed)
-    assert all(g >= min(528, -(-n // 128)) for g, n in zip(listed, lengths, strict=True))  # (64 groups, 2 rounds)
-    assert len(set(grids[False])) > 400
+    for nq in (1, 3):  # batch 1 (the slot's graph) and a batch (fused graphs)
+        grids[True].clear()
+        grids[False].clear()
+        qs = [1 << 30] * nq
+        for n in lengths:
+            idx._run(qs, qs, qs, 10, n, NS_LIST, 1 << 31, 10)
+            idx._run(qs, qs, qs, 10, n, 3, 0, 10)
+        listed = grids[True]
+        assert len(set(listed)) <= 12 and all(g & (g - 1) == 0 or g == 528 for g in listed), nq
+        assert all(g >= min(528, -(-n // 128)) for g, n in zip(listed, lengths, strict=True))  # (64 groups, 2 rounds)
+        assert len(set(grids[False])) > 400

@@ -94,8 +94,11 @@ class _Cupy:
                 return (e, id(self))
 
         self.RawModule = RawModule
+        self.current = 0  # the calling thread's device (cuda.runtime.getDevice)
         self.cuda = types.SimpleNamespace(
-            Device=Device, compiler=types.SimpleNamespace(CompileException=CompileException)
+            runtime=types.SimpleNamespace(getDevice=lambda: self.current),
+            Device=Device,
+            compiler=types.SimpleNamespace(CompileException=CompileException),
         )
 
 
@@ -124,6 +127,16 @@ def test_the_groups_are_compiled_at_once_each_under_the_index_device(fresh: Any)
     assert len(cuda_kernels._modules) == 4
     cuda_kernels.compile_kernels(START[:5], 3, threads=4)  # compiled already: not again
     assert len(fake.builds) == 4
+
+
+def test_without_a_device_the_workers_compile_under_the_callers(fresh: Any) -> None:
+    """No device named: the split's workers compile under the calling thread's current device
+    (a worker thread's is 0 until it says otherwise)."""
+    fake = _Cupy(threading.Barrier(4))
+    fake.current = 2
+    fresh(fake)
+    cuda_kernels.compile_kernels(START, threads=4)
+    assert len(fake.builds) == 4 and {d for _, d, _ in fake.builds} == {2}
 
 
 def test_one_thread_builds_one_module_in_the_callers_thread(fresh: Any) -> None:

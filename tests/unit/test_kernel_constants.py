@@ -327,17 +327,25 @@ def test_the_scope_table_holds_each_scopes_exact_args_and_mask() -> None:
 @pytest.mark.parametrize("dtype", ["float16", "int8", "float32"])
 def test_the_list_builds_are_compiled_unless_lists_are_off(monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
     """An index compiles the scans of a list of rows and the resident kernel's build that serves
-    lists (session 52) with the rest at start, in one module; ``KALOS_FILTER_LIST=0``, under
-    which the host never asks for them, leaves them out (they more than double the compile).
-    Every template the host names exists in kernels/recall.cu."""
+    lists (session 52) with the rest at start, for its device (the compile split's workers
+    compile under it); ``KALOS_FILTER_LIST=0``, under which the host never asks for them,
+    leaves them out (they more than double the compile). Every template the host names exists
+    in kernels/recall.cu."""
     asked: list[list[str]] = []
-    monkeypatch.setattr(index_gpu.kernels, "compile_kernels", lambda exprs: asked.append(list(exprs)))
+    devices: list[object] = []
+
+    def compile_kernels(exprs: list[str], device: object = None) -> None:
+        asked.append(list(exprs))
+        devices.append(device)
+
+    monkeypatch.setattr(index_gpu.kernels, "compile_kernels", compile_kernels)
     idx = index_gpu.GpuIndex.__new__(index_gpu.GpuIndex)
-    idx.__dict__.update(metric=0, ctype=index_gpu._CTYPE[dtype], tpr=4, dtype=dtype)
+    idx.__dict__.update(metric=0, ctype=index_gpu._CTYPE[dtype], tpr=4, dtype=dtype, ordinal=3)
     for fraction in (16, 0):
         monkeypatch.setattr(index_gpu, "FILTER_LIST", fraction)
         idx._compile()
     on, off = asked
+    assert devices == [3, 3]
     t = index_gpu._CTYPE[dtype]
     lists = {f"scan_list<{t}, 4, {qb}, 0>" for qb in (1, 2, 4, 8)} | {f"doorbell_topk<{t}, 4, 0, true>"}
     assert lists <= set(on) and not lists & set(off)
