@@ -39,8 +39,8 @@ def compile_threads(value: str | None, cpus: int | None) -> int:
     one per CPU): how many modules a start's kernels are split into and compiled at once; 1
     compiles them as one.
 
-    >>> compile_threads(None, 16), compile_threads("4", 16), compile_threads("1", 16), compile_threads(None, None)
-    (1, 4, 1, 1)
+    >>> compile_threads("4", 16), compile_threads("1", 16), compile_threads(None, None)
+    (4, 1, 1)
 
     Raises:
         ValueError: not a whole number from 1 to 32.
