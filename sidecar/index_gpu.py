@@ -38,7 +38,7 @@ import mmap
 import os
 import struct
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
@@ -117,6 +117,9 @@ SYNC_TAG: Final = 3 * MAXQ + 2
 SYNC_LL_CAP: Final = 3 * MAXQ + 3
 LL_WORDS_PER_BLOCK: Final = 132
 _NEG_INF_ORD: Final = int(np.array([-np.inf], np.float32).view(np.int32)[0]) ^ 0x7FFFFFFF
+# filters' device masks or lists kept on the sidecar's path (at most 1 MB each at 1M rows): a
+# recall of one scope after another's finds its own still uploaded
+MASKS_KEPT: Final = 8
 GRAPH_CACHE: Final = 512  # captured graphs kept (per slot, k, batch bucket, grid)
 # int8: candidates per result re-scored exactly (KALOS_RESCORE_FACTOR). 2, not 4: on the H200
 # the resident kernel answered 1M rows 7.2 µs sooner in process (S12-3: 238.8-239.3 ->
@@ -730,9 +733,11 @@ class GpuIndex(Index):
         self.behind_stamps: tuple[int, int, int] | None = None
         self.stamp_behind = HOST_TIMING
         self._pass_end_ev: Any = None
-        # the last filter's device mask or list (use_list), kept for a read-only candidates
-        # array (the service's kept answer, Service.eligible_for): (that array, high, the mask
-        # or list, whether a list)
+        # the filters' device masks or lists (use_list), kept for read-only candidates arrays
+        # (the service's kept answers, Service.eligible_for), the MASKS_KEPT most recently used,
+        # by the array's id: (that array, high, the mask or list, whether a list); and the last
+        # search's (None where it had no kept array)
+        self._masks_kept: OrderedDict[int, tuple[np.ndarray, int, Any, bool]] = OrderedDict()
         self._mask_kept: tuple[np.ndarray, int, Any, bool] | None = None
         self.filter_lists = 0  # host-path searches that scanned a filter's list of rows
         self.gemm_stream_note = ""
@@ -1597,10 +1602,12 @@ class GpuIndex(Index):
         qs, rows, scores, out_ld = self._addresses(specs)
         mask_dev = None
         listed = candidates is not None and use_list(len(candidates), high)
-        kept = self._mask_kept
-        if (candidates is not None and kept is not None and kept[0] is candidates and kept[1] == high
+        kept = self._masks_kept.get(id(candidates)) if candidates is not None else None
+        if (kept is not None and kept[0] is candidates and kept[1] == high
                 and kept[3] == listed):  # fmt: skip  (a mask is never read as a list, nor a list as a mask)
             mask_dev = kept[2]  # (the same filter's answer again, its rows unchanged: uploaded once)
+            self._masks_kept.move_to_end(id(candidates))
+            self._mask_kept = kept
         elif candidates is not None:
             if listed:  # a selective filter: the list of its rows (scan_list walks only them)
                 m = candidates.astype(np.int32) if len(candidates) else np.zeros(1, np.int32)
@@ -1613,7 +1620,12 @@ class GpuIndex(Index):
                 mask_dev = self.cp.asarray(m)
             # a read-only array is the service's kept answer, which nobody changes: the mask or
             # list stays right for it while ``high`` does (the array held, so its id is not reused)
-            self._mask_kept = (candidates, high, mask_dev, listed) if not candidates.flags.writeable else None
+            self._mask_kept = None
+            if not candidates.flags.writeable:
+                self._mask_kept = self._masks_kept[id(candidates)] = (candidates, high, mask_dev, listed)
+                self._masks_kept.move_to_end(id(candidates))
+                while len(self._masks_kept) > MASKS_KEPT:
+                    self._masks_kept.popitem(last=False)
         mask_addr = 0 if mask_dev is None else mask_dev.data.ptr
         if listed:  # the list's rows, each eligible: no namespace to check
             assert candidates is not None
@@ -2232,6 +2244,7 @@ class GpuIndex(Index):
         self.detach_segment()
         self._closed = True
         self._mask_kept = None
+        self._masks_kept.clear()
         car, self._car = self._car, None
         self._direct = None  # (its view of the slots' words: before the slots' map is closed)
         if car is not None and not (car.running and self._car_fault):

@@ -9,6 +9,7 @@ What the kernels compute with a list is for tests/gpu/test_gpu_index.py."""
 from __future__ import annotations
 
 import mmap
+from collections import OrderedDict
 from types import SimpleNamespace
 from typing import Any
 
@@ -51,7 +52,7 @@ def index() -> Any:
 
     idx.__dict__.update(
         cp=SimpleNamespace(asarray=asarray), device=NullStream(), stream=NullStream(), seg_addr=1 << 40, exact=None,
-        _mask_kept=None, filter_lists=0, fault_inject=None, _pass_end_ev=None, dim=8,
+        _mask_kept=None, _masks_kept=OrderedDict(), filter_lists=0, fault_inject=None, _pass_end_ev=None, dim=8,
         _finish_all=lambda: None, _run=run,
     )  # fmt: skip
     return idx, runs
@@ -110,6 +111,31 @@ def test_a_kept_answers_list_is_uploaded_once_and_reused_only_as_a_list(index: A
     monkeypatch.setattr(index_gpu, "FILTER_LIST", 16)
     _search(idx, cands)
     assert runs[-1][3] is not mask and runs[-1][3].dtype == np.int32 and runs[-1][2] == NS_LIST
+
+
+def test_answers_searched_in_turn_keep_their_own_uploads(index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read-only answers of several scopes searched in turn (a list, a mask, another list) are
+    uploaded once each and found again (MASKS_KEPT of them, the least recently used dropped
+    first); ``high`` grown makes a scope's upload again. The control: with one kept, every
+    turn uploads again."""
+    idx, runs = index
+    answers = [np.array([2, 9], np.int64), np.arange(0, HIGH, 5, dtype=np.int64), np.array([7], np.int64)]
+    for a in answers:
+        a.flags.writeable = False
+    for keep, want in ((8, 3), (1, 9)):
+        monkeypatch.setattr(index_gpu, "MASKS_KEPT", keep)
+        idx._masks_kept.clear()
+        runs.clear()
+        for _ in range(3):
+            for a in answers:
+                _search(idx, a)
+                assert idx._mask_kept[0] is a and idx._mask_kept[2] is runs[-1][3]
+        assert len({id(r[3]) for r in runs}) == want, keep
+        assert [r[3].dtype for r in runs[:3]] == [np.int32, np.uint8, np.int32]
+    monkeypatch.setattr(index_gpu, "MASKS_KEPT", 8)
+    before = runs[-1][3]
+    idx.launch_slots([_spec()], 10, HIGH + 1, 3, answers[2], False)  # the rows grew: made again
+    assert runs[-1][3] is not before and runs[-1][3].tolist() == [7]
 
 
 def test_a_writable_answer_is_not_kept(index: Any) -> None:
