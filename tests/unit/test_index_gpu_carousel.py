@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from types import SimpleNamespace
 from typing import Any
 
@@ -112,7 +112,7 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Any:
     idx.__dict__.update(cp=cp, dim=16, metric=1, name="cuda:0", device=_NullContext(),
                         carousel_k=carousel.KMAX, carousel_running=False, carousel_launches=0, _car=None,
                         crowd=None, _closed=False, doorbell_running=False, _pending=deque(), stream=_Stream(),
-                        _car_fault="", _direct=None, _car_answered=0,
+                        _car_fault="", _direct=None, _car_answered=0, _masks_kept=OrderedDict(),
                         data=dev(rows), ns=dev(ns), sqnorm=dev(np.zeros(64, np.float32)))  # fmt: skip
     calls: list[str] = []
     idx.__dict__["_finish_all"] = lambda: calls.append("finish_all")
