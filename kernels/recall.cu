@@ -1413,7 +1413,14 @@ __device__ int ll_merge(Cands<QB>& c, const Params* p, int k, unsigned int* sync
 // merging block only (block 0 for the tagged lists, the last block to finish for the appended
 // ones; after it wrote the answer), how many results query 0 has; -1 elsewhere. The
 // queries are read through L2 (__ldcg): the resident kernel rewrites them between requests.
-template <typename T, int TPR, int QB, int METRIC, bool LIST = false>
+// LIST: which rows the scan walks. SCAN_MASK: rows 0 .. n_rows - 1 of the namespace and mask;
+// SCAN_LIST: the n_rows rows of the list `mask` points to (ns_id NS_LIST); SCAN_EITHER: one or
+// the other as ns_id says, decided per request (one scan body where the two modes would
+// compile two: the resident kernel's build that serves lists).
+#define SCAN_MASK 0
+#define SCAN_LIST 1
+#define SCAN_EITHER 2
+template <typename T, int TPR, int QB, int METRIC, int LIST = SCAN_MASK>
 __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
                          const float* __restrict__ rowscale, const Params* p,
                          const float* qbuf, const signed char* qbuf_i8, int ld, int buf,
@@ -1483,7 +1490,7 @@ __device__ int scan_body(const T* __restrict__ data, const int* __restrict__ ns,
         const int r = r0 + group;
         int row = rev ? n - 1 - r : r;
         bool ok;
-        if constexpr (LIST) {  // (p->ns_id is NS_LIST: `mask` is the list of the rows to scan)
+        if (LIST == SCAN_LIST || (LIST == SCAN_EITHER && my_ns == NS_LIST)) {  // `mask` is the list of the rows
             ok = r < n;
             if (ok) row = __ldg(reinterpret_cast<const int*>(mask) + row);
         } else {
@@ -1669,8 +1676,8 @@ scan_list(const T* __restrict__ data, const int* __restrict__ ns, const float* _
           float* __restrict__ scratch_k, int* __restrict__ scratch_v,
           unsigned int* __restrict__ sync) {
     extern __shared__ float smem[];
-    if (scan_body<T, TPR, QB, METRIC, true>(data, ns, sqnorm, rowscale, p, qbuf, qbuf_i8, ld, buf, scratch_k,
-                                            scratch_v, sync, smem) >= 0)
+    if (scan_body<T, TPR, QB, METRIC, SCAN_LIST>(data, ns, sqnorm, rowscale, p, qbuf, qbuf_i8, ld, buf,
+                                                 scratch_k, scratch_v, sync, smem) >= 0)
         final_fence();
 }
 
@@ -2057,9 +2064,11 @@ template <> struct BellMinBlocks<__half> { static constexpr int value = KALOS_BE
 template <> struct BellMinBlocks<signed char> { static constexpr int value = KALOS_BELL_MINB_I8; };
 
 // LISTS: the build that also serves scopes of id NS_LIST (a selective filter's list of rows),
-// which the host launches only while it serves one: its scan body comes twice (the list's and
-// the mask's), and that build's default-namespace recall was ~3.8 µs slower at 100k rows than
-// the build without (S52-4, H100), so the host keeps the build without for every other start.
+// which the host launches only while it serves one. With the scan body twice in it (the list's
+// and the mask's) its default-namespace recall was ~3.8 µs slower at 100k rows than the build
+// without (S52-4, H100), so the host keeps the build without for every other start. Since
+// session 54 it holds one body that decides per row (SCAN_EITHER): the same registers as the
+// build without, and half the compile (nvcc, float16 cosine: 8.9 -> 4.0 s).
 template <typename T, int TPR, int METRIC, bool LISTS>
 __global__ void __launch_bounds__(KALOS_BLOCK, BellMinBlocks<T>::value)
 doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,
@@ -2379,12 +2388,9 @@ doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const floa
         }
         __syncthreads();
         int kk;
-        if constexpr (LISTS) {  // a list's scope: the scan walks its rows (block-uniform: every block read sp)
-            kk = sp.ns_id == NS_LIST ? scan_body<T, TPR, 1, METRIC, true>(data, ns, sqnorm, rowscale, &sp, qbuf,
-                                                                          qbuf_i8, ld, buf, scratch_k, scratch_v,
-                                                                          sync, smem)
-                                     : scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8,
-                                                                    ld, buf, scratch_k, scratch_v, sync, smem);
+        if constexpr (LISTS) {  // a list's scope walks its rows (sp.ns_id NS_LIST: block-uniform, every block read sp)
+            kk = scan_body<T, TPR, 1, METRIC, SCAN_EITHER>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8, ld, buf,
+                                                           scratch_k, scratch_v, sync, smem);
         } else {
             kk = scan_body<T, TPR, 1, METRIC>(data, ns, sqnorm, rowscale, &sp, qbuf, qbuf_i8, ld, buf, scratch_k,
                                               scratch_v, sync, smem);

@@ -8,7 +8,7 @@ user's recall later. :func:`get_kernel` is the memoized lookup the backend uses.
 the compiled modules on disk, so later starts skip the compiler.
 
 A first start compiles for seconds (NVRTC: one dtype and metric's kernels took ~16 s of one
-core on the development VM's nvcc, the resident kernel's two builds most of it), so the
+core on the development VM's nvcc, the resident kernel's two builds ~8 s of it), so the
 instantiations can be split into up to :data:`COMPILE_THREADS` modules (:func:`compile_groups`,
 the heaviest apart) compiled at once on as many threads: CuPy's ``compileProgram`` releases
 the GIL around NVRTC, which compiles separate programs concurrently. The modules share no
@@ -62,16 +62,13 @@ COMPILE_THREADS_DEFAULT = 1
 COMPILE_THREADS = compile_threads(os.environ.get("KALOS_COMPILE_THREADS"), os.cpu_count())
 
 # What an instantiation costs to compile, relative (the development VM's nvcc, float16 cosine:
-# doorbell_topk's build without lists ~2.1 s over the source's ~0.9 s alone, with lists ~6.7,
-# scan_topk or scan_list ~0.8 each, the rest ~0.1-0.4)
+# each doorbell_topk build ~2.1-3 s over the source's ~0.9 s alone (the one with lists ~6.7
+# before it held one scan body, session 54), scan_topk or scan_list ~0.8 each, the rest ~0.1-0.4)
 _COST = {"doorbell_topk": 20, "scan_topk": 8, "scan_list": 8, "carousel_topk": 4, "mma_filter": 1}
 
 
 def _cost(expression: str) -> int:
-    name = expression.split("<", 1)[0]
-    if name == "doorbell_topk" and expression.replace(" ", "").endswith(",true>"):
-        return 60  # (the build that serves lists: both scan bodies)
-    return _COST.get(name, 1)
+    return _COST.get(expression.split("<", 1)[0], 1)
 
 
 def compile_groups(expressions: list[str], n: int) -> list[list[str]]:

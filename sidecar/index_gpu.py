@@ -759,8 +759,8 @@ class GpuIndex(Index):
                  kernels.expression("get_rows", t), "fault_kernel"]  # fmt: skip
         # the scans (of a list of rows too), and the resident kernel without lists and with them
         # (launched only while a selective filter is served: see kernels/recall.cu). The list
-        # builds more than double the compile (the development VM's nvcc, float16 cosine:
-        # 6.6 -> 16.4 s), so KALOS_FILTER_LIST=0, which never asks for them, leaves them out.
+        # builds add ~40% to the compile (the development VM's nvcc, float16 cosine, one
+        # module: 11.5 -> 15.8 s), so KALOS_FILTER_LIST=0, which never asks for them, leaves them out.
         lists = ("false", "true") if FILTER_LIST else ("false",)
         exprs += [kernels.expression(scan, t, self.tpr, qb, m) for scan in ("scan_topk", "scan_list")[: len(lists)]
                   for qb in (1, 2, 4, 8)]  # fmt: skip

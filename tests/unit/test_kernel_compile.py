@@ -43,11 +43,10 @@ def test_the_thread_count_by_default_and_as_set(monkeypatch: pytest.MonkeyPatch)
 def test_a_starts_kernels_split_into_groups_of_about_equal_cost() -> None:
     groups = compile_groups(START, 4)
     assert len(groups) == 4 and sorted(e for g in groups for e in g) == sorted(START)
-    assert ["doorbell_topk<__half, 4, 1, true>"] in groups  # the costliest alone
     (bell,) = [g for g in groups if "doorbell_topk<__half, 4, 1, false>" in g]
-    assert not any(e.startswith("doorbell_topk<__half, 4, 1, true") for e in bell)
+    assert not any(e.startswith("doorbell_topk<__half, 4, 1, true") for e in bell)  # the costliest apart
     cost = [sum(cuda_kernels._cost(e) for e in g) for g in groups]
-    assert max(cost) == cuda_kernels._cost("doorbell_topk<__half, 4, 1, true>")  # no group costlier than it alone
+    assert max(cost) - min(cost) <= cuda_kernels._cost("scan_topk<__half, 4, 1, 1>"), cost  # about equal
     assert all(g == [e for e in START if e in g] for g in groups)  # each in the order given
     assert compile_groups(START, 4) == groups  # the same split again: CuPy's disk cache finds each module
     assert compile_groups(START, 1) == [START] and compile_groups(START[:2], 8) == [[START[0]], [START[1]]]
