@@ -57,8 +57,10 @@ def compile_threads(value: str | None, cpus: int | None) -> int:
     return n
 
 
-# 1 (one module, as before session 53) until the split has run on a GPU; then 4
-COMPILE_THREADS_DEFAULT = 1
+# 4 since session 54: on an H100 host (16 cores, float16 cosine, an empty cache) a start's
+# compile took 15.3 s as one module and 5.5 s as four (benchmarks/kernel_compile.py, S54-1), and
+# the GPU tier passed with the split; at most one per CPU
+COMPILE_THREADS_DEFAULT = 4
 COMPILE_THREADS = compile_threads(os.environ.get("KALOS_COMPILE_THREADS"), os.cpu_count())
 
 # What an instantiation costs to compile, relative (the development VM's nvcc, float16 cosine:
