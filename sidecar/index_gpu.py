@@ -144,10 +144,11 @@ _DESC_HEAD: Final = struct.Struct("<iiiiQii")  # n_queries k n_rows ns_id mask o
 _BELL_CTL: Final = struct.Struct("<iiiiQQQiiiiiiQiiQQiiQ")
 _BELL_SERVED: Final = 128
 # struct BellSpaces in kernels/recall.cu: the scopes the resident kernel serves besides the
-# default namespace (ids, args images' lengths, filter masks' device addresses, the images of
-# 128 bytes each). A client may ring the kernel with a namespace's recall once the header's
-# doorbell_spaces says so (v1.5), and with a filter's once its doorbell_args does (v1.6); the
-# kernel answers it when its args are one of these images, and hands it back otherwise.
+# default namespace (ids, args images' lengths, filter masks' or lists' device addresses, the
+# images of 128 bytes each, the lists' lengths). A client may ring the kernel with a
+# namespace's recall once the header's doorbell_spaces says so (v1.5), and with a filter's
+# once its doorbell_args does (v1.6); the kernel answers it when its args are one of these
+# images, and hands it back otherwise.
 # KALOS_BELL_SPACES=0: the default namespace's recalls only, as before session 48;
 # KALOS_BELL_FILTERS=0: namespaces without filters only, as in session 48.
 BELL_SPACES: Final = os.environ.get("KALOS_BELL_SPACES", "1") == "1"
@@ -158,7 +159,8 @@ BELL_ARGS_MAX: Final = DOORBELL_SCOPE_ARGS_MAX  # BELL_ARGS_WORDS x 4: the longe
 # on the development VM, following them cost ~7 µs and ~0.1 µs a row on the host, making a
 # mask whole ~26 µs at 100k rows and ~360 at 1M (a quarter of the rows kept), besides its upload
 BELL_MASK_FOLLOW: Final = 256
-_BELL_SPACES: Final = struct.Struct(f"<{3 * BELL_SPACES_MAX}i{BELL_SPACES_MAX}Q{BELL_SPACES_MAX * BELL_ARGS_MAX}s")
+_BELL_SPACES: Final = struct.Struct(f"<{2 * BELL_SPACES_MAX}i{BELL_SPACES_MAX}Q{BELL_SPACES_MAX * BELL_ARGS_MAX}s"
+                                    f"{BELL_SPACES_MAX}i")  # fmt: skip
 # NS_LIST in kernels/recall.cu: the ns id that says a recall's rows are a list (the mask field
 # its int32 device address, n_rows its length), not the rows below n_rows through a mask
 NS_LIST: Final = -4
@@ -401,7 +403,7 @@ def bell_spaces_table(spaces: Sequence[tuple[bytes, int, int, int]]) -> tuple[by
         rows[i] = max(n_list, 0)
         image += args.ljust(BELL_ARGS_MAX, b"\0")
         keys.append(args)
-    return _BELL_SPACES.pack(*ids, *lens, *rows, *masks, bytes(image)), tuple(keys)
+    return _BELL_SPACES.pack(*ids, *lens, *masks, bytes(image), *rows), tuple(keys)
 
 
 def scope_names(keys: Sequence[bytes]) -> tuple[list[str], list[dict[str, Any]]]:

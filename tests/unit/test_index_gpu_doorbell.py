@@ -105,8 +105,7 @@ def test_a_start_names_the_namespaces_it_serves_in_the_kernels_table(index: Any)
 def _masks(idx: Any) -> dict[bytes, tuple[int, np.ndarray]]:
     """Each served scope's mask address in the kernel's table, and the mask there."""
     n = index_gpu.BELL_SPACES_MAX
-    raw = bytes(idx.bell_spaces.view(np.ndarray))
-    addrs = index_gpu.struct.unpack_from(f"<{n}Q", raw, 12 * n)
+    addrs = index_gpu._BELL_SPACES.unpack(bytes(idx.bell_spaces.view(np.ndarray)))[2 * n : 3 * n]
     out = {}
     for key, addr in zip(idx.bell_served_spaces, addrs, strict=False):
         kept = idx._bell_masks.get(key)
@@ -117,10 +116,8 @@ def _masks(idx: Any) -> dict[bytes, tuple[int, np.ndarray]]:
 def _entries(idx: Any) -> dict[bytes, tuple[int, int, int]]:
     """Each served scope's (id, list length, address) in the kernel's table."""
     n = index_gpu.BELL_SPACES_MAX
-    raw = bytes(idx.bell_spaces.view(np.ndarray))
-    ids = index_gpu.struct.unpack_from(f"<{n}i", raw, 0)
-    rows = index_gpu.struct.unpack_from(f"<{n}i", raw, 8 * n)
-    addrs = index_gpu.struct.unpack_from(f"<{n}Q", raw, 12 * n)
+    f = index_gpu._BELL_SPACES.unpack(bytes(idx.bell_spaces.view(np.ndarray)))  # (the layout: test_kernel_constants)
+    ids, addrs, rows = f[:n], f[2 * n : 3 * n], f[3 * n + 1 :]
     return {key: (ids[e], rows[e], addrs[e]) for e, key in enumerate(idx.bell_served_spaces)}
 
 

@@ -275,9 +275,9 @@ def test_int8_refuses_a_max_k_its_rescoring_cannot_answer(monkeypatch: pytest.Mo
 
 def test_the_scope_table_matches_struct_bellspaces() -> None:
     """The host's table (index_gpu.bell_spaces_table) is laid out as ``struct BellSpaces``:
-    ids, then the images' lengths, then the lists' lengths, then the filter masks' or lists'
-    addresses, then the images of DOORBELL_SCOPE_ARGS_MAX bytes each (v1.6; v1.5's rule,
-    DOORBELL_ARGS_MAX, is shorter)."""
+    ids, then the images' lengths, then the filter masks' or lists' addresses, then the images
+    of DOORBELL_SCOPE_ARGS_MAX bytes each (v1.6; v1.5's rule, DOORBELL_ARGS_MAX, is shorter),
+    then the lists' lengths (last since session 54: the rest where it was before lists)."""
     d = defines()
     assert d["BELL_SPACES_MAX"] == index_gpu.BELL_SPACES_MAX
     assert 4 * d["BELL_ARGS_WORDS"] == index_gpu.BELL_ARGS_MAX == DOORBELL_SCOPE_ARGS_MAX > DOORBELL_ARGS_MAX
@@ -285,8 +285,9 @@ def test_the_scope_table_matches_struct_bellspaces() -> None:
     assert d["BELL_IMAGE_WORDS"] == d["BELL_SPACES_MAX"] * d["BELL_ARGS_WORDS"]
     m = d["BELL_SPACES_MAX"]
     fields = struct_fields("BellSpaces")
-    assert [(n, off) for n, off, _ in fields] == [("id", 0), ("len", 4 * m), ("rows", 8 * m), ("mask", 12 * m),
-                                                   ("image", 20 * m)]  # fmt: skip
+    image = 16 * m
+    assert [(n, off) for n, off, _ in fields] == [("id", 0), ("len", 4 * m), ("mask", 8 * m), ("image", image),
+                                                   ("rows", image + 4 * d["BELL_IMAGE_WORDS"])]  # fmt: skip
     assert fields[-1][1] + fields[-1][2] == index_gpu._BELL_SPACES.size
 
 
@@ -310,14 +311,14 @@ def test_the_scope_table_holds_each_scopes_exact_args_and_mask() -> None:
     assert keys == (encode_recall_args("notes", None), fits, flt, few, *rest)
     ids = struct.unpack_from(f"<{n}i", table, 0)
     lens = struct.unpack_from(f"<{n}i", table, 4 * n)
-    rows = struct.unpack_from(f"<{n}i", table, 8 * n)
-    masks = struct.unpack_from(f"<{n}Q", table, 12 * n)
+    masks = struct.unpack_from(f"<{n}Q", table, 8 * n)
+    rows = struct.unpack_from(f"<{n}i", table, 16 * n + w * n)
     assert ids == (7, 9, 4, index_gpu.NS_LIST, *range(10, 10 + n - 4))
     assert rows == (0, 0, 0, 37, *[0] * (n - 4))
     assert masks == (0, 0, 0xABC000, 0xDEF000, *[0] * (n - 4))
     for e, args in enumerate(keys):
         assert lens[e] == len(args) <= w
-        assert table[20 * n + w * e : 20 * n + w * (e + 1)] == args.ljust(w, b"\0")
+        assert table[16 * n + w * e : 16 * n + w * (e + 1)] == args.ljust(w, b"\0")
     assert len(fits) == w
     assert index_gpu.bell_spaces_table([]) == (bytes(index_gpu._BELL_SPACES.size), ())
     names, filters = index_gpu.scope_names(keys[:3])
