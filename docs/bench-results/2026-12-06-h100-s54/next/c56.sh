@@ -1,9 +1,12 @@
-# session 54's next call: on an H200 the table at HEAD (c27.sh: durable, then --no-durable); on any
+# session 54's next call: first the resident kernel's GPU test files (c56t.sh: session 54's last change, the
+# build without lists back to the code before lists, has not run on a GPU); then on an H200 the table at HEAD
+# (c27.sh: durable, then --no-durable); on any
 # other card where lists pay (gpu-notes Next steps 0 (b) (iii)): scoped_recall.py at --rows 75k..200k
 # (151k..402k rows in all) with KALOS_FILTER_LIST 16 and 0, in the order 16 0 0 16 per size
-if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash .device/c27.sh; exit; fi
-set -u; T0=$(date +%s); L=$OUT/logs; mkdir -p $L; cp .device/head.txt .device/c56.sh $L/; unset KALOS_CAROUSEL
-LIM=${LIM:-560}
+T0=$(date +%s); LIM=${LIM:-560}
+LIM=150 bash .device/c56t.sh
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then LIM=$(( LIM - ($(date +%s) - T0) )) bash .device/c27.sh; exit; fi
+set -u; L=$OUT/logs; mkdir -p $L; cp .device/head.txt .device/c56.sh $L/; unset KALOS_CAROUSEL
 left() { echo $(( LIM - ($(date +%s) - T0) )); }
 nvidia-smi --query-gpu=name --format=csv,noheader > $L/smi.txt; cat $L/smi.txt
 source .device/gpu-env.sh >/dev/null || exit 1
