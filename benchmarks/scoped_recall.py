@@ -23,7 +23,9 @@ queries):
 * ``filter``: ``filter={"user": 1}`` in the default namespace;
 * ``namespace+1% filter``: ``namespace="scoped", filter={"tenant": 7}`` (a 200th of the rows:
   one tenant's, the agent memory store's usual shape; a GPU sidecar scans a list of its rows
-  since session 52, ``KALOS_FILTER_LIST=0`` compares the mask it scanned before);
+  since session 52, ``KALOS_FILTER_LIST=0`` compares the mask it scanned before; since
+  session 54 only in an index of at least ``KALOS_LIST_MIN_ROWS`` rows, 262,144 unless set:
+  ``--rows`` 131,000 and more, or set it 0 to compare lists on fewer);
 * ``small namespace``: ``namespace="small"`` (a 201st of the rows; since session 53 the sidecar
   keeps a list of its rows: a GPU sidecar scans it as a filter's list, a CPU one no longer
   finds the namespace's rows at every recall).

@@ -2065,11 +2065,12 @@ template <> struct BellMinBlocks<__half> { static constexpr int value = KALOS_BE
 template <> struct BellMinBlocks<signed char> { static constexpr int value = KALOS_BELL_MINB_I8; };
 
 // LISTS: the build that also serves scopes of id NS_LIST (a selective filter's list of rows),
-// which the host launches only while it serves one. With the scan body twice in it (the list's
-// and the mask's) its default-namespace recall was ~3.8 µs slower at 100k rows than the build
-// without (S52-4, H100), so the host keeps the build without for every other start. Since
-// session 54 it holds one body that decides per row (SCAN_EITHER): the same registers as the
-// build without, and half the compile (nvcc, float16 cosine: 8.9 -> 4.0 s).
+// which the host launches only while it serves one: its default-namespace recall is slower
+// than the build without's, so the host keeps the build without for every other start. With
+// the scan body twice in it (the list's and the mask's) that cost was ~3.8-4.3 µs in an index
+// of 100k-201k rows (S52-4, S54-6, H100). Since session 54 it holds one body that decides per
+// row (SCAN_EITHER): +2.2 µs at 201k rows (S54-6), ptxas' registers, stack and 4-byte spill
+// those of the build without, and half the compile (nvcc, float16 cosine: 8.9 -> 4.0 s).
 template <typename T, int TPR, int METRIC, bool LISTS>
 __global__ void __launch_bounds__(KALOS_BLOCK, BellMinBlocks<T>::value)
 doorbell_topk(const T* __restrict__ data, const int* __restrict__ ns, const float* __restrict__ sqnorm,

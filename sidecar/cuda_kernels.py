@@ -8,7 +8,7 @@ user's recall later. :func:`get_kernel` is the memoized lookup the backend uses.
 the compiled modules on disk, so later starts skip the compiler.
 
 A first start compiles for seconds (NVRTC: one dtype and metric's kernels took ~16 s of one
-core on the development VM's nvcc, the resident kernel's two builds ~8 s of it), so the
+core on the development VM's nvcc, the resident kernel's two builds ~7 s of it), so the
 instantiations can be split into up to :data:`COMPILE_THREADS` modules (:func:`compile_groups`,
 the heaviest apart) compiled at once on as many threads: CuPy's ``compileProgram`` releases
 the GIL around NVRTC, which compiles separate programs concurrently. The modules share no
@@ -20,6 +20,7 @@ a kernel's is in).
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -36,8 +37,8 @@ _module_of: dict[str, Any] = {}  # each compiled kernel's module
 
 def compile_threads(value: str | None, cpus: int | None) -> int:
     """``KALOS_COMPILE_THREADS``' value (None or empty: :data:`COMPILE_THREADS_DEFAULT`, at most
-    one per CPU): how many modules a start's kernels are split into and compiled at once; 1
-    compiles them as one.
+    one per CPU of ``cpus``; a value set is taken as it is): how many modules a start's kernels
+    are split into and compiled at once; 1 compiles them as one.
 
     >>> compile_threads("4", 16), compile_threads("1", 16), compile_threads(None, None)
     (4, 1, 1)
@@ -61,7 +62,15 @@ def compile_threads(value: str | None, cpus: int | None) -> int:
 # compile took 15.3 s as one module and 5.5 s as four (benchmarks/kernel_compile.py, S54-1), and
 # the GPU tier passed with the split; at most one per CPU
 COMPILE_THREADS_DEFAULT = 4
-COMPILE_THREADS = compile_threads(os.environ.get("KALOS_COMPILE_THREADS"), os.cpu_count())
+def _cpus() -> int | None:
+    """The CPUs this process may run on (its affinity: a container's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (not on every platform)
+        return os.cpu_count()
+
+
+COMPILE_THREADS = compile_threads(os.environ.get("KALOS_COMPILE_THREADS"), _cpus())
 
 # What an instantiation costs to compile, relative (the development VM's nvcc, float16 cosine:
 # each doorbell_topk build ~2.1-3 s over the source's ~0.9 s alone (the one with lists ~6.7
@@ -118,10 +127,12 @@ def source() -> str:
     """The CUDA source to compile: :func:`packaged_source`, or the file ``KALOS_KERNEL_SOURCE``
     names (diagnostics: an A/B of two versions of the kernels in one process or one lease, as
     ``KALOS_KERNEL_OPTIONS`` compares builds of one version; the host side stays this version,
-    so the other must keep its layouts).
+    so the other must keep its layouts: every struct both sources define must be the same,
+    comments and spacing aside, or the host would write fields where the kernels read others).
 
     Raises:
         FileNotFoundError: ``KALOS_KERNEL_SOURCE`` names no file.
+        ValueError: it lays out a struct the host shares with the kernels otherwise.
     """
     override = os.environ.get("KALOS_KERNEL_SOURCE")
     if not override:
@@ -129,7 +140,20 @@ def source() -> str:
     path = Path(override)
     if not path.is_file():
         raise FileNotFoundError(f"KALOS_KERNEL_SOURCE={override!r} is not a file")
-    return path.read_text()
+    text = path.read_text()
+    ours, theirs = _structs(packaged_source()), _structs(text)
+    differ = sorted(name for name in ours.keys() & theirs.keys() if ours[name] != theirs[name])
+    if differ:
+        raise ValueError(f"KALOS_KERNEL_SOURCE={override!r} lays out {', '.join(differ)} otherwise than this "
+                         "version's kernels/recall.cu, which the host writes: compare kernels of the same layouts")
+    return text
+
+
+def _structs(text: str) -> dict[str, str]:
+    """Each ``struct Name { ... };`` at the start of a line in ``text``: its body without
+    comments or whitespace."""
+    return {m.group(1): re.sub(r"\s+", "", re.sub(r"//[^\n]*", "", m.group(2)))
+            for m in re.finditer(r"^struct (\w+) \{\n(.*?)^\};", text, re.M | re.S)}  # fmt: skip
 
 
 def expression(name: str, *targs: object) -> str:

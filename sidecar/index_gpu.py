@@ -192,20 +192,51 @@ def filter_list_fraction(value: str | None) -> int:
 
 
 FILTER_LIST = filter_list_fraction(os.environ.get("KALOS_FILTER_LIST"))
+# Lists only where the index holds at least LIST_MIN_ROWS rows below its high-water mark: the
+# walk a list saves grows with the rows, and while the resident kernel serves any list it runs
+# its build with lists, which costs the default namespace's recall. On an H100 (S54-5/6, a
+# 1,000-row scope): at 201,000 rows its recall through a list cost what the walk did (small
+# namespace 32.4-33.7 µs against 31.4, a 1% filter 40.6-44.6 against 42.1) and the default
+# recall 2.2 µs more; at 402,000 rows the list saved 4 and 13 µs and the default's cost read
+# 0.4. 2^18 lies between. KALOS_LIST_MIN_ROWS=0: lists at any size, as in sessions 52-53.
+LIST_MIN_ROWS_DEFAULT: Final = 1 << 18
 
 
-def use_list(kept: int, high: int, fraction: int | None = None) -> bool:
+def list_min_rows(value: str | None) -> int:
+    """KALOS_LIST_MIN_ROWS' value (None or empty: :data:`LIST_MIN_ROWS_DEFAULT`): the fewest
+    rows (below the high-water mark) an index must hold for a filter or a namespace to be
+    scanned through a list of its rows; 0: any. Anything but a non-negative integer is refused
+    with a ValueError naming it.
+
+    >>> list_min_rows(None), list_min_rows(" 0 "), list_min_rows("500000")
+    (262144, 0, 500000)
+    """
+    v = (value or "").strip()
+    if not v:
+        return LIST_MIN_ROWS_DEFAULT
+    if not v.isdigit():
+        raise ValueError(f"KALOS_LIST_MIN_ROWS={value!r}: expected a whole number >= 0 (the fewest rows an index "
+                         f"holds for filters and namespaces to be scanned through lists of their rows; 0: any; "
+                         f"default {LIST_MIN_ROWS_DEFAULT})")  # fmt: skip
+    return int(v)
+
+
+LIST_MIN_ROWS = list_min_rows(os.environ.get("KALOS_LIST_MIN_ROWS"))
+
+
+def use_list(kept: int, high: int, fraction: int | None = None, floor: int | None = None) -> bool:
     """Whether a filter that keeps ``kept`` of the rows below ``high`` is scanned through a
     list of its rows rather than a mask: where it keeps at most 1/``fraction`` of them
-    (default :data:`FILTER_LIST`; 0: never).
+    (default :data:`FILTER_LIST`; 0: never) and ``high`` is at least ``floor`` (default
+    :data:`LIST_MIN_ROWS`).
 
-    >>> use_list(1_000, 1_000_000), use_list(62_500, 1_000_000), use_list(62_501, 1_000_000)
+    >>> use_list(1_000, 1_000_000, 16, 0), use_list(62_500, 1_000_000, 16, 0), use_list(62_501, 1_000_000, 16, 0)
     (True, True, False)
-    >>> use_list(0, 100), use_list(5, 100, fraction=0)
-    (True, False)
+    >>> use_list(0, 100, 16, 0), use_list(5, 100, fraction=0, floor=0), use_list(1_000, 200_000, 16, 262_144)
+    (True, False, False)
     """
     f = FILTER_LIST if fraction is None else fraction
-    return f > 0 and kept * f <= high
+    return f > 0 and high >= (LIST_MIN_ROWS if floor is None else floor) and kept * f <= high
 
 
 _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
@@ -1576,8 +1607,9 @@ class GpuIndex(Index):
 
     def wants_rows(self, count: int, high: int) -> bool:
         """Where its rows would be scanned as a list (:func:`use_list`: at most a 16th of the
-        rows by default): a namespace's scan otherwise walks every row below ``high`` (S52-4,
-        1M rows: ~90 µs for a scope of 1%, where its list took ~38)."""
+        rows by default, in an index of at least :data:`LIST_MIN_ROWS`): a namespace's scan
+        otherwise walks every row below ``high`` (S52-4, 1M rows: ~90 µs for a scope of 1%,
+        where its list took ~38)."""
         return use_list(count, high)
 
     def launch_slots(

@@ -5,6 +5,9 @@
   and stops it after the test; ``shared_sidecar`` is one per module for read-mostly tests.
 * Tests marked ``gpu`` are skipped, with the reason, unless CuPy sees a CUDA device.
 * At the end of the session no ``/dev/shm`` object of ours may be left behind.
+* ``KALOS_LIST_MIN_ROWS`` is 0 unless the environment sets it: the tests' indexes are small,
+  and the list paths they check would otherwise start only at 262,144 rows (the floor itself:
+  ``tests/unit/test_index_gpu_lists.py``). Sidecar processes inherit it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+os.environ.setdefault("KALOS_LIST_MIN_ROWS", "0")  # before the sidecar's modules read it
 
 from kalos_retrievers import Sidecar
 

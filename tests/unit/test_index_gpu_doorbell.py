@@ -171,7 +171,8 @@ def test_a_namespace_given_as_its_rows_is_served_through_their_list_where_select
         index: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A namespace without a filter given with its rows (BellScope.whole, Service.bell_spaces)
     gets a list of them like a selective filter's where they are at most 1/FILTER_LIST of
-    the rows; otherwise, with lists off (KALOS_FILTER_LIST=0), with filters off
+    the rows; otherwise, with lists off (KALOS_FILTER_LIST=0), in an index below
+    KALOS_LIST_MIN_ROWS, with filters off
     (doorbell_args 0), or with no room for the list, it is served as the namespace alone:
     never a mask, never dropped. The control: the same rows as a filter's (not whole) get a
     mask where they are not selective."""
@@ -193,6 +194,9 @@ def test_a_namespace_given_as_its_rows_is_served_through_their_list_where_select
     alone(31)  # 2 x 16 > 31: the namespace alone, no mask
     with monkeypatch.context() as m:
         m.setattr(index_gpu, "FILTER_LIST", 0)
+        alone(1000)
+    with monkeypatch.context() as m:  # an index below KALOS_LIST_MIN_ROWS: no list either
+        m.setattr(index_gpu, "LIST_MIN_ROWS", 1001)
         alone(1000)
     with monkeypatch.context() as m:
         m.setitem(idx.__dict__, "doorbell_args", 0)

@@ -87,6 +87,35 @@ def test_the_control_filter_list_0_searches_every_filter_through_a_mask(index: A
     assert runs[-1][1:3] == (HIGH, 3) and runs[-1][3].dtype == np.uint8 and idx.filter_lists == 0
 
 
+def test_below_the_floor_of_rows_a_selective_filter_is_searched_through_a_mask(index: Any, monkeypatch: Any) -> None:
+    """KALOS_LIST_MIN_ROWS (LIST_MIN_ROWS): in an index with fewer rows below its high-water
+    mark a list saves no walk worth having (S54-5/6), so even a selective filter gets a mask;
+    at the floor, a list again. (The tests' conftest sets the floor 0: their indexes are small.)
+    The namespace's wish follows the same rule (``wants_rows``)."""
+    idx, runs = index
+    cands = np.array([2, 17, 400, 999], np.int64)
+    monkeypatch.setattr(index_gpu, "LIST_MIN_ROWS", HIGH + 1)
+    _search(idx, cands)
+    assert runs[-1][1:3] == (HIGH, 3) and runs[-1][3].dtype == np.uint8 and idx.filter_lists == 0
+    assert not idx.wants_rows(len(cands), HIGH)
+    monkeypatch.setattr(index_gpu, "LIST_MIN_ROWS", HIGH)
+    _search(idx, cands)
+    assert runs[-1][1:3] == (4, NS_LIST) and runs[-1][3].dtype == np.int32 and idx.filter_lists == 1
+    assert idx.wants_rows(len(cands), HIGH)
+
+
+def test_the_floor_of_rows_by_default_and_as_set() -> None:
+    """2^18 rows unless KALOS_LIST_MIN_ROWS says otherwise (0: any size); anything but a whole
+    number >= 0 is refused, naming the variable."""
+    assert index_gpu.list_min_rows(None) == index_gpu.list_min_rows("") == index_gpu.LIST_MIN_ROWS_DEFAULT == 1 << 18
+    assert index_gpu.list_min_rows("0") == 0 and index_gpu.list_min_rows(" 100000 ") == 100_000
+    for bad in ("-1", "1e6", "many"):
+        with pytest.raises(ValueError, match="KALOS_LIST_MIN_ROWS"):
+            index_gpu.list_min_rows(bad)
+    assert not index_gpu.use_list(1_000, 200_000, 16, index_gpu.LIST_MIN_ROWS_DEFAULT)
+    assert index_gpu.use_list(1_000, 300_000, 16, index_gpu.LIST_MIN_ROWS_DEFAULT)
+
+
 def test_no_filter_gets_neither(index: Any) -> None:
     idx, runs = index
     _search(idx, None)

@@ -10,6 +10,7 @@ set -u; L=$OUT/logs; mkdir -p $L; cp .device/head.txt .device/c56.sh $L/; unset 
 left() { echo $(( LIM - ($(date +%s) - T0) )); }
 nvidia-smi --query-gpu=name --format=csv,noheader > $L/smi.txt; cat $L/smi.txt
 source .device/gpu-env.sh >/dev/null || exit 1
+export KALOS_LIST_MIN_ROWS=0  # lists at every size: the sweep looks for the floor (default 2^18 since session 54)
 for rows in 75000 100000 150000 200000; do
   i=0
   for fl in 16 0 0 16; do
