@@ -181,13 +181,18 @@ def filter_list_fraction(value: str | None) -> int:
     >>> filter_list_fraction(None), filter_list_fraction(" 4 "), filter_list_fraction("0")
     (16, 4, 0)
     """
+    return _whole_number("KALOS_FILTER_LIST", value, FILTER_LIST_DEFAULT,
+                         "a filter keeping at most 1/N of the rows is scanned through a list of them; 0: never")
+
+
+def _whole_number(name: str, value: str | None, default: int, meaning: str) -> int:
+    """An environment variable's whole number >= 0 (None or blank: ``default``); anything
+    else a ValueError that names the variable and says what it means."""
     v = (value or "").strip()
     if not v:
-        return FILTER_LIST_DEFAULT
+        return default
     if not v.isdigit():
-        raise ValueError(f"KALOS_FILTER_LIST={value!r}: expected a whole number >= 0 (a filter keeping at most "
-                         f"1/N of the rows is scanned through a list of them; 0: never; default "
-                         f"{FILTER_LIST_DEFAULT})")  # fmt: skip
+        raise ValueError(f"{name}={value!r}: expected a whole number >= 0 ({meaning}; default {default})")
     return int(v)
 
 
@@ -211,14 +216,8 @@ def list_min_rows(value: str | None) -> int:
     >>> list_min_rows(None), list_min_rows(" 0 "), list_min_rows("500000")
     (262144, 0, 500000)
     """
-    v = (value or "").strip()
-    if not v:
-        return LIST_MIN_ROWS_DEFAULT
-    if not v.isdigit():
-        raise ValueError(f"KALOS_LIST_MIN_ROWS={value!r}: expected a whole number >= 0 (the fewest rows an index "
-                         f"holds for filters and namespaces to be scanned through lists of their rows; 0: any; "
-                         f"default {LIST_MIN_ROWS_DEFAULT})")  # fmt: skip
-    return int(v)
+    return _whole_number("KALOS_LIST_MIN_ROWS", value, LIST_MIN_ROWS_DEFAULT, "the fewest rows an index holds "
+                         "for filters and namespaces to be scanned through lists of their rows; 0: any")
 
 
 LIST_MIN_ROWS = list_min_rows(os.environ.get("KALOS_LIST_MIN_ROWS"))

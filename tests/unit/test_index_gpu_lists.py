@@ -112,6 +112,8 @@ def test_the_floor_of_rows_by_default_and_as_set() -> None:
     for bad in ("-1", "1e6", "many"):
         with pytest.raises(ValueError, match="KALOS_LIST_MIN_ROWS"):
             index_gpu.list_min_rows(bad)
+        with pytest.raises(ValueError, match="KALOS_FILTER_LIST"):
+            index_gpu.filter_list_fraction(bad)
     assert not index_gpu.use_list(1_000, 200_000, 16, index_gpu.LIST_MIN_ROWS_DEFAULT)
     assert index_gpu.use_list(1_000, 300_000, 16, index_gpu.LIST_MIN_ROWS_DEFAULT)
 
