@@ -62,6 +62,8 @@ def compile_threads(value: str | None, cpus: int | None) -> int:
 # compile took 15.3 s as one module and 5.5 s as four (benchmarks/kernel_compile.py, S54-1), and
 # the GPU tier passed with the split; at most one per CPU
 COMPILE_THREADS_DEFAULT = 4
+
+
 def _cpus() -> int | None:
     """The CPUs this process may run on (its affinity: a container's share, not the host's)."""
     try:
@@ -153,7 +155,7 @@ def _structs(text: str) -> dict[str, str]:
     """Each ``struct Name { ... };`` at the start of a line in ``text``: its body without
     comments or whitespace."""
     return {m.group(1): re.sub(r"\s+", "", re.sub(r"//[^\n]*", "", m.group(2)))
-            for m in re.finditer(r"^struct (\w+) \{\n(.*?)^\};", text, re.M | re.S)}  # fmt: skip
+            for m in re.finditer(r"^struct (\w+) \{[^\n]*\n(.*?)^\};", text, re.M | re.S)}  # fmt: skip
 
 
 def expression(name: str, *targs: object) -> str:

@@ -38,6 +38,7 @@ def test_a_source_of_other_layouts_is_refused(monkeypatch: pytest.MonkeyPatch, t
     body = ours[start : ours.index("};", start) + 2]
     same = tmp_path / "same.cu"
     same.write_text(body.replace("int rows[", "int   rows[").replace("{", "{  // a comment", 1) + "\n")
+    assert "BellSpaces" in cuda_kernels._structs(same.read_text())  # (read, not passed over)
     monkeypatch.setenv("KALOS_KERNEL_SOURCE", str(same))
     assert cuda_kernels.source() == same.read_text()
     lines = body.splitlines()
