@@ -1,7 +1,7 @@
 """What a namespace and a filter cost a batch-1 recall, through the client and a real sidecar.
 
     python -P benchmarks/scoped_recall.py [--device cpu|cuda] [--rows 100000] [--dim 768]
-        [--calls 3000] [--rounds 3] [--out DIR]
+        [--calls 3000] [--rounds 3] [--batch 1] [--out DIR]
 
 The adapters scope their recalls: the agent memory store (``KalosMemory``) always recalls in
 its collection's namespace, usually with a filter on the user or the agent; the LangGraph
@@ -29,6 +29,10 @@ queries):
 * ``small namespace``: ``namespace="small"`` (a 201st of the rows; since session 53 the sidecar
   keeps a list of its rows: a GPU sidecar scans it as a filter's list, a CPU one no longer
   finds the namespace's rows at every recall).
+
+With ``--batch B`` above 1 each call is ``client.recall_batch`` of ``B`` queries instead (a GPU
+sidecar answers a batch with a listed filter by fused scans of up to 8 queries a launch, one
+with a mask by the GEMM over every row: ``KALOS_FILTER_LIST=0`` compares the two).
 
 Printed: each case's median over rounds of its p50 and p99 (µs), and the sidecar's phases
 (pickup / search / answer) per path from ``stats()``. ``DIR/scoped_recall.json`` holds every
@@ -85,28 +89,41 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1, help="queries a call (above 1: recall_batch)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    if a.rows < 20 or a.dim < 1 or a.calls < 1 or a.rounds < 1:
-        p.error("--rows must be at least 20; --dim, --calls and --rounds at least 1")
+    if a.rows < 20 or a.dim < 1 or a.calls < 1 or a.rounds < 1 or not 1 <= a.batch <= 1024:
+        p.error("--rows must be at least 20; --dim, --calls and --rounds at least 1; --batch 1 to 1024")
     queries = make_data(1024, a.dim, 1)
+
+    def call(c: Any, i: int, kw: dict[str, Any]) -> list[Any]:
+        """The call timed: one query's hits (``--batch 1``) or a batch's results, one list of
+        hits per query."""
+        if a.batch == 1:
+            return [c.recall(queries[i & 1023], 10, **kw)]
+        at = (i * a.batch) % (1024 - a.batch + 1)
+        return c.recall_batch(queries[at : at + a.batch], 10, **kw)
+
     dtype = None if a.device == "cpu" else "float16"
     out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(sys.argv),
-                           "rows_per_namespace": a.rows, "dim": a.dim, "device": a.device, "rounds": {}}  # fmt: skip
+                           "rows_per_namespace": a.rows, "dim": a.dim, "device": a.device, "batch": a.batch,
+                           "rounds": {}}  # fmt: skip
     sc = Sidecar(dim=a.dim, device=a.device, dtype=dtype, log_level="WARNING", startup_timeout=300)
     with sc, sc.client(timeout=30) as c:
         out["load_s"] = [round(load(c, a.rows, a.dim, 0, ns), 2) for ns in ("", "scoped")]
         out["load_s"].append(round(load(c, max(a.rows // 100, 10), a.dim, 1, "small"), 2))
         for name, kw in CASES.items():  # every case's answer checked once: its rows are in scope
-            res = c.recall(queries[0], 10, **kw)
-            assert len(res) == 10, (name, len(res))
-            for key, want in kw.get("filter", {}).items():
-                assert all(h.metadata[key] == want for h in res), name
-            assert all(h.namespace == kw.get("namespace", "") for h in res), name
+            results = call(c, 0, kw)
+            assert len(results) == a.batch, (name, len(results))
+            for res in results:
+                assert len(res) == 10, (name, len(res))
+                for key, want in kw.get("filter", {}).items():
+                    assert all(h.metadata[key] == want for h in res), name
+                assert all(h.namespace == kw.get("namespace", "") for h in res), name
         for r in range(a.rounds):
             for name, kw in CASES.items():
                 before = served(c)
-                t = time_calls(lambda i, kw=kw: c.recall(queries[i & 1023], 10, **kw), a.calls, min(200, a.calls))
+                t = time_calls(lambda i, kw=kw: call(c, i, kw), a.calls, min(200, a.calls))
                 # the recalls a GPU's resident kernel answered, warm-up included (0 on a CPU)
                 t["kernel_answered"] = served(c) - before
                 out["rounds"].setdefault(name, []).append(t)
@@ -118,7 +135,9 @@ def main() -> int:
     med = {name: {q: round(float(np.median([t[q] for t in ts])), 2) for q in ("p50_us", "p99_us")}
            for name, ts in out["rounds"].items()}  # fmt: skip
     out["median"] = med
-    print(f"{a.rows} rows x {a.dim} per namespace on {a.device} ({out['sidecar']['backend']}); {out['machine']}")
+    shape = "batch 1" if a.batch == 1 else f"recall_batch of {a.batch}"
+    backend = out["sidecar"]["backend"]
+    print(f"{a.rows} rows x {a.dim} per namespace on {a.device} ({backend}), {shape}; {out['machine']}")
     print("| case | p50 (µs) | p99 (µs) |\n|---|---|---|")
     for name, m in med.items():
         print(f"| {name} | {m['p50_us']} | {m['p99_us']} |")
