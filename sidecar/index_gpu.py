@@ -203,7 +203,8 @@ FILTER_LIST = filter_list_fraction(os.environ.get("KALOS_FILTER_LIST"))
 # 1,000-row scope): at 201,000 rows its recall through a list cost what the walk did (small
 # namespace 32.4-33.7 µs against 31.4, a 1% filter 40.6-44.6 against 42.1) and the default
 # recall 2.2 µs more; at 402,000 rows the list saved 4 and 13 µs and the default's cost read
-# 0.4. 2^18 lies between. KALOS_LIST_MIN_ROWS=0: lists at any size, as in sessions 52-53.
+# 0.4. S55-1's sweep: no gain at 151k rows, 10-15 µs for a 1% filter from 302k, 8 at 201k (S54
+# read none there). 2^18 lies between. KALOS_LIST_MIN_ROWS=0: lists at any size, as in sessions 52-53.
 LIST_MIN_ROWS_DEFAULT: Final = 1 << 18
 
 
