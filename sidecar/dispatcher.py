@@ -190,6 +190,10 @@ class Dispatcher:
         # than it serves, so they neither back its start off nor cancel a start on idle.
         self.kernel_learns = 0
         self._known_at_start: frozenset[bytes] = frozenset()  # Service.bell_known() at kernel_started
+        # Called (the server's: the header says the kernel runs) before the answer to a lone
+        # scoped recall that makes the serve loop start the kernel after this pass; see
+        # _starts_after.
+        self.on_start_due: Callable[[], None] | None = None
         # slot -> when its last batched recall was picked up (see _queue_behind), or boarded the carousel
         self._seen: dict[int, int] = {}
         self.crowd_min = CAROUSEL_MIN
@@ -243,6 +247,11 @@ class Dispatcher:
                                     np.uint64).reshape(-1, 3)  # fmt: skip
 
     # ------------------------------------------------------------------ main entry
+    def requests_waiting(self) -> bool:
+        """Whether a slot holds a REQUEST (a DOORBELL aside: the resident kernel takes those
+        once it starts)."""
+        return bool(np.count_nonzero(self.states == SlotState.REQUEST))
+
     def waiting(self) -> np.ndarray:
         """Slots with a request for us: REQUEST, and DOORBELL while no resident kernel runs
         (once the index has ever offered one: clients send DOORBELL only then)."""
@@ -285,6 +294,17 @@ class Dispatcher:
         if bell:  # (a DOORBELL the stopped kernel left: the client rang it as one it takes)
             return self.lone + 1
         return self.lone if req.op in _HOST_ONLY else 0
+
+    def _starts_after(self) -> bool:
+        """Whether the scoped recall :meth:`_one` answers now completes the lone recalls that
+        start the resident kernel after this pass (the serve loop's ``lone_enough``, then
+        ``Server._resume_doorbell_if_idle``). Its answer must then follow the header's "runs",
+        as the default namespace's last lone recall's does: answered first, its client's next
+        recall read the kernel stopped and came a few µs after the start as a REQUEST of a
+        scope the kernel serves, a decline that doubled the back-off; each later start met the
+        same race, and a new scope went unanswered by the kernel for thousands of back-to-back
+        recalls (S55-1: 0 of 2,200 in most first rounds of ``scoped_recall.py``)."""
+        return bool(self.lone) and self.lone_enough(LONE_RECALLS) and self.service.doorbell_useful()
 
     def kernel_started(self) -> None:
         """The serve loop has (re)started the resident kernel: its lone count starts over, and
@@ -1462,6 +1482,8 @@ class Dispatcher:
             ns, flt = decode_recall_args(args)
             spec = self._spec(i, req)
             kk = svc.recall_slots([spec], req.top_k, ns, flt, key=args)
+            if self.on_start_due is not None and self._starts_after():
+                self.on_start_due()
             if not self._answer1(i, req, spec, kk, t0):
                 self._write_hits(i, req, spec, kk, req.flags, t0)
         elif op == Op.UPSERT:

@@ -357,6 +357,7 @@ class Server:
                      "sidecar's Python", k)  # fmt: skip
         self.dispatcher = Dispatcher(seg.mm, lay, self.resp_sems, self.service, self.stats,
                                      max_batch=cfg.max_batch, describe=self.describe)  # fmt: skip
+        self.dispatcher.on_start_due = lambda: self._publish_doorbell(True)  # (see _resume_doorbell_if_idle)
         if PROFILE:  # (diagnostics; one profile across re-publications)
             if self._profile is None:
                 import cProfile
@@ -675,10 +676,14 @@ class Server:
         answered: that client's next recall, ~20 us later, must find it so and ring the
         kernel. Said after, that recall often came as a REQUEST, which stopped the kernel
         again, four lone recalls later the same (S5-9: 52 of 300 back-to-back recalls answered
-        by the kernel in one run, 268-296 in others)."""
+        by the kernel in one run, 268-296 in others). A lone scoped recall is answered within
+        the pass, so the dispatcher says it before that answer (``on_start_due``); that
+        client's next recall may then be a DOORBELL waiting here, which the kernel takes once
+        it starts: only a REQUEST waiting puts the start off (and the header back)."""
         d = self.dispatcher
         assert d is not None and self.service is not None
-        if d.waiting().size or not self.service.doorbell_useful():
+        if d.requests_waiting() or not self.service.doorbell_useful():
+            self._publish_doorbell()  # (as it is: a "runs" said before a scoped answer taken back)
             return
         self._bell_rearm = self._bell_wanted = False
         try:

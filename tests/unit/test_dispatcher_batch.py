@@ -1630,6 +1630,56 @@ def test_declines_while_the_kernels_table_fills_up_do_not_back_off(monkeypatch) 
     assert len(svc._bell_seen) == 64 and svc.bell_recent(0) == 64
 
 
+def test_the_lone_scoped_recall_that_starts_the_kernel_is_answered_after_the_header_says_it_runs(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """A lone scoped recall is answered within its pass; the serve loop starts the kernel after
+    the pass. The recall that completes the lone count must find ``on_start_due`` called (the
+    server's: the header says the kernel runs) *before* its answer is written, or its client's
+    next recall reads the kernel stopped and comes as a REQUEST just after the start: a decline
+    of a scope the kernel serves, which doubled the back-off at every start (S55-1: a new scope
+    unanswered by the kernel for 2,200 back-to-back recalls). Controls: the recalls before it
+    do not call the hook; nor does any recall while the start is backed off further, nor with
+    no kernel to start (``doorbell_k`` 0)."""
+    import kalos_retrievers.sidecar.dispatcher as dmod
+
+    k, dim = 3, 5
+    lay, mm, svc, d, _, clock = _scoped_bell_rig(monkeypatch, dim)
+    idx = svc.index
+    off, seq = lay.slot_offset(0), 0
+    calls: list[tuple[int, int, int]] = []  # (the recall's seq, its slot's state, the seq answered) at the hook
+    d.on_start_due = lambda: calls.append((seq, int(d.states[0]), Response.unpack(mm[off : off + CTL_SIZE]).seq))
+
+    def ask() -> None:
+        nonlocal seq
+        seq += 1
+        _write_scoped_recall(mm, lay, 0, seq, k, dim, "mem", b'{"user":"u1"}', SlotState.REQUEST)
+        idx.doorbell_running = False  # type: ignore[misc]  # (stopped: the recalls are the sidecar's)
+        assert d.poll() == 1
+        d.settle()
+        assert Response.unpack(mm[off : off + CTL_SIZE]).seq == seq and d.states[0] == SlotState.RESPONSE
+
+    d.kernel_started()
+    while not d.lone_enough(dmod.LONE_RECALLS):
+        ask()
+        assert seq <= dmod.LONE_RECALLS + 1, "lone recalls of a noted scope never started the kernel"
+    # the hook came once, at the recall that made lone_enough hold, its slot still BUSY and the
+    # previous recall's answer the last written
+    assert calls == [(seq, SlotState.BUSY, seq - 1)], calls
+    ask()  # (lone_enough still holds: the serve loop would have started the kernel already)
+    assert len(calls) == 2
+    calls.clear()
+    d.lone, d._lone_need, d._declined_ns = 0, dmod.BELL_BACKOFF_MAX, clock["ns"]  # backed off to the most
+    for _ in range(2 * dmod.LONE_RECALLS):
+        ask()
+    assert calls == [] and not d.lone_enough(dmod.LONE_RECALLS)
+    d._lone_need = 0
+    idx.doorbell_k = 0  # type: ignore[misc]  # no kernel to start
+    d.lone = dmod.LONE_RECALLS
+    ask()
+    assert calls == []
+
+
 def test_declines_of_scopes_the_kernel_could_not_serve_back_off(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The negative controls of Dispatcher._learned for scopes the kernel's table could never
     hold: args longer than ``doorbell_args`` (never rung, never noted), a filter where the

@@ -54,12 +54,16 @@ class _Service:
 
 
 class _Dispatcher:
-    def __init__(self, mm: mmap.mmap, waiting: int = 0) -> None:
-        self.mm, self.n_waiting, self.lone = mm, waiting, 5
+    def __init__(self, mm: mmap.mmap, waiting: int = 0, doorbells: int = 0) -> None:
+        # waiting: REQUESTs; doorbells: DOORBELLs (rung after the header said the kernel runs)
+        self.mm, self.n_waiting, self.n_doorbells, self.lone = mm, waiting, doorbells, 5
         self.header_at_settle: int | None = None
 
     def waiting(self) -> np.ndarray:
-        return np.zeros(self.n_waiting, np.intp)
+        return np.zeros(self.n_waiting + self.n_doorbells, np.intp)
+
+    def requests_waiting(self) -> bool:
+        return bool(self.n_waiting)
 
     def settle(self) -> int:
         self.header_at_settle = struct.unpack_from("<I", self.mm, K)[0]
@@ -74,11 +78,12 @@ class _Seg:
         self.mm = mm
 
 
-def server(index: _Index, waiting: int = 0, rows: bool = True) -> tuple[Any, _Dispatcher, mmap.mmap]:
+def server(index: _Index, waiting: int = 0, rows: bool = True,
+           doorbells: int = 0) -> tuple[Any, _Dispatcher, mmap.mmap]:  # fmt: skip
     mm = mmap.mmap(-1, 4096)
     srv: Any = Server.__new__(Server)  # only what _resume_doorbell_if_idle touches
     srv.seg, srv.service = _Seg(mm), _Service(index, rows)
-    srv.dispatcher = d = _Dispatcher(mm, waiting)
+    srv.dispatcher = d = _Dispatcher(mm, waiting, doorbells)
     srv._bell_idle = (0, 0)
     return srv, d, mm
 
@@ -101,12 +106,28 @@ def test_clients_are_told_it_runs_before_the_last_lone_recall_is_answered() -> N
 
 
 def test_no_start_while_a_request_waits() -> None:
-    """Negative control: a request waiting is served first (it may stop the kernel anyway)."""
+    """Negative control: a request waiting is served first (it may stop the kernel anyway),
+    and a "runs" said before a lone scoped recall's answer (Dispatcher.on_start_due) is taken
+    back: the header says the kernel is stopped."""
     index = _Index()
-    srv, d, mm = server(index, waiting=1)
+    srv, d, mm = server(index, waiting=1, doorbells=1)
+    srv._publish_doorbell(True)  # (the dispatcher's on_start_due)
+    assert on(mm) == 1024
     srv._resume_doorbell_if_idle()
-    assert d.header_at_settle is None and not index.doorbell_running
-    assert struct.unpack_from("<II", mm, K) == (0, 0)  # nothing published at all
+    assert d.header_at_settle is None and not index.doorbell_running and on(mm) == 0
+
+
+def test_a_doorbell_rung_after_the_header_said_it_runs_does_not_put_the_start_off() -> None:
+    """The lone scoped recall that completes the lone count is answered after the header says
+    the kernel runs (Dispatcher.on_start_due), so its client's next recall may already wait as
+    a DOORBELL when the serve loop starts the kernel: the kernel takes it once it runs. Put
+    off, the client's recall would be the sidecar's and the header would say "runs" with no
+    kernel (S55-1). Control: test_no_start_while_a_request_waits."""
+    index = _Index()
+    srv, d, mm = server(index, doorbells=1)
+    srv._publish_doorbell(True)
+    srv._resume_doorbell_if_idle()
+    assert d.header_at_settle == 1024 and index.doorbell_running and on(mm) == 1024 and d.lone == 0
 
 
 def test_no_start_over_an_empty_default_namespace() -> None:
