@@ -304,7 +304,7 @@ class Dispatcher:
         scope the kernel serves, a decline that doubled the back-off; each later start met the
         same race, and a new scope went unanswered by the kernel for thousands of back-to-back
         recalls (S55-1: 0 of 2,200 in most first rounds of ``scoped_recall.py``)."""
-        return bool(self.lone) and self.lone_enough(LONE_RECALLS) and self.service.doorbell_useful()
+        return self.lone_enough(LONE_RECALLS) and self.service.doorbell_useful()
 
     def kernel_started(self) -> None:
         """The serve loop has (re)started the resident kernel: its lone count starts over, and

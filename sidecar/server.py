@@ -601,6 +601,9 @@ class Server:
                     self._fatal_device(e)
                 except Exception:
                     log.exception("answering the requests the failed pass left failed")
+                # the header as it is: the pass may have said the kernel runs before a start that
+                # now does not come (Dispatcher.on_start_due)
+                self._publish_doorbell()
             if worked:
                 # (outside the try above: a fatal device error here must end the loop)
                 self._after_pass(d, was_running and not idx.doorbell_running, declines, lone)

@@ -1639,8 +1639,8 @@ def test_the_lone_scoped_recall_that_starts_the_kernel_is_answered_after_the_hea
     next recall reads the kernel stopped and comes as a REQUEST just after the start: a decline
     of a scope the kernel serves, which doubled the back-off at every start (S55-1: a new scope
     unanswered by the kernel for 2,200 back-to-back recalls). Controls: the recalls before it
-    do not call the hook; nor does any recall while the start is backed off further, nor with
-    no kernel to start (``doorbell_k`` 0)."""
+    do not call the hook; nor does any recall while the start is backed off further, nor where
+    a start would answer nothing (``Service.doorbell_useful`` false)."""
     import kalos_retrievers.sidecar.dispatcher as dmod
 
     k, dim = 3, 5
@@ -1674,10 +1674,12 @@ def test_the_lone_scoped_recall_that_starts_the_kernel_is_answered_after_the_hea
         ask()
     assert calls == [] and not d.lone_enough(dmod.LONE_RECALLS)
     d._lone_need = 0
-    idx.doorbell_k = 0  # type: ignore[misc]  # no kernel to start
-    d.lone = dmod.LONE_RECALLS
     ask()
-    assert calls == []
+    assert len(calls) == 1 and d.lone_enough(dmod.LONE_RECALLS)  # (the back-off over: the hook again)
+    calls.clear()
+    monkeypatch.setattr(svc, "doorbell_useful", lambda: False)  # a start would answer nothing
+    ask()
+    assert calls == [] and d.lone_enough(dmod.LONE_RECALLS)
 
 
 def test_declines_of_scopes_the_kernel_could_not_serve_back_off(monkeypatch) -> None:  # type: ignore[no-untyped-def]

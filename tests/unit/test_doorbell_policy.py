@@ -130,6 +130,27 @@ def test_a_doorbell_rung_after_the_header_said_it_runs_does_not_put_the_start_of
     assert d.header_at_settle == 1024 and index.doorbell_running and on(mm) == 1024 and d.lone == 0
 
 
+def test_the_server_has_the_dispatcher_say_the_kernel_runs_before_a_start_due() -> None:
+    """The wiring of Dispatcher.on_start_due (the test above and test_dispatcher_batch.py's
+    give each side alone): a started Server's dispatcher, asked, sets the header's doorbell_k,
+    and the server's next publication puts it back as the index is (stopped)."""
+    from conftest import unique_name
+    from kalos_retrievers.sidecar.server import ServeConfig
+
+    srv = Server(ServeConfig(name=unique_name("due"), dim=3, metric="ip", device="cpu", slots=2))
+    srv.start()
+    try:
+        srv.service.index.doorbell_k = 16  # a resident kernel's k, as a GpuIndex offers one (stopped)
+        srv._publish_doorbell()
+        assert struct.unpack_from("<II", srv.seg.mm, K) == (0, 16)
+        srv.dispatcher.on_start_due()
+        assert struct.unpack_from("<II", srv.seg.mm, K) == (16, 16)
+        srv._publish_doorbell()
+        assert struct.unpack_from("<II", srv.seg.mm, K) == (0, 16)
+    finally:
+        srv.close()
+
+
 def test_no_start_over_an_empty_default_namespace() -> None:
     """The kernel would hand every recall back (a round trip each): not started."""
     index = _Index()

@@ -16,7 +16,8 @@ start on idle otherwise starts the kernel first and hides the race):
     KALOS_BELL_REARM_MS=0 python -P docs/bench-results/2026-12-06-s55/scope-race/repro.py
         [--calls 2000] [--rounds 2] [--rows 3000] [--patch none|nofix]
 ``--patch nofix``: the negative control, the header's "runs" before the lone scoped answer
-switched off (Dispatcher._starts_after always False), as before 251b765.
+switched off (Dispatcher._starts_after always False; the server's side of 251b765 kept: a
+DOORBELL waiting does not put a start off).
 Written by session 55's review helper (there with the fix as a monkeypatch, since made).
 """
 
