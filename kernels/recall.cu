@@ -2604,9 +2604,9 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
 // The GEMM path's threshold top-k: three small kernels over the scores matrix instead of
 // per-block candidate buffers (which cost ~700 us for 64 queries x 1M rows in topk_scores).
 //
-//   tau_scores     one block per query: the k-th best eligible score among the first S
-//                  columns (radix select). No row outside the answer can beat it, so it is a
-//                  safe threshold (-inf when the sample holds fewer than k eligible rows).
+//   tau_scores     one block per query: the k-th best eligible score among S sampled rows
+//                  (radix select). No row outside the answer can beat it, so it is a safe
+//                  threshold (-inf when the sample holds fewer than k eligible rows).
 //   filter_scores  streams the matrix once; appends each eligible (score >= tau, ties kept)
 //                  to the query's candidate list (at most `cap`; the count keeps counting).
 //   select_cands   one block per query: finds its k-th candidate by radix select, sorts only
@@ -2614,6 +2614,23 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
 //                  list that overflowed sets *overflow and writes nothing: the host then runs
 //                  topk_scores for that batch.
 // Choosing S so that k * n / S is about cap / 4 leaves the expected list well inside cap.
+
+// The threshold's sample: S rows (S a power of two) as runs of SPREAD_RUN consecutive rows
+// spread evenly over the n rows, where it was the first S rows until session 56. Any eligible
+// rows give a safe threshold; the spread ones give a useful one where the scope is not spread
+// evenly by row: a namespace written after another (the first S rows were all the other's, so
+// tau was -inf, every one of its rows a candidate, the list overflowed and the batch took the
+// exact path: 7.6 ms for 64 queries in half of 1M rows against 0.92 ms unscoped, S56-2). Each
+// run is whole in one of mma_filter's warp tiles (16 * MT rows), so its dump of the sample
+// reads rows as contiguously as before. Sample index i is row i when S >= n.
+#ifndef KALOS_MMA_MT
+#define KALOS_MMA_MT 0  // m16 tiles per mma_filter warp tile; 0: per NT (mma_filter's variants, below)
+#endif
+#define SPREAD_RUN (KALOS_MMA_MT > 2 ? 16 * KALOS_MMA_MT : 32)
+__device__ __forceinline__ int spread_gap(int S, int n) {  // rows from one run's start to the next's
+    return S >= n ? SPREAD_RUN : SPREAD_RUN * (n / S);       // (S / RUN runs of RUN * (n / S) < n rows)
+}
+__device__ __forceinline__ int spread_row(int i, int gap) { return (i / SPREAD_RUN) * gap + i % SPREAD_RUN; }
 
 template <int METRIC>
 __device__ __forceinline__ bool score_at(const float* srow, int col, int n, const int* ns, int my_ns,
@@ -2626,12 +2643,14 @@ __device__ __forceinline__ bool score_at(const float* srow, int col, int n, cons
     return true;
 }
 
-// grid (n_queries), block KALOS_BLOCK, dynamic smem: S * 8 bytes (S a power of two)
+// grid (n_queries), block KALOS_BLOCK, dynamic smem: S * 8 bytes (S a power of two).
+// dumped: scores holds the sample's S scores per query (mma_filter's dump, by sample index),
+// else a score per row (the cuBLAS path's matrix).
 template <int METRIC>
 __global__ void __launch_bounds__(KALOS_BLOCK)
 tau_scores(const float* __restrict__ scores, int sld, const int* __restrict__ ns,
            const float* __restrict__ sqnorm, const Params* __restrict__ p, int S,
-           float* __restrict__ tau) {
+           float* __restrict__ tau, int dumped) {
     extern __shared__ float smem[];
     float* key = smem;
     const int q = blockIdx.x, k = p->k, n = p->n_rows;
@@ -2640,9 +2659,12 @@ tau_scores(const float* __restrict__ scores, int sld, const int* __restrict__ ns
     if (threadIdx.x == 0) s_elig = 0;
     __syncthreads();
     int mine = 0;
+    const int gap = spread_gap(S, n);
     for (int i = threadIdx.x; i < S; i += blockDim.x) {
+        const int row = spread_row(i, gap);
         float v;
-        bool ok = score_at<METRIC>(srow, i, n, ns, p->ns_id, p->mask, sqnorm, p->qnorm2[q], &v);
+        bool ok = score_at<METRIC>(srow + (dumped ? i - row : 0), row, n, ns, p->ns_id, p->mask, sqnorm,
+                                   p->qnorm2[q], &v);
         key[i] = ok ? v : neg_inf();
         mine += ok;
     }
@@ -2762,8 +2784,9 @@ select_cands(const float* __restrict__ ck, const int* __restrict__ cv, int* __re
 //   grid (G), block KALOS_BLOCK; dynamic shared memory: 8 * NT * lds halves (the queries).
 //
 // nrows < 0: rows [0, p->n_rows) (prep's count, so one captured graph serves any count). With
-// dump != nullptr it scores rows [0, nrows) and writes the raw dot products to
-// dump[q * dump_ld + row] instead: the sample tau_scores takes the thresholds from.
+// dump != nullptr it scores the sample of nrows rows (spread_row over p->n_rows, whole warp
+// tiles) and writes the raw dot products to dump[q * dump_ld + i] for sample index i instead:
+// the sample tau_scores takes the thresholds from.
 //
 // Layout. Each warp takes tiles of 16 * MT rows in a grid stride. Lane (g = lane / 4,
 // t = lane % 4) loads 16 bytes (8 halves) of rows g, g+8 (and g+16, g+24) at column
@@ -2784,9 +2807,6 @@ select_cands(const float* __restrict__ ck, const int* __restrict__ cv, int* __re
 #ifndef KALOS_MMA_STEPS
 #define KALOS_MMA_STEPS 2
 #endif
-#ifndef KALOS_MMA_MT
-#define KALOS_MMA_MT 0  // 0: per NT, as below
-#endif
 #ifndef KALOS_MMA_MINB
 #define KALOS_MMA_MINB 2
 #endif
@@ -2806,7 +2826,7 @@ __device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, uns
 #endif
 }
 
-template <int NT, int METRIC>
+template <int NT, int METRIC, bool DUMP = false>
 __global__ void __launch_bounds__(KALOS_BLOCK, KALOS_MMA_MINB)
 mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const int* __restrict__ ns,
            const float* __restrict__ sqnorm, const Params* __restrict__ p, const __half* __restrict__ qh,
@@ -2838,6 +2858,10 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
     // against 551 / 562 with one); one tile won for 8 / 16 queries (381 / 390 against 391 /
     // 403 us) and for 64 (590 against 632).
     constexpr int MT = KALOS_MMA_MT ? KALOS_MMA_MT : (NT == 4 ? 2 : 1), H = 2 * MT;
+    static_assert(SPREAD_RUN % (16 * MT) == 0, "a warp tile of the sample must lie in one run");
+    // DUMP: the sample's runs spread over prep's rows (a build of its own: the spread's
+    // arithmetic in the pass took NT 2's registers from 64 to 68-74, a block per SM fewer)
+    const int gap = DUMP ? spread_gap(nrows, p->n_rows) : SPREAD_RUN;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int wpb = blockDim.x / 32;
     const int tiles = (nrows + 16 * MT - 1) / (16 * MT);
@@ -2845,10 +2869,11 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
     const uint4* rows16 = reinterpret_cast<const uint4*>(data);
     for (int tile = blockIdx.x * wpb + warp; tile < tiles; tile += gridDim.x * wpb) {
         const int r0 = tile * 16 * MT;
+        const int s0 = DUMP ? spread_row(r0, gap) : r0;  // the tile's first row
         bool rok[H];
 #pragma unroll
         for (int h = 0; h < H; h++) rok[h] = r0 + g + 8 * h < nrows;
-        const uint4* rp = rows16 + (size_t)(r0 + g) * cpr;  // row g of the tile; row g + 8h at + 8h * cpr
+        const uint4* rp = rows16 + (size_t)(s0 + g) * cpr;  // row g of the tile; row g + 8h at + 8h * cpr
         float acc[MT][NT][4];
 #pragma unroll
         for (int m = 0; m < MT; m++)
@@ -3747,11 +3772,12 @@ BELL(__half, 4, 0, false) BELL(signed char, 2, 0, false) BELL(signed char, 2, 2,
 BELL(__half, 4, 0, true) BELL(signed char, 2, 0, true) BELL(signed char, 2, 2, true) BELL(float, 8, 1, true)
 template __global__ void prep_queries<0>(const Desc*, Params*, float*, __half*, signed char*, int, int, const float*, int*, float*);
 template __global__ void topk_scores<0>(const float*, int, const int*, const float*, const float*, const Params*, int, float*, int*, unsigned int*);
-template __global__ void tau_scores<0>(const float*, int, const int*, const float*, const Params*, int, float*);
+template __global__ void tau_scores<0>(const float*, int, const int*, const float*, const Params*, int, float*, int);
 template __global__ void filter_scores<0>(const float*, int, const int*, const float*, const Params*, const float*, float*, int*, int*, int);
 template __global__ void select_cands<0>(const float*, const int*, int*, int, const Params*, int*);
 #define MMA(NT, M) template __global__ void mma_filter<NT, M>(const __half*, int, int, int, const int*, const float*, const Params*, const __half*, const float*, float*, int*, int*, int, float*, int);
-MMA(2, 0) MMA(4, 1) MMA(8, 2)
+#define MMA_DUMP(NT, M) template __global__ void mma_filter<NT, M, true>(const __half*, int, int, int, const int*, const float*, const Params*, const __half*, const float*, float*, int*, int*, int, float*, int);
+MMA(2, 0) MMA(4, 1) MMA(8, 2) MMA_DUMP(2, 0) MMA_DUMP(4, 1) MMA_DUMP(8, 2)
 #define CAROUSEL(NT, M) template __global__ void carousel_topk<NT, M>(const __half*, int, int, int, const int*, const float*, int, u64, int, int, int, int, int, unsigned int*, unsigned int*, int*, __half*, u64*, u64*);
 CAROUSEL(4, 0) CAROUSEL(4, 1) CAROUSEL(4, 2)
 template __global__ void set_rows<__half>(const float*, const long long*, int, int, int, __half*, float*, float*);

@@ -478,10 +478,17 @@ def _poisson_below(lam: float, k: int) -> float:
 
 @functools.lru_cache(maxsize=256)  # asked two or three times per batch, with few distinct (k, high)
 def tau_sample(k: int, high: int) -> int | None:
-    """How many rows (a power of two, from row 0) give a query's threshold for the threshold
-    top-k: its k-th best score among them (tau_scores); every row scoring at least that is a
-    candidate, and a list of more than CAND_CAP candidates overflows into the exact fallback.
-    None: more rows than tau_scores' shared memory holds (large k on many rows).
+    """How many rows (a power of two) give a query's threshold for the threshold top-k: its
+    k-th best eligible score among them (tau_scores); every eligible row scoring at least that
+    is a candidate, and a list of more than CAND_CAP candidates overflows into the exact
+    fallback. None: more rows than tau_scores' shared memory holds (large k on many rows).
+
+    The S rows are runs of 32 spread evenly over the ``high`` rows (kernels/recall.cu,
+    ``spread_row``), so a scope of a share f of the rows, wherever it lies, has about f * S of
+    them, its threshold the k-th best of those and about k * high / S candidates, as unscoped.
+    Until session 56 they were the first S rows: a namespace written after another had none
+    of them, its threshold -inf, and every one of its rows a candidate; past CAND_CAP the batch
+    took the exact path (S56-2: 64 queries in half of 1M rows 7.6 ms, unscoped 0.92).
 
     With the rows in no order related to the query (other orders only cost the fallback's
     time), the share of rows reaching the k-th best of S sampled rows is above p exactly when
@@ -799,7 +806,8 @@ class GpuIndex(Index):
                   for qb in (1, 2, 4, 8)]  # fmt: skip
         exprs += [kernels.expression("doorbell_topk", t, self.tpr, m, flag) for flag in lists]
         if self.dtype == "float16":
-            exprs += [kernels.expression("mma_filter", nt, m) for nt in _MMA_NT]
+            # the pass, and the sample's dump (its spread's arithmetic in a build of its own)
+            exprs += [kernels.expression("mma_filter", nt, m, *d) for d in ((), ("true",)) for nt in _MMA_NT]
             if USE_CAROUSEL:
                 exprs.append(kernels.expression("carousel_topk", carousel.NT, m))
         try:
@@ -2042,12 +2050,13 @@ class GpuIndex(Index):
             return None
         nt = next(t for t in _MMA_NT if 8 * t >= n)
         mma = kernels.get_kernel("mma_filter", nt, self.metric)
+        dump = kernels.get_kernel("mma_filter", nt, self.metric, "true")  # the sample's scores
         smem = 8 * nt * self.lds * 2
         prep = kernels.get_kernel("prep_queries", self.metric)
         tau = kernels.get_kernel("tau_scores", self.metric)
         sel = kernels.get_kernel("select_cands", self.metric)
         sel_smem = (CAND_CAP + SELECT_GATHER) * 8
-        for kern, need in ((mma, smem), (tau, sample * 8), (sel, sel_smem)):
+        for kern, need in ((mma, smem), (dump, smem), (tau, sample * 8), (sel, sel_smem)):
             if need > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
                 kern.max_dynamic_shared_size_bytes = need
         # blocks resident per SM (registers, shared memory), every SM filled once: each warp
@@ -2069,11 +2078,12 @@ class GpuIndex(Index):
                                                            ln.qbuf_h, ln.qbuf_i8, np.int32(self.dim),
                                                            np.int32(self.ld), np.uint64(0), np.uint64(0),
                                                            np.uint64(0)))),
-            ("sample", lambda: mma((dump_grid,), (kernels.BLOCK,), (*common, np.int32(dump_rows), *rest,
-                                                                    ln.sample_buf, np.int32(sample)),
-                                   shared_mem=smem)),
+            ("sample", lambda: dump((dump_grid,), (kernels.BLOCK,), (*common, np.int32(dump_rows), *rest,
+                                                                     ln.sample_buf, np.int32(sample)),
+                                    shared_mem=smem)),
             ("tau", lambda: tau((n,), (kernels.BLOCK,), (ln.sample_buf, np.int32(sample), self.ns,
-                                                         self.sqnorm, ln.params, np.int32(sample), ln.tau),
+                                                         self.sqnorm, ln.params, np.int32(sample), ln.tau,
+                                                         np.int32(1)),
                                 shared_mem=sample * 8)),
             ("pass", lambda: mma((grid,), (kernels.BLOCK,), (*common, np.int32(-1), *rest, np.uint64(0),
                                                              np.int32(0)), shared_mem=smem)),
@@ -2174,7 +2184,7 @@ class GpuIndex(Index):
             if smem > max(48 * 1024, kern.max_dynamic_shared_size_bytes):
                 kern.max_dynamic_shared_size_bytes = smem
         tau((n,), (kernels.BLOCK,), (scores, np.int32(high), self.ns, self.sqnorm, self.params,
-                                     np.int32(sample), self.tau), shared_mem=sample * 8)  # fmt: skip
+                                     np.int32(sample), self.tau, np.int32(0)), shared_mem=sample * 8)  # fmt: skip
         self._mark("tau")
         # all queries together fill the device about 8 times over (each block one to a few
         # rounds of MERGE_UNROLL x BLOCK scores): with 2x and >= 64k scores per block the pass

@@ -156,8 +156,9 @@ def test_gemm_and_fused_paths_agree_and_are_exact(metric: str, monkeypatch: pyte
 def test_threshold_topk_overflow_falls_back_exactly(dtype: str) -> None:
     """The threshold top-k (cuBLAS for float32, mma_filter for float16) must stay exact when
     its candidate lists overflow: rows that all score the same (every row ties with the
-    sample's k-th), and a namespace that lives only past the sample (the sample holds no
-    eligible row, so the threshold is -inf)."""
+    sample's k-th); then a namespace written after them (before session 56 the sample was the
+    first rows, none of them its: the threshold -inf, the lists overflowing; the next test
+    asserts that they no longer do)."""
     rng = np.random.default_rng()
     n, dim = 40_003, 64
     same = np.tile(rng.standard_normal((1, dim)).astype(np.float32), (n, 1))
@@ -174,6 +175,38 @@ def test_threshold_topk_overflow_falls_back_exactly(dtype: str) -> None:
     tail = rng.standard_normal((20_011, dim)).astype(np.float32)
     put(svc, tail, [f"t{i}" for i in range(len(tail))], ns="tail")
     check(svc, tail, q, 10, ns="tail", id_of=lambda i: f"t{i}", atol=atol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_namespace_written_after_another_gets_a_threshold_from_the_sample(dtype: str) -> None:
+    """The threshold's sample is runs of rows spread over the index (kernels/recall.cu,
+    spread_row): a namespace written after another, and a filter in it, meet it, so their
+    batches take the threshold top-k without overflowing into the exact fallback, and stay
+    exact. Before session 56 the sample was the first S rows (256 here), all the first
+    namespace's: every batch below overflowed (S56-2 at 1M rows: 7.6 ms where 0.92 unscoped).
+    The control: the first namespace's batch, which met the sample then too."""
+    rng = np.random.default_rng()
+    dim, first, n = 97, 40_003, 20_011
+    svc = make(dim, dtype=dtype)
+    put(svc, rng.standard_normal((first, dim)).astype(np.float32))
+    tail = rng.standard_normal((n, dim)).astype(np.float32)
+    put(svc, tail, [f"t{i}" for i in range(n)], ns="tail", metas=[{"g": i % 2} for i in range(n)])
+    stored = _as_stored(tail, "cosine") if dtype == "float16" else tail
+    atol = 1e-3 if dtype == "float16" else 1e-4
+    for ns, flt, k, b in (("", None, 10, 7), ("tail", None, 10, 7), ("tail", None, 1, 16), ("tail", {"g": 1}, 10, 33)):
+        q = rng.standard_normal((b, dim)).astype(np.float32)
+        before, mma = svc.index.threshold_overflows, svc.index.mma_batches
+        rows, scores = svc.recall(q, k, ns, flt)
+        assert svc.index.threshold_overflows == before, f"{ns!r} {flt}: the candidate lists overflowed"
+        assert svc.index.mma_batches == mma + (dtype == "float16")
+        if not ns:
+            continue
+        eligible = None if flt is None else np.arange(n) % 2 == 1
+        qs = _as_stored(q, "cosine") if dtype == "float16" else q
+        ref_i, ref_s = reference_topk(stored, qs, k, "cosine" if dtype == "float32" else "ip", eligible)
+        for j in range(b):
+            got = [svc.rows.ids[r] for r in rows[j]]  # raises on an unwritten (poisoned) row
+            assert_topk_equal(got, scores[j], [f"t{i}" for i in ref_i[j]], ref_s[j], atol=atol, context=f"{ns} q{j}")
 
 
 @pytest.mark.parametrize(("metric", "dim"), [("cosine", 768), ("ip", 97), ("l2", 768), ("cosine", 3)])

@@ -25,7 +25,8 @@ START = [
     "set_rows<__half>", "move_rows<__half>", "get_rows<__half>", "fault_kernel",
     *(f"{scan}<__half, 4, {qb}, 1>" for scan in ("scan_topk", "scan_list") for qb in (1, 2, 4, 8)),
     "doorbell_topk<__half, 4, 1, false>", "doorbell_topk<__half, 4, 1, true>",
-    "mma_filter<2, 1>", "mma_filter<4, 1>", "mma_filter<8, 1>", "carousel_topk<4, 1>",
+    "mma_filter<2, 1>", "mma_filter<4, 1>", "mma_filter<8, 1>",
+    "mma_filter<2, 1, true>", "mma_filter<4, 1, true>", "mma_filter<8, 1, true>", "carousel_topk<4, 1>",
 ]  # fmt: skip
 
 

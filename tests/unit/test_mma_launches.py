@@ -23,7 +23,7 @@ SOURCE = cuda_kernels.packaged_source()
 def test_the_parameter_reader_reads_the_kernels_the_mma_path_launches() -> None:
     assert kernel_params("select_cands") == ["ptr", "ptr", "ptr", "i32", "ptr", "ptr"]
     assert len(kernel_params("mma_filter")) == 15 and kernel_params("mma_filter")[-2:] == ["ptr", "i32"]
-    assert len(kernel_params("prep_queries")) == 10 and len(kernel_params("tau_scores")) == 7
+    assert len(kernel_params("prep_queries")) == 10 and len(kernel_params("tau_scores")) == 8
 
 
 def test_the_launch_check_refuses_a_wrong_argument_list() -> None:
@@ -58,7 +58,18 @@ def test_the_mma_paths_launches_match_the_kernels(monkeypatch: pytest.MonkeyPatc
     float16 batch runs, and what a queued batch runs in its lane) against recall.cu's
     parameter lists."""
     log: list[tuple[str, tuple]] = []
-    monkeypatch.setattr(index_gpu.kernels, "get_kernel", lambda name, *t: FakeKernel(name, log))
+    builds: list[tuple] = []  # the template arguments of each launch's kernel, in order
+
+    class Build(FakeKernel):
+        def __init__(self, name: str, *targs: object) -> None:
+            super().__init__(name, log)
+            self.targs = targs
+
+        def __call__(self, *a: object, **kw: object) -> None:
+            super().__call__(*a, **kw)  # type: ignore[arg-type]
+            builds.append(self.targs)
+
+    monkeypatch.setattr(index_gpu.kernels, "get_kernel", Build)
     idx = FakeIndex(16, 5003)
     ptr = _dev(np.zeros(8, np.float32))
     lane = SimpleNamespace(desc_addr=1 << 20, params=ptr, qbuf=ptr, qbuf_h=ptr, qbuf_i8=ptr, tau=ptr, cand_k=ptr,
@@ -69,9 +80,12 @@ def test_the_mma_paths_launches_match_the_kernels(monkeypatch: pytest.MonkeyPatc
     for _, launch in launches:
         launch()
     assert [name for name, _ in log] == ["prep_queries", "mma_filter", "tau_scores", "mma_filter", "select_cands"]
-    sample, pas = log[1][1], log[3][1]
+    sample, tau, pas = log[1][1], log[2][1], log[3][1]
     assert int(sample[3]) == 1024 and int(pas[3]) == -1  # the sample's rows; the pass: prep's row count
     assert isinstance(sample[13], DevArray) and pas[13] == np.uint64(0)  # only the sample dumps scores
+    assert int(tau[1]) == 1024 and int(tau[-1]) == 1  # tau reads the dump by sample index
+    # the sample through the dump's build (its rows spread over the index), the pass through the plain one
+    assert builds == [(0,), (2, 0, "true"), (0,), (2, 0), (0,)]
 
 
 def test_one_query_slots_lay_out_aligned_slots_in_a_registered_map() -> None:
