@@ -9,7 +9,7 @@ source .device/gpu-env.sh >/dev/null || exit 1
 if grep -q H200 $L/smi.txt; then  # the table first: the spread sample's own tests, then c27.sh (the table at HEAD)
   timeout 120 python -P -m pytest -m gpu -v -p no:cacheprovider --timeout 100 tests/gpu/test_gpu_index.py -k "namespace_written or threshold_topk or mma_path" > $L/index.txt 2>&1; echo "rc=$?" >> $L/index.txt
   echo "index (spread): passed $(grep -c ' PASSED' $L/index.txt), failed $(grep -c ' FAILED\| ERROR' $L/index.txt)"; grep -E "^E " $L/index.txt | head -8; pack
-  LIM=$(left) bash .device/c27.sh; pack; rm -rf $L; exit
+  LIM=$(left) bash .device/c27.sh; (cd $OUT && tar czf logs.tgz logs && rm -rf logs); pack; rm -rf $L; exit
 fi
 t=$(left); timeout $(( t - 170 )) python -P -m pytest -m gpu -v -p no:cacheprovider --timeout 200 tests/gpu/test_gpu_index.py > $L/index.txt 2>&1; echo "rc=$?" >> $L/index.txt
 echo "index: passed $(grep -c ' PASSED' $L/index.txt), failed $(grep -c ' FAILED\| ERROR' $L/index.txt)"; grep -E " (FAILED|ERROR)" $L/index.txt | head; grep -E "^E " $L/index.txt | head -12; tail -1 $L/index.txt; pack
