@@ -117,7 +117,7 @@ def main() -> int:
         from kalos_retrievers.sidecar import cuda_kernels as kern
         from kalos_retrievers.sidecar.index_gpu import _MMA_NT
 
-        fns = [kern.get_kernel("mma_filter", nt, idx.metric) for nt in _MMA_NT]
+        fns = [kern.get_kernel("mma_filter", nt, idx.metric, *d) for d in ((), ("true",)) for nt in _MMA_NT]
         fns += [kern.get_kernel(name, idx.metric) for name in ("prep_queries", "tau_scores", "select_cands")]
         try:
             for f in fns:

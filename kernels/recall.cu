@@ -2615,22 +2615,39 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
 //                  topk_scores for that batch.
 // Choosing S so that k * n / S is about cap / 4 leaves the expected list well inside cap.
 
-// The threshold's sample: S rows (S a power of two) as runs of SPREAD_RUN consecutive rows
-// spread evenly over the n rows, where it was the first S rows until session 56. Any eligible
-// rows give a safe threshold; the spread ones give a useful one where the scope is not spread
-// evenly by row: a namespace written after another (the first S rows were all the other's, so
-// tau was -inf, every one of its rows a candidate, the list overflowed and the batch took the
-// exact path: 7.6 ms for 64 queries in half of 1M rows against 0.92 ms unscoped, S56-2). Each
-// run is whole in one of mma_filter's warp tiles (16 * MT rows), so its dump of the sample
-// reads rows as contiguously as before. Sample index i is row i when S >= n.
+// The threshold's sample: S rows (S a power of two) as S / SPREAD_RUN runs of SPREAD_RUN
+// consecutive rows spread over the n rows, where it was the first S rows until session 56.
+// Any eligible rows give a safe threshold; spread ones give a useful one where a scope is not
+// spread evenly by row: a namespace written after another (the first S rows were all the
+// other's, so tau was -inf, every one of its rows a candidate, the list overflowed and the
+// batch took the exact path: 7.6 ms for 64 queries in half of 1M rows against 0.92 ms
+// unscoped, S56-2). The rows' whole runs of SPREAD_RUN ("chunks") are cut into S / SPREAD_RUN
+// strata, the last ending at the last whole chunk, and run j is a chunk of stratum j picked
+// by a hash of j: evenly spaced runs would all fall in one of two namespaces written in turn
+// in blocks of 32 or 64 rows. Each of mma_filter's warp tiles (16 * MT rows) lies in one run,
+// so its dump of the sample reads rows as contiguously as before. Sample index i is row i
+// when S >= n, or S < SPREAD_RUN (the host's samples are at least 1,024 rows or all of them).
+// tests/unit/test_spread_sample.py compiles the lines between the markers on the host.
+// spread: begin
 #ifndef KALOS_MMA_MT
 #define KALOS_MMA_MT 0  // m16 tiles per mma_filter warp tile; 0: per NT (mma_filter's variants, below)
 #endif
 #define SPREAD_RUN (KALOS_MMA_MT > 2 ? 16 * KALOS_MMA_MT : 32)
-__device__ __forceinline__ int spread_gap(int S, int n) {  // rows from one run's start to the next's
-    return S >= n ? SPREAD_RUN : SPREAD_RUN * (n / S);       // (S / RUN runs of RUN * (n / S) < n rows)
+// The first row of run j of the S-row sample of n rows (SPREAD_RUN <= S < n; 32-bit exact:
+// with chunks = q * runs + r, j * chunks / runs = j * q + j * r / runs, j and r below runs).
+__host__ __device__ __forceinline__ int spread_start(int j, int S, int n) {
+    const int runs = S / SPREAD_RUN, chunks = n / SPREAD_RUN;  // chunks >= runs
+    const int q = chunks / runs, r = chunks % runs;
+    const int lo = j * q + j * r / runs, hi = (j + 1) * q + (j + 1) * r / runs;  // stratum j: [lo, hi)
+    const unsigned h = (unsigned)j * 2654435761u;  // Knuth's multiplicative hash
+    return (lo + (int)((h >> 7) % (unsigned)(hi - lo))) * SPREAD_RUN;
 }
-__device__ __forceinline__ int spread_row(int i, int gap) { return (i / SPREAD_RUN) * gap + i % SPREAD_RUN; }
+__host__ __device__ __forceinline__ bool spread(int S, int n) { return S < n && S >= SPREAD_RUN; }
+__host__ __device__ __forceinline__ int spread_row(int i, int S, int n) {
+    return spread(S, n) ? spread_start(i / SPREAD_RUN, S, n) + i % SPREAD_RUN : i;
+}
+// spread: end
+#define SPREAD_RUNS_MAX 512  // tau_scores' table of run starts (TAU_SAMPLE_MAX / 32 in sidecar/index_gpu.py)
 
 template <int METRIC>
 __device__ __forceinline__ bool score_at(const float* srow, int col, int n, const int* ns, int my_ns,
@@ -2659,9 +2676,14 @@ tau_scores(const float* __restrict__ scores, int sld, const int* __restrict__ ns
     if (threadIdx.x == 0) s_elig = 0;
     __syncthreads();
     int mine = 0;
-    const int gap = spread_gap(S, n);
+    // the runs' first rows, once per block (a few integer divisions each)
+    __shared__ int s_start[SPREAD_RUNS_MAX];
+    const bool spread_ = spread(S, n), table = S / SPREAD_RUN <= SPREAD_RUNS_MAX;
+    if (spread_ && table)
+        for (int j = threadIdx.x; j < S / SPREAD_RUN; j += blockDim.x) s_start[j] = spread_start(j, S, n);
+    __syncthreads();
     for (int i = threadIdx.x; i < S; i += blockDim.x) {
-        const int row = spread_row(i, gap);
+        const int row = !spread_ ? i : table ? s_start[i / SPREAD_RUN] + i % SPREAD_RUN : spread_row(i, S, n);
         float v;
         bool ok = score_at<METRIC>(srow + (dumped ? i - row : 0), row, n, ns, p->ns_id, p->mask, sqnorm,
                                    p->qnorm2[q], &v);
@@ -2861,7 +2883,7 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
     static_assert(SPREAD_RUN % (16 * MT) == 0, "a warp tile of the sample must lie in one run");
     // DUMP: the sample's runs spread over prep's rows (a build of its own: the spread's
     // arithmetic in the pass took NT 2's registers from 64 to 68-74, a block per SM fewer)
-    const int gap = DUMP ? spread_gap(nrows, p->n_rows) : SPREAD_RUN;
+    const int n_all = DUMP ? p->n_rows : 0;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int wpb = blockDim.x / 32;
     const int tiles = (nrows + 16 * MT - 1) / (16 * MT);
@@ -2869,7 +2891,7 @@ mma_filter(const __half* __restrict__ data, int ld, int lds, int nrows, const in
     const uint4* rows16 = reinterpret_cast<const uint4*>(data);
     for (int tile = blockIdx.x * wpb + warp; tile < tiles; tile += gridDim.x * wpb) {
         const int r0 = tile * 16 * MT;
-        const int s0 = DUMP ? spread_row(r0, gap) : r0;  // the tile's first row
+        const int s0 = DUMP ? spread_row(r0, nrows, n_all) : r0;  // the tile's first row (in one run)
         bool rok[H];
 #pragma unroll
         for (int h = 0; h < H; h++) rok[h] = r0 + g + 8 * h < nrows;

@@ -89,6 +89,8 @@ USE_MMA: Final = os.environ.get("KALOS_MMA", "1") != "0"
 USE_THRESHOLD_TOPK: Final = os.environ.get("KALOS_THRESHOLD_TOPK", "1") != "0"
 CAND_CAP: Final = 8192
 TAU_SAMPLE_MAX: Final = 16384
+# ... and at least this many (or every row): 32 of the sample's runs of 32 rows (tau_sample)
+TAU_SAMPLE_MIN: Final = 1024
 # The most likely a query's candidate list may overflow (into the exact fallback, ~ms) for the
 # sample size tau_sample picks (see there).
 OVERFLOW_P: Final = 1e-6
@@ -483,12 +485,15 @@ def tau_sample(k: int, high: int) -> int | None:
     is a candidate, and a list of more than CAND_CAP candidates overflows into the exact
     fallback. None: more rows than tau_scores' shared memory holds (large k on many rows).
 
-    The S rows are runs of 32 spread evenly over the ``high`` rows (kernels/recall.cu,
-    ``spread_row``), so a scope of a share f of the rows, wherever it lies, has about f * S of
-    them, its threshold the k-th best of those and about k * high / S candidates, as unscoped.
-    Until session 56 they were the first S rows: a namespace written after another had none
-    of them, its threshold -inf, and every one of its rows a candidate; past CAND_CAP the batch
-    took the exact path (S56-2: 64 queries in half of 1M rows 7.6 ms, unscoped 0.92).
+    The S rows are S / 32 runs of 32 rows, one in each of S / 32 equal strata of the
+    ``high`` rows at a hashed place (kernels/recall.cu, ``spread_start``), and S is at least
+    TAU_SAMPLE_MIN (32 runs) or every row. A scope of a share f of the rows that is spread
+    over them, or lies in blocks of many strata, has about f * S of them, its threshold the
+    k-th best of those and about k * high / S candidates, as unscoped; a block of fewer rows
+    than a stratum (32 * high / S) may hold none of them, and then, if it has more than
+    CAND_CAP rows, its batches take the exact path. Until session 56 the sample was the first
+    S rows: a namespace written after another had none of them, its threshold -inf, and every
+    one of its rows a candidate (S56-2: 64 queries in half of 1M rows 7.6 ms, unscoped 0.92).
 
     With the rows in no order related to the query (other orders only cost the fallback's
     time), the share of rows reaching the k-th best of S sampled rows is above p exactly when
@@ -505,7 +510,7 @@ def tau_sample(k: int, high: int) -> int | None:
     if base > TAU_SAMPLE_MAX:
         return None
     safe = _pow2(math.ceil(_sample_lambda(k) * high / CAND_CAP))
-    return min(max(base, min(safe, TAU_SAMPLE_MAX)), _pow2(high))
+    return min(max(base, min(safe, TAU_SAMPLE_MAX), TAU_SAMPLE_MIN), _pow2(high))
 
 
 def queued_timing(times: Sequence[tuple[int, float, float, float, float]]) -> dict[str, float]:

@@ -180,11 +180,12 @@ def test_threshold_topk_overflow_falls_back_exactly(dtype: str) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_a_namespace_written_after_another_gets_a_threshold_from_the_sample(dtype: str) -> None:
     """The threshold's sample is runs of rows spread over the index (kernels/recall.cu,
-    spread_row): a namespace written after another, and a filter in it, meet it, so their
+    spread_start): a namespace written after another, and a filter in it, meet it, so their
     batches take the threshold top-k without overflowing into the exact fallback, and stay
-    exact. Before session 56 the sample was the first S rows (256 here), all the first
-    namespace's: every batch below overflowed (S56-2 at 1M rows: 7.6 ms where 0.92 unscoped).
-    The control: the first namespace's batch, which met the sample then too."""
+    exact (batches of 7, 16, 24 and 33: mma_filter's warp tiles of 16 and 32 rows). Before
+    session 56 the sample was the first S rows (1,024 here, TAU_SAMPLE_MIN), all the first
+    namespace's: every batch in the second overflowed (S56-2 at 1M rows: 7.6 ms where 0.92
+    unscoped). The control: the first namespace's batch, which met the sample then too."""
     rng = np.random.default_rng()
     dim, first, n = 97, 40_003, 20_011
     svc = make(dim, dtype=dtype)
@@ -193,7 +194,9 @@ def test_a_namespace_written_after_another_gets_a_threshold_from_the_sample(dtyp
     put(svc, tail, [f"t{i}" for i in range(n)], ns="tail", metas=[{"g": i % 2} for i in range(n)])
     stored = _as_stored(tail, "cosine") if dtype == "float16" else tail
     atol = 1e-3 if dtype == "float16" else 1e-4
-    for ns, flt, k, b in (("", None, 10, 7), ("tail", None, 10, 7), ("tail", None, 1, 16), ("tail", {"g": 1}, 10, 33)):
+    cases = (("", None, 10, 7), ("tail", None, 10, 7), ("tail", None, 1, 16), ("tail", None, 10, 24),
+             ("tail", {"g": 1}, 10, 33))  # fmt: skip
+    for ns, flt, k, b in cases:
         q = rng.standard_normal((b, dim)).astype(np.float32)
         before, mma = svc.index.threshold_overflows, svc.index.mma_batches
         rows, scores = svc.recall(q, k, ns, flt)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from kalos_retrievers.sidecar.index_gpu import CAND_CAP, OVERFLOW_P, TAU_SAMPLE_MAX, _pow2, tau_sample
+from kalos_retrievers.sidecar.index_gpu import CAND_CAP, OVERFLOW_P, TAU_SAMPLE_MAX, TAU_SAMPLE_MIN, _pow2, tau_sample
 
 HIGHS = [9_001, 20_011, 33_333, 77_777, 100_003, 200_003, 400_009, 1_000_000, 2_000_003, 5_000_011, 9_000_001]
 KS = [*range(1, 21), 24, 32, 37, 50, 64, 100, 128, 256, 512, 1024]
@@ -52,12 +52,14 @@ def test_the_rule_before_overflowed_one_k1_query_in_67_at_1m_rows() -> None:
     assert max(overflow_p(three_k(k, h), k, h) for h in HIGHS for k in KS if three_k(k, h)) > 0.01  # type: ignore[arg-type]
 
 
-def test_the_sample_only_grows_and_only_for_small_k() -> None:
+def test_the_sample_only_grows_and_only_for_small_k_or_to_its_floor() -> None:
     """Never smaller than the 3k rule, None exactly where it was None (the mma path is taken
-    where it was), and the same from k = 13 on."""
+    where it was), and from k = 13 on the same or raised to TAU_SAMPLE_MIN (32 of its runs of
+    32 rows, since session 56) or every row."""
     for high in HIGHS:
         for k in KS:
             s, before = tau_sample(k, high), three_k(k, high)
             assert (s is None) == (before is None), (high, k)
             if s is not None and before is not None:
-                assert s >= before and (k < 13 or s == before), (high, k, s, before)
+                floor = min(TAU_SAMPLE_MIN, _pow2(high))
+                assert s >= max(before, floor) and (k < 13 or s == max(before, floor)), (high, k, s, before)
