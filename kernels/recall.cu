@@ -2639,10 +2639,16 @@ __host__ __device__ __forceinline__ int spread_start(int j, int S, int n) {
     const int runs = S / SPREAD_RUN, chunks = n / SPREAD_RUN;  // chunks >= runs
     const int q = chunks / runs, r = chunks % runs;
     const int lo = j * q + j * r / runs, hi = (j + 1) * q + (j + 1) * r / runs;  // stratum j: [lo, hi)
-    const unsigned h = (unsigned)j * 2654435761u;  // Knuth's multiplicative hash
-    return (lo + (int)((h >> 7) % (unsigned)(hi - lo))) * SPREAD_RUN;
+    unsigned h = (unsigned)j + 0x9e3779b9u;  // murmur3's finalizer (a multiplicative hash's low
+    h ^= h >> 16;                            // bits follow j nearly linearly: at some n one of two
+    h *= 0x85ebca6bu;                        // namespaces written in turn in blocks of 256 or 1024
+    h ^= h >> 13;                            // rows got 3-13% of the runs, in review)
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    return (lo + (int)(h % (unsigned)(hi - lo))) * SPREAD_RUN;
 }
-__host__ __device__ __forceinline__ bool spread(int S, int n) { return S < n && S >= SPREAD_RUN; }
+// (S % SPREAD_RUN: a variant's runs of 48 rows do not divide S; those take the first S rows)
+__host__ __device__ __forceinline__ bool spread(int S, int n) { return S < n && S >= SPREAD_RUN && S % SPREAD_RUN == 0; }
 __host__ __device__ __forceinline__ int spread_row(int i, int S, int n) {
     return spread(S, n) ? spread_start(i / SPREAD_RUN, S, n) + i % SPREAD_RUN : i;
 }

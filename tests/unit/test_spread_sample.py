@@ -1,9 +1,10 @@
 """The threshold top-k's sample of rows (kernels/recall.cu, ``spread_start``): where its runs
 of 32 rows lie. The lines between ``// spread: begin`` and ``// spread: end`` are compiled by
 nvcc as host code (they are ``__host__ __device__``: the kernels run the same text) into a
-program that prints each run's first row; the checks are on those rows. Skipped where nvcc is
-not installed (CI has it). What the GPU does with the rows (the sample's dump by
-``mma_filter<NT, M, true>``, ``tau_scores``' table of them) the GPU tests check."""
+program that prints the row of every sample index; the checks are on those rows. Skipped
+where nvcc is not installed (`.ci/run` compiles the kernels with it where it is). What the GPU
+does with the rows (the sample's dump by ``mma_filter<NT, M, true>``, ``tau_scores``' table of
+them) the GPU tests check."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ RUN = 32
 # (S, n): S a power of two from 32 up (the host's samples are at least 1,024 rows or every row)
 CASES = [(32, 33), (64, 127), (1024, 1025), (1024, 2047), (1024, 2048), (1024, 60_014), (4096, 1_005_000),
          (2048, 1_000_000), (16384, 16385), (16384, 1_000_003), (16384, 2**31 - 1), (1024, 2**31 - 1),
-         (1024, 1000), (4096, 4096)]  # fmt: skip
+         (1024, 1000), (4096, 4096),
+         (8192, 3_121_481), (16384, 2_473_397)]  # fmt: skip  (the last two: where a multiplicative hash skewed)
 
 PROGRAM = r"""
 #include <cstdio>
@@ -29,7 +31,7 @@ int main() {
     int S, n;
     while (std::scanf("%%d %%d", &S, &n) == 2) {
         std::printf("%%d %%d %%d", S, n, (int)spread(S, n));
-        for (int i = 0; i < S; i += SPREAD_RUN) std::printf(" %%d", spread_row(i, S, n));
+        for (int i = 0; i < S; i++) std::printf(" %%d", spread_row(i, S, n));
         std::printf("\n");
     }
 }
@@ -44,7 +46,9 @@ def spread_source() -> str:
 
 @pytest.fixture(scope="module")
 def starts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], tuple[bool, list[int]]]:
-    """Each case's (spread, the rows sample indices 0, 32, 64, ... map to)."""
+    """Each case's (spread, the rows the sample indices 0, 32, 64, ... map to: its runs'
+    first rows), having checked that every index maps to its run's first row plus its place
+    in the run."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not installed")
@@ -57,7 +61,8 @@ def starts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], tu
     got = {}
     for line in out.splitlines():
         s, n, on, *rows = map(int, line.split())
-        got[s, n] = (bool(on), rows)
+        assert len(rows) == s and all(rows[i] == rows[i - i % RUN] + i % RUN for i in range(s)), (s, n)
+        got[s, n] = (bool(on), rows[::RUN])
     assert sorted(got) == sorted(CASES)
     return got
 
@@ -107,17 +112,25 @@ def test_two_namespaces_written_in_turn_both_meet_the_sample(starts: dict) -> No
     for (s, n), (on, rows) in starts.items():
         if not on or s < 1024:
             continue
-        for block in (32, 64, 128, 256):
+        for block in (32, 64, 128, 256, 1024):
+            if n // len(rows) < 2 * block:  # (a stratum must hold both namespaces' rows)
+                continue
             share = sum((r // block) % 2 for r in rows) / len(rows)
             assert abs(share - 0.5) <= 4 * (0.25 / len(rows)) ** 0.5, (s, n, block, share)  # 4 sd of a fair coin
 
 
-def test_evenly_spaced_runs_would_fail_the_turns_check() -> None:
-    """The negative control: 0c29a1d's runs (run j at 32 * (n // S) * j) give one namespace
-    none of them at 1M rows in blocks of 64, as the review of it found."""
+def test_evenly_spaced_runs_or_a_multiplicative_hash_would_fail_the_turns_check() -> None:
+    """The negative controls: 0c29a1d's runs (run j at 32 * (n // S) * j) give one namespace
+    none of them at 1M rows in blocks of 64; d3160aa's offsets, Knuth's multiplicative hash of
+    j in the strata, gave one 7 of 256 runs at 3,121,481 rows in blocks of 1,024 (reviews)."""
     s, n = 4096, 1_000_000
     rows = [RUN * (n // s) * j for j in range(s // RUN)]
     assert sum((r // 64) % 2 for r in rows) == 0
+    s, n = 8192, 3_121_481
+    knuth = lambda j: (j * 2654435761) % 2**32 >> 7  # noqa: E731
+    rows = [RUN * (lo // RUN + knuth(j) % ((hi - lo) // RUN)) for j, (lo, hi) in enumerate(strata(s, n))]
+    share = sum((r // 1024) % 2 for r in rows) / len(rows)
+    assert abs(share - 0.5) > 4 * (0.25 / len(rows)) ** 0.5, share
 
 
 def test_the_compiled_body_is_the_marked_text(tmp_path: Path) -> None:
