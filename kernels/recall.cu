@@ -2626,7 +2626,8 @@ topk_scores(const float* __restrict__ scores, int sld, const int* __restrict__ n
 // by a hash of j: evenly spaced runs would all fall in one of two namespaces written in turn
 // in blocks of 32 or 64 rows. Each of mma_filter's warp tiles (16 * MT rows) lies in one run,
 // so its dump of the sample reads rows as contiguously as before. Sample index i is row i
-// when S >= n, or S < SPREAD_RUN (the host's samples are at least 1,024 rows or all of them).
+// when S >= n, or SPREAD_RUN does not divide S (the host's samples are powers of two of at
+// least 1,024 rows, or every row).
 // tests/unit/test_spread_sample.py compiles the lines between the markers on the host.
 // spread: begin
 #ifndef KALOS_MMA_MT
