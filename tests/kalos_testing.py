@@ -404,16 +404,18 @@ def doorbell_stand_in(name: str, dim: int, hand_back: bool, answered: Any, hande
         while not stop.is_set():
             for i in np.flatnonzero(states == SlotState.DOORBELL).tolist():
                 off = lay.slot_offset(i)
+                # Each count is made before the state that publishes it: a test reads the counts
+                # once its recall has returned, and the client may return the moment it sees it.
                 if hand_back:
-                    states[i] = SlotState.REQUEST  # the kernel's hand-back: the client posts the bell
                     handed_back.value += 1
+                    states[i] = SlotState.REQUEST  # the kernel's hand-back: the client posts the bell
                     continue
                 args_len = int(np.frombuffer(mm, "<u8", 1, off + 40)[0])
                 at = off + lay.payload_offset + align8(4 * dim)
                 namespace, flt = decode_recall_args(bytes(mm[at : at + args_len]))
                 if args_len > 128:  # (DOORBELL_SCOPE_ARGS_MAX: the longest args a v1.6 kernel compares)
-                    states[i] = SlotState.REQUEST
                     handed_back.value += 1
+                    states[i] = SlotState.REQUEST
                     continue
                 states[i] = SlotState.BUSY
                 seq = int(np.frombuffer(mm, "<u8", 1, off + 8)[0])
@@ -429,8 +431,8 @@ def doorbell_stand_in(name: str, dim: int, hand_back: bool, answered: Any, hande
                 mm[off + lay.blob_offset : off + lay.blob_offset + len(blob)] = blob
                 RESPONSE_STRUCT.pack_into(mm, off + RESPONSE_OFFSET, seq, Status.OK, len(rows), len(blob),
                                           RespFlag.ARENA_DOCS | RespFlag.ARENA_ENTRIES)  # fmt: skip
-                states[i] = SlotState.RESPONSE
                 answered.value += 1
+                states[i] = SlotState.RESPONSE
 
 
 def carousel_stand_in(name: str, dim: int, mode: str, answered: Any, stop: Any, ready: Any) -> None:
@@ -484,8 +486,8 @@ def carousel_stand_in(name: str, dim: int, mode: str, answered: Any, stop: Any, 
                     at = P.HEADER_OFFSETS["carousel_epoch"]
                     epoch = struct.unpack_from("<Q", hdr, at)[0]
                     struct.pack_into("<Q", hdr, at, epoch + (3 if mode == "epoch" else 1))
+                answered.value += 1  # (before DONE: the client may return, and the test read it, at once)
                 w[P.W_STATE] = P.CAR_DONE
-                answered.value += 1
             time.sleep(0.0001)
 
 
