@@ -235,7 +235,7 @@ def test_timeouts_pauses_deaths_and_recovery(start_sidecar, make_name) -> None:
         with pytest.raises(SidecarTimeout):
             c.recall(np.ones(8), k=1)
         took = time.monotonic() - t0
-        assert 0.24 <= took < 0.25 + 0.05, took
+        assert 0.24 <= took < 0.25 + 0.15, took  # (the margin: a wake-up on a loaded 2-core machine)
     finally:
         os.kill(sc.pid, signal.SIGCONT)
     assert c.recall(np.ones(8), k=1, timeout=2).ids == ["a"]  # the abandoned slot is not in the way
@@ -248,7 +248,7 @@ def test_timeouts_pauses_deaths_and_recovery(start_sidecar, make_name) -> None:
     deadline = time.monotonic() + 5
     while True:
         try:
-            assert c.recall(np.ones(8), k=1).ids == []
+            assert c.recall(np.ones(8), k=1, timeout=2).ids == []  # (the first call reconnects)
             break
         except SidecarUnavailable:  # reconnect backoff
             assert time.monotonic() < deadline
