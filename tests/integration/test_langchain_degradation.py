@@ -29,7 +29,7 @@ from kalos_retrievers.langchain import DEGRADED_EVENT, KalosRetriever, KalosVect
 pytestmark = pytest.mark.reliability
 
 DIM = 97
-MARGIN = 0.08  # "timeout + a few ms", with room for a loaded 2-core CI machine
+MARGIN = 0.15  # "timeout + a few ms", with room for a loaded 2-core CI machine
 FACT = "the launch code is tangerine"
 EMB = DeterministicFakeEmbedding(size=DIM)
 MODES = ["invoke", "ainvoke"]
@@ -145,7 +145,7 @@ async def test_sigstop_deadline_honoured(
             assert timeout - 0.01 <= took < timeout + MARGIN, took
     finally:
         sc.kill(signal.SIGCONT)
-    assert [d.id for d in await call(r, mode)] == ["fact"]
+    assert [d.id for d in await call(r, mode, timeout=2)] == ["fact"]  # (2 s: just woken, on a loaded CI)
     assert (r.degrader.episodes, r.degrader.degraded_calls) == (1, 2)
     assert isinstance(r.degrader.last_error, SidecarTimeout)
     assert len(warnings_of(caplog)) == 1
@@ -292,4 +292,4 @@ async def test_as_retriever_degrades_too(mode: str, start_sidecar: Callable[...,
                 await call(hard, mode)
         finally:
             sc.kill(signal.SIGCONT)
-        assert [d.id for d in await call(soft, mode)] == ["fact"]
+        assert [d.id for d in await call(soft, mode, timeout=2)] == ["fact"]
