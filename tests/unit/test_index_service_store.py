@@ -3,6 +3,7 @@ the service's write/read rules, and the SQLite store of record."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
 from pathlib import Path
@@ -279,6 +280,39 @@ def test_store_round_trip_and_rebuild(tmp_path: Path) -> None:
     assert [svc2.rows.ids[r] for r in rows[0]] == ["a", "c"]
     assert oct((tmp_path / "kalos.sqlite3").stat().st_mode & 0o777) == "0o600"
     st2.close()
+
+
+def page_size(path: Path) -> int:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return int(db.execute("PRAGMA page_size").fetchone()[0])
+
+
+def test_a_new_store_takes_large_pages_and_an_older_one_keeps_its_own(tmp_path: Path, monkeypatch) -> None:
+    """A new store is made with ``PAGE_SIZE`` pages (SQLite's default, 4,096, wastes most of a
+    page's rest on 768-d rows); a store made before, on the default pages, keeps them (SQLite
+    fixes the page size when the file is first written) and its rows, and takes new writes."""
+    import kalos_retrievers.sidecar.store as store_module
+
+    new, old = tmp_path / "new", tmp_path / "old"
+    st = SqliteStore(new, dim=3, metric="cosine")
+    put(svc_for(3, store=st), [[1, 0, 0]], ["a"])
+    st.close()
+    assert page_size(new / "kalos.sqlite3") == store_module.PAGE_SIZE == 65536
+    with monkeypatch.context() as m:  # (as the releases before made it: no page_size pragma)
+        m.setattr(store_module, "PAGE_SIZE", 4096)
+        st = SqliteStore(old, dim=3, metric="cosine")
+        put(svc_for(3, store=st), [[1, 0, 0], [0, 1, 0]], ["a", "b"])
+        st.close()
+    assert page_size(old / "kalos.sqlite3") == 4096
+    st = SqliteStore(old, dim=3, metric="cosine")
+    svc = svc_for(3, store=st)
+    assert svc.load() == 2
+    put(svc, [[0, 0, 1]], ["c"])
+    st.close()
+    st = SqliteStore(old, dim=3, metric="cosine")
+    assert svc_for(3, store=st).load() == 3
+    st.close()
+    assert page_size(old / "kalos.sqlite3") == 4096
 
 
 def test_a_reload_keeps_each_rows_metadata_empty_or_not(tmp_path: Path) -> None:
