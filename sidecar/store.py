@@ -31,13 +31,14 @@ log = logging.getLogger("kalos.sidecar.store")
 SCHEMA_VERSION: Final = 1
 DB_FILE: Final = "kalos.sqlite3"
 LOCK_FILE: Final = "kalos.lock"
-# A new store's page size (SQLite's largest). A row is its vector and text: ~3.1 KB at 768-d,
-# which on SQLite's default 4 KiB pages leaves most of a page's rest unused (a 100k-row store
-# took 446 MiB, 327 with 64 KiB pages) and splits pages on every few inserts; SQLite's own
-# guidance for a WITHOUT ROWID table is rows under a 20th of a page. Measured on the development
-# VM (100k rows x 768, 7,700-row commits, synchronous=FULL): a bulk commit 47-50 -> 23-29 µs a
-# row, a one-row commit 0.25 -> 0.40 ms (docs/benchmarks.md, session 57). A store made with
-# another page size keeps its own: SQLite fixes it when the file is first written.
+# A new store's page size (SQLite's largest). The table is WITHOUT ROWID, i.e. an index b-tree,
+# which keeps at most ((page - 12) * 64 / 255) - 23 bytes of a row in its leaf: 1,002 on SQLite's
+# default 4 KiB pages, so every 768-d row (its vector alone 3,072 bytes) spilled ~2 KB onto an
+# overflow page of its own; on 64 KiB pages a row of up to 16,422 bytes (a 1536-d vector and
+# ~10 KB of text) stays in its leaf. Measured on the development VM (100k rows x 768, 7,700-row
+# commits, synchronous=FULL): a bulk commit 47-50 -> 23-29 µs a row, the file 446 -> 332 MiB,
+# a one-row commit 0.25 -> 0.40 ms (docs/benchmarks.md, session 57). A store made with another
+# page size keeps its own: SQLite fixes it when the file is first written.
 PAGE_SIZE: Final = 65536
 
 

@@ -288,8 +288,8 @@ def page_size(path: Path) -> int:
 
 
 def test_a_new_store_takes_large_pages_and_an_older_one_keeps_its_own(tmp_path: Path, monkeypatch) -> None:
-    """A new store is made with ``PAGE_SIZE`` pages (SQLite's default, 4,096, wastes most of a
-    page's rest on 768-d rows); a store made before, on the default pages, keeps them (SQLite
+    """A new store is made with ``PAGE_SIZE`` pages (on SQLite's default 4,096 every 768-d row
+    spills onto an overflow page); a store made before, on the default pages, keeps them (SQLite
     fixes the page size when the file is first written) and its rows, and takes new writes."""
     import kalos_retrievers.sidecar.store as store_module
 
