@@ -513,7 +513,7 @@ async def test_paused_sidecar_searches_degrade_together_and_recover(
         t0 = time.monotonic()
         many = await asyncio.gather(*(store.asearch(("a",), query="tea") for _ in range(30)))
         assert many == [[]] * 30
-        assert time.monotonic() - t0 < 1.0  # one deadline, waiting for threads included
+        assert time.monotonic() - t0 < 1.5  # one deadline, waiting for threads included (not 30 x 0.3 s)
         t0 = time.monotonic()
         assert on_shared.search(("a",), query="tea") == []
         assert time.monotonic() - t0 < 1.0

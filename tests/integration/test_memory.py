@@ -395,7 +395,7 @@ async def test_search_degrades_while_the_sidecar_is_down(
         t0 = time.monotonic()
         many = await asyncio.gather(*(memory.asearch("tea", user_id="alice") for _ in range(30)))
         assert many == [[]] * 30
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 1.5  # (one deadline; one after another would take 9 s)
     finally:
         sc.kill(signal.SIGCONT)
     deadline = time.monotonic() + 10
