@@ -1,0 +1,102 @@
+"""Session 58's question: where does a listed filter's batch spend its time? At 1,005,000 rows
+(S58, scoped_recall.py --batch 16/32/48) a batch through a 2,500-row list cost ~15 µs a query
+(~120 µs a launch of 8 queries) where the rows' read is ~1 µs: a guess is the last block's
+merge of every block's appended list, query after query (merge_appended), over a grid sized
+for the list's rows (GpuIndex._grid). This times ``search_slots`` in process (one registered
+buffer, no client) for batches of 8, 16 and 48 with the list's grid divided by 1 ... 32, for
+lists of 2,500 and 10,000 rows of 300,011, against the masks (FILTER_LIST 0) and the default
+namespace; every divided grid's answers are checked against the undivided grid's.
+
+    python -P list_grid.py [--rows 300011] [--calls 200] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import time
+
+import numpy as np
+from kalos_retrievers.protocol import METRICS
+from kalos_retrievers.sidecar import index_gpu
+from kalos_retrievers.sidecar.index import SlotSpec
+from kalos_retrievers.sidecar.index_gpu import GpuIndex
+from kalos_retrievers.sidecar.service import Service
+from kalos_retrievers.sidecar.store import NullStore
+
+DIVS = (1, 2, 4, 8, 16, 32)
+BATCHES = (8, 16, 48)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, default=300_011)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    dim, n = 768, a.rows
+    rng = np.random.default_rng(58)
+    idx = GpuIndex(dim, METRICS["cosine"], 0, "float16")
+    svc = Service(idx, NullStore(), dim=dim, metric=METRICS["cosine"])
+    t0 = time.perf_counter()
+    for s in range(0, n, 50_000):
+        e = min(n, s + 50_000)
+        v = rng.standard_normal((e - s, dim)).astype(np.float32)
+        svc.upsert({"namespace": "", "ids": [str(i) for i in range(s, e)], "texts": [""] * (e - s),
+                    "metadatas": [{"g": i % 120, "h": i % 30} for i in range(s, e)]}, v)  # fmt: skip
+    print(f"loaded {n} rows in {time.perf_counter() - t0:.1f} s; tpr {idx.tpr}, max_grid {idx.max_grid}", flush=True)
+    bmax = max(BATCHES)
+    nbytes = 4 * (bmax * (dim + 20) + 64)
+    mm = mmap.mmap(-1, -(-nbytes // 4096) * 4096)
+    buf = np.frombuffer(mm, np.float32)
+    idx._check(lambda: idx.cp.cuda.runtime.hostRegister(buf.ctypes.data, len(mm), 3))
+    idx.seg_addr = buf.ctypes.data
+    orig = GpuIndex._grid
+    div = [1]
+
+    def grid(self: GpuIndex, high: int, kp: int, listed: bool = False) -> int:
+        g = orig(self, high, kp, listed)
+        return max(1, g // div[0]) if listed else g
+
+    GpuIndex._grid = grid  # type: ignore[method-assign]
+    out: list[dict] = []
+    for name, flt in (("list 2,500", {"g": 7}), ("list 10,000", {"h": 3}), ("default", None)):
+        ns, cands, dense, kept = svc.eligible("", flt)
+        if cands is not None:
+            cands.flags.writeable = False  # a kept answer: its device list or mask uploaded once
+        for b in BATCHES:
+            q = buf[: b * dim].reshape(b, dim)
+            rows = buf[b * dim : b * (dim + 10)].view(np.int32).reshape(b, 10)
+            scores = buf[b * (dim + 10) : b * (dim + 20)].reshape(b, 10)
+            spec = SlotSpec(q, rows, scores, q.ctypes.data, rows.ctypes.data, scores.ctypes.data)
+            q[:] = rng.standard_normal((b, dim)).astype(np.float32)
+            cases = [(d, 16) for d in DIVS] + [(1, 0)] if cands is not None else [(1, 16)]
+            want = None
+            for d, fl in cases:
+                div[0], index_gpu.FILTER_LIST = d, fl
+                lists = idx.filter_lists
+                t = []
+                for i in range(20 + a.calls):
+                    t0 = time.perf_counter_ns()
+                    idx.search_slots([spec], 10, svc.rows.high, ns, cands, dense)
+                    if i >= 20:
+                        t.append(time.perf_counter_ns() - t0)
+                got = np.sort(rows, axis=1).copy()
+                if want is None:
+                    want = got
+                same = bool(np.array_equal(got, want))
+                listed = idx.filter_lists - lists
+                grid_used = idx._grid(kept, 16, True) if cands is not None and fl else 0
+                r = dict(case=name, batch=b, div=d, filter_list=fl, grid=grid_used, listed=listed,
+                         p50_us=float(np.percentile(t, 50)) / 1e3, p90_us=float(np.percentile(t, 90)) / 1e3,
+                         same_as_first=same)  # fmt: skip
+                out.append(r)
+                print(json.dumps(r), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
