@@ -18,12 +18,13 @@ import mmap
 import time
 
 import numpy as np
-from kalos_retrievers.protocol import METRICS
 from kalos_retrievers.sidecar import index_gpu
 from kalos_retrievers.sidecar.index import SlotSpec
 from kalos_retrievers.sidecar.index_gpu import GpuIndex
 from kalos_retrievers.sidecar.service import Service
 from kalos_retrievers.sidecar.store import NullStore
+
+from kalos_retrievers.protocol import METRICS
 
 DIVS = (1, 2, 4, 8, 16, 32)
 BATCHES = (8, 16, 48)
@@ -88,9 +89,9 @@ def main() -> None:
                 same = bool(np.array_equal(got, want))
                 listed = idx.filter_lists - lists
                 grid_used = idx._grid(kept, 16, True) if cands is not None and fl else 0
-                r = dict(case=name, batch=b, div=d, filter_list=fl, grid=grid_used, listed=listed,
-                         p50_us=float(np.percentile(t, 50)) / 1e3, p90_us=float(np.percentile(t, 90)) / 1e3,
-                         same_as_first=same)  # fmt: skip
+                r = {"case": name, "batch": b, "div": d, "filter_list": fl, "grid": grid_used, "listed": listed,
+                         "p50_us": float(np.percentile(t, 50)) / 1e3, "p90_us": float(np.percentile(t, 90)) / 1e3,
+                         "same_as_first": same}  # fmt: skip
                 out.append(r)
                 print(json.dumps(r), flush=True)
     if a.out:
