@@ -3,7 +3,8 @@
 (~120 µs a launch of 8 queries) where the rows' read is ~1 µs: a guess is the last block's
 merge of every block's appended list, query after query (merge_appended), over a grid sized
 for the list's rows (GpuIndex._grid). This times ``search_slots`` in process (one registered
-buffer, no client) for batches of 8, 16 and 48 with the list's grid divided by 1 ... 32, for
+buffer, no client) for batches of 1, 8, 16 and 48 with the list's grid divided by 1 ... 32 and
+with launches of 1, 2 and 4 queries instead of 8 (FUSED_MAX_Q), for
 lists of 2,500 and 10,000 rows of 300,011, against the masks (FILTER_LIST 0) and the default
 namespace; every divided grid's answers are checked against the undivided grid's.
 
@@ -27,7 +28,8 @@ from kalos_retrievers.sidecar.store import NullStore
 from kalos_retrievers.protocol import METRICS
 
 DIVS = (1, 2, 4, 8, 16, 32)
-BATCHES = (8, 16, 48)
+BATCHES = (1, 8, 16, 48)
+FUSED = (1, 2, 4)  # FUSED_MAX_Q other than 8: queries a fused launch takes (at the undivided grid)
 
 
 def main() -> None:
@@ -63,7 +65,7 @@ def main() -> None:
     GpuIndex._grid = grid  # type: ignore[method-assign]
     out: list[dict] = []
     for name, flt in (("list 2,500", {"g": 7}), ("list 10,000", {"h": 3}), ("default", None)):
-        ns, cands, dense, kept = svc.eligible("", flt)
+        ns, cands, dense, kept = svc.eligible_for("", flt)
         if cands is not None:
             cands.flags.writeable = False  # a kept answer: its device list or mask uploaded once
         for b in BATCHES:
@@ -72,10 +74,10 @@ def main() -> None:
             scores = buf[b * (dim + 10) : b * (dim + 20)].reshape(b, 10)
             spec = SlotSpec(q, rows, scores, q.ctypes.data, rows.ctypes.data, scores.ctypes.data)
             q[:] = rng.standard_normal((b, dim)).astype(np.float32)
-            cases = [(d, 16) for d in DIVS] + [(1, 0)] if cands is not None else [(1, 16)]
+            lists_cases = [(d, 16, 8) for d in DIVS] + [(1, 16, f) for f in FUSED if f < b] + [(1, 0, 8)]
             want = None
-            for d, fl in cases:
-                div[0], index_gpu.FILTER_LIST = d, fl
+            for d, fl, fused in lists_cases if cands is not None else [(1, 16, 8)]:
+                div[0], index_gpu.FILTER_LIST, index_gpu.FUSED_MAX_Q = d, fl, fused
                 lists = idx.filter_lists
                 t = []
                 for i in range(20 + a.calls):
@@ -89,9 +91,9 @@ def main() -> None:
                 same = bool(np.array_equal(got, want))
                 listed = idx.filter_lists - lists
                 grid_used = idx._grid(kept, 16, True) if cands is not None and fl else 0
-                r = {"case": name, "batch": b, "div": d, "filter_list": fl, "grid": grid_used, "listed": listed,
-                         "p50_us": float(np.percentile(t, 50)) / 1e3, "p90_us": float(np.percentile(t, 90)) / 1e3,
-                         "same_as_first": same}  # fmt: skip
+                r = {"case": name, "batch": b, "div": d, "fused_max_q": fused, "filter_list": fl, "grid": grid_used,
+                     "listed": listed, "p50_us": float(np.percentile(t, 50)) / 1e3,
+                     "p90_us": float(np.percentile(t, 90)) / 1e3, "same_as_first": same}  # fmt: skip
                 out.append(r)
                 print(json.dumps(r), flush=True)
     if a.out:
