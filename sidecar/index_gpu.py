@@ -241,6 +241,51 @@ def use_list(kept: int, high: int, fraction: int | None = None, floor: int | Non
     return f > 0 and high >= (LIST_MIN_ROWS if floor is None else floor) and kept * f <= high
 
 
+# A batch of 2 or more queries through a list takes fused launches of FUSED_MAX_Q queries
+# (scan_list), where through a mask it takes one GEMM / mma pass over every row below ``high``
+# for up to MAXQ queries: the list's batch costs ~(launches) x (a fixed part + its rows), the
+# mask's ~(passes) x high. LIST_LAUNCH_ROWS is a launch's fixed part in rows of the mask's pass.
+# On an H100 at 1,005,000 rows (S58, 5,000-row scopes) a list's launch of 8 queries cost ~120 µs,
+# the mask's pass ~0.62 µs per 1,000 rows: list / mask 0.45, 0.71, 0.91 at 16, 32, 48 queries,
+# 1.14 at 64 (S56), the crossover near 52-55 queries, i.e. 7 launches of ~150,000 rows' worth.
+# Batch 1 and int8 (whose mask batches are fused launches too) always take the list where
+# use_list says so. KALOS_LIST_LAUNCH_ROWS=0: every batch does, as before session 59.
+LIST_LAUNCH_ROWS_DEFAULT: Final = 150_000
+
+
+def list_launch_rows(value: str | None) -> int:
+    """KALOS_LIST_LAUNCH_ROWS' value (None or empty: :data:`LIST_LAUNCH_ROWS_DEFAULT`): what a
+    fused launch through a list costs beyond its own rows, in rows of a mask's GEMM / mma pass
+    (:func:`list_pays`); 0: a listed batch never turns to the mask. Anything but a
+    non-negative integer is refused with a ValueError naming it.
+
+    >>> list_launch_rows(None), list_launch_rows(" 0 "), list_launch_rows("200000")
+    (150000, 0, 200000)
+    """
+    return _whole_number("KALOS_LIST_LAUNCH_ROWS", value, LIST_LAUNCH_ROWS_DEFAULT, "what a fused launch through "
+                         "a list costs beyond its rows, in rows of a mask's GEMM pass; 0: batches always take lists")
+
+
+LIST_LAUNCH_ROWS = list_launch_rows(os.environ.get("KALOS_LIST_LAUNCH_ROWS"))
+
+
+def list_pays(n: int, kept: int, high: int, launch_rows: int | None = None) -> bool:
+    """Whether a batch of ``n`` queries over a list of ``kept`` rows (one :func:`use_list`
+    chose) costs less than the mask's GEMM / mma passes over the ``high`` rows below the
+    high-water mark: ``ceil(n / FUSED_MAX_Q) * (launch_rows + kept) <= ceil(n / MAXQ) * high``
+    (``launch_rows`` default :data:`LIST_LAUNCH_ROWS`; 0, or a single query: always).
+
+    >>> list_pays(48, 5_000, 1_005_000), list_pays(56, 5_000, 1_005_000), list_pays(64, 5_000, 1_005_000)
+    (True, False, False)
+    >>> list_pays(1, 5_000, 1_000), list_pays(64, 5_000, 1_000, launch_rows=0), list_pays(9, 5_000, 300_000)
+    (True, True, False)
+    """
+    r = LIST_LAUNCH_ROWS if launch_rows is None else launch_rows
+    if n <= 1 or r == 0:
+        return True
+    return -(-n // FUSED_MAX_Q) * (r + kept) <= -(-n // MAXQ) * high
+
+
 _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # BellCtl::mode, the BELL_* bits: loads from host memory with ld.global.cv (1), stores with
 # st.global.wt (2), a system fence after the RESPONSE word (4), ld/st.relaxed.sys otherwise (8).
@@ -785,6 +830,7 @@ class GpuIndex(Index):
         self._masks_kept: OrderedDict[int, tuple[np.ndarray, int, Any, bool]] = OrderedDict()
         self._mask_kept: tuple[np.ndarray, int, Any, bool] | None = None
         self.filter_lists = 0  # host-path searches that scanned a filter's list of rows
+        self.lists_declined = 0  # ... and batches that took its mask instead (list_pays)
         self.gemm_stream_note = ""
         self._closed = False
         self.seg_addr = 0
@@ -1315,6 +1361,7 @@ class GpuIndex(Index):
                  doorbell_filters=scope_names(self.bell_served_spaces)[1],
                  bell_mask_uploads=self.bell_mask_uploads, bell_mask_follows=self.bell_mask_follows,
                  bell_list_uploads=self.bell_list_uploads, filter_lists=self.filter_lists,
+                 lists_declined=self.lists_declined,
                  carousel_k=self.carousel_k, carousel_running=self.carousel_running,
                  carousel_launches=self.carousel_launches,
                  carousel_boarded=self.crowd.boarded if self.crowd is not None else 0,
@@ -1625,6 +1672,14 @@ class GpuIndex(Index):
         where its list took ~38)."""
         return use_list(count, high)
 
+    def _mask_is_cheaper(self, n: int, kept: int, high: int) -> bool:
+        """Whether a batch of ``n`` queries that :func:`use_list` would scan through a list of
+        ``kept`` rows is answered for less through a mask (:func:`list_pays`): only where the
+        mask's batch takes the GEMM / mma pass. int8 and ``KALOS_GEMM=0`` batches take fused
+        launches through a mask too, walking every row: the list stays."""
+        gemm = USE_GEMM and self.dtype != "int8" and n >= GEMM_MIN_Q
+        return gemm and not list_pays(n, kept, high)
+
     def launch_slots(
         self, specs: list[SlotSpec], k: int, high: int, ns: int,
         candidates: np.ndarray | None, dense: bool, behind: bool = False,
@@ -1649,6 +1704,9 @@ class GpuIndex(Index):
         qs, rows, scores, out_ld = self._addresses(specs)
         mask_dev = None
         listed = candidates is not None and use_list(len(candidates), high)
+        if listed and self._mask_is_cheaper(sum(len(s.queries) for s in specs), len(candidates), high):  # type: ignore[arg-type]
+            listed = False
+            self.lists_declined += 1
         kept = self._masks_kept.get(id(candidates)) if candidates is not None else None
         if (kept is not None and kept[0] is candidates and kept[1] == high
                 and kept[3] == listed):  # fmt: skip  (a mask is never read as a list, nor a list as a mask)

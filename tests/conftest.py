@@ -8,6 +8,9 @@
 * ``KALOS_LIST_MIN_ROWS`` is 0 unless the environment sets it: the tests' indexes are small,
   and the list paths they check would otherwise start only at 262,144 rows (the floor itself:
   ``tests/unit/test_index_gpu_lists.py``). Sidecar processes inherit it.
+* ``KALOS_LIST_LAUNCH_ROWS`` is 0 unless the environment sets it, for the same reason: in
+  the tests' small indexes the rule would send every listed batch to the mask instead
+  (``list_pays``; its own tests set it).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("KALOS_LIST_MIN_ROWS", "0")  # before the sidecar's modules read it
+os.environ.setdefault("KALOS_LIST_LAUNCH_ROWS", "0")
 
 from kalos_retrievers import Sidecar
 

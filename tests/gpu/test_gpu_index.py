@@ -844,6 +844,38 @@ def test_selective_filters_scan_a_list_of_their_rows_exactly(dim: int, metric: s
         assert (svc.index.filter_lists - before == 12) if listed else svc.index.filter_lists == before
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_listed_batch_the_mask_answers_for_less_takes_the_mask(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KALOS_LIST_LAUNCH_ROWS (session 59's rule, list_pays; the tests' conftest sets it 0):
+    with it on, in an index this small every batch of a selective filter takes the mask's
+    GEMM / mma pass (counted as ``lists_declined``, not ``filter_lists``) and a single query
+    keeps the list; both answers exact (float32) or recall@10 >= 0.99 (float16), every row
+    the filter's. The control: the rule off, the batch goes through the list."""
+    from kalos_retrievers.sidecar import index_gpu
+
+    rng = np.random.default_rng()
+    n, dim = 20_011, 97
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    svc = make(dim, dtype=dtype)
+    put(svc, data, metas=[{"g": i % 53} for i in range(n)])
+    keep = np.arange(n) % 53 == 9  # 378 rows: a 53rd, so use_list says a list
+    for launch_rows in (index_gpu.LIST_LAUNCH_ROWS_DEFAULT, 0):
+        monkeypatch.setattr(index_gpu, "LIST_LAUNCH_ROWS", launch_rows)
+        for b in (1, 11):
+            lists, declined = svc.index.filter_lists, svc.index.lists_declined
+            q = rng.standard_normal((b, dim)).astype(np.float32)
+            if dtype == "float32":
+                check(svc, data, q, 10, eligible=keep, flt={"g": 9})
+            else:
+                rows, _ = svc.recall(q, 10, "", {"g": 9})
+                got = [[int(svc.rows.ids[r]) for r in rr] for rr in rows]
+                assert all(i % 53 == 9 for rr in got for i in rr)
+                assert recall_at_k(got, reference_topk(data, q, 10, eligible=keep)[0].tolist()) >= 0.99
+            to_mask = launch_rows > 0 and b > 1
+            assert (svc.index.filter_lists - lists, svc.index.lists_declined - declined) == (
+                (0, 1) if to_mask else (1, 0)), (launch_rows, b)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_selective_filters_lists_in_reduced_precision(dtype: str) -> None:
     """float16 and int8 storage (int8: the list's scan finds candidates, re-scored exactly):

@@ -26,9 +26,9 @@ pytestmark = pytest.mark.timeout(60)
 HIGH = 1000  # rows below the high-water mark
 
 
-def _spec() -> SlotSpec:
-    q = np.zeros((1, 8), np.float32)
-    rows, scores = np.zeros((1, 10), np.int32), np.zeros((1, 10), np.float32)
+def _spec(n: int = 1) -> SlotSpec:
+    q = np.zeros((n, 8), np.float32)
+    rows, scores = np.zeros((n, 10), np.int32), np.zeros((n, 10), np.float32)
     return SlotSpec(q, rows, scores, q.ctypes.data, rows.ctypes.data, scores.ctypes.data)
 
 
@@ -52,7 +52,8 @@ def index() -> Any:
 
     idx.__dict__.update(
         cp=SimpleNamespace(asarray=asarray), device=NullStream(), stream=NullStream(), seg_addr=1 << 40, exact=None,
-        _mask_kept=None, _masks_kept=OrderedDict(), filter_lists=0, fault_inject=None, _pass_end_ev=None, dim=8,
+        _mask_kept=None, _masks_kept=OrderedDict(), filter_lists=0, lists_declined=0, fault_inject=None,
+        _pass_end_ev=None, dim=8, dtype="float16",
         _finish_all=lambda: None, _run=run,
     )  # fmt: skip
     return idx, runs
@@ -116,6 +117,59 @@ def test_the_floor_of_rows_by_default_and_as_set() -> None:
             index_gpu.filter_list_fraction(bad)
     assert not index_gpu.use_list(1_000, 200_000, 16, index_gpu.LIST_MIN_ROWS_DEFAULT)
     assert index_gpu.use_list(1_000, 300_000, 16, index_gpu.LIST_MIN_ROWS_DEFAULT)
+
+
+def test_a_batch_the_masks_pass_answers_for_less_takes_the_mask(index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KALOS_LIST_LAUNCH_ROWS (LIST_LAUNCH_ROWS, session 59): a batch of 2 or more queries
+    that use_list would scan through a list takes the mask where list_pays says its fused
+    launches cost more than the GEMM / mma pass (counted as ``lists_declined``); a single
+    query keeps the list. The controls: the rule off (0), which the tests' conftest sets by
+    default, and int8 and KALOS_GEMM=0, whose mask batches walk every row in fused launches."""
+    idx, runs = index
+    cands = np.array([2, 17, 400, 999], np.int64)
+    monkeypatch.setattr(index_gpu, "LIST_LAUNCH_ROWS", index_gpu.LIST_LAUNCH_ROWS_DEFAULT)
+    idx.launch_slots([_spec(1)], 10, HIGH, 3, cands, False)
+    assert runs[-1][1:3] == (4, NS_LIST) and idx.filter_lists == 1 and idx.lists_declined == 0
+    idx.launch_slots([_spec(2), _spec(1)], 10, HIGH, 3, cands, False)  # 3 queries in two slots
+    assert runs[-1][1:3] == (HIGH, 3) and runs[-1][3].dtype == np.uint8
+    assert np.flatnonzero(runs[-1][3]).tolist() == cands.tolist()
+    assert idx.filter_lists == 1 and idx.lists_declined == 1
+    for launch_rows, listed in ((HIGH - 4, True), (HIGH - 3, False)):  # one launch of 996 + 4 rows, or 997 + 4
+        monkeypatch.setattr(index_gpu, "LIST_LAUNCH_ROWS", launch_rows)
+        idx.launch_slots([_spec(3)], 10, HIGH, 3, cands, False)
+        assert runs[-1][1:3] == ((4, NS_LIST) if listed else (HIGH, 3)), launch_rows
+    assert idx.filter_lists == 2 and idx.lists_declined == 2
+    for control in ("rule off", "int8", "no gemm"):
+        with monkeypatch.context() as m:
+            if control == "rule off":
+                m.setattr(index_gpu, "LIST_LAUNCH_ROWS", 0)
+            elif control == "int8":
+                m.setattr(idx, "dtype", "int8")
+            else:
+                m.setattr(index_gpu, "USE_GEMM", False)
+            idx.launch_slots([_spec(3)], 10, HIGH, 3, cands, False)
+        assert runs[-1][1:3] == (4, NS_LIST) and idx.lists_declined == 2, control
+    assert idx.filter_lists == 5
+
+
+def test_where_a_listed_batch_pays() -> None:
+    """list_pays: ceil(n / FUSED_MAX_Q) launches of (LIST_LAUNCH_ROWS + the list's rows)
+    against ceil(n / MAXQ) passes over ``high``, at S58's size (1,005,000 rows, a 5,000-row
+    filter: the list won at 48 queries and lost at 64) and past one pass of the mask."""
+    f, mq = index_gpu.FUSED_MAX_Q, index_gpu.MAXQ
+    assert (f, mq) == (8, 64)  # the arithmetic below
+    assert [index_gpu.list_pays(n, 5_000, 1_005_000, 150_000) for n in (2, 8, 48, 49, 56, 64)] == [
+        True, True, True, False, False, False]  # 7 launches of 155,000 rows > 1,005,000
+    assert index_gpu.list_pays(48, 5_000, 930_000, 150_000) and not index_gpu.list_pays(48, 5_001, 930_000, 150_000)
+    # 65 queries: 9 launches against 2 passes; 1 query: always the list
+    assert index_gpu.list_pays(65, 5_000, 9 * 155_000 // 2, 150_000)
+    assert not index_gpu.list_pays(65, 5_000, 9 * 155_000 // 2 - 1, 150_000)
+    assert index_gpu.list_pays(1, 5_000, 10, 150_000) and index_gpu.list_pays(64, 5_000, 10, 0)
+    assert index_gpu.list_launch_rows(None) == index_gpu.list_launch_rows(" ") == 150_000
+    assert index_gpu.list_launch_rows("0") == 0 and index_gpu.list_launch_rows("90000") == 90_000
+    for bad in ("-1", "1e5", "lots"):
+        with pytest.raises(ValueError, match="KALOS_LIST_LAUNCH_ROWS"):
+            index_gpu.list_launch_rows(bad)
 
 
 def test_no_filter_gets_neither(index: Any) -> None:
