@@ -245,11 +245,12 @@ def use_list(kept: int, high: int, fraction: int | None = None, floor: int | Non
 # (scan_list), where through a mask it takes one GEMM / mma pass over every row below ``high``
 # for up to MAXQ queries: the list's batch costs ~(launches) x (a fixed part + its rows), the
 # mask's ~(passes) x high. LIST_LAUNCH_ROWS is a launch's fixed part in rows of the mask's pass.
-# On an H100 at 1,005,000 rows (S58, 5,000-row scopes) a list's launch of 8 queries cost ~120 µs,
-# the mask's pass ~0.62 µs per 1,000 rows: list / mask 0.45, 0.71, 0.91 at 16, 32, 48 queries,
-# 1.14 at 64 (S56), the crossover near 52-55 queries, i.e. 7 launches of ~150,000 rows' worth.
-# Batch 1 and int8 (whose mask batches are fused launches too) always take the list where
-# use_list says so. KALOS_LIST_LAUNCH_ROWS=0: every batch does, as before session 59.
+# On an H100 at 1,005,000 rows (S58, 5,000-row scopes) a list's launch of 8 queries cost ~116
+# µs: list / mask 0.45, 0.71, 0.91 at 16, 32, 48 queries, 1.14 at 64 (S56, before the spread
+# sample), the crossover near 52-55 queries. The default is fitted to it (~7 launches to the
+# pass over 1,005,000 rows), not derived from the pass's cost a row, which also grows ~3.4 µs a
+# query. Batch 1, int8 and KALOS_GEMM=0 (whose mask batches are fused launches too) always take
+# the list where use_list says so. KALOS_LIST_LAUNCH_ROWS=0: every batch does, as before session 59.
 LIST_LAUNCH_ROWS_DEFAULT: Final = 150_000
 
 
@@ -827,7 +828,9 @@ class GpuIndex(Index):
         # (the service's kept answers, Service.eligible_for), the MASKS_KEPT most recently used,
         # by the array's id: (that array, high, the mask or list, whether a list); and the last
         # search's (None where it had no kept array)
-        self._masks_kept: OrderedDict[int, tuple[np.ndarray, int, Any, bool]] = OrderedDict()
+        # keyed by (the array's id, listed): one answer may be kept as both, a list for single
+        # queries and a mask for the batches list_pays sends to it
+        self._masks_kept: OrderedDict[tuple[int, bool], tuple[np.ndarray, int, Any, bool]] = OrderedDict()
         self._mask_kept: tuple[np.ndarray, int, Any, bool] | None = None
         self.filter_lists = 0  # host-path searches that scanned a filter's list of rows
         self.lists_declined = 0  # ... and batches that took its mask instead (list_pays)
@@ -1678,7 +1681,9 @@ class GpuIndex(Index):
         mask's batch takes the GEMM / mma pass. int8 and ``KALOS_GEMM=0`` batches take fused
         launches through a mask too, walking every row: the list stays."""
         gemm = USE_GEMM and self.dtype != "int8" and n >= GEMM_MIN_Q
-        return gemm and not list_pays(n, kept, high)
+        # (kept <= CAND_CAP: a longer list's rows may be one block the threshold's sample
+        # misses, tau_sample, and then the mask's batch overflows into the exact fallback, ~ms)
+        return gemm and kept <= CAND_CAP and not list_pays(n, kept, high)
 
     def launch_slots(
         self, specs: list[SlotSpec], k: int, high: int, ns: int,
@@ -1707,11 +1712,12 @@ class GpuIndex(Index):
         if listed and self._mask_is_cheaper(sum(len(s.queries) for s in specs), len(candidates), high):  # type: ignore[arg-type]
             listed = False
             self.lists_declined += 1
-        kept = self._masks_kept.get(id(candidates)) if candidates is not None else None
+        key = (id(candidates), listed)
+        kept = self._masks_kept.get(key) if candidates is not None else None
         if (kept is not None and kept[0] is candidates and kept[1] == high
                 and kept[3] == listed):  # fmt: skip  (a mask is never read as a list, nor a list as a mask)
             mask_dev = kept[2]  # (the same filter's answer again, its rows unchanged: uploaded once)
-            self._masks_kept.move_to_end(id(candidates))
+            self._masks_kept.move_to_end(key)
             self._mask_kept = kept
         elif candidates is not None:
             if listed:  # a selective filter: the list of its rows (scan_list walks only them)
@@ -1727,8 +1733,8 @@ class GpuIndex(Index):
             # list stays right for it while ``high`` does (the array held, so its id is not reused)
             self._mask_kept = None
             if not candidates.flags.writeable:
-                self._mask_kept = self._masks_kept[id(candidates)] = (candidates, high, mask_dev, listed)
-                self._masks_kept.move_to_end(id(candidates))
+                self._mask_kept = self._masks_kept[key] = (candidates, high, mask_dev, listed)
+                self._masks_kept.move_to_end(key)
                 while len(self._masks_kept) > MASKS_KEPT:
                     self._masks_kept.popitem(last=False)
         mask_addr = 0 if mask_dev is None else mask_dev.data.ptr

@@ -152,6 +152,25 @@ def test_a_batch_the_masks_pass_answers_for_less_takes_the_mask(index: Any, monk
     assert idx.filter_lists == 5
 
 
+def test_one_answer_kept_as_a_list_and_as_a_mask(index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept answer (read-only) searched by single queries (its list) and by batches the rule
+    sends to the mask keeps both uploads: alternating makes no new one after the first two.
+    A list longer than CAND_CAP keeps every batch (the mask's batch could overflow: tau_sample)."""
+    idx, runs = index
+    monkeypatch.setattr(index_gpu, "LIST_LAUNCH_ROWS", index_gpu.LIST_LAUNCH_ROWS_DEFAULT)
+    cands = np.array([3, 30, 300], np.int64)
+    cands.flags.writeable = False
+    for _ in range(3):
+        idx.launch_slots([_spec(1)], 10, HIGH, 3, cands, False)
+        idx.launch_slots([_spec(5)], 10, HIGH, 3, cands, False)
+    assert [r[3].dtype for r in runs] == [np.int32, np.uint8] * 3
+    assert len({id(r[3]) for r in runs}) == 2 and idx.lists_declined == 3
+    high = 16 * (index_gpu.CAND_CAP + 1)
+    for kept, listed in ((index_gpu.CAND_CAP, False), (index_gpu.CAND_CAP + 1, True)):
+        idx.launch_slots([_spec(64)], 10, high, 3, np.arange(kept, dtype=np.int64), False)
+        assert runs[-1][2] == (NS_LIST if listed else 3), kept
+
+
 def test_where_a_listed_batch_pays() -> None:
     """list_pays: ceil(n / FUSED_MAX_Q) launches of (LIST_LAUNCH_ROWS + the list's rows)
     against ceil(n / MAXQ) passes over ``high``, at S58's size (1,005,000 rows, a 5,000-row
