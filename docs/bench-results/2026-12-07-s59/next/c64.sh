@@ -1,7 +1,8 @@
 # session 59's call (gpu-notes Next steps 0 (b) (iv) and 2): session 58's c63.sh with session 59's rule
 # (list_pays, KALOS_LIST_LAUNCH_ROWS) off where a list is what is timed, then on where it is the question.
 # 1. list_grid.py (rule off): where a listed batch spends its time, in process, ~1 min.
-# 2. On an H200: the table at HEAD (c27.sh: durable, then --no-durable if time allows).
+# 2. On an H200: the table at HEAD (c27.sh: durable, then --no-durable if time allows); with TABLE_FIRST=1 (a
+#    short lease) the table alone.
 # 3. On any other card: test_gpu_sidecar.py (not run since the spread sample) and test_gpu_index.py's list
 #    tests (the rule's own among them); then batch 64 at 1,005,000 rows: the rule on (the 1% filter should
 #    take its mask), masks (FL=0), lists (FL=16, rule off).
@@ -10,6 +11,9 @@ left() { echo $(( LIM - ($(date +%s) - T0) )); }
 pack() { (cd $OUT && tar czf s64.tgz s64); }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $L/smi.txt
 source .device/gpu-env.sh >/dev/null || exit 1
+if [ -n "${TABLE_FIRST:-}" ] && grep -q H200 $L/smi.txt; then  # a short lease on an H200: the table before all else
+  LIM=$(( $(left) - 5 )) bash .device/c27.sh; (cd $OUT && tar czf logs.tgz logs && rm -rf logs); pack; exit
+fi
 KALOS_LIST_LAUNCH_ROWS=0 timeout 150 python -P docs/bench-results/2026-12-06-h100-s58/next/list_grid.py --out $L/list_grid.json > $L/list_grid.txt 2>&1
 echo "list_grid rc=$? at $(( $(date +%s) - T0 )) s"; grep -m3 "loaded\|Error" $L/list_grid.txt
 python -P -c "
