@@ -249,8 +249,9 @@ def use_list(kept: int, high: int, fraction: int | None = None, floor: int | Non
 # µs: list / mask 0.45, 0.71, 0.91 at 16, 32, 48 queries, 1.14 at 64 (S56, before the spread
 # sample), the crossover near 52-55 queries. The default is fitted to it (~7 launches to the
 # pass over 1,005,000 rows), not derived from the pass's cost a row, which also grows ~3.4 µs a
-# query. Batch 1, int8 and KALOS_GEMM=0 (whose mask batches are fused launches too) always take
-# the list where use_list says so. KALOS_LIST_LAUNCH_ROWS=0: every batch does, as before session 59.
+# query. Batch 1, int8, KALOS_GEMM=0 and batches below GEMM_MIN_Q (whose mask batches are fused
+# launches too), and lists longer than CAND_CAP, always take the list where use_list says so
+# (GpuIndex._mask_is_cheaper). KALOS_LIST_LAUNCH_ROWS=0: every batch does, as before session 59.
 LIST_LAUNCH_ROWS_DEFAULT: Final = 150_000
 
 
@@ -826,10 +827,9 @@ class GpuIndex(Index):
         self._pass_end_ev: Any = None
         # the filters' device masks or lists (use_list), kept for read-only candidates arrays
         # (the service's kept answers, Service.eligible_for), the MASKS_KEPT most recently used,
-        # by the array's id: (that array, high, the mask or list, whether a list); and the last
-        # search's (None where it had no kept array)
-        # keyed by (the array's id, listed): one answer may be kept as both, a list for single
-        # queries and a mask for the batches list_pays sends to it
+        # by (the array's id, whether a list): (that array, high, the mask or list, whether a
+        # list), one answer kept as both where single queries take its list and batches its
+        # mask (list_pays); and the last search's (None where it had no kept array)
         self._masks_kept: OrderedDict[tuple[int, bool], tuple[np.ndarray, int, Any, bool]] = OrderedDict()
         self._mask_kept: tuple[np.ndarray, int, Any, bool] | None = None
         self.filter_lists = 0  # host-path searches that scanned a filter's list of rows
@@ -1678,8 +1678,9 @@ class GpuIndex(Index):
     def _mask_is_cheaper(self, n: int, kept: int, high: int) -> bool:
         """Whether a batch of ``n`` queries that :func:`use_list` would scan through a list of
         ``kept`` rows is answered for less through a mask (:func:`list_pays`): only where the
-        mask's batch takes the GEMM / mma pass. int8 and ``KALOS_GEMM=0`` batches take fused
-        launches through a mask too, walking every row: the list stays."""
+        mask's batch takes the GEMM / mma pass. int8, ``KALOS_GEMM=0`` and batches below
+        ``KALOS_GEMM_MIN_Q`` take fused launches through a mask too, walking every row: the
+        list stays; so does a list longer than CAND_CAP."""
         gemm = USE_GEMM and self.dtype != "int8" and n >= GEMM_MIN_Q
         # (kept <= CAND_CAP: a longer list's rows may be one block the threshold's sample
         # misses, tau_sample, and then the mask's batch overflows into the exact fallback, ~ms)
