@@ -117,8 +117,10 @@ class Conductor(threading.Thread):
     or with k outside [1, KMAX], is refused (ERROR). ``pause`` stops it answering (a kernel
     that hangs); ``wrong_seq`` makes it echo the wrong sequence number; ``delay`` (s) holds each
     request that long before answering it (a turn of the rows, so that a request is still
-    aboard when the host does something else); ``short`` answers that many results at most (a
-    kernel that loses rows)."""
+    aboard when the host does something else); ``hold`` keeps every request it has taken
+    aboard while set, answering each ``delay`` after it is cleared (so a test can see TAKEN
+    however late its thread runs: a 5 ms window alone was missed on a loaded 2-core CI
+    machine); ``short`` answers that many results at most (a kernel that loses rows)."""
 
     def __init__(self, slots: Slots, data: np.ndarray, ns: np.ndarray | None = None,
                  n_rows: int | None = None) -> None:  # fmt: skip
@@ -127,6 +129,7 @@ class Conductor(threading.Thread):
         self.n_rows = len(data) if n_rows is None else n_rows
         self.stop = threading.Event()
         self.pause = threading.Event()
+        self.hold = threading.Event()
         self.wrong_seq = False
         self.delay = 0.0
         self.short: int | None = None
@@ -143,6 +146,10 @@ class Conductor(threading.Thread):
             for i in np.flatnonzero(s.words[:, 0] == REQUEST):
                 s.words[i, 0] = TAKEN
                 due[int(i)] = now + self.delay
+            if self.hold.is_set():  # aboard until the hold ends, then `delay` more
+                due = dict.fromkeys(due, now + self.delay)
+                time.sleep(0.0001)
+                continue
             for i in [i for i, t in due.items() if t <= now]:
                 del due[i]
                 w = s.words[i]

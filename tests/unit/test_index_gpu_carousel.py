@@ -339,8 +339,10 @@ def test_direct_clients_write_their_own_slots_between_an_odd_and_an_even_epoch(i
     assert idx.sweep_carousel() == 0 and slots.state(4) in (carousel.TAKEN, carousel.DONE)  # running: left alone
     kernel = idx._car.stream.kernel
     kernel.delay = 0.005  # (a turn: requests stay aboard while the stop begins; the stop waits up to 50 ms)
+    kernel.hold.set()  # (taken and kept aboard until just before the stop: TAKEN seen however late we poll)
     _ask(slots, 3, q[3], 6, 42)
     until(lambda: slots.state(3) == carousel.TAKEN)
+    kernel.hold.clear()
     idx.stop_carousel()
     # E + 1 while the kernel still runs (answers still good), E + 3 once it has stopped and its
     # slots were swept (nothing in flight by then)
