@@ -38,7 +38,7 @@ THREADS_AND_DEATH = """
 import faulthandler, os, signal, sys, threading, time
 faulthandler.enable()
 import numpy as np
-from kalos_retrievers import KalosClient, Sidecar, SidecarTimeout, SidecarUnavailable
+from kalos_retrievers import KalosClient, KalosError, Sidecar, SidecarTimeout, SidecarUnavailable
 name, dim = sys.argv[1], int(sys.argv[2])
 sc = Sidecar(name, dim=dim, device="cpu", slots=8, spin_us=50, startup_timeout=60).start()
 c = KalosClient(name, dim=dim, timeout=2, max_slots=8)
@@ -61,7 +61,8 @@ for t in threads: t.start()
 time.sleep(0.3)
 sc.kill(signal.SIGKILL)  # (the segment it leaves is cleared by the next start of this name)
 time.sleep(0.3)
-again = Sidecar(name, dim=dim, device="cpu", slots=8, spin_us=50, startup_timeout=60).start()
+# (one slot more than the client's 8: the start's own ping must not wait behind the threads)
+again = Sidecar(name, dim=dim, device="cpu", slots=9, spin_us=50, startup_timeout=60).start()
 until = time.monotonic() + 10
 while True:  # (the threads' failed reconnects may have the client backing off for a while)
     try:
