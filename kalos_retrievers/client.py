@@ -1032,7 +1032,7 @@ class KalosClient:
         self,
         ids: Sequence[str] | None,
         vectors: Any,
-        texts: Sequence[str] | None = None,
+        texts: Sequence[str | None] | None = None,
         metadatas: Sequence[Mapping[str, Any] | None] | None = None,
         *,
         namespace: str = "",
@@ -1042,15 +1042,22 @@ class KalosClient:
 
         Acknowledged (returned) only after the sidecar's store of record committed the write,
         so with ``--data-dir`` it survives ``kill -9``. Writes larger than one slot are split
-        into chunks transparently; each chunk commits on its own.
+        into chunks transparently; each chunk commits on its own. Every argument is checked
+        before the first chunk is sent, so a ``ValueError`` or ``TypeError`` means nothing
+        was written; a ``SidecarUnavailable`` or ``SidecarTimeout`` part-way through a large
+        write leaves the chunks before it committed (writing them again is harmless: an
+        existing id is overwritten).
 
         Args:
             ids: one id per vector (strings); None makes up UUIDs. An existing id in the
                 namespace is overwritten (its ``created_at`` is kept).
             vectors: (n, dim) array-like.
-            texts: the text of each memory (non-empty strings), or None for vector-only rows.
+            texts: the text of each memory (non-empty strings; a None entry is a vector-only
+                row), or None for vector-only rows.
             metadatas: one JSON-serializable dict per vector (or None).
             namespace: where to store them.
+            timeout: the deadline of each chunk's request, in seconds (None: the client's),
+                so a large write is not cut short by a deadline sized for one recall.
         """
         vecs = check_vectors(vectors, self.dim, "vectors")
         n = len(vecs)
@@ -1063,17 +1070,35 @@ class KalosClient:
                     f"vectors[{int(zero[0])}] is all zeros: it has no direction, so its cosine "
                     "similarity is undefined; use the 'ip' or 'l2' metric to store it"
                 )
+        if timeout is not None:
+            _check_timeout(timeout)
         id_list = _check_ids(ids, n)
+        requests = self._upsert_requests(id_list, texts, metadatas, namespace, n)
+        for start, end, args in requests:
+            self._call(Op.UPSERT, vectors=vecs[start:end], args=args, n_items=end - start,
+                       timeout=timeout)  # fmt: skip
+        return id_list
+
+    def _upsert_requests(
+        self,
+        id_list: list[str],
+        texts: Sequence[str | None] | None,
+        metadatas: Sequence[Mapping[str, Any] | None] | None,
+        namespace: str,
+        n: int,
+    ) -> list[tuple[int, int, bytes]]:
+        """Check an upsert's rows and split them into requests that each fit a slot:
+        ``(start, end, args)`` of rows ``start .. end``. Raises before anything is sent."""
         _check_namespace(namespace)
         text_list = _check_texts(texts, n)
         meta_enc = _encode_metadatas(metadatas, n)
         ns_json = encode_json(namespace)
         id_enc = [encode_json(i) for i in id_list]
         text_enc = [encode_json(t) for t in text_list]
-        deadline = self._deadline(timeout)
         lay = self.header.layout
         row_bytes = 4 * self.dim
         fixed = len(b'{"namespace":,"ids":[],"texts":[],"metadatas":[]}') + len(ns_json)
+        out = []
         start = 0
         while start < n:
             size, end = fixed, start
@@ -1095,10 +1120,24 @@ class KalosClient:
                 b'],"texts":[', b",".join(text_enc[start:end]),
                 b'],"metadatas":[', b",".join(meta_enc[start:end]), b"]}",
             ])  # fmt: skip
-            self._call(Op.UPSERT, vectors=vecs[start:end], args=args, n_items=end - start,
-                       deadline=deadline)  # fmt: skip
+            out.append((start, end, args))
             start = end
-        return id_list
+        return out
+
+    def check_upsert(
+        self,
+        n: int,
+        ids: Sequence[str] | None = None,
+        texts: Sequence[str | None] | None = None,
+        metadatas: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        namespace: str = "",
+    ) -> None:
+        """Raise what :meth:`upsert` of ``n`` rows with these ids, texts and metadatas would
+        raise for them, without sending anything: for callers that write one large input in
+        several upserts (embedding each part first) and want a bad entry refused before the
+        first part is stored. Its indexes are those of these sequences."""
+        self._upsert_requests(_check_ids(ids, n), texts, metadatas, namespace, n)
 
     def get(
         self,
@@ -1809,7 +1848,7 @@ def _check_ids(ids: Iterable[str] | None, n: int | None) -> list[str]:
     return id_list
 
 
-def _check_texts(texts: Sequence[str] | None, n: int) -> list[str]:
+def _check_texts(texts: Sequence[str | None] | None, n: int) -> list[str]:
     if texts is None:
         return [""] * n
     if isinstance(texts, str):
@@ -1818,10 +1857,15 @@ def _check_texts(texts: Sequence[str] | None, n: int) -> list[str]:
     if len(out) != n:
         raise ValueError(f"texts has {len(out)} entries but vectors has {n}")
     for i, t in enumerate(out):
+        if t is None:  # a vector-only row (stored, and returned, as "")
+            out[i] = ""
+            continue
         if not isinstance(t, str):
-            raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+            raise TypeError(f"texts[{i}] must be a str or None, got {type(t).__name__}")
         if not t:
-            raise ValueError(f"texts[{i}] is empty; store text, or pass texts=None for vector-only rows")
+            raise ValueError(
+                f"texts[{i}] is empty; store text, or give None (or texts=None) for vector-only rows"
+            )
         _utf8(t, f"texts[{i}]")
     return out
 

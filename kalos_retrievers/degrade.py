@@ -76,9 +76,14 @@ class Degrader:
         self._episode_start = 0.0
         self._lock = threading.Lock()
 
-    def should_degrade(self, exc: BaseException) -> bool:
-        """Record a failure. True: return empty context. False: re-raise ``exc``."""
-        if not isinstance(exc, KalosError) or not exc.transient or self.on_error == "raise":
+    def should_degrade(self, exc: BaseException, on_error: OnError | None = None) -> bool:
+        """Record a failure. True: return empty context. False: re-raise ``exc``.
+
+        ``on_error`` overrides this Degrader's for the call (an adapter whose policy can
+        change after its Degrader was made passes its own)."""
+        if on_error is None:
+            on_error = self.on_error
+        if not isinstance(exc, KalosError) or not exc.transient or on_error == "raise":
             return False
         with self._lock:
             self.degraded_calls += 1

@@ -16,7 +16,7 @@ from langchain_core.callbacks import (
     CallbackManagerForRetrieverRun,
 )
 
-from ..degrade import Degrader
+from ..degrade import Degrader, OnError
 
 __all__ = ["DEGRADED_EVENT", "adegrade", "degrade"]
 
@@ -37,15 +37,20 @@ def _event_data(degrader: Degrader, exc: BaseException, name: str, first: bool) 
 
 
 def degrade(
-    degrader: Degrader, exc: Exception, name: str, run_manager: CallbackManagerForRetrieverRun
+    degrader: Degrader,
+    exc: Exception,
+    name: str,
+    run_manager: CallbackManagerForRetrieverRun,
+    on_error: OnError | None = None,
 ) -> bool:
-    """Let ``degrader`` judge ``exc``; on True also dispatch :data:`DEGRADED_EVENT`.
+    """Let ``degrader`` judge ``exc`` (with the retriever's ``on_error``); on True also
+    dispatch :data:`DEGRADED_EVENT`.
 
     Returns:
         True when the caller should return empty context, False when it should re-raise.
     """
     before = degrader.episodes
-    if not degrader.should_degrade(exc):
+    if not degrader.should_degrade(exc, on_error):
         return False
     data = _event_data(degrader, exc, name, degrader.episodes != before)
     run_manager.get_child().on_custom_event(DEGRADED_EVENT, data, run_id=run_manager.run_id)
@@ -53,11 +58,15 @@ def degrade(
 
 
 async def adegrade(
-    degrader: Degrader, exc: Exception, name: str, run_manager: AsyncCallbackManagerForRetrieverRun
+    degrader: Degrader,
+    exc: Exception,
+    name: str,
+    run_manager: AsyncCallbackManagerForRetrieverRun,
+    on_error: OnError | None = None,
 ) -> bool:
     """Async :func:`degrade`."""
     before = degrader.episodes
-    if not degrader.should_degrade(exc):
+    if not degrader.should_degrade(exc, on_error):
         return False
     data = _event_data(degrader, exc, name, degrader.episodes != before)
     await run_manager.get_child().on_custom_event(DEGRADED_EVENT, data, run_id=run_manager.run_id)

@@ -23,7 +23,7 @@ from langchain_core.callbacks import (
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.vectorstores import VectorStoreRetriever
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from ..degrade import Degrader
 from ..filters import validate_filter
@@ -159,9 +159,13 @@ class KalosRetriever(BaseRetriever):
     namespace: str | None = None
     filter: Mapping[str, Any] | None = None
     score_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
-    timeout: float | None = Field(default=None, gt=0.0)
+    timeout: float | None = Field(default=None, gt=0.0, le=86_400.0)
     on_error: Literal["empty", "raise"] = "empty"
-    _degrader: Degrader = PrivateAttr()
+    degrader: Degrader | None = Field(default=None, exclude=True, repr=False)
+    """Counts of degraded calls (``degraded_calls``) and outages (``episodes``); made at
+    construction. A field, not private state, so that the copies LangChain makes of a
+    retriever (``configurable_fields``, ``configurable_alternatives``) share it: one outage
+    is one episode and one warning, however many copies see it."""
 
     @model_validator(mode="before")
     @classmethod
@@ -176,7 +180,11 @@ class KalosRetriever(BaseRetriever):
                 "KalosRetriever needs vectorstore=KalosVectorStore(...), or embedding= "
                 "together with name= (a sidecar's --name) or client= (a KalosClient)"
             )
-        data["vectorstore"] = KalosVectorStore(embedding, name=name, client=client)
+        # the store's namespace is the retriever's, so that retriever.vectorstore.add_texts()
+        # writes where invoke() searches
+        namespace = data.get("namespace")
+        data["vectorstore"] = KalosVectorStore(embedding, name=name, client=client,
+                                               namespace="" if namespace is None else namespace)  # fmt: skip
         return data
 
     @field_validator("filter", mode="before")
@@ -187,13 +195,9 @@ class KalosRetriever(BaseRetriever):
 
     def model_post_init(self, context: Any, /) -> None:
         super().model_post_init(context)
-        self._degrader = Degrader(f"KalosRetriever(name={self.vectorstore.client.name!r})",
-                                  self.on_error)  # fmt: skip
-
-    @property
-    def degrader(self) -> Degrader:
-        """Counts of degraded calls (``degraded_calls``) and outages (``episodes``)."""
-        return self.__pydantic_private__["_degrader"]  # type: ignore[index,no-any-return]
+        if self.degrader is None:
+            self.degrader = Degrader(f"KalosRetriever(name={self.vectorstore.client.name!r})",
+                                     self.on_error)  # fmt: skip
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
@@ -207,16 +211,14 @@ class KalosRetriever(BaseRetriever):
             threshold, timeout = self.score_threshold, self.timeout
         store = self.vectorstore
         vector = store.embedding.embed_query(query)
-        # pydantic keeps private attributes here; self._degrader would go through
-        # BaseModel.__getattr__, about 1 us per access on the development VM
-        degrader: Degrader = self.__pydantic_private__["_degrader"]  # type: ignore[index]
+        degrader: Degrader = self.degrader  # type: ignore[assignment]
         try:
             res = store._recall(vector, k, flt, namespace, store._seconds(timeout))
             # (with a threshold, the metric is read: from the header, which reconnects if
             # another thread found the sidecar gone meanwhile, and may fail as the recall may)
             docs = docs_of(res) if threshold is None else self._documents(res, threshold)
         except Exception as exc:
-            if degrade(degrader, exc, store.client.name, run_manager):
+            if degrade(degrader, exc, store.client.name, run_manager, self.on_error):
                 return []
             raise
         if degrader.in_episode:
@@ -229,12 +231,12 @@ class KalosRetriever(BaseRetriever):
         k, flt, namespace, threshold, timeout = self._options(kwargs)
         store = self.vectorstore
         vector = await store.embedding.aembed_query(query)
-        degrader: Degrader = self.__pydantic_private__["_degrader"]  # type: ignore[index]
+        degrader: Degrader = self.degrader  # type: ignore[assignment]
         try:
             res = await store._arecall(vector, k, flt, namespace, timeout)
             docs = self._documents(res, threshold)  # (as in the sync path: the metric's read may fail too)
         except Exception as exc:
-            if await adegrade(degrader, exc, store.client.name, run_manager):
+            if await adegrade(degrader, exc, store.client.name, run_manager, self.on_error):
                 return []
             raise
         if degrader.in_episode:
@@ -279,7 +281,8 @@ class KalosVectorStoreRetriever(VectorStoreRetriever):
 
     vectorstore: KalosVectorStore
     on_error: Literal["empty", "raise"] = "empty"
-    _degrader: Degrader = PrivateAttr()
+    degrader: Degrader | None = Field(default=None, exclude=True, repr=False)
+    """As :attr:`KalosRetriever.degrader` (shared by LangChain's copies of this retriever)."""
 
     def model_post_init(self, context: Any, /) -> None:
         super().model_post_init(context)
@@ -291,25 +294,21 @@ class KalosVectorStoreRetriever(VectorStoreRetriever):
                 f"search_kwargs {extra} do not apply to search_type={self.search_type!r}, which "
                 f"takes {sorted(takes)}" + (f" ({' and '.join(map(repr, others))} takes them)" if others else "")
             )
-        self._degrader = Degrader(
-            f"KalosVectorStoreRetriever(name={self.vectorstore.client.name!r}, "
-            f"search_type={self.search_type!r})",
-            self.on_error,
-        )
-
-    @property
-    def degrader(self) -> Degrader:
-        """Counts of degraded calls (``degraded_calls``) and outages (``episodes``)."""
-        return self.__pydantic_private__["_degrader"]  # type: ignore[index,no-any-return]
+        if self.degrader is None:
+            self.degrader = Degrader(
+                f"KalosVectorStoreRetriever(name={self.vectorstore.client.name!r}, "
+                f"search_type={self.search_type!r})",
+                self.on_error,
+            )
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        degrader: Degrader = self.__pydantic_private__["_degrader"]  # type: ignore[index]
+        degrader: Degrader = self.degrader  # type: ignore[assignment]
         try:
             docs = super()._get_relevant_documents(query, run_manager=run_manager, **kwargs)
         except Exception as exc:
-            if degrade(degrader, exc, self.vectorstore.client.name, run_manager):
+            if degrade(degrader, exc, self.vectorstore.client.name, run_manager, self.on_error):
                 return []
             raise
         if degrader.in_episode:
@@ -319,11 +318,12 @@ class KalosVectorStoreRetriever(VectorStoreRetriever):
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        degrader: Degrader = self.__pydantic_private__["_degrader"]  # type: ignore[index]
+        degrader: Degrader = self.degrader  # type: ignore[assignment]
         try:
             docs = await super()._aget_relevant_documents(query, run_manager=run_manager, **kwargs)
         except Exception as exc:
-            if await adegrade(degrader, exc, self.vectorstore.client.name, run_manager):
+            if await adegrade(degrader, exc, self.vectorstore.client.name, run_manager,
+                              self.on_error):  # fmt: skip
                 return []
             raise
         if degrader.in_episode:

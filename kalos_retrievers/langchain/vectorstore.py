@@ -214,6 +214,22 @@ class KalosVectorStore(VectorStore):
         return self.embedding
 
     # ------------------------------------------------------------------ add / delete / get
+    def add_documents(
+        self, documents: list[Document], ids: list[str] | None = None, **kwargs: Any
+    ) -> list[str]:
+        """Store ``documents``: :meth:`add_texts` of their texts and metadata, under ``ids``
+        if given (non-empty), else each ``Document.id`` (a fresh UUID where it is None), as
+        ``InMemoryVectorStore`` does. Takes :meth:`add_texts`' keyword arguments."""
+        texts, metas, doc_ids = _document_rows(documents, ids)
+        return self.add_texts(texts, metas, ids=doc_ids, **kwargs)
+
+    async def aadd_documents(
+        self, documents: list[Document], ids: list[str] | None = None, **kwargs: Any
+    ) -> list[str]:
+        """Async :meth:`add_documents`."""
+        texts, metas, doc_ids = _document_rows(documents, ids)
+        return await self.aadd_texts(texts, metas, ids=doc_ids, **kwargs)
+
     def add_texts(
         self,
         texts: Iterable[str],
@@ -232,21 +248,29 @@ class KalosVectorStore(VectorStore):
             metadatas: one JSON-serializable dict per text (stored and returned unchanged).
             ids: one id per text; None entries (or ``ids=None``) get a fresh UUID.
             namespace: where to store them (default: the store's namespace).
-            timeout: deadline of each write, in seconds, counted after embedding.
+            timeout: deadline of each write request, in seconds, counted after embedding (a
+                write larger than one slot is sent as several requests).
             batch_size: embed and write this many texts at a time (default: all at once).
 
         Returns:
             The ids, in the order of ``texts``.
 
         Raises:
-            ValueError: mismatched lengths, metadata that is not JSON, or embeddings whose
-                dimension differs from the sidecar's.
+            ValueError: mismatched lengths, metadata that is not JSON, a text and metadata
+                too large for one slot, or embeddings whose dimension differs from the
+                sidecar's, with NaN, or all zeros (cosine): nothing is stored, but for an
+                embedding refused in a later batch of ``batch_size``, whose earlier batches
+                are stored.
             SidecarUnavailable, SidecarTimeout: the sidecar is gone or too slow; rows of
-                earlier batches may be stored.
+                earlier batches (or slot-sized chunks) may be stored: adding them again
+                overwrites them.
         """
         _no_extra(kwargs, "add_texts")
         rows = to_rows(texts, metadatas, ids)
-        for lo, hi in _batches(len(rows.ids), batch_size):
+        batches = _batches(len(rows.ids), batch_size)
+        if len(batches) > 1:
+            self._check_rows(rows, namespace)
+        for lo, hi in batches:
             part = rows.texts[lo:hi]
             vectors = as_matrix(self.embedding.embed_documents(part), hi - lo, "embed_documents")
             self._upsert(rows, lo, vectors, namespace, self._deadline(timeout))
@@ -266,7 +290,10 @@ class KalosVectorStore(VectorStore):
         """Async :meth:`add_texts` (``aembed_documents``, then the write in a worker thread)."""
         _no_extra(kwargs, "aadd_texts")
         rows = to_rows(texts, metadatas, ids)
-        for lo, hi in _batches(len(rows.ids), batch_size):
+        batches = _batches(len(rows.ids), batch_size)
+        if len(batches) > 1:
+            await run_in_executor(None, self._check_rows, rows, namespace)
+        for lo, hi in batches:
             part = rows.texts[lo:hi]
             embedded = await self.embedding.aembed_documents(part)
             vectors = as_matrix(embedded, hi - lo, "aembed_documents")
@@ -747,33 +774,39 @@ class KalosVectorStore(VectorStore):
         return await run_in_executor(None, self._recall_by, vector, k, flt, namespace, deadline,
                                      with_vectors)  # fmt: skip
 
+    def _check_rows(self, rows: Rows, namespace: str | None) -> None:
+        """Refuse what the client would refuse of any row's id, text or metadata before the
+        first of several batches is embedded and stored (connects, as the write would)."""
+        self.client.check_upsert(len(rows.ids), rows.ids, [t or None for t in rows.texts],
+                                 rows.metadatas, namespace=self._ns(namespace))  # fmt: skip
+
     def _upsert(
         self, rows: Rows, lo: int, vectors: np.ndarray, namespace: str | None, deadline: float
     ) -> None:
-        """Write rows ``lo .. lo + len(vectors)``."""
+        """Write rows ``lo .. lo + len(vectors)`` in one client upsert, which checks them all
+        before it sends any (with ``lo`` > 0 :meth:`_check_rows` has checked their texts and
+        metadatas already, so the client's indexes, which count from ``lo``, are not seen)."""
         if not len(vectors):
             return
         self._check_dim(vectors.shape[1])
         bad = np.flatnonzero(~np.isfinite(vectors).all(axis=1))
         if len(bad):
             raise ValueError(f"the embedding of texts[{lo + int(bad[0])}] contains NaN or infinity")
-        ns = self._ns(namespace)
+        if self.client.metric == "cosine":
+            zero = np.flatnonzero(~vectors.any(axis=1))
+            if len(zero):
+                raise ValueError(
+                    f"the embedding of texts[{lo + int(zero[0])}] is all zeros: it has no "
+                    "direction, so its cosine similarity is undefined (an empty text, for some "
+                    "models); leave it out, or use a sidecar with the 'ip' or 'l2' metric"
+                )
         hi = lo + len(vectors)
-        ids, texts, metas = rows.ids[lo:hi], rows.texts[lo:hi], rows.metadatas[lo:hi]
-        # The client takes "no text" only as texts=None (stored as ""), while LangChain allows
-        # Document(page_content=""): writing empty texts apart round-trips them exactly. Of
-        # duplicate ids only the last is written (as one upsert of them all would keep it).
-        last = {id_: i for i, id_ in enumerate(ids)}
-        keep = [i for i, id_ in enumerate(ids) if last[id_] == i]
-        full = [i for i in keep if texts[i]]
-        empty = [i for i in keep if not texts[i]]
-        for part, with_text in ((full, True), (empty, False)):
-            if part:
-                self.client.upsert(
-                    [ids[i] for i in part], vectors[part],
-                    [texts[i] for i in part] if with_text else None,
-                    [metas[i] for i in part], namespace=ns, timeout=self._left(deadline),
-                )  # fmt: skip
+        # LangChain allows Document(page_content=""); the client stores it as a vector-only
+        # row (a None text), which reads back as "". Duplicate ids: the last is kept, as in
+        # any one upsert.
+        texts = [t or None for t in rows.texts[lo:hi]]
+        self.client.upsert(rows.ids[lo:hi], vectors, texts, rows.metadatas[lo:hi],
+                           namespace=self._ns(namespace), timeout=self._left(deadline))  # fmt: skip
 
     def _delete(
         self, ids: Sequence[str] | None, flt: dict[str, Any] | None, namespace: str | None,
@@ -792,6 +825,17 @@ class KalosVectorStore(VectorStore):
             return []
         records = self.client.get(ids, namespace=self._ns(namespace), timeout=self._left(deadline))
         return [to_document(r) for r in records]
+
+
+def _document_rows(
+    documents: list[Document], ids: list[str] | None
+) -> tuple[list[str], list[dict[str, Any]], list[str | None]]:
+    docs = list(documents)
+    for i, d in enumerate(docs):
+        if not isinstance(d, Document):
+            raise TypeError(f"documents[{i}] must be a langchain Document, got {type(d).__name__}")
+    chosen = ids if ids else [d.id for d in docs]
+    return [d.page_content for d in docs], [d.metadata for d in docs], chosen
 
 
 def _batches(n: int, batch_size: int | None) -> list[tuple[int, int]]:

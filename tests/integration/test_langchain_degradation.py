@@ -293,3 +293,50 @@ async def test_as_retriever_degrades_too(mode: str, start_sidecar: Callable[...,
         finally:
             sc.kill(signal.SIGCONT)
         assert [d.id for d in await call(soft, mode, timeout=2)] == ["fact"]
+
+
+# ------------------------------------------------------------------ LangChain's copies of a retriever
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_configured_copies_share_one_episode(
+    mode: str, make_name: Callable[[], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``configurable_fields`` rebuilds the retriever at every configured call: one outage is
+    still one episode and one warning, counted on the original's degrader."""
+    from langchain_core.runnables import ConfigurableField
+
+    caplog.set_level(logging.DEBUG, "kalos_retrievers")
+    r = KalosRetriever(embedding=EMB, name=make_name(), timeout=0.2)
+    per_user = r.configurable_fields(k=ConfigurableField(id="k"))
+    store = r.vectorstore
+    mmr = store.as_retriever(search_type="mmr").configurable_fields(
+        search_kwargs=ConfigurableField(id="search_kwargs"))  # fmt: skip
+    for k in (1, 2, 3):
+        config: Any = {"configurable": {"k": k, "search_kwargs": {"k": k}}}
+        assert await call(per_user, mode, config=config) == []
+        assert await call(mmr, mode, config=config) == []
+    assert (r.degrader.episodes, r.degrader.degraded_calls) == (1, 3)
+    assert mmr.default.degrader.episodes == 1  # type: ignore[attr-defined]
+    assert len(warnings_of(caplog)) == 2  # one per retriever, not one per call
+    assert "degrader" not in r.model_dump()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_on_error_set_after_construction_is_obeyed(mode: str, make_name: Callable[[], str]) -> None:
+    r = KalosRetriever(embedding=EMB, name=make_name(), timeout=0.2)
+    assert await call(r, mode) == []
+    r.on_error = "raise"  # (the control: the same retriever degraded above)
+    with pytest.raises(SidecarUnavailable):
+        await call(r, mode)
+
+
+def test_a_retrievers_own_store_writes_into_its_namespace(start_sidecar: Callable[..., Sidecar]) -> None:
+    sc = start_sidecar(dim=DIM)
+    r = KalosRetriever(embedding=EMB, name=sc.name, namespace="tenant-7", timeout=2)
+    assert r.vectorstore.namespace == "tenant-7"
+    r.vectorstore.add_texts([FACT], ids=["fact"])
+    assert [d.id for d in r.invoke(FACT)] == ["fact"]
+    assert KalosRetriever(embedding=EMB, name=sc.name, timeout=2).invoke(FACT) == []  # control: "" is empty
+    with pytest.raises(ValueError, match="timeout"):
+        KalosRetriever(embedding=EMB, name=sc.name, timeout=1e6)  # refused here, not at every call

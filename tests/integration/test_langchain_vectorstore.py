@@ -384,6 +384,72 @@ def test_a_non_finite_embedding_is_named_by_its_text(store: KalosVectorStore) ->
         bad.add_texts(["a", "", "bad"], batch_size=2)
 
 
+def test_a_refused_add_stores_nothing_and_names_the_callers_entry(store: KalosVectorStore) -> None:
+    """Every row is checked before any is sent, across texted and empty texts, the client's
+    slot-sized chunks and add_texts' batches; the index is the caller's."""
+    import datetime
+
+    before = store.client.count(store.namespace)
+    bad_meta = [{}, {}, {"when": datetime.date(2026, 1, 1)}]
+    with pytest.raises(ValueError, match=r"^metadatas\[2\] is not JSON"):
+        store.add_texts(["a", "", "c"], bad_meta, ids=["r0", "r1", "r2"])
+    with pytest.raises(ValueError, match=r"^metadatas\[2\] is not JSON"):
+        store.add_texts(["a", "", "c"], bad_meta, ids=["r0", "r1", "r2"], batch_size=1)
+    payload = store.client.header.layout.payload_size
+    with pytest.raises(ValueError, match=r"^texts/metadatas\[3\] is too large"):  # after a chunk's worth
+        store.add_texts(["a", "", "b" * (payload // 2), "c" * payload], ids=["r0", "r1", "r2", "r3"])
+
+    class ZeroForEmpty(WordHashEmbedding):
+        def embed_documents(self, texts: list[str]) -> list[list[float]]:
+            return [[0.0] * 97 if not t else v for t, v in zip(texts, super().embed_documents(texts), strict=True)]
+
+    zero = KalosVectorStore(ZeroForEmpty(97), client=store.client, namespace=store.namespace)
+    with pytest.raises(ValueError, match=r"texts\[1\] is all zeros"):
+        zero.add_texts(["a", "", "c"], ids=["r0", "r1", "r2"])
+    assert store.get_by_ids(["r0", "r1", "r2", "r3"]) == []
+    assert store.client.count(store.namespace) == before
+    # an embedding is known only when its batch is embedded: the batches before it are stored
+    with pytest.raises(ValueError, match=r"texts\[3\] is all zeros"):
+        zero.add_texts(["a", "b", "c", ""], ids=["r0", "r1", "r2", "r3"], batch_size=2)
+    assert [d.id for d in store.get_by_ids(["r0", "r1", "r2", "r3"])] == ["r0", "r1"]
+    # control: the same rows, made valid, are stored (texted and empty alike)
+    assert store.add_texts(["a", "", "c"], [{}, {}, {"when": "2026-01-01"}], ids=["r0", "r1", "r2"],
+                           batch_size=1) == ["r0", "r1", "r2"]  # fmt: skip
+    assert [d.page_content for d in store.get_by_ids(["r0", "r1", "r2"])] == ["a", "", "c"]
+
+
+def test_add_documents_takes_document_ids_unless_ids_are_given(store: KalosVectorStore) -> None:
+    docs = [Document("one", id="doc-1"), Document("two", id="doc-2"), Document("three")]
+    for ids in (None, []):  # as InMemoryVectorStore: an empty ids list is no ids
+        got = store.add_documents(docs, ids=ids)
+        assert got[:2] == ["doc-1", "doc-2"] and got[2] not in ("doc-1", "doc-2")
+    assert store.add_documents(docs, ids=["x1", "x2", "x3"]) == ["x1", "x2", "x3"]
+    assert [d.id for d in store.get_by_ids(["doc-1", "doc-2", "x3"])] == ["doc-1", "doc-2", "x3"]
+
+
+async def test_aadd_documents_takes_document_ids(store: KalosVectorStore) -> None:
+    got = await store.aadd_documents([Document("one", id="adoc-1")], ids=None)
+    assert got == ["adoc-1"]
+    assert [d.page_content for d in await store.aget_by_ids(["adoc-1"])] == ["one"]
+
+
+def test_a_write_of_many_chunks_gives_each_chunk_the_timeout(store: KalosVectorStore,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A 2 s deadline fits one slot's write, not a large ingest: each request gets it."""
+    client = store.client
+    seen: list[float] = []
+    real = client._call
+
+    def spy(op: int, **kw: Any) -> Any:
+        seen.append(kw["timeout"] if kw.get("deadline") is None else -1.0)
+        return real(op, **kw)
+
+    monkeypatch.setattr(client, "_call", spy)
+    payload = client.header.layout.payload_size
+    store.add_texts(["w" * (payload // 3)] * 7, ids=[f"w{i}" for i in range(7)], timeout=1.5)
+    assert len(seen) >= 3 and all(t == pytest.approx(1.5, abs=0.05) for t in seen), seen
+
+
 def test_dimension_mismatch_says_how_to_fix(shared_sidecar: Sidecar) -> None:
     assert shared_sidecar.dim == 8
     store = KalosVectorStore(DeterministicFakeEmbedding(size=6), name=shared_sidecar.name)

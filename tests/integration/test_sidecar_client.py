@@ -101,6 +101,32 @@ def test_upserts_larger_than_a_slot_and_responses_larger_than_the_blob(start_sid
         assert c.count() == n  # refused before anything was sent
 
 
+def test_an_upsert_refused_by_a_late_row_stores_none_of_its_chunks(start_sidecar) -> None:
+    """Every row is checked, and every chunk planned, before the first chunk is sent; a None
+    text is a vector-only row beside texted ones."""
+    rng = np.random.default_rng()
+    dim, n = 97, 401
+    sc = start_sidecar(dim=dim, payload_kb=64)  # about 150 rows per chunk
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    ids = [f"r{i}" for i in range(n)]
+    texts: list[str | None] = [f"text {i}" if i % 3 else None for i in range(n)]
+    with sc.client() as c:
+        for bad_texts, bad_metas, match in [
+            ([*texts[:-1], "y" * 70000], None, r"texts/metadatas\[400\] is too large"),
+            (texts, [{}] * (n - 1) + [{"x": {1, 2}}], r"metadatas\[400\] is not JSON"),
+            ([*texts[:-1], ""], None, r"texts\[400\] is empty"),
+            ([*texts[:-1], b"bytes"], None, r"texts\[400\] must be a str or None"),
+        ]:
+            with pytest.raises((ValueError, TypeError), match=match):
+                c.upsert(ids, data, texts=bad_texts, metadatas=bad_metas)
+        assert c.count() == 0 and c.get(ids[:3]) == []
+        c.upsert(ids, data, texts=texts)  # the control: the same rows, valid, are all stored
+        recs = c.get(ids)
+        assert [r.text for r in recs] == [t or "" for t in texts]
+        with pytest.raises(ValueError, match="timeout"):
+            c.upsert(ids[:1], data[:1], timeout=0)
+
+
 def test_gets_deletes_and_filters_larger_than_a_slot(start_sidecar) -> None:
     """More ids than one request holds are split over requests (in order; the counts summed),
     a batch whose filter leaves room for fewer queries is split further, and a filter that
