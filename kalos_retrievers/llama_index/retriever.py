@@ -82,7 +82,8 @@ class KalosRetriever(BaseRetriever):
         vector_store_query_mode: ``"default"`` or ``"mmr"``.
         mmr_threshold: MMR's relevance/diversity balance in [0, 1] (0.5 by default).
         timeout: this retriever's deadline in seconds (default: the store's client's).
-        on_error: ``"empty"`` or ``"raise"``.
+        on_error: ``"empty"`` or ``"raise"`` (default: the store's ``on_error``, so a store
+            made to raise gives retrievers that raise).
     """
 
     def __init__(
@@ -97,7 +98,7 @@ class KalosRetriever(BaseRetriever):
         vector_store_query_mode: str | VectorStoreQueryMode = VectorStoreQueryMode.DEFAULT,
         mmr_threshold: float | None = None,
         timeout: float | None = None,
-        on_error: Literal["empty", "raise"] = "empty",
+        on_error: Literal["empty", "raise"] | None = None,
         callback_manager: CallbackManager | None = None,
         **kwargs: Any,
     ) -> None:
@@ -120,7 +121,7 @@ class KalosRetriever(BaseRetriever):
         self._mmr_threshold = mmr_threshold
         self._timeout = timeout
         what = f"KalosRetriever(name={vector_store.name!r}, namespace={vector_store.namespace!r})"
-        self.degrader = Degrader(what, on_error)
+        self.degrader = Degrader(what, vector_store.on_error if on_error is None else on_error)
         super().__init__(callback_manager=callback_manager, **kwargs)
 
     @property

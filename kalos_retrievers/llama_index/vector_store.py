@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -211,21 +212,21 @@ class KalosVectorStore(BasePydanticVectorStore):
         """Store nodes (with their embeddings); return their ids. An existing id is overwritten.
 
         Raises:
-            ValueError: a node has no embedding, or metadata that is not JSON.
-            SidecarUnavailable, SidecarTimeout: the write did not happen (never degraded).
+            ValueError: a node has no embedding, or one of another dimension than the
+                sidecar's, with NaN or infinity, or all zeros (cosine), or metadata that is not
+                JSON, or text and metadata too large for a slot: nothing is stored.
+            SidecarUnavailable, SidecarTimeout: the write did not happen, or (a write larger
+                than one slot) only its first chunks did; never degraded.
         """
         rows = [node_to_row(n) for n in nodes]
-        # Last occurrence of an id wins, as it would one at a time; rows with and without text
-        # go in separate requests (a request is all-text or all vector-only).
-        latest = {r[0]: r for r in rows}
-        for has_text in (True, False):
-            group = [r for r in latest.values() if bool(r[2]) is has_text]
-            if group:
-                self._client.upsert(
-                    [r[0] for r in group], np.asarray([r[1] for r in group], dtype=np.float32),
-                    [r[2] for r in group] if has_text else None, [r[3] for r in group],
-                    namespace=self.namespace,
-                )  # fmt: skip
+        if not rows:
+            return []
+        vectors = _embeddings(rows, self._client.dim, self._client.metric == "cosine")
+        # One upsert: the client checks every row before it sends any (a refused node leaves
+        # nothing stored), a node without text is a vector-only row (None), and of duplicate
+        # ids the last is kept, as when they are added one at a time.
+        self._client.upsert([r[0] for r in rows], vectors, [r[2] or None for r in rows],
+                            [r[3] for r in rows], namespace=self.namespace)  # fmt: skip
         return [r[0] for r in rows]
 
     def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
@@ -337,26 +338,38 @@ class KalosVectorStore(BasePydanticVectorStore):
                 f"similarity_top_k={k} is above sidecar {self.name!r}'s --max-k {max_k}; ask for "
                 "fewer, or start the sidecar with a larger --max-k"
             )
-        flt = to_kalos_filter(query.filters, node_ids=query.node_ids, doc_ids=query.doc_ids)
         q = np.asarray(query.query_embedding, dtype=np.float32)
-        timeout = time_left(deadline, self.name)
-        hits: list[Hit]
-        if query.mode == VectorStoreQueryMode.MMR:
+        mmr = query.mode == VectorStoreQueryMode.MMR
+        fetch = min(max_k, k * self.mmr_prefetch_factor) if mmr else k
+        hits: list[Hit] = []
+        # node_ids restrict the search inside the sidecar as a filter; a list longer than a
+        # request holds (VectorStoreIndex.as_retriever passes every node id of an index that
+        # keeps its nodes) is searched in pieces whose best rows are merged: still exact,
+        # since the best rows of the whole are among the best of the pieces.
+        for piece in _id_pieces(query.node_ids, self._id_bytes()):
+            flt = to_kalos_filter(query.filters, node_ids=piece, doc_ids=query.doc_ids)
+            hits += self._client.recall(q, fetch, namespace=self.namespace, filter=flt,
+                                        with_vectors=mmr, timeout=time_left(deadline, self.name))  # fmt: skip
+        if len(hits) > fetch:  # (from pieces: best first, each id once)
+            best: dict[str, Hit] = {}
+            for h in sorted(hits, key=lambda h: -h.score):
+                best.setdefault(h.id, h)
+            hits = list(best.values())[:fetch]
+        if mmr and hits:
             threshold = kwargs.get("mmr_threshold", query.mmr_threshold)
-            fetch = min(self._client.header.max_k, k * self.mmr_prefetch_factor)
-            res = self._client.recall(q, fetch, namespace=self.namespace, filter=flt,
-                                      with_vectors=True, timeout=timeout)  # fmt: skip
-            assert res.vectors is not None
-            order = mmr_select(q, res.vectors, k, 0.5 if threshold is None else float(threshold))
-            hits = [res[i] for i in order]
-        else:
-            hits = list(self._client.recall(q, k, namespace=self.namespace, filter=flt,
-                                            timeout=timeout))  # fmt: skip
+            vectors = np.asarray([h.vector for h in hits], dtype=np.float32).reshape(len(hits), -1)
+            order = mmr_select(q, vectors, k, 0.5 if threshold is None else float(threshold))
+            hits = [hits[i] for i in order]
         return VectorStoreQueryResult(
             nodes=[row_to_node(h.text, h.metadata, h.id) for h in hits],
             similarities=[h.score for h in hits],
             ids=[h.id for h in hits],
         )
+
+    def _id_bytes(self) -> int:
+        """How many bytes of node ids one recall request carries: half of what a slot's
+        payload leaves beside the query (the rest for the other filters)."""
+        return (self._client.header.layout.payload_size - 4 * self._client.dim) // 2
 
     # ------------------------------------------------------------------ async twins
     # The client waits on shared memory and semaphores; a worker thread keeps that wait (up to
@@ -388,3 +401,46 @@ class KalosVectorStore(BasePydanticVectorStore):
     async def aquery(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
         deadline = self._deadline()  # counts the wait for a worker thread
         return await asyncio.to_thread(self._guarded_query, query, deadline, kwargs)
+
+
+def _id_pieces(ids: Sequence[str] | None, budget: int) -> list[Sequence[str] | None]:
+    """``ids`` cut into pieces of at most ``budget`` bytes as JSON (``[None]``: no ids)."""
+    if not ids:
+        return [None]
+    if isinstance(ids, str):
+        raise TypeError("node_ids must be a list of strings, not one string")
+    pieces: list[Sequence[str] | None] = []
+    start, size = 0, 2
+    for i, node_id in enumerate(ids):
+        n = len(json.dumps(str(node_id))) + 1
+        if size + n > budget and i > start:
+            pieces.append(ids[start:i])
+            start, size = i, 2
+        size += n
+    pieces.append(ids[start:])
+    return pieces
+
+
+def _embeddings(rows: list[tuple[str, list[float], str, dict[str, Any]]], dim: int,
+                cosine: bool) -> np.ndarray:  # fmt: skip
+    """The rows' embeddings as one float32 matrix, each checked, errors naming the node."""
+    for i, (node_id, vector, _, _) in enumerate(rows):
+        if len(vector) != dim:
+            raise ValueError(
+                f"nodes[{i}] (id {node_id!r}) has a {len(vector)}-dimensional embedding, but "
+                f"the sidecar stores {dim}-dimensional ones: embed with a {dim}-dimensional model"
+            )
+    vectors = np.asarray([r[1] for r in rows], dtype=np.float32)
+    bad = np.flatnonzero(~np.isfinite(vectors).all(axis=1))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"nodes[{i}] (id {rows[i][0]!r}) has an embedding with NaN or infinity")
+    if cosine:
+        zero = np.flatnonzero(~vectors.any(axis=1))
+        if len(zero):
+            i = int(zero[0])
+            raise ValueError(
+                f"nodes[{i}] (id {rows[i][0]!r}) has an all-zero embedding: it has no direction, "
+                "so its cosine similarity is undefined; leave it out or use the 'ip' or 'l2' metric"
+            )
+    return vectors

@@ -110,6 +110,16 @@ def test_absent_sidecar_negative_control_raises(make_name: Callable[[], str]) ->
     assert retriever.degrader.degraded_calls == 0
 
 
+def test_a_stores_retrievers_take_its_on_error(make_name: Callable[[], str]) -> None:
+    emb = MockEmbedding(embed_dim=DIM)
+    strict = KalosVectorStore(make_name(), on_error="raise", timeout=TIMEOUT)
+    with pytest.raises(SidecarUnavailable):
+        strict.as_retriever(emb).retrieve("where is it?")
+    assert strict.as_retriever(emb, on_error="empty").retrieve("where is it?") == []  # the caller's wins
+    soft = KalosVectorStore(make_name(), timeout=TIMEOUT)  # the control: the default degrades
+    assert soft.as_retriever(emb).retrieve("where is it?") == []
+
+
 def test_writes_are_never_degraded(make_name: Callable[[], str]) -> None:
     store, _ = make(make_name())
     with pytest.raises(SidecarUnavailable):

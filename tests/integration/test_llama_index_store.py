@@ -191,6 +191,62 @@ async def test_wrong_dimension_is_refused(api: Api) -> None:
         await api.add([bad])
 
 
+async def test_a_refused_add_stores_none_of_its_nodes(api: Api) -> None:
+    """Nodes with and without text, checked all before any is sent; errors name the node."""
+    good = node("good")
+    empty = TextNode(id_="no-text", text="", embedding=vec("e"))
+    for bad, match in [
+        (TextNode(id_="zero", text="", embedding=[0.0] * DIM), r"nodes\[2\] \(id 'zero'\) has an all-zero"),
+        (TextNode(id_="nan", text="x", embedding=[float("nan")] * DIM), r"nodes\[2\] \(id 'nan'\) .* NaN"),
+        (TextNode(id_="short", text="x", embedding=[1.0]), r"nodes\[2\] \(id 'short'\) has a 1-dim"),
+        (node("big", "y" * (2 << 20)), r"texts/metadatas\[2\] is too large"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            await api.add([good, empty, bad])
+    assert await api.get_nodes(["good", "no-text"]) == []
+    assert await api.add([good, empty]) == ["good", "no-text"]  # the control
+    assert [n.node_id for n in await api.get_nodes(["good", "no-text"])] == ["good", "no-text"]
+
+
+async def test_node_ids_longer_than_a_request_are_searched_in_pieces(
+    start_sidecar: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``VectorStoreIndex.as_retriever`` passes every node id of an index that keeps its nodes:
+    a list longer than a request holds is searched in pieces, and the answer is still the true
+    top-k among those nodes (float64 reference)."""
+    dim, n, k = 97, 1503, 10
+    sc = start_sidecar(dim=dim, payload_kb=16)
+    rng = np.random.default_rng()
+    data = rng.standard_normal((n, dim))
+    data /= np.linalg.norm(data, axis=1, keepdims=True)
+    ids = [f"node-{i:05d}-{'x' * (i % 23)}" for i in range(n)]
+    store = KalosVectorStore(sc.name, timeout=10)
+    store.add([TextNode(id_=ids[i], text=f"t{i}", embedding=data[i].tolist()) for i in range(n)])
+    keep = sorted(rng.choice(n, size=1001, replace=False).tolist())
+    q = rng.standard_normal(dim)
+    q /= np.linalg.norm(q)
+    want = [ids[keep[j]] for j in np.argsort(-(data[keep] @ q))[:k]]
+    assert len(_id_pieces_of(store, [ids[i] for i in keep])) > 2
+    query = VectorStoreQuery(query_embedding=q.tolist(), similarity_top_k=k, node_ids=[ids[i] for i in keep])
+    for res in (store.query(query), await store.aquery(query)):
+        assert res.ids == want
+        assert res.similarities == pytest.approx(sorted(data[keep] @ q, reverse=True)[:k], abs=1e-5)
+    query.mode = VectorStoreQueryMode.MMR
+    mmr = store.query(query)
+    assert len(mmr.ids or []) == k and set(mmr.ids or []) <= {ids[i] for i in keep}
+    monkeypatch.setattr(store, "_id_bytes", lambda: 1 << 30)  # the control: in one request
+    query.mode = VectorStoreQueryMode.DEFAULT
+    with pytest.raises(ValueError, match="payload"):
+        store.query(query)
+    store.close()
+
+
+def _id_pieces_of(store: KalosVectorStore, ids: list[str]) -> list[Any]:
+    from kalos_retrievers.llama_index.vector_store import _id_pieces
+
+    return _id_pieces(ids, store._id_bytes())
+
+
 # ---------------------------------------------------------------------------------------------
 # deletes and get_nodes
 
