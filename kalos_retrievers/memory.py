@@ -226,9 +226,10 @@ class KalosMemory:
     def _write_added(
         self, rows: list[tuple[str, str, dict[str, Any]]], vectors: np.ndarray
     ) -> list[dict[str, Any]]:
+        history = self._history([_event(r[0], "ADD", None, r[1], r[2]) for r in rows])
         self.client.upsert([r[0] for r in rows], vectors, [r[1] for r in rows],
                            [r[2] for r in rows], namespace=self.namespace)  # fmt: skip
-        self._record([_event(r[0], "ADD", None, r[1], r[2]) for r in rows])
+        self._record(history)
         return [{"id": r[0], "memory": r[1], "event": "ADD"} for r in rows]
 
     # ------------------------------------------------------------------ search
@@ -345,8 +346,9 @@ class KalosMemory:
                 raise KeyError(f"memory {memory_id!r} was deleted during the update")
             kept = {k: v for k, v in old.metadata.items() if k in RESERVED_KEYS}
             meta = {**(user if user is not None else _strip(old.metadata)), **kept}
+            history = self._history([_event(memory_id, "UPDATE", old.text, data, meta)])
             self.client.upsert([memory_id], vec, [data], [meta], namespace=self.namespace)
-            self._record([_event(memory_id, "UPDATE", old.text, data, meta)])
+            self._record(history)
         new = self._get(memory_id, {})
         if new is None:  # deleted by someone else in between
             raise KeyError(f"memory {memory_id!r} was deleted during the update")
@@ -362,10 +364,11 @@ class KalosMemory:
             old = self._get(memory_id, scope)
             if old is None:
                 raise KeyError(f"no memory with id {memory_id!r}{_in_scope(scope)}")
+            history = self._history([_event(memory_id, "DELETE", old.text, None, old.metadata)])
             if not self.client.delete([memory_id], namespace=self.namespace):
                 # (another process deleted it since the read: its DELETE is recorded there)
                 raise KeyError(f"no memory with id {memory_id!r}{_in_scope(scope)}")
-            self._record([_event(memory_id, "DELETE", old.text, None, old.metadata)])
+            self._record(history)
 
     def delete_all(
         self,
@@ -381,8 +384,9 @@ class KalosMemory:
             recs = self.client.scan(namespace=self.namespace, filter=flt, limit=_PAGE)
             if not recs:
                 return deleted
+            history = self._history([_event(r.id, "DELETE", r.text, None, r.metadata) for r in recs])
             deleted += self.client.delete([r.id for r in recs], namespace=self.namespace)
-            self._record([_event(r.id, "DELETE", r.text, None, r.metadata) for r in recs])
+            self._record(history)
 
     def history(self, memory_id: str) -> list[dict[str, Any]]:
         """ADD/UPDATE/DELETE events of one memory, oldest first.
@@ -426,12 +430,28 @@ class KalosMemory:
             return None
         return rec
 
-    def _record(self, events: list[dict[str, Any]]) -> None:
+    def _history(self, events: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+        """History rows for ``events``, checked before the write they record is made: an event
+        holds the memory's text (an update's, old and new), so it can outgrow a slot the
+        memory fits, and a write then refused after the memory was written would leave it
+        without its event."""
+        ids = _sortable_ids(len(events))
+        try:
+            self.client.check_upsert(len(events), ids, None, events, namespace=self.history_namespace)
+        except ValueError as e:
+            raise ValueError(
+                f"{e} (here: the history event of memory {events[0]['memory_id']!r} and its "
+                "batch, which holds its text, and for an update the old text too; nothing was "
+                "written)"
+            ) from None
+        return ids, events
+
+    def _record(self, history: tuple[list[str], list[dict[str, Any]]]) -> None:
+        ids, events = history
         if not events:
             return
         placeholder = np.zeros((len(events), self.client.dim), np.float32)
         placeholder[:, 0] = 1.0  # history rows are never searched by similarity
-        ids = _sortable_ids(len(events))
         self.client.upsert(ids, placeholder, None, events, namespace=self.history_namespace)
 
     def _scoped_filter(
@@ -569,13 +589,15 @@ def _translate_filter(flt: Mapping[str, Any]) -> dict[str, Any]:
         if key in ("AND", "OR", "$and", "$or"):
             if not (isinstance(value, list | tuple) and value and all(isinstance(v, Mapping) for v in value)):
                 raise ValueError(f"filters[{key!r}] must be a non-empty list of filters, got {value!r}")
-            out["$" + key.lower().lstrip("$")] = [_translate_filter(v) for v in value]
+            # ("AND" and "$and" in one filter: both hold; "OR" and "$or": two $or that both
+            # must hold, so the second goes into an $and)
+            _merge(out, "$" + key.lower().lstrip("$"), [_translate_filter(v) for v in value])
         elif key in ("NOT", "$not"):
             subs = value if isinstance(value, list | tuple) else [value]
             if not (subs and all(isinstance(v, Mapping) for v in subs)):
                 raise ValueError(f"filters[{key!r}] must be a filter or a non-empty list of filters, got {value!r}")
             any_of = [_translate_filter(v) for v in subs]
-            out["$not"] = any_of[0] if len(any_of) == 1 else {"$or": any_of}
+            _merge(out, "$not", any_of[0] if len(any_of) == 1 else {"$or": any_of})
         elif isinstance(value, Mapping):
             for op in value:
                 if op not in _MEM0_OPS and not str(op).startswith("$"):
@@ -589,6 +611,17 @@ def _translate_filter(flt: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def _merge(out: dict[str, Any], op: str, value: Any) -> None:
+    """Put ``{op: value}`` into ``out``; where ``op`` is there already (mem0's ``"AND"`` beside
+    Kalos's ``"$and"``), both must hold: ``$and`` lists join, others go into an ``$and``."""
+    if op not in out:
+        out[op] = value
+    elif op == "$and":
+        out[op] = [*out[op], *value]
+    else:
+        out.setdefault("$and", []).append({op: value})
 
 
 @functools.lru_cache(maxsize=4096)

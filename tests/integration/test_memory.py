@@ -124,6 +124,42 @@ def test_mem0_style_filters_and_scope_in_filters(memory: KalosMemory) -> None:
         "flight booked by the planner"}  # fmt: skip
 
 
+def test_both_spellings_of_a_condition_in_one_filter_both_hold(memory: KalosMemory) -> None:
+    memory.add("flight to paris", user_id="alice", metadata={"year": 2023, "city": "Paris"})
+    memory.add("flight to rome", user_id="alice", metadata={"year": 2025, "city": "Rome"})
+    memory.add("flight to oslo", user_id="alice", metadata={"year": 2025, "city": "Oslo"})
+    for flt, want in [
+        ({"AND": [{"city": "Oslo"}], "$and": [{"year": 2025}]}, {"flight to oslo"}),
+        ({"NOT": [{"city": "Rome"}], "$not": {"city": "Oslo"}}, {"flight to paris"}),
+        ({"OR": [{"city": "Rome"}, {"city": "Paris"}], "$or": [{"year": 2025}]}, {"flight to rome"}),
+        ({"AND": [{"year": 2025}]}, {"flight to rome", "flight to oslo"}),  # the controls: one spelling
+        ({"$not": {"city": "Oslo"}}, {"flight to paris", "flight to rome"}),
+    ]:
+        assert texts(memory.get_all(user_id="alice", filters=flt)) == want, flt
+        assert texts(memory.search("flight", user_id="alice", filters=flt)) == want, flt
+
+
+def test_a_memory_whose_history_event_outgrows_a_slot_is_not_written(
+    start_sidecar: Callable[..., Sidecar],
+) -> None:
+    """The history event holds the text (an update's: old and new), so it can outgrow a slot
+    the memory fits: it is checked before the memory is written, which then is not."""
+    sc = start_sidecar(dim=DIM, payload_kb=64)
+    m = KalosMemory(sc.name, embedding=KeywordEmbeddings())
+    big = "tea " * 10_000  # 40 KB: fits a 64 KiB slot, as does its ADD event
+    mem_id = m.add(big, user_id="alice")[0]["id"]
+    with pytest.raises(ValueError, match="history event"):
+        m.update(mem_id, big + "coffee " * 1000)  # old + new text: ~87 KB
+    assert m.get(mem_id)["memory"] == big
+    assert [e["event"] for e in m.history(mem_id)] == ["ADD"]
+    with pytest.raises(ValueError, match="too large"):
+        m.add("x" * 70_000, user_id="alice")
+    assert [i["memory"] for i in m.get_all(user_id="alice")] == [big]
+    m.update(mem_id, "coffee")  # the control: an event that fits is written with its update
+    assert [e["event"] for e in m.history(mem_id)] == ["ADD", "UPDATE"]
+    m.close()
+
+
 ADVERSARIAL_USERS = ["alice", "alice2", "Alice", "alice ", "ali", "alïce", "*", "1", "a.b/c"]
 
 
