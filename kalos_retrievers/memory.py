@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import numbers
 import secrets
 import threading
@@ -257,7 +258,7 @@ class KalosMemory:
             ``[{"id", "memory", "score", "metadata", "created_at", "updated_at", <scope>}]``,
             or ``[]`` while the sidecar is unavailable (see *Timeouts*).
         """
-        _check_limit(limit)
+        _check_search(query, limit, threshold)
         flt = self._scoped_filter(user_id, agent_id, run_id, filters)
         vec = self.embedder.query(query)
         return self._recall(vec, flt, limit, threshold, time.monotonic() + self.timeout)
@@ -274,7 +275,7 @@ class KalosMemory:
         threshold: float | None = None,
     ) -> list[dict[str, Any]]:
         """:meth:`search`, embedding asynchronously; the sidecar call runs in a worker thread."""
-        _check_limit(limit)
+        _check_search(query, limit, threshold)
         flt = self._scoped_filter(user_id, agent_id, run_id, filters)
         vec = await self.embedder.aquery(query)
         deadline = time.monotonic() + self.timeout  # counts the wait for a thread
@@ -461,6 +462,8 @@ class KalosMemory:
         run_id: str | None,
         filters: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
+        if filters is not None and not isinstance(filters, Mapping):
+            raise TypeError(f"filters must be a dict, got {type(filters).__name__}")
         given = {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}
         rest: dict[str, Any] = {}
         for key, value in (filters or {}).items():
@@ -549,6 +552,8 @@ def _strip(metadata: Mapping[str, Any]) -> dict[str, Any]:
 
 def _messages(messages: Any) -> list[tuple[str | None, str | None, str]]:
     """``(role, actor, text)`` per storable message."""
+    if isinstance(messages, bytes | bytearray):
+        raise TypeError("messages is bytes; decode it to a str first")
     if isinstance(messages, str | Mapping) or not isinstance(messages, Iterable):
         messages = [messages]
     out = []
@@ -630,6 +635,15 @@ def _iso(ts: float) -> str:
     result, and an agent recalls the same memories again and again; ``isoformat`` took ~2.8 µs
     a call on the development VM, most of a search's result building (session 51)."""
     return datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+def _check_search(query: Any, limit: Any, threshold: Any) -> None:
+    if not isinstance(query, str):
+        raise TypeError(f"query must be a str, got {type(query).__name__}")
+    _check_limit(limit)
+    if threshold is not None and (not isinstance(threshold, numbers.Real) or isinstance(threshold, bool)
+                                  or math.isnan(threshold)):  # fmt: skip
+        raise ValueError(f"threshold={threshold!r} must be a number (a score) or None")
 
 
 def _check_limit(limit: Any) -> None:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,6 +138,28 @@ def test_both_spellings_of_a_condition_in_one_filter_both_hold(memory: KalosMemo
     ]:
         assert texts(memory.get_all(user_id="alice", filters=flt)) == want, flt
         assert texts(memory.search("flight", user_id="alice", filters=flt)) == want, flt
+
+
+async def test_odd_search_and_add_arguments_are_refused_by_name(memory: KalosMemory) -> None:
+    memory.add("I drink tea", user_id="alice")
+
+    async def search(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        got = fn(*args, **kw)
+        return await got if asyncio.iscoroutine(got) else got
+
+    for fn in (memory.search, memory.asearch):
+        for kw, err, match in [
+            ({"query": None}, TypeError, "query must be a str"),
+            ({"query": 5}, TypeError, "query must be a str"),
+            ({"query": "tea", "filters": "topic"}, TypeError, "filters must be a dict"),
+            ({"query": "tea", "threshold": "0.5"}, ValueError, "threshold="),
+            ({"query": "tea", "threshold": float("nan")}, ValueError, "threshold="),
+        ]:
+            with pytest.raises(err, match=match):
+                await search(fn, user_id="alice", **kw)
+        assert texts(await search(fn, "tea", user_id="alice", threshold=0)) == {"I drink tea"}  # the control
+    with pytest.raises(TypeError, match="bytes"):
+        memory.add(b"I drink coffee", user_id="alice")
 
 
 def test_a_memory_whose_history_event_outgrows_a_slot_is_not_written(
