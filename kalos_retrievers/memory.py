@@ -365,7 +365,7 @@ class KalosMemory:
             old = self._get(memory_id, scope)
             if old is None:
                 raise KeyError(f"no memory with id {memory_id!r}{_in_scope(scope)}")
-            history = self._history([_event(memory_id, "DELETE", old.text, None, old.metadata)])
+            history = self._history([_event(memory_id, "DELETE", old.text, None, old.metadata)], fit=True)
             if not self.client.delete([memory_id], namespace=self.namespace):
                 # (another process deleted it since the read: its DELETE is recorded there)
                 raise KeyError(f"no memory with id {memory_id!r}{_in_scope(scope)}")
@@ -385,7 +385,7 @@ class KalosMemory:
             recs = self.client.scan(namespace=self.namespace, filter=flt, limit=_PAGE)
             if not recs:
                 return deleted
-            history = self._history([_event(r.id, "DELETE", r.text, None, r.metadata) for r in recs])
+            history = self._history([_event(r.id, "DELETE", r.text, None, r.metadata) for r in recs], fit=True)
             deleted += self.client.delete([r.id for r in recs], namespace=self.namespace)
             self._record(history)
 
@@ -431,21 +431,36 @@ class KalosMemory:
             return None
         return rec
 
-    def _history(self, events: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+    def _history(
+        self, events: list[dict[str, Any]], *, fit: bool = False
+    ) -> tuple[list[str], list[dict[str, Any]]]:
         """History rows for ``events``, checked before the write they record is made: an event
         holds the memory's text (an update's, old and new), so it can outgrow a slot the
         memory fits, and a write then refused after the memory was written would leave it
-        without its event."""
+        without its event. ``fit`` (deletes, which must never be refused for their record):
+        an event that does not fit keeps the start of its ``old_memory`` and is marked
+        ``"old_memory_truncated": True``."""
         ids = _sortable_ids(len(events))
         try:
             self.client.check_upsert(len(events), ids, None, events, namespace=self.history_namespace)
         except ValueError as e:
-            raise ValueError(
-                f"{e} (here: the history event of memory {events[0]['memory_id']!r} and its "
-                "batch, which holds its text, and for an update the old text too; nothing was "
-                "written)"
-            ) from None
+            if not fit:
+                raise ValueError(
+                    f"{e} (here: a history event, which holds the memory's text, and for an "
+                    "update the old text too; nothing was written)"
+                ) from None
+            events = [self._fitted(ev) for ev in events]
         return ids, events
+
+    def _fitted(self, event: dict[str, Any]) -> dict[str, Any]:
+        try:
+            self.client.check_upsert(1, None, None, [event], namespace=self.history_namespace)
+            return event
+        except ValueError:
+            # a character is at most 6 bytes as JSON (\uXXXX): a 16th of the payload in
+            # characters leaves room for the rest of the event and the placeholder vector
+            keep = self.client.header.layout.payload_size // 16
+            return {**event, "old_memory": (event["old_memory"] or "")[:keep], "old_memory_truncated": True}
 
     def _record(self, history: tuple[list[str], list[dict[str, Any]]]) -> None:
         ids, events = history

@@ -125,7 +125,8 @@ class Service:
                 raise Invalid(Status.BAD_REQUEST, f"vectors[{int(np.argmax(zero))}] is all zeros")
             vecs = normalize_rows(vecs)
         ns_id = self.rows.ns_id(namespace)
-        new_keys = n if ns_id is None else sum(self.rows.lookup(ns_id, i) is None for i in ids)
+        # (an id given twice is one row: the last wins)
+        new_keys = len(set(ids)) if ns_id is None else sum(self.rows.lookup(ns_id, i) is None for i in set(ids))
         try:  # room first: running out of memory must happen before anything is committed
             self.index.reserve(self.rows.high + len(self.rows.free) + new_keys)
         except IndexCapacityError as e:

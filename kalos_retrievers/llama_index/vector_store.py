@@ -342,15 +342,16 @@ class KalosVectorStore(BasePydanticVectorStore):
         mmr = query.mode == VectorStoreQueryMode.MMR
         fetch = min(max_k, k * self.mmr_prefetch_factor) if mmr else k
         hits: list[Hit] = []
+        pieces = _id_pieces(query.node_ids, self._id_bytes())
         # node_ids restrict the search inside the sidecar as a filter; a list longer than a
         # request holds (VectorStoreIndex.as_retriever passes every node id of an index that
         # keeps its nodes) is searched in pieces whose best rows are merged: still exact,
         # since the best rows of the whole are among the best of the pieces.
-        for piece in _id_pieces(query.node_ids, self._id_bytes()):
+        for piece in pieces:
             flt = to_kalos_filter(query.filters, node_ids=piece, doc_ids=query.doc_ids)
             hits += self._client.recall(q, fetch, namespace=self.namespace, filter=flt,
                                         with_vectors=mmr, timeout=time_left(deadline, self.name))  # fmt: skip
-        if len(hits) > fetch:  # (from pieces: best first, each id once)
+        if len(pieces) > 1:  # best first, each id once (an id may be in two pieces)
             best: dict[str, Hit] = {}
             for h in sorted(hits, key=lambda h: -h.score):
                 best.setdefault(h.id, h)
@@ -409,6 +410,7 @@ def _id_pieces(ids: Sequence[str] | None, budget: int) -> list[Sequence[str] | N
         return [None]
     if isinstance(ids, str):
         raise TypeError("node_ids must be a list of strings, not one string")
+    ids = list(ids)
     pieces: list[Sequence[str] | None] = []
     start, size = 0, 2
     for i, node_id in enumerate(ids):
