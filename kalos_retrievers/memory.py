@@ -625,7 +625,14 @@ def _translate_filter(flt: Mapping[str, Any]) -> dict[str, Any]:
                         f"filters[{key!r}]: unknown operator {op!r}; mem0's are "
                         f"{', '.join(sorted(_MEM0_OPS))}, or Kalos's $-operators ($eq, $in, ...)"
                     )
-            out[key] = {_MEM0_OPS.get(op, op): arg for op, arg in value.items()}
+            ops: dict[str, Any] = {}
+            for op, arg in value.items():
+                kalos_op = _MEM0_OPS.get(op, op)
+                if kalos_op in ops:  # ("lt" beside "$lt": both hold)
+                    _merge(out, "$and", [{key: {kalos_op: arg}}])
+                else:
+                    ops[kalos_op] = arg
+            out[key] = ops
         elif value == "*":
             out[key] = {"$exists": True}
         else:

@@ -241,6 +241,25 @@ async def test_node_ids_longer_than_a_request_are_searched_in_pieces(
     store.close()
 
 
+def test_pieces_of_node_ids_merge_best_first_and_each_id_once(start_sidecar: Any) -> None:
+    """However few rows the pieces find, the answer is best first, and an id given twice (in
+    two pieces) comes back once."""
+    sc = start_sidecar(dim=DIM, payload_kb=1)
+    store = KalosVectorStore(sc.name, timeout=10)
+    e = np.eye(DIM)
+    store.add([TextNode(id_="near", text="near", embedding=e[0].tolist()),
+               TextNode(id_="far", text="far", embedding=e[1].tolist())])  # fmt: skip
+    fillers = [f"unknown-{i:04d}" for i in range(100)]
+    assert len(_id_pieces_of(store, ["far", *fillers, "near"])) > 1
+    for mode in (VectorStoreQueryMode.DEFAULT, VectorStoreQueryMode.MMR):
+        q = VectorStoreQuery(query_embedding=e[0].tolist(), similarity_top_k=5, mode=mode,
+                             node_ids=["far", *fillers, "near", "far"])  # fmt: skip
+        res = store.query(q)
+        assert res.ids == ["near", "far"], mode
+        assert res.similarities == pytest.approx([1.0, 0.0], abs=1e-5)
+    store.close()
+
+
 def _id_pieces_of(store: KalosVectorStore, ids: list[str]) -> list[Any]:
     from kalos_retrievers.llama_index.vector_store import _id_pieces
 

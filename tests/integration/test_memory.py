@@ -133,6 +133,7 @@ def test_both_spellings_of_a_condition_in_one_filter_both_hold(memory: KalosMemo
         ({"AND": [{"city": "Oslo"}], "$and": [{"year": 2025}]}, {"flight to oslo"}),
         ({"NOT": [{"city": "Rome"}], "$not": {"city": "Oslo"}}, {"flight to paris"}),
         ({"OR": [{"city": "Rome"}, {"city": "Paris"}], "$or": [{"year": 2025}]}, {"flight to rome"}),
+        ({"year": {"lt": 2024, "$lt": 2030}}, {"flight to paris"}),
         ({"AND": [{"year": 2025}]}, {"flight to rome", "flight to oslo"}),  # the controls: one spelling
         ({"$not": {"city": "Oslo"}}, {"flight to paris", "flight to rome"}),
     ]:
@@ -180,6 +181,37 @@ def test_a_memory_whose_history_event_outgrows_a_slot_is_not_written(
     assert [i["memory"] for i in m.get_all(user_id="alice")] == [big]
     m.update(mem_id, "coffee")  # the control: an event that fits is written with its update
     assert [e["event"] for e in m.history(mem_id)] == ["ADD", "UPDATE"]
+    m.close()
+
+
+def test_a_delete_whose_history_event_outgrows_a_slot_is_recorded_with_its_text_cut(
+    start_sidecar: Callable[..., Sidecar],
+) -> None:
+    """A delete is never refused for its record: a memory that fits a slot with almost no room
+    to spare (written by an older version, or by KalosClient) is deleted, and its DELETE event
+    keeps the start of the text."""
+    from kalos_retrievers.memory import _event
+
+    sc = start_sidecar(dim=DIM, payload_kb=8)
+    m = KalosMemory(sc.name, embedding=KeywordEmbeddings())
+    meta = {"user_id": "alice"}
+    lo, hi = 1, 8192  # the longest text whose row fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            m.client.check_upsert(1, ["legacy"], ["t" * mid], [meta], namespace=m.namespace)
+            lo = mid
+        except ValueError:
+            hi = mid - 1
+    text = "t" * lo
+    m.client.upsert(["legacy"], [_vec("tea")], [text], [meta], namespace=m.namespace)
+    with pytest.raises(ValueError, match="history event"):  # the control: its event does not fit
+        m._history([_event("legacy", "DELETE", text, None, meta)])
+    m.delete("legacy", user_id="alice")
+    assert m.get("legacy") is None
+    last = m.history("legacy")[-1]
+    assert last["event"] == "DELETE" and last["old_memory_truncated"] is True
+    assert 0 < len(last["old_memory"]) < len(text) and text.startswith(last["old_memory"])
     m.close()
 
 
