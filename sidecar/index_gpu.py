@@ -247,12 +247,17 @@ def use_list(kept: int, high: int, fraction: int | None = None, floor: int | Non
 # mask's ~(passes) x high. LIST_LAUNCH_ROWS is a launch's fixed part in rows of the mask's pass.
 # On an H100 at 1,005,000 rows (S58, 5,000-row scopes) a list's launch of 8 queries cost ~116
 # µs: list / mask 0.45, 0.71, 0.91 at 16, 32, 48 queries, 1.14 at 64 (S56, before the spread
-# sample), the crossover near 52-55 queries. The default is fitted to it (~7 launches to the
-# pass over 1,005,000 rows), not derived from the pass's cost a row, which also grows ~3.4 µs a
-# query. Batch 1, int8, KALOS_GEMM=0 and batches below GEMM_MIN_Q (whose mask batches are fused
-# launches too), and lists longer than CAND_CAP, always take the list where use_list says so
+# sample), the crossover near 52-55 queries. At 300,011 rows (S60, list_grid.py, 2,500- and
+# 10,000-row lists) the list won at 8 and 16 queries (109 / 215 µs against the mask's 229 /
+# 233) and lost at 48 (629 against 284): a launch of 8 cost ~105-110 µs whatever the list's
+# length (2,500 or 10,000 rows), ~13.5 µs a query, where the pass cost ~0.77 ns a row there and
+# ~0.9 at 1M. The default fits both sizes: 140,000 keeps 16 on the list at 300,011 rows (2 x
+# 142,500 <= 300,011) and 48 at 1,005,000 (6 x 145,000), and sends 56 there to the mask
+# (S59's 150,000 sent S60's 16 at 300,011 rows to the mask, ~9% slower). Batch 1, int8,
+# KALOS_GEMM=0 and batches below GEMM_MIN_Q (whose mask batches are fused launches too), and
+# lists longer than CAND_CAP, always take the list where use_list says so
 # (GpuIndex._mask_is_cheaper). KALOS_LIST_LAUNCH_ROWS=0: every batch does, as before session 59.
-LIST_LAUNCH_ROWS_DEFAULT: Final = 150_000
+LIST_LAUNCH_ROWS_DEFAULT: Final = 140_000
 
 
 def list_launch_rows(value: str | None) -> int:
@@ -262,7 +267,7 @@ def list_launch_rows(value: str | None) -> int:
     non-negative integer is refused with a ValueError naming it.
 
     >>> list_launch_rows(None), list_launch_rows(" 0 "), list_launch_rows("200000")
-    (150000, 0, 200000)
+    (140000, 0, 200000)
     """
     return _whole_number("KALOS_LIST_LAUNCH_ROWS", value, LIST_LAUNCH_ROWS_DEFAULT, "what a fused launch through "
                          "a list costs beyond its rows, in rows of a mask's GEMM pass; 0: batches always take lists")
@@ -279,7 +284,7 @@ def list_pays(n: int, kept: int, high: int, launch_rows: int | None = None) -> b
 
     >>> list_pays(48, 5_000, 1_005_000), list_pays(56, 5_000, 1_005_000), list_pays(64, 5_000, 1_005_000)
     (True, False, False)
-    >>> list_pays(1, 5_000, 1_000), list_pays(64, 5_000, 1_000, launch_rows=0), list_pays(9, 5_000, 300_000)
+    >>> list_pays(1, 5_000, 1_000), list_pays(64, 5_000, 1_000, launch_rows=0), list_pays(17, 5_000, 300_000)
     (True, True, False)
     """
     r = LIST_LAUNCH_ROWS if launch_rows is None else launch_rows

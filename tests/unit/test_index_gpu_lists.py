@@ -184,7 +184,13 @@ def test_where_a_listed_batch_pays() -> None:
     assert index_gpu.list_pays(65, 5_000, 9 * 155_000 // 2, 150_000)
     assert not index_gpu.list_pays(65, 5_000, 9 * 155_000 // 2 - 1, 150_000)
     assert index_gpu.list_pays(1, 5_000, 10, 150_000) and index_gpu.list_pays(64, 5_000, 10, 0)
-    assert index_gpu.list_launch_rows(None) == index_gpu.list_launch_rows(" ") == 150_000
+    assert index_gpu.list_launch_rows(None) == index_gpu.list_launch_rows(" ") == 140_000
+    # the default at the sizes it was fitted to (H100, S58 and S60): 1,005,000 rows and 5,000-row
+    # lists, the list to 48 queries; 300,011 rows and 2,500- or 10,000-row lists, to 16
+    d = index_gpu.LIST_LAUNCH_ROWS_DEFAULT
+    assert [index_gpu.list_pays(n, 5_000, 1_005_000, d) for n in (48, 56)] == [True, False]
+    assert [index_gpu.list_pays(n, kept, 300_011, d) for kept in (2_500, 10_000) for n in (16, 24)] == [
+        True, False, True, False]
     assert index_gpu.list_launch_rows("0") == 0 and index_gpu.list_launch_rows("90000") == 90_000
     for bad in ("-1", "1e5", "lots"):
         with pytest.raises(ValueError, match="KALOS_LIST_LAUNCH_ROWS"):
