@@ -1870,6 +1870,14 @@ def _check_texts(texts: Sequence[str | None] | None, n: int) -> list[str]:
     return out
 
 
+def check_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None) -> None:
+    """Raise what :meth:`KalosClient.upsert` raises for these metadatas (not JSON, a
+    non-string key, an integer beyond float64), without a sidecar: for a caller about to start
+    one for them."""
+    if metadatas is not None:
+        _encode_metadatas(metadatas, len(metadatas))
+
+
 def _encode_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None, n: int) -> list[bytes]:
     if metadatas is None:
         return [b"{}"] * n

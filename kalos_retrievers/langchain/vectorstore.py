@@ -13,7 +13,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.runnables.config import run_in_executor
 from langchain_core.vectorstores import VectorStore
 
-from ..client import KalosClient
+from ..client import KalosClient, check_metadatas
 from ..degrade import time_left
 from ..filters import validate_filter
 from ..results import RecallResult
@@ -613,12 +613,13 @@ class KalosVectorStore(VectorStore):
         client: KalosClient | None = None,
         namespace: str = "",
         timeout: float | None = None,
+        batch_size: int | None = None,
         **sidecar_options: Any,
     ) -> KalosVectorStore:
         """A store holding ``texts``: in a running sidecar, or in one started for it.
 
         Args:
-            texts, metadatas, ids: as in :meth:`add_texts`.
+            texts, metadatas, ids, batch_size: as in :meth:`add_texts`.
             embedding: the embedding model.
             name: a running sidecar to add to.
             client: an existing client to add through.
@@ -639,27 +640,47 @@ class KalosVectorStore(VectorStore):
                     "(name=None and client=None)"
                 )
             store = cls(embedding, name=name, client=client, namespace=namespace, timeout=timeout)
-            store.add_texts(texts, metadatas, ids=ids)
+            store.add_texts(texts, metadatas, ids=ids, batch_size=batch_size)
             return store
         rows = to_rows(texts, metadatas, ids)
+        batches = _batches(len(rows.ids), batch_size)
+        check_metadatas(rows.metadatas)  # before a sidecar is started for them
+        if len(batches) > 1:  # the sidecar's dimension from one query; then add_texts' batches
+            probe = as_matrix([embedding.embed_query("dimension probe")], 1, "embed_query")
+            store = cls._spawned(embedding, int(probe.shape[1]), namespace, timeout, sidecar_options)
+            try:
+                store.add_texts(rows.texts, rows.metadatas, ids=rows.ids, batch_size=batch_size)
+            except BaseException:
+                store.close()
+                raise
+            return store
         if rows.texts:
             vectors = as_matrix(embedding.embed_documents(rows.texts), len(rows.texts),
                                 "embed_documents")  # fmt: skip
         else:  # nothing to add, but the sidecar needs a dimension
             vectors = as_matrix([embedding.embed_query("dimension probe")], 1, "embed_query")[:0]
-        spawned = KalosClient.spawn(dim=int(vectors.shape[1]), **sidecar_options)
-        try:
-            store = cls(embedding, client=spawned, namespace=namespace, timeout=timeout)
-        except BaseException:  # a bad namespace, timeout or embedding: the sidecar goes with it
-            spawned.close()
-            raise
-        store._owns_client = True
+        store = cls._spawned(embedding, int(vectors.shape[1]), namespace, timeout, sidecar_options)
         try:
             if len(vectors):
                 store._upsert(rows, 0, vectors, None, store._deadline(None))
         except BaseException:
             store.close()
             raise
+        return store
+
+    @classmethod
+    def _spawned(
+        cls, embedding: Embeddings, dim: int, namespace: str, timeout: float | None,
+        sidecar_options: dict[str, Any],
+    ) -> KalosVectorStore:  # fmt: skip
+        """A store owning a sidecar started for it with ``sidecar_options``."""
+        spawned = KalosClient.spawn(dim=dim, **sidecar_options)
+        try:
+            store = cls(embedding, client=spawned, namespace=namespace, timeout=timeout)
+        except BaseException:  # a bad namespace, timeout or embedding: the sidecar goes with it
+            spawned.close()
+            raise
+        store._owns_client = True
         return store
 
     # afrom_texts / afrom_documents: VectorStore's versions run from_texts in a worker thread.

@@ -317,6 +317,32 @@ def test_from_texts_stops_its_sidecar_when_the_store_cannot_be_made(
         KalosClient(c.name)
 
 
+def test_from_texts_takes_batch_size_and_refuses_bad_metadata_before_starting_a_sidecar(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import datetime
+
+    spawned: list[KalosClient] = []
+    real = KalosClient.spawn
+
+    def spawn(**kw: Any) -> KalosClient:
+        spawned.append(c := real(**kw))
+        return c
+
+    monkeypatch.setattr(KalosClient, "spawn", staticmethod(spawn))
+    with pytest.raises(ValueError, match=r"^metadatas\[1\] is not JSON"):
+        KalosVectorStore.from_texts(TEXTS[:2], WordHashEmbedding(97), [{}, {"d": datetime.date(2026, 1, 1)}],
+                                    device="cpu")  # fmt: skip
+    assert spawned == []
+    store = KalosVectorStore.from_texts(TEXTS, WordHashEmbedding(97), METAS, ids=[f"t{i}" for i in range(7)],
+                                        batch_size=3, device="cpu")  # fmt: skip
+    try:
+        assert len(spawned) == 1 and store.client.count() == 7  # (batch_size is not a sidecar option)
+        assert store.similarity_search("snow is white", k=1)[0].id == "t5"
+    finally:
+        store.close()
+
+
 def test_afrom_texts_sidecar_outlives_the_event_loop_that_made_it() -> None:
     """VectorStore.afrom_texts runs from_texts in the loop's executor thread, which exits when
     asyncio.run shuts the executor down: the store's own sidecar must keep serving after that
