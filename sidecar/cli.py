@@ -160,6 +160,9 @@ def _serve(args: argparse.Namespace) -> int:
     armed = [True]
 
     def stop_starting(signum: int, frame: object) -> None:
+        if server.holding_signals:  # (an IPC object made but not yet where close() finds it)
+            server.held_signal = signum
+            return
         if armed[0]:
             armed[0] = False
             raise _StoppedWhileStarting(signum)

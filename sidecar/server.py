@@ -28,7 +28,7 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -185,6 +185,8 @@ class Server:
         self.layout = cfg.layout
         self.stats = Stats()
         self._stop = threading.Event()
+        self.holding_signals = False  # (signals_held)
+        self.held_signal: int | None = None
         self.seg: _ipc.Segment | None = None
         self.bell: Any = None
         self.resp_sems: list[Any] = []
@@ -296,31 +298,52 @@ class Server:
                 m.shutdown()
                 m.server_close()
 
+    @contextlib.contextmanager
+    def signals_held(self) -> Iterator[None]:
+        """A block no stopping signal interrupts: a start-time handler (``cli._serve``'s)
+        that finds :attr:`holding_signals` set records its signal in :attr:`held_signal`
+        and returns, and the block's end raises it again. For the steps between creating an
+        IPC object and recording it where :meth:`close` finds it. (Masking the signals would
+        not do: Python runs its handlers in the main thread whichever thread the kernel
+        delivers a signal to, BLAS's included.)"""
+        self.holding_signals = True
+        try:
+            yield
+        finally:
+            self.holding_signals = False
+            held, self.held_signal = self.held_signal, None
+            if held is not None:
+                signal.raise_signal(held)
+
     def _publish(self) -> None:
         """Create the segment and semaphores (header says INITIALIZING)."""
         cfg, lay = self.cfg, self.layout
         name = segment_name(cfg.name)
-        for _ in range(5):
-            try:
-                seg = _ipc.Segment.create(name, lay.segment_size)
-            except FileExistsError:
-                self._clear_stale(name)
-                continue
-            except PermissionDenied as e:
-                raise StartError(str(e), EXIT_PERMISSION) from None
-            except OSError as e:  # (no room in /dev/shm: Docker's default is 64 MiB)
-                raise StartError(
-                    f"{e.strerror or e}; give /dev/shm more room (docker run --shm-size, a Kubernetes "
-                    "emptyDir with medium: Memory) or make the segment smaller (fewer --slots, a "
-                    "smaller --payload-kb or --blob-kb)", EXIT_USAGE) from None  # fmt: skip
-            if not self._holds_name(seg, name):
-                seg.close()
-                raise StartError(f"another sidecar named {cfg.name!r} is starting at the same "
-                                 "time; this one gives way", EXIT_NAME_IN_USE)  # fmt: skip
-            break
-        else:
-            raise StartError(f"could not claim the name {cfg.name!r}", EXIT_NAME_IN_USE)
-        self.seg = seg
+        # SIGTERM / SIGINT raise while the sidecar starts (cli._serve): held until the segment
+        # is self.seg, which close() removes, or a signal between its creation and that
+        # assignment would leave it in /dev/shm (see signals_held).
+        with self.signals_held():
+            for _ in range(5):
+                try:
+                    seg = _ipc.Segment.create(name, lay.segment_size)
+                except FileExistsError:
+                    self._clear_stale(name)
+                    continue
+                except PermissionDenied as e:
+                    raise StartError(str(e), EXIT_PERMISSION) from None
+                except OSError as e:  # (no room in /dev/shm: Docker's default is 64 MiB)
+                    raise StartError(
+                        f"{e.strerror or e}; give /dev/shm more room (docker run --shm-size, a Kubernetes "
+                        "emptyDir with medium: Memory) or make the segment smaller (fewer --slots, a "
+                        "smaller --payload-kb or --blob-kb)", EXIT_USAGE) from None  # fmt: skip
+                if not self._holds_name(seg, name):
+                    seg.close()
+                    raise StartError(f"another sidecar named {cfg.name!r} is starting at the same "
+                                     "time; this one gives way", EXIT_NAME_IN_USE)  # fmt: skip
+                break
+            else:
+                raise StartError(f"could not claim the name {cfg.name!r}", EXIT_NAME_IN_USE)
+            self.seg = seg
         # The name is ours now: response semaphores beyond our slot count were left by a dead
         # sidecar of this name that had more slots (create_semaphore below replaces the rest),
         # and document arenas by a dead sidecar of this name.
@@ -332,11 +355,12 @@ class Server:
             _remove_stale_arenas(cfg.name)
         self.boot_epoch = random.getrandbits(63) | 1
         self._write_header(SidecarState.INITIALIZING, version=0)
-        try:  # one by one, so that close() removes exactly those we created
-            self.bell = _ipc.create_semaphore(doorbell_name(cfg.name))
-            self.resp_sems = []
-            for i in range(lay.n_slots):
-                self.resp_sems.append(_ipc.create_semaphore(response_sem_name(cfg.name, i)))
+        try:  # one by one, so that close() removes exactly those we created (signals held: as above)
+            with self.signals_held():
+                self.bell = _ipc.create_semaphore(doorbell_name(cfg.name))
+                self.resp_sems = []
+                for i in range(lay.n_slots):
+                    self.resp_sems.append(_ipc.create_semaphore(response_sem_name(cfg.name, i)))
         except PermissionDenied as e:  # another user's semaphore under our name
             raise StartError(str(e), EXIT_PERMISSION) from None
         assert self.service is not None

@@ -1,0 +1,75 @@
+"""A stopping signal that lands while the sidecar creates its IPC objects (a supervisor's stop,
+``Sidecar(startup_timeout=...)`` giving up) leaves none of them behind: each is created and
+recorded where ``Server.close`` finds it with the signal held (``Server.signals_held``).
+
+Each case runs ``kalos-sidecar serve`` in a child process whose creation of the segment (its
+reservation) or of a semaphore sends the process SIGTERM; the negative control runs the same
+with the hold turned off and finds the segment, or a semaphore, left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import glob
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+from reliability._harness import cleanup_ipc
+
+pytestmark = pytest.mark.reliability
+
+SCRIPT = r"""
+import contextlib, os, signal, sys
+from kalos_retrievers import _ipc
+from kalos_retrievers.sidecar import cli, server
+
+name, where, hold = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+if where == "segment":
+    real = os.posix_fallocate
+    def falloc(fd, off, size):
+        os.kill(os.getpid(), signal.SIGTERM)  # during the reservation, before create() returns
+        return real(fd, off, size)
+    _ipc.os.posix_fallocate = falloc
+else:
+    real_sem, made = _ipc.create_semaphore, []
+    def create_semaphore(sem_name):
+        sem = real_sem(sem_name)
+        made.append(sem)
+        if len(made) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return sem
+    _ipc.create_semaphore = create_semaphore
+if not hold:
+    server.Server.signals_held = lambda self: contextlib.nullcontext()
+sys.exit(cli.main(["serve", "--name", name, "--dim", "8", "--device", "cpu", "--slots", "5"]))
+"""
+
+
+def _left(name: str) -> list[str]:
+    return sorted(p for p in glob.glob("/dev/shm/*") if name in p)
+
+
+@pytest.mark.parametrize("where", ["segment", "semaphore"])
+def test_a_stop_while_the_ipc_objects_are_made_leaves_none(where: str, make_name: Callable[[], str]) -> None:
+    name = make_name()
+    try:
+        p = subprocess.run([sys.executable, "-P", "-c", SCRIPT, name, where, "1"], capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "stopped while starting" in p.stderr
+        assert _left(name) == []
+    finally:
+        cleanup_ipc(name)
+
+
+@pytest.mark.parametrize("where", ["segment", "semaphore"])
+def test_control_without_the_hold_an_object_is_left(where: str, make_name: Callable[[], str]) -> None:
+    name = make_name()
+    try:
+        p = subprocess.run([sys.executable, "-P", "-c", SCRIPT, name, where, "0"], capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+        assert "stopped while starting" in p.stderr
+        assert _left(name), p.stderr[-2000:]
+    finally:
+        cleanup_ipc(name)
