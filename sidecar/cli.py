@@ -30,6 +30,7 @@ from kalos_retrievers import _ipc
 from kalos_retrievers.errors import KalosError, SidecarTimeout, SidecarUnavailable
 from kalos_retrievers.protocol import DTYPES, METRICS, check_name, segment_name, starting_pid
 
+from . import knobs
 from .server import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ServeConfig, Server, StartError
 
 
@@ -151,6 +152,10 @@ def _serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
     except ValueError as e:
         log.error("%s", e)
+        return EXIT_USAGE
+    if knobs.ERRORS:  # (read at import, where they could not raise: sidecar/knobs.py)
+        for msg in knobs.ERRORS:
+            log.error("%s", msg)
         return EXIT_USAGE
     server = Server(cfg)
     # SIGTERM / SIGINT while starting (a long load, the lifeline's EOF) unwind start(), which

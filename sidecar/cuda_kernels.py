@@ -27,6 +27,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from .knobs import knob
+
 KERNEL_FILES = ("recall.cu",)
 BLOCK = 256  # KALOS_BLOCK in recall.cu
 
@@ -72,7 +74,8 @@ def _cpus() -> int | None:
         return os.cpu_count()
 
 
-COMPILE_THREADS = compile_threads(os.environ.get("KALOS_COMPILE_THREADS"), _cpus())
+COMPILE_THREADS = knob("KALOS_COMPILE_THREADS", lambda value: compile_threads(value, _cpus()),
+                       compile_threads(None, _cpus()))  # fmt: skip
 
 # What an instantiation costs to compile, relative (the development VM's nvcc, float16 cosine:
 # each doorbell_topk build ~2.1-3 s over the source's ~0.9 s alone (the one with lists ~6.7

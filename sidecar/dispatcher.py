@@ -54,6 +54,7 @@ from kalos_retrievers.protocol import (
 
 from .crowd import Landed
 from .index import NS_ANY, FatalDeviceError, SlotSpec
+from .knobs import knob, whole
 from .service import Service
 from .stats import HOST_TIMING, Stats
 
@@ -68,7 +69,7 @@ log = logging.getLogger("kalos.sidecar")
 
 # How long (µs) the dispatcher may hold a launch to gather the clients of the batch it has just
 # answered (Dispatcher._gather); 0, the default: never.
-GATHER_US: Final = int(os.environ.get("KALOS_GATHER_US", "0") or 0)
+GATHER_US: Final = knob("KALOS_GATHER_US", whole(0), 0)
 
 # Batched recalls queued behind the batch in flight (Dispatcher._queue_behind) wait for the
 # clients seen this recently (ns) that are not in that batch: a cohort of client processes
@@ -90,7 +91,7 @@ RETURN_TIMING: Final = HOST_TIMING
 # stopped when fewer than half as many have while at most one of its requests is in flight (a
 # client recalling alone is served sooner by the resident kernel or a graph: docs/gpu-notes.md,
 # session 35). KALOS_CAROUSEL_MIN sets it.
-CAROUSEL_MIN: Final = max(2, int(os.environ.get("KALOS_CAROUSEL_MIN", "8") or 8))
+CAROUSEL_MIN: Final = knob("KALOS_CAROUSEL_MIN", whole(2), 8)
 # After other device work stopped the carousel (a recall it cannot take, a write), it is not
 # started again for this long: a crowd that mixes such recalls in would otherwise pay a drain,
 # a stop and a start for each.

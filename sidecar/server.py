@@ -56,6 +56,7 @@ from kalos_retrievers.protocol import (
 from . import blas
 from .dispatcher import LONE_RECALLS, Dispatcher
 from .index import CpuIndex, FatalDeviceError, Index, IndexCapacityError
+from .knobs import knob, number
 from .service import Service
 from .stats import Stats, thread_sched, time_gc
 from .store import NullStore, SqliteStore, StoreInUse, StoreOpenError
@@ -1049,13 +1050,13 @@ _IDLE_WAIT_NS = 50_000_000  # longest doorbell wait: housekeeping and stop run b
 # run under cProfile (Dispatcher.profile), its statistics written to FILE (pstats' format) when
 # the serve loop stops: where the host's time goes between a cohort's last request and its pass.
 PROFILE = os.environ.get("KALOS_PROFILE", "")
-DOORBELL_IDLE_S = float(os.environ.get("KALOS_DOORBELL_IDLE_S", "5"))  # stopped after this idle
+DOORBELL_IDLE_S = knob("KALOS_DOORBELL_IDLE_S", number(0), 5.0)  # stopped after this idle
 # The resident kernel is started again after the sidecar has been idle this long, once a pass
 # stopped it (a write, most often) or after a lone recall it would take (Server._rearm_bell;
 # KALOS_BELL_REARM_MS, 0: only 4 lone recalls in a row start it). Idle, so that back-to-back
 # traffic does not wait for a start (~0.2-0.4 ms of the host's time); not after a pass's stop
 # of this many runs in a row that answered nothing, with no recall it would take in between.
-BELL_REARM_NS = max(0, int(float(os.environ.get("KALOS_BELL_REARM_MS", "1")) * 1_000_000))
+BELL_REARM_NS = int(knob("KALOS_BELL_REARM_MS", number(0), 1.0) * 1_000_000)
 BELL_FRUITLESS_MAX = 2
 _PACE_MIN_MARGIN_NS = 250_000  # a timed wait oversleeps by ~0.1 ms on a small VM
 _PACE_MAX_GAP_NS = 100_000_000  # longer gaps are not predicted: the sidecar just sleeps

@@ -10,12 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kalos_retrievers import KalosClient, SidecarUnavailable
+from kalos_retrievers import KalosClient, Sidecar, SidecarUnavailable
 from kalos_retrievers.protocol import doorbell_name, segment_name
 
 CLI = [sys.executable, "-P", "-m", "kalos_retrievers.sidecar"]
@@ -488,3 +489,26 @@ def test_no_room_in_dev_shm_fails_the_start_with_code_2_and_leaves_nothing(make_
     finally:
         srv.close()
     assert shm_objects(name) == []
+
+
+@pytest.mark.parametrize(
+    "env", ["KALOS_GATHER_US=1.5", "KALOS_CAROUSEL_MIN=1", "KALOS_COMPILE_THREADS=64", "KALOS_BELL_REARM_MS=soon",
+            "KALOS_DOORBELL_IDLE_S=-1"],
+)  # fmt: skip
+def test_a_bad_tuning_variable_refuses_serve_by_name_and_spares_the_other_commands(
+    env: str, start_sidecar: Callable[..., Sidecar], make_name: Callable[[], str]
+) -> None:
+    """Read at import, where they cannot raise: serve exits 2 naming the variable, while
+    status, stats and stop of a running sidecar work (they failed with a traceback)."""
+    key, value = env.split("=")
+    bad = {**os.environ, key: value}
+    name = make_name()
+    p = subprocess.run([sys.executable, "-P", "-m", "kalos_retrievers.sidecar", "serve", "--name", name, "--dim", "8",
+                        "--device", "cpu"], env=bad, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2 and f"ERROR {key}='{value}': expected" in p.stderr, p.stderr[-1500:]
+    assert "Traceback" not in p.stderr
+    sc = start_sidecar(dim=8)  # (the control: a good environment serves)
+    for cmd in (["status", sc.name], ["stats", sc.name]):
+        q = subprocess.run([sys.executable, "-P", "-m", "kalos_retrievers.sidecar", *cmd], env=bad,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert q.returncode == 0, (cmd, q.stderr[-1500:])
