@@ -108,6 +108,11 @@ class Sidecar:
             SidecarStartError: it exited (bad flags, name in use, corrupt store...) or did not
                 become ready within ``startup_timeout``; the message includes its log's tail.
         """
+        if self.proc is not None and self.proc.poll() is None:
+            raise SidecarStartError(
+                f"sidecar {self.name!r} is already running (pid {self.proc.pid}); stop() it before "
+                "starting it again"
+            )
         self._close_lifeline()  # (a previous start's, if this object is started again)
         argv, keep = self.argv, ()
         if self.die_with_parent:

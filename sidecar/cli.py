@@ -221,6 +221,25 @@ def _loading_pid(name: str) -> int | None:
         seg.close()
 
 
+def _maps_segment(pid: int, name: str) -> bool | None:
+    """Whether process ``pid`` maps sidecar ``name``'s segment (this one: its inode), from
+    ``/proc/PID/maps``; None where that cannot be read (no /proc, another user's process)."""
+    ino = _ipc.segment_inode(segment_name(name))
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read()
+    except FileNotFoundError:
+        return False if os.path.isdir("/proc/self") else None  # (no such process here)
+    except OSError:
+        return None
+    path = f"/dev/shm{segment_name(name)}"
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == path and (ino is None or fields[4] == str(ino)):
+            return True
+    return False
+
+
 class _StoppedWhileStarting(BaseException):
     """SIGTERM or SIGINT before the sidecar was serving."""
 
@@ -312,6 +331,13 @@ def _stop(args: argparse.Namespace) -> int:
             print(f"not running: {e}", file=sys.stderr)
             return EXIT_ERROR
         pid = loading
+    if _maps_segment(pid, args.name) is False:
+        # the header's pid is the sidecar's in its own pid namespace: here it may be any
+        # process (in a pod without a shared process namespace, the application's own pid 1)
+        print(f"pid {pid} (the sidecar's, from its segment's header) is not the process holding "
+              f"/dev/shm{segment_name(args.name)} here: the sidecar runs in another pid namespace "
+              "(another container); stop it there, or through its supervisor", file=sys.stderr)  # fmt: skip
+        return EXIT_ERROR
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:

@@ -512,3 +512,36 @@ def test_a_bad_tuning_variable_refuses_serve_by_name_and_spares_the_other_comman
         q = subprocess.run([sys.executable, "-P", "-m", "kalos_retrievers.sidecar", *cmd], env=bad,
                            capture_output=True, text=True, timeout=60)  # fmt: skip
         assert q.returncode == 0, (cmd, q.stderr[-1500:])
+
+
+def test_stop_refuses_a_pid_that_does_not_hold_the_segment(
+    start_sidecar: Callable[..., Sidecar], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The header's pid is the sidecar's in its own pid namespace: from another (a pod's other
+    container) it may name any process here. ``stop`` signals it only if it maps the segment."""
+    import types
+
+    from kalos_retrievers.sidecar import cli
+
+    sc = start_sidecar(dim=8)
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        real = cli._client
+
+        @contextlib.contextmanager
+        def seen_from_another_namespace(name: str, timeout: float):  # type: ignore[no-untyped-def]
+            with real(name, timeout):
+                yield types.SimpleNamespace(header=types.SimpleNamespace(sidecar_pid=victim.pid))
+
+        monkeypatch.setattr(cli, "_client", seen_from_another_namespace)
+        assert cli.main(["stop", sc.name]) == 1
+        assert "another pid namespace" in capsys.readouterr().err
+        time.sleep(0.1)
+        assert victim.poll() is None  # not signalled
+        assert KalosClient(sc.name).ping() >= 0  # the sidecar serves on
+        monkeypatch.undo()  # the control: its own pid is stopped
+        assert cli.main(["stop", sc.name]) == 0
+        assert sc.proc is not None and sc.proc.wait(10) == 0
+    finally:
+        victim.kill()
+        victim.wait()

@@ -124,3 +124,23 @@ def test_a_sidecar_stops_when_its_starter_is_killed(make_name: Callable[[], str]
                 os.kill(pid, signal.SIGTERM)
             _stopped_within(name, 15.0)
         cleanup_ipc(name)
+
+
+def test_starting_a_running_sidecar_again_is_refused(start_sidecar: Callable[..., Sidecar]) -> None:
+    """start() on a running Sidecar replaced it (its in-memory rows lost, its process left
+    unreaped); it is refused now, and after stop() it starts again (the control)."""
+    from kalos_retrievers import SidecarStartError
+
+    sc = start_sidecar(dim=8)
+    with sc.client() as c:
+        c.upsert(["a"], [[1.0] * 8])
+    pid = sc.proc.pid
+    with pytest.raises(SidecarStartError, match="already running"):
+        sc.start()
+    assert sc.proc.pid == pid
+    with sc.client() as c:
+        assert c.count() == 1
+    sc.stop()
+    sc.start()
+    with sc.client() as c:
+        assert c.count() == 0 and sc.proc.pid != pid
