@@ -125,12 +125,12 @@ class Segment:
         try:
             os.fchmod(shm.fd, 0o600)
             os.posix_fallocate(shm.fd, 0, size)
-        except OSError as e:
+        except BaseException as e:  # (an exception a signal handler raised in the reservation too)
             ino = os.fstat(shm.fd).st_ino
             shm.close_fd()
             if segment_inode(name) == ino:  # (not a rival's, made under the name meanwhile)
                 unlink_segment(name)
-            if e.errno == errno.ENOSPC:
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 raise OSError(errno.ENOSPC, f"/dev/shm has no room for {name} ({size / 2**20:.1f} MiB)") from None
             raise
         return cls(shm, size)

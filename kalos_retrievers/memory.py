@@ -453,14 +453,19 @@ class KalosMemory:
         return ids, events
 
     def _fitted(self, event: dict[str, Any]) -> dict[str, Any]:
-        try:
-            self.client.check_upsert(1, None, None, [event], namespace=self.history_namespace)
-            return event
-        except ValueError:
-            # a character is at most 6 bytes as JSON (\uXXXX): a 16th of the payload in
-            # characters leaves room for the rest of the event and the placeholder vector
-            keep = self.client.header.layout.payload_size // 16
-            return {**event, "old_memory": (event["old_memory"] or "")[:keep], "old_memory_truncated": True}
+        """``event``, or with its ``old_memory`` cut until it fits (to nothing, and then its
+        other fields but the id and kind dropped, for a slot too small for even those)."""
+        keep = len(event["old_memory"] or "")
+        while True:
+            try:
+                self.client.check_upsert(1, None, None, [event], namespace=self.history_namespace)
+                return event
+            except ValueError:
+                if keep == 0 and event.get("old_memory") == "":
+                    return {"memory_id": event["memory_id"], "event": event["event"],
+                            "is_deleted": event["is_deleted"], "old_memory_truncated": True}  # fmt: skip
+                keep //= 2
+                event = {**event, "old_memory": (event["old_memory"] or "")[:keep], "old_memory_truncated": True}
 
     def _record(self, history: tuple[list[str], list[dict[str, Any]]]) -> None:
         ids, events = history

@@ -17,6 +17,7 @@ Exit codes (stable, for supervisors and readiness probes):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -30,7 +31,6 @@ from kalos_retrievers import _ipc
 from kalos_retrievers.errors import KalosError, SidecarTimeout, SidecarUnavailable
 from kalos_retrievers.protocol import DTYPES, METRICS, check_name, segment_name, starting_pid
 
-from . import knobs
 from .server import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ServeConfig, Server, StartError
 
 
@@ -153,10 +153,6 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return EXIT_USAGE
-    if knobs.ERRORS:  # (read at import, where they could not raise: sidecar/knobs.py)
-        for msg in knobs.ERRORS:
-            log.error("%s", msg)
-        return EXIT_USAGE
     server = Server(cfg)
     # SIGTERM / SIGINT while starting (a long load, the lifeline's EOF) unwind start(), which
     # undoes what it made, instead of killing the process with its segment left in /dev/shm.
@@ -222,20 +218,28 @@ def _loading_pid(name: str) -> int | None:
 
 
 def _maps_segment(pid: int, name: str) -> bool | None:
-    """Whether process ``pid`` maps sidecar ``name``'s segment (this one: its inode), from
-    ``/proc/PID/maps``; None where that cannot be read (no /proc, another user's process)."""
+    """Whether process ``pid`` is sidecar ``name``: it maps the segment (``/proc/PID/maps``
+    lists its inode), or, where its maps cannot be read (another user's process, without
+    CAP_SYS_PTRACE), its command line is ``serve`` with this name. None without /proc."""
+    if not os.path.isdir("/proc/self"):
+        return None
     ino = _ipc.segment_inode(segment_name(name))
     try:
         with open(f"/proc/{pid}/maps") as f:
             maps = f.read()
     except FileNotFoundError:
-        return False if os.path.isdir("/proc/self") else None  # (no such process here)
+        return False  # (no such process here)
     except OSError:
-        return None
-    path = f"/dev/shm{segment_name(name)}"
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            return False
+        return b"serve" in argv and (f"--name={name}".encode() in argv or any(
+            a == b"--name" and b == name.encode() for a, b in itertools.pairwise(argv)))  # fmt: skip
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5] == path and (ino is None or fields[4] == str(ino)):
+        if len(fields) == 6 and ino is not None and fields[4] == str(ino) and "kalos-" in fields[5]:
             return True
     return False
 
@@ -331,7 +335,7 @@ def _stop(args: argparse.Namespace) -> int:
             print(f"not running: {e}", file=sys.stderr)
             return EXIT_ERROR
         pid = loading
-    if _maps_segment(pid, args.name) is False:
+    if _maps_segment(pid, args.name) is False:  # (None: no /proc to ask; signalled as before)
         # the header's pid is the sidecar's in its own pid namespace: here it may be any
         # process (in a pod without a shared process namespace, the application's own pid 1)
         print(f"pid {pid} (the sidecar's, from its segment's header) is not the process holding "

@@ -4,8 +4,9 @@ A module-level ``int(os.environ[...])`` raises at import, and the CLI imports th
 modules for every subcommand: one mistyped tuning variable made ``status``, ``stats`` and
 ``stop`` fail too (and ``status`` report a healthy sidecar as not running). :func:`knob` reads
 a variable at import without raising: a bad value is recorded in :data:`ERRORS` and the default
-used, and ``kalos-sidecar serve`` refuses to start while :data:`ERRORS` holds any (exit 2, one
-line each), so a misconfigured sidecar never serves with a value it was not given.
+used, and :meth:`Server.start <sidecar.server.Server.start>` refuses to start while
+:data:`ERRORS` holds any (``kalos-sidecar serve``: exit 2, naming each), so a misconfigured
+sidecar never serves with a value it was not given.
 """
 
 from __future__ import annotations
@@ -52,16 +53,16 @@ def whole(low: int) -> Callable[[str], int]:
     return parse
 
 
-def number(low: float) -> Callable[[str], float]:
-    """A parser of finite numbers >= ``low``."""
+def number(low: float, high: float) -> Callable[[str], float]:
+    """A parser of numbers from ``low`` to ``high``."""
 
     def parse(value: str) -> float:
         try:
             x = float(value)
         except ValueError:
-            raise ValueError(f"expected a number >= {low:g}") from None
-        if not math.isfinite(x) or x < low:
-            raise ValueError(f"expected a finite number >= {low:g}")
+            x = math.nan
+        if not low <= x <= high:
+            raise ValueError(f"expected a number from {low:g} to {high:g}")
         return x
 
     return parse

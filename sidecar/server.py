@@ -53,7 +53,7 @@ from kalos_retrievers.protocol import (
     segment_name,
 )
 
-from . import blas
+from . import blas, knobs
 from .dispatcher import LONE_RECALLS, Dispatcher
 from .index import CpuIndex, FatalDeviceError, Index, IndexCapacityError
 from .knobs import knob, number
@@ -241,6 +241,8 @@ class Server:
 
     def start(self) -> None:
         cfg = self.cfg
+        if knobs.ERRORS:  # (tuning variables read at import, where they could not raise)
+            raise StartError("; ".join(knobs.ERRORS), EXIT_USAGE)
         os.umask(0o077)  # everything we create (store files, IPC objects) is ours alone
         index = make_index(cfg)
         # the CPU backend's products run on BLAS: unless told, it leaves a quarter of a large
@@ -405,11 +407,12 @@ class Server:
         name = self.cfg.name
 
         def open_segment(version: int, size: int) -> Any:
-            try:  # (its pages reserved: a full /dev/shm is an error here, not a SIGBUS on a write)
-                seg = _ipc.Segment.create(arena_name(name, version), size)
-            except (PermissionDenied, OSError) as e:  # (FileExistsError among the OSErrors)
-                raise OSError(f"cannot create the document arena {arena_name(name, version)}: {e}") from None
-            self._arena_segs[version] = seg
+            with self.signals_held():  # (recorded where close() finds it: see _publish)
+                try:  # (its pages reserved: a full /dev/shm is an error here, not a SIGBUS on a write)
+                    seg = _ipc.Segment.create(arena_name(name, version), size)
+                except (PermissionDenied, OSError) as e:  # (FileExistsError among the OSErrors)
+                    raise OSError(f"cannot create the document arena {arena_name(name, version)}: {e}") from None
+                self._arena_segs[version] = seg
             return seg.mm
 
         def unlink(version: int) -> None:
@@ -487,11 +490,12 @@ class Server:
         """Create the carousel's shared segment (``/kalos-NAME-car``; one a dead sidecar of this
         name left was removed at the first publication) and return its map."""
         name = carousel_segment_name(self.cfg.name)
-        try:  # (its pages reserved: a full /dev/shm is an error here, not a SIGBUS later)
-            seg = _ipc.Segment.create(name, size)
-        except (PermissionDenied, OSError) as e:  # (FileExistsError among the OSErrors)
-            raise OSError(f"cannot create the carousel's segment {name}: {e}") from None
-        self._car_seg = seg
+        with self.signals_held():  # (recorded where close() finds it: see _publish)
+            try:  # (its pages reserved: a full /dev/shm is an error here, not a SIGBUS later)
+                seg = _ipc.Segment.create(name, size)
+            except (PermissionDenied, OSError) as e:  # (FileExistsError among the OSErrors)
+                raise OSError(f"cannot create the carousel's segment {name}: {e}") from None
+            self._car_seg = seg
         return seg.mm
 
     def _publish_carousel(self, epoch: int, slots: int) -> None:
@@ -1021,7 +1025,10 @@ class Server:
         if self.arena is not None:
             self.arena.close()  # unlinks the current version
             self.arena = None
-        for seg in self._arena_segs.values():
+        for version, seg in self._arena_segs.items():  # (a version made by a move cut short too)
+            with contextlib.suppress(Exception):
+                if _ipc.segment_inode(arena_name(self.cfg.name, version)) == seg.inode:
+                    _ipc.unlink_segment(arena_name(self.cfg.name, version))
             seg.close()
         self._arena_segs.clear()
         log.info("stopped")
@@ -1050,13 +1057,13 @@ _IDLE_WAIT_NS = 50_000_000  # longest doorbell wait: housekeeping and stop run b
 # run under cProfile (Dispatcher.profile), its statistics written to FILE (pstats' format) when
 # the serve loop stops: where the host's time goes between a cohort's last request and its pass.
 PROFILE = os.environ.get("KALOS_PROFILE", "")
-DOORBELL_IDLE_S = knob("KALOS_DOORBELL_IDLE_S", number(0), 5.0)  # stopped after this idle
+DOORBELL_IDLE_S = knob("KALOS_DOORBELL_IDLE_S", number(0, 86_400), 5.0)  # stopped after this idle
 # The resident kernel is started again after the sidecar has been idle this long, once a pass
 # stopped it (a write, most often) or after a lone recall it would take (Server._rearm_bell;
 # KALOS_BELL_REARM_MS, 0: only 4 lone recalls in a row start it). Idle, so that back-to-back
 # traffic does not wait for a start (~0.2-0.4 ms of the host's time); not after a pass's stop
 # of this many runs in a row that answered nothing, with no recall it would take in between.
-BELL_REARM_NS = int(knob("KALOS_BELL_REARM_MS", number(0), 1.0) * 1_000_000)
+BELL_REARM_NS = int(knob("KALOS_BELL_REARM_MS", number(0, 3_600_000), 1.0) * 1_000_000)
 BELL_FRUITLESS_MAX = 2
 _PACE_MIN_MARGIN_NS = 250_000  # a timed wait oversleeps by ~0.1 ms on a small VM
 _PACE_MAX_GAP_NS = 100_000_000  # longer gaps are not predicted: the sidecar just sleeps

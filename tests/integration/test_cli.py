@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -539,7 +540,20 @@ def test_stop_refuses_a_pid_that_does_not_hold_the_segment(
         time.sleep(0.1)
         assert victim.poll() is None  # not signalled
         assert KalosClient(sc.name).ping() >= 0  # the sidecar serves on
-        monkeypatch.undo()  # the control: its own pid is stopped
+        monkeypatch.undo()
+        real_open = open
+
+        def no_maps(path: Any, *a: Any, **kw: Any) -> Any:  # (another user's process, no CAP_SYS_PTRACE)
+            if str(path).endswith("/maps"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, *a, **kw)
+
+        monkeypatch.setattr(cli, "open", no_maps, raising=False)
+        assert sc.proc is not None
+        assert cli._maps_segment(victim.pid, sc.name) is False  # its command line is not serve --name
+        assert cli._maps_segment(sc.proc.pid, sc.name) is True
+        monkeypatch.undo()
+        assert cli._maps_segment(sc.proc.pid, sc.name) is True  # the control: its own pid is stopped
         assert cli.main(["stop", sc.name]) == 0
         assert sc.proc is not None and sc.proc.wait(10) == 0
     finally:

@@ -2,9 +2,10 @@
 ``Sidecar(startup_timeout=...)`` giving up) leaves none of them behind: each is created and
 recorded where ``Server.close`` finds it with the signal held (``Server.signals_held``).
 
-Each case runs ``kalos-sidecar serve`` in a child process whose creation of the segment (its
-reservation) or of a semaphore sends the process SIGTERM; the negative control runs the same
-with the hold turned off and finds the segment, or a semaphore, left in /dev/shm.
+Each case runs ``kalos-sidecar serve`` in a child process that sends itself SIGTERM during the
+segment's reservation (``Segment.create`` removes what it made), right after the segment is
+made, or after a semaphore is; the negative control runs the last two with the hold turned off
+and finds the segment, or a semaphore, left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -25,12 +26,19 @@ from kalos_retrievers import _ipc
 from kalos_retrievers.sidecar import cli, server
 
 name, where, hold = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-if where == "segment":
+if where == "reserve":
     real = os.posix_fallocate
     def falloc(fd, off, size):
-        os.kill(os.getpid(), signal.SIGTERM)  # during the reservation, before create() returns
+        os.kill(os.getpid(), signal.SIGTERM)  # during the reservation: Segment.create undoes it
         return real(fd, off, size)
     _ipc.os.posix_fallocate = falloc
+elif where == "segment":
+    real_create = _ipc.Segment.create
+    def create(name, size):
+        seg = real_create(name, size)
+        os.kill(os.getpid(), signal.SIGTERM)  # made, not yet recorded as the server's
+        return seg
+    _ipc.Segment.create = create
 else:
     real_sem, made = _ipc.create_semaphore, []
     def create_semaphore(sem_name):
@@ -50,7 +58,7 @@ def _left(name: str) -> list[str]:
     return sorted(p for p in glob.glob("/dev/shm/*") if name in p)
 
 
-@pytest.mark.parametrize("where", ["segment", "semaphore"])
+@pytest.mark.parametrize("where", ["reserve", "segment", "semaphore"])
 def test_a_stop_while_the_ipc_objects_are_made_leaves_none(where: str, make_name: Callable[[], str]) -> None:
     name = make_name()
     try:
