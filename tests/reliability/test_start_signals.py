@@ -4,8 +4,8 @@ recorded where ``Server.close`` finds it with the signal held (``Server.signals_
 
 Each case runs ``kalos-sidecar serve`` in a child process that sends itself SIGTERM during the
 segment's reservation (``Segment.create`` removes what it made), right after the segment is
-made, or after a semaphore is; the negative control runs the last two with the hold turned off
-and finds the segment, or a semaphore, left in /dev/shm.
+made, after a semaphore is, or after the document arena is; the negative control runs the
+last three with the hold turned off and finds the object left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -32,13 +32,16 @@ if where == "reserve":
         os.kill(os.getpid(), signal.SIGTERM)  # during the reservation: Segment.create undoes it
         return real(fd, off, size)
     _ipc.os.posix_fallocate = falloc
-elif where == "segment":
+elif where in ("segment", "arena"):
     real_create = _ipc.Segment.create
-    def create(name, size):
-        seg = real_create(name, size)
-        os.kill(os.getpid(), signal.SIGTERM)  # made, not yet recorded as the server's
+    def create(seg_name, size):
+        seg = real_create(seg_name, size)
+        if where == "segment" or "-docs." in seg_name:
+            os.kill(os.getpid(), signal.SIGTERM)  # made, not yet recorded as the server's
         return seg
     _ipc.Segment.create = create
+    if where == "arena":
+        os.environ["KALOS_ARENA"] = "1"  # (a CPU sidecar makes its document arena then)
 else:
     real_sem, made = _ipc.create_semaphore, []
     def create_semaphore(sem_name):
@@ -58,7 +61,7 @@ def _left(name: str) -> list[str]:
     return sorted(p for p in glob.glob("/dev/shm/*") if name in p)
 
 
-@pytest.mark.parametrize("where", ["reserve", "segment", "semaphore"])
+@pytest.mark.parametrize("where", ["reserve", "segment", "semaphore", "arena"])
 def test_a_stop_while_the_ipc_objects_are_made_leaves_none(where: str, make_name: Callable[[], str]) -> None:
     name = make_name()
     try:
@@ -71,7 +74,7 @@ def test_a_stop_while_the_ipc_objects_are_made_leaves_none(where: str, make_name
         cleanup_ipc(name)
 
 
-@pytest.mark.parametrize("where", ["segment", "semaphore"])
+@pytest.mark.parametrize("where", ["segment", "semaphore", "arena"])
 def test_control_without_the_hold_an_object_is_left(where: str, make_name: Callable[[], str]) -> None:
     name = make_name()
     try:
