@@ -12,7 +12,8 @@ Needs the ``langgraph`` extra (``pip install ".[langgraph]"`` in the checkout). 
   closest to the message (in the sidecar, with the user's namespace as the partition);
 * ``respond`` asks the LLM, with the recalled memories as context and the thread's earlier
   messages (short-term memory: LangGraph's checkpointer, one thread per user and session);
-* ``remember`` puts a statement (anything that is not a question) into the store.
+* ``remember`` puts a statement (anything that is not a question) into the store, keyed by
+  its text: a statement told again replaces its memory rather than adding a copy.
 
 ``/user NAME`` switches user: each user sees only their own memories. The sidecar keeps them in
 ``--data-dir`` (default ~/.cache/kalos-examples/langgraph-agent/<embedder>), so a new session
@@ -22,6 +23,7 @@ remembers. Offline unless configured: see examples/common.py.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 import uuid
@@ -90,7 +92,10 @@ def build_graph(llm: Any, *, k: int = 3, min_score: float = 0.2) -> StateGraph:
         if common.looks_like_question(said):
             return {}
         try:
-            store.put(memories_of(state["user"]), uuid.uuid4().hex, {"text": said})
+            # keyed by the text: a statement told again (or the script run again) replaces
+            # its memory instead of adding a duplicate that would crowd the next recall
+            key = hashlib.sha256(said.strip().encode()).hexdigest()[:32]
+            store.put(memories_of(state["user"]), key, {"text": said})
         except KalosError as e:  # writes raise (a silently lost memory is worse)
             say(f"     (not remembered: {e})")
         return {}

@@ -405,3 +405,15 @@ def test_langgraph_agent_keeps_per_user_memories(
     ).stdout
     assert "oat milk" in reply_to(again, "How do I take my coffee?", 0)
     assert "black" in reply_to(again, "How do I take my coffee?", 1)
+
+    # the whole chat once more on the same --data-dir: the statements told again replace their
+    # memories (keyed by their text) instead of doubling them (with random keys this reads 4)
+    rerun = run_example(
+        "langgraph_agent.py",
+        "--script",
+        str(DATA / "langgraph_chat.txt"),
+        "--sidecar",
+        make_name(),
+        *common,
+    ).stdout
+    assert "2 memories of 'alice'" in rerun
