@@ -377,14 +377,12 @@ def test_langgraph_agent_keeps_per_user_memories(
 ) -> None:
     pytest.importorskip("langgraph", reason="the langgraph extra is not installed")
     common = ["--embeddings", "hashing", "--data-dir", str(tmp_path), "--device", "cpu"]
-    out = run_example(
-        "langgraph_agent.py",
-        "--script",
-        str(DATA / "langgraph_chat.txt"),
-        "--sidecar",
-        make_name(),
-        *common,
-    ).stdout
+
+    def chat() -> str:  # the sample chat, on a new sidecar over the same --data-dir
+        script = str(DATA / "langgraph_chat.txt")
+        return run_example("langgraph_agent.py", "--script", script, "--sidecar", make_name(), *common).stdout
+
+    out = chat()
     assert "black" in reply_to(out, "How do I take my coffee?", 0)  # alice
     assert "black" not in reply_to(out, "How do I take my coffee?", 1)  # bob, nothing yet
     assert "oat milk" in reply_to(out, "How do I take my coffee?", 2)  # bob
@@ -408,12 +406,4 @@ def test_langgraph_agent_keeps_per_user_memories(
 
     # the whole chat once more on the same --data-dir: the statements told again replace their
     # memories (keyed by their text) instead of doubling them (with random keys this reads 4)
-    rerun = run_example(
-        "langgraph_agent.py",
-        "--script",
-        str(DATA / "langgraph_chat.txt"),
-        "--sidecar",
-        make_name(),
-        *common,
-    ).stdout
-    assert "2 memories of 'alice'" in rerun
+    assert "2 memories of 'alice'" in chat()
