@@ -7,7 +7,8 @@
 The process runs ``python -P -m kalos_retrievers.sidecar serve`` with the same interpreter
 (``-P``: the current directory is not put on ``sys.path``, so a source checkout in the current
 directory cannot shadow the installed package, whose sidecar lives elsewhere in the tree), logs
-to a file (``Sidecar.log_path``; its tail is included in any start-up error), and by default
+to a file (``Sidecar.log_path``, owner-only, made by the first ``start``; its tail is included
+in any start-up error), and by default
 stops (as on SIGTERM) once the process that started it has exited, however it ended, so an
 interrupted script leaves no orphan sidecar behind.
 
@@ -97,9 +98,8 @@ class Sidecar:
         self.argv += list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
         self._lifeline: int | None = None  # the write end of the sidecar's lifeline pipe
-        fd, path = tempfile.mkstemp(prefix=f"kalos-{self.name}-", suffix=".log")
-        os.close(fd)
-        self.log_path = Path(path)
+        # (named now, made by the first start: a Sidecar that is never started leaves no file)
+        self.log_path = Path(tempfile.gettempdir()) / f"kalos-{self.name}-{uuid.uuid4().hex[:8]}.log"
 
     def start(self) -> Sidecar:
         """Start the process and wait until it answers a ping.
@@ -119,7 +119,12 @@ class Sidecar:
             r, w = os.pipe()  # (both close-on-exec; pass_fds hands the sidecar the read end)
             argv, keep = [*argv, "--lifeline-fd", str(r)], (r,)
         try:
-            with open(self.log_path, "ab") as log:
+            try:  # owner-only, appended to by later starts; O_NOFOLLOW: a link planted there fails
+                log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            except OSError as e:
+                raise SidecarStartError(f"sidecar {self.name!r}: cannot open its log {self.log_path}: "
+                                        f"{e.strerror or e}") from None  # fmt: skip
+            with open(log_fd, "ab") as log:
                 self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, pass_fds=keep)  # fmt: skip
         except BaseException:
