@@ -98,8 +98,9 @@ class Sidecar:
         self.argv += list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
         self._lifeline: int | None = None  # the write end of the sidecar's lifeline pipe
-        # (named now, made by the first start: a Sidecar that is never started leaves no file)
-        self.log_path = Path(tempfile.gettempdir()) / f"kalos-{self.name}-{uuid.uuid4().hex[:8]}.log"
+        # (named now, made by the first start: a Sidecar that is never started leaves no file;
+        # 64 random bits, so no other user can make the file first)
+        self.log_path = Path(tempfile.gettempdir()) / f"kalos-{self.name}-{uuid.uuid4().hex[:16]}.log"
 
     def start(self) -> Sidecar:
         """Start the process and wait until it answers a ping.
