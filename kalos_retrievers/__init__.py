@@ -19,6 +19,7 @@ from .client import KalosClient
 from .degrade import Degrader
 from .errors import (
     CapacityError,
+    DimensionMismatch,
     IncompatibleVersion,
     KalosError,
     PermissionDenied,
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CapacityError",
     "Degrader",
+    "DimensionMismatch",
     "Hit",
     "IncompatibleVersion",
     "KalosClient",

@@ -20,7 +20,7 @@ import posix_ipc
 
 from . import _ipc
 from .arena import ArenaView, arena_name
-from .errors import IncompatibleVersion, KalosError, ProtocolError, SidecarUnavailable
+from .errors import DimensionMismatch, IncompatibleVersion, KalosError, ProtocolError, SidecarUnavailable
 from .protocol import (
     CAR_HEAD,
     CAR_KMAX,
@@ -261,7 +261,7 @@ class _Conn:
             if header.state != SidecarState.READY:
                 raise SidecarUnavailable(f"sidecar {name!r} is not ready (state {header.state})")
             if dim is not None and dim != header.dim:
-                raise IncompatibleVersion(
+                raise DimensionMismatch(
                     f"sidecar {name!r} stores dim={header.dim} vectors but this client was "
                     f"created with dim={dim}: use an embedding model with {header.dim} "
                     f"dimensions, or start a sidecar under another name with --dim {dim}"

@@ -260,6 +260,7 @@ class KalosClient:
 
     Raises:
         SidecarUnavailable: (unless ``lazy``) no sidecar of that name is running.
+        DimensionMismatch: ``dim`` is not the sidecar's (a subclass of IncompatibleVersion).
         IncompatibleVersion, PermissionDenied, ProtocolError: see their docs.
 
     Example:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 __all__ = [
     "CapacityError",
+    "DimensionMismatch",
     "IncompatibleVersion",
     "KalosError",
     "PermissionDenied",
@@ -57,6 +58,11 @@ class ProtocolError(KalosError):
 
 class IncompatibleVersion(ProtocolError):
     """Client and sidecar speak different protocol versions, or disagree on the vector layout."""
+
+
+class DimensionMismatch(IncompatibleVersion):
+    """The client was created with a ``dim`` other than the sidecar's: the embedding model and the
+    stored vectors disagree. Raised on connect, before any request is sent."""
 
 
 class PermissionDenied(KalosError):

@@ -28,6 +28,7 @@ from reliability._harness import cleanup_ipc
 
 import kalos_retrievers._conn as conn_mod
 from kalos_retrievers import (
+    DimensionMismatch,
     IncompatibleVersion,
     KalosClient,
     KalosError,
@@ -102,7 +103,7 @@ CASES: dict[str, tuple[int, bytes, bool, int | None, type[Exception], tuple[str,
     "empty segment": (0, b"", True, None, SidecarUnavailable, ("still creating its segment",)),
     "geometry": (SEG, _geometry(), True, None, ProtocolError, ("geometry",)),
     "stale": (SEG, bytes(good_header()), False, None, SidecarUnavailable, ("stale",)),
-    "other dim": (SEG, bytes(good_header()), True, 16, IncompatibleVersion, ("dim=8", "dim=16")),
+    "other dim": (SEG, bytes(good_header()), True, 16, DimensionMismatch, ("dim=8", "dim=16")),
 }
 
 
