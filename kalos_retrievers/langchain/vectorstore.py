@@ -379,7 +379,8 @@ class KalosVectorStore(VectorStore):
 
         Args:
             query: the text to embed and search for.
-            k: how many (fewer when fewer rows match).
+            k: how many (fewer when fewer rows match); 0 returns ``[]`` without asking the
+                sidecar.
             filter: metadata filter, e.g. ``{"topic": {"$in": ["a", "b"]}}``; the result is
                 the true top-k among matching rows. A callable is refused.
             namespace: search this namespace (default: the store's).
@@ -502,6 +503,8 @@ class KalosVectorStore(VectorStore):
         # One sidecar round trip; the metric is read after it, so an absent sidecar fails in
         # the search (with the search's error) rather than in the metric lookup.
         pairs = self.similarity_search_with_score(query, k, **kwargs)
+        if not pairs:  # (k=0 asked nothing of the sidecar: nor does the metric's read)
+            return []
         fn = self._select_relevance_score_fn()
         return [(doc, fn(score)) for doc, score in pairs]
 
@@ -509,6 +512,8 @@ class KalosVectorStore(VectorStore):
         self, query: str, k: int = 4, **kwargs: Any
     ) -> list[tuple[Document, float]]:
         pairs = await self.asimilarity_search_with_score(query, k, **kwargs)
+        if not pairs:
+            return []
         fn = self._select_relevance_score_fn()  # cached header: no I/O after a search
         return [(doc, fn(score)) for doc, score in pairs]
 
@@ -577,6 +582,8 @@ class KalosVectorStore(VectorStore):
         """:meth:`max_marginal_relevance_search` for an already embedded query."""
         _no_extra(kwargs, "max_marginal_relevance_search_by_vector")
         flt = validate_filter(filter)
+        if _zero(k):
+            return []
         res = self._recall(embedding, self._pool(k, fetch_k), flt, namespace, self._seconds(timeout),
                            with_vectors=True)  # fmt: skip
         return mmr_of(embedding, res, k, lambda_mult)
@@ -596,6 +603,8 @@ class KalosVectorStore(VectorStore):
         """Async :meth:`max_marginal_relevance_search_by_vector`."""
         _no_extra(kwargs, "amax_marginal_relevance_search_by_vector")
         flt = validate_filter(filter)
+        if _zero(k):
+            return []
         res = await self._arecall(embedding, self._pool(k, fetch_k), flt, namespace, timeout,
                                   with_vectors=True)  # fmt: skip
         return mmr_of(embedding, res, k, lambda_mult)
@@ -754,7 +763,10 @@ class KalosVectorStore(VectorStore):
         with_vectors: bool = False,
     ) -> RecallResult:
         """Recall with ``timeout`` seconds left (sync calls start their deadline here, after
-        embedding; async ones in :meth:`_arecall`)."""
+        embedding; async ones in :meth:`_arecall`). ``k=0`` asks for nothing: no hits, and
+        the sidecar is not asked (as LangChain's ``InMemoryVectorStore`` returns ``[]``)."""
+        if _zero(k):
+            return _NO_HITS
         if type(vector) is list and vector and type(vector[0]) is float:
             # what embed_query returns: check its length here and let the client convert it
             # (and check it) once, instead of converting it twice (about 0.5 us at 384 floats)
@@ -791,6 +803,8 @@ class KalosVectorStore(VectorStore):
         *,
         with_vectors: bool = False,
     ) -> RecallResult:
+        if _zero(k):
+            return _NO_HITS
         deadline = self._deadline(timeout)  # counts the wait for a worker thread
         return await run_in_executor(None, self._recall_by, vector, k, flt, namespace, deadline,
                                      with_vectors)  # fmt: skip
@@ -873,3 +887,11 @@ def _no_extra(kwargs: dict[str, Any], method: str) -> None:
             f"KalosVectorStore.{method}() got unexpected keyword arguments {sorted(kwargs)}; "
             "see its docstring for the ones it takes"
         )
+
+
+def _zero(k: Any) -> bool:
+    """``k`` is the integer 0 (not ``False``, nor ``0.0``: the client refuses those)."""
+    return k == 0 and isinstance(k, numbers.Integral) and not isinstance(k, bool)
+
+
+_NO_HITS = RecallResult(np.empty(0, np.int32), np.empty(0, np.float32), ())  # what k=0 finds

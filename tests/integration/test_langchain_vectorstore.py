@@ -3,6 +3,7 @@ retrievers from ``as_retriever()``, constructors, and every ``a*`` method."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import zlib
 from collections.abc import Callable, Iterator
@@ -528,3 +529,32 @@ async def test_async_methods(start_sidecar: Callable[..., Sidecar]) -> None:
     other = await KalosVectorStore.afrom_documents([Document("q", id="q")], emb, name=sc.name,
                                                    namespace="af")  # fmt: skip
     assert [d.id for d in await other.asimilarity_search("q", k=5)] == ["q"]
+
+
+def test_k_zero_finds_nothing_without_asking_the_sidecar(store: KalosVectorStore,
+                                                         make_name: Callable[[], str]) -> None:  # fmt: skip
+    """``k=0`` returns ``[]`` from every search, as LangChain's ``InMemoryVectorStore`` does;
+    a negative, bool or float ``k`` is still refused."""
+    store.add_texts(["apple pie", "apple tart"], ids=["p", "t"])
+    vec = store.embedding.embed_query("apple")
+    assert len(store.similarity_search("apple", k=1)) == 1  # (control: there are rows to find)
+    for s in (store, KalosVectorStore(WordHashEmbedding(97), name=make_name())):  # (the 2nd: no sidecar)
+        assert s.similarity_search("apple", k=0) == []
+        assert s.similarity_search("apple", k=np.int64(0)) == []
+        assert s.similarity_search_with_score("apple", k=0) == []
+        assert s.similarity_search_with_relevance_scores("apple", k=0) == []
+        assert s.similarity_search_by_vector(vec, k=0) == []
+        assert s.max_marginal_relevance_search("apple", k=0) == []
+        assert s.max_marginal_relevance_search_by_vector(vec, k=0) == []
+        assert s.as_retriever(search_kwargs={"k": 0}).invoke("apple") == []
+
+        async def searches(s: KalosVectorStore = s) -> list[list[Any]]:
+            return [await s.asimilarity_search("apple", k=0),
+                    await s.asimilarity_search_with_score("apple", k=0),
+                    await s.asimilarity_search_with_relevance_scores("apple", k=0),
+                    await s.amax_marginal_relevance_search("apple", k=0)]  # fmt: skip
+
+        assert asyncio.run(searches()) == [[], [], [], []]
+    for bad in (-1, True, 0.0):
+        with pytest.raises(ValueError, match=r"^k="):
+            store.similarity_search("apple", k=bad)
