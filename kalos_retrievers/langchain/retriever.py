@@ -264,7 +264,7 @@ class KalosRetriever(BaseRetriever):
                 kwargs.get("timeout", self.timeout))  # fmt: skip
 
     def _documents(self, res: RecallResult, threshold: float | None) -> list[Document]:
-        if threshold is None:
+        if threshold is None or not len(res):  # (no hits: no metric to read)
             return docs_of(res)
         fn = relevance_fn(self.vectorstore.client.metric)
         keep = [i for i, score in enumerate(res.scores.tolist()) if fn(score) >= threshold]

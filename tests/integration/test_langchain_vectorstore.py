@@ -15,7 +15,7 @@ from langchain_core.documents import Document
 from langchain_core.embeddings import DeterministicFakeEmbedding, Embeddings
 
 from kalos_retrievers import KalosClient, Sidecar, SidecarUnavailable
-from kalos_retrievers.langchain import KalosVectorStore, KalosVectorStoreRetriever
+from kalos_retrievers.langchain import KalosRetriever, KalosVectorStore, KalosVectorStoreRetriever
 
 
 class WordHashEmbedding(Embeddings):
@@ -547,6 +547,10 @@ def test_k_zero_finds_nothing_without_asking_the_sidecar(store: KalosVectorStore
         assert s.max_marginal_relevance_search("apple", k=0) == []
         assert s.max_marginal_relevance_search_by_vector(vec, k=0) == []
         assert s.as_retriever(search_kwargs={"k": 0}).invoke("apple") == []
+        retriever = KalosRetriever(vectorstore=s, on_error="raise")
+        assert retriever.invoke("apple", k=0) == []
+        assert retriever.invoke("apple", k=0, score_threshold=0.5) == []
+        assert asyncio.run(retriever.ainvoke("apple", k=0, score_threshold=0.5)) == []
 
         async def searches(s: KalosVectorStore = s) -> list[list[Any]]:
             return [await s.asimilarity_search("apple", k=0),
