@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import random
 from typing import Any
 
 import pytest
@@ -71,3 +73,36 @@ def test_an_unsupported_query_mode_is_named_whether_enum_or_string(mode: Any) ->
     ('str' object has no attribute 'value') instead of the documented ValueError."""
     with pytest.raises(ValueError, match=r"'default' and 'mmr', not '(hybrid|sparse)'"):
         KalosVectorStore(NO_SIDECAR).query(VectorStoreQuery(query_embedding=[1.0, 0.0, 0.0], mode=mode))
+
+
+def _pieces_one_by_one(ids: list[Any], budget: int) -> list[list[Any]]:
+    """The reference: each id's JSON size counted alone (what ``_id_pieces`` did for every list)."""
+    pieces, start, size = [], 0, 2
+    for i, node_id in enumerate(ids):
+        n = len(json.dumps(str(node_id))) + 1
+        if size + n > budget and i > start:
+            pieces.append(ids[start:i])
+            start, size = i, 2
+        size += n
+    pieces.append(ids[start:])
+    return pieces
+
+
+def test_id_pieces_match_counting_each_id() -> None:
+    """The one-call path (every id a str and all of them fitting) cuts exactly where counting each
+    id does, at budgets just below, at and above the whole list's size."""
+    from kalos_retrievers.llama_index.vector_store import _id_pieces
+
+    rng = random.Random(7)
+    alphabet = ['a', 'Z', '"', "\\", "\n", "é", "\u2028", "😀", "/", " "]
+    one_piece = 0
+    for _ in range(300):
+        ids: list[Any] = ["".join(rng.choices(alphabet, k=rng.randint(0, 9))) for _ in range(rng.randint(1, 13))]
+        if rng.random() < 0.2:
+            ids[rng.randrange(len(ids))] = rng.randint(0, 999)  # (not a str: the loop's str() of it)
+        whole = 2 + sum(len(json.dumps(str(i))) + 1 for i in ids)
+        for budget in (whole - 1, whole, whole + 1, max(3, whole // 3)):
+            got = _id_pieces(ids, budget)
+            assert got == _pieces_one_by_one(ids, budget), (ids, budget)
+            one_piece += len(got) == 1
+    assert one_piece > 300  # (both paths were taken)
