@@ -437,7 +437,7 @@ class KalosMemory:
         """History rows for ``events``, checked before the write they record is made: an event
         holds the memory's text (an update's, old and new), so it can outgrow a slot the
         memory fits, and a write then refused after the memory was written would leave it
-        without its event. ``fit`` (deletes, which must never be refused for their record):
+        without its event. ``fit`` (deletes, not refused for their record's size):
         an event that does not fit keeps the start of its ``old_memory`` and is marked
         ``"old_memory_truncated": True``."""
         ids = _sortable_ids(len(events))
@@ -454,16 +454,24 @@ class KalosMemory:
 
     def _fitted(self, event: dict[str, Any]) -> dict[str, Any]:
         """``event``, or with its ``old_memory`` cut until it fits (to nothing, and then its
-        other fields but the id and kind dropped, for a slot too small for even those)."""
+        other fields but the id and kind dropped). Raises ValueError, before anything is
+        deleted, where a slot cannot hold even that: a delete is never made without its record."""
         keep = len(event["old_memory"] or "")
         while True:
             try:
                 self.client.check_upsert(1, None, None, [event], namespace=self.history_namespace)
                 return event
-            except ValueError:
+            except ValueError as e:
+                if "old_memory" not in event:  # (the least an event can be did not fit)
+                    raise ValueError(
+                        f"{e} (here: the DELETE event of memory {event['memory_id']!r}, cut to its "
+                        f"id and kind: sidecar {self.client.name!r}'s request slot is too small; "
+                        "start it with a larger --payload-kb. Nothing was deleted)"
+                    ) from None
                 if keep == 0 and event.get("old_memory") == "":
-                    return {"memory_id": event["memory_id"], "event": event["event"],
-                            "is_deleted": event["is_deleted"], "old_memory_truncated": True}  # fmt: skip
+                    event = {"memory_id": event["memory_id"], "event": event["event"],
+                             "is_deleted": event["is_deleted"], "old_memory_truncated": True}  # fmt: skip
+                    continue
                 keep //= 2
                 event = {**event, "old_memory": (event["old_memory"] or "")[:keep], "old_memory_truncated": True}
 

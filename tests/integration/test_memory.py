@@ -187,7 +187,7 @@ def test_a_memory_whose_history_event_outgrows_a_slot_is_not_written(
 def test_a_delete_whose_history_event_outgrows_a_slot_is_recorded_with_its_text_cut(
     start_sidecar: Callable[..., Sidecar],
 ) -> None:
-    """A delete is never refused for its record: a memory that fits a slot with almost no room
+    """A delete is not refused for its record's size: a memory that fits a slot with almost no room
     to spare (written by an older version, or by KalosClient) is deleted, and its DELETE event
     keeps the start of the text."""
     from kalos_retrievers.memory import _event
@@ -214,6 +214,24 @@ def test_a_delete_whose_history_event_outgrows_a_slot_is_recorded_with_its_text_
     assert 0 < len(last["old_memory"]) < len(text) and text.startswith(last["old_memory"])
     m.close()
 
+
+
+def test_a_delete_whose_least_event_cannot_fit_is_refused_before_deleting(
+    start_sidecar: Callable[..., Sidecar],
+) -> None:
+    """Where a slot holds a memory but not even its DELETE event cut to its id and kind (a
+    --payload-kb barely above the vector), the delete is refused, naming the fix, and the
+    memory stays: a delete is never made without its record."""
+    sc = start_sidecar(dim=224, payload_kb=1)  # 896 bytes of vector: room for 128 more
+    m = KalosMemory(sc.name, embedding=KeywordEmbeddings())
+    v = np.zeros(224, np.float32)
+    v[0] = 1.0
+    m.client.upsert(["x"], v[None], ["t"], [{"user_id": "a"}], namespace=m.namespace)
+    with pytest.raises(ValueError, match=r"DELETE event of memory 'x'.*--payload-kb\. Nothing was deleted"):
+        m.delete("x", user_id="a")
+    rec = m.get("x")
+    assert rec is not None and rec["memory"] == "t"
+    m.close()
 
 ADVERSARIAL_USERS = ["alice", "alice2", "Alice", "alice ", "ali", "alïce", "*", "1", "a.b/c"]
 
