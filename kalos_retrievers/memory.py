@@ -455,7 +455,7 @@ class KalosMemory:
     def _fitted(self, event: dict[str, Any]) -> dict[str, Any]:
         """``event``, or with its ``old_memory`` cut until it fits (to nothing, and then its
         other fields but the id and kind dropped). Raises ValueError, before anything is
-        deleted, where a slot cannot hold even that: a delete is never made without its record."""
+        deleted, where a slot cannot hold even that: no delete is made whose record cannot be."""
         keep = len(event["old_memory"] or "")
         while True:
             try:
