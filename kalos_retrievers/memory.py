@@ -378,7 +378,11 @@ class KalosMemory:
         agent_id: str | None = None,
         run_id: str | None = None,
     ) -> int:
-        """Delete every memory of a scope (at least one id); record each; return how many."""
+        """Delete every memory of a scope (at least one id); record each; return how many.
+
+        Works a page of memories at a time: where a page is refused (:meth:`delete`'s
+        ``ValueError`` for a slot too small for a record), the pages before it stay deleted,
+        each with its records."""
         flt = self._scoped_filter(user_id, agent_id, run_id, None)
         deleted = 0
         while True:
@@ -449,24 +453,25 @@ class KalosMemory:
                     f"{e} (here: a history event, which holds the memory's text, and for an "
                     "update the old text too; nothing was written)"
                 ) from None
-            events = [self._fitted(ev) for ev in events]
+            events = [self._fitted(ev, id_) for ev, id_ in zip(events, ids, strict=True)]
         return ids, events
 
-    def _fitted(self, event: dict[str, Any]) -> dict[str, Any]:
-        """``event``, or with its ``old_memory`` cut until it fits (to nothing, and then its
-        other fields but the id and kind dropped). Raises ValueError, before anything is
-        deleted, where a slot cannot hold even that: no delete is made whose record cannot be."""
+    def _fitted(self, event: dict[str, Any], event_id: str) -> dict[str, Any]:
+        """``event`` (to be stored as ``event_id``: its size counts), or with its
+        ``old_memory`` cut until it fits (to nothing, and then its other fields but the id and
+        kind dropped). Raises ValueError, before the memory is deleted, where a slot cannot
+        hold even that: no delete is made whose record cannot be."""
         keep = len(event["old_memory"] or "")
         while True:
             try:
-                self.client.check_upsert(1, None, None, [event], namespace=self.history_namespace)
+                self.client.check_upsert(1, [event_id], None, [event], namespace=self.history_namespace)
                 return event
             except ValueError as e:
                 if "old_memory" not in event:  # (the least an event can be did not fit)
                     raise ValueError(
                         f"{e} (here: the DELETE event of memory {event['memory_id']!r}, cut to its "
                         f"id and kind: sidecar {self.client.name!r}'s request slot is too small; "
-                        "start it with a larger --payload-kb. Nothing was deleted)"
+                        f"start it with a larger --payload-kb. {event['memory_id']!r} was not deleted)"
                     ) from None
                 if keep == 0 and event.get("old_memory") == "":
                     event = {"memory_id": event["memory_id"], "event": event["event"],

@@ -227,10 +227,38 @@ def test_a_delete_whose_least_event_cannot_fit_is_refused_before_deleting(
     v = np.zeros(224, np.float32)
     v[0] = 1.0
     m.client.upsert(["x"], v[None], ["t"], [{"user_id": "a"}], namespace=m.namespace)
-    with pytest.raises(ValueError, match=r"DELETE event of memory 'x'.*--payload-kb\. Nothing was deleted"):
+    with pytest.raises(ValueError, match=r"DELETE event of memory 'x'.*--payload-kb\. 'x' was not deleted"):
         m.delete("x", user_id="a")
     rec = m.get("x")
     assert rec is not None and rec["memory"] == "t"
+    m.close()
+
+
+def test_a_delete_is_recorded_or_refused_whatever_the_ids_length(start_sidecar: Callable[..., Sidecar]) -> None:
+    """At --dim 200 --payload-kb 1 (224 bytes beside the vector), memories with ids of 1 to 90
+    characters: each delete either removes the memory and records its DELETE, or is refused
+    with the memory kept; never a memory gone without its event (the fit is checked with the
+    event's own 36-character id, not a shorter stand-in)."""
+    sc = start_sidecar(dim=200, payload_kb=1)
+    m = KalosMemory(sc.name, embedding=KeywordEmbeddings())
+    v = np.zeros((1, 200), np.float32)
+    v[0, 0] = 1.0
+    outcomes = set()
+    for n in range(1, 91):
+        mid = f"{n:03d}" + "m" * (n - 3) if n >= 3 else "m" * n
+        try:
+            m.client.upsert([mid], v, ["t"], [{"user_id": "a"}], namespace=m.namespace)
+        except ValueError:
+            continue  # (the memory itself does not fit)
+        try:
+            m.delete(mid, user_id="a")
+        except ValueError as e:
+            assert "was not deleted" in str(e) and m.get(mid) is not None, (n, e)
+            outcomes.add("refused")
+        else:
+            assert m.get(mid) is None and m.history(mid)[-1]["event"] == "DELETE", n
+            outcomes.add("recorded")
+    assert outcomes == {"refused", "recorded"}  # (both sides of the bound were reached)
     m.close()
 
 ADVERSARIAL_USERS = ["alice", "alice2", "Alice", "alice ", "ali", "alïce", "*", "1", "a.b/c"]
