@@ -380,7 +380,7 @@ class KalosVectorStore(VectorStore):
         Args:
             query: the text to embed and search for.
             k: how many (fewer when fewer rows match); 0 returns ``[]`` without asking the
-                sidecar.
+                sidecar (so without checking the query's dimension).
             filter: metadata filter, e.g. ``{"topic": {"$in": ["a", "b"]}}``; the result is
                 the true top-k among matching rows. A callable is refused.
             namespace: search this namespace (default: the store's).
@@ -583,6 +583,8 @@ class KalosVectorStore(VectorStore):
         _no_extra(kwargs, "max_marginal_relevance_search_by_vector")
         flt = validate_filter(filter)
         if _zero(k):
+            _check_fetch_k(fetch_k)
+            self._seconds(timeout)  # (checks it)
             return []
         res = self._recall(embedding, self._pool(k, fetch_k), flt, namespace, self._seconds(timeout),
                            with_vectors=True)  # fmt: skip
@@ -604,6 +606,8 @@ class KalosVectorStore(VectorStore):
         _no_extra(kwargs, "amax_marginal_relevance_search_by_vector")
         flt = validate_filter(filter)
         if _zero(k):
+            _check_fetch_k(fetch_k)
+            self._seconds(timeout)  # (checks it)
             return []
         res = await self._arecall(embedding, self._pool(k, fetch_k), flt, namespace, timeout,
                                   with_vectors=True)  # fmt: skip
@@ -745,8 +749,7 @@ class KalosVectorStore(VectorStore):
 
     def _pool(self, k: int, fetch_k: Any) -> int:
         """MMR's candidates: ``fetch_k`` (at least ``k``), at most the sidecar's ``--max-k``."""
-        if not isinstance(fetch_k, numbers.Integral) or isinstance(fetch_k, bool) or fetch_k < 1:
-            raise ValueError(f"fetch_k={fetch_k!r} must be an int >= 1")
+        _check_fetch_k(fetch_k)
         return max(k, min(int(fetch_k), self.client.header.max_k))
 
     def _ns(self, namespace: str | None) -> str:
@@ -803,9 +806,9 @@ class KalosVectorStore(VectorStore):
         *,
         with_vectors: bool = False,
     ) -> RecallResult:
+        deadline = self._deadline(timeout)  # counts the wait for a worker thread
         if _zero(k):
             return _NO_HITS
-        deadline = self._deadline(timeout)  # counts the wait for a worker thread
         return await run_in_executor(None, self._recall_by, vector, k, flt, namespace, deadline,
                                      with_vectors)  # fmt: skip
 
@@ -890,8 +893,19 @@ def _no_extra(kwargs: dict[str, Any], method: str) -> None:
 
 
 def _zero(k: Any) -> bool:
-    """``k`` is the integer 0 (not ``False``, nor ``0.0``: the client refuses those)."""
-    return k == 0 and isinstance(k, numbers.Integral) and not isinstance(k, bool)
+    """Whether ``k`` asks for no hits (is 0). A ``k`` no search takes (not an integer, a bool,
+    below 0) raises ``ValueError`` here, before any connection; the sidecar's ``--max-k``
+    is the client's to check."""
+    if type(k) is int and k > 0:  # (the usual case, first)
+        return False
+    if not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"k={k!r} must be an int >= 0")
+    return k == 0
 
 
 _NO_HITS = RecallResult(np.empty(0, np.int32), np.empty(0, np.float32), ())  # what k=0 finds
+
+
+def _check_fetch_k(fetch_k: Any) -> None:
+    if not isinstance(fetch_k, numbers.Integral) or isinstance(fetch_k, bool) or fetch_k < 1:
+        raise ValueError(f"fetch_k={fetch_k!r} must be an int >= 1")

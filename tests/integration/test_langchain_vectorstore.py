@@ -533,8 +533,8 @@ async def test_async_methods(start_sidecar: Callable[..., Sidecar]) -> None:
 
 def test_k_zero_finds_nothing_without_asking_the_sidecar(store: KalosVectorStore,
                                                          make_name: Callable[[], str]) -> None:  # fmt: skip
-    """``k=0`` returns ``[]`` from every search, as LangChain's ``InMemoryVectorStore`` does;
-    a negative, bool or float ``k`` is still refused."""
+    """``k=0`` returns ``[]`` from every search, as LangChain's ``InMemoryVectorStore`` does,
+    without a sidecar; a negative, bool or float ``k`` is refused, with or without one."""
     store.add_texts(["apple pie", "apple tart"], ids=["p", "t"])
     vec = store.embedding.embed_query("apple")
     assert len(store.similarity_search("apple", k=1)) == 1  # (control: there are rows to find)
@@ -559,6 +559,15 @@ def test_k_zero_finds_nothing_without_asking_the_sidecar(store: KalosVectorStore
                     await s.amax_marginal_relevance_search("apple", k=0)]  # fmt: skip
 
         assert asyncio.run(searches()) == [[], [], [], []]
-    for bad in (-1, True, 0.0):
-        with pytest.raises(ValueError, match=r"^k="):
-            store.similarity_search("apple", k=bad)
+        # what k=0 does not excuse: a bad k, fetch_k or timeout, refused before any connection
+        for bad in (-1, True, 0.0, 1.5):
+            with pytest.raises(ValueError, match=r"^k="):
+                s.similarity_search("apple", k=bad)
+        with pytest.raises(ValueError, match=r"^fetch_k="):
+            s.max_marginal_relevance_search("apple", k=0, fetch_k=-1)
+        with pytest.raises(ValueError, match=r"^timeout="):
+            s.max_marginal_relevance_search("apple", k=0, timeout=-1)
+        with pytest.raises(ValueError, match=r"^timeout="):
+            asyncio.run(s.asimilarity_search("apple", k=0, timeout=-1))
+        with pytest.raises(ValueError, match=r"^timeout="):
+            asyncio.run(s.amax_marginal_relevance_search("apple", k=0, timeout=-1))
