@@ -106,3 +106,22 @@ def test_id_pieces_match_counting_each_id() -> None:
             assert got == _pieces_one_by_one(ids, budget), (ids, budget)
             one_piece += len(got) == 1
     assert one_piece > 300  # (both paths were taken)
+
+
+def test_id_pieces_that_fit_are_measured_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """All ids strings and fitting: one ``json.dumps`` of the list, not one per id."""
+    from kalos_retrievers.llama_index import vector_store
+
+    seen: list[type] = []
+    dumps = json.dumps
+
+    def spy(obj: Any, **kw: Any) -> str:
+        seen.append(type(obj))
+        return dumps(obj, **kw)
+
+    monkeypatch.setattr(vector_store.json, "dumps", spy)
+    assert vector_store._id_pieces(["a", "b", "c"], 100) == [["a", "b", "c"]]
+    assert seen == [list]
+    seen.clear()
+    assert vector_store._id_pieces(["a", 7], 100) == [["a", 7]]  # (a non-str id: counted one by one)
+    assert seen == [str, str]
