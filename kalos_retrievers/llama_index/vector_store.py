@@ -99,7 +99,8 @@ class KalosVectorStore(BasePydanticVectorStore):
         Every ``FilterOperator`` and ``AND``/``OR``/``NOT`` (nested too) runs in the sidecar, and
         the result is the true top-k among matching nodes (see
         :mod:`kalos_retrievers.llama_index.filters`). ``doc_ids``/``node_ids`` restrict the
-        search (an empty list means no restriction). ``mode=VectorStoreQueryMode.MMR`` re-ranks
+        search (an empty list means no restriction; ``honor_node_ids=False`` ignores
+        ``node_ids``, for an index holding ``IndexNode``s: see Args). ``mode=VectorStoreQueryMode.MMR`` re-ranks
         ``mmr_prefetch_factor * similarity_top_k`` candidates for diversity
         (``mmr_threshold`` in the query or as a keyword, 0.5 by default). Similarities are the
         raw scores: cosine similarity for a cosine sidecar (higher is more similar).
@@ -135,6 +136,11 @@ class KalosVectorStore(BasePydanticVectorStore):
             the store makes).
         on_error: ``"empty"`` (degrade queries) or ``"raise"``.
         mmr_prefetch_factor: MMR considers this many times ``similarity_top_k`` candidates.
+        honor_node_ids: False: a query's ``node_ids`` are ignored (``doc_ids`` and filters
+            still apply). For an index holding ``IndexNode``s or ``ImageNode``s: a store that
+            keeps text, as this one does, has only those in the index's ``nodes_dict``, and
+            ``VectorStoreIndex.as_retriever()`` passes their ids as ``node_ids``, which
+            would restrict every search to them.
         client: an existing :class:`~kalos_retrievers.KalosClient` to share (``name`` is then
             taken from it).
     """
@@ -146,6 +152,7 @@ class KalosVectorStore(BasePydanticVectorStore):
     timeout: float | None = None
     on_error: Literal["empty", "raise"] = "empty"
     mmr_prefetch_factor: int = 4
+    honor_node_ids: bool = True
 
     _client: KalosClient = PrivateAttr()
     _degrader: Degrader = PrivateAttr()
@@ -158,6 +165,7 @@ class KalosVectorStore(BasePydanticVectorStore):
         timeout: float | None = None,
         on_error: Literal["empty", "raise"] = "empty",
         mmr_prefetch_factor: int = 4,
+        honor_node_ids: bool = True,
         client: KalosClient | None = None,
         **kwargs: Any,
     ) -> None:
@@ -173,8 +181,11 @@ class KalosVectorStore(BasePydanticVectorStore):
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
         if mmr_prefetch_factor < 1:
             raise ValueError(f"mmr_prefetch_factor={mmr_prefetch_factor} must be >= 1")
+        if not isinstance(honor_node_ids, bool):
+            raise TypeError(f"honor_node_ids must be a bool, not {type(honor_node_ids).__name__}")
         super().__init__(name=name, namespace=namespace, timeout=timeout, on_error=on_error,  # type: ignore[call-arg]
-                         mmr_prefetch_factor=mmr_prefetch_factor, **kwargs)  # fmt: skip
+                         mmr_prefetch_factor=mmr_prefetch_factor, honor_node_ids=honor_node_ids,
+                         **kwargs)  # fmt: skip
         self._degrader = Degrader(f"KalosVectorStore(name={name!r}, namespace={namespace!r})",
                                   on_error)  # fmt: skip
         if client is None:
@@ -342,7 +353,7 @@ class KalosVectorStore(BasePydanticVectorStore):
         mmr = query.mode == VectorStoreQueryMode.MMR
         fetch = min(max_k, k * self.mmr_prefetch_factor) if mmr else k
         hits: list[Hit] = []
-        pieces = _id_pieces(query.node_ids, self._id_bytes())
+        pieces = _id_pieces(query.node_ids if self.honor_node_ids else None, self._id_bytes())
         # node_ids restrict the search inside the sidecar as a filter; a list longer than a
         # request holds (VectorStoreIndex.as_retriever passes every node id of an index that
         # keeps its nodes) is searched in pieces whose best rows are merged: still exact,

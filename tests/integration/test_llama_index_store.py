@@ -260,6 +260,39 @@ def test_pieces_of_node_ids_merge_best_first_and_each_id_once(start_sidecar: Any
     store.close()
 
 
+def test_an_index_holding_an_image_node_searches_every_node_with_honor_node_ids_off(
+    start_sidecar: Any,
+) -> None:
+    """A store that keeps text has only its IndexNodes/ImageNodes in the index's nodes_dict,
+    and ``VectorStoreIndex.as_retriever()`` passes their ids as ``node_ids``: by default the
+    search is restricted to them (the control); ``honor_node_ids=False`` searches every node
+    (still under ``doc_ids``), as ``VectorIndexRetriever(index)`` without ``node_ids`` does."""
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.core.embeddings import MockEmbedding
+    from llama_index.core.schema import ImageNode, QueryBundle
+
+    sc = start_sidecar(dim=DIM)
+    texts = [node(f"n{i}", doc="d1" if i < 2 else "d2") for i in range(3)]
+    image = ImageNode(id_="img", text="a caption", embedding=vec("img"))
+    query = QueryBundle(query_str="q", embedding=vec("n0"))
+    got = {}
+    for honor in (True, False):
+        store = KalosVectorStore(sc.name, namespace=f"honor-{honor}", honor_node_ids=honor)
+        index = VectorStoreIndex(nodes=[*texts, image], embed_model=MockEmbedding(embed_dim=DIM),
+                                 storage_context=StorageContext.from_defaults(vector_store=store))  # fmt: skip
+        assert list(index.index_struct.nodes_dict.values()) == ["img"]
+        got[honor] = {n.node.node_id for n in index.as_retriever(similarity_top_k=9).retrieve(query)}
+        restricted = store.query(VectorStoreQuery(query_embedding=vec("n0"), similarity_top_k=9,
+                                                  node_ids=["img"], doc_ids=["d1"]))  # fmt: skip
+        assert set(restricted.ids) == ({"img"} & {"n0", "n1"} if honor else {"n0", "n1"}), honor
+        store.close()
+    assert got == {True: {"img"}, False: {"n0", "n1", "n2", "img"}}
+    with pytest.raises(TypeError, match="honor_node_ids must be a bool"):
+        KalosVectorStore(sc.name, honor_node_ids="no")  # type: ignore[arg-type]
+    restored = KalosVectorStore.from_dict(KalosVectorStore(sc.name, honor_node_ids=False).to_dict())
+    assert restored.honor_node_ids is False
+
+
 def _id_pieces_of(store: KalosVectorStore, ids: list[str]) -> list[Any]:
     from kalos_retrievers.llama_index.vector_store import _id_pieces
 
