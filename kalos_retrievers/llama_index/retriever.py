@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import numbers
 from typing import Any, Literal
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -102,8 +103,7 @@ class KalosRetriever(BaseRetriever):
         callback_manager: CallbackManager | None = None,
         **kwargs: Any,
     ) -> None:
-        if similarity_top_k < 1:
-            raise ValueError(f"similarity_top_k={similarity_top_k} must be >= 1")
+        _check_top_k(similarity_top_k)
         mode = VectorStoreQueryMode(vector_store_query_mode)
         if mode not in (VectorStoreQueryMode.DEFAULT, VectorStoreQueryMode.MMR):
             raise ValueError(
@@ -127,6 +127,16 @@ class KalosRetriever(BaseRetriever):
     @property
     def vector_store(self) -> KalosVectorStore:
         return self._store
+
+    @property
+    def similarity_top_k(self) -> int:
+        """How many nodes a retrieval returns; settable, as on ``VectorIndexRetriever``."""
+        return self._similarity_top_k
+
+    @similarity_top_k.setter
+    def similarity_top_k(self, similarity_top_k: int) -> None:
+        _check_top_k(similarity_top_k)
+        self._similarity_top_k = similarity_top_k
 
     @property
     def embed_model(self) -> BaseEmbedding:
@@ -172,3 +182,8 @@ class KalosRetriever(BaseRetriever):
         query = self._query_for(embedding, query_bundle.query_str)
         deadline = self._store._deadline(self._timeout)  # counts the wait for a worker thread
         return await asyncio.to_thread(self._search, query, deadline)
+
+
+def _check_top_k(similarity_top_k: Any) -> None:
+    if not isinstance(similarity_top_k, numbers.Integral) or isinstance(similarity_top_k, bool) or similarity_top_k < 1:
+        raise ValueError(f"similarity_top_k={similarity_top_k!r} must be an int >= 1")

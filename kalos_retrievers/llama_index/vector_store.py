@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import numbers
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -341,6 +342,8 @@ class KalosVectorStore(BasePydanticVectorStore):
         if query.query_embedding is None:
             raise ValueError("VectorStoreQuery.query_embedding is None; embed the query first")
         k = query.similarity_top_k
+        if not isinstance(k, numbers.Integral) or isinstance(k, bool):
+            raise ValueError(f"similarity_top_k={k!r} must be an int (0 or less: no nodes)")
         if k <= 0:
             return _empty_result()
         max_k = self._client.header.max_k

@@ -122,4 +122,6 @@ async def test_kalos_retriever_in_a_query_engine(index: VectorStoreIndex,
                               filters=MetadataFilters(filters=[MetadataFilter(
                                   key="year", value=2022, operator=">")]))  # fmt: skip
     assert sorted(_doc_ids(filtered.retrieve("anything"))) == ["food", "kalos"]
+    retriever.similarity_top_k = 3  # (settable, as on VectorIndexRetriever)
+    assert retriever.similarity_top_k == 3 and len(retriever.retrieve("tomato pasta")) == 3
     assert retriever.degrader.degraded_calls == 0

@@ -57,6 +57,8 @@ def test_store_needs_a_name() -> None:
     ("kwargs", "match"),
     [
         ({"similarity_top_k": 0}, "similarity_top_k"),
+        ({"similarity_top_k": None}, r"^similarity_top_k=None must be an int >= 1"),
+        ({"similarity_top_k": 2.0}, r"^similarity_top_k=2.0 must be an int >= 1"),
         ({"vector_store_query_mode": "hybrid"}, "'default' and 'mmr'"),
         ({"timeout": 0}, "timeout"),
         ({"on_error": "maybe"}, "on_error"),
@@ -65,6 +67,24 @@ def test_store_needs_a_name() -> None:
 def test_retriever_arguments_are_checked(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         KalosRetriever(KalosVectorStore(NO_SIDECAR), MockEmbedding(embed_dim=3), **kwargs)
+
+
+def test_retriever_similarity_top_k_is_settable_and_checked() -> None:
+    r = KalosRetriever(KalosVectorStore(NO_SIDECAR), MockEmbedding(embed_dim=3), similarity_top_k=2)
+    r.similarity_top_k = 6
+    assert r.similarity_top_k == 6
+    with pytest.raises(ValueError, match=r"^similarity_top_k=0 must be an int >= 1"):
+        r.similarity_top_k = 0
+    assert r.similarity_top_k == 6
+
+
+def test_a_query_without_an_int_similarity_top_k_is_refused_by_name() -> None:
+    """(0 or less answers no nodes, without a sidecar; None raised a bare TypeError)"""
+    store = KalosVectorStore(NO_SIDECAR)
+    assert store.query(VectorStoreQuery(query_embedding=[1.0, 0.0, 0.0], similarity_top_k=0)).ids == []
+    for bad in (None, 2.5, True):
+        with pytest.raises(ValueError, match=r"^similarity_top_k=.* must be an int"):
+            store.query(VectorStoreQuery(query_embedding=[1.0, 0.0, 0.0], similarity_top_k=bad))
 
 
 @pytest.mark.parametrize("mode", ["hybrid", VectorStoreQueryMode.HYBRID, "sparse"])
