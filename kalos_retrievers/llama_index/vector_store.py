@@ -342,7 +342,7 @@ class KalosVectorStore(BasePydanticVectorStore):
         if query.query_embedding is None:
             raise ValueError("VectorStoreQuery.query_embedding is None; embed the query first")
         k = query.similarity_top_k
-        if not isinstance(k, numbers.Integral) or isinstance(k, bool):
+        if type(k) is not int and (not isinstance(k, numbers.Integral) or isinstance(k, bool)):  # (int: no ABC check)
             raise ValueError(f"similarity_top_k={k!r} must be an int (0 or less: no nodes)")
         if k <= 0:
             return _empty_result()
