@@ -31,7 +31,7 @@ from ..results import RecallResult
 from ..scores import relevance_fn
 from ._convert import docs_of, make_document
 from ._degraded import adegrade, degrade
-from .vectorstore import KalosVectorStore
+from .vectorstore import KalosVectorStore, _zero
 
 __all__ = ["KalosRetriever", "KalosVectorStoreRetriever"]
 
@@ -204,12 +204,15 @@ class KalosRetriever(BaseRetriever):
     ) -> list[Document]:
         # Per call, on the path where nothing fails, this does only: the fields (validated at
         # construction), the embedding, the recall, one flag test and k Documents.
+        store = self.vectorstore
         if kwargs:
             k, flt, namespace, threshold, timeout = self._options(kwargs)
+            if _zero(k):  # invoke(k=0): nothing to find, so nothing embedded (timeout still checked)
+                store._seconds(timeout)
+                return []
         else:
             k, flt, namespace = self.k, self.filter, self.namespace
             threshold, timeout = self.score_threshold, self.timeout
-        store = self.vectorstore
         vector = store.embedding.embed_query(query)
         degrader: Degrader = self.degrader  # type: ignore[assignment]
         try:
@@ -230,6 +233,9 @@ class KalosRetriever(BaseRetriever):
     ) -> list[Document]:
         k, flt, namespace, threshold, timeout = self._options(kwargs)
         store = self.vectorstore
+        if _zero(k):  # (as in the sync path)
+            store._seconds(timeout)
+            return []
         vector = await store.embedding.aembed_query(query)
         degrader: Degrader = self.degrader  # type: ignore[assignment]
         try:

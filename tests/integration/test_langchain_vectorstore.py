@@ -571,3 +571,32 @@ def test_k_zero_finds_nothing_without_asking_the_sidecar(store: KalosVectorStore
             asyncio.run(s.asimilarity_search("apple", k=0, timeout=-1))
         with pytest.raises(ValueError, match=r"^timeout="):
             asyncio.run(s.amax_marginal_relevance_search("apple", k=0, timeout=-1))
+
+
+class CountingEmbedding(WordHashEmbedding):
+    """:class:`WordHashEmbedding` that counts the queries it embeds."""
+
+    queries = 0
+
+    def embed_query(self, text: str) -> list[float]:
+        self.queries += 1
+        return super().embed_query(text)
+
+
+def test_retriever_k_zero_embeds_nothing(store: KalosVectorStore) -> None:
+    """``KalosRetriever.invoke(q, k=0)`` returns ``[]`` before the query is embedded (an
+    embedding is a model call, often a paid one); a bad ``k`` or ``timeout`` still raises."""
+    store.add_texts(["apple pie"], ids=["p"])
+    emb = CountingEmbedding(97)
+    retriever = KalosRetriever(vectorstore=KalosVectorStore(emb, client=store.client,
+                                                            namespace=store.namespace))  # fmt: skip
+    assert [d.id for d in retriever.invoke("apple", k=1)] == ["p"] and emb.queries == 1  # (control)
+    assert retriever.invoke("apple", k=0) == []
+    assert asyncio.run(retriever.ainvoke("apple", k=0, score_threshold=0.5)) == []
+    assert emb.queries == 1
+    for bad in ({"k": -1}, {"k": 1.0}, {"k": 0, "timeout": -1}):
+        with pytest.raises(ValueError, match=r"^(k|timeout)="):
+            retriever.invoke("apple", **bad)
+        with pytest.raises(ValueError, match=r"^(k|timeout)="):
+            asyncio.run(retriever.ainvoke("apple", **bad))
+    assert emb.queries == 1
