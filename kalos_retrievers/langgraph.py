@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import json
+import operator
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -712,17 +713,43 @@ def _sidecar_field(key: str, cond: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _sidecar_clause(key: str, op: str, v: Any) -> dict[str, Any]:
+    """One operator on one field in the sidecar's language, meaning what ``InMemoryStore``'s
+    Python comparison means: a missing field reads as ``None``; ``True == 1`` and ``False ==
+    0`` (the sidecar keeps booleans apart from numbers, so each is asked for with its twin);
+    a range compares ``float(value)``, so stored booleans take part as 1 and 0."""
     missing = {key: {"$exists": False}}
     if op == "$eq" and v is None:  # null, or no such field
         return {"$or": [{key: None}, missing]}
     if op == "$ne" and v is None:
         return {key: {"$ne": None, "$exists": True}}
+    if op in ("$eq", "$ne") and _twin(v) is not None:
+        return {key: {"$in" if op == "$eq" else "$nin": [v, _twin(v)]}}
+    if op in _LIST_OPS:
+        v = [y for x in v for y in (x, _twin(x)) if y is not None or x is None]
     if op == "$in" and None in v:
         others = [x for x in v if x is not None]
         return {"$or": [{key: None}, missing, *([{key: {"$in": others}}] if others else [])]}
     if op == "$nin" and None in v:
         return {key: {"$nin": list(v), "$exists": True}}
+    if op in _RANGES and isinstance(v, int | float):
+        x = float(v) if isinstance(v, bool) else v
+        bools = [b for b in (False, True) if _RANGES[op](float(b), x)]
+        clause = {key: {op: x}}
+        return {"$or": [clause, {key: {"$in": bools}}]} if bools else clause
     return {key: {op: v}}  # ($ne and $nin of values other than None match a missing field, as here)
+
+
+_RANGES: dict[str, Any] = {"$gt": operator.gt, "$gte": operator.ge, "$lt": operator.lt, "$lte": operator.le}
+
+
+def _twin(v: Any) -> bool | int | None:
+    """What Python's ``==`` equates with ``v`` across bool and number (``True`` and ``1``,
+    ``False`` and ``0``), or None."""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int | float) and v in (0, 1):
+        return bool(v)
+    return None
 
 
 def _check_operators(flt: Mapping[str, Any]) -> None:

@@ -313,14 +313,15 @@ def test_agrees_with_langgraph_in_memory_store(sidecar: Sidecar) -> None:
         words = " ".join(rng.choice(VOCAB, size=int(rng.integers(1, 4)), replace=False))
         # unique texts: InMemoryStore also raises when one put has the same text twice
         tags = [f"{w} tag{i}" for w in rng.choice(VOCAB, 2, replace=False)]
-        value = {"text": f"{words} #{i}", "n": i % 7, "tags": tags, "kind": {"k": i % 2}}
+        value = {"text": f"{words} #{i}", "n": i % 7, "tags": tags, "kind": {"k": i % 2},
+                 "flag": (True, 1, False, 0, 1.0)[i % 5]}  # (Python's ==: True == 1 == 1.0)
         if i % 3 < 2:  # "opt": null, "x" or absent (a missing field reads as None in both)
             value["opt"] = (None, "x")[i % 3]
         for s in (ref, store):
             s.put(ns, f"item{i}", value, index=None if i % 9 else False)
     for s in (ref, store):
         s.delete(("org", "team1", "user1"), "item1")
-        s.put(("org", "team1", "user2"), "item2", {"text": "rewritten", "n": 2, "kind": {"k": 0}})
+        s.put(("org", "team1", "user2"), "item2", {"text": "rewritten", "n": 2, "kind": {"k": 0}, "flag": 0})
     queries: list[dict[str, Any]] = [
         {"query": "python tea", "limit": 7},
         {"query": "rome", "limit": 5, "filter": {"n": {"$lte": 3}}},
@@ -334,6 +335,12 @@ def test_agrees_with_langgraph_in_memory_store(sidecar: Sidecar) -> None:
         {"filter": {"opt": {"$eq": None}, "n": {"$gte": 2}}, "limit": 50},
         {"query": "tea", "limit": 6, "filter": {"opt": None}},
         {"query": "tea", "limit": 6, "filter": {"opt": {"$ne": None}}},
+        {"filter": {"flag": True}, "limit": 50},
+        {"filter": {"flag": 1}, "limit": 50},
+        {"filter": {"flag": {"$ne": 0}}, "limit": 50},
+        {"filter": {"n": {"$lte": True}}, "limit": 50},
+        {"filter": {"flag": {"$gt": 0.5}}, "limit": 50},
+        {"query": "tea", "limit": 6, "filter": {"flag": False}},
     ]
     for q in queries:
         for prefix in [("org",), ("org", "team2"), ("org", "team0", "user0")]:

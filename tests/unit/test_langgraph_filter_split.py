@@ -15,14 +15,16 @@ pytest.importorskip("langgraph")
 from kalos_retrievers.filters import matches, validate_filter
 from kalos_retrievers.langgraph import _compare, _split_filter
 
-VALUES = [None, "a", "b", 1, 2]
-ITEMS = [{}, {"f": None}, {"f": "a"}, {"f": "b"}, {"f": 1}, {"f": 2}, {"f": [1]}, {"g": 1}]
+# (booleans and the numbers Python's == equates with them, 0, 1 and 1.0, on both sides)
+VALUES = [None, "a", "b", 1, 2, True, False, 0, 1.0]
+ITEMS = [{}, {"f": None}, {"f": "a"}, {"f": "b"}, {"f": 1}, {"f": 2}, {"f": [1]}, {"g": 1},
+         {"f": True}, {"f": False}, {"f": 0}, {"f": 1.0}, {"f": 0.5}]  # fmt: skip
 OPS = (
     [("$eq", v) for v in VALUES]
     + [("$ne", v) for v in VALUES]
-    + [("$in", v) for v in ([None], [None, "a"], ["a"], [1, "b"])]
-    + [("$nin", v) for v in ([None], [None, "a"], ["a"])]
-    + [("$gt", 1), ("$lte", 1)]
+    + [("$in", v) for v in ([None], [None, "a"], ["a"], [1, "b"], [True], [None, 0], [False, 2])]
+    + [("$nin", v) for v in ([None], [None, "a"], ["a"], [1], [None, True])]
+    + [("$gt", 1), ("$lte", 1), ("$gte", True), ("$lt", False), ("$gt", 0), ("$lte", 0.5)]
 )  # (not ordered comparisons of strings: the sidecar orders them, InMemoryStore's float() cannot; docs/memory.md)
 CONDS = [dict(c) for n in (1, 2) for c in itertools.combinations(OPS, n) if len(dict(c)) == n]
 

@@ -48,7 +48,11 @@ def test_filter_split() -> None:
     sidecar, residual = _split_filter(
         {"a": 1, "b": {"$gt": 2, "$lte": 5}, "c": {"x": 1}, "d": [1, 2], "e": {"$eq": [1]}}
     )
-    assert sidecar == {"a": {"$eq": 1}, "b": {"$gt": 2, "$lte": 5}}
+    # (1 is asked for with True, which Python's == equates with it; stored booleans take part
+    # in ranges as 1 and 0, and both are <= 5)
+    b_lte_5 = {"$or": [{"b": {"$lte": 5}}, {"b": {"$in": [False, True]}}]}
+    assert sidecar == {"a": {"$in": [1, True]}, "$and": [{"b": {"$gt": 2}}, b_lte_5]}
+    assert _split_filter({"a": 3, "b": {"$gt": 2}}) == ({"a": {"$eq": 3}, "b": {"$gt": 2}}, {})
     assert residual == {"c": {"x": 1}, "d": [1, 2], "e": {"$eq": [1]}}
     assert _split_filter(None) == (None, {})
 
