@@ -1045,9 +1045,12 @@ class KalosClient:
         so with ``--data-dir`` it survives ``kill -9``. Writes larger than one slot are split
         into chunks transparently; each chunk commits on its own. Every argument is checked
         before the first chunk is sent, so a ``ValueError`` or ``TypeError`` means nothing
-        was written; a ``SidecarUnavailable`` or ``SidecarTimeout`` part-way through a large
-        write leaves the chunks before it committed (writing them again is harmless: an
-        existing id is overwritten).
+        was written. A :class:`KalosError` (``SidecarUnavailable``, ``SidecarTimeout``, ...)
+        raised by the write carries its ids as ``e.ids`` (the made-up ones included) and as
+        ``e.committed`` how many of them, the first ones, were committed before the chunk
+        that failed (whose rows may or may not have been): writing the same rows again with
+        ``ids=e.ids`` is harmless, an existing id being overwritten; writing them again with
+        ``ids=None`` would store the committed ones twice, under new ids.
 
         Args:
             ids: one id per vector (strings); None makes up UUIDs. An existing id in the
@@ -1076,8 +1079,12 @@ class KalosClient:
         id_list = _check_ids(ids, n)
         requests = self._upsert_requests(id_list, texts, metadatas, namespace, n)
         for start, end, args in requests:
-            self._call(Op.UPSERT, vectors=vecs[start:end], args=args, n_items=end - start,
-                       timeout=timeout)  # fmt: skip
+            try:
+                self._call(Op.UPSERT, vectors=vecs[start:end], args=args, n_items=end - start,
+                           timeout=timeout)  # fmt: skip
+            except KalosError as e:
+                e.ids, e.committed = id_list, start  # (for a retry that stores nothing twice)
+                raise
         return id_list
 
     def _upsert_requests(

@@ -32,6 +32,14 @@ class KalosError(Exception):
     #: True when retrying later (or degrading to empty context now) is the right response.
     transient: bool = False
 
+    #: Set on an error raised by a write of rows (``KalosClient.upsert``, a LangChain store's
+    #: ``add_texts``/``add_documents``): the ids of all its rows, made-up ones included, so
+    #: that a retry can overwrite rather than store twice what was committed ...
+    ids: list[str] | None = None
+    #: ... and how many of them, the first ones, were committed for sure (the rest may or may
+    #: not have been).
+    committed: int | None = None
+
 
 class SidecarUnavailable(KalosError):
     """No sidecar is serving this name: never started, stopped, killed, or restarting.

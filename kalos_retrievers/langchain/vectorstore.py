@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from langchain_core.vectorstores import VectorStore
 
 from ..client import KalosClient, check_metadatas
 from ..degrade import time_left
+from ..errors import KalosError
 from ..filters import validate_filter
 from ..results import RecallResult
 from ..scores import relevance_fn
@@ -262,8 +264,10 @@ class KalosVectorStore(VectorStore):
                 embedding refused in a later batch of ``batch_size``, whose earlier batches
                 are stored.
             SidecarUnavailable, SidecarTimeout: the sidecar is gone or too slow; rows of
-                earlier batches (or slot-sized chunks) may be stored: adding them again
-                overwrites them.
+                earlier batches (or slot-sized chunks) may be stored. The error's ``ids``
+                are every text's id (fresh UUIDs included) and its ``committed`` how many
+                texts, the first ones, were stored for sure: adding the texts again with
+                ``ids=e.ids`` overwrites them, where ``ids=None`` would store those twice.
         """
         _no_extra(kwargs, "add_texts")
         rows = to_rows(texts, metadatas, ids)
@@ -273,7 +277,8 @@ class KalosVectorStore(VectorStore):
         for lo, hi in batches:
             part = rows.texts[lo:hi]
             vectors = as_matrix(self.embedding.embed_documents(part), hi - lo, "embed_documents")
-            self._upsert(rows, lo, vectors, namespace, self._deadline(timeout))
+            with _write_of(rows, lo):
+                self._upsert(rows, lo, vectors, namespace, self._deadline(timeout))
         return rows.ids
 
     async def aadd_texts(
@@ -298,7 +303,8 @@ class KalosVectorStore(VectorStore):
             embedded = await self.embedding.aembed_documents(part)
             vectors = as_matrix(embedded, hi - lo, "aembed_documents")
             deadline = self._deadline(timeout)
-            await run_in_executor(None, self._upsert, rows, lo, vectors, namespace, deadline)
+            with _write_of(rows, lo):
+                await run_in_executor(None, self._upsert, rows, lo, vectors, namespace, deadline)
         return rows.ids
 
     def delete(
@@ -874,6 +880,17 @@ def _document_rows(
             raise TypeError(f"documents[{i}] must be a langchain Document, got {type(d).__name__}")
     chosen = ids if ids else [d.id for d in docs]
     return [d.page_content for d in docs], [d.metadata for d in docs], chosen
+
+
+@contextlib.contextmanager
+def _write_of(rows: Rows, lo: int) -> Iterator[None]:
+    """A :class:`KalosError` from writing ``rows`` from ``lo`` on says the write's ids and
+    how many of its rows were committed (the client says it of the rows it was given)."""
+    try:
+        yield
+    except KalosError as e:
+        e.ids, e.committed = rows.ids, lo + (e.committed or 0)
+        raise
 
 
 def _batches(n: int, batch_size: int | None) -> list[tuple[int, int]]:

@@ -212,6 +212,50 @@ def test_acknowledged_writes_survive_kill_9(start_sidecar, make_name, tmp_path) 
             np.testing.assert_allclose(got[k], v / np.linalg.norm(v), atol=1e-6)
 
 
+@pytest.mark.parametrize("retry_with", ["e.ids", "None (control)"])
+def test_an_upsert_cut_by_a_kill_says_its_ids_so_a_retry_stores_nothing_twice(
+    start_sidecar, make_name, tmp_path, retry_with: str
+) -> None:
+    """A chunked ``upsert(None, ...)`` whose sidecar is SIGKILLed before its third chunk: the
+    error carries every made-up id and how many rows were committed (the first two chunks,
+    found again after a restart), so a retry with ``ids=e.ids`` leaves each row once. The
+    control retries with ``ids=None``, as the docs once implied was harmless: the committed
+    rows are then stored twice."""
+    name, dim, n = make_name(), 16, 1001
+    sc = start_sidecar(name=name, dim=dim, data_dir=tmp_path, payload_kb=16)  # ~140 rows a chunk
+    data = np.random.default_rng().standard_normal((n, dim)).astype(np.float32)
+    texts = [f"memory {i}" for i in range(n)]
+    with KalosClient(name, dim=dim, timeout=5) as c:
+        calls = []
+        call = c._call
+
+        def third_call_finds_the_sidecar_killed(*args, **kwargs):
+            calls.append(args[0])
+            if len(calls) == 3:
+                sc.kill(signal.SIGKILL)
+                sc.proc.wait(10)
+            return call(*args, **kwargs)
+
+        c._call = third_call_finds_the_sidecar_killed  # type: ignore[method-assign]
+        with pytest.raises(SidecarUnavailable) as info:
+            c.upsert(None, data, texts)
+    again = start_sidecar(name=name, dim=dim, data_dir=tmp_path)  # (first: it removes the stale segment)
+    e = info.value
+    assert calls == [Op.UPSERT] * 3
+    assert e.ids is not None and len(e.ids) == n == len(set(e.ids))
+    assert 0 < e.committed < n
+    with again.client() as c:
+        stored = c.get(e.ids)
+        assert [r.id for r in stored] == e.ids[: e.committed]  # what it said was committed, in order
+        ids = c.upsert(e.ids if retry_with == "e.ids" else None, data, texts)
+        if retry_with == "e.ids":
+            assert ids == e.ids and c.count() == n
+            assert [h.text for h in c.recall(data[0], k=2)][:1] == ["memory 0"]
+            assert [h.text for h in c.recall(data[0], k=2)][1] != "memory 0"  # (one copy of it)
+        else:
+            assert c.count() == n + e.committed  # the committed rows twice, under new ids
+
+
 def _slot_states(name: str) -> list[int]:
     shm = posix_ipc.SharedMemory(segment_name(name))
     try:
