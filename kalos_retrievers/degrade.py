@@ -97,8 +97,8 @@ class Degrader:
             _totals["degraded_calls"] += 1
             _totals["episodes"] += first
         if first:
-            log.warning("%s: the Kalos sidecar is unavailable (%s); returning empty context until "
-                        "it is back", self.what, exc)  # fmt: skip
+            log.warning("%s: the Kalos sidecar is unavailable or too slow (%s); returning empty "
+                        "context until it answers in time", self.what, exc)  # fmt: skip
         else:
             log.debug("%s: still degraded: %s", self.what, exc)
         return True

@@ -8,8 +8,9 @@ Layout in the sidecar. A LangGraph namespace ``("users", "alice", "prefs")`` is 
 in two sidecar namespaces:
 
 * ``<prefix>/i/<encoded>``: one row per item. id: the key; metadata: the item's value (so that
-  ``filter`` runs in the sidecar); text: bookkeeping (how many vectors the item has); vector: a
-  fixed placeholder (never searched).
+  ``filter`` runs in the sidecar); text: bookkeeping (how many vectors the item has, and
+  "high": the most its key may have, see ``_apply_puts_locked``); vector: a fixed placeholder
+  (never searched).
 * ``<prefix>/v/<encoded>``: one row per embedded text of an item (``index`` fields; a
   ``[*]`` path gives one text per element). id: ``key + "\\x00" + n``; metadata: the value
   again (filters apply to the search itself: the true top-k among matching items).
@@ -51,9 +52,9 @@ from langgraph.store.base import (
 )
 
 from .client import KalosClient
-from .degrade import Degrader, time_left
+from .degrade import Degrader
 from .embeddings import Embedder
-from .errors import KalosError
+from .errors import KalosError, SidecarTimeout
 from .filters import matches, validate_filter
 from .results import Record
 
@@ -357,10 +358,16 @@ class KalosStore(BaseStore):
         by_ns: dict[tuple[str, ...], list[PutOp]] = {}
         for (ns, _key), op in puts.items():
             by_ns.setdefault(ns, []).append(op)
+        # An item row records how many vector rows its key may have, "high": the most any
+        # put of it wrote (or began to). Each write is a separate call, so a process killed
+        # between them leaves rows; every such row is below the high, and the key's next put
+        # or delete removes the rows from its new count up to it. Hence the order: the item
+        # row (its new high) before the vector rows, and the stale vector rows before a
+        # deleted item's row.
         for ns, ops in by_ns.items():
             items_ns, vecs_ns = self._names(ns)
             old = {
-                r.id: _n_vectors(r)
+                r.id: _high(r)
                 for r in self.client.get([o.key for o in ops], namespace=items_ns)
             }
             stale: list[str] = []
@@ -377,16 +384,32 @@ class KalosStore(BaseStore):
                     vec_rows.append(doc_vecs[t])
                     vec_meta.append(o.value)  # type: ignore[arg-type]
             new_counts = dict(zip([o.key for o in live], counts, strict=True))
-            for key, n_old in old.items():
-                stale.extend(f"{key}\x00{j}" for j in range(new_counts.get(key, 0), n_old))
+            for key, high in old.items():
+                stale.extend(f"{key}\x00{j}" for j in range(new_counts.get(key, 0), high))
+            vecs = np.empty((0, self.client.dim), np.float32)
             if vec_rows:
                 self._check_dims(len(vec_rows[0]))
-                self.client.upsert(vec_ids, np.asarray(vec_rows, np.float32), None, vec_meta,
-                                   namespace=vecs_ns)  # fmt: skip
+                vecs = np.asarray(vec_rows, np.float32)
+                bad = np.flatnonzero(~np.isfinite(vecs).all(axis=1))
+                if len(bad):
+                    key, j = vec_ids[bad[0]].rsplit("\x00", 1)
+                    raise ValueError(f"the embedding of text {j} of key {key!r} contains NaN or infinity")
+                if self.client.metric == "cosine":
+                    # a text whose embedding is all zeros (no direction: no cosine) gets no
+                    # vector row, and any it had is removed; its item is found unscored
+                    zero = ~vecs.any(axis=1)
+                    if zero.any():
+                        stale.extend(i for i, z in zip(vec_ids, zero.tolist(), strict=True) if z)
+                        vec_ids = [i for i, z in zip(vec_ids, zero.tolist(), strict=True) if not z]
+                        vec_meta = [m for m, z in zip(vec_meta, zero.tolist(), strict=True) if not z]
+                        vecs = vecs[~zero]
             if live:
-                texts = [json.dumps({"vectors": c}) for c in counts]
+                texts = [json.dumps({"vectors": c, "high": max(c, old.get(o.key, 0))})
+                         for o, c in zip(live, counts, strict=True)]  # fmt: skip
                 self.client.upsert([o.key for o in live], self._placeholders(len(live)), texts,
                                    [o.value for o in live], namespace=items_ns)  # fmt: skip
+            if len(vecs):
+                self.client.upsert(vec_ids, vecs, None, vec_meta, namespace=vecs_ns)
             if stale:
                 self.client.delete(stale, namespace=vecs_ns)
             gone = [o.key for o in ops if o.value is None and o.key in old]
@@ -422,7 +445,18 @@ class KalosStore(BaseStore):
         return out
 
     def _left(self, deadline: float) -> float:
-        return time_left(deadline, self.client.name)
+        """Seconds left for a search's next sidecar call; none left raises ``SidecarTimeout``
+        (transient: the search degrades) saying what the deadline covers."""
+        left = deadline - time.monotonic()
+        if left > 0:
+            return left
+        raise SidecarTimeout(
+            f"sidecar {self.client.name!r}: a search's deadline ({self.timeout:g} s) passed before "
+            "its next sidecar call. A search makes a recall and a read for each namespace under "
+            "its prefix, and reads the items of each when it has no query or too few indexed "
+            "items match (in abatch its deadline also counts the wait for a worker thread): "
+            "give the store a longer timeout=, or search a narrower prefix"
+        )
 
     def _search(self, op: SearchOp, qvec: Any, deadline: float) -> list[SearchItem]:
         """One search; every sidecar call it makes shares ``deadline``."""
@@ -634,10 +668,13 @@ def _similarities(metric: str, q: np.ndarray, vectors: np.ndarray) -> np.ndarray
     return v64 @ q64
 
 
-def _n_vectors(rec: Record) -> int:
+def _high(rec: Record) -> int:
+    """How many vector rows an item row says its key may have (rows ``key\x00j``, j below
+    it): its "high", or its count where an older version wrote none."""
     try:
-        return int(json.loads(rec.text)["vectors"])
-    except (ValueError, KeyError, TypeError):
+        book = json.loads(rec.text)
+        return max(int(book["vectors"]), int(book.get("high", 0)))
+    except (ValueError, KeyError, TypeError, AttributeError):
         return 0
 
 

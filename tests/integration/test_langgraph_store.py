@@ -387,6 +387,79 @@ def test_an_empty_key_is_refused_on_put_and_absent_on_get(store: KalosStore) -> 
     assert store.get(("x",), "") is None
 
 
+class _Cut(Exception):
+    """Where a test's put stops, as if its process had died there."""
+
+
+@pytest.mark.parametrize("cut", ["upsert", "delete"])
+def test_a_put_cut_between_its_writes_leaves_no_row_its_next_put_or_delete_misses(
+    store: KalosStore, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    """A put makes several sidecar calls; a process that dies between them leaves vector rows
+    of the value it was writing ("upsert": it dies as its vector rows are written, over a key
+    that had none, and they are, as the test then does; "delete": the stale rows of the old
+    value are not yet removed). The key's next put and
+    its delete still remove every such row, so no copy of a deleted value stays behind and no
+    old text ranks the new value (before: the rows past the new count were never removed)."""
+    ns = ("cut", cut)
+    _, vecs_ns = store._names(ns)
+    many = {"text": "tea", "tags": ["paris secret", "rome secret", "dog secret"]}  # 4 vector rows
+    if cut == "delete":
+        store.put(ns, "k", many)
+    real = getattr(store.client, cut)
+    writes: list[str] = []
+
+    def dies_at_the_vector_rows(*args: Any, **kwargs: Any) -> Any:
+        namespace = kwargs.get("namespace")
+        writes.append(namespace)
+        if namespace == vecs_ns:
+            raise _Cut
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.client, cut, dies_at_the_vector_rows)
+    with pytest.raises(_Cut):
+        store.put(ns, "k", {"text": "coffee"} if cut == "delete" else many)
+    assert vecs_ns in writes
+    monkeypatch.undo()
+    if cut == "upsert":  # the item row came first, so the rows now written are below its high
+        vecs = np.asarray(KeywordEmbeddings().embed_documents(["tea", "paris", "rome", "dog"]), np.float32)
+        store.client.upsert([f"k\x00{j}" for j in range(4)], vecs, None, [many] * 4, namespace=vecs_ns)
+    assert store.client.count(vecs_ns) == 4  # rows the next put must clear
+    store.put(ns, "k", {"text": "python"})
+    assert [r.id for r in store.client.scan(namespace=vecs_ns)] == ["k\x000"]
+    assert [(i.key, i.value) for i in store.search(ns, query="paris secret")] == [("k", {"text": "python"})]
+    assert store.search(ns, query="paris secret")[0].score < 0.5  # (scored by "python" alone)
+    store.delete(ns, "k")
+    assert store.client.count(vecs_ns) == 0
+
+
+def test_a_text_that_embeds_to_zeros_is_stored_unscored(sidecar: Sidecar) -> None:
+    """Under cosine a text whose embedding is all zeros (no direction) gets no vector row: its
+    item is stored and found after the scored ones (``InMemoryStore`` stores it with score 0);
+    a vector row it had before is removed. (Before, the whole put raised, storing nothing.)"""
+    class ZeroForUnknown(KeywordEmbeddings):
+        def _vec(self, text: str) -> list[float]:
+            return [0.0] * DIM if "unknown" in text else super()._vec(text)
+
+    store = KalosStore(sidecar.name, index={**INDEX, "embed": ZeroForUnknown()}, prefix=f"z{uuid.uuid4().hex[:8]}")
+    ns = ("zero",)
+    _, vecs_ns = store._names(ns)
+    store.put(ns, "ok", {"text": "tea"})
+    store.put(ns, "unk", {"text": "tea", "tags": ["coffee"]})
+    store.put(ns, "unk", {"text": "unknown words", "tags": ["coffee"]})
+    assert sorted(r.id for r in store.client.scan(namespace=vecs_ns)) == ["ok\x000", "unk\x001"]
+    got = store.search(ns, query="tea", limit=5)
+    assert [(i.key, i.score is None) for i in got] == [("ok", False), ("unk", False)]  # (its tag's vector)
+    store.put(ns, "unk", {"text": "unknown"})
+    got = store.search(ns, query="tea", limit=5)
+    assert [(i.key, i.score is None) for i in got] == [("ok", False), ("unk", True)]
+    assert store.get(ns, "unk").value == {"text": "unknown"}  # type: ignore[union-attr]
+    for name in store.client.namespaces():
+        if name.startswith(store.prefix + "/"):
+            store.client.delete_namespace(name)
+    store.close()
+
+
 def test_a_stale_vector_row_never_answers_for_its_item(store: KalosStore) -> None:
     """A vector row whose value is not the item's (left by two processes putting one key at
     once, or by an interrupted write) is checked against the item row: a filter on the stale
@@ -503,6 +576,35 @@ def test_search_degrades_other_ops_raise(
     strict = KalosStore(make_name(), index=INDEX, on_error="raise")
     with pytest.raises(SidecarUnavailable):  # negative control
         strict.search(("a",), query="tea")
+
+
+def test_a_search_longer_than_its_deadline_says_what_the_deadline_covers(
+    store: KalosStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A search under a prefix makes calls for each namespace; when they outlast its deadline
+    on a sidecar that answers every one (here the first recall's caller is made to take
+    longer than the whole deadline), it degrades saying so (before: "every worker thread was
+    busy"), and names the remedies. Control: the same search in time finds every item."""
+    caplog.set_level(logging.WARNING, logger="kalos_retrievers")
+    for i in range(30):
+        store.put(("many", f"u{i:02}"), "k", {"text": "tea"})
+    ample = KalosStore(client=store.client, index=INDEX, prefix=store.prefix, timeout=30)
+    assert len(ample.search(("many",), query="tea", limit=30)) == 30  # (control)
+    recall = store.client.recall
+
+    def answered_then_slow(*args: Any, **kwargs: Any) -> Any:
+        res = recall(*args, **kwargs)
+        time.sleep(0.15)
+        return res
+
+    monkeypatch.setattr(store.client, "recall", answered_then_slow)
+    short = KalosStore(client=store.client, index=INDEX, prefix=store.prefix, timeout=0.1)
+    assert short.search(("many",), query="tea", limit=30) == []
+    assert isinstance(short.degrader.last_error, SidecarTimeout)
+    said = str(short.degrader.last_error)
+    assert "a search's deadline (0.1 s) passed before its next sidecar call" in said
+    assert "longer timeout=" in said and "narrower prefix" in said
+    assert any("unavailable or too slow" in r.getMessage() for r in caplog.records)
 
 
 async def test_paused_sidecar_searches_degrade_together_and_recover(
