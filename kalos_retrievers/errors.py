@@ -33,8 +33,9 @@ class KalosError(Exception):
     transient: bool = False
 
     #: Set on an error raised by a write of rows (``KalosClient.upsert``, a LangChain store's
-    #: ``add_texts``/``add_documents``): the ids of all its rows, made-up ones included, so
-    #: that a retry can overwrite rather than store twice what was committed ...
+    #: ``add_texts``/``add_documents``, ``KalosMemory.add``): the ids of all its rows, made-up
+    #: ones included, so that a retry can overwrite rather than store twice what was
+    #: committed (None from writes whose rows are an adapter's own, a ``KalosStore`` put) ...
     ids: list[str] | None = None
     #: ... and how many of them, the first ones, were committed for sure (the rest may or may
     #: not have been).

@@ -9,7 +9,7 @@ in two sidecar namespaces:
 
 * ``<prefix>/i/<encoded>``: one row per item. id: the key; metadata: the item's value (so that
   ``filter`` runs in the sidecar); text: bookkeeping (how many vectors the item has, and
-  "high": the most its key may have, see ``_apply_puts_locked``); vector: a fixed placeholder
+  "high": the most its key may have, see ``KalosStore._write_puts``); vector: a fixed placeholder
   (never searched).
 * ``<prefix>/v/<encoded>``: one row per embedded text of an item (``index`` fields; a
   ``[*]`` path gives one text per element). id: ``key + "\\x00" + n``; metadata: the value
@@ -22,6 +22,7 @@ A sidecar namespace name is limited to 255 bytes, so the encoded namespace is li
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import json
 import operator
@@ -29,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from langchain_core.embeddings import Embeddings
@@ -352,69 +353,105 @@ class KalosStore(BaseStore):
 
     def _apply_puts(self, puts: Mapping[_Key, PutOp], doc_vecs: Mapping[str, Any]) -> None:
         with self._put_lock:
-            self._apply_puts_locked(puts, doc_vecs)
+            try:
+                self._apply_puts_locked(puts, doc_vecs)
+            except KalosError as e:  # (the ids of the rows a put writes are this store's own)
+                e.ids = e.committed = None
+                raise
 
     def _apply_puts_locked(self, puts: Mapping[_Key, PutOp], doc_vecs: Mapping[str, Any]) -> None:
         by_ns: dict[tuple[str, ...], list[PutOp]] = {}
         for (ns, _key), op in puts.items():
             by_ns.setdefault(ns, []).append(op)
-        # An item row records how many vector rows its key may have, "high": the most any
-        # put of it wrote (or began to). Each write is a separate call, so a process killed
-        # between them leaves rows; every such row is below the high, and the key's next put
-        # or delete removes the rows from its new count up to it. Hence the order: the item
-        # row (its new high) before the vector rows, and the stale vector rows before a
-        # deleted item's row.
-        for ns, ops in by_ns.items():
-            items_ns, vecs_ns = self._names(ns)
-            old = {
-                r.id: _high(r)
-                for r in self.client.get([o.key for o in ops], namespace=items_ns)
-            }
-            stale: list[str] = []
-            vec_ids: list[str] = []
-            vec_rows: list[Any] = []
-            vec_meta: list[Mapping[str, Any]] = []
-            live = [o for o in ops if o.value is not None]
-            counts: list[int] = []
-            for o in live:
-                texts = self._texts_of(o)
-                counts.append(len(texts))
-                for j, t in enumerate(texts):
-                    vec_ids.append(f"{o.key}\x00{j}")
-                    vec_rows.append(doc_vecs[t])
-                    vec_meta.append(o.value)  # type: ignore[arg-type]
-            new_counts = dict(zip([o.key for o in live], counts, strict=True))
-            for key, high in old.items():
-                stale.extend(f"{key}\x00{j}" for j in range(new_counts.get(key, 0), high))
-            vecs = np.empty((0, self.client.dim), np.float32)
-            if vec_rows:
-                self._check_dims(len(vec_rows[0]))
-                vecs = np.asarray(vec_rows, np.float32)
-                bad = np.flatnonzero(~np.isfinite(vecs).all(axis=1))
-                if len(bad):
-                    key, j = vec_ids[bad[0]].rsplit("\x00", 1)
-                    raise ValueError(f"the embedding of text {j} of key {key!r} contains NaN or infinity")
-                if self.client.metric == "cosine":
-                    # a text whose embedding is all zeros (no direction: no cosine) gets no
-                    # vector row, and any it had is removed; its item is found unscored
-                    zero = ~vecs.any(axis=1)
-                    if zero.any():
-                        stale.extend(i for i, z in zip(vec_ids, zero.tolist(), strict=True) if z)
-                        vec_ids = [i for i, z in zip(vec_ids, zero.tolist(), strict=True) if not z]
-                        vec_meta = [m for m, z in zip(vec_meta, zero.tolist(), strict=True) if not z]
-                        vecs = vecs[~zero]
-            if live:
-                texts = [json.dumps({"vectors": c, "high": max(c, old.get(o.key, 0))})
-                         for o, c in zip(live, counts, strict=True)]  # fmt: skip
-                self.client.upsert([o.key for o in live], self._placeholders(len(live)), texts,
-                                   [o.value for o in live], namespace=items_ns)  # fmt: skip
-            if len(vecs):
-                self.client.upsert(vec_ids, vecs, None, vec_meta, namespace=vecs_ns)
-            if stale:
-                self.client.delete(stale, namespace=vecs_ns)
-            gone = [o.key for o in ops if o.value is None and o.key in old]
-            if gone:
-                self.client.delete(gone, namespace=items_ns)
+        plans = [self._plan_puts(ns, ops, doc_vecs) for ns, ops in by_ns.items()]  # (every check first)
+        for plan in plans:
+            self._write_puts(plan)
+
+    def _plan_puts(self, ns: tuple[str, ...], ops: list[PutOp], doc_vecs: Mapping[str, Any]) -> _PutPlan:
+        """What the puts (and deletes) of one namespace write: read the items' rows, embed
+        nothing (``doc_vecs`` holds every text's vector), check every vector."""
+        items_ns, vecs_ns = self._names(ns)
+        old = {r.id: r for r in self.client.get([o.key for o in ops], namespace=items_ns)}
+        highs = {key: _book_of(r)[1] for key, r in old.items()}
+        vec_ids: list[str] = []
+        vec_rows: list[Any] = []
+        vec_meta: list[Mapping[str, Any]] = []
+        live = [o for o in ops if o.value is not None]
+        counts: list[int] = []
+        for o in live:
+            texts = self._texts_of(o)
+            counts.append(len(texts))
+            for j, t in enumerate(texts):
+                vec_ids.append(f"{o.key}\x00{j}")
+                vec_rows.append(doc_vecs[t])
+                vec_meta.append(o.value)  # type: ignore[arg-type]
+        new_counts = dict(zip([o.key for o in live], counts, strict=True))
+        stale = [f"{key}\x00{j}" for key, high in highs.items() for j in range(new_counts.get(key, 0), high)]
+        vecs = np.empty((0, self.client.dim), np.float32)
+        if vec_rows:
+            self._check_dims(len(vec_rows[0]))
+            vecs = np.asarray(vec_rows, np.float32)
+            bad = np.flatnonzero(~np.isfinite(vecs).all(axis=1))
+            if len(bad):
+                key, j = vec_ids[bad[0]].rsplit("\x00", 1)
+                raise ValueError(f"the embedding of text {j} of key {key!r} contains NaN or infinity")
+            if self.client.metric == "cosine":
+                # a text whose embedding is all zeros (no direction: no cosine) gets no vector
+                # row, and any it had is removed; its item is found unscored
+                keep = vecs.any(axis=1)
+                if not keep.all():
+                    stale.extend(i for i, k in zip(vec_ids, keep.tolist(), strict=True) if not k)
+                    vec_ids = [i for i, k in zip(vec_ids, keep.tolist(), strict=True) if k]
+                    vec_meta = [m for m, k in zip(vec_meta, keep.tolist(), strict=True) if k]
+                    vecs = vecs[keep]
+        gone = [o.key for o in ops if o.value is None and o.key in old]
+        return _PutPlan(items_ns, vecs_ns, old, highs, live, counts, vec_ids, vecs, vec_meta, stale, gone)
+
+    def _write_puts(self, p: _PutPlan) -> None:
+        """Write one namespace's puts. An item row records how many vector rows its key may
+        have ("high": the most a put of it wrote or began to, until one that removed the
+        surplus brings it down). Each write is a separate call, so a process killed between
+        two leaves rows; each is below its item's high, and the key's next put or delete
+        removes every row from its new count up to the high. Hence the order: the item rows
+        (with their new highs) before the vector rows, the stale vector rows before a deleted
+        item's row. A write of the vector rows that fails puts the items back as they were."""
+        keys = [o.key for o in p.live]
+        if p.live:
+            books = [_book(c, max(c, p.highs.get(key, 0))) for key, c in zip(keys, p.counts, strict=True)]
+            self.client.upsert(keys, self._placeholders(len(keys)), books, [o.value for o in p.live],
+                               namespace=p.items_ns)  # fmt: skip
+        if len(p.vecs):
+            try:
+                self.client.upsert(p.vec_ids, p.vecs, None, p.vec_meta, namespace=p.vecs_ns)
+            except Exception:
+                self._put_back(p)
+                raise
+        if p.stale:
+            self.client.delete(p.stale, namespace=p.vecs_ns)
+        down = [(o, c) for o, c in zip(p.live, p.counts, strict=True) if p.highs.get(o.key, 0) > c]
+        if down:  # (the surplus is gone: the high comes down, so later puts delete nothing)
+            self.client.upsert([o.key for o, _ in down], self._placeholders(len(down)),
+                               [_book(c, c) for _, c in down], [o.value for o, _ in down],
+                               namespace=p.items_ns)  # fmt: skip
+        if p.gone:
+            self.client.delete(p.gone, namespace=p.items_ns)
+
+    def _put_back(self, p: _PutPlan) -> None:
+        """After a failed write of vector rows (refused, or the sidecar gone): the item rows
+        as they were, their highs covering every row this put may have written; an item this
+        put made is removed with the rows it may have. Best effort: what it cannot undo, the
+        highs cover."""
+        with contextlib.suppress(Exception):
+            back = [(o, c) for o, c in zip(p.live, p.counts, strict=True) if o.key in p.old]
+            if back:
+                recs = [p.old[o.key] for o, _ in back]
+                books = [_book(_book_of(r)[0], max(c, p.highs[r.id])) for r, (_, c) in zip(recs, back, strict=True)]
+                self.client.upsert([r.id for r in recs], self._placeholders(len(recs)), books,
+                                   [r.metadata for r in recs], namespace=p.items_ns)  # fmt: skip
+            made = {o.key for o in p.live if o.key not in p.old}
+            if made:
+                self.client.delete([i for i in p.vec_ids if i.rsplit("\x00", 1)[0] in made], namespace=p.vecs_ns)
+                self.client.delete(sorted(made), namespace=p.items_ns)
 
     def _check_dims(self, n: int) -> None:
         dims = (self.index_config or {}).get("dims")
@@ -668,14 +705,45 @@ def _similarities(metric: str, q: np.ndarray, vectors: np.ndarray) -> np.ndarray
     return v64 @ q64
 
 
-def _high(rec: Record) -> int:
-    """How many vector rows an item row says its key may have (rows ``key\x00j``, j below
-    it): its "high", or its count where an older version wrote none."""
+class _PutPlan(NamedTuple):
+    """The writes of one namespace's puts and deletes (:meth:`KalosStore._plan_puts`)."""
+
+    items_ns: str
+    vecs_ns: str
+    old: dict[str, Record]  # the items' rows before
+    highs: dict[str, int]  # their highs
+    live: list[PutOp]  # puts of a value
+    counts: list[int]  # each one's texts
+    vec_ids: list[str]
+    vecs: np.ndarray
+    vec_meta: list[Mapping[str, Any]]
+    stale: list[str]  # vector rows to remove
+    gone: list[str]  # items to remove
+
+
+_MAX_VECTORS = 1 << 24  # (a count above it in an item row's bookkeeping is not one this store wrote)
+
+
+def _book(vectors: int, high: int) -> str:
+    """An item row's bookkeeping text: its key's vector rows, and the most it may have."""
+    return json.dumps({"vectors": vectors, "high": high})
+
+
+def _book_of(rec: Record) -> tuple[int, int]:
+    """``(vectors, high)`` of an item row's bookkeeping (rows ``key\x00j``, j below the high).
+    Rows an older version wrote have no high: their count is it. A field that is not a count
+    reads as the other one, so that a damaged row over-counts rather than under-counts."""
     try:
         book = json.loads(rec.text)
-        return max(int(book["vectors"]), int(book.get("high", 0)))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return 0
+    except (ValueError, TypeError):
+        return 0, 0
+    if not isinstance(book, dict):
+        return 0, 0
+    n, high = (v if type(v) is int and 0 <= v <= _MAX_VECTORS else None
+               for v in (book.get("vectors"), book.get("high")))  # fmt: skip
+    if n is None:
+        n = high or 0
+    return n, max(n, high or 0)
 
 
 def _dt(ts: float) -> datetime:

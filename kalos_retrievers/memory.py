@@ -108,7 +108,8 @@ class KalosMemory:
         ``search``/``asearch`` return ``[]`` within ``timeout`` seconds while the sidecar is
         absent, killed, paused or too slow: one warning per outage, counted in
         ``memory.degrader``; ``on_error="raise"`` raises instead. Writes and management calls
-        always raise (a memory silently not written is worse than an error).
+        always raise (a memory silently not written is worse than an error); an error from
+        ``add`` says what it stored (``e.ids``, ``e.committed``, as ``KalosClient.upsert``).
 
     Args:
         name: the sidecar's ``--name``.
@@ -228,9 +229,14 @@ class KalosMemory:
         self, rows: list[tuple[str, str, dict[str, Any]]], vectors: np.ndarray
     ) -> list[dict[str, Any]]:
         history = self._history([_event(r[0], "ADD", None, r[1], r[2]) for r in rows])
-        self.client.upsert([r[0] for r in rows], vectors, [r[1] for r in rows],
-                           [r[2] for r in rows], namespace=self.namespace)  # fmt: skip
-        self._record(history)
+        ids = [r[0] for r in rows]
+        self.client.upsert(ids, vectors, [r[1] for r in rows], [r[2] for r in rows],
+                           namespace=self.namespace)  # fmt: skip
+        try:
+            self._record(history)
+        except KalosError as e:  # the memories are stored (their history is not)
+            e.ids, e.committed = ids, len(ids)
+            raise
         return [{"id": r[0], "memory": r[1], "event": "ADD"} for r in rows]
 
     # ------------------------------------------------------------------ search
@@ -486,7 +492,11 @@ class KalosMemory:
             return
         placeholder = np.zeros((len(events), self.client.dim), np.float32)
         placeholder[:, 0] = 1.0  # history rows are never searched by similarity
-        self.client.upsert(ids, placeholder, None, events, namespace=self.history_namespace)
+        try:
+            self.client.upsert(ids, placeholder, None, events, namespace=self.history_namespace)
+        except KalosError as e:  # (the events' ids are this store's own, not the caller's)
+            e.ids = e.committed = None
+            raise
 
     def _scoped_filter(
         self,

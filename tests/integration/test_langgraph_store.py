@@ -387,8 +387,9 @@ def test_an_empty_key_is_refused_on_put_and_absent_on_get(store: KalosStore) -> 
     assert store.get(("x",), "") is None
 
 
-class _Cut(Exception):
-    """Where a test's put stops, as if its process had died there."""
+class _Cut(BaseException):
+    """Where a test's put stops, as if its process had died there (a BaseException: nothing
+    of the put runs after it, as after a kill)."""
 
 
 @pytest.mark.parametrize("cut", ["upsert", "delete"])
