@@ -574,32 +574,35 @@ def test_k_zero_finds_nothing_without_asking_the_sidecar(store: KalosVectorStore
 
 
 def test_add_texts_cut_by_a_kill_says_every_id_and_what_was_stored(start_sidecar, make_name, tmp_path) -> None:
-    """``add_texts`` in batches whose sidecar is SIGKILLed before the second batch's write: the
-    error's ``ids`` are every text's (fresh UUIDs) and ``committed`` the first batch, found
-    after a restart; adding the texts again with those ids stores each once."""
-    name, texts = make_name(), [f"text number {i}" for i in range(7)]
-    sc = start_sidecar(name=name, dim=97, data_dir=tmp_path)
+    """``add_texts`` in batches that each take several slot-sized requests, its sidecar
+    SIGKILLed before the second batch's second request: the error's ``ids`` are every text's
+    (fresh UUIDs) and ``committed`` the rows of the requests answered (the first batch and
+    the second's first request), which a restart finds; adding the texts again with those ids
+    stores each once."""
+    name, n = make_name(), 23
+    texts = [f"text number {i} " + "x" * 300 for i in range(n)]
+    sc = start_sidecar(name=name, dim=97, data_dir=tmp_path, payload_kb=2)  # 2 rows a request
     store = KalosVectorStore(WordHashEmbedding(97), name=name)
-    upsert, calls = store.client.upsert, []
+    call, sent = store.client._call, []
 
-    def second_write_finds_the_sidecar_killed(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args[0])
-        if len(calls) == 2:
+    def killed_before_the_second_batchs_second_request(*args: Any, **kwargs: Any) -> Any:
+        sent.append(kwargs["n_items"])
+        if sum(sent[:-1]) > 10:  # (rows answered: the first batch and some of the second)
             sc.kill()
             sc.proc.wait(10)  # type: ignore[union-attr]
-        return upsert(*args, **kwargs)
+        return call(*args, **kwargs)
 
-    store.client.upsert = second_write_finds_the_sidecar_killed  # type: ignore[method-assign]
+    store.client._call = killed_before_the_second_batchs_second_request  # type: ignore[method-assign]
     with pytest.raises(SidecarUnavailable) as info:
-        store.add_texts(texts, batch_size=3)
+        store.add_texts(texts, batch_size=10)
     start_sidecar(name=name, dim=97, data_dir=tmp_path)
     e = info.value
-    assert len(calls) == 2 and calls[1] == e.ids[3:6]  # type: ignore[index]
-    assert e.ids is not None and len(set(e.ids)) == 7 and e.committed == 3
+    answered = sum(sent[:-1])
+    assert 10 < answered < 20 and max(sent) < 10  # (the second batch, cut after its first request)
+    assert e.ids is not None and len(set(e.ids)) == n and e.committed == answered
     again = KalosVectorStore(WordHashEmbedding(97), name=name)
-    assert [d.page_content for d in again.get_by_ids(e.ids)] == texts[:3]
-    assert again.add_texts(texts, ids=e.ids) == e.ids and again.client.count() == 7
-
+    assert [d.page_content for d in again.get_by_ids(e.ids)] == texts[:answered]
+    assert again.add_texts(texts, ids=e.ids) == e.ids and again.client.count() == n
 
 class CountingEmbedding(WordHashEmbedding):
     """:class:`WordHashEmbedding` that counts the queries it embeds."""

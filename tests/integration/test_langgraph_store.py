@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
 import re
 import signal
 import threading
@@ -23,7 +25,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.store.base import BaseStore, GetOp, ListNamespacesOp, PutOp, SearchOp
 from langgraph.store.memory import InMemoryStore
 
-from kalos_retrievers import KalosClient, Sidecar, SidecarTimeout, SidecarUnavailable
+from kalos_retrievers import CapacityError, KalosClient, Sidecar, SidecarTimeout, SidecarUnavailable
 from kalos_retrievers.langgraph import KalosStore
 
 VOCAB = ["python", "rust", "tea", "coffee", "paris", "rome", "dog"]
@@ -434,6 +436,83 @@ def test_a_put_cut_between_its_writes_leaves_no_row_its_next_put_or_delete_misse
     assert store.client.count(vecs_ns) == 0
 
 
+def test_a_refused_write_of_vector_rows_puts_the_items_back(store: KalosStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidecar refusing a put's vector rows (out of device memory, say) leaves the items as
+    they were: an existing one with its old value and ranking, a new one absent; the error
+    carries no ids (they are the store's rows', not the caller's). Control: the same batch
+    unrefused stores both."""
+    ns = ("refused",)
+    _, vecs_ns = store._names(ns)
+    store.put(ns, "old", {"text": "tea"})
+    upsert = store.client.upsert
+
+    def refuse_vector_rows(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("namespace") == vecs_ns:
+            raise CapacityError("could not grow the index (injected)")
+        return upsert(*args, **kwargs)
+
+    monkeypatch.setattr(store.client, "upsert", refuse_vector_rows)
+    batch = [PutOp(ns, "old", {"text": "python"}), PutOp(ns, "new", {"text": "rust"})]
+    with pytest.raises(CapacityError) as info:
+        store.batch(batch)
+    assert (info.value.ids, info.value.committed) == (None, None)
+    monkeypatch.undo()
+    assert store.get(ns, "old").value == {"text": "tea"} and store.get(ns, "new") is None  # type: ignore[union-attr]
+    assert [(i.key, i.value) for i in store.search(ns, query="tea")] == [("old", {"text": "tea"})]
+    assert [r.id for r in store.client.scan(namespace=vecs_ns)] == ["old\x000"]
+    store.batch(batch)  # (control)
+    assert {i.key: i.value["text"] for i in store.search(ns, query="python rust")} == {"old": "python", "new": "rust"}
+
+
+def test_the_high_comes_down_once_the_surplus_rows_are_removed(
+    store: KalosStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key whose texts went from five to one records one vector row once the other four are
+    removed, so its later puts delete nothing (with the high kept at five, each would ask to
+    delete four absent rows)."""
+    ns = ("high",)
+    items_ns, vecs_ns = store._names(ns)
+    store.put(ns, "k", {"text": "tea", "tags": ["rust", "rome", "dog", "paris"]})
+    assert json.loads(store.client.get(["k"], namespace=items_ns)[0].text) == {"vectors": 5, "high": 5}
+    store.put(ns, "k", {"text": "tea"})
+    assert json.loads(store.client.get(["k"], namespace=items_ns)[0].text) == {"vectors": 1, "high": 1}
+    assert [r.id for r in store.client.scan(namespace=vecs_ns)] == ["k\x000"]
+    deletes: list[Any] = []
+    delete = store.client.delete
+    monkeypatch.setattr(store.client, "delete", lambda *a, **kw: deletes.append(a) or delete(*a, **kw))
+    store.put(ns, "k", {"text": "coffee"})
+    assert deletes == []
+
+
+@contextlib.contextmanager
+def _own_store(sidecar: Sidecar, embed: Embeddings) -> Iterator[KalosStore]:
+    store = KalosStore(sidecar.name, index={**INDEX, "embed": embed}, prefix=f"o{uuid.uuid4().hex[:8]}")
+    try:
+        yield store
+    finally:
+        for name in store.client.namespaces():
+            if name.startswith(store.prefix + "/"):
+                store.client.delete_namespace(name)
+        store.close()
+
+
+def test_a_nan_embedding_refuses_the_whole_batch_before_any_write(sidecar: Sidecar) -> None:
+    """A text embedded to NaN refuses its batch, naming it, before any namespace's write: the
+    values put before stay (the item rows are written first, so a late check would have
+    stored the new values)."""
+    class NanFor(KeywordEmbeddings):
+        def _vec(self, text: str) -> list[float]:
+            return [math.nan] * DIM if "nan" in text else super()._vec(text)
+
+    with _own_store(sidecar, NanFor()) as store:
+        store.put(("a",), "k", {"text": "tea"})
+        store.put(("b",), "k", {"text": "tea"})
+        with pytest.raises(ValueError, match=r"text 0 of key 'k' contains NaN"):
+            store.batch([PutOp(("a",), "k", {"text": "python"}), PutOp(("b",), "k", {"text": "nan here"})])
+        assert [store.get((n,), "k").value for n in "ab"] == [{"text": "tea"}] * 2  # type: ignore[union-attr]
+        assert [i.key for i in store.search(("a",), query="tea")] == ["k"]
+
+
 def test_a_text_that_embeds_to_zeros_is_stored_unscored(sidecar: Sidecar) -> None:
     """Under cosine a text whose embedding is all zeros (no direction) gets no vector row: its
     item is stored and found after the scored ones (``InMemoryStore`` stores it with score 0);
@@ -442,23 +521,19 @@ def test_a_text_that_embeds_to_zeros_is_stored_unscored(sidecar: Sidecar) -> Non
         def _vec(self, text: str) -> list[float]:
             return [0.0] * DIM if "unknown" in text else super()._vec(text)
 
-    store = KalosStore(sidecar.name, index={**INDEX, "embed": ZeroForUnknown()}, prefix=f"z{uuid.uuid4().hex[:8]}")
-    ns = ("zero",)
-    _, vecs_ns = store._names(ns)
-    store.put(ns, "ok", {"text": "tea"})
-    store.put(ns, "unk", {"text": "tea", "tags": ["coffee"]})
-    store.put(ns, "unk", {"text": "unknown words", "tags": ["coffee"]})
-    assert sorted(r.id for r in store.client.scan(namespace=vecs_ns)) == ["ok\x000", "unk\x001"]
-    got = store.search(ns, query="tea", limit=5)
-    assert [(i.key, i.score is None) for i in got] == [("ok", False), ("unk", False)]  # (its tag's vector)
-    store.put(ns, "unk", {"text": "unknown"})
-    got = store.search(ns, query="tea", limit=5)
-    assert [(i.key, i.score is None) for i in got] == [("ok", False), ("unk", True)]
-    assert store.get(ns, "unk").value == {"text": "unknown"}  # type: ignore[union-attr]
-    for name in store.client.namespaces():
-        if name.startswith(store.prefix + "/"):
-            store.client.delete_namespace(name)
-    store.close()
+    with _own_store(sidecar, ZeroForUnknown()) as store:
+        ns = ("zero",)
+        _, vecs_ns = store._names(ns)
+        store.put(ns, "ok", {"text": "tea"})
+        store.put(ns, "unk", {"text": "tea", "tags": ["coffee"]})
+        store.put(ns, "unk", {"text": "unknown words", "tags": ["coffee"]})
+        assert sorted(r.id for r in store.client.scan(namespace=vecs_ns)) == ["ok\x000", "unk\x001"]
+        got = store.search(ns, query="tea", limit=5)
+        assert [(i.key, i.score is None) for i in got] == [("ok", False), ("unk", False)]  # (its tag's vector)
+        store.put(ns, "unk", {"text": "unknown"})
+        got = store.search(ns, query="tea", limit=5)
+        assert [(i.key, i.score is None) for i in got] == [("ok", False), ("unk", True)]
+        assert store.get(ns, "unk").value == {"text": "unknown"}  # type: ignore[union-attr]
 
 
 def test_a_stale_vector_row_never_answers_for_its_item(store: KalosStore) -> None:

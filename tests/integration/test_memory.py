@@ -163,6 +163,39 @@ async def test_odd_search_and_add_arguments_are_refused_by_name(memory: KalosMem
         memory.add(b"I drink coffee", user_id="alice")
 
 
+def test_an_adds_error_says_which_memories_were_stored(memory: KalosMemory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its history record failing after the memories were written, ``add`` raises with
+    ``e.ids`` the memories' ids (not the history events') and ``e.committed`` all of them: a
+    caller can tell they are stored and need not add them twice; the memory write failing, no
+    memory is said stored. Controls: the ids are found by ``get_all``; the history is empty."""
+    upsert = memory.client.upsert
+    fail: list[str] = []
+
+    def failing_in(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("namespace") in fail:
+            raise SidecarTimeout("no answer (injected)")
+        return upsert(*args, **kwargs)
+
+    monkeypatch.setattr(memory.client, "upsert", failing_in)
+    fail[:] = [memory.history_namespace]
+    with pytest.raises(SidecarTimeout) as info:
+        memory.add(["I like tea", "I live in Rome"], user_id="alice")
+    stored = {i["id"]: i["memory"] for i in memory.get_all(user_id="alice")}
+    assert info.value.ids is not None and set(info.value.ids) == set(stored)
+    assert info.value.committed == 2 and sorted(stored.values()) == ["I like tea", "I live in Rome"]
+    assert all(memory.history(i) == [] for i in stored)
+    monkeypatch.undo()
+
+    def no_answer(*args: Any, **kwargs: Any) -> Any:
+        raise SidecarTimeout("no answer (injected)")
+
+    monkeypatch.setattr(memory.client, "_call", no_answer)  # (the memories' own write, in the client)
+    with pytest.raises(SidecarTimeout) as info:
+        memory.add("I have a dog", user_id="bob")
+    monkeypatch.undo()
+    assert info.value.committed == 0 and len(info.value.ids or []) == 1 and memory.get_all(user_id="bob") == []
+
+
 def test_a_memory_whose_history_event_outgrows_a_slot_is_not_written(
     start_sidecar: Callable[..., Sidecar],
 ) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -17,6 +19,8 @@ from langgraph.store.base import (
 
 from kalos_retrievers.langgraph import (
     KalosStore,
+    _book,
+    _book_of,
     _compare,
     _does_match,
     _split_filter,
@@ -107,3 +111,25 @@ def test_llama_index_embeddings_are_accepted() -> None:
     assert store.embeddings.embed_query("q") == [0.5, 0.5, 0.5]
     store2 = KalosStore("x", index={"dims": 3, "embed": DeterministicFakeEmbedding(size=3)})
     assert len(store2.embeddings.embed_documents(["a"])[0]) == 3  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    (_book(2, 5), (2, 5)),
+    ('{"vectors": 3}', (3, 3)),  # (an older version's row: its count is its high)
+    ('{"vectors": 3, "high": 1}', (3, 3)),
+    ('{"vectors": 3, "high": null}', (3, 3)),
+    ('{"vectors": null, "high": 5}', (5, 5)),
+    ('{"vectors": 3, "high": 1e400}', (3, 3)),
+    ('{"vectors": Infinity}', (0, 0)),
+    ('{"vectors": true, "high": 2}', (2, 2)),
+    ('{"vectors": -2, "high": 2}', (2, 2)),
+    ('{"vectors": 2.0}', (0, 0)),
+    ("[3]", (0, 0)),
+    ("not json", (0, 0)),
+    ("", (0, 0)),
+    (None, (0, 0)),
+])  # fmt: skip
+def test_an_item_rows_bookkeeping_is_read_field_by_field_and_never_fails(text: str | None, want: tuple) -> None:
+    """``(vectors, high)`` from an item row's text: a field that is not a count reads as the
+    other, so a damaged row over-counts its vector rows rather than missing some."""
+    assert _book_of(types.SimpleNamespace(text=text)) == want  # type: ignore[arg-type]
