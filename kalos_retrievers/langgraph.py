@@ -55,7 +55,7 @@ from langgraph.store.base import (
 from .client import KalosClient
 from .degrade import Degrader
 from .embeddings import Embedder
-from .errors import KalosError, SidecarTimeout
+from .errors import KalosError, RequestRejected, SidecarTimeout
 from .filters import matches, validate_filter
 from .results import Record
 
@@ -405,7 +405,12 @@ class KalosStore(BaseStore):
                     vec_meta = [m for m, k in zip(vec_meta, keep.tolist(), strict=True) if k]
                     vecs = vecs[keep]
         gone = [o.key for o in ops if o.value is None and o.key in old]
-        return _PutPlan(items_ns, vecs_ns, old, highs, live, counts, vec_ids, vecs, vec_meta, stale, gone)
+        books = [_book(c, max(c, highs.get(o.key, 0))) for o, c in zip(live, counts, strict=True)]
+        # what the client would refuse of the item rows (a value too large for a slot, or not
+        # JSON), before any namespace is written (a vector row holds no more than its item's)
+        self.client.check_upsert(len(live), [o.key for o in live], books, [o.value for o in live],
+                                 namespace=items_ns)  # fmt: skip
+        return _PutPlan(items_ns, vecs_ns, old, highs, live, counts, books, vec_ids, vecs, vec_meta, stale, gone)
 
     def _write_puts(self, p: _PutPlan) -> None:
         """Write one namespace's puts. An item row records how many vector rows its key may
@@ -414,44 +419,56 @@ class KalosStore(BaseStore):
         two leaves rows; each is below its item's high, and the key's next put or delete
         removes every row from its new count up to the high. Hence the order: the item rows
         (with their new highs) before the vector rows, the stale vector rows before a deleted
-        item's row. A write of the vector rows that fails puts the items back as they were."""
+        item's row. A write of vector rows that the sidecar refuses before storing any puts
+        the items back as they were (but for ``updated_at``); one that may have stored some
+        (a timeout, a later chunk refused) leaves the new values, whose highs cover them."""
         keys = [o.key for o in p.live]
         if p.live:
-            books = [_book(c, max(c, p.highs.get(key, 0))) for key, c in zip(keys, p.counts, strict=True)]
-            self.client.upsert(keys, self._placeholders(len(keys)), books, [o.value for o in p.live],
+            self.client.upsert(keys, self._placeholders(len(keys)), p.books, [o.value for o in p.live],
                                namespace=p.items_ns)  # fmt: skip
         if len(p.vecs):
             try:
                 self.client.upsert(p.vec_ids, p.vecs, None, p.vec_meta, namespace=p.vecs_ns)
-            except Exception:
-                self._put_back(p)
+            except RequestRejected as e:
+                if not e.committed:  # (refused before any chunk was stored)
+                    self._put_back(p)
                 raise
         if p.stale:
             self.client.delete(p.stale, namespace=p.vecs_ns)
-        down = [(o, c) for o, c in zip(p.live, p.counts, strict=True) if p.highs.get(o.key, 0) > c]
-        if down:  # (the surplus is gone: the high comes down, so later puts delete nothing)
-            self.client.upsert([o.key for o, _ in down], self._placeholders(len(down)),
-                               [_book(c, c) for _, c in down], [o.value for o, _ in down],
-                               namespace=p.items_ns)  # fmt: skip
+        self._lower_highs(p)
         if p.gone:
             self.client.delete(p.gone, namespace=p.items_ns)
 
+    def _lower_highs(self, p: _PutPlan) -> None:
+        """Bring the highs of the items this put shrank down to their counts, the surplus rows
+        being gone, so that their later puts delete nothing; only items whose rows are still
+        what this put wrote (another process's put of one since then keeps its own high)."""
+        down = {o.key: (o, c, book) for o, c, book in zip(p.live, p.counts, p.books, strict=True)
+                if p.highs.get(o.key, 0) > c}  # fmt: skip
+        if not down:
+            return
+        now = self.client.get(list(down), namespace=p.items_ns)
+        mine = [down[r.id] for r in now if r.text == down[r.id][2] and r.metadata == _as_stored(down[r.id][0].value)]
+        if mine:
+            self.client.upsert([o.key for o, _, _ in mine], self._placeholders(len(mine)),
+                               [_book(c, c) for _, c, _ in mine], [o.value for o, _, _ in mine],
+                               namespace=p.items_ns)  # fmt: skip
+
     def _put_back(self, p: _PutPlan) -> None:
-        """After a failed write of vector rows (refused, or the sidecar gone): the item rows
-        as they were, their highs covering every row this put may have written; an item this
-        put made is removed with the rows it may have. Best effort: what it cannot undo, the
-        highs cover."""
-        with contextlib.suppress(Exception):
-            back = [(o, c) for o, c in zip(p.live, p.counts, strict=True) if o.key in p.old]
-            if back:
-                recs = [p.old[o.key] for o, _ in back]
-                books = [_book(_book_of(r)[0], max(c, p.highs[r.id])) for r, (_, c) in zip(recs, back, strict=True)]
+        """After the sidecar refused this put's vector rows before storing any: the item rows
+        as they were (their highs kept at least this put's), and the items this put made
+        removed. Best effort, each part on its own: what it cannot undo, the highs cover."""
+        back = [(o, c) for o, c in zip(p.live, p.counts, strict=True) if o.key in p.old]
+        if back:
+            recs = [p.old[o.key] for o, _ in back]
+            books = [_book(_book_of(r)[0], max(c, p.highs[r.id])) for r, (_, c) in zip(recs, back, strict=True)]
+            with contextlib.suppress(Exception):
                 self.client.upsert([r.id for r in recs], self._placeholders(len(recs)), books,
                                    [r.metadata for r in recs], namespace=p.items_ns)  # fmt: skip
-            made = {o.key for o in p.live if o.key not in p.old}
-            if made:
-                self.client.delete([i for i in p.vec_ids if i.rsplit("\x00", 1)[0] in made], namespace=p.vecs_ns)
-                self.client.delete(sorted(made), namespace=p.items_ns)
+        made = [o.key for o in p.live if o.key not in p.old]
+        if made:
+            with contextlib.suppress(Exception):
+                self.client.delete(made, namespace=p.items_ns)
 
     def _check_dims(self, n: int) -> None:
         dims = (self.index_config or {}).get("dims")
@@ -714,6 +731,7 @@ class _PutPlan(NamedTuple):
     highs: dict[str, int]  # their highs
     live: list[PutOp]  # puts of a value
     counts: list[int]  # each one's texts
+    books: list[str]  # each one's item row's bookkeeping
     vec_ids: list[str]
     vecs: np.ndarray
     vec_meta: list[Mapping[str, Any]]
@@ -722,6 +740,11 @@ class _PutPlan(NamedTuple):
 
 
 _MAX_VECTORS = 1 << 24  # (a count above it in an item row's bookkeeping is not one this store wrote)
+
+
+def _as_stored(value: Any) -> Any:
+    """``value`` as the sidecar returns it: JSON's (tuples come back as lists)."""
+    return json.loads(json.dumps(value))
 
 
 def _book(vectors: int, high: int) -> str:

@@ -25,7 +25,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.store.base import BaseStore, GetOp, ListNamespacesOp, PutOp, SearchOp
 from langgraph.store.memory import InMemoryStore
 
-from kalos_retrievers import CapacityError, KalosClient, Sidecar, SidecarTimeout, SidecarUnavailable
+from kalos_retrievers import CapacityError, KalosClient, KalosError, Sidecar, SidecarTimeout, SidecarUnavailable
 from kalos_retrievers.langgraph import KalosStore
 
 VOCAB = ["python", "rust", "tea", "coffee", "paris", "rome", "dog"]
@@ -462,6 +462,74 @@ def test_a_refused_write_of_vector_rows_puts_the_items_back(store: KalosStore, m
     assert [r.id for r in store.client.scan(namespace=vecs_ns)] == ["old\x000"]
     store.batch(batch)  # (control)
     assert {i.key: i.value["text"] for i in store.search(ns, query="python rust")} == {"old": "python", "new": "rust"}
+
+
+def test_a_vector_write_that_may_have_stored_rows_leaves_the_new_values(
+    store: KalosStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later chunk of the vector rows refused (``committed`` > 0), or no answer in time: some
+    rows may be stored, so the new values stand (put back, the old value would be ranked by
+    the new texts), their highs covering the rows; the key's next put leaves exactly its own."""
+    ns = ("partly",)
+    _, vecs_ns = store._names(ns)
+    upsert = store.client.upsert
+    for error in (CapacityError("a later chunk refused (injected)"), SidecarTimeout("no answer (injected)")):
+        store.put(ns, "k", {"text": "tea"})
+
+        def stores_then_fails(*args: Any, error: KalosError = error, **kwargs: Any) -> Any:
+            out = upsert(*args, **kwargs)
+            if kwargs.get("namespace") == vecs_ns:
+                error.committed = 1
+                raise error
+            return out
+
+        monkeypatch.setattr(store.client, "upsert", stores_then_fails)
+        with pytest.raises(type(error)):
+            store.put(ns, "k", {"text": "python", "tags": ["rust"]})
+        monkeypatch.undo()
+        assert store.get(ns, "k").value == {"text": "python", "tags": ["rust"]}  # type: ignore[union-attr]
+        assert [(i.key, i.value["text"]) for i in store.search(ns, query="python")] == [("k", "python")]
+        store.put(ns, "k", {"text": "dog"})
+        assert [r.id for r in store.client.scan(namespace=vecs_ns)] == ["k\x000"]
+
+
+def test_a_batch_refused_in_a_later_namespace_writes_no_earlier_one(store: KalosStore) -> None:
+    """A value too large for a slot, or not JSON, in the batch's second namespace refuses the
+    batch before the first namespace is written (the client's rule: a ValueError, nothing
+    written)."""
+    for bad in ({"text": "tea", "blob": "x" * (1 << 21)}, {"text": "tea", "when": datetime(2026, 12, 7)}):
+        store.put(("first",), "k", {"text": "tea"})
+        with pytest.raises(ValueError, match=r"too large|JSON"):
+            store.batch([PutOp(("first",), "k", {"text": "python"}), PutOp(("second",), "k", bad)])
+        assert store.get(("first",), "k").value == {"text": "tea"}  # type: ignore[union-attr]
+        assert store.get(("second",), "k") is None
+
+
+def test_a_put_made_while_another_shrinks_its_key_keeps_its_value_and_high(
+    sidecar: Sidecar, store: KalosStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process's put of the key between this put's stale delete and its lowering of
+    the high: the lowering skips that item (its rows are no longer this put's), so the other
+    value and its high stand, and the key's next put removes every row beyond its count."""
+    ns = ("race2",)
+    items_ns, vecs_ns = store._names(ns)
+    other = KalosStore(sidecar.name, index=INDEX, prefix=store.prefix)  # (its own client: another process's)
+    store.put(ns, "k", {"text": "tea", "tags": ["rust", "rome", "dog", "paris"]})
+    delete = store.client.delete
+
+    def then_another_put(*args: Any, **kwargs: Any) -> Any:
+        out = delete(*args, **kwargs)
+        other.put(ns, "k", {"text": "coffee", "tags": ["python", "rust"]})
+        return out
+
+    monkeypatch.setattr(store.client, "delete", then_another_put)
+    store.put(ns, "k", {"text": "tea"})
+    monkeypatch.undo()
+    assert store.get(ns, "k").value == {"text": "coffee", "tags": ["python", "rust"]}  # type: ignore[union-attr]
+    assert json.loads(store.client.get(["k"], namespace=items_ns)[0].text) == {"vectors": 3, "high": 3}  # (its own)
+    store.put(ns, "k", {"text": "dog"})
+    assert [r.id for r in store.client.scan(namespace=vecs_ns)] == ["k\x000"]
+    other.close()
 
 
 def test_the_high_comes_down_once_the_surplus_rows_are_removed(
