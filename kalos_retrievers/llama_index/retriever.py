@@ -85,6 +85,11 @@ class KalosRetriever(BaseRetriever):
         timeout: this retriever's deadline in seconds (default: the store's client's).
         on_error: ``"empty"`` or ``"raise"`` (default: the store's ``on_error``, so a store
             made to raise gives retrievers that raise).
+        vector_store_kwargs: keywords for each :meth:`KalosVectorStore.query`, as
+            ``VectorIndexRetriever`` passes them (``mmr_threshold``).
+        **kwargs: ``BaseRetriever``'s (``object_map``, ``objects``, ``verbose``); any other,
+            ``alpha`` or ``sparse_top_k`` say, raises ``TypeError``: Kalos searches dense
+            vectors only.
     """
 
     def __init__(
@@ -101,8 +106,13 @@ class KalosRetriever(BaseRetriever):
         timeout: float | None = None,
         on_error: Literal["empty", "raise"] | None = None,
         callback_manager: CallbackManager | None = None,
+        vector_store_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        extra = sorted(kwargs.keys() - _BASE_RETRIEVER_KWARGS)
+        if extra:
+            hybrid = " (Kalos searches dense vectors only: no sparse or hybrid search)" if set(extra) & _HYBRID else ""
+            raise TypeError(f"KalosRetriever() got unexpected keyword arguments {extra}{hybrid}")
         _check_top_k(similarity_top_k)
         mode = VectorStoreQueryMode(vector_store_query_mode)
         if mode not in (VectorStoreQueryMode.DEFAULT, VectorStoreQueryMode.MMR):
@@ -120,6 +130,7 @@ class KalosRetriever(BaseRetriever):
         self._mode = mode
         self._mmr_threshold = mmr_threshold
         self._timeout = timeout
+        self._query_kwargs = dict(vector_store_kwargs or {})
         what = f"KalosRetriever(name={vector_store.name!r}, namespace={vector_store.namespace!r})"
         self.degrader = Degrader(what, vector_store.on_error if on_error is None else on_error)
         super().__init__(callback_manager=callback_manager, **kwargs)
@@ -159,7 +170,7 @@ class KalosRetriever(BaseRetriever):
     def _search(self, query: VectorStoreQuery, deadline: float) -> list[NodeWithScore]:
         result = call_degrading(
             self.degrader,
-            lambda: self._store._query(query, deadline),
+            lambda: self._store._query(query, deadline, **self._query_kwargs),
             lambda: VectorStoreQueryResult(nodes=[], similarities=[], ids=[]),
         )
         sims = result.similarities or []
@@ -182,6 +193,10 @@ class KalosRetriever(BaseRetriever):
         query = self._query_for(embedding, query_bundle.query_str)
         deadline = self._store._deadline(self._timeout)  # counts the wait for a worker thread
         return await asyncio.to_thread(self._search, query, deadline)
+
+
+_BASE_RETRIEVER_KWARGS = frozenset({"object_map", "objects", "verbose"})
+_HYBRID = frozenset({"alpha", "sparse_top_k", "hybrid_top_k"})  # (VectorIndexRetriever's hybrid search)
 
 
 def _check_top_k(similarity_top_k: Any) -> None:

@@ -466,6 +466,35 @@ async def test_mmr_mode_diversifies(api: Api) -> None:
     assert (await api.query(mmr)).ids == ["best", "twin"]
 
 
+async def test_a_retrievers_vector_store_kwargs_reach_the_query_and_hybrid_options_are_refused(api: Api) -> None:
+    """``KalosRetriever(vector_store_kwargs=...)`` passes them to each query, as
+    ``VectorIndexRetriever`` does (control: without them, MMR's default balance); an option of
+    hybrid search (``alpha``) or any other unknown keyword raises ``TypeError`` naming it."""
+    from llama_index.core.schema import QueryBundle
+
+    from kalos_retrievers.llama_index import KalosRetriever
+
+    await api.add(_mmr_nodes())
+    e = np.eye(DIM)
+    q = ((e[0] + 0.3 * e[2]) / np.linalg.norm(e[0] + 0.3 * e[2])).tolist()
+    bundle = QueryBundle(query_str="q", embedding=q)
+
+    def retriever(**kw: Any) -> KalosRetriever:
+        return KalosRetriever(api.store, similarity_top_k=2, vector_store_query_mode="mmr", on_error="raise", **kw)
+
+    async def ids(r: KalosRetriever) -> list[str]:
+        got = await r.aretrieve(bundle) if api.use_async else r.retrieve(bundle)
+        return [n.node.node_id for n in got]
+
+    assert await ids(retriever()) == ["best", "other"]  # (control)
+    assert await ids(retriever(vector_store_kwargs={"mmr_threshold": 1.0})) == ["best", "twin"]
+    with pytest.raises(TypeError, match=r"\['alpha'\] \(Kalos searches dense vectors only"):
+        retriever(alpha=0.5)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['similarity_topk'\]$"):
+        retriever(similarity_topk=3)
+    assert retriever(verbose=True) is not None  # (BaseRetriever's own)
+
+
 async def test_query_errors_are_raised_not_degraded(api: Api) -> None:
     with pytest.raises(ValueError, match="query_embedding"):
         await api.query(VectorStoreQuery(query_embedding=None, similarity_top_k=1))
