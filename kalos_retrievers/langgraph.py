@@ -171,7 +171,7 @@ class KalosStore(BaseStore):
         A search returns ``[]`` within ``timeout`` seconds while the sidecar is absent,
         killed, paused or too slow (one warning per outage, counted in ``store.degrader``;
         ``on_error="raise"`` raises instead), and when its calls outlast it: a search makes
-        one or two per namespace under its prefix (0.2-0.4 ms each on a CPU sidecar), so one
+        one or two per namespace under its prefix (0.2-0.4 ms a namespace on a CPU sidecar), so one
         over thousands of namespaces needs a longer ``timeout``. ``get``, ``put``, ``delete`` and
         ``list_namespaces`` raise :class:`~kalos_retrievers.SidecarUnavailable` /
         :class:`~kalos_retrievers.SidecarTimeout`: a missing item and an unreachable one are
