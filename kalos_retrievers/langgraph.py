@@ -366,6 +366,13 @@ class KalosStore(BaseStore):
         for (ns, _key), op in puts.items():
             by_ns.setdefault(ns, []).append(op)
         plans = [self._plan_puts(ns, ops, doc_vecs) for ns, ops in by_ns.items()]  # (every check first)
+        if len(plans) > 1:
+            # what the client would refuse of the item rows (a value too large for a slot, or
+            # not JSON), before any namespace is written (a vector row holds no more than its
+            # item's; one namespace's item write checks its rows before sending any)
+            for p in plans:
+                self.client.check_upsert(len(p.live), [o.key for o in p.live], p.books,
+                                         [o.value for o in p.live], namespace=p.items_ns)  # fmt: skip
         for plan in plans:
             self._write_puts(plan)
 
@@ -408,10 +415,6 @@ class KalosStore(BaseStore):
                     vecs = vecs[keep]
         gone = [o.key for o in ops if o.value is None and o.key in old]
         books = [_book(c, max(c, highs.get(o.key, 0))) for o, c in zip(live, counts, strict=True)]
-        # what the client would refuse of the item rows (a value too large for a slot, or not
-        # JSON), before any namespace is written (a vector row holds no more than its item's)
-        self.client.check_upsert(len(live), [o.key for o in live], books, [o.value for o in live],
-                                 namespace=items_ns)  # fmt: skip
         return _PutPlan(items_ns, vecs_ns, old, highs, live, counts, books, vec_ids, vecs, vec_meta, stale, gone)
 
     def _write_puts(self, p: _PutPlan) -> None:
