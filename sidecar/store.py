@@ -83,6 +83,33 @@ def row_crc(namespace: str, id_: str, text: str, metadata_json: bytes, vector: b
 _TIMES: Final = struct.Struct("<dd")
 
 
+def _make_dir(path: Path) -> None:
+    """Create ``path`` (and any missing parents) so that it survives a power cut.
+
+    A directory's entry lives in its parent, and a new entry is on disk only once the parent
+    is fsynced. SQLite syncs the data dir itself when it creates the write-ahead log (so the
+    database and log files' entries are safe), but not the data dir's parent: a store made in
+    a new directory could lose the whole directory, acknowledged writes and all, to a power
+    cut soon after. So each directory made here has its parent fsynced, top down.
+    """
+    missing = []
+    p = path.absolute()
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for d in reversed(missing):
+        _fsync_dir(d.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class NullStore:
     """No persistence: the sidecar runs in memory."""
 
@@ -113,7 +140,7 @@ class SqliteStore:
     def __init__(self, data_dir: str | os.PathLike[str], *, dim: int, metric: str,
                  synchronous: str = "FULL") -> None:  # fmt: skip
         self.dir = Path(data_dir)
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _make_dir(self.dir)
         self.path = self.dir / DB_FILE
         self._lock_fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         try:

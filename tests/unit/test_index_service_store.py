@@ -4,6 +4,7 @@ the service's write/read rules, and the SQLite store of record."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -280,6 +281,30 @@ def test_store_round_trip_and_rebuild(tmp_path: Path) -> None:
     assert [svc2.rows.ids[r] for r in rows[0]] == ["a", "c"]
     assert oct((tmp_path / "kalos.sqlite3").stat().st_mode & 0o777) == "0o600"
     st2.close()
+
+
+def test_a_new_data_dir_is_fsynced_into_its_parent(tmp_path: Path, monkeypatch) -> None:
+    """Every directory the store makes has its parent fsynced (else a power cut could lose the
+    new data dir with the writes acknowledged in it); an existing one fsyncs nothing extra."""
+    import kalos_retrievers.sidecar.store as store_mod
+
+    synced: list[Path] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        with contextlib.suppress(OSError):
+            target = Path(os.readlink(f"/proc/self/fd/{fd}"))
+            if target.is_dir():
+                synced.append(target)
+        real_fsync(fd)
+
+    monkeypatch.setattr(store_mod.os, "fsync", fsync)
+    st = SqliteStore(tmp_path / "a" / "b" / "data", dim=3, metric="l2")
+    st.close()
+    assert synced == [tmp_path, tmp_path / "a", tmp_path / "a" / "b"]
+    synced.clear()
+    SqliteStore(tmp_path / "a" / "b" / "data", dim=3, metric="l2").close()  # (reopened)
+    assert synced == []
 
 
 def page_size(path: Path) -> int:
