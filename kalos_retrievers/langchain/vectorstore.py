@@ -385,8 +385,8 @@ class KalosVectorStore(VectorStore):
 
         Args:
             query: the text to embed and search for.
-            k: how many (fewer when fewer rows match); 0 returns ``[]`` without asking the
-                sidecar (so without checking the query's dimension).
+            k: how many (fewer when fewer rows match); 0 returns ``[]`` without embedding the
+                query or asking the sidecar.
             filter: metadata filter, e.g. ``{"topic": {"$in": ["a", "b"]}}``; the result is
                 the true top-k among matching rows. A callable is refused.
             namespace: search this namespace (default: the store's).
@@ -399,6 +399,8 @@ class KalosVectorStore(VectorStore):
         """
         _no_extra(kwargs, "similarity_search")
         flt = validate_filter(filter)
+        if self._nothing(k, timeout):
+            return []
         vector = self.embedding.embed_query(query)
         return docs_of(self._recall(vector, k, flt, namespace, self._seconds(timeout)))
 
@@ -415,6 +417,8 @@ class KalosVectorStore(VectorStore):
         """Async :meth:`similarity_search`."""
         _no_extra(kwargs, "asimilarity_search")
         flt = validate_filter(filter)
+        if self._nothing(k, timeout):
+            return []
         vector = await self.embedding.aembed_query(query)
         return docs_of(await self._arecall(vector, k, flt, namespace, timeout))
 
@@ -437,6 +441,8 @@ class KalosVectorStore(VectorStore):
         """
         _no_extra(kwargs, "similarity_search_with_score")
         flt = validate_filter(filter)
+        if self._nothing(k, timeout):
+            return []
         vector = self.embedding.embed_query(query)
         return scored_of(self._recall(vector, k, flt, namespace, self._seconds(timeout)))
 
@@ -453,6 +459,8 @@ class KalosVectorStore(VectorStore):
         """Async :meth:`similarity_search_with_score`."""
         _no_extra(kwargs, "asimilarity_search_with_score")
         flt = validate_filter(filter)
+        if self._nothing(k, timeout):
+            return []
         vector = await self.embedding.aembed_query(query)
         return scored_of(await self._arecall(vector, k, flt, namespace, timeout))
 
@@ -549,7 +557,7 @@ class KalosVectorStore(VectorStore):
             filter, namespace, timeout: as in :meth:`similarity_search`.
         """
         _no_extra(kwargs, "max_marginal_relevance_search")
-        vector = self.embedding.embed_query(query)
+        vector = [] if _zero(k) else self.embedding.embed_query(query)  # (k=0: nothing to embed)
         return self.max_marginal_relevance_search_by_vector(
             vector, k, fetch_k, lambda_mult, filter=filter, namespace=namespace, timeout=timeout
         )
@@ -568,7 +576,7 @@ class KalosVectorStore(VectorStore):
     ) -> list[Document]:
         """Async :meth:`max_marginal_relevance_search`."""
         _no_extra(kwargs, "amax_marginal_relevance_search")
-        vector = await self.embedding.aembed_query(query)
+        vector = [] if _zero(k) else await self.embedding.aembed_query(query)
         return await self.amax_marginal_relevance_search_by_vector(
             vector, k, fetch_k, lambda_mult, filter=filter, namespace=namespace, timeout=timeout
         )
@@ -736,6 +744,15 @@ class KalosVectorStore(VectorStore):
         if not (isinstance(timeout, int | float) and timeout > 0):
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
         return timeout
+
+    def _nothing(self, k: Any, timeout: float | None) -> bool:
+        """Whether a search asks for no hits (``k=0``), checking ``k`` and ``timeout`` as the
+        search would: a text search then returns ``[]`` without embedding its query (a model
+        call, often a paid one)."""
+        if not _zero(k):
+            return False
+        self._seconds(timeout)
+        return True
 
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + self._seconds(timeout)

@@ -615,8 +615,9 @@ class CountingEmbedding(WordHashEmbedding):
 
 
 def test_retriever_k_zero_embeds_nothing(store: KalosVectorStore) -> None:
-    """``KalosRetriever.invoke(q, k=0)`` returns ``[]`` before the query is embedded (an
-    embedding is a model call, often a paid one); a bad ``k`` or ``timeout`` still raises."""
+    """``KalosRetriever.invoke(q, k=0)`` and the store's text searches with ``k=0`` return
+    ``[]`` before the query is embedded (an embedding is a model call, often a paid one); a
+    bad ``k`` or ``timeout`` still raises."""
     store.add_texts(["apple pie"], ids=["p"])
     emb = CountingEmbedding(97)
     retriever = KalosRetriever(vectorstore=KalosVectorStore(emb, client=store.client,
@@ -631,3 +632,22 @@ def test_retriever_k_zero_embeds_nothing(store: KalosVectorStore) -> None:
         with pytest.raises(ValueError, match=r"^(k|timeout)="):
             asyncio.run(retriever.ainvoke("apple", **bad))
     assert emb.queries == 1
+    # the store's own text searches: k=0 embeds nothing either
+    s = retriever.vectorstore
+    assert s.similarity_search("apple", k=0) == s.similarity_search_with_score("apple", k=0) == []
+    assert s.similarity_search_with_relevance_scores("apple", k=0) == []
+    assert s.max_marginal_relevance_search("apple", k=0) == []
+
+    async def searches() -> list[list[Any]]:
+        return [await s.asimilarity_search("apple", k=0),
+                await s.asimilarity_search_with_score("apple", k=0),
+                await s.amax_marginal_relevance_search("apple", k=0)]  # fmt: skip
+
+    assert asyncio.run(searches()) == [[], [], []]
+    for bad in ({"k": -1}, {"k": 0, "timeout": -1}):
+        with pytest.raises(ValueError, match=r"^(k|timeout)="):
+            s.similarity_search("apple", **bad)
+        with pytest.raises(ValueError, match=r"^(k|timeout)="):
+            asyncio.run(s.asimilarity_search_with_score("apple", **bad))
+    assert emb.queries == 1
+    assert len(s.similarity_search("apple", k=1)) == 1 and emb.queries == 2  # (control)
