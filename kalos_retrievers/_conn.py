@@ -35,6 +35,7 @@ from .protocol import (
     carousel_segment_name,
     decode_header,
     doorbell_name,
+    foreign_segment,
     response_sem_name,
     segment_name,
 )
@@ -250,6 +251,12 @@ class _Conn:
         seg = _ipc.Segment.open(segment_name(name), name)
         try:
             if not _ipc.is_locked(seg.fd, _ipc.SIDECAR_LOCK_BYTE):
+                if foreign_segment(seg.mm[:8]):
+                    raise ProtocolError(
+                        f"/dev/shm segment of {name!r} is not a Kalos segment (its first bytes "
+                        f"are {bytes(seg.mm[:8])!r}); another program uses this name: pick "
+                        "another --name"
+                    )
                 raise SidecarUnavailable(
                     f"sidecar {name!r} is not running (its segment is stale: a sidecar died "
                     "without cleaning up; the next `kalos-sidecar serve` removes it)"

@@ -438,6 +438,15 @@ class HeaderError(Exception):
         self.kind = kind
 
 
+def foreign_segment(buf: bytes | memoryview) -> bool:
+    """Whether a segment's first bytes say another program wrote it: neither Kalos's magic
+    nor zeros (what a sidecar that died before writing its header leaves). Whoever finds a
+    segment under a Kalos name with no sidecar's lock held reads this before calling it
+    stale: a foreign segment is never removed, and is reported as not Kalos's."""
+    head = bytes(buf[:8])
+    return head != MAGIC and any(head)
+
+
 def starting_pid(buf: bytes | memoryview) -> int | None:
     """The pid in a header the sidecar has written but not yet opened (version 0: it is still
     loading its rows), else None. For ``kalos-sidecar stop``, which must reach a sidecar that

@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .errors import KalosError, SidecarUnavailable
+from .errors import KalosError
 from .protocol import check_name
 
 __all__ = ["Sidecar", "SidecarStartError"]
@@ -144,6 +144,7 @@ class Sidecar:
         from .client import KalosClient
 
         deadline = time.monotonic() + timeout
+        last: KalosError | None = None
         while True:
             if self.proc is not None and self.proc.poll() is not None:
                 self._close_lifeline()
@@ -157,12 +158,13 @@ class Sidecar:
                     # own process counts (it is about to exit with "name in use").
                     if self.proc is None or c.header.sidecar_pid == self.proc.pid:
                         return
-            except SidecarUnavailable:
-                pass
+            except KalosError as e:  # not ours yet, or another program's segment under the
+                last = e  # name (which our process refuses: it exits, and says why, above)
             if time.monotonic() > deadline:
                 self.stop()
                 raise SidecarStartError(
-                    f"sidecar {self.name!r} not ready after {timeout} s:\n{self.log_tail()}"
+                    f"sidecar {self.name!r} not ready after {timeout} s (last: {last}):\n"
+                    f"{self.log_tail()}"
                 )
             time.sleep(0.02)
 

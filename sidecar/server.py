@@ -49,6 +49,7 @@ from kalos_retrievers.protocol import (
     check_name,
     doorbell_name,
     encode_header,
+    foreign_segment,
     response_sem_name,
     segment_name,
 )
@@ -534,6 +535,12 @@ class Server:
                     f"a sidecar named {self.cfg.name!r} is already running (pid {pid}); stop it "
                     f"with `kalos-sidecar stop {self.cfg.name}` or choose another --name",
                     EXIT_NAME_IN_USE,
+                )
+            if foreign_segment(old.mm[:8]):
+                raise StartError(
+                    f"shared memory {name} exists but is not a Kalos segment (its first bytes "
+                    f"are {bytes(old.mm[:8])!r}): another program uses this name, and this "
+                    "sidecar will not remove it. Pick another --name", EXIT_NAME_IN_USE,
                 )
             log.warning("removing the stale segment %s left by a sidecar that died (pid %s)",
                         name, _read_pid(old))  # fmt: skip

@@ -177,3 +177,39 @@ def test_two_started_at_once_sharing_a_data_dir(launch: Callable[..., Sidecar], 
 def test_two_at_once_negative_control_ignoring_the_lock(launch: Callable[..., Sidecar], make_name) -> None:
     out = run_races(launch, make_name, 3, patch="ignore_live_owner", settle=3.0)
     assert out["violations"], out
+
+
+@pytest.mark.parametrize("size", [100, 8191])
+def test_a_foreign_segment_under_the_name_is_reported_and_never_removed(
+        launch: Callable[..., Sidecar], make_name, size: int) -> None:  # fmt: skip
+    """Another program's shared memory under a Kalos name (its first bytes neither Kalos's
+    magic nor zeros, no sidecar lock held): a client raises ``ProtocolError`` ("not a Kalos
+    segment"), and ``serve`` refuses the name with exit code 3 and leaves the segment as it
+    was. Control: the zeros a sidecar that died before writing its header leaves are stale,
+    removed by the next start, which serves."""
+    from kalos_retrievers import ProtocolError
+
+    name = make_name()
+    path = Path(f"/dev/shm/kalos-{name}")
+    content = (b"NOTKALOS" + bytes(range(256)) * (size // 256 + 1))[:size]
+    path.write_bytes(content)
+    try:
+        with pytest.raises(ProtocolError, match="not a Kalos segment"), KalosClient(name, spin_us=0) as c:
+            c.ping()
+        sc = launch(name=name, start=False)
+        with pytest.raises(SidecarStartError):
+            sc.start()
+        assert sc.proc is not None and sc.proc.returncode == EXIT_NAME_IN_USE
+        assert "is not a Kalos segment" in sc.log_tail()
+        assert path.read_bytes() == content  # untouched
+        # control: zeros are a dead sidecar's, not another program's
+        path.write_bytes(bytes(size))
+        with pytest.raises(SidecarUnavailable, match="stale"), KalosClient(name, spin_us=0) as c:
+            c.ping()
+        new = launch(name=name)
+        with KalosClient(name, spin_us=0) as c:
+            c.ping()
+            assert c.header.sidecar_pid == new.pid
+        new.stop()
+    finally:
+        path.unlink(missing_ok=True)

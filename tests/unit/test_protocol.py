@@ -86,6 +86,16 @@ def test_header_round_trip(lay: Layout) -> None:
     assert h.max_queries == lay.max_queries
 
 
+def test_a_foreign_segment_is_told_from_a_kalos_one_and_a_dead_starters_zeros() -> None:
+    good = _header(LAYOUTS[1])
+    assert not P.foreign_segment(good)  # Kalos's (whatever its version or state)
+    assert not P.foreign_segment(_header(LAYOUTS[1], version_major=2))
+    assert not P.foreign_segment(bytes(4096)) and not P.foreign_segment(b"")  # zeros: a dead start
+    assert P.foreign_segment(b"NOTKALOS" + good[8:]) and P.foreign_segment(b"\x00" * 7 + b"\x01")
+    assert P.foreign_segment(b"KALOSHM")  # (shorter than the magic, not zeros)
+    assert P.foreign_segment(memoryview(b"KALOSHM\x01" + bytes(100)))
+
+
 def test_header_errors_each_have_their_kind() -> None:
     lay = LAYOUTS[1]
     good = _header(lay)
