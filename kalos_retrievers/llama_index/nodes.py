@@ -31,15 +31,15 @@ from .filters import NODE_ID_KEY
 __all__ = ["node_to_row", "row_to_node"]
 
 
-def node_to_row(node: BaseNode) -> tuple[str, list[float], str, dict[str, Any]]:
+def node_to_row(node: BaseNode, label: str = "node") -> tuple[str, list[float], str, dict[str, Any]]:
     """``(id, vector, text, metadata)`` for one node; ``text`` is ``""`` when it has none.
 
     Raises:
-        ValueError: the node has no embedding.
+        ValueError: the node has no embedding (the message names it as ``label (id 'x')``).
     """
     if node.embedding is None:
         raise ValueError(
-            f"node {node.node_id!r} has no embedding; build nodes through an index (which "
+            f"{label} (id {node.node_id!r}) has no embedding; build nodes through an index (which "
             "embeds them) or set node.embedding before adding it to a KalosVectorStore"
         )
     text = node.get_content(metadata_mode=MetadataMode.NONE) or ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import numbers
+import re
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -230,15 +231,18 @@ class KalosVectorStore(BasePydanticVectorStore):
             SidecarUnavailable, SidecarTimeout: the write did not happen, or (a write larger
                 than one slot) only its first chunks did; never degraded.
         """
-        rows = [node_to_row(n) for n in nodes]
+        rows = [node_to_row(node, f"nodes[{i}]") for i, node in enumerate(nodes)]
         if not rows:
             return []
         vectors = _embeddings(rows, self._client.dim, self._client.metric == "cosine")
         # One upsert: the client checks every row before it sends any (a refused node leaves
         # nothing stored), a node without text is a vector-only row (None), and of duplicate
         # ids the last is kept, as when they are added one at a time.
-        self._client.upsert([r[0] for r in rows], vectors, [r[2] or None for r in rows],
-                            [r[3] for r in rows], namespace=self.namespace)  # fmt: skip
+        try:
+            self._client.upsert([r[0] for r in rows], vectors, [r[2] or None for r in rows],
+                                [r[3] for r in rows], namespace=self.namespace)  # fmt: skip
+        except (ValueError, TypeError) as e:
+            raise _naming_node(e, rows) from None
         return [r[0] for r in rows]
 
     def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
@@ -437,6 +441,20 @@ def _id_pieces(ids: Sequence[str] | None, budget: int) -> list[Sequence[str] | N
         size += n
     pieces.append(ids[start:])
     return pieces
+
+
+# how the client's checks name a row of a write (before anything is sent)
+_ENTRY = re.compile(r"^(?:ids|texts|metadatas|texts/metadatas)\[(\d+)\]")
+
+
+def _naming_node(e: Exception, rows: list[tuple[str, list[float], str, dict[str, Any]]]) -> Exception:
+    """The client's refusal of ``rows[i]`` (``metadatas[i] ...``) as one that names the node
+    as the other checks of :meth:`KalosVectorStore.add` do: ``nodes[i] (id 'x'): ...``."""
+    m = _ENTRY.match(str(e))
+    if m is None or type(e) not in (ValueError, TypeError) or int(m.group(1)) >= len(rows):
+        return e
+    i = int(m.group(1))
+    return type(e)(f"nodes[{i}] (id {rows[i][0]!r}): {e}")
 
 
 def _embeddings(rows: list[tuple[str, list[float], str, dict[str, Any]]], dim: int,

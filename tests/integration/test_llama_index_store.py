@@ -199,7 +199,9 @@ async def test_a_refused_add_stores_none_of_its_nodes(api: Api) -> None:
         (TextNode(id_="zero", text="", embedding=[0.0] * DIM), r"nodes\[2\] \(id 'zero'\) has an all-zero"),
         (TextNode(id_="nan", text="x", embedding=[float("nan")] * DIM), r"nodes\[2\] \(id 'nan'\) .* NaN"),
         (TextNode(id_="short", text="x", embedding=[1.0]), r"nodes\[2\] \(id 'short'\) has a 1-dim"),
-        (node("big", "y" * (2 << 20)), r"texts/metadatas\[2\] is too large"),
+        (node("big", "y" * (2 << 20)), r"^nodes\[2\] \(id 'big'\): texts/metadatas\[2\] is too large"),
+        (node("odd", "y", n=10**400), r"^nodes\[2\] \(id 'odd'\): metadatas\[2\]\['n'\] is an integer beyond"),
+        (TextNode(id_="unembedded", text="x"), r"^nodes\[2\] \(id 'unembedded'\) has no embedding"),
     ]:
         with pytest.raises(ValueError, match=match):
             await api.add([good, empty, bad])
