@@ -20,10 +20,11 @@ text and metadata, as other LlamaIndex vector stores read foreign rows.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from llama_index.core.schema import BaseNode, Document, MetadataMode, TextNode
+from llama_index.core.schema import BaseNode, Document, ImageDocument, MetadataMode, Node, TextNode
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 
 from .filters import NODE_ID_KEY
@@ -45,6 +46,13 @@ def node_to_row(node: BaseNode, label: str = "node") -> tuple[str, list[float], 
     text = node.get_content(metadata_mode=MetadataMode.NONE) or ""
     # The text travels in the row's text field; the serialized node need not repeat it.
     metadata = node_to_metadata_dict(node, remove_text=bool(text), flat_metadata=False)
+    resource = getattr(node, "text_resource", None)  # (a Node's, a Document's: MediaResource)
+    if text and resource is not None and resource.model_dump(exclude={"text"}, exclude_none=True):
+        # remove_text drops the whole text_resource, its path, url and mimetype with the
+        # text: keep them (the text comes back from the row's field, as above)
+        content = json.loads(metadata["_node_content"])
+        content["text_resource"] = {**resource.model_dump(mode="json"), "text": None}
+        metadata["_node_content"] = json.dumps(content, ensure_ascii=False)
     metadata[NODE_ID_KEY] = node.node_id
     return node.node_id, list(node.embedding), text, metadata
 
@@ -55,11 +63,20 @@ def row_to_node(text: str, metadata: Mapping[str, Any], row_id: str | None = Non
     if "_node_content" not in metadata:  # a row LlamaIndex did not write
         md = {key: value for key, value in metadata.items() if key != NODE_ID_KEY}
         return TextNode(text=text, metadata=md, **({"id_": row_id} if row_id is not None else {}))
-    if metadata.get("_node_type") == Document.class_name():
-        # (metadata_dict_to_node knows Node, IndexNode and ImageNode, and reads anything else,
-        # a Document included, as a TextNode)
-        doc = Document.from_json(metadata["_node_content"])
+    cls = _TEXT_RESOURCE_NODES.get(str(metadata.get("_node_type")))
+    if cls is not None:
+        # (metadata_dict_to_node reads a Document or an ImageDocument as a TextNode, and its
+        # set_content replaces a Node's whole text_resource, path, url and mimetype with it)
+        node = cls.from_json(metadata["_node_content"])
         if text:
-            doc.set_content(text)
-        return doc
+            if node.text_resource is None:
+                node.set_content(text)
+            else:
+                node.text_resource.text = text
+        return node
     return metadata_dict_to_node(dict(metadata), text=text or None)
+
+
+# The node classes whose text is a MediaResource, read back here rather than by
+# metadata_dict_to_node (which knows Node, IndexNode and ImageNode, any other as a TextNode).
+_TEXT_RESOURCE_NODES: dict[str, type[Node]] = {c.class_name(): c for c in (Node, Document, ImageDocument)}

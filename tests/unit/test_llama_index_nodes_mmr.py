@@ -73,6 +73,30 @@ def test_index_node_and_document_keep_their_type() -> None:
     assert back.model_dump(exclude={"embedding"}) == doc.model_dump(exclude={"embedding"})
 
 
+def test_text_resources_and_image_documents_come_back_whole() -> None:
+    """A Node's or Document's text_resource keeps its path, url and mimetype (LlamaIndex's
+    remove_text drops them with the text), and an ImageDocument comes back an ImageDocument
+    with its image_resource (it came back a TextNode); each equals what went in."""
+    from llama_index.core.schema import ImageDocument, MediaResource, Node
+
+    made = [
+        Document(text_resource=MediaResource(text="# T\nbody", path="/d/a.md", url="https://x/a.md",
+                                             mimetype="text/markdown"), id_="d", embedding=[1.0, 0.0]),
+        Node(text_resource=MediaResource(text="hello", path="/p.html", mimetype="text/html"), id_="n",
+             embedding=[0.0, 1.0], metadata={"k": 2}),
+        ImageDocument(text="a cat", image_resource=MediaResource(path="/photos/cat.png", url="https://x/cat.png",
+                                                                 mimetype="image/png"), id_="i", embedding=[1.0, 1.0]),
+        Document(text="plain", id_="p", embedding=[1.0, 0.0]),  # (nothing but text: as before)
+        Node(text_resource=MediaResource(text=""), id_="e", embedding=[1.0, 0.0]),  # (no text)
+    ]  # fmt: skip
+    for node in made:
+        back = _back(node)
+        assert type(back) is type(node), node.node_id
+        assert back.model_dump(exclude={"embedding"}) == node.model_dump(exclude={"embedding"}), node.node_id
+    _, _, text, meta = node_to_row(made[0])
+    assert text == "# T\nbody" and "body" not in meta["_node_content"]  # (the text is not stored twice)
+
+
 def _back(node):  # type: ignore[no-untyped-def]
     node_id, _, text, meta = node_to_row(node)
     return row_to_node(text, _through_json(meta), node_id)
