@@ -1201,19 +1201,22 @@ class KalosClient:
         Acknowledged after the store commits. To empty a namespace use
         :meth:`delete_namespace` (a bare ``delete()`` refuses, to protect you from yourself).
         More ids than one request holds are deleted in as few requests as fit, each committed
-        on its own (as :meth:`upsert`'s chunks are).
+        on its own, with a deadline of its own (as :meth:`upsert`'s chunks are: a deadline
+        sized for one recall does not cut a large delete short); after an error, deleting the
+        same ids again is harmless.
         """
         _check_namespace(namespace)
         flt = validate_filter(filter)
         if ids is None and flt is None:
             raise ValueError("delete() needs ids or a filter; use delete_namespace() to empty one")
-        deadline = self._deadline(timeout)
+        if timeout is not None:
+            _check_timeout(timeout)
         if ids is None:
             args = encode_json({"namespace": namespace, "filter": flt})
-            return self._call(Op.DELETE, args=args, deadline=deadline).n_results
+            return self._call(Op.DELETE, args=args, deadline=self._deadline(timeout)).n_results
         id_list = _check_ids(ids, None)
         head = b'{"namespace":' + encode_json(namespace) + b',"filter":' + encode_json(flt) + b',"ids":['
-        return sum(self._call(Op.DELETE, args=args, deadline=deadline).n_results
+        return sum(self._call(Op.DELETE, args=args, deadline=self._deadline(timeout)).n_results
                    for args in self._id_requests(head, id_list))  # fmt: skip
 
     def delete_namespace(self, namespace: str, *, timeout: float | None = None) -> int:

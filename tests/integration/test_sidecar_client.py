@@ -159,6 +159,33 @@ def test_gets_deletes_and_filters_larger_than_a_slot(start_sidecar) -> None:
         assert c.delete(ids) == n - (n - 1) // 2 and c.count() == 0
 
 
+def test_a_delete_of_many_requests_gives_each_its_own_deadline(start_sidecar, monkeypatch) -> None:
+    """As an upsert's chunks do: four requests that each take ~0.15 s (delayed before they are
+    sent) all finish under a 0.3 s timeout, where one deadline for the whole delete cut it off
+    after the second, leaving the rest stored. A bad timeout is refused before any request."""
+    dim, n = 5, 2003
+    sc = start_sidecar(dim=dim, payload_kb=16)  # ids of ~14 bytes: ~1,100 a request
+    ids = [f"row-{i:06d}-{'y' * (i % 3)}" for i in range(2 * n)]
+    data = np.random.default_rng().standard_normal((2 * n, dim)).astype(np.float32)
+    with sc.client() as c:
+        c.upsert(ids, data)
+        real, calls = c._call, []
+
+        def slow_call(op, **kw):  # type: ignore[no-untyped-def]
+            if op == Op.DELETE:
+                calls.append(kw["deadline"] - time.monotonic())
+                time.sleep(0.15)
+            return real(op, **kw)
+
+        monkeypatch.setattr(c, "_call", slow_call)
+        with pytest.raises(ValueError, match="timeout"):
+            c.delete(ids, timeout=-1)
+        assert calls == []
+        assert c.delete(ids[::-1], timeout=0.3) == 2 * n
+        assert len(calls) >= 4 and min(calls) > 0.25  # (each request's deadline counted afresh)
+        assert c.count() == 0
+
+
 def test_sixteen_processes_never_get_each_others_answers(start_sidecar) -> None:
     dim = 33
     data = np.random.default_rng(0).standard_normal((4001, dim)).astype(np.float32)
