@@ -98,24 +98,35 @@ def _str_list(ids: Sequence[str], argument: str) -> list[str]:
     return [str(i) for i in ids]
 
 
+# A filter no row matches: NOT over an operand that matches every row.
+_NOTHING: dict[str, Any] = {NODE_ID_KEY: {"$in": []}}
+
+
 def _filters(filters: MetadataFilters, path: str) -> dict[str, Any] | None:
+    """``filters`` as a Kalos filter; None where it matches every row. An empty
+    ``MetadataFilters`` (whatever its condition: no filter, as at the top level of a query)
+    matches every row, nested too: an AND drops it, an OR with it matches every row, and a
+    NOT over it matches none."""
     parts = []
+    everything = False  # an operand matches every row (a nested, empty MetadataFilters)
     for i, f in enumerate(filters.filters):
         p = f"{path}.filters[{i}]"
         part = _filters(f, p) if isinstance(f, MetadataFilters) else _one(f, p)
-        if part is not None:
+        if part is None:
+            everything = True
+        else:
             parts.append(part)
-    if not parts:
-        return None
     condition = filters.condition or FilterCondition.AND
+    if condition not in (FilterCondition.AND, FilterCondition.OR, FilterCondition.NOT):
+        raise ValueError(f"{path}.condition={condition!r} is not and/or/not")
+    if not parts:  # no operands (no filter), or only ones that match everything
+        return _NOTHING if everything and condition == FilterCondition.NOT else None
     if condition == FilterCondition.AND:
         return parts[0] if len(parts) == 1 else {"$and": parts}
+    if everything:  # OR over everything is everything; NOT of it, nothing
+        return None if condition == FilterCondition.OR else _NOTHING
     any_of = parts[0] if len(parts) == 1 else {"$or": parts}
-    if condition == FilterCondition.OR:
-        return any_of
-    if condition == FilterCondition.NOT:
-        return {"$not": any_of}
-    raise ValueError(f"{path}.condition={condition!r} is not and/or/not")
+    return any_of if condition == FilterCondition.OR else {"$not": any_of}
 
 
 def _one(f: MetadataFilter, path: str) -> dict[str, Any]:

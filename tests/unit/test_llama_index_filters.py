@@ -93,6 +93,26 @@ def test_empty_filters_and_id_restrictions() -> None:
         to_kalos_filter(None, node_ids="n1")  # type: ignore[arg-type]
 
 
+def test_an_empty_nested_filters_matches_every_row() -> None:
+    """An empty MetadataFilters is no filter (every row matches, as at a query's top level),
+    nested too: AND drops it, OR with it matches every row, NOT over it matches none (it was
+    dropped from all three, which turned OR(x, everything) into x and NOT into NOT(x))."""
+    x = MetadataFilter(key="tag", value="x")
+    rows = [{"tag": "x", NODE_ID_KEY: "a"}, {"tag": "y", NODE_ID_KEY: "b"}, {NODE_ID_KEY: "c"}, {}]
+
+    def ids(filters: MetadataFilters) -> list[int]:
+        flt = to_kalos_filter(filters)
+        return [i for i, r in enumerate(rows) if flt is None or matches(validate_filter(flt), r)]
+
+    assert ids(mf(x, mf())) == [0]  # AND
+    assert ids(mf(x, mf(), condition="or")) == [0, 1, 2, 3]
+    assert ids(mf(x, mf(), condition="not")) == []
+    assert ids(mf(mf(), condition="not")) == [] and ids(mf(mf(condition="not"), condition="not")) == []
+    assert ids(mf(mf(), condition="or")) == ids(mf(condition="not")) == [0, 1, 2, 3]  # (top level: no filter)
+    assert ids(mf(x, mf(mf(), condition="or"), condition="or")) == [0, 1, 2, 3]
+    assert ids(mf(x, condition="not")) == [1, 2, 3]  # (the control: a NOT over x alone)
+
+
 def test_bad_values_name_the_filter() -> None:
     with pytest.raises(ValueError, match=r"filters\.filters\[0\].*EQ.*list"):
         to_kalos_filter(mf(MetadataFilter(key="a", value=["x"], operator=F.EQ)))
