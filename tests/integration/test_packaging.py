@@ -28,3 +28,8 @@ def test_wheel_contains_kernels_and_nothing_bare(tmp_path: Path) -> None:
     dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"
     entry = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
     assert "kalos-sidecar = kalos_retrievers.sidecar.cli:main" in entry
+    # the license's text ships (Apache-2.0 asks for it), and the metadata names it
+    assert f"{dist_info}/licenses/LICENSE" in names
+    assert "Apache License" in zipfile.ZipFile(wheel).read(f"{dist_info}/licenses/LICENSE").decode()
+    meta = zipfile.ZipFile(wheel).read(f"{dist_info}/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in meta and "License-File: LICENSE" in meta
