@@ -31,6 +31,12 @@ import posix_ipc
 
 from .errors import PermissionDenied, SidecarUnavailable
 
+if not hasattr(fcntl, "F_OFD_SETLK") or not hasattr(os, "posix_fallocate"):  # (macOS, BSD)
+    raise ImportError(
+        "Kalos runs on Linux only: its shared-memory protocol needs open-file-description locks "
+        "(fcntl.F_OFD_SETLK) and posix_fallocate, which this system does not have"
+    )
+
 SIDECAR_LOCK_BYTE: Final = 0
 _FLOCK: Final = struct.Struct("hhqqi4x")  # struct flock on x86-64 and aarch64 Linux
 assert _FLOCK.size == 32

@@ -34,6 +34,14 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from langchain_core.embeddings import Embeddings
+
+try:
+    import langgraph.store.base  # noqa: F401
+except ImportError as e:  # (the one optional dependency of this module)
+    raise ImportError(
+        f"kalos_retrievers.langgraph needs LangGraph ({e}): pip install "
+        "'kalos-retrievers[langgraph]' (or '.[langgraph]' in a Kalos checkout)"
+    ) from e
 from langgraph.store.base import (
     BaseStore,
     GetOp,

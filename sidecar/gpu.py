@@ -25,8 +25,8 @@ def open_gpu_index(dim: int, metric: int, ordinal: int, dtype: str) -> Index:
         import cupy
     except ImportError as e:
         raise GpuUnavailable(
-            "CuPy is not installed (the cuda12 or cuda13 extra: pip install '.[cuda12]' in a Kalos "
-            "checkout, or cupy-cuda12x / cupy-cuda13x)"
+            "CuPy is not installed (the cuda12 or cuda13 extra: pip install "
+            "'kalos-retrievers[cuda12]', or '.[cuda12]' in a Kalos checkout)"
         ) from e
     try:
         n = cupy.cuda.runtime.getDeviceCount()
@@ -38,4 +38,22 @@ def open_gpu_index(dim: int, metric: int, ordinal: int, dtype: str) -> Index:
         raise GpuUnavailable(f"device cuda:{ordinal} does not exist (this machine has {n})")
     from .index_gpu import GpuIndex
 
-    return GpuIndex(dim, metric, ordinal, dtype)
+    try:
+        return GpuIndex(dim, metric, ordinal, dtype)
+    except (RuntimeError, OSError) as e:
+        if not _missing_library(e):
+            raise
+        raise GpuUnavailable(
+            f"a CUDA library CuPy needs is missing ({e}): the sidecar compiles its kernels with "
+            "NVRTC and runs cuBLAS, which a driver alone does not provide. Install them with CuPy "
+            "(pip install 'cupy-cuda12x[ctk]', or cupy-cuda13x[ctk]; the cuda12 / cuda13 extras "
+            "do) or install the CUDA Toolkit"
+        ) from e
+
+
+def _missing_library(e: BaseException) -> bool:
+    """Whether ``e`` is CuPy's failure to load one of the CUDA toolkit's shared libraries
+    (``CuPy failed to load libnvrtc.so.12: OSError: ...``), which a machine with only the
+    NVIDIA driver lacks, rather than a fault of the index."""
+    text = str(e)
+    return "failed to load" in text or ("cannot open shared object file" in text and "lib" in text)

@@ -26,3 +26,17 @@ def test_public_classes_are_langchain_types() -> None:
     assert issubclass(lc.KalosRetriever, BaseRetriever)
     assert issubclass(lc.KalosVectorStoreRetriever, VectorStoreRetriever)
     assert lc.DEGRADED_EVENT == "kalos_degraded"
+
+
+def test_a_system_without_ofd_locks_is_told_kalos_needs_linux() -> None:
+    """Where fcntl has no F_OFD_SETLK (macOS, the BSDs) importing Kalos raises an ImportError
+    that says why, rather than an AttributeError at the first recall; on Linux it imports."""
+    import subprocess
+    import sys
+
+    code = "import fcntl, kalos_retrievers.langchain as m; print('ok')"
+    ok = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr  # (the control)
+    gone = subprocess.run([sys.executable, "-P", "-c", "import fcntl; del fcntl.F_OFD_SETLK; " + code],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert gone.returncode != 0 and "ImportError: Kalos runs on Linux only" in gone.stderr, gone.stderr

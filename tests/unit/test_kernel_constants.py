@@ -255,6 +255,38 @@ def test_a_bad_gpu_setting_fails_the_start_as_a_usage_error(monkeypatch: pytest.
     assert e.value.exit_code == server.EXIT_USAGE
 
 
+def test_a_missing_cuda_library_is_an_unavailable_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CuPy installed without the toolkit's libraries (a machine with only the driver): its
+    failure to load NVRTC is GpuUnavailable, so ``--device auto`` falls back to the CPU and
+    ``--device cuda`` exits 5 naming the fix (it was a traceback, exit 1); any other fault
+    of the index still propagates."""
+    import sys
+    import types
+
+    from kalos_retrievers.sidecar import gpu, server
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    fault: list[Exception] = []
+
+    def gpu_index(*a: object) -> None:
+        raise fault[0]
+
+    monkeypatch.setattr(index_gpu, "GpuIndex", gpu_index)
+    fault.append(RuntimeError("CuPy failed to load libnvrtc.so.12: OSError: libnvrtc.so.12: cannot open "
+                              "shared object file: No such file or directory"))  # fmt: skip
+    with pytest.raises(gpu.GpuUnavailable, match=r"libnvrtc.*cupy-cuda12x\[ctk\]"):
+        gpu.open_gpu_index(8, 0, 0, "float16")
+    auto = server.ServeConfig(name="kalos-unit-nolib", dim=8, device="auto")
+    assert type(server.make_index(auto)).__name__ == "CpuIndex"
+    with pytest.raises(server.StartError, match="NVRTC") as e:
+        server.make_index(server.ServeConfig(name="kalos-unit-nolib", dim=8, device="cuda"))
+    assert e.value.exit_code == server.EXIT_DEVICE
+    fault[0] = RuntimeError("an index fault")  # (the control: not a missing library)
+    with pytest.raises(RuntimeError, match="an index fault"):
+        server.make_index(auto)
+
+
 def test_int8_refuses_a_max_k_its_rescoring_cannot_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     """int8 storage re-scores at most CAND_MAX candidates: a --max-k above it is refused at
     start with a usage error (before any GPU is opened), one at it is accepted."""

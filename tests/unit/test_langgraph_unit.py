@@ -133,3 +133,17 @@ def test_an_item_rows_bookkeeping_is_read_field_by_field_and_never_fails(text: s
     """``(vectors, high)`` from an item row's text: a field that is not a count reads as the
     other, so a damaged row over-counts its vector rows rather than missing some."""
     assert _book_of(types.SimpleNamespace(text=text)) == want  # type: ignore[arg-type]
+
+
+def test_without_langgraph_the_import_names_the_extra() -> None:
+    """Without LangGraph installed, importing the store says which extra to install (it was a
+    bare ModuleNotFoundError); with it, the import works (the control)."""
+    import subprocess
+    import sys
+
+    code = "import kalos_retrievers.langgraph; print('ok')"
+    ok = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr
+    gone = subprocess.run([sys.executable, "-P", "-c", "import sys; sys.modules['langgraph'] = None; " + code],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert gone.returncode != 0 and "pip install 'kalos-retrievers[langgraph]'" in gone.stderr, gone.stderr
