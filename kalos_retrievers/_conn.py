@@ -358,6 +358,17 @@ class _Conn:
             _ipc.close_semaphore(s.sem)
         _ipc.close_semaphore(self.bell)
 
+    def give_back(self, slot: _Slot) -> None:
+        """Return an idle slot of ours (CLAIMED, on no free list, no request in it, no thread
+        waiting on it) to the segment: FREE for any client to claim, its lock dropped. Not
+        once the connection closes: close() gives every slot up."""
+        if self._closing:
+            return
+        self.owned.remove(slot)
+        slot.state[0] = SlotState.FREE  # (before the lock goes: a claimer checks FREE under it)
+        _ipc.close_semaphore(slot.sem)
+        self.release_slot_lock(slot.index)
+
     def release_slot_lock(self, i: int) -> None:
         with contextlib.suppress(OSError):
             _ipc.unlock(self.seg.fd, _ipc.slot_lock_byte(i))

@@ -1391,32 +1391,42 @@ class KalosClient:
                     self._waiters -= 1
 
     def _release(self, conn: _Conn, slot: _Slot) -> None:
-        if not slot.pending:
-            state = slot.state[0]
-            if state in _IN_FLIGHT:
-                # a request written and its answer not read: the call ended at its deadline, or
-                # was left by an exception (KeyboardInterrupt, a signal handler's) while the
-                # sidecar may still answer it; back in circulation now, the next request written
-                # over it would meet that answer ("response sequence ... does not match").
-                # Marked here, by the caller, and not before: another thread's
-                # _recover_pending may take it back from then on, not while its caller holds it.
-                slot.pending = slot.seq
-            elif state in _ANSWERED:  # an answer not read (a ProtocolError on it): ours to reuse
-                slot.state[0] = SlotState.CLAIMED
         if slot.pending:
-            return  # stays out of circulation until the sidecar has finished with it
+            return  # (out of circulation already: _recover_pending brings it back)
+        state = slot.state[0]
+        if state in _IN_FLIGHT:
+            # a request written and its answer not read: the call ended at its deadline, or
+            # was left by an exception (KeyboardInterrupt, a signal handler's) while the
+            # sidecar may still answer it; back in circulation now, the next request written
+            # over it would meet that answer ("response sequence ... does not match").
+            # Marked here, by the caller, and not before: another thread's _recover_pending
+            # may take it back from then on, not while its caller holds it; and only
+            # _recover_pending brings it back (read again here, the mark could already have
+            # been cleared by it, and the slot put on the free list twice: two threads then
+            # wrote their requests into one slot).
+            slot.pending = slot.seq
+            return
+        if state in _ANSWERED:  # an answer not read (a ProtocolError on it): ours to reuse
+            slot.state[0] = SlotState.CLAIMED
         conn.free.append(slot)
         if self._waiters:
             with self._lock:
                 self._lock.notify()
 
     def _recover_pending(self, conn: _Conn) -> None:
-        for s in conn.owned:
+        """Bring back the slots whose abandoned requests the sidecar has answered since (lock
+        held). One goes on the free list; the others go back to the sidecar's segment: they
+        were claimed only because the earlier ones were held up (a stall of the sidecar makes a
+        client claim up to ``max_slots``), and kept, they would leave other processes no slot."""
+        for s in list(conn.owned):
             answered = s.pending and s.state[0] in (SlotState.RESPONSE, SlotState.ERROR)
             if answered and Response.unpack(s.ctl).seq == s.pending:
                 s.pending = 0
                 s.state[0] = SlotState.CLAIMED
-                conn.free.append(s)
+                if conn.free:
+                    conn.give_back(s)
+                else:
+                    conn.free.append(s)
 
     def _call(
         self,

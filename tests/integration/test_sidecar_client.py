@@ -318,6 +318,109 @@ def test_killed_client_slot_is_reclaimed_and_others_are_unaffected(start_sidecar
         assert c.stats()["reclaimed_slots"] >= 1
 
 
+def test_a_slot_released_as_its_late_answer_lands_goes_back_once(start_sidecar) -> None:
+    """A call that timed out releases its slot (marked pending) while, in another thread, the
+    late answer lands and the next call takes the slot back: the slot is on the free list once
+    (it was there twice: two threads then wrote into one slot, and recalls failed with
+    "response sequence ... does not match"). The interleaving is forced with a line tracer
+    that holds the releasing thread just after it marks the slot. Control: the same
+    recalls from two threads afterwards all answer, each with its own row."""
+    import inspect
+    import sys as _sys
+
+    import kalos_retrievers.client as kc
+
+    sc = start_sidecar(dim=8)
+    n = 501
+    data = np.random.default_rng().standard_normal((n, 8)).astype(np.float32)
+    c = KalosClient(sc.name, dim=8, timeout=0.3, spin_us=0, max_slots=1)
+    c.upsert([str(i) for i in range(n)], data)
+    src, first = inspect.getsourcelines(kc.KalosClient._release)
+    mark = first + next(j for j, line in enumerate(src) if line.strip() == "slot.pending = slot.seq")
+    held, go = threading.Event(), threading.Event()
+
+    def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+        if frame.f_code is not kc.KalosClient._release.__code__:
+            return None
+
+        def local(fr, ev, a):  # type: ignore[no-untyped-def]
+            if ev == "line" and fr.f_lineno > mark and fr.f_locals["slot"].pending and not held.is_set():
+                held.set()
+                go.wait(10)
+            return local
+
+        return local
+
+    errors: list[BaseException] = []
+
+    def late() -> None:
+        _sys.settrace(tracer)
+        try:
+            c.recall(data[0], k=1)
+        except SidecarTimeout as e:
+            errors.append(e)
+        finally:
+            _sys.settrace(None)
+
+    os.kill(sc.pid, signal.SIGSTOP)
+    t = threading.Thread(target=late)
+    try:
+        t.start()
+        assert held.wait(10)
+    finally:
+        os.kill(sc.pid, signal.SIGCONT)
+    (slot,) = c._conn.owned
+    end = time.monotonic() + 10
+    while slot.state[0] not in (SlotState.RESPONSE, SlotState.ERROR) and time.monotonic() < end:
+        time.sleep(0.001)  # the late answer lands
+    c.ping(timeout=5)  # takes the slot back (_recover_pending), and releases it
+    go.set()
+    t.join(10)
+    assert len(errors) == 1  # (the held call did time out)
+    free = c._conn.free
+    assert len(free) == len({id(x) for x in free}) == 1, [x.index for x in free]
+    got: list[bool] = []
+
+    def recalls(off: int) -> None:
+        for j in range(60):
+            i = (off + 7 * j) % n
+            got.append(c.recall(data[i], k=1, timeout=5).ids == [str(i)])
+
+    ts = [threading.Thread(target=recalls, args=(o,)) for o in (0, 250)]
+    [x.start() for x in ts]
+    [x.join(60) for x in ts]
+    assert got.count(True) == 120
+    c.close()
+
+
+def test_slots_claimed_through_a_stall_go_back_to_the_sidecar(start_sidecar) -> None:
+    """A sidecar paused while one client's calls time out: that client claims a slot for each
+    (the earlier ones still hold requests), all of the sidecar's 4 here. Once the sidecar
+    answers them, the client's next call keeps one and gives the others back, so another
+    process's client finds a slot (it got SidecarBusy until the first client closed)."""
+    sc = start_sidecar(dim=8, slots=4)
+    a = KalosClient(sc.name, dim=8, spin_us=0)
+    a.upsert(["x"], [np.ones(8)])
+    os.kill(sc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(4):
+            with pytest.raises(SidecarTimeout):
+                a.recall(np.ones(8), k=1, timeout=0.05)
+        assert len(a._conn.owned) == 4
+    finally:
+        os.kill(sc.pid, signal.SIGCONT)
+    end = time.monotonic() + 10
+    while time.monotonic() < end and any(s.state[0] not in (SlotState.RESPONSE, SlotState.ERROR)
+                                         for s in a._conn.owned):  # fmt: skip
+        time.sleep(0.001)
+    assert a.recall(np.ones(8), k=1, timeout=5).ids == ["x"]
+    assert len(a._conn.owned) == 1
+    with KalosClient(sc.name, dim=8, spin_us=0) as b:  # (another process's, as the sidecar sees it)
+        assert b.recall(np.ones(8), k=1, timeout=2).ids == ["x"]
+    assert a.recall(np.ones(8), k=1, timeout=5).ids == ["x"]
+    a.close()
+
+
 def test_timeouts_pauses_deaths_and_recovery(start_sidecar, make_name) -> None:
     name = make_name()
     sc = start_sidecar(name=name, dim=8)
