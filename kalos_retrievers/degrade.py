@@ -87,7 +87,10 @@ class Degrader:
             return False
         with self._lock:
             self.degraded_calls += 1
-            self.last_error = exc
+            # kept without its traceback: the frames it holds would keep the failed call's
+            # connection alive (its map, and through the map's descriptor its slot locks, in
+            # a forked child too) for as long as this adapter lives
+            self.last_error = exc.with_traceback(None)
             first = not self.in_episode
             if first:
                 self.in_episode = True

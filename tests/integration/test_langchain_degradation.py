@@ -148,6 +148,8 @@ async def test_sigstop_deadline_honoured(
     assert [d.id for d in await call(r, mode, timeout=2)] == ["fact"]  # (2 s: just woken, on a loaded CI)
     assert (r.degrader.episodes, r.degrader.degraded_calls) == (1, 2)
     assert isinstance(r.degrader.last_error, SidecarTimeout)
+    # kept without the frames of the failed call (they would keep its connection alive)
+    assert r.degrader.last_error.__traceback__ is None
     assert len(warnings_of(caplog)) == 1
     assert any("recall works again" in m for m in caplog.messages)
 
