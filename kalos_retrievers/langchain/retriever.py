@@ -31,7 +31,7 @@ from ..results import RecallResult
 from ..scores import relevance_fn
 from ._convert import docs_of, make_document
 from ._degraded import adegrade, degrade
-from .vectorstore import KalosVectorStore, _zero
+from .vectorstore import KalosVectorStore
 
 __all__ = ["KalosRetriever", "KalosVectorStoreRetriever"]
 
@@ -207,8 +207,7 @@ class KalosRetriever(BaseRetriever):
         store = self.vectorstore
         if kwargs:
             k, flt, namespace, threshold, timeout = self._options(kwargs)
-            if _zero(k):  # invoke(k=0): nothing to find, so nothing embedded (timeout still checked)
-                store._seconds(timeout)
+            if store._nothing(k, timeout):  # invoke(k=0): nothing to find, nothing embedded
                 return []
         else:
             k, flt, namespace = self.k, self.filter, self.namespace
@@ -233,8 +232,7 @@ class KalosRetriever(BaseRetriever):
     ) -> list[Document]:
         k, flt, namespace, threshold, timeout = self._options(kwargs)
         store = self.vectorstore
-        if _zero(k):  # (as in the sync path)
-            store._seconds(timeout)
+        if store._nothing(k, timeout):  # (as in the sync path)
             return []
         vector = await store.embedding.aembed_query(query)
         degrader: Degrader = self.degrader  # type: ignore[assignment]
