@@ -117,6 +117,9 @@ class _Conn:
         self.bell = _ipc.open_semaphore(doorbell_name(name))
         self.owned: list[_Slot] = []
         self.free: list[_Slot] = []
+        # True while a slot of ours may hold an abandoned request (a call left it at its
+        # deadline): the client's next call runs _recover_pending (see KalosClient._release)
+        self.recover = False
         # slots whose thread is blocked on its semaphore now (KalosClient._block): close()
         # leaves the semaphores open while any is, and the last one out closes them (a
         # semaphore closed under a thread's sem_timedwait crashes the process)

@@ -503,6 +503,9 @@ class KalosClient:
         conn = self._conn
         if conn is None or conn.dead or self._pid != os.getpid():
             return None
+        if conn.recover:  # (slots left at a deadline: those answered since come back first)
+            with self._lock:
+                self._recover_pending(conn)
         header = conn.header
         dim = header.dim
         if type(k) is not int or not 0 < k <= header.max_k:
@@ -517,7 +520,7 @@ class KalosClient:
         bell = fast and arena is not None and k <= conn.doorbell_k() and (not args or (
             _RECALL1_ARGS and conn.doorbell_spaces()
             and ringable_args(len(args), int.from_bytes(args[:2], "little"), conn.doorbell_args())))
-        if (bell and not args and _BELL1
+        if (bell and not args and _BELL1 and not conn.recover
                 and ((plan := self._bell) is None or plan[0] is not conn or plan[3] is not arena)):  # fmt: skip
             self._plan_bell(conn, arena)  # type: ignore[arg-type]
         if fast and type(query) is np.ndarray and query.ndim == 1 and query.dtype is _F32:
@@ -1405,6 +1408,8 @@ class KalosClient:
             # been cleared by it, and the slot put on the free list twice: two threads then
             # wrote their requests into one slot).
             slot.pending = slot.seq
+            conn.recover = True  # (the next call brings it back: _recover_pending)
+            self._bell = None  # (bell1 never looks at pending slots: recalls go by _recall_one)
             return
         if state in _ANSWERED:  # an answer not read (a ProtocolError on it): ours to reuse
             slot.state[0] = SlotState.CLAIMED
@@ -1417,9 +1422,13 @@ class KalosClient:
         """Bring back the slots whose abandoned requests the sidecar has answered since (lock
         held). One goes on the free list; the others go back to the sidecar's segment: they
         were claimed only because the earlier ones were held up (a stall of the sidecar makes a
-        client claim up to ``max_slots``), and kept, they would leave other processes no slot."""
+        client claim up to ``max_slots``), and kept, they would leave other processes no slot.
+        ``conn.recover`` stays set while one still waits for its answer."""
+        conn.recover = False
         for s in list(conn.owned):
-            answered = s.pending and s.state[0] in (SlotState.RESPONSE, SlotState.ERROR)
+            if not s.pending:
+                continue
+            answered = s.state[0] in (SlotState.RESPONSE, SlotState.ERROR)
             if answered and Response.unpack(s.ctl).seq == s.pending:
                 s.pending = 0
                 s.state[0] = SlotState.CLAIMED
@@ -1427,6 +1436,8 @@ class KalosClient:
                     conn.give_back(s)
                 else:
                     conn.free.append(s)
+            else:
+                conn.recover = True
 
     def _call(
         self,
@@ -1459,7 +1470,7 @@ class KalosClient:
             # asked with another connection's flags (a restart replaced it meanwhile) and this
             # sidecar is older than v1.3: generations, which it knows (the answer says which)
             flags &= ~Flag.ARENA_ENTRIES
-        if any(s.pending for s in conn.owned):
+        if conn.recover:
             with self._lock:
                 self._recover_pending(conn)
         vec_len = 0 if vectors is None else vectors.size * 4

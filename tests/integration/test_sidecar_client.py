@@ -418,6 +418,32 @@ def test_slots_claimed_through_a_stall_go_back_to_the_sidecar(start_sidecar) -> 
     with KalosClient(sc.name, dim=8, spin_us=0) as b:  # (another process's, as the sidecar sees it)
         assert b.recall(np.ones(8), k=1, timeout=2).ids == ["x"]
     assert a.recall(np.ones(8), k=1, timeout=5).ids == ["x"]
+    # again with a slot free after the stall (a call held one through it), and only recalls
+    # after it: the recall path brings the others back too (it pops a free slot, and once
+    # never looked at the pending ones)
+    os.kill(sc.pid, signal.SIGSTOP)
+    held: list[list[str]] = []
+    t = threading.Thread(target=lambda: held.append(a.recall(np.ones(8), k=1, timeout=10).ids))
+    try:
+        t.start()
+        time.sleep(0.2)
+        for _ in range(3):
+            with pytest.raises(SidecarTimeout):
+                a.recall(np.ones(8), k=1, timeout=0.05)
+        assert len(a._conn.owned) == 4
+    finally:
+        os.kill(sc.pid, signal.SIGCONT)
+    t.join(10)
+    assert held == [["x"]]
+    end = time.monotonic() + 10
+    while time.monotonic() < end and any(s.pending and s.state[0] not in (SlotState.RESPONSE, SlotState.ERROR)
+                                         for s in a._conn.owned):  # fmt: skip
+        time.sleep(0.001)
+    for _ in range(5):
+        assert a.recall(np.ones(8), k=1, timeout=5).ids == ["x"]
+    assert len(a._conn.owned) == 1
+    with KalosClient(sc.name, dim=8, spin_us=0) as b:
+        assert b.recall(np.ones(8), k=1, timeout=2).ids == ["x"]
     a.close()
 
 
