@@ -90,7 +90,7 @@ class Degrader:
             # kept without its traceback: the frames it holds would keep the failed call's
             # connection alive (its map, and through the map's descriptor its slot locks, in
             # a forked child too) for as long as this adapter lives
-            self.last_error = exc.with_traceback(None)
+            self.last_error = _without_tracebacks(exc)
             first = not self.in_episode
             if first:
                 self.in_episode = True
@@ -116,6 +116,18 @@ class Degrader:
             self.in_episode = False
             took = time.monotonic() - self._episode_start
         log.info("%s: the Kalos sidecar is back after %.1f s; recall works again", self.what, took)
+
+
+def _without_tracebacks(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback dropped, and those of the exceptions chained to it (a retry's
+    first attempt, say, as ``__context__``)."""
+    e: BaseException | None = exc
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return exc
 
 
 def time_left(deadline: float, name: str) -> float:

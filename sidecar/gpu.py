@@ -56,4 +56,5 @@ def _missing_library(e: BaseException) -> bool:
     (``CuPy failed to load libnvrtc.so.12: OSError: ...``), which a machine with only the
     NVIDIA driver lacks, rather than a fault of the index."""
     text = str(e)
-    return "failed to load" in text or ("cannot open shared object file" in text and "lib" in text)
+    return ("failed to load" in text or "cannot open shared object file" in text) and any(
+        lib in text for lib in ("nvrtc", "cublas", "libcu"))

@@ -103,11 +103,17 @@ def _make_dir(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    """fsync a directory; where that is refused (some FUSE and CIFS mounts, a parent that can
+    be written but not read) the store still opens, as SQLite's own directory syncs do."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("cannot fsync directory %s (%s): a power cut soon after this start may lose "
+                    "the new data dir", path, e.strerror or e)
 
 
 class NullStore:

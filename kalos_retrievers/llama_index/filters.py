@@ -98,8 +98,9 @@ def _str_list(ids: Sequence[str], argument: str) -> list[str]:
     return [str(i) for i in ids]
 
 
-# A filter no row matches: NOT over an operand that matches every row.
-_NOTHING: dict[str, Any] = {NODE_ID_KEY: {"$in": []}}
+def _nothing() -> dict[str, Any]:
+    """A filter no row matches (a new one each time: the caller may change what it gets)."""
+    return {NODE_ID_KEY: {"$in": []}}
 
 
 def _filters(filters: MetadataFilters, path: str) -> dict[str, Any] | None:
@@ -120,11 +121,11 @@ def _filters(filters: MetadataFilters, path: str) -> dict[str, Any] | None:
     if condition not in (FilterCondition.AND, FilterCondition.OR, FilterCondition.NOT):
         raise ValueError(f"{path}.condition={condition!r} is not and/or/not")
     if not parts:  # no operands (no filter), or only ones that match everything
-        return _NOTHING if everything and condition == FilterCondition.NOT else None
+        return _nothing() if everything and condition == FilterCondition.NOT else None
     if condition == FilterCondition.AND:
         return parts[0] if len(parts) == 1 else {"$and": parts}
     if everything:  # OR over everything is everything; NOT of it, nothing
-        return None if condition == FilterCondition.OR else _NOTHING
+        return None if condition == FilterCondition.OR else _nothing()
     any_of = parts[0] if len(parts) == 1 else {"$or": parts}
     return any_of if condition == FilterCondition.OR else {"$not": any_of}
 

@@ -306,6 +306,16 @@ def test_a_new_data_dir_is_fsynced_into_its_parent(tmp_path: Path, monkeypatch) 
     SqliteStore(tmp_path / "a" / "b" / "data", dim=3, metric="l2").close()  # (reopened)
     assert synced == []
 
+    def refused(fd: int) -> None:  # (some FUSE and CIFS mounts refuse to fsync a directory)
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).is_dir():
+            raise OSError(22, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(store_mod.os, "fsync", refused)
+    st = SqliteStore(tmp_path / "c" / "data", dim=3, metric="l2")  # opens all the same
+    assert st.count() == 0
+    st.close()
+
 
 def page_size(path: Path) -> int:
     with contextlib.closing(sqlite3.connect(path)) as db:

@@ -264,3 +264,24 @@ def test_a_threshold_whose_metric_lookup_fails_degrades_like_the_recall(
         else:
             with pytest.raises(SidecarUnavailable):
                 call("question")
+
+
+def test_a_degraded_errors_chain_is_kept_without_tracebacks() -> None:
+    """``last_error`` keeps the error and what it chains to (a retry's first attempt), each
+    without the frames that would keep the failed calls' connections alive."""
+
+    def fail() -> None:
+        try:
+            raise SidecarTimeout("first attempt")
+        except SidecarTimeout:
+            raise SidecarTimeout("second attempt")  # noqa: B904 (chained as __context__)
+
+    d = Degrader("KalosRetriever(name='m')")
+    try:
+        fail()
+    except SidecarTimeout as e:
+        assert e.__traceback__ is not None and e.__context__.__traceback__ is not None  # (the control)
+        assert d.should_degrade(e)
+    err = d.last_error
+    assert str(err) == "second attempt" and str(err.__context__) == "first attempt"
+    assert err.__traceback__ is None and err.__context__.__traceback__ is None

@@ -111,6 +111,10 @@ def test_an_empty_nested_filters_matches_every_row() -> None:
     assert ids(mf(mf(), condition="or")) == ids(mf(condition="not")) == [0, 1, 2, 3]  # (top level: no filter)
     assert ids(mf(x, mf(mf(), condition="or"), condition="or")) == [0, 1, 2, 3]
     assert ids(mf(x, condition="not")) == [1, 2, 3]  # (the control: a NOT over x alone)
+    first = to_kalos_filter(mf(x, mf(), condition="not"))
+    assert first is not None
+    first[NODE_ID_KEY]["$in"].append("a")  # (a caller's change to one answer is its own)
+    assert to_kalos_filter(mf(x, mf(), condition="not")) == {NODE_ID_KEY: {"$in": []}}
 
 
 def test_bad_values_name_the_filter() -> None:
