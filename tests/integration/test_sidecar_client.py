@@ -393,6 +393,22 @@ def test_a_slot_released_as_its_late_answer_lands_goes_back_once(start_sidecar) 
     c.close()
 
 
+def _time_out(c: KalosClient, n: int) -> None:
+    """``n`` recalls that time out (the sidecar is stopped), each claiming a slot: 4 in all."""
+    for _ in range(n):
+        with pytest.raises(SidecarTimeout):
+            c.recall(np.ones(8), k=1, timeout=0.05)
+    assert len(c._conn.owned) == 4
+
+
+def _until_answered(c: KalosClient) -> None:
+    """Wait (10 s at most) for the sidecar to answer every request ``c`` left at a deadline."""
+    end = time.monotonic() + 10
+    while time.monotonic() < end and any(s.pending and s.state[0] not in (SlotState.RESPONSE, SlotState.ERROR)
+                                         for s in c._conn.owned):  # fmt: skip
+        time.sleep(0.001)
+
+
 def test_slots_claimed_through_a_stall_go_back_to_the_sidecar(start_sidecar) -> None:
     """A sidecar paused while one client's calls time out: that client claims a slot for each
     (the earlier ones still hold requests), all of the sidecar's 4 here. Once the sidecar
@@ -403,16 +419,10 @@ def test_slots_claimed_through_a_stall_go_back_to_the_sidecar(start_sidecar) -> 
     a.upsert(["x"], [np.ones(8)])
     os.kill(sc.pid, signal.SIGSTOP)
     try:
-        for _ in range(4):
-            with pytest.raises(SidecarTimeout):
-                a.recall(np.ones(8), k=1, timeout=0.05)
-        assert len(a._conn.owned) == 4
+        _time_out(a, 4)
     finally:
         os.kill(sc.pid, signal.SIGCONT)
-    end = time.monotonic() + 10
-    while time.monotonic() < end and any(s.state[0] not in (SlotState.RESPONSE, SlotState.ERROR)
-                                         for s in a._conn.owned):  # fmt: skip
-        time.sleep(0.001)
+    _until_answered(a)
     assert a.recall(np.ones(8), k=1, timeout=5).ids == ["x"]
     assert len(a._conn.owned) == 1
     with KalosClient(sc.name, dim=8, spin_us=0) as b:  # (another process's, as the sidecar sees it)
@@ -427,18 +437,12 @@ def test_slots_claimed_through_a_stall_go_back_to_the_sidecar(start_sidecar) -> 
     try:
         t.start()
         time.sleep(0.2)
-        for _ in range(3):
-            with pytest.raises(SidecarTimeout):
-                a.recall(np.ones(8), k=1, timeout=0.05)
-        assert len(a._conn.owned) == 4
+        _time_out(a, 3)
     finally:
         os.kill(sc.pid, signal.SIGCONT)
     t.join(10)
     assert held == [["x"]]
-    end = time.monotonic() + 10
-    while time.monotonic() < end and any(s.pending and s.state[0] not in (SlotState.RESPONSE, SlotState.ERROR)
-                                         for s in a._conn.owned):  # fmt: skip
-        time.sleep(0.001)
+    _until_answered(a)
     for _ in range(5):
         assert a.recall(np.ones(8), k=1, timeout=5).ids == ["x"]
     assert len(a._conn.owned) == 1
