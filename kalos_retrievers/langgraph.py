@@ -272,7 +272,13 @@ class KalosStore(BaseStore):
     def _validate(self, ops: list[Op]) -> None:
         # BaseStore's helpers check labels, but ops handed to batch() directly skip them.
         for op in ops:
-            if isinstance(op, PutOp):
+            if isinstance(op, PutOp) and op.value is None:
+                # a delete: labels only, as BaseStore.delete checks; a key no put could store
+                # (an empty or "langgraph" namespace, say) has nothing to delete (_absent)
+                _check_labels(op.namespace)
+                if not isinstance(op.key, str):
+                    raise ValueError(f"key={op.key!r}: keys are strings")
+            elif isinstance(op, PutOp):
                 if not op.namespace:
                     raise InvalidNamespaceError("Namespace cannot be empty.")
                 if op.namespace[0] == "langgraph":
@@ -330,6 +336,8 @@ class KalosStore(BaseStore):
         pending: dict[_Key, PutOp] = {}
         for i, op in enumerate(ops):
             if isinstance(op, PutOp):
+                if op.value is None and self._absent(op):
+                    continue  # (InMemoryStore: a delete of what is not there does nothing)
                 pending[(op.namespace, op.key)] = op  # the last put of a key wins
                 continue
             if pending:
@@ -345,6 +353,20 @@ class KalosStore(BaseStore):
         if pending:
             self._apply_puts(pending, doc_vecs)
         return results
+
+    def _absent(self, op: PutOp) -> bool:
+        """Whether no put could have stored ``op``'s key: an empty namespace, one under the
+        reserved root "langgraph", an empty key, or a key or namespace too long for Kalos
+        (what :meth:`_validate` refuses of a put)."""
+        if not op.namespace or op.namespace[0] == "langgraph" or not op.key:
+            return True
+        if len(op.key.encode("utf-8", "surrogatepass")) > _MAX_KEY_BYTES:
+            return True
+        try:
+            self._names(op.namespace)
+        except InvalidNamespaceError:
+            return True
+        return False
 
     def _names(self, namespace: tuple[str, ...]) -> tuple[str, str]:
         enc = encode_namespace(namespace)

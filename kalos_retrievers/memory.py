@@ -21,6 +21,7 @@ what it names: ``search(agent_id="planner")`` sees that agent's memories of ever
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import numbers
@@ -388,16 +389,31 @@ class KalosMemory:
 
         Works a page of memories at a time: where a page is refused (:meth:`delete`'s
         ``ValueError`` for a slot too small for a record), the pages before it stay deleted,
-        each with its records."""
+        each with its records. A page's memories are read again under their locks (those
+        :meth:`update` and :meth:`delete` take), so within this process an update racing it
+        raises ``KeyError`` rather than bringing a memory back, and a memory is recorded
+        deleted once."""
+        scope = _scope(user_id, agent_id, run_id)
         flt = self._scoped_filter(user_id, agent_id, run_id, None)
         deleted = 0
         while True:
             recs = self.client.scan(namespace=self.namespace, filter=flt, limit=_PAGE)
             if not recs:
                 return deleted
-            history = self._history([_event(r.id, "DELETE", r.text, None, r.metadata) for r in recs], fit=True)
-            deleted += self.client.delete([r.id for r in recs], namespace=self.namespace)
-            self._record(history)
+            stripes = sorted({self._stripe(r.id) for r in recs})  # (in order: no deadlock)
+            with contextlib.ExitStack() as held:
+                for s in stripes:
+                    held.enter_context(self._id_locks[s])
+                # again, under the locks: a memory deleted or moved out of scope meanwhile is
+                # not this call's to delete or record
+                ids = [r.id for r in recs]
+                recs = [r for r in self.client.get(ids, namespace=self.namespace)
+                        if all(r.metadata.get(k) == v for k, v in scope.items())]
+                if not recs:
+                    continue
+                history = self._history([_event(r.id, "DELETE", r.text, None, r.metadata) for r in recs], fit=True)
+                deleted += self.client.delete([r.id for r in recs], namespace=self.namespace)
+                self._record(history)
 
     def history(self, memory_id: str) -> list[dict[str, Any]]:
         """ADD/UPDATE/DELETE events of one memory, oldest first.
@@ -427,7 +443,10 @@ class KalosMemory:
     def _id_lock(self, memory_id: str) -> threading.Lock:
         if not isinstance(memory_id, str) or not memory_id:  # (checked before it is hashed)
             raise ValueError("memory_id must be a non-empty string")
-        return self._id_locks[hash(memory_id) % len(self._id_locks)]
+        return self._id_locks[self._stripe(memory_id)]
+
+    def _stripe(self, memory_id: str) -> int:
+        return hash(memory_id) % len(self._id_locks)
 
     def _get(self, memory_id: str, scope: Mapping[str, str | None]) -> Record | None:
         if not isinstance(memory_id, str) or not memory_id:
@@ -597,8 +616,8 @@ def _messages(messages: Any) -> list[tuple[str | None, str | None, str]]:
     """``(role, actor, text)`` per storable message."""
     if isinstance(messages, bytes | bytearray):
         raise TypeError("messages is bytes; decode it to a str first")
-    if isinstance(messages, str | Mapping) or not isinstance(messages, Iterable):
-        messages = [messages]
+    if isinstance(messages, str | Mapping) or _is_message(messages) or not isinstance(messages, Iterable):
+        messages = [messages]  # (a message object is iterable too: pydantic yields its fields)
     out = []
     role: Any
     actor: Any
@@ -608,7 +627,7 @@ def _messages(messages: Any) -> list[tuple[str | None, str | None, str]]:
             role, actor, content = "user", None, m
         elif isinstance(m, Mapping):
             role, actor, content = m.get("role"), m.get("name"), m.get("content")
-        elif hasattr(m, "content") and (hasattr(m, "role") or hasattr(m, "type")):
+        elif _is_message(m):
             raw = getattr(m, "role", None) or getattr(m, "type", None)
             role = _ROLES.get(str(getattr(raw, "value", raw)), str(getattr(raw, "value", raw)))
             actor, content = getattr(m, "name", None), m.content
@@ -624,6 +643,12 @@ def _messages(messages: Any) -> list[tuple[str | None, str | None, str]]:
             continue
         out.append((_opt_str(role), _opt_str(actor), content))
     return out
+
+
+def _is_message(m: Any) -> bool:
+    """A chat message object: LangChain's ``BaseMessage`` (``type``), LlamaIndex's
+    ``ChatMessage`` (``role``), or anything else with ``content`` and one of those."""
+    return not isinstance(m, str | Mapping) and hasattr(m, "content") and (hasattr(m, "role") or hasattr(m, "type"))
 
 
 def _opt_str(x: Any) -> str | None:

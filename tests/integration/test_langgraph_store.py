@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from langchain_core.embeddings import DeterministicFakeEmbedding, Embeddings
 from langgraph.graph import END, START, StateGraph
-from langgraph.store.base import BaseStore, GetOp, ListNamespacesOp, PutOp, SearchOp
+from langgraph.store.base import BaseStore, GetOp, InvalidNamespaceError, ListNamespacesOp, PutOp, SearchOp
 from langgraph.store.memory import InMemoryStore
 
 from kalos_retrievers import CapacityError, KalosClient, KalosError, Sidecar, SidecarTimeout, SidecarUnavailable
@@ -387,6 +387,21 @@ def test_an_empty_key_is_refused_on_put_and_absent_on_get(store: KalosStore) -> 
     with pytest.raises(ValueError, match="non-empty strings"):
         store.put(("x",), "", {"text": "tea"})
     assert store.get(("x",), "") is None
+    store.delete(("x",), "")  # (nothing there: nothing to do, as in InMemoryStore)
+
+
+def test_a_delete_of_what_no_put_could_store_does_nothing(store: KalosStore) -> None:
+    """BaseStore.delete checks labels only: a delete in an empty namespace, under the root
+    "langgraph", or of a key or namespace too long for Kalos does nothing, as in
+    InMemoryStore (before: the put's rules raised). Labels are still checked."""
+    store.put(("x",), "k", {"text": "tea"})
+    for ns, key in [((), "k"), (("langgraph", "x"), "k"), (("x",), "k" * 501), (("y" * 300,), "k")]:
+        assert InMemoryStore().delete(ns, key) is None  # (what LangGraph's own store does)
+        store.delete(ns, key)
+        store.batch([PutOp(ns, key, None)])
+    with pytest.raises(InvalidNamespaceError):
+        store.delete(("a.b",), "k")
+    assert store.get(("x",), "k") is not None
 
 
 class _Cut(BaseException):

@@ -377,6 +377,54 @@ def test_updates_and_deletes_racing_in_threads_stay_consistent(sidecar: Sidecar,
         m.close()
 
 
+def test_delete_all_takes_turns_with_updates_and_deletes_in_threads(
+    memory: KalosMemory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """delete_all reads each page again under the memories' locks: an update that read a
+    memory before delete_all and writes it after raises nothing and the memory is still
+    deleted (ADD, UPDATE, DELETE); a delete that completes between delete_all's scan and its
+    delete leaves one DELETE, not two. (Before: the update brought the memory back after
+    delete_all had counted it, and delete_all recorded a second DELETE.)"""
+    history = memory._history
+    main = threading.get_ident()
+    hooks: list[Callable[[], None]] = []
+
+    def slow_history(events: list[dict[str, Any]], **kw: Any) -> Any:
+        if events and events[0]["event"] == "UPDATE":
+            time.sleep(0.3)  # (the update holds its memory's lock: read, not yet written)
+        if threading.get_ident() == main and hooks:
+            hooks.pop()()  # (delete_all has scanned; hand the turn to another thread)
+        return history(events, **kw)
+
+    monkeypatch.setattr(memory, "_history", slow_history)
+    (mid,) = [a["id"] for a in memory.add("tea original", user_id="u")]
+    errors: list[BaseException] = []
+
+    def call(fn: Callable[..., Any], *a: Any) -> None:
+        try:
+            fn(*a)
+        except BaseException as e:
+            errors.append(e)
+
+    up = threading.Thread(target=call, args=(memory.update, mid, "tea edited"))
+    up.start()
+    time.sleep(0.1)  # (the update is in its 0.3 s under the lock)
+    assert memory.delete_all(user_id="u") == 1
+    up.join()
+    assert errors == []
+    assert memory.get(mid) is None, "the update brought back a memory delete_all counted deleted"
+    assert [e["event"] for e in memory.history(mid)] == ["ADD", "UPDATE", "DELETE"]
+
+    (mid,) = [a["id"] for a in memory.add("tea again", user_id="u")]
+    other = threading.Thread(target=call, args=(memory.delete, mid))
+    hooks.append(lambda: (other.start(), other.join(timeout=1.0)))  # (it waits for the lock)
+    n = memory.delete_all(user_id="u")
+    other.join()
+    assert memory.get(mid) is None
+    assert [e["event"] for e in memory.history(mid)] == ["ADD", "DELETE"]
+    assert n == 1 and [type(e) for e in errors] == [KeyError]
+
+
 def test_users_are_isolated_adversarially(memory: KalosMemory) -> None:
     ids = {}
     for u in ADVERSARIAL_USERS:

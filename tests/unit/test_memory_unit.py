@@ -148,6 +148,10 @@ def test_messages_in_every_shape() -> None:
         ("user", None, "from llama"),
         ("user", None, "plain"),
     ]
+    # one message object, not in a list (pydantic models are iterable: their fields came out)
+    assert _messages(HumanMessage("alone")) == [("user", None, "alone")]
+    assert _messages(AIMessage("reply", name="bot")) == [("assistant", "bot", "reply")]
+    assert _messages(ChatMessage(role=MessageRole.USER, content="llama alone")) == [("user", None, "llama alone")]
     with pytest.raises(TypeError, match="messages"):
         _messages([42])
     with pytest.raises(TypeError, match="content must be text"):
