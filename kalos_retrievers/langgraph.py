@@ -956,21 +956,15 @@ def _apply_operator(value: Any, op: str, arg: Any) -> bool:
             raise ValueError(f"{op} takes a list, got {type(arg).__name__}")
         found = any(_compare(value, a) for a in arg)
         return found if op == "$in" else not found
-    if op not in _SIDECAR_OPS:
+    if op not in _RANGES:
         raise ValueError(f"Unsupported operator: {op}")
-    try:
-        a, b = float(value), float(arg)
-    except (TypeError, ValueError):
-        return False
-    if op == "$gt":
-        return a > b
-    if op == "$gte":
-        return a >= b
-    if op == "$lt":
-        return a < b
-    if op == "$lte":
-        return a <= b
-    raise ValueError(f"Unsupported operator: {op}")
+    # the rule of a top-level field's range (_sidecar_clause): numbers with numbers, booleans
+    # among them as 1 and 0, strings with strings; any other pair does not match
+    if isinstance(arg, int | float) and isinstance(value, int | float):
+        return bool(_RANGES[op](float(value), float(arg)))
+    if isinstance(arg, str) and isinstance(value, str):
+        return bool(_RANGES[op](value, arg))
+    return False
 
 
 def _does_match(cond: MatchCondition, ns: tuple[str, ...]) -> bool:

@@ -383,6 +383,24 @@ def test_filter_operators_beyond_in_memory_stores(store: KalosStore) -> None:
             store.search(("nothing", "here"), filter=bad)
 
 
+def test_a_range_on_a_nested_field_follows_a_top_level_ones_rule(store: KalosStore) -> None:
+    """Ordered comparisons on a nested field (checked in this process) answer as on a
+    top-level one (in the sidecar): numbers with numbers, booleans as 1 and 0, strings with
+    strings, nothing else. (Before: both sides went through float(), so "5" > 3 held nested
+    and not at the top, and "b" > "a" the other way round.)"""
+    stored = {"int": 5, "float": 2.5, "numstr": "5", "str": "b", "true": True, "false": False, "none": None}
+    for key, v in stored.items():
+        store.put(("rng",), key, {"n": v, "m": {"n": v}})
+    store.put(("rng",), "missing", {"m": {}})
+    for op in ("$gt", "$gte", "$lt", "$lte"):
+        for arg in (3, 1, 0.5, "a", "c", True):
+            top = sorted(keys(store.search(("rng",), filter={"n": {op: arg}}, limit=20)))
+            nested = sorted(keys(store.search(("rng",), filter={"m": {"n": {op: arg}}}, limit=20)))
+            assert nested == top, (op, arg)
+    assert sorted(keys(store.search(("rng",), filter={"m": {"n": {"$gt": "a"}}}))) == ["str"]
+    assert sorted(keys(store.search(("rng",), filter={"m": {"n": {"$gt": 0.5}}}))) == ["float", "int", "true"]
+
+
 def test_an_empty_key_is_refused_on_put_and_absent_on_get(store: KalosStore) -> None:
     with pytest.raises(ValueError, match="non-empty strings"):
         store.put(("x",), "", {"text": "tea"})
