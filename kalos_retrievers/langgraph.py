@@ -625,15 +625,21 @@ class KalosStore(BaseStore):
                         r = got.get(key)
                         checked[key] = r if _passes(r, norm, residual) else None
                 found = [(score, ns, checked[key]) for key, score in keys.items() if checked[key] is not None]
-                if len(found) >= want or len(res) < k or k >= max_k:
+                full = len(res) >= k  # (vectors beyond these may match)
+                # the last vector returned scores what the want-th item does: others may tie
+                # with it unreturned, and which of them a recall returns depends on its k, so
+                # pages cut from recalls of different k would repeat some and skip others
+                tied = full and len(found) >= want and res[-1].score >= sorted(f[0] for f in found)[-want]
+                if (len(found) >= want and not tied) or not full or k >= max_k:
                     break
-                k = min(max_k, 4 * k)  # several vectors per item, residual filtering, stale rows
-            if len(found) < want and len(res) >= k:
+                k = min(max_k, 4 * k)  # several vectors per item, residual filtering, stale rows, ties
+            if full and (len(found) < want or tied):
                 # more vectors match than one recall may return (--max-k), and too few of their
-                # items passed: the items beyond were neither scored nor known to be absent
+                # items passed (or the want-th is tied with vectors not returned): the items
+                # beyond were neither scored nor known to be absent
                 found = self._scored_by_scan(ns, items_ns, vecs_ns, qvec, flt, norm, residual, checked, deadline)
             best.extend(found)  # type: ignore[arg-type]
-        best.sort(key=lambda t: -t[0])
+        best.sort(key=lambda t: (-t[0], t[1], t[2].id))  # (ties by namespace and key: stable pages)
         return best[:want]  # type: ignore[return-value]
 
     def _scored_by_scan(

@@ -300,6 +300,31 @@ def test_searches_past_one_recall_rank_every_matching_item(
         store.close()
 
 
+@pytest.mark.parametrize("max_k", [16, 1024])
+def test_pages_of_tied_scores_neither_repeat_nor_skip(max_k: int, make_name: Callable[[], str]) -> None:
+    """Items whose texts are the same score the same: pages through them are cut from one
+    order, best first and then by namespace and key, whatever each page's offset + limit.
+    (Before: which of the tied vectors a recall returned depended on its k, so pages of 7
+    repeated some items and skipped others.) At --max-k 16 the ties run past one recall and
+    are scored in this process; at 1024 a recall of more vectors settles them."""
+    with Sidecar(make_name(), dim=DIM, device="cpu", max_k=max_k, startup_timeout=60.0) as sc:
+        store = KalosStore(sc.name, index=INDEX)
+        order = [f"k{i:03d}" for i in range(61)]
+        rng = np.random.default_rng(5)
+        for i in rng.permutation(len(order)).tolist():  # (put in an order unlike the keys')
+            store.put(("tie", "b" if i % 3 else "a"), order[i], {"text": "rome"})
+        for i in range(5):
+            store.put(("tie", "a"), f"worse{i}", {"text": f"rome {'tea ' * (i + 1)}"})
+        want = [k for ns in ("a", "b") for k in order if ("b" if int(k[1:]) % 3 else "a") == ns]
+        want += [f"worse{i}" for i in range(5)]
+        whole = store.search(("tie",), query="rome", limit=100)
+        assert [i.key for i in whole] == want
+        assert len({i.score for i in whole[:61]}) == 1  # (the ties are real)
+        pages = [i.key for o in range(0, 70, 7) for i in store.search(("tie",), query="rome", limit=7, offset=o)]
+        assert pages == [i.key for i in whole]
+        store.close()
+
+
 def test_agrees_with_langgraph_in_memory_store(sidecar: Sidecar) -> None:
     """The same operations on LangGraph's reference store and on Kalos give the same answers:
     ranked results in the same order with the same scores, filtered listings with the same
