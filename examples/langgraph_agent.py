@@ -60,7 +60,9 @@ class State(MessagesState):
 
 
 def memories_of(user: str) -> tuple[str, ...]:
-    return ("users", user, "memories")
+    """The namespace of a user's memories. LangGraph refuses a label with a "." (an email,
+    say), so the name is percent-encoded there."""
+    return ("users", user.replace("%", "%25").replace(".", "%2E"), "memories")
 
 
 def build_graph(llm: Any, *, k: int = 3, min_score: float = 0.2) -> StateGraph:

@@ -390,7 +390,9 @@ def test_langgraph_agent_keeps_per_user_memories(
     assert "2 memories of 'alice'" in out
 
     script = tmp_path / "again.txt"
-    script.write_text("How do I take my coffee?\n/user alice\nHow do I take my coffee?\n")
+    script.write_text("How do I take my coffee?\n/user alice\nHow do I take my coffee?\n"
+                      "/user ann.lee@example.org\nI drink my coffee with cream.\n"
+                      "How do I take my coffee?\n/memories\n")  # fmt: skip
     again = run_example(
         "langgraph_agent.py",
         "--script",
@@ -403,6 +405,9 @@ def test_langgraph_agent_keeps_per_user_memories(
     ).stdout
     assert "oat milk" in reply_to(again, "How do I take my coffee?", 0)
     assert "black" in reply_to(again, "How do I take my coffee?", 1)
+    # a user name with a "." (LangGraph refuses it in a namespace label: the example encodes it)
+    assert "cream" in reply_to(again, "How do I take my coffee?", 2)
+    assert "1 memories of 'ann.lee@example.org'" in again
 
     # the whole chat once more on the same --data-dir: the statements told again replace their
     # memories (keyed by their text) instead of doubling them (with random keys this reads 4)
