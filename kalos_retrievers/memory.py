@@ -527,16 +527,36 @@ class KalosMemory:
         if filters is not None and not isinstance(filters, Mapping):
             raise TypeError(f"filters must be a dict, got {type(filters).__name__}")
         given = {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}
+
+        def lift(key: str, value: Any) -> bool:
+            """Take a scope id given in ``filters`` (a plain id, or ``{"eq": id}``)."""
+            if key not in SCOPE_KEYS:
+                return False
+            if isinstance(value, Mapping) and len(value) == 1 and next(iter(value)) in ("eq", "$eq"):
+                value = next(iter(value.values()))
+            if not isinstance(value, str) or value == "*":  # ("*": present, not a scope)
+                return False
+            if given[key] is not None and given[key] != value:
+                raise ValueError(f"{key}={given[key]!r} conflicts with filters[{key!r}]={value!r}")
+            given[key] = value
+            return True
+
         rest: dict[str, Any] = {}
         for key, value in (filters or {}).items():
-            if key in SCOPE_KEYS and isinstance(value, str) and value != "*":  # ("*": present)
-                if given[key] is not None and given[key] != value:
-                    raise ValueError(
-                        f"{key}={given[key]!r} conflicts with filters[{key!r}]={value!r}"
-                    )
-                given[key] = value
-            else:
+            if key in ("AND", "$and") and isinstance(value, list | tuple):
+                # mem0's newer spelling: {"AND": [{"user_id": "alice"}, ...]}
+                kept = [c for c in value
+                        if not (isinstance(c, Mapping) and len(c) == 1 and lift(*next(iter(c.items()))))]  # fmt: skip
+                if kept or not value:
+                    rest[key] = kept if kept else value
+            elif not lift(key, value):
                 rest[key] = value
+        if all(v is None for v in given.values()):
+            raise ValueError(
+                "at least one of user_id, agent_id or run_id is required: as an argument, or in "
+                "filters as an id ({'user_id': 'alice'} or {'user_id': {'eq': 'alice'}}, at the top "
+                "level or in a top-level AND)"
+            )
         scope = _scope(**given)  # type: ignore[arg-type]
         parts: list[dict[str, Any]] = [{k: {"$eq": v}} for k, v in scope.items()]
         if rest:

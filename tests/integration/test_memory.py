@@ -123,6 +123,17 @@ def test_mem0_style_filters_and_scope_in_filters(memory: KalosMemory) -> None:
     assert texts(memory.get_all(user_id="alice", filters={"agent_id": "*"})) == {"flight booked by the planner"}
     assert texts(memory.search("flight", user_id="alice", filters={"agent_id": "*"})) == {
         "flight booked by the planner"}  # fmt: skip
+    # mem0's newer spellings of a scope: {"eq": id}, and inside a top-level AND
+    both = {"flight to paris", "flight to rome", "flight booked by the planner"}
+    assert texts(memory.search("flight", filters={"user_id": {"eq": "alice"}})) == both
+    assert texts(memory.search("flight", filters={"AND": [{"user_id": "alice"}, {"year": {"gte": 2024}}]})) == {
+        "flight to rome"}  # fmt: skip
+    assert texts(memory.get_all(filters={"$and": [{"agent_id": "planner"}, {"user_id": {"eq": "bob"}}]})) == {
+        "flight booked for bob"}  # fmt: skip
+    with pytest.raises(ValueError, match="conflicts"):
+        memory.search("flight", user_id="bob", filters={"AND": [{"user_id": "alice"}]})
+    with pytest.raises(ValueError, match=r"at least one of .* in a top-level AND"):
+        memory.search("flight", filters={"user_id": {"in": ["alice"]}})  # (not a scope: which one?)
 
 
 def test_both_spellings_of_a_condition_in_one_filter_both_hold(memory: KalosMemory) -> None:
