@@ -63,6 +63,13 @@ def get_threads() -> int | None:
     return int(getattr(lib, getter)())
 
 
+def pool_threads() -> int | None:
+    """The pool products above :data:`SMALL_PRODUCT` use (what ``--threads`` set, or the
+    library's count), where :func:`get_threads` says what OpenBLAS is set to now: 1 after a
+    small product (:func:`threads_for`). None when numpy does not use OpenBLAS."""
+    return _threads.pool if _threads.pool is not None else get_threads()
+
+
 def set_threads(n: int) -> str | None:
     """Use ``n`` threads for later products; returns the library's path, or None when numpy
     does not use an OpenBLAS this module can find (set ``OPENBLAS_NUM_THREADS``, or

@@ -61,6 +61,7 @@ from .index import (
     normalize_rows,
     topk_rows,
 )
+from .knobs import knob, whole
 from .stats import HOST_TIMING
 
 try:  # a queued batch's descriptor and CUDA calls in C (sidecar/_launch.c); optional
@@ -76,7 +77,7 @@ MERGE_UNROLL: Final = 4  # as in kernels/recall.cu
 # Batches of at least GEMM_MIN_Q queries go through cuBLAS (tensor cores) + a top-k kernel;
 # KALOS_GEMM=0 sends them through fused launches of up to FUSED_MAX_Q queries instead.
 USE_GEMM: Final = os.environ.get("KALOS_GEMM", "1") != "0"
-GEMM_MIN_Q: Final = max(2, int(os.environ.get("KALOS_GEMM_MIN_Q", "2")))
+GEMM_MIN_Q: Final = max(2, knob("KALOS_GEMM_MIN_Q", whole(0), 2))
 # Float16 batches of at least GEMM_MIN_Q queries go through mma_filter (tensor cores, the rows
 # read once, candidates filtered against a threshold as they are scored) when it applies: a
 # device of compute capability 8.0 or later, the threshold's sample fits, and the queries fit in
@@ -109,7 +110,7 @@ QUEUE_BEHIND: Final = os.environ.get("KALOS_QUEUE_BEHIND", "1") != "0"
 # that launch took ~73 µs of host time (S31-2), most of it per member, and the device waits
 # for it whenever the cohort's last client comes back late. KALOS_QUEUE_C=0: the Python way.
 QUEUE_C: Final = os.environ.get("KALOS_QUEUE_C", "1") != "0"
-SIDE_RESERVE: Final = max(0, int(os.environ.get("KALOS_SIDE_RESERVE", "32")))
+SIDE_RESERVE: Final = knob("KALOS_SIDE_RESERVE", whole(0), 32)
 SELECT_GATHER: Final = 2048  # as in kernels/recall.cu
 # as in kernels/recall.cu: tickets, bounds, counts per query; next row, direction, the batch-1
 # lists' tag and how many blocks' heads and lists follow (LL_WORDS_PER_BLOCK words each: a
@@ -198,7 +199,7 @@ def _whole_number(name: str, value: str | None, default: int, meaning: str) -> i
     return int(v)
 
 
-FILTER_LIST = filter_list_fraction(os.environ.get("KALOS_FILTER_LIST"))
+FILTER_LIST = knob("KALOS_FILTER_LIST", filter_list_fraction, FILTER_LIST_DEFAULT)
 # Lists only where the index holds at least LIST_MIN_ROWS rows below its high-water mark: the
 # walk a list saves grows with the rows, and while the resident kernel serves any list it runs
 # its build with lists, which costs the default namespace's recall. On an H100 (S54-5/6, a
@@ -223,7 +224,7 @@ def list_min_rows(value: str | None) -> int:
                          "for filters and namespaces to be scanned through lists of their rows; 0: any")
 
 
-LIST_MIN_ROWS = list_min_rows(os.environ.get("KALOS_LIST_MIN_ROWS"))
+LIST_MIN_ROWS = knob("KALOS_LIST_MIN_ROWS", list_min_rows, LIST_MIN_ROWS_DEFAULT)
 
 
 def use_list(kept: int, high: int, fraction: int | None = None, floor: int | None = None) -> bool:
@@ -273,7 +274,7 @@ def list_launch_rows(value: str | None) -> int:
                          "a list costs beyond its rows, in rows of a mask's GEMM pass; 0: batches always take lists")
 
 
-LIST_LAUNCH_ROWS = list_launch_rows(os.environ.get("KALOS_LIST_LAUNCH_ROWS"))
+LIST_LAUNCH_ROWS = knob("KALOS_LIST_LAUNCH_ROWS", list_launch_rows, LIST_LAUNCH_ROWS_DEFAULT)
 
 
 def list_pays(n: int, kept: int, high: int, launch_rows: int | None = None) -> bool:
@@ -305,7 +306,7 @@ _BELL_STAMPS: Final = struct.Struct("<12Q")  # at _BELL_SERVED + 8
 # candidates' rows, off that path, and keeps reading host memory. KALOS_ARENA_COPY=0: host reads.
 BELL_ARENA_DEVICE: Final = 16
 ARENA_COPY: Final = os.environ.get("KALOS_ARENA_COPY", "1") != "0"
-DOORBELL_MODE: Final = int(os.environ.get("KALOS_DOORBELL_MODE", "7")) & ~BELL_ARENA_DEVICE  # (ours to set)
+DOORBELL_MODE: Final = knob("KALOS_DOORBELL_MODE", whole(0), 7) & ~BELL_ARENA_DEVICE  # (ours to set)
 _BELL_WORDS: Final = 12  # BELL_WORDS in kernels/recall.cu
 _BELL_CAND_WORDS: Final = 20  # BELL_CAND_WORDS: int8 candidate area, words per candidate
 DOORBELL_MAX_K: Final = 1024
@@ -346,7 +347,7 @@ def carousel_mode(value: str | None) -> tuple[bool, bool]:
     return v != "0", v == "direct"
 
 
-USE_CAROUSEL, CAROUSEL_DIRECT = carousel_mode(os.environ.get("KALOS_CAROUSEL"))
+USE_CAROUSEL, CAROUSEL_DIRECT = knob("KALOS_CAROUSEL", carousel_mode, carousel_mode(None))
 # how long a stop waits for the direct requests aboard, and those asked before the clients saw
 # the epoch change, before it abandons them (their clients then ask again the usual way)
 _CAROUSEL_DRAIN_S: Final = 0.05
@@ -415,6 +416,35 @@ def bell_blocks_per_sm(env: Mapping[str, str]) -> int:
     if raw not in ("1", "2", "3", "4", "5", "6", "7", "8"):
         raise ValueError(f"KALOS_BELL_PER_SM={raw!r}: expected an integer from 1 to 8")
     return int(raw)
+
+
+def gpu_memory_limit(env: Mapping[str, str]) -> int:
+    """The bytes of GPU memory the index may take, from ``KALOS_GPU_MEMORY_LIMIT`` (a test's
+    knob: a small limit makes capacity errors cheap to reach); 0, unset or blank: no limit.
+
+    Raises:
+        ValueError: not a whole number.
+    """
+    raw = env.get("KALOS_GPU_MEMORY_LIMIT", "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"KALOS_GPU_MEMORY_LIMIT={raw!r}: expected a whole number of bytes (0: no limit)")
+    return int(raw)
+
+
+def environment_errors(env: Mapping[str, str]) -> list[str]:
+    """What is wrong with the variables a :class:`GpuIndex` reads when it is made (the rest
+    are read at import: :data:`knobs.ERRORS <sidecar.knobs.ERRORS>`), one line each: checked
+    by ``serve`` wherever a GPU backend could be picked, before it looks for a GPU, so a
+    mistyped value fails on the laptop that could have used a GPU, not first on the GPU host."""
+    errors = []
+    for read in (rescore_factor, tpr_override, bell_blocks_per_sm, gpu_memory_limit):
+        try:
+            read(env)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
 
 
 class SmLimits(NamedTuple):
@@ -696,7 +726,7 @@ class GpuIndex(Index):
         isz = np.dtype(self.np_dtype).itemsize
         self.ld = -(-dim // (16 // isz)) * (16 // isz)
         self.tpr = tpr or choose_tpr(self.ld * isz // 16)
-        self.memory_limit = memory_limit or int(os.environ.get("KALOS_GPU_MEMORY_LIMIT", "0")) or None
+        self.memory_limit = memory_limit or gpu_memory_limit(os.environ) or None
         self.fault_inject = os.environ.get("KALOS_FAULT_INJECT", "")
         self._compile()
         self.stream = cp.cuda.Stream(non_blocking=True)

@@ -157,10 +157,14 @@ def make_index(cfg: ServeConfig) -> Index:
     if dev != "auto" and not (dev == "cuda" or dev.startswith("cuda:")):
         raise StartError(f"--device {dev!r}: use auto, cpu, cuda or cuda:N", EXIT_USAGE)
     ordinal = int(dev.split(":", 1)[1]) if ":" in dev else 0
-    try:
-        from .index_gpu import CAND_MAX as INT8_MAX_K  # (no CuPy needed to import it)
-    except ValueError as e:  # a switch it reads from the environment at import (KALOS_CAROUSEL=bogus)
-        raise StartError(str(e), EXIT_USAGE) from None
+    from .index_gpu import CAND_MAX as INT8_MAX_K  # (no CuPy needed to import it)
+    from .index_gpu import environment_errors
+
+    # the switches it reads at import (KALOS_CAROUSEL=bogus: knobs.ERRORS) and those a GpuIndex
+    # reads when made, checked before any GPU is looked for: on the laptop too
+    errors = knobs.ERRORS + environment_errors(os.environ)
+    if errors:
+        raise StartError("; ".join(errors), EXIT_USAGE)
 
     if cfg.dtype == "int8" and cfg.max_k > INT8_MAX_K:
         # (its re-scoring buffer: a larger k would come back short)
@@ -884,7 +888,7 @@ class Server:
             "durable": self.service.store.durable,
             "data_dir": self.cfg.data_dir,
             "slots": self.layout.n_slots,
-            "blas_threads": blas.get_threads(),
+            "blas_threads": blas.pool_threads(),  # (the pool: small products take 1 thread)
             "index": idx,
             "device_bytes": idx.get("device_bytes", 0),
             **({"serve_thread": st} if (st := thread_sched(self._serve_tid)) is not None else {}),

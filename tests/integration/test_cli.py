@@ -235,6 +235,32 @@ def test_an_unknown_carousel_switch_exits_2_naming_it(make_name, device: str) ->
     assert proc.wait(15) == 0
 
 
+def test_bad_gpu_switches_exit_2_naming_each_with_auto_and_are_not_read_on_cpu(make_name) -> None:
+    """The GPU index's switches, those read at its import and those a GpuIndex reads when
+    made, are checked wherever ``auto`` could pick a GPU, a machine without one included: one
+    line naming each, exit 2. (Before: KALOS_GEMM_MIN_Q=x failed with int()'s message naming
+    nothing, only the first was said, and KALOS_RESCORE_FACTOR was first read on a GPU.) The
+    control: ``--device cpu`` reads none of them and starts."""
+    bad = {"KALOS_GEMM_MIN_Q": "x", "KALOS_SIDE_RESERVE": "-1", "KALOS_DOORBELL_MODE": "seven",
+           "KALOS_RESCORE_FACTOR": "99", "KALOS_TPR": "3", "KALOS_GPU_MEMORY_LIMIT": "1e9"}  # fmt: skip
+    env = {**os.environ, **bad}
+    name = make_name()
+    r = subprocess.run([*CLI, "serve", "--name", name, "--dim", "4", "--device", "auto"], env=env,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr
+    for key, value in bad.items():
+        assert f"{key}={value!r}: expected" in errors[0], (key, r.stderr)
+    assert "Traceback" not in r.stderr and shm_objects(name) == []
+    proc = subprocess.Popen([*CLI, "serve", "--name", name, "--dim", "4", "--device", "cpu"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_ready(name, proc)
+    finally:
+        proc.terminate()
+    assert proc.wait(15) == 0
+
+
 def test_a_metrics_port_in_use_exits_2_and_leaves_nothing(make_name) -> None:
     """The port is bound once the name is taken, before the rows load: a port in use is a
     usage error (exit 2, one line), and nothing is left in /dev/shm (it used to fail after
@@ -419,18 +445,22 @@ def test_cuda_without_a_gpu_exits_5(make_name) -> None:
     assert "using the CPU backend" in (auto.stdout.read() if auto.stdout else "")
 
 
-def test_threads_flag_sets_the_sidecars_blas_threads(make_name) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_flag_sets_the_sidecars_blas_threads(make_name, threads: int) -> None:
+    """``stats`` shows the pool ``--threads`` set, also after a small product ran on one
+    thread (it showed OpenBLAS's setting of the moment: 1 after any small recall)."""
     name = make_name()
-    proc = serve(name, "--dim", "7", "--threads", "1")
+    proc = serve(name, "--dim", "7", "--threads", str(threads))
     try:
         wait_ready(name, proc)
         stats = json.loads(cli("stats", name).stdout)
-        assert stats["blas_threads"] == 1
+        assert stats["blas_threads"] == threads
         with KalosClient(name) as c:  # and it still answers
             c.upsert(["a", "b"], [np.eye(7)[0], np.eye(7)[1]], texts=["x", "y"])
             assert c.recall(np.eye(7)[1], 1).ids == ["b"]
+        assert json.loads(cli("stats", name).stdout)["blas_threads"] == threads
         assert cli("stop", name).returncode == 0
-        assert "BLAS threads: 1" in (proc.stdout.read() if proc.stdout else "")
+        assert f"BLAS threads: {threads}" in (proc.stdout.read() if proc.stdout else "")
     finally:
         if proc.poll() is None:
             proc.kill()
