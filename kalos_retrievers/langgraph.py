@@ -608,7 +608,7 @@ class KalosStore(BaseStore):
         norm = validate_filter(flt)
         best: list[tuple[float, tuple[str, ...], Record]] = []
         for ns, items_ns, vecs_ns in spaces:
-            k = min(max_k, want)
+            k = min(max_k, want + 1)  # (one vector past the cut: whether it ties with the cut)
             checked: dict[str, Record | None] = {}
             while True:
                 res = self.client.recall(qvec, k, namespace=vecs_ns, filter=flt,
@@ -626,18 +626,24 @@ class KalosStore(BaseStore):
                         checked[key] = r if _passes(r, norm, residual) else None
                 found = [(score, ns, checked[key]) for key, score in keys.items() if checked[key] is not None]
                 full = len(res) >= k  # (vectors beyond these may match)
-                # the last vector returned scores what the want-th item does: others may tie
-                # with it unreturned, and which of them a recall returns depends on its k, so
-                # pages cut from recalls of different k would repeat some and skip others
-                tied = full and len(found) >= want and res[-1].score >= sorted(f[0] for f in found)[-want]
+                tied = seen = False
+                if len(found) >= want:
+                    scores = sorted((f[0] for f in found), reverse=True)
+                    # the last vector returned scores what the want-th item does: vectors not
+                    # returned may too, and which of them a recall returns depends on its k, so
+                    # pages cut from recalls of different k would repeat some and skip others
+                    tied = full and res[-1].score >= scores[want - 1]
+                    seen = len(scores) > want and scores[want] >= scores[want - 1]  # (one is here)
                 if (len(found) >= want and not tied) or not full or k >= max_k:
                     break
                 k = min(max_k, 4 * k)  # several vectors per item, residual filtering, stale rows, ties
-            if full and (len(found) < want or tied):
+            if full and (len(found) < want or (tied and seen)):
                 # more vectors match than one recall may return (--max-k), and too few of their
-                # items passed (or the want-th is tied with vectors not returned): the items
-                # beyond were neither scored nor known to be absent
-                found = self._scored_by_scan(ns, items_ns, vecs_ns, qvec, flt, norm, residual, checked, deadline)
+                # items passed, or a tie at the cut runs past it: the items beyond were
+                # neither scored nor known to be absent. (At --max-k, a last vector that
+                # scores the cut with no tie among those returned is taken as no tie.)
+                found = self._scored_by_scan(ns, items_ns, vecs_ns, qvec, flt, norm, residual, checked,
+                                             keys, deadline)  # fmt: skip
             best.extend(found)  # type: ignore[arg-type]
         best.sort(key=lambda t: (-t[0], t[1], t[2].id))  # (ties by namespace and key: stable pages)
         return best[:want]  # type: ignore[return-value]
@@ -652,11 +658,15 @@ class KalosStore(BaseStore):
         norm: dict[str, Any] | None,
         residual: dict[str, Any],
         checked: dict[str, Record | None],
+        recalled: Mapping[str, float],
         deadline: float,
     ) -> list[tuple[float, tuple[str, ...], Record]]:
         """Every matching item of one space by its best vector, scored in this process from
         the space's matching vector rows (read with their vectors, a page at a time): what a
-        search needs when the sidecar's top ``--max-k`` vectors hold too few passing items."""
+        search needs when the sidecar's top ``--max-k`` vectors hold too few passing items.
+        An item the sidecar's recall returned (``recalled``: its best score there) keeps that
+        score, so that its place among others is the same on a page that needed no scan (the
+        sidecar scores in float32, here in float64)."""
         metric = self.client.metric
         best: dict[str, float] = {}
         offset = 0
@@ -679,6 +689,7 @@ class KalosStore(BaseStore):
             for key in part:
                 r = got.get(key)
                 checked[key] = r if _passes(r, norm, residual) else None
+        best.update((key, score) for key, score in recalled.items() if key in best)
         return [(score, ns, checked[key]) for key, score in best.items() if checked[key] is not None]  # type: ignore[misc]
 
     def _scan_items(
@@ -967,7 +978,7 @@ def _apply_operator(value: Any, op: str, arg: Any) -> bool:
     # the rule of a top-level field's range (_sidecar_clause): numbers with numbers, booleans
     # among them as 1 and 0, strings with strings; any other pair does not match
     if isinstance(arg, int | float) and isinstance(value, int | float):
-        return bool(_RANGES[op](float(value), float(arg)))
+        return bool(_RANGES[op](value, arg))  # (exact, ints beyond 2**53 too, as in the sidecar)
     if isinstance(arg, str) and isinstance(value, str):
         return bool(_RANGES[op](value, arg))
     return False

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, TypedDict
@@ -275,6 +276,7 @@ def test_searches_past_one_recall_rank_every_matching_item(
             ({"query": "item 150", "limit": 12, "offset": 6, "filter": {"n": {"$lte": 3}, "meta": {"lang": "de"}}},
              lambda v: v["n"] <= 3 and v["meta"]["lang"] == "de", True),
             ({"query": "item 42", "limit": 9}, lambda v: True, False),  # control: one recall
+            ({"query": "item 42", "limit": 16}, lambda v: True, False),  # (== --max-k: no tie, no read)
         ]  # fmt: skip
         for q, passes, reads in cases:
             qv = np.array(emb.embed_query(q["query"]), np.float64)
@@ -300,6 +302,19 @@ def test_searches_past_one_recall_rank_every_matching_item(
         store.close()
 
 
+class _SeededEmbeddings(Embeddings):
+    """A random vector per text (seeded by it): scores of many digits, unlike KeywordEmbeddings'."""
+
+    def _vec(self, text: str) -> list[float]:
+        return np.random.default_rng(zlib.crc32(text.encode())).standard_normal(DIM).tolist()
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return [self._vec(t) for t in texts]
+
+    def embed_query(self, text: str) -> list[float]:
+        return self._vec(text)
+
+
 @pytest.mark.parametrize("max_k", [16, 1024])
 def test_pages_of_tied_scores_neither_repeat_nor_skip(max_k: int, make_name: Callable[[], str]) -> None:
     """Items whose texts are the same score the same: pages through them are cut from one
@@ -322,6 +337,21 @@ def test_pages_of_tied_scores_neither_repeat_nor_skip(max_k: int, make_name: Cal
         assert len({i.score for i in whole[:61]}) == 1  # (the ties are real)
         pages = [i.key for o in range(0, 70, 7) for i in store.search(("tie",), query="rome", limit=7, offset=o)]
         assert pages == [i.key for i in whole]
+        # one namespace scored in this process for the later pages only (at --max-k 16): an
+        # item the sidecar returned keeps the sidecar's score there (float32, where this
+        # process scores in float64), so its place does not move between pages
+        noisy = KalosStore(sc.name, index={"dims": DIM, "embed": _SeededEmbeddings(), "fields": ["text"]},
+                           prefix="noisy")  # fmt: skip
+        for i in range(10):
+            noisy.put(("mix", "a"), f"a{i}", {"text": "T"})
+            noisy.put(("mix", "a"), f"u{i}", {"text": "U"})
+        for i in range(3):
+            noisy.put(("mix", "b"), f"b{i}", {"text": "T"})
+        for q in [f"query {j}" for j in range(8)]:
+            whole = [i.key for i in noisy.search(("mix",), query=q, limit=100)]
+            pages = [i.key for o in range(0, 25, 5) for i in noisy.search(("mix",), query=q, limit=5, offset=o)]
+            assert pages == whole, q
+        noisy.close()
         store.close()
 
 
