@@ -79,9 +79,10 @@ def set_threads(n: int) -> str | None:
     found = _openblas()
     if found is None:
         return None
-    path, lib, setter, _ = found
+    path, lib, setter, getter = found
     getattr(lib, setter)(ctypes.c_int(n))
-    _threads.pool = _threads.current = n
+    # what it took: OpenBLAS caps the count at what it was built for (--threads 1000: 64)
+    _threads.pool = _threads.current = int(getattr(lib, getter)())
     return path
 
 

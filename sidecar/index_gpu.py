@@ -47,7 +47,7 @@ import numpy as np
 from kalos_retrievers.arena import ARENA_HEADER_SIZE, ENTRY_SIZE
 from kalos_retrievers.protocol import DOORBELL_SCOPE_ARGS_MAX, CarouselLayout, Metric, decode_recall_args
 
-from . import carousel
+from . import carousel, knobs
 from . import cuda_kernels as kernels
 from .crowd import CrowdLane
 from .direct import DirectSlots
@@ -194,7 +194,7 @@ def _whole_number(name: str, value: str | None, default: int, meaning: str) -> i
     v = (value or "").strip()
     if not v:
         return default
-    if not v.isdigit():
+    if not (v.isascii() and v.isdigit()):
         raise ValueError(f"{name}={value!r}: expected a whole number >= 0 ({meaning}; default {default})")
     return int(v)
 
@@ -428,7 +428,7 @@ def gpu_memory_limit(env: Mapping[str, str]) -> int:
     raw = env.get("KALOS_GPU_MEMORY_LIMIT", "").strip()
     if not raw:
         return 0
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):  # (isdigit alone takes "²", which int() refuses)
         raise ValueError(f"KALOS_GPU_MEMORY_LIMIT={raw!r}: expected a whole number of bytes (0: no limit)")
     return int(raw)
 
@@ -705,7 +705,12 @@ class GpuIndex(Index):
     def __init__(self, dim: int, metric: int, ordinal: int, dtype: str = "float16",
                  memory_limit: int | None = None) -> None:  # fmt: skip
         super().__init__(dim, metric)
-        # the environment's settings first: a bad one fails before a CUDA context exists
+        # the environment's settings first: a bad one fails before a CUDA context exists (those
+        # read at import were recorded, not raised: a script that makes an index itself, a
+        # benchmark say, must not run with a default it was not given; serve checks them too)
+        errors = knobs.ERRORS + environment_errors(os.environ)
+        if errors:
+            raise ValueError("; ".join(errors))
         tpr = tpr_override(os.environ)
         self.bell_per_sm = bell_blocks_per_sm(os.environ)
         self.rescore_factor = rescore_factor(os.environ) if dtype == "int8" else RESCORE_FACTOR

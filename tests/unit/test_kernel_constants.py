@@ -200,6 +200,29 @@ def test_tpr_override_from_the_environment() -> None:
             G.tpr_override({"KALOS_TPR": bad})
 
 
+def test_gpu_memory_limit_and_the_environment_s_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KALOS_GPU_MEMORY_LIMIT is a whole number of bytes, named when it is not ("²" passes
+    str.isdigit and not int()); environment_errors says every bad GpuIndex setting, one line
+    each; a GpuIndex made directly refuses those and the ones recorded at import (which a
+    benchmark building its own index ran with the default before), ahead of CuPy."""
+    from kalos_retrievers.sidecar import index_gpu as G
+    from kalos_retrievers.sidecar import knobs
+
+    assert G.gpu_memory_limit({}) == 0 and G.gpu_memory_limit({"KALOS_GPU_MEMORY_LIMIT": " 4096 "}) == 4096
+    for bad in ("1e9", "-1", "²", "12MB"):
+        with pytest.raises(ValueError, match="KALOS_GPU_MEMORY_LIMIT"):
+            G.gpu_memory_limit({"KALOS_GPU_MEMORY_LIMIT": bad})
+    with pytest.raises(ValueError, match="KALOS_FILTER_LIST='²'"):
+        G.filter_list_fraction("²")
+    assert G.environment_errors({}) == []
+    env = {"KALOS_TPR": "3", "KALOS_RESCORE_FACTOR": "0", "KALOS_GPU_MEMORY_LIMIT": "x"}
+    errors = G.environment_errors(env)
+    assert len(errors) == 3 and all(any(e.startswith(k) for e in errors) for k in env)
+    monkeypatch.setattr(knobs, "ERRORS", ["KALOS_CAROUSEL='bogus': expected 0 (off), ..."])
+    with pytest.raises(ValueError, match="KALOS_CAROUSEL='bogus'"):
+        G.GpuIndex(8, 0, 0)
+
+
 def test_resident_blocks_per_sm_from_the_environment() -> None:
     from kalos_retrievers.sidecar import index_gpu as G
 
