@@ -35,6 +35,13 @@ class FatalDeviceError(Exception):
     serving errors forever would be worse."""
 
 
+class IndexOutOfStep(FatalDeviceError):
+    """A write the store of record committed could not be applied to the row table or the
+    index (out of memory, a bug): they no longer say what the store does, and serving on would
+    answer from rows it has not got, or miss rows it has. The sidecar exits (1) so that a
+    supervisor restarts it, and the index reloads from the store."""
+
+
 @dataclass(frozen=True)
 class SlotSpec:
     """Where one request's queries are and where its results go, inside the shared segment.

@@ -56,11 +56,11 @@ from kalos_retrievers.protocol import (
 
 from . import blas, knobs
 from .dispatcher import LONE_RECALLS, Dispatcher
-from .index import CpuIndex, FatalDeviceError, Index, IndexCapacityError
+from .index import CpuIndex, FatalDeviceError, Index, IndexCapacityError, IndexOutOfStep
 from .knobs import knob, number
 from .service import Service
 from .stats import Stats, thread_sched, time_gc
-from .store import NullStore, SqliteStore, StoreInUse, StoreOpenError
+from .store import NullStore, SqliteStore, StoreInUse, StoreOpenError, StoreUnavailable
 
 log = logging.getLogger("kalos.sidecar")
 
@@ -275,7 +275,8 @@ class Server:
             except StoreOpenError as e:
                 index.close()
                 # (held by a live sidecar: as for a name in use, fine once that one stops)
-                raise StartError(str(e), EXIT_NAME_IN_USE if isinstance(e, StoreInUse) else EXIT_STORE) from None
+                code = EXIT_NAME_IN_USE if isinstance(e, StoreInUse) else EXIT_STORE
+                raise StartError(str(e), EXIT_ERROR if isinstance(e, StoreUnavailable) else code) from None
             except OSError as e:  # (not a directory, a read-only or missing parent, another user's)
                 index.close()
                 code = EXIT_PERMISSION if isinstance(e, PermissionError) else EXIT_USAGE
@@ -585,7 +586,7 @@ class Server:
         try:
             n = self.service.load(progress)
         except StoreOpenError as e:
-            raise StartError(str(e), EXIT_STORE) from None
+            raise StartError(str(e), EXIT_ERROR if isinstance(e, StoreUnavailable) else EXIT_STORE) from None
         except IndexCapacityError as e:  # (the index is sized for the whole store first)
             raise StartError(
                 f"the store of record holds {self.service.store.count()} rows and the index "
@@ -832,7 +833,7 @@ class Server:
         log.critical("%s; exiting so that a supervisor restarts the sidecar (the index "
                      "reloads from the store)", e)  # fmt: skip
         self._fatal = True
-        raise StartError(str(e), EXIT_CUDA_FAULT) from None
+        raise StartError(str(e), EXIT_ERROR if isinstance(e, IndexOutOfStep) else EXIT_CUDA_FAULT) from None
 
     def _badly_fragmented(self) -> bool:
         """Holes are at least half of the scanned rows (and 1,024 or more)."""

@@ -23,7 +23,17 @@ import numpy as np
 from kalos_retrievers.filters import validate_filter
 from kalos_retrievers.protocol import Invalid, Metric, Status, encode_doc, encode_json, encode_recall_args
 
-from .index import NS_ANY, NS_NONE, BellScope, Index, IndexCapacityError, SlotSpec, normalize_rows
+from .index import (
+    NS_ANY,
+    NS_NONE,
+    BellScope,
+    FatalDeviceError,
+    Index,
+    IndexCapacityError,
+    IndexOutOfStep,
+    SlotSpec,
+    normalize_rows,
+)
 from .rows import RowTable
 from .store import NullStore, SqliteStore, StoredRow
 
@@ -129,8 +139,11 @@ class Service:
         new_keys = len(set(ids)) if ns_id is None else sum(self.rows.lookup(ns_id, i) is None for i in set(ids))
         try:  # room first: running out of memory must happen before anything is committed
             self.index.reserve(self.rows.high + len(self.rows.free) + new_keys)
+            self._reserve_rows(new_keys)
         except IndexCapacityError as e:
             raise Invalid(Status.CAPACITY, str(e)) from None
+        except MemoryError:
+            raise Invalid(Status.CAPACITY, f"out of host memory for {new_keys} more rows") from None
         now = time.time()
         batch = []
         for i in range(n):
@@ -138,8 +151,32 @@ class Service:
             created = float(self.rows.created[row]) if row is not None else now
             batch.append(StoredRow(namespace, ids[i], texts[i], meta_json[i], vecs[i], created, now))
         self._commit(lambda: self.store.upsert(batch))
-        self._apply(batch, metas)
+        self._after_commit(lambda: self._apply(batch, metas))
         return n
+
+    def _reserve_rows(self, new_keys: int) -> None:
+        """Grow the row table as :meth:`RowTable.allocate` would for ``new_keys`` more rows,
+        before the commit (a MemoryError then refuses the write instead of following it)."""
+        need = self.rows.high + max(0, new_keys - len(self.rows.free))
+        cap = self.rows.capacity
+        while cap < need:
+            cap = max(1024, 2 * cap)
+        self.rows.grow(cap)
+
+    def _after_commit(self, apply: Callable[[], None]) -> None:
+        """Run ``apply``, which brings the row table and the index in step with a write the
+        store has committed. Anything it raises leaves them behind the store: IndexOutOfStep,
+        which ends the sidecar so that its restart reloads them (before: the client was told
+        INTERNAL while the store held the write, and a deleted row could stay listed)."""
+        try:
+            apply()
+        except FatalDeviceError:
+            raise
+        except Exception as e:
+            log.critical("a committed write could not be applied to the index", exc_info=True)
+            raise IndexOutOfStep(
+                f"a write the store committed could not be applied to the index ({type(e).__name__}: {e})"
+            ) from None
 
     def _apply(self, batch: Sequence[StoredRow], metas: Sequence[dict[str, Any]] | None = None) -> None:
         """Put committed rows into the row table and the index."""
@@ -190,10 +227,13 @@ class Service:
             return 0
         ids_del = [self.rows.ids[r] for r in rows]
         self._commit(lambda: self.store.delete(namespace, ids_del))  # type: ignore[arg-type]
+        self._after_commit(lambda: self._remove(rows))
+        return len(rows)
+
+    def _remove(self, rows: np.ndarray) -> None:
         self.index.clear_rows(rows)
         for r in rows:
             self.rows.remove(int(r))
-        return len(rows)
 
     def _commit(self, fn: Callable[[], None]) -> None:
         try:

@@ -51,6 +51,20 @@ class StoreInUse(StoreOpenError):
     that sidecar stops."""
 
 
+class StoreUnavailable(StoreOpenError):
+    """SQLite could not open the store for a reason outside it (a full disk, an I/O error, no
+    memory): the store may well be fine, and a start once that is mended serves it. (Told
+    apart from damage, which no restart mends: a full disk at a restart read as corrupt, exit
+    4, and a supervisor that does not restart on 4 left the sidecar down.)"""
+
+
+# SQLite's primary result codes that say nothing against the file itself; SQLITE_IOERR's
+# extended SHORT_READ (522, the file is shorter than its pages say) is damage
+_OUTSIDE: Final = {5: "busy", 6: "locked", 7: "out of memory", 10: "I/O error", 13: "disk full",
+                   14: "cannot open a file"}  # fmt: skip
+_SHORT_READ: Final = 522
+
+
 @dataclass(frozen=True)
 class StoredRow:
     namespace: str
@@ -148,16 +162,27 @@ class SqliteStore:
         self.dir = Path(data_dir)
         _make_dir(self.dir)
         self.path = self.dir / DB_FILE
+        self._dir_fd = -1
         self._lock_fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        in_use = StoreInUse(f"data dir {self.dir} is in use by another running sidecar; give each "
+                            "sidecar its own --data-dir")  # fmt: skip
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise StoreInUse(
-                f"data dir {self.dir} is in use by another running sidecar; give each sidecar "
-                "its own --data-dir"
-            ) from None
+            raise in_use from None
         try:
+            # the directory too: the lock file can be unlinked ("a stale lock") while its
+            # holder runs, and the next sidecar would lock a new file beside it. (The file's
+            # lock stays: a sidecar of an earlier release takes only that one.)
+            self._dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise in_use from None
+            except OSError:  # (a filesystem without flock on directories: the file's lock holds)
+                os.close(self._dir_fd)
+                self._dir_fd = -1
             self._open(dim, metric, synchronous)
         except BaseException:
             self.close()
@@ -165,6 +190,7 @@ class SqliteStore:
 
     def _open(self, dim: int, metric: str, synchronous: str) -> None:
         fresh = not self.path.exists()
+        self._refuse_a_lost_main_file()
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.db.execute(f"PRAGMA page_size={PAGE_SIZE}")  # (before WAL: a new file only)
@@ -172,8 +198,14 @@ class SqliteStore:
             self.db.execute(f"PRAGMA synchronous={synchronous}")
             self.db.execute("PRAGMA busy_timeout=5000")
             ok = self.db.execute("PRAGMA quick_check").fetchone()[0]
-        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
-            # (UnicodeDecodeError: SQLite's own message quotes damaged, non-UTF-8 schema text)
+        except sqlite3.DatabaseError as e:
+            if self._outside(e):
+                raise self._unavailable(e) from None
+            raise StoreOpenError(
+                f"{self.path} is not a readable SQLite database ({e}). The store is corrupt: "
+                "restore it from a backup, or move it away to start empty"
+            ) from None
+        except UnicodeDecodeError as e:  # (SQLite's own message quotes damaged, non-UTF-8 schema text)
             raise StoreOpenError(
                 f"{self.path} is not a readable SQLite database ({e}). The store is corrupt: "
                 "restore it from a backup, or move it away to start empty"
@@ -194,7 +226,12 @@ class SqliteStore:
                     "previous release or by another program. Open it with the release that "
                     "wrote it and export the data, or use another --data-dir"
                 )
-            self._create(dim, metric)
+            try:
+                self._create(dim, metric)
+            except sqlite3.DatabaseError as e:
+                if self._outside(e):
+                    raise self._unavailable(e) from None
+                raise
             return
         try:
             meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
@@ -224,6 +261,48 @@ class SqliteStore:
                 "damaged. Restore it from a backup, or move it away to start empty"
             )
 
+    def _refuse_a_lost_main_file(self) -> None:
+        """An empty main file, or one missing or empty beside a write-ahead log that holds
+        frames: the file was lost or truncated (SQLite writes its first page before any log
+        exists). SQLite would open it as a new, empty database (and delete the log, which
+        after a ``kill -9`` holds every row not yet checkpointed): refuse instead (exit 4). A
+        missing file without a log is a new store (or one moved away on purpose)."""
+        wal = self.dir / (DB_FILE + "-wal")
+        try:
+            wal_size = wal.stat().st_size
+        except FileNotFoundError:
+            wal_size = 0
+        try:
+            size: int | None = self.path.stat().st_size
+        except FileNotFoundError:
+            size = None
+        if size == 0 and not wal_size:  # (SQLite would make a new store in it)
+            raise StoreOpenError(
+                f"{self.path} is empty (0 bytes): a store's file never is once made (its first page "
+                "is written at once), so it was truncated and its rows are gone. Restore it from a "
+                "backup, or remove the kalos.sqlite3* files to start empty"
+            )
+        if wal_size and not size:
+            raise StoreOpenError(
+                f"{self.path} is {'missing' if size is None else 'empty'}, but its write-ahead log "
+                f"{wal.name} holds {wal_size} bytes: the store's main file was lost or truncated, and "
+                "SQLite would discard the log. Restore the store from a backup (a first start "
+                "killed while it made the store: remove the kalos.sqlite3* files and start again)"
+            )
+
+    @staticmethod
+    def _outside(e: sqlite3.DatabaseError) -> bool:
+        code = getattr(e, "sqlite_errorcode", None)
+        return code is not None and code != _SHORT_READ and code & 0xFF in _OUTSIDE
+
+    def _unavailable(self, e: sqlite3.DatabaseError) -> StoreUnavailable:
+        why = _OUTSIDE[e.sqlite_errorcode & 0xFF]  # type: ignore[attr-defined]
+        return StoreUnavailable(
+            f"{self.path} could not be opened or read: {why} ({e}; {getattr(e, 'sqlite_errorname', '?')}). "
+            "Nothing says the store is damaged: free space on its disk (SQLite's temporary files "
+            "need room too), or mend the disk, and start again"
+        )
+
     def _has_table(self, name: str) -> bool:
         q = "SELECT 1 FROM sqlite_master WHERE type='table' AND name=?"
         return self.db.execute(q, (name,)).fetchone() is not None
@@ -248,10 +327,14 @@ class SqliteStore:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             yield
+            self.db.execute("COMMIT")  # (in the try: a COMMIT that fails may leave it open)
         except BaseException:
-            self.db.execute("ROLLBACK")
+            # (SQLite may have rolled back already: a full disk part-way through a large write.
+            # Its own error is the one to raise, not ROLLBACK's "no transaction is active".)
+            if self.db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    self.db.execute("ROLLBACK")
             raise
-        self.db.execute("COMMIT")
 
     def upsert(self, rows: Sequence[StoredRow]) -> None:
         """Insert or replace rows in one transaction; returns after the commit."""
@@ -279,6 +362,8 @@ class SqliteStore:
         try:
             return int(self.db.execute("SELECT count(*) FROM memories").fetchone()[0])
         except sqlite3.DatabaseError as e:
+            if self._outside(e):
+                raise self._unavailable(e) from None
             raise StoreOpenError(f"{self.path} cannot be read ({e}): the store is corrupt. Restore "
                                  "it from a backup, or move it away to start empty") from None  # fmt: skip
 
@@ -299,6 +384,8 @@ class SqliteStore:
                     return
                 yield [self._checked(row, dim) for row in chunk]
         except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
+            if isinstance(e, sqlite3.DatabaseError) and self._outside(e):
+                raise self._unavailable(e) from None
             # Raised by damage that SQLite's quick_check does not look at (e.g. a flipped byte
             # that makes a TEXT value invalid UTF-8): refuse like any other corruption rather
             # than crash with a traceback and a generic exit code.
@@ -336,3 +423,7 @@ class SqliteStore:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)
             self._lock_fd = -1
+        if getattr(self, "_dir_fd", -1) >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._dir_fd)
+            self._dir_fd = -1

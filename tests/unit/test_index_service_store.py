@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kalos_retrievers.sidecar.index import CpuIndex, IndexCapacityError
+from kalos_retrievers.sidecar.index import CpuIndex, IndexCapacityError, IndexOutOfStep
 from kalos_retrievers.sidecar.rows import RowTable
 from kalos_retrievers.sidecar.service import Service
-from kalos_retrievers.sidecar.store import NullStore, SqliteStore, StoreInUse, StoreOpenError
+from kalos_retrievers.sidecar.store import NullStore, SqliteStore, StoreInUse, StoreOpenError, StoreUnavailable
 from kalos_testing import assert_topk_equal, reference_topk
 
 from kalos_retrievers.protocol import METRICS, Invalid, Status
@@ -534,6 +534,130 @@ def test_store_detects_a_flipped_byte_in_a_vector(tmp_path: Path) -> None:
     st = SqliteStore(tmp_path, dim=3, metric="cosine")
     with pytest.raises(StoreOpenError, match="fails its checksum"):
         svc_for(3, store=st).load()
+    st.close()
+
+
+def test_a_second_sidecar_is_refused_after_the_lock_file_was_removed(tmp_path: Path) -> None:
+    """The data dir itself is locked too: removing kalos.lock (a "stale lock") while its
+    holder runs let a second sidecar lock a new file and share the store."""
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    (tmp_path / "kalos.lock").unlink()
+    with pytest.raises(StoreInUse, match="in use by another running sidecar"):
+        SqliteStore(tmp_path, dim=3, metric="cosine")
+    st.close()
+    SqliteStore(tmp_path, dim=3, metric="cosine").close()  # (released with the first)
+
+
+@pytest.mark.parametrize("lost", ["emptied", "emptied, beside its log", "removed, beside its log"])
+def test_a_lost_main_file_is_refused_not_made_anew(tmp_path: Path, lost: str) -> None:
+    """SQLite opens an empty (or missing) main file as a new database, deleting a log beside
+    it, which after a kill -9 holds the rows not yet checkpointed: the store is refused
+    (exit 4) and the log kept. (Before: it started empty, the log gone.) The control: a
+    missing file without a log is a new store."""
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    put(svc_for(3, store=st), [[1, 2, 3]], ["a"])
+    st.close()
+    main, wal = tmp_path / "kalos.sqlite3", tmp_path / "kalos.sqlite3-wal"
+    if "log" in lost:
+        wal.write_bytes(b"\x37\x7f\x06\x82" + b"\0" * 4096)  # (frames a kill -9 left)
+    if lost.startswith("emptied"):
+        main.write_bytes(b"")
+    else:
+        main.unlink()
+    with pytest.raises(StoreOpenError, match=r"is (empty|missing)") as e:
+        SqliteStore(tmp_path, dim=3, metric="cosine")
+    assert not isinstance(e.value, StoreUnavailable)
+    assert ("log" in lost) == wal.exists() and (lost.startswith("emptied")) == main.exists()
+    for f in tmp_path.glob("kalos.sqlite3*"):
+        f.unlink()
+    SqliteStore(tmp_path, dim=3, metric="cosine").close()  # (the control: a new store)
+
+
+@pytest.mark.parametrize(("code", "outside"), [(13, True), (4874, True), (14, True), (11, False), (26, False),
+                                               (522, False)])  # fmt: skip
+def test_an_error_from_outside_the_store_is_told_apart_from_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, outside: bool
+) -> None:
+    """A full disk (SQLITE_FULL 13, SQLITE_IOERR_SHMSIZE 4874 where the -shm file cannot be
+    made), or a file that cannot be opened, is StoreUnavailable (exit 1: a restart may serve
+    it); damage (CORRUPT 11, NOTADB 26, a short read 522) stays StoreOpenError (exit 4). Before,
+    each was "the store is corrupt", exit 4."""
+    SqliteStore(tmp_path, dim=3, metric="cosine").close()
+    real = sqlite3.connect
+
+    def failing(*a, **kw):  # type: ignore[no-untyped-def]
+        e = sqlite3.OperationalError("as SQLite says it")
+        e.sqlite_errorcode, e.sqlite_errorname = code, f"SQLITE_{code}"
+        raise e
+
+    monkeypatch.setattr(sqlite3, "connect", failing)
+    with pytest.raises(StoreOpenError) as e:
+        SqliteStore(tmp_path, dim=3, metric="cosine")
+    assert isinstance(e.value, StoreUnavailable) == outside, e.value
+    assert ("corrupt" in str(e.value)) != outside
+    monkeypatch.setattr(sqlite3, "connect", real)
+    SqliteStore(tmp_path, dim=3, metric="cosine").close()  # (and released)
+
+
+def test_a_write_sqlite_rolled_back_itself_raises_its_own_error(tmp_path: Path) -> None:
+    """A full disk part-way through a large write: SQLite rolls the transaction back itself,
+    and _tx's ROLLBACK then raised "cannot rollback - no transaction is active" in place of
+    the real error; the next write still works."""
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+
+    class Full(Exception):
+        pass
+
+    def write() -> None:
+        with st._tx():
+            st.db.execute("INSERT INTO meta VALUES ('x', 'y')")
+            st.db.execute("ROLLBACK")  # (what SQLite does itself on SQLITE_FULL)
+            raise Full
+
+    with pytest.raises(Full):
+        write()
+    put(svc_for(3, store=st), [[1, 2, 3]], ["a"])
+    assert st.count() == 1
+    st.close()
+
+
+def test_a_write_the_index_cannot_follow_after_the_commit_ends_the_sidecar(tmp_path: Path, monkeypatch) -> None:
+    """Out of memory after the commit (a new metadata key's column, say) left the row in the
+    store and half in the index (counted, not found; a deleted row still listed), the client
+    told INTERNAL: now IndexOutOfStep (the sidecar exits 1 and reloads). The row table grows
+    before the commit, so running out there refuses the write (CAPACITY) with nothing
+    committed."""
+    from kalos_retrievers.sidecar.index import FatalDeviceError
+    from kalos_retrievers.sidecar.server import EXIT_CUDA_FAULT, EXIT_ERROR, Server, StartError
+
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    svc = svc_for(3, store=st)
+    put(svc, [[1, 0, 0]], ["a"])
+
+    def oom(*a, **kw):  # type: ignore[no-untyped-def]
+        raise MemoryError
+
+    with monkeypatch.context() as m:
+        m.setattr(svc.rows.meta, "set", oom)
+        with pytest.raises(IndexOutOfStep, match="MemoryError"):
+            put(svc, [[0, 1, 0]], ["b"], metas=[{"new_key": 1}])
+    assert st.count() == 2  # (committed: the restart's index will hold it)
+    with monkeypatch.context() as m:
+        m.setattr(svc.index, "clear_rows", oom)
+        with pytest.raises(IndexOutOfStep):
+            svc.delete({"namespace": "", "ids": ["a"]})
+    with monkeypatch.context() as m:
+        m.setattr(svc.rows, "grow", oom)
+        many = [str(i) for i in range(svc.rows.capacity + 1)]
+        with pytest.raises(Invalid) as e:
+            put(svc, np.ones((len(many), 3)), many)
+        assert e.value.status == Status.CAPACITY
+    assert st.count() == 1  # (the delete committed; the refused write did not)
+    server = Server.__new__(Server)
+    for err, code in ((IndexOutOfStep("x"), EXIT_ERROR), (FatalDeviceError("y"), EXIT_CUDA_FAULT)):
+        with pytest.raises(StartError) as ei:
+            server._fatal_device(err)
+        assert ei.value.exit_code == code
     st.close()
 
 
