@@ -527,8 +527,9 @@ class KalosMemory:
         if filters is not None and not isinstance(filters, Mapping):
             raise TypeError(f"filters must be a dict, got {type(filters).__name__}")
         given = {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}
+        origin = {k: f"{k}={v!r}" for k, v in given.items() if v is not None}
 
-        def lift(key: str, value: Any) -> bool:
+        def lift(key: str, value: Any, where: str) -> bool:
             """Take a scope id given in ``filters`` (a plain id, or ``{"eq": id}``)."""
             if key not in SCOPE_KEYS:
                 return False
@@ -537,19 +538,25 @@ class KalosMemory:
             if not isinstance(value, str) or value == "*":  # ("*": present, not a scope)
                 return False
             if given[key] is not None and given[key] != value:
-                raise ValueError(f"{key}={given[key]!r} conflicts with filters[{key!r}]={value!r}")
-            given[key] = value
+                raise ValueError(f"{origin[key]} conflicts with {where}={value!r}: one scope per call")
+            given[key], origin[key] = value, f"{where}={value!r}"
             return True
 
         rest: dict[str, Any] = {}
         for key, value in (filters or {}).items():
             if key in ("AND", "$and") and isinstance(value, list | tuple):
-                # mem0's newer spelling: {"AND": [{"user_id": "alice"}, ...]}
-                kept = [c for c in value
-                        if not (isinstance(c, Mapping) and len(c) == 1 and lift(*next(iter(c.items()))))]  # fmt: skip
+                # mem0's newer spelling: {"AND": [{"user_id": "alice"}, ...]}; each entry's
+                # scope keys are taken from it, its other conditions kept
+                kept = []
+                for j, entry in enumerate(value):
+                    if isinstance(entry, Mapping):
+                        entry = {k: v for k, v in entry.items() if not lift(k, v, f"filters[{key!r}][{j}][{k!r}]")}  # noqa: PLW2901
+                        if not entry:
+                            continue
+                    kept.append(entry)
                 if kept or not value:
                     rest[key] = kept if kept else value
-            elif not lift(key, value):
+            elif not lift(key, value, f"filters[{key!r}]"):
                 rest[key] = value
         if all(v is None for v in given.values()):
             raise ValueError(
