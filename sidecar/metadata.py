@@ -67,14 +67,17 @@ class _Column:
         self.uncoded = False  # whether a row may hold an UNCODED string
         self.saturated = False  # the rows' own strings fill half the dictionary: not rebuilt again
 
-    def grow(self, capacity: int) -> None:
+    def grown(self, capacity: int) -> dict[str, np.ndarray]:
+        """The column's arrays at ``capacity`` rows (not yet in place: see MetadataColumns.grow)."""
         n = len(self.kind)
+        out = {}
         for name in self._ARRAYS:
             old = getattr(self, name)
             fill = UNCODED if name == "code" else 0
             new = np.empty(capacity, object) if old.dtype == object else np.full(capacity, fill, old.dtype)
             new[:n] = old
-            setattr(self, name, new)
+            out[name] = new
+        return out
 
     def code_of(self, s: str) -> int:
         """``s``'s code, given one now if the dictionary has room (else UNCODED: a string
@@ -180,9 +183,14 @@ class MetadataColumns:
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
-        for c in self.cols.values():
-            c.grow(capacity)
-        self.row_keys.extend([None] * (capacity - self.capacity))
+        # every column's arrays first, then in place together: a MemoryError part-way leaves
+        # every column as it was (not some grown and some not, or one's arrays of two lengths)
+        grown = [(c, c.grown(capacity)) for c in self.cols.values()]
+        pad: list[None] = [None] * (capacity - self.capacity)
+        for c, arrays in grown:
+            for name, a in arrays.items():
+                setattr(c, name, a)
+        self.row_keys.extend(pad)
         self.capacity = capacity
 
     def set(self, row: int, metadata: Mapping[str, Any]) -> None:

@@ -84,11 +84,16 @@ class RowTable:
         if capacity <= self.capacity:
             return
         extra = capacity - self.capacity
-        self.ns_of = np.concatenate([self.ns_of, np.full(extra, -1, np.int32)])
-        self.created = np.concatenate([self.created, np.zeros(extra)])
-        self.ids.extend([None] * extra)
-        self.docs.extend([None] * extra)
-        self.meta.grow(capacity)
+        # every new array first, then all of them at once: a MemoryError part-way (answered
+        # CAPACITY, the sidecar serving on) must leave the table as it was, not its arrays of
+        # different lengths, which failed every later growth
+        ns_of = np.concatenate([self.ns_of, np.full(extra, -1, np.int32)])
+        created = np.concatenate([self.created, np.zeros(extra)])
+        pad: list[None] = [None] * extra
+        self.meta.grow(capacity)  # (all or nothing itself)
+        self.ns_of, self.created = ns_of, created
+        self.ids.extend(pad)
+        self.docs.extend(pad)
         self.capacity = capacity
 
     def set(self, row: int, ns: int, id_: str, doc: bytes, metadata: Mapping[str, Any],

@@ -157,7 +157,10 @@ class Service:
     def _reserve_rows(self, new_keys: int) -> None:
         """Grow the row table as :meth:`RowTable.allocate` would for ``new_keys`` more rows,
         before the commit (a MemoryError then refuses the write instead of following it)."""
-        need = self.rows.high + max(0, new_keys - len(self.rows.free))
+        # (the free list may hold rows at or above `high`, left by a trim, which allocate
+        # discards: only the holes below `high` are rows it can give)
+        holes = min(len(self.rows.free), self.rows.high - self.rows.live)
+        need = self.rows.high + max(0, new_keys - holes)
         cap = self.rows.capacity
         while cap < need:
             cap = max(1024, 2 * cap)

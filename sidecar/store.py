@@ -175,13 +175,16 @@ class SqliteStore:
             # the directory too: the lock file can be unlinked ("a stale lock") while its
             # holder runs, and the next sidecar would lock a new file beside it. (The file's
             # lock stays: a sidecar of an earlier release takes only that one.)
-            self._dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
             try:
+                self._dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
                 fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise in_use from None
-            except OSError:  # (a filesystem without flock on directories: the file's lock holds)
-                os.close(self._dir_fd)
+            except OSError:
+                # (a directory this user may write but not read, a filesystem without flock on
+                # directories: the file's lock holds alone, as before)
+                if self._dir_fd >= 0:
+                    os.close(self._dir_fd)
                 self._dir_fd = -1
             self._open(dim, metric, synchronous)
         except BaseException:
@@ -189,8 +192,9 @@ class SqliteStore:
             raise
 
     def _open(self, dim: int, metric: str, synchronous: str) -> None:
-        fresh = not self.path.exists()
         self._refuse_a_lost_main_file()
+        if not self.path.exists() and not (self.dir / (DB_FILE + "-wal")).exists():
+            self._make_new(dim, metric)
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.db.execute(f"PRAGMA page_size={PAGE_SIZE}")  # (before WAL: a new file only)
@@ -217,7 +221,7 @@ class SqliteStore:
             )
         for p in self.dir.glob(DB_FILE + "*"):
             os.chmod(p, 0o600)
-        if fresh or not self._has_table("meta"):
+        if not self._has_table("meta"):  # (a file an earlier release began and never finished)
             # No meta table: a new file, unless it already holds tables (a release before the
             # meta table, or another program's database): never build ours beside those.
             if self.db.execute("SELECT 1 FROM sqlite_master WHERE type='table'").fetchone():
@@ -261,6 +265,43 @@ class SqliteStore:
                 "damaged. Restore it from a backup, or move it away to start empty"
             )
 
+    def _make_new(self, dim: int, metric: str) -> None:
+        """Make a new, empty store under a temporary name, on disk whole, and rename it into
+        place: a main file is then never empty, even after a full disk or a kill at the first
+        start (SQLite creates its file empty and writes the first page later), so an empty one
+        is always a truncated store (:meth:`_refuse_a_lost_main_file`)."""
+        tmp = self.dir / (DB_FILE + ".new")
+        for p in (tmp, self.dir / (DB_FILE + ".new-journal")):  # (a killed first start's)
+            p.unlink(missing_ok=True)
+        db = None
+        try:
+            db = sqlite3.connect(tmp, isolation_level=None)
+            db.execute(f"PRAGMA page_size={PAGE_SIZE}")
+            db.execute("PRAGMA synchronous=FULL")
+            self.db = db
+            self._create(dim, metric)  # (a rollback journal here: WAL is set once it is in place)
+            self.db = None
+            db.close()
+            db = None
+            os.chmod(tmp, 0o600)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.path)
+        except sqlite3.DatabaseError as e:
+            if self._outside(e):
+                raise self._unavailable(e) from None
+            raise
+        finally:
+            self.db = None
+            if db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    db.close()
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(self.dir)
+
     def _refuse_a_lost_main_file(self) -> None:
         """An empty main file, or one missing or empty beside a write-ahead log that holds
         frames: the file was lost or truncated (SQLite writes its first page before any log
@@ -278,9 +319,10 @@ class SqliteStore:
             size = None
         if size == 0 and not wal_size:  # (SQLite would make a new store in it)
             raise StoreOpenError(
-                f"{self.path} is empty (0 bytes): a store's file never is once made (its first page "
-                "is written at once), so it was truncated and its rows are gone. Restore it from a "
-                "backup, or remove the kalos.sqlite3* files to start empty"
+                f"{self.path} is empty (0 bytes): a store's file never is (it is made whole, then put "
+                "in place), so it was truncated, rows and all, or left by an earlier release's first "
+                "start cut short. Restore it from a backup, or remove the kalos.sqlite3* files to "
+                "start empty"
             )
         if wal_size and not size:
             raise StoreOpenError(

@@ -301,7 +301,8 @@ def test_a_new_data_dir_is_fsynced_into_its_parent(tmp_path: Path, monkeypatch) 
     monkeypatch.setattr(store_mod.os, "fsync", fsync)
     st = SqliteStore(tmp_path / "a" / "b" / "data", dim=3, metric="l2")
     st.close()
-    assert synced == [tmp_path, tmp_path / "a", tmp_path / "a" / "b"]
+    # (the data dir last: the new store's file was renamed into it)
+    assert synced == [tmp_path, tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "data"]
     synced.clear()
     SqliteStore(tmp_path / "a" / "b" / "data", dim=3, metric="l2").close()  # (reopened)
     assert synced == []
@@ -548,6 +549,26 @@ def test_a_second_sidecar_is_refused_after_the_lock_file_was_removed(tmp_path: P
     SqliteStore(tmp_path, dim=3, metric="cosine").close()  # (released with the first)
 
 
+def test_a_data_dir_that_cannot_be_read_opens_on_the_lock_files_lock(tmp_path: Path, monkeypatch) -> None:
+    """A directory this user may write but not read (mode 0300) cannot be opened to be locked:
+    the lock file's lock holds alone, as before the directory's (which refused the store,
+    exit 6)."""
+    import kalos_retrievers.sidecar.store as store_mod
+
+    real_open = os.open
+
+    def no_read(path, flags, *a):  # type: ignore[no-untyped-def]
+        if flags & os.O_DIRECTORY and Path(path) == tmp_path:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(store_mod.os, "open", no_read)
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    with pytest.raises(StoreInUse):
+        SqliteStore(tmp_path, dim=3, metric="cosine")
+    st.close()
+
+
 @pytest.mark.parametrize("lost", ["emptied", "emptied, beside its log", "removed, beside its log"])
 def test_a_lost_main_file_is_refused_not_made_anew(tmp_path: Path, lost: str) -> None:
     """SQLite opens an empty (or missing) main file as a new database, deleting a log beside
@@ -571,6 +592,91 @@ def test_a_lost_main_file_is_refused_not_made_anew(tmp_path: Path, lost: str) ->
     for f in tmp_path.glob("kalos.sqlite3*"):
         f.unlink()
     SqliteStore(tmp_path, dim=3, metric="cosine").close()  # (the control: a new store)
+
+
+def test_a_new_store_is_made_whole_and_put_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new store is written under a temporary name and renamed: a full disk (or a kill) at
+    the first start leaves no empty kalos.sqlite3, which the next start would refuse as a
+    truncated store (SQLite creates its file empty and writes the first page later). The
+    start after it makes the store. Before: the 0-byte file stayed (and was served as new)."""
+    import kalos_retrievers.sidecar.store as store_mod
+
+    real = store_mod.SqliteStore._create
+
+    def full(self: SqliteStore, dim: int, metric: str) -> None:
+        e = sqlite3.OperationalError("database or disk is full")
+        e.sqlite_errorcode, e.sqlite_errorname = 13, "SQLITE_FULL"
+        raise e
+
+    monkeypatch.setattr(store_mod.SqliteStore, "_create", full)
+    with pytest.raises(StoreUnavailable, match="disk full"):
+        SqliteStore(tmp_path, dim=3, metric="cosine")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kalos.lock"]
+    monkeypatch.setattr(store_mod.SqliteStore, "_create", real)
+    st = SqliteStore(tmp_path, dim=3, metric="cosine")
+    put(svc_for(3, store=st), [[1, 2, 3]], ["a"])
+    assert st.count() == 1 and not (tmp_path / "kalos.sqlite3.new").exists()
+    st.close()
+
+
+def test_a_row_table_that_cannot_grow_is_left_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Running out of memory part-way through a growth (answered CAPACITY, the sidecar serving
+    on) leaves every array at the old size: the next growth works. Before, a column's arrays of
+    two lengths failed every later growth (ValueError, INTERNAL) until a restart."""
+    import kalos_retrievers.sidecar.metadata as meta_mod
+
+    svc = svc_for(3)
+    put(svc, np.ones((5, 3)), [f"r{i}" for i in range(5)], metas=[{"k": i, "s": "x"} for i in range(5)])
+    cap = svc.rows.capacity
+    real_full = meta_mod.np.full
+    calls = [0]
+
+    def oom_on_the_third(*a, **kw):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 3:
+            raise MemoryError
+        return real_full(*a, **kw)
+
+    many = [f"n{i}" for i in range(cap)]
+    with monkeypatch.context() as m:
+        m.setattr(meta_mod.np, "full", oom_on_the_third)
+        with pytest.raises(Invalid) as e:
+            put(svc, np.ones((len(many), 3)), many)
+        assert e.value.status == Status.CAPACITY
+    assert svc.rows.capacity == cap
+    lengths = {len(getattr(c, n)) for c in svc.rows.meta.cols.values() for n in ("kind", "num", "obj", "code")}
+    assert lengths == {cap} and len(svc.rows.ns_of) == cap
+    assert put(svc, np.ones((len(many), 3)), many) == len(many)  # (grows now)
+    assert svc.count({"namespace": ""}) == cap + 5
+
+
+def test_the_rows_reserved_before_a_commit_ignore_stale_free_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows a trim left in the free list at or above `high` are not rows the next write can
+    take: the table is grown for it before the commit all the same. (Before, they were
+    counted, and the growth came after the commit.)"""
+    svc = svc_for(3)
+    put(svc, np.ones((512, 3)), [f"a{i}" for i in range(512)], ns="A")
+    put(svc, np.ones((512, 3)), [f"b{i}" for i in range(512)], ns="B")
+    svc.delete({"namespace": "B", "all": True})
+    assert svc.rows.high == 512 and len(svc.rows.free) > 0
+    grown_after_commit: list[int] = []
+    real_set = svc.rows.set
+
+    def watch(*a, **kw):  # type: ignore[no-untyped-def]
+        grown_after_commit.append(svc.rows.capacity)
+        return real_set(*a, **kw)
+
+    monkeypatch.setattr(svc.rows, "set", watch)
+    cap_before_apply = []
+    real_commit = svc._commit
+
+    def commit(fn):  # type: ignore[no-untyped-def]
+        real_commit(fn)
+        cap_before_apply.append(svc.rows.capacity)
+
+    monkeypatch.setattr(svc, "_commit", commit)
+    put(svc, np.ones((1000, 3)), [f"c{i}" for i in range(1000)], ns="C")
+    assert cap_before_apply[0] >= 1512 and set(grown_after_commit) == {cap_before_apply[0]}
 
 
 @pytest.mark.parametrize(("code", "outside"), [(13, True), (4874, True), (14, True), (11, False), (26, False),
