@@ -193,7 +193,7 @@ class SqliteStore:
 
     def _open(self, dim: int, metric: str, synchronous: str) -> None:
         self._refuse_a_lost_main_file()
-        if not self.path.exists() and not (self.dir / (DB_FILE + "-wal")).exists():
+        if not self.path.exists():  # (beside a log with frames: refused just above)
             self._make_new(dim, metric)
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
