@@ -214,6 +214,17 @@ def test_bad_arguments_of_every_command_exit_2_with_one_line(args: list[str], ma
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def serves_then_stops(name: str, env: dict[str, str], device: str) -> None:
+    """``serve`` with ``env`` comes up, then exits 0 on SIGTERM."""
+    proc = subprocess.Popen([*CLI, "serve", "--name", name, "--dim", "4", "--device", device], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_ready(name, proc)
+    finally:
+        proc.terminate()
+    assert proc.wait(15) == 0
+
+
 @pytest.mark.parametrize("device", ["auto", "cuda"])
 def test_an_unknown_carousel_switch_exits_2_naming_it(make_name, device: str) -> None:
     """KALOS_CAROUSEL is read where a GPU backend could be picked (``auto`` too, so a typo is
@@ -226,13 +237,7 @@ def test_an_unknown_carousel_switch_exits_2_naming_it(make_name, device: str) ->
     assert r.returncode == 2 and "KALOS_CAROUSEL='Direct': expected 0 (off)" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and shm_objects(name) == []
     env["KALOS_CAROUSEL"] = "direct"
-    proc = subprocess.Popen([*CLI, "serve", "--name", name, "--dim", "4", "--device", "auto"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        wait_ready(name, proc)
-    finally:
-        proc.terminate()
-    assert proc.wait(15) == 0
+    serves_then_stops(name, env, "auto")
 
 
 def test_bad_gpu_switches_exit_2_naming_each_with_auto_and_are_not_read_on_cpu(make_name) -> None:
@@ -252,13 +257,7 @@ def test_bad_gpu_switches_exit_2_naming_each_with_auto_and_are_not_read_on_cpu(m
     for key, value in bad.items():
         assert f"{key}={value!r}: expected" in errors[0], (key, r.stderr)
     assert "Traceback" not in r.stderr and shm_objects(name) == []
-    proc = subprocess.Popen([*CLI, "serve", "--name", name, "--dim", "4", "--device", "cpu"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        wait_ready(name, proc)
-    finally:
-        proc.terminate()
-    assert proc.wait(15) == 0
+    serves_then_stops(name, env, "cpu")
 
 
 def test_a_metrics_port_in_use_exits_2_and_leaves_nothing(make_name) -> None:

@@ -342,6 +342,18 @@ class SlowEmbeddings(KeywordEmbeddings):
         return super().embed_documents(texts)
 
 
+def _recording(errors: list[BaseException]) -> Callable[..., None]:
+    """A thread target that runs ``fn(*a)`` and records what it raised in ``errors``."""
+
+    def call(fn: Callable[..., Any], *a: Any) -> None:
+        try:
+            fn(*a)
+        except BaseException as e:
+            errors.append(e)
+
+    return call
+
+
 def test_updates_and_deletes_racing_in_threads_stay_consistent(sidecar: Sidecar, request) -> None:
     """An update whose embedding is still running when another thread deletes the memory
     raises KeyError instead of bringing it back; of several threads deleting one memory, one
@@ -353,12 +365,7 @@ def test_updates_and_deletes_racing_in_threads_stay_consistent(sidecar: Sidecar,
         (mid,) = [a["id"] for a in m.add("tea original", user_id="u")]
         errors: list[BaseException] = []
 
-        def call(fn, *a):  # type: ignore[no-untyped-def]
-            try:
-                fn(*a)
-            except BaseException as e:
-                errors.append(e)
-
+        call = _recording(errors)
         up = threading.Thread(target=call, args=(m.update, mid, "tea edited"))
         up.start()
         time.sleep(0.05)  # (the update is embedding)
@@ -416,12 +423,7 @@ def test_delete_all_takes_turns_with_updates_and_deletes_in_threads(
     (mid,) = [a["id"] for a in memory.add("tea original", user_id="u")]
     errors: list[BaseException] = []
 
-    def call(fn: Callable[..., Any], *a: Any) -> None:
-        try:
-            fn(*a)
-        except BaseException as e:
-            errors.append(e)
-
+    call = _recording(errors)
     up = threading.Thread(target=call, args=(memory.update, mid, "tea edited"))
     up.start()
     time.sleep(0.1)  # (the update is in its 0.3 s under the lock)
