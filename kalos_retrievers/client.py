@@ -36,6 +36,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -303,6 +304,7 @@ class KalosClient:
         self._crowd_predict = _crowd_wait(os.environ.get("KALOS_CROWD_WAIT"))
         self._long_waits = 0
         self.max_slots = max_slots
+        self._executor: ThreadPoolExecutor | None = None
         if arena_docs not in (None, True, False):
             raise ValueError(f"arena_docs={arena_docs!r} must be None (auto), True or False")
         self.arena_docs = arena_docs
@@ -342,9 +344,22 @@ class KalosClient:
         client._process = sc
         return client
 
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The threads the async adapters run this client's calls on (``max_slots`` of them,
+        made at first use; see :mod:`kalos_retrievers._aio`): not the event loop's default
+        executor, which calls blocked by a paused sidecar would take from the application."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.max_slots, thread_name_prefix=f"kalos-{self.name}")
+            return self._executor
+
     def close(self) -> None:
         """Release the slots this client holds (and stop the sidecar if it spawned it)."""
         with self._lock:
+            if self._executor is not None and self._pid == os.getpid():
+                self._executor.shutdown(wait=False)  # (calls running end by their deadlines)
+            self._executor = None
             self._closed = True
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
@@ -370,6 +385,7 @@ class KalosClient:
         # The parent's slots and locks are the parent's: drop them without writing anything,
         # and close our copy of the descriptor so the parent's locks die with the parent.
         self._lock = threading.Condition(threading.RLock())
+        self._executor = None  # (the parent's threads are not the child's)
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 self._conn.seg.shm.close_fd()

@@ -60,6 +60,7 @@ from langgraph.store.base import (
     tokenize_path,
 )
 
+from . import _aio
 from .client import KalosClient
 from .degrade import Degrader
 from .embeddings import Embedder
@@ -266,7 +267,8 @@ class KalosStore(BaseStore):
             query_vecs = dict(zip(queries, qv, strict=True))
         # Searches take their deadline now: it counts the wait for a worker thread.
         deadline = time.monotonic() + self.timeout
-        return await asyncio.to_thread(self._execute, ops, doc_vecs, query_vecs, deadline)
+        run = _aio.write if any(isinstance(op, PutOp) for op in ops) else _aio.call
+        return await run(self.client, self._execute, ops, doc_vecs, query_vecs, deadline)
 
     # ------------------------------------------------------------------ planning
     def _validate(self, ops: list[Op]) -> None:

@@ -20,7 +20,6 @@ what it names: ``search(agent_id="planner")`` sees that agent's memories of ever
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import math
@@ -35,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from . import _aio
 from .client import KalosClient
 from .degrade import Degrader, time_left
 from .embeddings import Embedder
@@ -203,7 +203,7 @@ class KalosMemory:
         if not rows:
             return []
         vectors = await self.embedder.adocuments([r[1] for r in rows])
-        return await asyncio.to_thread(self._write_added, rows, vectors)
+        return await _aio.write(self.client, self._write_added, rows, vectors)
 
     @staticmethod
     def _prepare_add(
@@ -286,7 +286,7 @@ class KalosMemory:
         flt = self._scoped_filter(user_id, agent_id, run_id, filters)
         vec = await self.embedder.aquery(query)
         deadline = time.monotonic() + self.timeout  # counts the wait for a thread
-        return await asyncio.to_thread(self._recall, vec, flt, limit, threshold, deadline)
+        return await _aio.call(self.client, self._recall, vec, flt, limit, threshold, deadline)
 
     def _recall(
         self,

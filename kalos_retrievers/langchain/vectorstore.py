@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
-from langchain_core.runnables.config import run_in_executor
 from langchain_core.vectorstores import VectorStore
 
+from .. import _aio
 from ..client import KalosClient, check_metadatas
 from ..degrade import time_left
 from ..errors import KalosError
@@ -297,14 +297,14 @@ class KalosVectorStore(VectorStore):
         rows = to_rows(texts, metadatas, ids)
         batches = _batches(len(rows.ids), batch_size)
         if len(batches) > 1:
-            await run_in_executor(None, self._check_rows, rows, namespace)
+            await _aio.call(self.client, self._check_rows, rows, namespace)
         for lo, hi in batches:
             part = rows.texts[lo:hi]
             embedded = await self.embedding.aembed_documents(part)
             vectors = as_matrix(embedded, hi - lo, "aembed_documents")
             deadline = self._deadline(timeout)
             with _write_of(rows, lo):
-                await run_in_executor(None, self._upsert, rows, lo, vectors, namespace, deadline)
+                await _aio.write(self.client, self._upsert, rows, lo, vectors, namespace, deadline)
         return rows.ids
 
     def delete(
@@ -354,7 +354,7 @@ class KalosVectorStore(VectorStore):
         if ids is None and not filter:
             raise ValueError("adelete() needs ids or filter=")
         flt = validate_filter(filter)
-        await run_in_executor(None, self._delete, ids, flt, namespace, self._deadline(timeout))
+        await _aio.write(self.client, self._delete, ids, flt, namespace, self._deadline(timeout))
         return True
 
     def get_by_ids(
@@ -368,7 +368,7 @@ class KalosVectorStore(VectorStore):
         self, ids: Sequence[str], /, *, namespace: str | None = None, timeout: float | None = None
     ) -> list[Document]:
         """Async :meth:`get_by_ids`."""
-        return await run_in_executor(None, self._get, ids, namespace, self._deadline(timeout))
+        return await _aio.call(self.client, self._get, ids, namespace, self._deadline(timeout))
 
     # ------------------------------------------------------------------ search
     def similarity_search(
@@ -832,8 +832,7 @@ class KalosVectorStore(VectorStore):
         deadline = self._deadline(timeout)  # counts the wait for a worker thread
         if _zero(k):
             return _NO_HITS
-        return await run_in_executor(None, self._recall_by, vector, k, flt, namespace, deadline,
-                                     with_vectors)  # fmt: skip
+        return await _aio.call(self.client, self._recall_by, vector, k, flt, namespace, deadline, with_vectors)
 
     def _check_rows(self, rows: Rows, namespace: str | None) -> None:
         """Refuse what the client would refuse of any row's id, text or metadata before the

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import numbers
 from typing import Any, Literal
 
@@ -18,6 +17,7 @@ from llama_index.core.vector_stores.types import (
     VectorStoreQueryResult,
 )
 
+from .. import _aio
 from ..degrade import Degrader
 from .degradation import call_degrading
 from .vector_store import KalosVectorStore
@@ -192,7 +192,7 @@ class KalosRetriever(BaseRetriever):
             )
         query = self._query_for(embedding, query_bundle.query_str)
         deadline = self._store._deadline(self._timeout)  # counts the wait for a worker thread
-        return await asyncio.to_thread(self._search, query, deadline)
+        return await _aio.call(self._store.client, self._search, query, deadline)
 
 
 _BASE_RETRIEVER_KWARGS = frozenset({"object_map", "objects", "verbose"})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import json
 import numbers
 import re
@@ -21,6 +21,7 @@ from llama_index.core.vector_stores.types import (
     VectorStoreQueryResult,
 )
 
+from .. import _aio
 from ..client import KalosClient
 from ..degrade import Degrader
 from ..filters import matches, validate_filter
@@ -391,13 +392,13 @@ class KalosVectorStore(BasePydanticVectorStore):
         return (self._client.header.layout.payload_size - 4 * self._client.dim) // 2
 
     # ------------------------------------------------------------------ async twins
-    # The client waits on shared memory and semaphores; a worker thread keeps that wait (up to
-    # the deadline, when the sidecar is paused) off the event loop.
+    # The client waits on shared memory and semaphores; a thread of the client's keeps that wait
+    # (up to the deadline, when the sidecar is paused) off the event loop (kalos_retrievers._aio).
     async def async_add(self, nodes: Sequence[BaseNode], **kwargs: Any) -> list[str]:
-        return await asyncio.to_thread(self.add, nodes, **kwargs)
+        return await _aio.write(self._client, functools.partial(self.add, nodes, **kwargs))
 
     async def adelete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
-        await asyncio.to_thread(self.delete, ref_doc_id, **delete_kwargs)
+        await _aio.write(self._client, functools.partial(self.delete, ref_doc_id, **delete_kwargs))
 
     async def adelete_nodes(
         self,
@@ -405,21 +406,21 @@ class KalosVectorStore(BasePydanticVectorStore):
         filters: MetadataFilters | None = None,
         **delete_kwargs: Any,
     ) -> None:
-        await asyncio.to_thread(self.delete_nodes, node_ids, filters, **delete_kwargs)
+        await _aio.write(self._client, functools.partial(self.delete_nodes, node_ids, filters, **delete_kwargs))
 
     async def aclear(self) -> None:
-        await asyncio.to_thread(self.clear)
+        await _aio.write(self._client, self.clear)
 
     async def aget_nodes(
         self,
         node_ids: list[str] | None = None,
         filters: MetadataFilters | None = None,
     ) -> list[BaseNode]:
-        return await asyncio.to_thread(self.get_nodes, node_ids, filters)
+        return await _aio.call(self._client, self.get_nodes, node_ids, filters)
 
     async def aquery(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
         deadline = self._deadline()  # counts the wait for a worker thread
-        return await asyncio.to_thread(self._guarded_query, query, deadline, kwargs)
+        return await _aio.call(self._client, self._guarded_query, query, deadline, kwargs)
 
 
 def _id_pieces(ids: Sequence[str] | None, budget: int) -> list[Sequence[str] | None]:

@@ -204,3 +204,56 @@ async def test_cancel_leaves_client_usable(
             assert docs == []
     finally:
         sc.kill(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("api", ["langchain", "memory", "llama_index"])
+async def test_a_cancelled_write_settles_before_the_cancellation_goes_on(
+    start_sidecar: Callable[..., Sidecar], api: str
+) -> None:
+    """A write cannot be stopped once its thread runs it: cancelled, ``aadd_texts`` /
+    ``KalosMemory.aadd`` / ``async_add`` wait for it to end (here: stored once the paused
+    sidecar resumes at 0.3 s) before raising CancelledError, so that what the caller does
+    next, a delete or a retry of the same ids, comes after it. (Before: CancelledError at
+    once, the write still in flight; a delete of the ids was then overtaken by it in 7 of 10
+    trials, and a retry stored the rows twice.)"""
+    from kalos_retrievers import KalosClient
+
+    sc = start_sidecar(dim=DIM)
+    ids = [f"w{i}" for i in range(20)]
+    texts = [f"written {i}" for i in range(20)]
+    client = KalosClient(sc.name)
+    client.ping()
+    if api == "langchain":
+        store = KalosVectorStore(EMB, client=client)
+        write = store.aadd_texts(texts, ids=ids, timeout=5)
+        namespace = ""
+    elif api == "memory":
+        from kalos_retrievers.memory import KalosMemory
+
+        memory = KalosMemory(client=client, embedding=EMB)
+        write = memory.aadd(texts, user_id="u")
+        namespace = memory.namespace
+    else:
+        from llama_index.core.schema import TextNode
+
+        from kalos_retrievers.llama_index import KalosVectorStore as LlamaStore
+
+        nodes = [TextNode(id_=i, text=t, embedding=EMB.embed_query(t)) for i, t in zip(ids, texts, strict=True)]
+        write = LlamaStore(client=client).async_add(nodes)
+        namespace = ""
+    sc.kill(signal.SIGSTOP)
+    resumed = asyncio.get_running_loop().call_later(0.3, sc.kill, signal.SIGCONT)
+    try:
+        t0 = time.perf_counter()
+        task = asyncio.create_task(write)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        took = time.perf_counter() - t0
+    finally:
+        resumed.cancel()
+        sc.kill(signal.SIGCONT)
+    assert took >= 0.28, f"cancelled after {took:.2f} s, the write still in flight"
+    assert client.count(namespace=namespace) == 20  # (stored once; nothing in flight now)
+    client.close()
