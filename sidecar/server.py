@@ -191,6 +191,7 @@ class Server:
         self.layout = cfg.layout
         self.stats = Stats()
         self._stop = threading.Event()
+        self._signalled = False  # (a stop signal arrived: later ones are ignored, see _on_signal)
         self.holding_signals = False  # (signals_held)
         self.held_signal: int | None = None
         self.seg: _ipc.Segment | None = None
@@ -860,6 +861,13 @@ class Server:
             log.debug("compaction moved %d rows (%d holes left)", moved, svc.fragmentation())
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
+        # Once only: a signal that lands while the first one's handler is inside Event.set()
+        # runs this handler again on the same thread, whose set() then waited forever for the
+        # lock the first holds (a burst of SIGTERMs hung 17 sidecars of 20). The flag is set
+        # before anything takes a lock.
+        if self._signalled:
+            return
+        self._signalled = True
         log.info("received %s: shutting down", signal.Signals(signum).name)
         self.stop()
 

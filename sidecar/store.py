@@ -63,6 +63,7 @@ class StoreUnavailable(StoreOpenError):
 _OUTSIDE: Final = {5: "busy", 6: "locked", 7: "out of memory", 10: "I/O error", 13: "disk full",
                    14: "cannot open a file"}  # fmt: skip
 _SHORT_READ: Final = 522
+_CANTOPEN: Final = 14  # (a permission, or a directory in the way, as well as the disk: _cannot_open)
 
 
 @dataclass(frozen=True)
@@ -294,6 +295,11 @@ class SqliteStore:
             if self._outside(e):
                 raise self._unavailable(e) from None
             raise
+        except PermissionError:
+            raise
+        except OSError as e:  # (an fsync or a rename the disk refused: not a usage error)
+            raise StoreUnavailable(f"{self.path} could not be made: {e.strerror or e}; mend the disk "
+                                   "or free space, and start again") from None  # fmt: skip
         finally:
             self.db = None
             if db is not None:
@@ -337,13 +343,37 @@ class SqliteStore:
         code = getattr(e, "sqlite_errorcode", None)
         return code is not None and code != _SHORT_READ and code & 0xFF in _OUTSIDE
 
-    def _unavailable(self, e: sqlite3.DatabaseError) -> StoreUnavailable:
+    def _unavailable(self, e: sqlite3.DatabaseError) -> Exception:
         why = _OUTSIDE[e.sqlite_errorcode & 0xFF]  # type: ignore[attr-defined]
+        if e.sqlite_errorcode & 0xFF == _CANTOPEN:  # type: ignore[attr-defined]
+            cause = self._cannot_open()
+            if cause is not None:
+                return cause
         return StoreUnavailable(
             f"{self.path} could not be opened or read: {why} ({e}; {getattr(e, 'sqlite_errorname', '?')}). "
             "Nothing says the store is damaged: free space on its disk (SQLite's temporary files "
             "need room too), or mend the disk, and start again"
         )
+
+    def _cannot_open(self) -> Exception | None:
+        """Why SQLite could not open one of the store's files (SQLITE_CANTOPEN says nothing
+        more): a permission (PermissionError: exit 6, as for the data dir) or a directory where
+        a file should be (exit 4); None where the files open (a full disk, say)."""
+        for p in (self.path, *(self.dir / (DB_FILE + x) for x in ("-wal", "-shm"))):
+            if not p.exists():
+                continue
+            try:
+                os.close(os.open(p, os.O_RDWR))
+            except IsADirectoryError:
+                return StoreOpenError(f"{p} is a directory, where the store's file should be: move it away")
+            except PermissionError as e:
+                return PermissionError(e.errno, f"this user may not read and write the store's file ({e.strerror})",
+                                       str(p))  # fmt: skip
+            except OSError:
+                continue
+        if not os.access(self.dir, os.W_OK | os.X_OK):
+            return PermissionError(13, "this user may not create files in the data dir (SQLite's log)", str(self.dir))
+        return None
 
     def _has_table(self, name: str) -> bool:
         q = "SELECT 1 FROM sqlite_master WHERE type='table' AND name=?"

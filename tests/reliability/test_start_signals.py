@@ -84,3 +84,29 @@ def test_control_without_the_hold_an_object_is_left(where: str, make_name: Calla
         assert _left(name), p.stderr[-2000:]
     finally:
         cleanup_ipc(name)
+
+
+def test_a_stop_signal_landing_inside_the_first_ones_handler_is_ignored() -> None:
+    """A second SIGTERM that lands while the first one's handler is inside ``Event.set()``
+    runs the handler again on the same thread; its ``set()`` waited forever for the lock the
+    first held (a burst of 200 SIGTERMs 20 µs apart hung 17 sidecars of 20). The handler now
+    returns at once after the first. The event below runs the handler again from inside
+    ``set()``, as such a signal would, and fails if ``set()`` is entered twice."""
+    import signal
+    import threading
+
+    from kalos_retrievers.sidecar.server import Server
+
+    server = Server.__new__(Server)
+    entered: list[int] = []
+
+    class Reentered(threading.Event):
+        def set(self) -> None:
+            assert not entered, "Event.set() entered again while the first held its lock"
+            entered.append(1)
+            server._on_signal(signal.SIGTERM, None)  # (the second signal, mid-set)
+            super().set()
+
+    server._stop, server.bell, server._signalled = Reentered(), None, False
+    server._on_signal(signal.SIGTERM, None)
+    assert server._stop.is_set() and entered == [1]

@@ -705,6 +705,58 @@ def test_an_error_from_outside_the_store_is_told_apart_from_damage(
     SqliteStore(tmp_path, dim=3, metric="cosine").close()  # (and released)
 
 
+def test_sqlite_s_cannot_open_is_told_by_its_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLITE_CANTOPEN comes from a permission or a directory in a file's place as well as
+    from the disk: the cause is looked up. A file this user may not write is a PermissionError
+    (exit 6, no restart), a directory at the -shm file's place a StoreOpenError (exit 4); a
+    failed fsync while a new store is made is StoreUnavailable (exit 1), not a usage error.
+    (Before: each read "free space or mend the disk", exit 1, restarted forever; the fsync, exit
+    2.)"""
+    import errno
+
+    import kalos_retrievers.sidecar.store as store_mod
+
+    SqliteStore(tmp_path, dim=3, metric="cosine").close()
+    real_connect, real_open = sqlite3.connect, store_mod.os.open
+
+    def cantopen(*a, **kw):  # type: ignore[no-untyped-def]
+        e = sqlite3.OperationalError("unable to open database file")
+        e.sqlite_errorcode, e.sqlite_errorname = 14, "SQLITE_CANTOPEN"
+        raise e
+
+    def refused(path, flags, *a):  # type: ignore[no-untyped-def]
+        if Path(path).name == "kalos.sqlite3" and flags & os.O_RDWR:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *a)
+
+    with monkeypatch.context() as m:
+        m.setattr(sqlite3, "connect", cantopen)
+        m.setattr(store_mod.os, "open", refused)
+        with pytest.raises(PermissionError, match="may not read and write"):
+            SqliteStore(tmp_path, dim=3, metric="cosine")
+    (tmp_path / "kalos.sqlite3-shm").mkdir()
+    with monkeypatch.context() as m:
+        m.setattr(sqlite3, "connect", cantopen)
+        with pytest.raises(StoreOpenError, match="is a directory") as e:
+            SqliteStore(tmp_path, dim=3, metric="cosine")
+        assert not isinstance(e.value, StoreUnavailable)
+    (tmp_path / "kalos.sqlite3-shm").rmdir()
+    assert real_connect is sqlite3.connect
+    fresh = tmp_path / "fresh"
+    real_fsync = store_mod.os.fsync
+
+    def eio(fd: int) -> None:
+        if not Path(os.readlink(f"/proc/self/fd/{fd}")).is_dir():
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    with monkeypatch.context() as m:
+        m.setattr(store_mod.os, "fsync", eio)
+        with pytest.raises(StoreUnavailable, match="Input/output error"):
+            SqliteStore(fresh, dim=3, metric="cosine")
+    SqliteStore(fresh, dim=3, metric="cosine").close()
+
+
 def test_a_write_sqlite_rolled_back_itself_raises_its_own_error(tmp_path: Path) -> None:
     """A full disk part-way through a large write: SQLite rolls the transaction back itself,
     and _tx's ROLLBACK then raised "cannot rollback - no transaction is active" in place of

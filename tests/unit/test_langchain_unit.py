@@ -3,6 +3,7 @@ construction without a running sidecar, the degradation event payload."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import pytest
@@ -231,6 +232,30 @@ def test_event_payload() -> None:
     assert data == {"retriever": "KalosRetriever(name='m')", "sidecar": "m",
                     "error": "SidecarTimeout", "message": "slow", "first_in_episode": True,
                     "episodes": 1, "degraded_calls": 1}  # fmt: skip
+
+
+def test_a_late_failure_of_a_call_begun_in_an_outage_opens_no_new_episode(caplog: pytest.LogCaptureFixture) -> None:
+    """A sidecar that resumes answers the requests whose deadlines passed while it was paused
+    "too late", after calls made since have succeeded: such a failure (its call began before
+    the success that ended the episode) is degraded without a new episode or warning. (Before:
+    one outage was logged and counted as two or three.) A call begun after the recovery that
+    fails is a new outage; without ``started`` (a caller that does not say), as before."""
+    import time
+
+    caplog.set_level(logging.INFO, "kalos_retrievers")
+    d = Degrader("KalosRetriever(name='m')")
+    begun_in_outage = time.monotonic()
+    assert d.should_degrade(SidecarTimeout("paused"), started=begun_in_outage)
+    d.succeeded()
+    assert d.should_degrade(SidecarTimeout("deadline passed before pickup"), started=begun_in_outage)
+    assert (d.episodes, d.degraded_calls, d.in_episode) == (1, 2, False)
+    assert d.should_degrade(SidecarTimeout("a new outage"), started=time.monotonic())
+    assert (d.episodes, d.in_episode) == (2, True)
+    d.succeeded()
+    assert d.should_degrade(SidecarTimeout("no start given"))
+    assert d.episodes == 3
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3
 
 
 @pytest.mark.parametrize("mode", ["invoke", "ainvoke"])
