@@ -18,6 +18,7 @@ The client reconnects by itself, so recovery needs nothing from the caller.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Literal
@@ -74,13 +75,19 @@ class Degrader:
         self.in_episode = False
         self.last_error: BaseException | None = None
         self._episode_start = 0.0
+        self._recovered_at = -math.inf  # when the last episode ended (time.monotonic())
         self._lock = threading.Lock()
 
-    def should_degrade(self, exc: BaseException, on_error: OnError | None = None) -> bool:
+    def should_degrade(self, exc: BaseException, on_error: OnError | None = None,
+                       started: float | None = None) -> bool:  # fmt: skip
         """Record a failure. True: return empty context. False: re-raise ``exc``.
 
         ``on_error`` overrides this Degrader's for the call (an adapter whose policy can
-        change after its Degrader was made passes its own)."""
+        change after its Degrader was made passes its own). ``started``: when the failed call
+        began (``time.monotonic()``); one that began before the success that ended the last
+        episode failed in that outage, and opens no new one. (A sidecar that resumes answers
+        the requests whose deadlines passed while it was paused "too late", after calls made
+        since have succeeded: one outage was logged as two or three.)"""
         if on_error is None:
             on_error = self.on_error
         if not isinstance(exc, KalosError) or not exc.transient or on_error == "raise":
@@ -91,7 +98,7 @@ class Degrader:
             # connection alive (its map, and through the map's descriptor its slot locks, in
             # a forked child too) for as long as this adapter lives
             self.last_error = _without_tracebacks(exc)
-            first = not self.in_episode
+            first = not self.in_episode and (started is None or started >= self._recovered_at)
             if first:
                 self.in_episode = True
                 self.episodes += 1
@@ -114,7 +121,8 @@ class Degrader:
             if not self.in_episode:
                 return
             self.in_episode = False
-            took = time.monotonic() - self._episode_start
+            self._recovered_at = time.monotonic()
+            took = self._recovered_at - self._episode_start
         log.info("%s: the Kalos sidecar is back after %.1f s; recall works again", self.what, took)
 
 

@@ -529,7 +529,7 @@ class KalosStore(BaseStore):
         try:
             out = self._search(op, qvec, deadline)
         except KalosError as e:
-            if self.degrader.should_degrade(e):
+            if self.degrader.should_degrade(e, started=deadline - self.timeout):
                 return []
             raise
         self.degrader.succeeded()

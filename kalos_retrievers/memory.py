@@ -301,7 +301,7 @@ class KalosMemory:
             k = min(int(limit), self.client.header.max_k)
             hits = self.client.recall(vec, k, namespace=self.namespace, filter=flt, timeout=left)
         except KalosError as e:
-            if self.degrader.should_degrade(e):
+            if self.degrader.should_degrade(e, started=deadline - self.timeout):
                 return []
             raise
         self.degrader.succeeded()

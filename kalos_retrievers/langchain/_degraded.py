@@ -42,6 +42,7 @@ def degrade(
     name: str,
     run_manager: CallbackManagerForRetrieverRun,
     on_error: OnError | None = None,
+    started: float | None = None,
 ) -> bool:
     """Let ``degrader`` judge ``exc`` (with the retriever's ``on_error``); on True also
     dispatch :data:`DEGRADED_EVENT`.
@@ -50,7 +51,7 @@ def degrade(
         True when the caller should return empty context, False when it should re-raise.
     """
     before = degrader.episodes
-    if not degrader.should_degrade(exc, on_error):
+    if not degrader.should_degrade(exc, on_error, started):
         return False
     data = _event_data(degrader, exc, name, degrader.episodes != before)
     run_manager.get_child().on_custom_event(DEGRADED_EVENT, data, run_id=run_manager.run_id)
@@ -63,10 +64,11 @@ async def adegrade(
     name: str,
     run_manager: AsyncCallbackManagerForRetrieverRun,
     on_error: OnError | None = None,
+    started: float | None = None,
 ) -> bool:
     """Async :func:`degrade`."""
     before = degrader.episodes
-    if not degrader.should_degrade(exc, on_error):
+    if not degrader.should_degrade(exc, on_error, started):
         return False
     data = _event_data(degrader, exc, name, degrader.episodes != before)
     await run_manager.get_child().on_custom_event(DEGRADED_EVENT, data, run_id=run_manager.run_id)

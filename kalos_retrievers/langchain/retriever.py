@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -214,13 +215,14 @@ class KalosRetriever(BaseRetriever):
             threshold, timeout = self.score_threshold, self.timeout
         vector = store.embedding.embed_query(query)
         degrader: Degrader = self.degrader  # type: ignore[assignment]
+        started = time.monotonic()
         try:
             res = store._recall(vector, k, flt, namespace, store._seconds(timeout))
             # (with a threshold, the metric is read: from the header, which reconnects if
             # another thread found the sidecar gone meanwhile, and may fail as the recall may)
             docs = docs_of(res) if threshold is None else self._documents(res, threshold)
         except Exception as exc:
-            if degrade(degrader, exc, store.client.name, run_manager, self.on_error):
+            if degrade(degrader, exc, store.client.name, run_manager, self.on_error, started):
                 return []
             raise
         if degrader.in_episode:
@@ -236,11 +238,12 @@ class KalosRetriever(BaseRetriever):
             return []
         vector = await store.embedding.aembed_query(query)
         degrader: Degrader = self.degrader  # type: ignore[assignment]
+        started = time.monotonic()
         try:
             res = await store._arecall(vector, k, flt, namespace, timeout)
             docs = self._documents(res, threshold)  # (as in the sync path: the metric's read may fail too)
         except Exception as exc:
-            if await adegrade(degrader, exc, store.client.name, run_manager, self.on_error):
+            if await adegrade(degrader, exc, store.client.name, run_manager, self.on_error, started):
                 return []
             raise
         if degrader.in_episode:
@@ -309,10 +312,11 @@ class KalosVectorStoreRetriever(VectorStoreRetriever):
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
         degrader: Degrader = self.degrader  # type: ignore[assignment]
+        started = time.monotonic()
         try:
             docs = super()._get_relevant_documents(query, run_manager=run_manager, **kwargs)
         except Exception as exc:
-            if degrade(degrader, exc, self.vectorstore.client.name, run_manager, self.on_error):
+            if degrade(degrader, exc, self.vectorstore.client.name, run_manager, self.on_error, started):
                 return []
             raise
         if degrader.in_episode:
@@ -323,11 +327,12 @@ class KalosVectorStoreRetriever(VectorStoreRetriever):
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
         degrader: Degrader = self.degrader  # type: ignore[assignment]
+        started = time.monotonic()
         try:
             docs = await super()._aget_relevant_documents(query, run_manager=run_manager, **kwargs)
         except Exception as exc:
             if await adegrade(degrader, exc, self.vectorstore.client.name, run_manager,
-                              self.on_error):  # fmt: skip
+                              self.on_error, started):  # fmt: skip
                 return []
             raise
         if degrader.in_episode:

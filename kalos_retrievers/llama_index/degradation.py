@@ -8,6 +8,7 @@ observability handlers (Arize, Langfuse, a custom ``BaseEventHandler``) see it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -43,10 +44,11 @@ class KalosDegradedEvent(BaseEvent):
 
 def call_degrading(degrader: Degrader, fn: Callable[[], T], empty: Callable[[], T]) -> T:
     """``fn()``, or ``empty()`` when it raised a transient error and ``degrader`` says degrade."""
+    started = time.monotonic()
     try:
         out = fn()
     except KalosError as e:
-        if not degrader.should_degrade(e):
+        if not degrader.should_degrade(e, started=started):
             raise
         _dispatcher.event(
             KalosDegradedEvent(adapter=degrader.what, error=str(e), episode=degrader.episodes)
