@@ -305,6 +305,7 @@ class KalosClient:
         self._long_waits = 0
         self.max_slots = max_slots
         self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()  # (not _lock: a connect may hold that a while)
         if arena_docs not in (None, True, False):
             raise ValueError(f"arena_docs={arena_docs!r} must be None (auto), True or False")
         self.arena_docs = arena_docs
@@ -349,17 +350,18 @@ class KalosClient:
         """The threads the async adapters run this client's calls on (``max_slots`` of them,
         made at first use; see :mod:`kalos_retrievers._aio`): not the event loop's default
         executor, which calls blocked by a paused sidecar would take from the application."""
-        with self._lock:
+        with self._executor_lock:  # (taken on the event loop's thread: held only here)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.max_slots, thread_name_prefix=f"kalos-{self.name}")
             return self._executor
 
     def close(self) -> None:
         """Release the slots this client holds (and stop the sidecar if it spawned it)."""
-        with self._lock:
+        with self._executor_lock:
             if self._executor is not None and self._pid == os.getpid():
                 self._executor.shutdown(wait=False)  # (calls running end by their deadlines)
             self._executor = None
+        with self._lock:
             self._closed = True
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
@@ -386,6 +388,7 @@ class KalosClient:
         # and close our copy of the descriptor so the parent's locks die with the parent.
         self._lock = threading.Condition(threading.RLock())
         self._executor = None  # (the parent's threads are not the child's)
+        self._executor_lock = threading.Lock()
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 self._conn.seg.shm.close_fd()
