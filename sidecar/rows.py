@@ -26,6 +26,13 @@ log = logging.getLogger("kalos.sidecar")
 CHANGES_KEPT = 1 << 16
 
 
+def _doubled(capacity: int, need: int) -> int:
+    """The capacity the table grows to for ``need`` rows: doubled (1,024 at least) until they fit."""
+    while capacity < need:
+        capacity = max(1024, 2 * capacity)
+    return capacity
+
+
 class RowTable:
     def __init__(self, capacity: int = 1024) -> None:
         self.capacity = capacity
@@ -76,9 +83,17 @@ class RowTable:
             if row < self.high and self.ns_of[row] < 0:
                 return row
         if self.high == self.capacity:
-            self.grow(max(1024, 2 * self.capacity))
+            self.grow(_doubled(self.capacity, self.capacity + 1))
         self.high += 1
         return self.high - 1
+
+    def reserve(self, new_rows: int) -> None:
+        """Grow now as :meth:`allocate` would for ``new_rows`` more rows (before a commit: a
+        MemoryError then refuses the write rather than following it). Only the holes below
+        ``high`` count as free: a trim can leave rows at or above it in the free list, which
+        allocate discards."""
+        holes = min(len(self.free), self.high - self.live)
+        self.grow(_doubled(self.capacity, self.high + max(0, new_rows - holes)))
 
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:

@@ -139,7 +139,7 @@ class Service:
         new_keys = len(set(ids)) if ns_id is None else sum(self.rows.lookup(ns_id, i) is None for i in set(ids))
         try:  # room first: running out of memory must happen before anything is committed
             self.index.reserve(self.rows.high + len(self.rows.free) + new_keys)
-            self._reserve_rows(new_keys)
+            self.rows.reserve(new_keys)
         except IndexCapacityError as e:
             raise Invalid(Status.CAPACITY, str(e)) from None
         except MemoryError:
@@ -153,18 +153,6 @@ class Service:
         self._commit(lambda: self.store.upsert(batch))
         self._after_commit(lambda: self._apply(batch, metas))
         return n
-
-    def _reserve_rows(self, new_keys: int) -> None:
-        """Grow the row table as :meth:`RowTable.allocate` would for ``new_keys`` more rows,
-        before the commit (a MemoryError then refuses the write instead of following it)."""
-        # (the free list may hold rows at or above `high`, left by a trim, which allocate
-        # discards: only the holes below `high` are rows it can give)
-        holes = min(len(self.rows.free), self.rows.high - self.rows.live)
-        need = self.rows.high + max(0, new_keys - holes)
-        cap = self.rows.capacity
-        while cap < need:
-            cap = max(1024, 2 * cap)
-        self.rows.grow(cap)
 
     def _after_commit(self, apply: Callable[[], None]) -> None:
         """Run ``apply``, which brings the row table and the index in step with a write the
