@@ -274,27 +274,15 @@ class KalosStore(BaseStore):
     def _validate(self, ops: list[Op]) -> None:
         # BaseStore's helpers check labels, but ops handed to batch() directly skip them.
         for op in ops:
-            if isinstance(op, PutOp) and op.value is None:
-                # a delete: labels only, as BaseStore.delete checks; a key no put could store
-                # (an empty or "langgraph" namespace, say) has nothing to delete (_absent)
+            if isinstance(op, PutOp):
                 _check_labels(op.namespace)
                 if not isinstance(op.key, str):
-                    raise ValueError(f"key={op.key!r}: keys are strings")
-            elif isinstance(op, PutOp):
-                if not op.namespace:
-                    raise InvalidNamespaceError("Namespace cannot be empty.")
-                if op.namespace[0] == "langgraph":
-                    raise InvalidNamespaceError(
-                        f'Root label for namespace cannot be "langgraph". Got: {op.namespace}'
-                    )
-                _check_labels(op.namespace)
-                self._names(op.namespace)  # length check
-                if not isinstance(op.key, str) or not op.key:
                     raise ValueError(f"key={op.key!r}: KalosStore keys are non-empty strings (InMemoryStore allows '')")
-                if len(op.key.encode("utf-8", "surrogatepass")) > _MAX_KEY_BYTES:
-                    raise ValueError(
-                        f"key is longer than {_MAX_KEY_BYTES} bytes: {op.key[:40]!r}..."
-                    )
+                # a delete: labels only, as BaseStore.delete checks; a key no put could store
+                # (an empty or "langgraph" namespace, say) has nothing to delete (_unstorable)
+                refusal = self._unstorable(op) if op.value is not None else None
+                if refusal is not None:
+                    raise refusal
             elif isinstance(op, GetOp):
                 _check_labels(op.namespace)
             elif isinstance(op, SearchOp):
@@ -338,7 +326,7 @@ class KalosStore(BaseStore):
         pending: dict[_Key, PutOp] = {}
         for i, op in enumerate(ops):
             if isinstance(op, PutOp):
-                if op.value is None and self._absent(op):
+                if op.value is None and self._unstorable(op) is not None:
                     continue  # (InMemoryStore: a delete of what is not there does nothing)
                 pending[(op.namespace, op.key)] = op  # the last put of a key wins
                 continue
@@ -356,19 +344,23 @@ class KalosStore(BaseStore):
             self._apply_puts(pending, doc_vecs)
         return results
 
-    def _absent(self, op: PutOp) -> bool:
-        """Whether no put could have stored ``op``'s key: an empty namespace, one under the
-        reserved root "langgraph", an empty key, or a key or namespace too long for Kalos
-        (what :meth:`_validate` refuses of a put)."""
-        if not op.namespace or op.namespace[0] == "langgraph" or not op.key:
-            return True
-        if len(op.key.encode("utf-8", "surrogatepass")) > _MAX_KEY_BYTES:
-            return True
+    def _unstorable(self, op: PutOp) -> Exception | None:
+        """Why no put can store ``op``'s key (the error a put raises; a delete of it has
+        nothing to do): an empty namespace, one under the reserved root "langgraph", an empty
+        key, or a key or namespace too long for Kalos. None: it can."""
+        if not op.namespace:
+            return InvalidNamespaceError("Namespace cannot be empty.")
+        if op.namespace[0] == "langgraph":
+            return InvalidNamespaceError(f'Root label for namespace cannot be "langgraph". Got: {op.namespace}')
         try:
-            self._names(op.namespace)
-        except InvalidNamespaceError:
-            return True
-        return False
+            self._names(op.namespace)  # (its length)
+        except InvalidNamespaceError as e:
+            return e
+        if not op.key:
+            return ValueError(f"key={op.key!r}: KalosStore keys are non-empty strings (InMemoryStore allows '')")
+        if len(op.key.encode("utf-8", "surrogatepass")) > _MAX_KEY_BYTES:
+            return ValueError(f"key is longer than {_MAX_KEY_BYTES} bytes: {op.key[:40]!r}...")
+        return None
 
     def _names(self, namespace: tuple[str, ...]) -> tuple[str, str]:
         enc = encode_namespace(namespace)
