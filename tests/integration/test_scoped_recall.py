@@ -80,6 +80,21 @@ def reference(data: dict, ns: str, flt: dict | None, q: np.ndarray, k: int) -> l
     return [f"{NAMESPACES.index(ns)}-{i}" for i in order]
 
 
+def is_top(data: dict, ns: str, flt: dict | None, q: np.ndarray, k: int, ids: list[str]) -> bool:
+    """``ids`` is the scope's top k: the reference's ids, or, where two rows score within
+    float32's precision of each other (random data, unseeded: it happens), ids whose float64
+    scores are the reference's, place by place."""
+    want = reference(data, ns, flt, q.astype(np.float64), k)
+    if ids == want:
+        return True
+    if len(ids) != len(want) or ns not in data:
+        return False
+    v = data[ns].astype(np.float64)
+    score = {f"{NAMESPACES.index(ns)}-{i}": float(v[i] @ q / np.linalg.norm(v[i])) for i in range(N)}
+    got_s, want_s = [score.get(i, np.nan) for i in ids], [score[i] for i in want]
+    return bool(np.allclose(got_s, want_s, rtol=0, atol=1e-6 * np.linalg.norm(q)))
+
+
 def test_scoped_recalls_take_the_short_paths_and_answer_as_the_general_path(
     start_sidecar, monkeypatch: pytest.MonkeyPatch, docs_from: str
 ) -> None:  # fmt: skip
@@ -99,8 +114,7 @@ def test_scoped_recalls_take_the_short_paths_and_answer_as_the_general_path(
             k = ks[j % len(ks)]
             got.append(c.recall(q, k, namespace=ns, filter=flt))
             want.append(c.recall_batch([q], k, namespace=ns, filter=flt)[0])
-            ids = reference(data, ns, flt, q.astype(np.float64), k)
-            assert got[-1].ids == ids, (ns, flt, k)
+            assert is_top(data, ns, flt, q.astype(np.float64), k, got[-1].ids), (ns, flt, k, got[-1].ids)
         scoped = sum(1 for j in range(len(queries)) if SCOPES[j % len(SCOPES)] != ("", None))
         strided = sum(not q.flags.c_contiguous for q in queries)
         # each recall written in C with its args (a strided view: then its copy); recall_batch not
@@ -124,7 +138,7 @@ def test_the_python_path_writes_the_same_scoped_recall(start_sidecar, monkeypatc
         for ns, flt in SCOPES:
             q = rng.standard_normal(DIM).astype(np.float32)
             r = c.recall(q, 7, namespace=ns, filter=flt)
-            assert r.ids == reference(data, ns, flt, q.astype(np.float64), 7)
+            assert is_top(data, ns, flt, q.astype(np.float64), 7, r.ids)
             assert all(h.namespace == ns for h in r)
 
 
@@ -197,7 +211,7 @@ def test_an_extension_built_before_scoped_requests_sends_them_the_python_way(
         c.ping()
         for ns, flt in SCOPES:
             q = rng.standard_normal(DIM).astype(np.float32)
-            assert c.recall(q, 5, namespace=ns, filter=flt).ids == reference(data, ns, flt, q.astype(np.float64), 5)
+            assert is_top(data, ns, flt, q.astype(np.float64), 5, c.recall(q, 5, namespace=ns, filter=flt).ids)
         assert Old.calls == 0
         q = rng.standard_normal(DIM).astype(np.float32)
-        assert c.recall(q, 5).ids == reference(data, "", None, q.astype(np.float64), 5) and Old.calls == 1
+        assert is_top(data, "", None, q.astype(np.float64), 5, c.recall(q, 5).ids) and Old.calls == 1
