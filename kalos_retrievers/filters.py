@@ -26,7 +26,19 @@ Field operators:
 =============== ===========================================================================
 
 Booleans never equal numbers (``True`` is not ``1`` here, unlike in Python). A filter names
-fields of the stored metadata only; namespaces are a separate argument.
+fields of the stored metadata only; namespaces are a separate argument. Edge cases, pinned by
+tests:
+
+* ``{"f": None}`` (``$eq`` null) matches a stored null, not a missing field; ``$ne`` null
+  matches a missing one. For "missing or null" use ``{"$empty": true}`` or ``$exists``.
+* ``$all: []`` matches every list, the empty one too (and nothing else); ``$any: []`` and
+  ``$in: []`` match nothing; ``$nin: []`` matches every row.
+* A ``set`` is taken for a list, but Python has merged ``1``, ``1.0`` and ``True`` in it
+  before Kalos sees it (``{1, True}`` is ``{1}``): pass a list to keep them apart.
+* Fields are top-level metadata keys, read literally: ``"a.b"`` is a key with a dot, not a
+  nested field. A key that is empty or starts with ``$`` can be stored but not filtered on
+  (``$`` names an operator).
+* Filters nest up to 32 levels of ``$and``/``$or``/``$not``.
 """
 
 from __future__ import annotations

@@ -132,10 +132,15 @@ def _filters(filters: MetadataFilters, path: str) -> dict[str, Any] | None:
 
 def _one(f: MetadataFilter, path: str) -> dict[str, Any]:
     op, value = f.operator, f.value
+    if not f.key or f.key.startswith("$"):
+        raise ValueError(
+            f"{path}: metadata key {f.key!r} cannot be filtered in Kalos (an empty key, or one "
+            "starting with '$', which names an operator there); rename the key when you store it"
+        )
     if op == FilterOperator.IS_EMPTY:
         return {f.key: {"$empty": True}}
     if op in _LISTS:
-        # LlamaIndex lets IN take a single value; it means a one-element list.
+        # LlamaIndex lets IN take a single value; it means a one-element list (so for NIN, ANY, ALL).
         values = list(value) if isinstance(value, list | tuple) else [value]
         return {f.key: {_LISTS[op]: values}}
     if op in _SIMPLE:

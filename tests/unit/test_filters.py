@@ -45,6 +45,30 @@ def test_errors_name_the_offending_part(flt: Any, err: type, match: str) -> None
         validate_filter(flt)
 
 
+def test_documented_edge_cases() -> None:
+    """The edge cases the module docstring states (null against missing, empty lists, dotted
+    and $ keys, sets, depth)."""
+    def ok(f: Any, m: dict[str, Any]) -> bool:
+        return matches(validate_filter(f), m)
+
+    assert ok({"f": None}, {"f": None}) and not ok({"f": None}, {})
+    assert ok({"f": {"$ne": None}}, {}) and not ok({"f": {"$ne": None}}, {"f": None})
+    assert ok({"f": {"$empty": True}}, {}) and ok({"f": {"$empty": True}}, {"f": None})
+    assert [ok({"t": {"$all": []}}, m) for m in ({"t": []}, {"t": [1]}, {"t": "x"}, {})] == [True, True, False, False]
+    assert not any(ok({"t": {op: []}}, {"t": [1]}) for op in ("$any", "$in"))
+    assert ok({"t": {"$nin": []}}, {}) and ok({"t": {"$nin": []}}, {"t": 1})
+    assert ok({"a.b": 1}, {"a.b": 1}) and not ok({"a.b": 1}, {"a": {"b": 1}})
+    with pytest.raises(ValueError, match=r"unknown logical operator '\$price'"):
+        validate_filter({"$price": 3})
+    assert validate_filter({"t": {"$in": frozenset((1, True))}}) == {"t": {"$in": [1]}}  # (Python merged them)
+    deep: dict[str, Any] = {"a": 1}
+    for _ in range(32):
+        deep = {"$not": deep}
+    assert validate_filter(deep) is not None
+    with pytest.raises(ValueError, match="nests deeper than 32 levels"):
+        validate_filter({"$not": deep})
+
+
 def test_semantics_spot_checks() -> None:
     m = {"n": 3, "s": "Apple pie", "b": True, "l": ["x", 2], "z": None, "e": ""}
     yes = [{"n": 3}, {"n": 3.0}, {"n": {"$gt": 2, "$lte": 3}}, {"s": {"$like": "pie"}},

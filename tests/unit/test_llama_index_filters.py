@@ -122,6 +122,16 @@ def test_bad_values_name_the_filter() -> None:
         to_kalos_filter(mf(MetadataFilter(key="a", value=["x"], operator=F.EQ)))
     with pytest.raises(ValueError, match="TEXT_MATCH needs a string"):
         to_kalos_filter(mf(MetadataFilter(key="a", value=3, operator=F.TEXT_MATCH)))
+    # a key Kalos's language would read as an operator: refused in LlamaIndex's terms
+    with pytest.raises(ValueError, match=r"filters\.filters\[1\]: metadata key '\$price' cannot be filtered"):
+        to_kalos_filter(mf(MetadataFilter(key="a", value=1), MetadataFilter(key="$price", value=3)))
+    with pytest.raises(ValueError, match="metadata key '' cannot be filtered"):
+        to_kalos_filter(mf(MetadataFilter(key="", value=3, operator=F.IN)))
+
+
+def test_list_operators_take_a_single_value_as_a_list() -> None:
+    for op, name in ((F.IN, "$in"), (F.NIN, "$nin"), (F.ANY, "$any"), (F.ALL, "$all")):
+        assert to_kalos_filter(mf(MetadataFilter(key="t", value="x", operator=op))) == {"t": {name: ["x"]}}
 
 
 # ---------------------------------------------------------------------------------------------
