@@ -1087,7 +1087,13 @@ class KalosClient:
         """
         vecs = check_vectors(vectors, self.dim, "vectors")
         n = len(vecs)
-        if n == 0:
+        if n == 0:  # nothing to send, but the same refusals as for rows (a zero-row test call)
+            if timeout is not None:
+                _check_timeout(timeout)
+            _check_ids(ids, 0)
+            _check_namespace(namespace)
+            _check_texts(texts, 0)
+            _encode_metadatas(metadatas, 0)
             return []
         if self.header.metric == Metric.COSINE:
             zero = np.flatnonzero(~np.any(vecs != 0, axis=1))

@@ -119,6 +119,36 @@ def test_every_search_path_is_exact(metric: str) -> None:
                                       ref_s[j], atol=1e-4, context=f"{ns!r} {flt} b{b} k{k} q{j}")  # fmt: skip
 
 
+@pytest.mark.parametrize("dim", [3, 97])
+def test_l2_ranks_near_neighbours_exactly(dim: int) -> None:
+    """L2 from ``|q|² - 2q·x + |x|²`` in float32 cancels near the query: a stored row recalled
+    by itself scored -0.0 among its near-duplicates and could miss the top 5. Far from the
+    origin (norms ~1,000), 61 near-duplicates at distinct distances (1e-3 apart and more), in
+    every search path: the default namespace scored in place, a filter over most rows
+    (masked), a small namespace mixed with a big one (gathered). The order and the distances
+    must be the float64 ones, from ``x - q``."""
+    rng = np.random.default_rng()
+    centre = rng.standard_normal(dim) * 1000 / np.sqrt(dim)
+    offsets = rng.standard_normal((61, dim))
+    offsets *= (np.arange(61) * 1e-3 + 1e-3)[:, None] / np.linalg.norm(offsets, axis=1, keepdims=True)
+    near = (centre + offsets).astype(np.float32)
+    far = (rng.standard_normal((3001, dim)) * 1000 / np.sqrt(dim)).astype(np.float32)
+    svc = svc_for(dim, "l2")
+    put(svc, far, [f"f{i}" for i in range(len(far))], metas=[{"near": 0}] * len(far))
+    order = rng.permutation(61)  # (stored in a shuffled order: insertion order must not decide)
+    put(svc, near[order], [f"n{i}" for i in order], metas=[{"near": 1}] * 61)
+    put(svc, near[order], [f"s{i}" for i in order], ns="small")  # (61 of 3,183 rows: gathered)
+    for target in (0, 7, 60):
+        q = near[target][None, :]
+        d = np.sqrt(((near.astype(np.float64) - q[0].astype(np.float64)) ** 2).sum(1))
+        want = np.argsort(d, kind="stable")[:10]
+        for ns, flt, prefix in (("", None, "n"), ("", {"near": {"$gte": 0}}, "n"), ("small", None, "s")):
+            rows, scores = svc.recall(q, 10, ns, flt)
+            got = [svc.rows.ids[r] for r in rows[0]]
+            assert got == [f"{prefix}{i}" for i in want], (target, ns, flt, got, d[want])
+            np.testing.assert_allclose(scores[0], -d[want], rtol=1e-6, atol=1e-6, err_msg=f"{target} {ns} {flt}")
+
+
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_rows_of_another_namespace_never_answer_when_scores_overflow(metric: str) -> None:
