@@ -22,7 +22,7 @@ from kalos_retrievers.sidecar import carousel, index_gpu
 from kalos_retrievers.sidecar import dispatcher as dispatcher_module
 from kalos_retrievers.sidecar import server as server_module
 from kalos_retrievers.sidecar.server import ServeConfig, Server
-from kalos_testing import until
+from kalos_testing import is_top_k, until
 
 from kalos_retrievers import KalosClient
 from kalos_retrievers.protocol import HEADER_OFFSETS, METRICS, SidecarState, carousel_segment_name
@@ -72,6 +72,15 @@ def _top(data: np.ndarray, q: np.ndarray, k: int) -> list[str]:
     return [str(i) for i in np.argsort(-(data @ q), kind="stable")[:k]]
 
 
+def _is_top(data: np.ndarray, q: np.ndarray, ids: list[str], k: int) -> bool:
+    """``ids`` are the data's top k for ``q``, up to an order flip of rows within float32's
+    precision of each other (the crowd's batches go through sgemm, a lone recall through gemv:
+    on unseeded data such a flip came about once in 100 runs of this file)."""
+    if not all(i.isdigit() for i in ids):
+        return False
+    return is_top_k(data @ q.astype(np.float64), [int(i) for i in ids], k)
+
+
 def _crowd(name: str, data: np.ndarray, clients: int, calls: int, errors: list, start: threading.Barrier,
            k: int = 7, direct: list | None = None) -> list[threading.Thread]:  # fmt: skip
     """Client threads, each recalling ``calls`` random queries (0 on the last axis, so rows
@@ -89,7 +98,7 @@ def _crowd(name: str, data: np.ndarray, clients: int, calls: int, errors: list, 
                     q = rng.standard_normal(DIM).astype(np.float32)
                     q[-1] = 0
                     res = c.recall(q, k=k)
-                    if res.ids != _top(data, q, k):
+                    if not _is_top(data, q, res.ids, k):
                         errors.append(("wrong", res.ids, _top(data, q, k)))
                     elif direct is not None and [h.text for h in res] != [f"t{i}" for i in res.ids]:
                         errors.append(("texts", [h.text for h in res], res.ids))
@@ -133,11 +142,9 @@ def test_writes_and_other_recalls_amid_the_crowd(served: Any) -> None:
         for j in range(10):
             c.upsert([f"w{j}"], (axis * (100 + j))[None])  # (each the best along the last axis so far)
             assert c.recall(axis, k=1).ids == [f"w{j}"]
-            assert c.recall(data[j], k=40).ids == _top(data, data[j], 40)
-            assert [r.ids[0] for r in c.recall_batch(data[[j, j + 1]], k=3)] == [
-                _top(data, data[j], 1)[0],
-                _top(data, data[j + 1], 1)[0],
-            ]
+            assert _is_top(data, data[j], c.recall(data[j], k=40).ids, 40)
+            pair = data[[j, j + 1]]
+            assert all(_is_top(data, q, r.ids[:1], 1) for q, r in zip(pair, c.recall_batch(pair, k=3), strict=True))
             time.sleep(0.025)  # (past the hold-off)
     for t in threads:
         t.join(60)
@@ -156,7 +163,7 @@ def test_stopping_the_sidecar_answers_the_recalls_aboard(served: Any) -> None:
     it stops for a lost recall; tests/unit/test_client_stop_race.py.)"""
     srv, index, data = served(97, turn=0.3)
     rng = np.random.default_rng()
-    outcomes: dict[int, list[tuple[float, Any, list[str]]]] = {i: [] for i in range(6)}
+    outcomes: dict[int, list[tuple[float, Any, Any]]] = {i: [] for i in range(6)}  # (when, ids or error, query)
     start = threading.Barrier(6)
 
     def loop(i: int) -> None:
@@ -167,9 +174,9 @@ def test_stopping_the_sidecar_answers_the_recalls_aboard(served: Any) -> None:
                 try:
                     got: Any = c.recall(q, k=5).ids
                 except Exception as e:
-                    outcomes[i].append((time.monotonic(), e, []))
+                    outcomes[i].append((time.monotonic(), e, None))
                     return
-                outcomes[i].append((time.monotonic(), got, _top(data, q, 5)))
+                outcomes[i].append((time.monotonic(), got, q))
 
     threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(6)]
     for t in threads:
@@ -193,9 +200,10 @@ def test_stopping_the_sidecar_answers_the_recalls_aboard(served: Any) -> None:
         assert not t.is_alive()
     assert time.monotonic() - t0 < 5
     for i in range(6):
-        after = [(got, want) for t, got, want in outcomes[i] if t >= t0]
-        assert after and after[0][0] == after[0][1], (i, after[:2])  # the recall aboard: answered, exactly
-        assert all(got == want for t, got, want in outcomes[i] if t < t0 and want)
+        after = [(got, q) for t, got, q in outcomes[i] if t >= t0]
+        # the recall aboard: answered, exactly
+        assert after and after[0][1] is not None and _is_top(data, after[0][1], after[0][0], 5), (i, after[:2])
+        assert all(_is_top(data, q, got, 5) for t, got, q in outcomes[i] if t < t0 and q is not None)
 
 
 def test_the_carousel_is_stopped_before_the_sidecar_says_it_stops(served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,7 +244,7 @@ def test_one_client_alone_never_starts_it(served: Any) -> None:
     with KalosClient(srv.cfg.name, dim=DIM) as c:
         for _ in range(50):
             q = rng.standard_normal(DIM).astype(np.float32)
-            assert c.recall(q, k=5).ids == _top(data, q, 5)
+            assert _is_top(data, q, c.recall(q, k=5).ids, 5)
     assert index.crowd.boarded == 0 and index.launches == 0
 
 
@@ -303,7 +311,7 @@ def test_writes_and_other_recalls_amid_a_direct_crowd(served: Any) -> None:
         for j in range(10):
             c.upsert([f"w{j}"], (axis * (100 + j))[None])
             assert c.recall(axis, k=1).ids == [f"w{j}"]
-            assert c.recall(data[j], k=40).ids == _top(data, data[j], 40)
+            assert _is_top(data, data[j], c.recall(data[j], k=40).ids, 40)
             time.sleep(0.025)  # (past the hold-off)
     for t in threads:
         t.join(60)

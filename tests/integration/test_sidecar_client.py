@@ -150,8 +150,8 @@ def test_gets_deletes_and_filters_larger_than_a_slot(start_sidecar) -> None:
         assert c.stats()["requests"]["recall/ok"] - before == 2
         assert len(got) == len(qs)
         for q, r in zip(qs, got, strict=True):
-            want, _ = reference_topk(data[keep], q[None], 3, "cosine")
-            assert r.ids == [ids[keep[j]] for j in want[0]]
+            want, want_s = reference_topk(data[keep], q[None], 3, "cosine")
+            assert_topk_equal(r.ids, r.scores, [ids[keep[j]] for j in want[0]], want_s[0], atol=1e-5)
         with pytest.raises(ValueError, match="--payload-kb"):
             c.recall(data[0], k=3, filter={"i": {"$in": list(range(20_000))}})
         assert c.delete([ids[i] for i in range(0, n, 2)] + ["nope"], filter={"i": {"$lt": n - 2}}) == (n - 1) // 2

@@ -29,8 +29,11 @@ def _module():  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("rounds", ["8", "1"])  # interleaved (a CPU's default); one system at a time (a GPU's)
 def test_each_system_found_is_timed_and_exact_where_it_should_be(tmp_path: Path, rounds: str) -> None:
+    # a fixed seed: recall 1.0 is asked of float32 systems against float64, and fresh data met
+    # a near tie about once in 3,000 runs (a review's simulation, session 66)
     out = subprocess.run([sys.executable, "-P", str(SCRIPT), "--rows", "1501", "--dim", "23", "--k", "7",
-                          "--calls", "40", "--budget-s", "2", "--only", "kalos,numpy,inmemory,faiss,cupy",
+                          "--calls", "40", "--budget-s", "2", "--seed", "66",
+                          "--only", "kalos,numpy,inmemory,faiss,cupy",
                           "--rounds", rounds, "--json", str(tmp_path / "r.json")],
                          capture_output=True, text=True, timeout=110)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
