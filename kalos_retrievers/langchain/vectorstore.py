@@ -501,13 +501,15 @@ class KalosVectorStore(VectorStore):
         metric    raw score ``s``         relevance
         ========  ======================  ==========================================
         cosine    cosine similarity       ``(1 + s) / 2``
-        ip        inner product           ``1 / (1 + exp(-s))`` (logistic)
+        ip        inner product           ``(1 + s) / 2`` (cosine's, for unit vectors)
         l2        ``-distance``           ``1 / (1 + distance)``
         ========  ======================  ==========================================
 
         All are monotone in ``s`` (a relevance threshold keeps the raw order) and clipped
-        into [0, 1]. This is :func:`kalos_retrievers.scores.relevance_fn`, shared with the
-        LlamaIndex adapter. Asking for the metric connects to the sidecar.
+        into [0, 1]; not LangChain's own functions (see :mod:`kalos_retrievers.scores` for
+        what a threshold means in cosine and distance). This is
+        :func:`kalos_retrievers.scores.relevance_fn`, shared with the LlamaIndex adapter.
+        Asking for the metric connects to the sidecar.
         """
         return relevance_fn(self.client.metric)
 

@@ -8,14 +8,22 @@ __all__ = ["mmr_select"]
 
 
 def mmr_select(
-    query: np.ndarray, candidates: np.ndarray, k: int, threshold: float = 0.5
+    query: np.ndarray,
+    candidates: np.ndarray,
+    k: int,
+    threshold: float = 0.5,
+    relevance: np.ndarray | None = None,
 ) -> list[int]:
     """Indices of ``k`` candidates chosen by MMR, in the order chosen.
 
     Each step picks the candidate maximizing
-    ``threshold * sim(query, c) - (1 - threshold) * max(sim(c, s) for s already chosen)``
-    with cosine similarity: ``threshold=1`` is plain similarity ranking, ``0`` pure diversity
-    (LlamaIndex's ``mmr_threshold``; 0.5 by default, as in LlamaIndex).
+    ``threshold * rel(c) - (1 - threshold) * max(sim(c, s) for s already chosen)``, ``sim``
+    the cosine similarity between candidates: ``threshold=1`` is plain ranking by ``rel``,
+    ``0`` pure diversity (LlamaIndex's ``mmr_threshold``; 0.5 by default, as in LlamaIndex).
+    ``rel`` is ``relevance`` (one per candidate, on cosine's scale [-1, 1]: the adapter
+    passes ``2 * relevance_fn(metric)(score) - 1``, so that ip and L2 sidecars rank by their
+    own scores), or the cosine similarity to ``query`` when None. (Until session 66 it was
+    always the cosine: an L2 store's MMR at threshold 1 put its farthest row second.)
 
     Unlike ``llama_index.core``'s helper, the penalty is the similarity to the *closest* chosen
     candidate, not to the last one chosen, which is what MMR (Carbonell & Goldstein, 1998)
@@ -28,13 +36,13 @@ def mmr_select(
         return []
     c = _unit(np.asarray(candidates, dtype=np.float64))
     q = _unit(np.asarray(query, dtype=np.float64).reshape(1, -1))[0]
-    relevance = c @ q
+    rel = c @ q if relevance is None else np.asarray(relevance, dtype=np.float64).reshape(n)
     closest = np.full(n, -np.inf)
     chosen: list[int] = []
     available = np.ones(n, dtype=bool)
     for _ in range(min(k, n)):
         penalty = np.where(np.isfinite(closest), closest, 0.0)
-        score = threshold * relevance - (1.0 - threshold) * penalty
+        score = threshold * rel - (1.0 - threshold) * penalty
         score[~available] = -np.inf
         best = int(np.argmax(score))
         chosen.append(best)

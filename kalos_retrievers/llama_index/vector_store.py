@@ -26,6 +26,7 @@ from ..client import KalosClient
 from ..degrade import Degrader
 from ..filters import matches, validate_filter
 from ..results import Hit, Record
+from ..scores import relevance_fn
 from .degradation import call_degrading, time_left
 from .filters import to_kalos_filter
 from .mmr import mmr_select
@@ -378,7 +379,11 @@ class KalosVectorStore(BasePydanticVectorStore):
         if mmr and hits:
             threshold = kwargs.get("mmr_threshold", query.mmr_threshold)
             vectors = np.asarray([h.vector for h in hits], dtype=np.float32).reshape(len(hits), -1)
-            order = mmr_select(q, vectors, k, 0.5 if threshold is None else float(threshold))
+            rel = None
+            if self._client.metric != "cosine":  # (rank by the sidecar's own scores, on cosine's scale)
+                fn = relevance_fn(self._client.metric)
+                rel = np.array([2.0 * fn(h.score) - 1.0 for h in hits])
+            order = mmr_select(q, vectors, k, 0.5 if threshold is None else float(threshold), rel)
             hits = [hits[i] for i in order]
         return VectorStoreQueryResult(
             nodes=[row_to_node(h.text, h.metadata, h.id) for h in hits],

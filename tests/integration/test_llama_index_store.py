@@ -471,6 +471,28 @@ async def test_mmr_mode_diversifies(api: Api) -> None:
     assert (await api.query(mmr)).ids == ["best", "twin"]
 
 
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_mmr_ranks_by_the_sidecars_own_scores(start_sidecar: Any, metric: str) -> None:
+    """On an L2 or ip sidecar MMR's relevance term is the sidecar's score (its relevance, on
+    cosine's scale), not the cosine to the query: ``mmr_threshold=1`` is the plain ranking.
+    (With the cosine, an L2 store's MMR put ``far``, the farthest row, second: it points the
+    query's way.) The diversity term stays the cosine between candidates: at 0.5 the
+    near-duplicate ``twin`` waits behind the different ``other``."""
+    sc = start_sidecar(dim=4, metric=metric)
+    store = KalosVectorStore(sc.name, timeout=10)
+    vecs = {"best": [1, 0, 0, 0], "twin": [1, 0.01, 0, 0], "other": [0.8, 0, 0.6, 0], "far": [10, 0.1, 0, 0],
+            "off": [0, 1, 0, 0]}  # fmt: skip
+    store.add([TextNode(id_=i, text=i, embedding=[float(x) for x in v]) for i, v in vecs.items()])
+    q = [1.0, 0.0, 0.0, 0.0]
+    plain = store.query(VectorStoreQuery(query_embedding=q, similarity_top_k=5))
+    mmr = store.query(VectorStoreQuery(query_embedding=q, similarity_top_k=5, mode=VectorStoreQueryMode.MMR,
+                                       mmr_threshold=1.0))  # fmt: skip
+    assert mmr.ids == plain.ids, (mmr.ids, plain.ids)
+    if metric == "l2":
+        assert plain.ids is not None and plain.ids[:2] == ["best", "twin"] and plain.ids[-1] == "far"
+    store.close()
+
+
 async def test_a_retrievers_vector_store_kwargs_reach_the_query_and_hybrid_options_are_refused(api: Api) -> None:
     """``KalosRetriever(vector_store_kwargs=...)`` passes them to each query, as
     ``VectorIndexRetriever`` does (control: without them, MMR's default balance); an option of

@@ -132,6 +132,16 @@ def test_mmr_prefers_diversity_and_threshold_one_is_plain_ranking() -> None:
         mmr_select(q, cands, 2, threshold=1.5)
 
 
+def test_mmr_ranks_by_the_relevance_given() -> None:
+    """With ``relevance`` (an ip or L2 sidecar's scores, on cosine's scale) threshold 1 ranks
+    by it, not by the cosine to the query; the diversity term is still the cosine."""
+    q = np.array([1.0, 0.0, 0.0])
+    cands = np.array([[1.0, 0.0, 0.0], [10.0, 0.1, 0.0], [1.0, 0.5, 0.0]])
+    rel = np.array([1.0, -0.8, 0.5])  # (L2: [0] at distance 0, [1] ~9 away, [2] 0.5 away)
+    assert mmr_select(q, cands, 3, threshold=1.0) == [0, 1, 2]  # (by cosine: [1] points the query's way)
+    assert mmr_select(q, cands, 3, threshold=1.0, relevance=rel) == [0, 2, 1]
+
+
 def test_mmr_penalty_is_to_the_closest_chosen_not_the_last() -> None:
     # Picks 0, then 2; for the third pick, candidate 1 (a copy of 0) must still be penalized by
     # its similarity to 0. A penalty by the last pick only (2, nearly orthogonal to 1) would
