@@ -61,6 +61,7 @@ from .protocol import (
     CAR_KMAX,
     CAR_REQUEST,
     CAR_TAKEN,
+    MAX_METADATA_DEPTH,
     OP_NAMES,
     REQUEST_OFFSET,
     REQUEST_STRUCT,
@@ -88,6 +89,7 @@ from .protocol import (
     decode_docs_blob,
     encode_json,
     encode_recall_args,
+    nests_deeper,
     ringable_args,
 )
 from .results import RecallResult, Record
@@ -1953,6 +1955,8 @@ def _encode_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None, n: i
                 raise ValueError(f"metadatas[{i}] has a non-string key {key!r}")
             if type(value) is int and abs(value) > _FLOAT_MAX:  # (the sidecar's columns are float64)
                 raise ValueError(f"metadatas[{i}][{key!r}] is an integer beyond float64's range")
+        if nests_deeper(m):
+            raise ValueError(f"metadatas[{i}] nests deeper than {MAX_METADATA_DEPTH} levels of dicts and lists")
         try:
             out.append(encode_json(dict(m)))
         except (TypeError, ValueError) as e:

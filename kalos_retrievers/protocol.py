@@ -747,6 +747,25 @@ def decode_recall_args(buf: bytes) -> tuple[str, Any]:
     return ns, flt
 
 
+#: how deep a memory's metadata may nest (dicts and lists): deeper, reading it back ran out
+#: of Python's recursion limit in an application's deeper stacks (980 levels stored fine and
+#: then broke every recall that returned the row)
+MAX_METADATA_DEPTH: Final = 64
+
+
+def nests_deeper(value: Any, limit: int = MAX_METADATA_DEPTH) -> bool:
+    """Whether ``value`` holds dicts/lists nested more than ``limit`` levels (the value itself
+    is level 1). Iterative: any depth is measured without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list | tuple):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
 def encode_json(obj: Any) -> bytes:
     """Strict JSON (no NaN/Infinity), compact, UTF-8: ``json.dumps(obj, separators=(",", ":"),
     allow_nan=False, ensure_ascii=False).encode()``, byte for byte and error for error.

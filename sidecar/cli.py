@@ -17,6 +17,7 @@ Exit codes (stable, for supervisors and readiness probes):
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import itertools
 import json
 import logging
@@ -136,6 +137,9 @@ def _serve(args: argparse.Namespace) -> int:
         format=f"%(asctime)s kalos-sidecar[{args.name}] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    # a fatal signal (SIGBUS: a foreign process shrank the segment; SIGSEGV) leaves Python's
+    # traceback in the log, where the log's last line had been "ready"
+    faulthandler.enable(file=sys.stderr)
     log = logging.getLogger("kalos.sidecar")
     if args.lifeline_fd is not None:
         try:

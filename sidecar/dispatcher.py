@@ -163,7 +163,8 @@ class Dispatcher:
         self.max_batch = max_batch
         self.describe = describe
         self.states = np.ndarray((layout.n_slots,), np.uint32, mm, HEADER_SIZE, (layout.slot_size,))
-        self.pending: dict[int, tuple[memoryview, int, int]] = {}  # slot -> (rest, n_results, flags)
+        # slot -> (rest, n_results, flags, seq of the part sent): the rest of an answer in parts
+        self.pending: dict[int, tuple[memoryview, int, int, int]] = {}
         self._busy_until = 0
         self._inflight: _Batch | None = None
         # While a batch is answered: the slots whose semaphores still need a post (see
@@ -1518,7 +1519,9 @@ class Dispatcher:
             pend = self.pending.pop(i, None)
             if pend is None:
                 raise Invalid(Status.BAD_REQUEST, "nothing to continue")
-            rest, n, flags = pend
+            rest, n, flags, seq = pend
+            if req.seq != (seq + 1) & 0xFFFFFFFFFFFFFFFF:  # (another claimer of the slot: not its answer)
+                raise Invalid(Status.BAD_REQUEST, "nothing to continue: a CONTINUE's seq follows its answer's by one")
             self._respond(i, req, Status.OK, n, rest, flags, t0)
         else:  # validate_request admits no other op
             raise Invalid(Status.BAD_OP, f"op {op} not handled")
@@ -1529,7 +1532,7 @@ class Dispatcher:
         size = lay.blob_size
         if len(blob) > size:  # (views: the rest is not copied again for each chunk it sends)
             mv = memoryview(blob)
-            self.pending[i] = (mv[size:], n_results, flags)
+            self.pending[i] = (mv[size:], n_results, flags, req.seq)
             blob, flags = mv[:size], flags | RespFlag.MORE
         off = self.slot_off[i]
         b0 = off + lay.blob_offset
@@ -1557,16 +1560,25 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ housekeeping
     def reclaim(self, fd: int) -> int:
-        """Free slots whose owner is gone (its lock is free) and whose state is not FREE."""
+        """Free slots whose owner is gone (its lock is free) and whose state is not FREE; drop
+        the rest of an answer in parts whose slot was given back (FREE: a client that stopped
+        reading a SCAN kept a copy of the rest of its answer here until its slot asked anew,
+        however many clients later)."""
         n = 0
+        if self.pending:
+            for i in [i for i in self.pending if self.states[i] == SlotState.FREE]:
+                del self.pending[i]
         # a batch in flight (kept so while the next cohort comes, see _awaits_cohort) holds
         # its members BUSY until it is answered
         idx = self.service.index
         held = idx.doorbell_running or self._inflight is not None or (idx.crowd is not None and idx.crowd.in_flight)
         for i in np.flatnonzero(self.states != SlotState.FREE).tolist():
             st = self.states[i]
-            if st in (SlotState.REQUEST, SlotState.DOORBELL) or (st == SlotState.BUSY and held):
-                continue  # answer it first (the resident kernel or a batch may hold it); reclaim later
+            # answer it first (the resident kernel or a batch may hold it); reclaim later. A
+            # DOORBELL where no resident kernel was ever offered is no request (clients ring
+            # only after the header offers one): nothing would answer it, so it is reclaimed.
+            if st == SlotState.REQUEST or (st == SlotState.DOORBELL and self._bells) or (st == SlotState.BUSY and held):
+                continue
             if _ipc.try_lock(fd, _ipc.slot_lock_byte(i)):
                 try:
                     self.pending.pop(i, None)

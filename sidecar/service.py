@@ -21,7 +21,16 @@ from typing import Any
 import numpy as np
 
 from kalos_retrievers.filters import validate_filter
-from kalos_retrievers.protocol import Invalid, Metric, Status, encode_doc, encode_json, encode_recall_args
+from kalos_retrievers.protocol import (
+    MAX_METADATA_DEPTH,
+    Invalid,
+    Metric,
+    Status,
+    encode_doc,
+    encode_json,
+    encode_recall_args,
+    nests_deeper,
+)
 
 from .index import (
     NS_ANY,
@@ -120,6 +129,8 @@ class Service:
             for key, value in metas[i].items():
                 if type(value) is int and not -_FLOAT_MAX <= value <= _FLOAT_MAX:
                     raise Invalid(Status.BAD_REQUEST, f"metadatas[{i}][{key!r}] is an integer beyond float64's range")
+            if nests_deeper(metas[i]):
+                raise Invalid(Status.BAD_REQUEST, f"metadatas[{i}] nests deeper than {MAX_METADATA_DEPTH} levels")
             try:  # (a number JSON read as infinity, 1e400; a lone surrogate in a key or a string)
                 meta_json.append(encode_json(metas[i]) if metas[i] else b"{}")  # (b"{}": encode_json({}))
             except ValueError as e:

@@ -28,3 +28,31 @@ def test_an_upsert_of_no_rows_checks_its_arguments_without_a_sidecar() -> None:
         with pytest.raises(err, match=match):
             c.upsert(vectors=none, **kwargs)
     assert not c.connected
+
+
+def test_metadata_nested_too_deep_is_refused_by_the_client_and_the_sidecar() -> None:
+    """64 levels of dicts and lists are stored; 65 are refused, by the client (ValueError
+    naming the entry, nothing sent) and by the sidecar for a raw request (BAD_REQUEST): 980
+    levels were stored, then broke every recall returning the row in a deeper stack."""
+    from kalos_retrievers.protocol import MAX_METADATA_DEPTH, Invalid, nests_deeper
+    from kalos_retrievers.sidecar.index import CpuIndex
+    from kalos_retrievers.sidecar.service import Service
+    from kalos_retrievers.sidecar.store import NullStore
+
+    def nested(levels: int) -> dict:
+        m: object = 1
+        for j in range(levels - 1):
+            m = [m] if j % 2 else {"k": m}
+        return {"m": m}
+
+    assert MAX_METADATA_DEPTH == 64
+    assert not nests_deeper(nested(64)) and nests_deeper(nested(65)) and not nests_deeper({})
+    assert nests_deeper(nested(5000))  # (no recursion limit on the way)
+    c = KalosClient(f"kalos-unit-deep-{uuid.uuid4().hex[:8]}", dim=3, lazy=True)
+    with pytest.raises(ValueError, match=r"metadatas\[1\] nests deeper than 64 levels"):
+        c.check_upsert(2, ids=["a", "b"], metadatas=[nested(64), nested(65)])
+    svc = Service(CpuIndex(3, 0), NullStore(), dim=3, metric=0)
+    one = np.ones((1, 3), np.float32)
+    assert svc.upsert({"namespace": "", "ids": ["a"], "texts": [""], "metadatas": [nested(64)]}, one) == 1
+    with pytest.raises(Invalid, match=r"metadatas\[0\] nests deeper than 64 levels"):
+        svc.upsert({"namespace": "", "ids": ["b"], "texts": [""], "metadatas": [nested(65)]}, one)

@@ -1221,7 +1221,7 @@ def test_a_recall_voids_the_rest_of_an_abandoned_answer_in_its_slot(members: int
     svc, _ = _ip_service(dim, rows)
     d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
     states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
-    d.pending[0] = (b"the rest of an answer slot 0 abandoned", 1, 0)  # as _respond leaves it
+    d.pending[0] = (b"the rest of an answer slot 0 abandoned", 1, 0, 19)  # as _respond leaves it
     rng = np.random.default_rng()
     for i in range(members):
         off = lay.slot_offset(i)
@@ -1238,6 +1238,65 @@ def test_a_recall_voids_the_rest_of_an_abandoned_answer_in_its_slot(members: int
     resp = Response.unpack(mm[off : off + CTL_SIZE])
     assert resp.seq == 20 and resp.status == Status.BAD_REQUEST
     assert bytes(mm[off + lay.blob_offset : off + lay.blob_offset + resp.resp_len]) == b"nothing to continue"
+
+
+def test_the_rest_of_an_answer_goes_only_to_its_own_continue() -> None:
+    """An answer in parts (a SCAN of 11 texts of 3,000 bytes through 4 KiB blobs) is continued
+    only by the CONTINUE that follows its seq by one (another process that claimed the slot
+    cannot read it), and its rest is dropped once its slot is given back (FREE), not kept
+    until the slot asks anew: clients that stopped reading SCANs kept a copy each (a review:
+    500 MiB for seven)."""
+    n_slots, dim = 3, 5
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 12, blob_size=1 << 12)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc, _ = _ip_service(dim, 7)
+    svc.upsert({"namespace": "long", "ids": [f"t{i}" for i in range(11)], "texts": ["x" * 3000] * 11,
+                "metadatas": [{} for _ in range(11)]}, np.ones((11, dim), np.float32))  # fmt: skip
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    off = lay.slot_offset(1)
+    scan = b'{"namespace":"long","limit":100}'
+
+    def ask(seq: int, op: int) -> Response:
+        args = scan if op == Op.SCAN else b""
+        mm[off + lay.payload_offset : off + lay.payload_offset + len(args)] = args
+        REQUEST_STRUCT.pack_into(mm, off + REQUEST_OFFSET, seq, op, 0, 0, 0, 0, len(args), 0)
+        states[1] = SlotState.REQUEST
+        assert d.poll() == 1
+        return Response.unpack(mm[off : off + CTL_SIZE])
+
+    first = ask(40, Op.SCAN)
+    assert first.status == Status.OK and first.resp_flags & RespFlag.MORE and 1 in d.pending
+    wrong = ask(45, Op.CONTINUE)  # (not 41: another claimer's request)
+    assert wrong.status == Status.BAD_REQUEST and 1 not in d.pending
+    assert ask(50, Op.SCAN).resp_flags & RespFlag.MORE
+    right = ask(51, Op.CONTINUE)
+    assert right.status == Status.OK and right.seq == 51 and right.resp_len > 0
+    assert ask(60, Op.SCAN).resp_flags & RespFlag.MORE and 1 in d.pending
+    states[1] = SlotState.FREE  # (its client gave the slot back without reading on)
+    assert d.reclaim(-1) == 0 and 1 not in d.pending
+    assert ask(61, Op.CONTINUE).status == Status.BAD_REQUEST  # (even in seq: nothing kept)
+
+
+def test_a_doorbell_left_where_no_resident_kernel_was_offered_is_reclaimed(tmp_path: Any) -> None:
+    """A client that died after writing DOORBELL into its slot, on a sidecar that never offered
+    a resident kernel (a CPU one): nothing would ever answer it, and a slot left so (or every
+    FREE slot set so by a foreign process) stayed lost until a restart, new clients finding
+    the sidecar busy. Reclaimed now, where its lock is free; a REQUEST is still answered
+    first (the control), and a DOORBELL is left to the kernel once one was offered."""
+    n_slots, dim = 4, 3
+    lay = Layout(n_slots=n_slots, dim=dim, payload_size=1 << 12, blob_size=1 << 12)
+    mm = mmap.mmap(-1, lay.segment_size)
+    svc, _ = _ip_service(dim, 5)
+    d = Dispatcher(mm, lay, [_Sem() for _ in range(n_slots)], svc, Stats(), max_batch=64, describe=lambda: {})
+    states = np.ndarray((n_slots,), np.uint32, mm, HEADER_SIZE, (lay.slot_size,))
+    with open(tmp_path / "locks", "wb+") as f:  # (the slot locks are free: their clients are gone)
+        states[1], states[2] = SlotState.DOORBELL, SlotState.REQUEST
+        assert d.reclaim(f.fileno()) == 1
+        assert states[1] == SlotState.FREE and states[2] == SlotState.REQUEST
+        d._bells = True  # (once a kernel was offered, a DOORBELL is its to answer)
+        states[1] = SlotState.DOORBELL
+        assert d.reclaim(f.fileno()) == 0 and states[1] == SlotState.DOORBELL
 
 
 def _stranded_rig(n_slots: int = 9, dim: int = 11, k: int = 4, rows: int = 97):  # type: ignore[no-untyped-def]

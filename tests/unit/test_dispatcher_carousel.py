@@ -504,7 +504,7 @@ def test_a_recall_on_the_carousel_voids_the_rest_of_an_abandoned_answer(rig: Any
     """A slot whose client abandoned an answer in parts (its rest pending) asks anew: once
     that recall boards, a CONTINUE finds nothing to continue (as after a batch)."""
     r = rig(5, 30)
-    r.d.pending[0] = (b"the rest of an old answer", 1, 0)
+    r.d.pending[0] = (b"the rest of an old answer", 1, 0, 8)
     q = np.random.default_rng().standard_normal((5, r.lay.dim)).astype(np.float32)
     _ask_all(r, q, 3, 5)
     _answered(r, list(range(5)))

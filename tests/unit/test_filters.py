@@ -67,6 +67,13 @@ def test_documented_edge_cases() -> None:
     assert validate_filter(deep) is not None
     with pytest.raises(ValueError, match="nests deeper than 32 levels"):
         validate_filter({"$not": deep})
+    wide = {"$or": [{"s": {"$like": f"q{j}"}} for j in range(1023)]}  # (1,024 with the $or)
+    assert validate_filter(wide) is not None
+    assert validate_filter({"s": {"$in": [f"q{j}" for j in range(50_000)]}}) is not None  # (one)
+    with pytest.raises(ValueError, match=r"filter has 1025 conditions, more than 1024; .*\$in"):
+        validate_filter({"$or": [*wide["$or"], {"t": 1}]})
+    with pytest.raises(ValueError, match="1025 conditions"):
+        validate_filter({f"k{j}": {"$gt": 0, "$lt": 9} for j in range(512)} | {"z": 1})
 
 
 def test_semantics_spot_checks() -> None:
