@@ -1955,7 +1955,7 @@ def _encode_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None, n: i
                 raise ValueError(f"metadatas[{i}] has a non-string key {key!r}")
             if type(value) is int and abs(value) > _FLOAT_MAX:  # (the sidecar's columns are float64)
                 raise ValueError(f"metadatas[{i}][{key!r}] is an integer beyond float64's range")
-        if nests_deeper(m):
+        if nests_deeper(dict(m)):  # (any Mapping: the top level is a dict once sent)
             raise ValueError(f"metadatas[{i}] nests deeper than {MAX_METADATA_DEPTH} levels of dicts and lists")
         try:
             out.append(encode_json(dict(m)))

@@ -17,6 +17,7 @@ Exit codes (stable, for supervisors and readiness probes):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import itertools
 import json
@@ -139,7 +140,9 @@ def _serve(args: argparse.Namespace) -> int:
     )
     # a fatal signal (SIGBUS: a foreign process shrank the segment; SIGSEGV) leaves Python's
     # traceback in the log, where the log's last line had been "ready"
-    faulthandler.enable(file=sys.stderr)
+    if sys.stderr is not None:  # (started with stderr closed: serve without it)
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
+            faulthandler.enable(file=sys.stderr)
     log = logging.getLogger("kalos.sidecar")
     if args.lifeline_fd is not None:
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mmr_select"]
+__all__ = ["mmr_select", "spread_scores"]
 
 
 def mmr_select(
@@ -21,9 +21,9 @@ def mmr_select(
     the cosine similarity between candidates: ``threshold=1`` is plain ranking by ``rel``,
     ``0`` pure diversity (LlamaIndex's ``mmr_threshold``; 0.5 by default, as in LlamaIndex).
     ``rel`` is ``relevance`` (one per candidate, on cosine's scale [-1, 1]: the adapter
-    passes ``2 * relevance_fn(metric)(score) - 1``, so that ip and L2 sidecars rank by their
-    own scores), or the cosine similarity to ``query`` when None. (Until session 66 it was
-    always the cosine: an L2 store's MMR at threshold 1 put its farthest row second.)
+    passes an ip or L2 sidecar's own scores through :func:`spread_scores`), or the cosine
+    similarity to ``query`` when None. (Until session 66 it was always the cosine: an L2
+    store's MMR at threshold 1 put its farthest row second.)
 
     Unlike ``llama_index.core``'s helper, the penalty is the similarity to the *closest* chosen
     candidate, not to the last one chosen, which is what MMR (Carbonell & Goldstein, 1998)
@@ -54,3 +54,18 @@ def mmr_select(
 def _unit(m: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(m, axis=1, keepdims=True)
     return m / np.where(norms == 0, 1.0, norms)
+
+
+def spread_scores(scores: np.ndarray) -> np.ndarray:
+    """Raw scores (an inner product, a negated distance: unbounded) onto [-1, 1], the best
+    candidate 1 and the worst -1, in order: MMR's relevance on the scale of its cosine
+    penalty. Not a fixed map: ``(1 + s) / 2`` clipped made every inner product of 1 or more
+    equal, and MMR then ranked by diversity alone; distances of 10-30 crowded into a sliver.
+    All equal (or one candidate): all 1."""
+    s = np.asarray(scores, dtype=np.float64)
+    if not len(s):
+        return s
+    lo, hi = float(np.min(s)), float(np.max(s))
+    if not hi > lo or not np.isfinite(hi - lo):
+        return np.ones_like(s)
+    return 2.0 * (s - lo) / (hi - lo) - 1.0

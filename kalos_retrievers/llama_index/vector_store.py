@@ -26,10 +26,9 @@ from ..client import KalosClient
 from ..degrade import Degrader
 from ..filters import matches, validate_filter
 from ..results import Hit, Record
-from ..scores import relevance_fn
 from .degradation import call_degrading, time_left
 from .filters import to_kalos_filter
-from .mmr import mmr_select
+from .mmr import mmr_select, spread_scores
 from .nodes import node_to_row, row_to_node
 
 if TYPE_CHECKING:
@@ -381,8 +380,7 @@ class KalosVectorStore(BasePydanticVectorStore):
             vectors = np.asarray([h.vector for h in hits], dtype=np.float32).reshape(len(hits), -1)
             rel = None
             if self._client.metric != "cosine":  # (rank by the sidecar's own scores, on cosine's scale)
-                fn = relevance_fn(self._client.metric)
-                rel = np.array([2.0 * fn(h.score) - 1.0 for h in hits])
+                rel = spread_scores(np.array([h.score for h in hits], dtype=np.float64))
             order = mmr_select(q, vectors, k, 0.5 if threshold is None else float(threshold), rel)
             hits = [hits[i] for i in order]
         return VectorStoreQueryResult(

@@ -593,3 +593,25 @@ def test_stop_refuses_a_pid_that_does_not_hold_the_segment(
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_a_sidecar_started_with_stderr_closed_serves(make_name) -> None:
+    """``kalos-sidecar serve ... 2>&-``: no stderr to log to or to enable Python's fault
+    handler on (it raised "sys.stderr is None" at start, exit 1); it serves without one."""
+    name = make_name()
+    p = subprocess.Popen(["/bin/sh", "-c", 'exec "$@" 2>&-', "sh", *CLI, "serve", "--name", name,
+                          "--dim", "3", "--device", "cpu"], stdout=subprocess.DEVNULL)  # fmt: skip
+    try:
+        end = time.monotonic() + 30
+        while True:
+            assert p.poll() is None, f"exited with {p.returncode}"
+            try:
+                with KalosClient(name, dim=3, timeout=2) as c:
+                    assert c.ping() > 0
+                break
+            except SidecarUnavailable:
+                assert time.monotonic() < end
+                time.sleep(0.1)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0

@@ -34,10 +34,11 @@ def test_metadata_nested_too_deep_is_refused_by_the_client_and_the_sidecar() -> 
     """64 levels of dicts and lists are stored; 65 are refused, by the client (ValueError
     naming the entry, nothing sent) and by the sidecar for a raw request (BAD_REQUEST): 980
     levels were stored, then broke every recall returning the row in a deeper stack."""
-    from kalos_retrievers.protocol import MAX_METADATA_DEPTH, Invalid, nests_deeper
     from kalos_retrievers.sidecar.index import CpuIndex
     from kalos_retrievers.sidecar.service import Service
     from kalos_retrievers.sidecar.store import NullStore
+
+    from kalos_retrievers.protocol import MAX_METADATA_DEPTH, Invalid, nests_deeper
 
     def nested(levels: int) -> dict:
         m: object = 1
@@ -56,3 +57,16 @@ def test_metadata_nested_too_deep_is_refused_by_the_client_and_the_sidecar() -> 
     assert svc.upsert({"namespace": "", "ids": ["a"], "texts": [""], "metadatas": [nested(64)]}, one) == 1
     with pytest.raises(Invalid, match=r"metadatas\[0\] nests deeper than 64 levels"):
         svc.upsert({"namespace": "", "ids": ["b"], "texts": [""], "metadatas": [nested(65)]}, one)
+
+
+def test_a_mapping_that_is_not_a_dict_is_measured_too() -> None:
+    """The client measures any Mapping's nesting (a MappingProxyType of 65 levels passed it,
+    and the sidecar refused that chunk after earlier chunks were committed)."""
+    import types
+
+    m: object = 1
+    for _ in range(64):
+        m = {"k": m}
+    c = KalosClient(f"kalos-unit-proxy-{uuid.uuid4().hex[:8]}", dim=3, lazy=True)
+    with pytest.raises(ValueError, match=r"metadatas\[0\] nests deeper than 64 levels"):
+        c.check_upsert(1, ids=["a"], metadatas=[types.MappingProxyType({"m": m})])

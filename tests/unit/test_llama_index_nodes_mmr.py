@@ -15,7 +15,7 @@ from llama_index.core.schema import (
 )
 
 from kalos_retrievers.llama_index.filters import NODE_ID_KEY
-from kalos_retrievers.llama_index.mmr import mmr_select
+from kalos_retrievers.llama_index.mmr import mmr_select, spread_scores
 from kalos_retrievers.llama_index.nodes import node_to_row, row_to_node
 
 
@@ -140,6 +140,19 @@ def test_mmr_ranks_by_the_relevance_given() -> None:
     rel = np.array([1.0, -0.8, 0.5])  # (L2: [0] at distance 0, [1] ~9 away, [2] 0.5 away)
     assert mmr_select(q, cands, 3, threshold=1.0) == [0, 1, 2]  # (by cosine: [1] points the query's way)
     assert mmr_select(q, cands, 3, threshold=1.0, relevance=rel) == [0, 2, 1]
+
+
+def test_spread_scores_keep_the_order_of_unbounded_scores() -> None:
+    """Inner products of 40, 35, 30, 1.2, 1.1 stay apart (clipped relevance made them all 1,
+    and MMR at threshold 0.99 then ranked by diversity alone); negated distances too."""
+    ip = spread_scores(np.array([40.0, 35.0, 30.0, 1.2, 1.1]))
+    assert ip[0] == 1.0 and ip[-1] == -1.0 and list(ip) == sorted(ip, reverse=True) and len(set(ip)) == 5
+    assert list(spread_scores(np.array([-10.0, -20.0, -30.0]))) == [1.0, 0.0, -1.0]
+    assert list(spread_scores(np.array([3.0, 3.0]))) == [1.0, 1.0] and len(spread_scores(np.array([]))) == 0
+    e = np.eye(5)
+    cands = np.array([e[0], e[0] + 0.01 * e[1], e[0] + 0.02 * e[2], e[3], e[4]])  # 1-2 twins of 0; 3, 4 apart
+    order = mmr_select(e[0], cands, 3, threshold=0.99, relevance=spread_scores(np.array([40.0, 35.0, 30.0, 1.2, 1.1])))
+    assert order == [0, 1, 2]
 
 
 def test_mmr_penalty_is_to_the_closest_chosen_not_the_last() -> None:
