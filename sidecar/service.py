@@ -620,7 +620,7 @@ class Service:
         namespace = _namespace(args.get("namespace", ""))
         flt = _filter(args.get("filter"))
         limit, offset = args.get("limit", 100), args.get("offset", 0)
-        if not (isinstance(limit, int) and isinstance(offset, int) and limit >= 0 and offset >= 0):
+        if not (type(limit) is int and type(offset) is int and limit >= 0 and offset >= 0):  # (true is no limit)
             raise Invalid(Status.BAD_REQUEST, "limit and offset must be ints >= 0")
         ns_id = self.rows.ns_id(namespace)
         if ns_id is None:

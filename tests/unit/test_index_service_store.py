@@ -915,3 +915,13 @@ def test_a_host_index_never_queues_a_search_behind_another() -> None:
         svc.launch_recall([spec], 3, "", None, behind=True)
     svc.index.launch_slots([spec], 3, 13, 0, None, True)
     assert sorted(rows[0].tolist()) == sorted(np.argsort(-(data @ q[0]))[:3].tolist())
+
+
+def test_a_scan_refuses_booleans_for_limit_and_offset() -> None:
+    """JSON ``true`` is no count (a raw request's ``"limit": true`` was read as 1)."""
+    svc = svc_for(3)
+    put(svc, np.ones((4, 3)), ["a", "b", "c", "d"])
+    assert len(svc.scan({"namespace": "", "limit": 1})) == 1
+    for bad in ({"limit": True}, {"offset": False}, {"limit": 2.0}, {"limit": -1}):
+        with pytest.raises(Invalid, match="limit and offset must be ints"):
+            svc.scan({"namespace": "", **bad})
