@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = ["mmr_select", "spread_scores"]
@@ -61,11 +63,18 @@ def spread_scores(scores: np.ndarray) -> np.ndarray:
     candidate 1 and the worst -1, in order: MMR's relevance on the scale of its cosine
     penalty. Not a fixed map: ``(1 + s) / 2`` clipped made every inner product of 1 or more
     equal, and MMR then ranked by diversity alone; distances of 10-30 crowded into a sliver.
-    All equal (or one candidate): all 1."""
+    All equal (or one candidate): all 1. The range is the finite scores'; ``+inf`` reads 1,
+    ``-inf`` and NaN -1 (one ``-inf`` had made every candidate 1)."""
     s = np.asarray(scores, dtype=np.float64)
     if not len(s):
         return s
-    lo, hi = float(np.min(s)), float(np.max(s))
-    if not hi > lo or not np.isfinite(hi - lo):
-        return np.ones_like(s)
-    return 2.0 * (s - lo) / (hi - lo) - 1.0
+    fin = np.isfinite(s)
+    out = np.where(s == np.inf, 1.0, -1.0)
+    if not fin.any():
+        return out
+    lo, hi = float(s[fin].min()), float(s[fin].max())
+    if not hi > lo or not math.isfinite(hi - lo):
+        out[fin] = 1.0
+    else:
+        out[fin] = 2.0 * (s[fin] - lo) / (hi - lo) - 1.0
+    return out

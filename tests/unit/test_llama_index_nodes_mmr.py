@@ -149,6 +149,10 @@ def test_spread_scores_keep_the_order_of_unbounded_scores() -> None:
     assert ip[0] == 1.0 and ip[-1] == -1.0 and list(ip) == sorted(ip, reverse=True) and len(set(ip)) == 5
     assert list(spread_scores(np.array([-10.0, -20.0, -30.0]))) == [1.0, 0.0, -1.0]
     assert list(spread_scores(np.array([3.0, 3.0]))) == [1.0, 1.0] and len(spread_scores(np.array([]))) == 0
+    # one non-finite score does not flatten the rest (it had made every candidate 1)
+    mixed = spread_scores(np.array([-1.0, -2.0, -3.0, -np.inf, np.nan, np.inf]))
+    assert list(mixed) == [1.0, 0.0, -1.0, -1.0, -1.0, 1.0]
+    assert list(spread_scores(np.array([-np.inf, np.nan]))) == [-1.0, -1.0]
     e = np.eye(5)
     cands = np.array([e[0], e[0] + 0.01 * e[1], e[0] + 0.02 * e[2], e[3], e[4]])  # 1-2 twins of 0; 3, 4 apart
     order = mmr_select(e[0], cands, 3, threshold=0.99, relevance=spread_scores(np.array([40.0, 35.0, 30.0, 1.2, 1.1])))
