@@ -536,9 +536,9 @@ class CpuIndex(Index):
             rows = short if universe is None else universe[short]
             d2 = np.empty(len(rows))
             step = max(1, (1 << 22) // self.dim)  # (32 MiB of float64 at a time)
-            for a in range(0, len(rows), step):
-                diff = self.data[rows[a : a + step]].astype(np.float64) - qj
-                d2[a : a + step] = np.einsum("ij,ij->i", diff, diff)
+            for at in range(0, len(rows), step):  # (not ``a``: the bound's absolute part)
+                diff = self.data[rows[at : at + step]].astype(np.float64) - qj
+                d2[at : at + step] = np.einsum("ij,ij->i", diff, diff)
             if len(d2) > k:  # (those at most the k-th: a tie at the cut goes by row)
                 keep = np.flatnonzero(d2 <= np.partition(d2, k - 1)[k - 1])
                 rows, d2 = rows[keep], d2[keep]

@@ -173,12 +173,13 @@ def test_l2_is_exact_at_float32s_extremes() -> None:
         scale = 10.0 ** rng.uniform(-24, -19)
         base = rng.normal(size=dim) * scale
         data = (base + rng.normal(size=(n, dim)) * scale * 10.0 ** rng.uniform(-4, 0)).astype(np.float32)
-        q = (base + rng.normal(size=dim) * scale * 10.0 ** rng.uniform(-4, 0)).astype(np.float32)
+        qs = (base + rng.normal(size=(3, dim)) * scale * 10.0 ** rng.uniform(-4, 0)).astype(np.float32)
         ix = CpuIndex(dim, METRICS["l2"])
         ix.set_rows(np.arange(n), data, np.zeros(n, np.int32))
-        got = ix.search(q[None], k, n, 0, None, True)[0][0].tolist()
-        if got != _exact_l2_rows(data, q, k):
-            wrong.append((data.tolist(), q.tolist(), k, got))
+        got = ix.search(qs, k, n, 0, None, True)[0]  # (a batch: each query's bound its own)
+        for q, rows in zip(qs, got, strict=True):
+            if rows.tolist() != _exact_l2_rows(data, q, k):
+                wrong.append((data.tolist(), q.tolist(), k, rows.tolist()))
     assert not wrong, (len(wrong), wrong[:2])
 
 
