@@ -287,7 +287,15 @@ class _Conn:
             return False
         if self._hdr32[4] != SidecarState.READY:  # byte 16: state
             return False
-        return _ipc.is_locked(self.seg.fd, _ipc.SIDECAR_LOCK_BYTE)
+        # Another thread may close this connection between the check above and the lock's
+        # query (a reconnect after the sidecar died, or close()): its descriptor is then
+        # closed (EBADF: a raw OSError reached a caller, CI session 66) or already another
+        # file's. close() marks the connection dead first, so it is looked at again after.
+        try:
+            alive = _ipc.is_locked(self.seg.fd, _ipc.SIDECAR_LOCK_BYTE)
+        except OSError:
+            return False
+        return alive and not self.dead
 
     def claim(self) -> _Slot | None:
         n = self.layout.n_slots

@@ -70,3 +70,33 @@ def test_a_mapping_that_is_not_a_dict_is_measured_too() -> None:
     c = KalosClient(f"kalos-unit-proxy-{uuid.uuid4().hex[:8]}", dim=3, lazy=True)
     with pytest.raises(ValueError, match=r"metadatas\[0\] nests deeper than 64 levels"):
         c.check_upsert(1, ids=["a"], metadatas=[types.MappingProxyType({"m": m})])
+
+
+def test_a_connection_closed_under_the_liveness_check_reads_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_Conn.sidecar_alive`` from one thread while another closes the connection (a
+    reconnect after the sidecar died): its descriptor is closed by the time the lock is
+    queried. That raised a raw ``OSError: [Errno 9] Bad file descriptor`` out of a recall
+    (CI, session 66); it reads "not alive" now (the call then ends SidecarUnavailable). And a
+    lock seen on a descriptor that close() has meanwhile given up (its number possibly
+    another file's) does not count: close() marks the connection dead first."""
+    import os
+    from types import SimpleNamespace
+
+    from kalos_retrievers import _conn as conn_module
+    from kalos_retrievers.protocol import SidecarState
+
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)  # (a number no longer open: fcntl on it is EBADF)
+    hdr = [0, 0, 0, 0, SidecarState.READY]
+    closed = SimpleNamespace(dead=False, _hdr32=hdr, seg=SimpleNamespace(fd=r))
+    assert conn_module._Conn.sidecar_alive(closed) is False  # type: ignore[arg-type]
+
+    racing = SimpleNamespace(dead=False, _hdr32=hdr, seg=SimpleNamespace(fd=0))
+
+    def held_then_closed(fd: int, byte: int) -> bool:
+        racing.dead = True  # (close() ran on another thread meanwhile)
+        return True
+
+    monkeypatch.setattr(conn_module._ipc, "is_locked", held_then_closed)
+    assert conn_module._Conn.sidecar_alive(racing) is False  # type: ignore[arg-type]
