@@ -24,6 +24,7 @@ After ``os.fork`` the child never touches the parent's slots: it connects again 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
 import numbers
@@ -1937,6 +1938,25 @@ def check_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None) -> Non
         _encode_metadatas(metadatas, len(metadatas))
 
 
+def _metadata_value(o: Any) -> Any:
+    """What metadata stores for a value plain JSON has no form for, where one is plain: a
+    ``datetime``, ``date`` or ``time`` is its ISO 8601 string (``isoformat()``: what pydantic
+    and so Qdrant's client write; LangChain's ``TimeWeightedVectorStoreRetriever`` puts
+    datetimes in every document's metadata), a numpy integer, float or bool the Python
+    number (a column of a pandas frame). They read back as those strings and numbers. Any
+    other object is refused, as ``json`` refuses it."""
+    if isinstance(o, datetime.date | datetime.time):
+        return o.isoformat()
+    if isinstance(o, np.integer | np.floating | np.bool_):
+        return o.item()
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
+#: ``encode_json``'s encoder, with :func:`_metadata_value` for what JSON has no form for
+_METADATA_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False,
+                                            default=_metadata_value)  # fmt: skip
+
+
 def _encode_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None, n: int) -> list[bytes]:
     if metadatas is None:
         return [b"{}"] * n
@@ -1958,11 +1978,11 @@ def _encode_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None, n: i
         if nests_deeper(dict(m)):  # (any Mapping: the top level is a dict once sent)
             raise ValueError(f"metadatas[{i}] nests deeper than {MAX_METADATA_DEPTH} levels of dicts and lists")
         try:
-            out.append(encode_json(dict(m)))
+            out.append(_METADATA_ENCODER.encode(dict(m)).encode())
         except (TypeError, ValueError) as e:
             raise ValueError(
                 f"metadatas[{i}] is not JSON-serializable ({e}); store strings, numbers, "
-                "booleans, None, lists and dicts of those"
+                "booleans, None, lists and dicts of those (dates and numpy numbers are converted)"
             ) from None
         except UnicodeEncodeError:
             raise ValueError(f"metadatas[{i}] has text that is not valid UTF-8") from None

@@ -361,13 +361,17 @@ class KalosVectorStore(BasePydanticVectorStore):
         mmr = query.mode == VectorStoreQueryMode.MMR
         fetch = min(max_k, k * self.mmr_prefetch_factor) if mmr else k
         hits: list[Hit] = []
-        pieces = _id_pieces(query.node_ids if self.honor_node_ids else None, self._id_bytes())
-        # node_ids restrict the search inside the sidecar as a filter; a list longer than a
-        # request holds (VectorStoreIndex.as_retriever passes every node id of an index that
-        # keeps its nodes) is searched in pieces whose best rows are merged: still exact,
-        # since the best rows of the whole are among the best of the pieces.
-        for piece in pieces:
-            flt = to_kalos_filter(query.filters, node_ids=piece, doc_ids=query.doc_ids)
+        node_ids = query.node_ids if self.honor_node_ids else None
+        budget = self._id_bytes() // (2 if node_ids and query.doc_ids else 1)
+        pieces = [(n, d) for n in _id_pieces(node_ids, budget, "node_ids")
+                  for d in _id_pieces(query.doc_ids, budget, "doc_ids")]  # fmt: skip
+        # node_ids and doc_ids restrict the search inside the sidecar as a filter; a list longer
+        # than a request holds (VectorStoreIndex.as_retriever passes every node id of an index
+        # that keeps its nodes) is searched in pieces (each piece of one with each of the
+        # other: together they cover every node both allow) whose best rows are merged: still
+        # exact, since the best rows of the whole are among the best of the pieces.
+        for node_piece, doc_piece in pieces:
+            flt = to_kalos_filter(query.filters, node_ids=node_piece, doc_ids=doc_piece)
             hits += self._client.recall(q, fetch, namespace=self.namespace, filter=flt,
                                         with_vectors=mmr, timeout=time_left(deadline, self.name))  # fmt: skip
         if len(pieces) > 1:  # best first, each id once (an id may be in two pieces)
@@ -390,8 +394,9 @@ class KalosVectorStore(BasePydanticVectorStore):
         )
 
     def _id_bytes(self) -> int:
-        """How many bytes of node ids one recall request carries: half of what a slot's
-        payload leaves beside the query (the rest for the other filters)."""
+        """How many bytes of ids one recall request carries: half of what a slot's payload
+        leaves beside the query (the rest for the other filters), shared by ``node_ids`` and
+        ``doc_ids`` when a query has both."""
         return (self._client.header.layout.payload_size - 4 * self._client.dim) // 2
 
     # ------------------------------------------------------------------ async twins
@@ -426,12 +431,12 @@ class KalosVectorStore(BasePydanticVectorStore):
         return await _aio.call(self._client, self._guarded_query, query, deadline, kwargs)
 
 
-def _id_pieces(ids: Sequence[str] | None, budget: int) -> list[Sequence[str] | None]:
+def _id_pieces(ids: Sequence[str] | None, budget: int, what: str = "node_ids") -> list[Sequence[str] | None]:
     """``ids`` cut into pieces of at most ``budget`` bytes as JSON (``[None]``: no ids)."""
     if not ids:
         return [None]
     if isinstance(ids, str):
-        raise TypeError("node_ids must be a list of strings, not one string")
+        raise TypeError(f"{what} must be a list of strings, not one string")
     ids = list(ids)
     if all(type(i) is str for i in ids) and len(json.dumps(ids, separators=(",", ":"))) + 1 <= budget:
         return [ids]  # (one C call for the common case: all of them fit; the loop counts the same)

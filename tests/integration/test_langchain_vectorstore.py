@@ -332,7 +332,7 @@ def test_from_texts_takes_batch_size_and_refuses_bad_metadata_before_starting_a_
 
     monkeypatch.setattr(KalosClient, "spawn", staticmethod(spawn))
     with pytest.raises(ValueError, match=r"^metadatas\[1\] is not JSON"):
-        KalosVectorStore.from_texts(TEXTS[:2], WordHashEmbedding(97), [{}, {"d": datetime.date(2026, 1, 1)}],
+        KalosVectorStore.from_texts(TEXTS[:2], WordHashEmbedding(97), [{}, {"d": {datetime.date(2026, 1, 1)}}],
                                     device="cpu")  # fmt: skip
     assert spawned == []
     store = KalosVectorStore.from_texts(TEXTS, WordHashEmbedding(97), METAS, ids=[f"t{i}" for i in range(7)],
@@ -417,7 +417,7 @@ def test_a_refused_add_stores_nothing_and_names_the_callers_entry(store: KalosVe
     import datetime
 
     before = store.client.count(store.namespace)
-    bad_meta = [{}, {}, {"when": datetime.date(2026, 1, 1)}]
+    bad_meta = [{}, {}, {"when": {datetime.date(2026, 1, 1)}}]  # (a set: no JSON form)
     with pytest.raises(ValueError, match=r"^metadatas\[2\] is not JSON"):
         store.add_texts(["a", "", "c"], bad_meta, ids=["r0", "r1", "r2"])
     with pytest.raises(ValueError, match=r"^metadatas\[2\] is not JSON"):

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
-from llama_index.core import Document, StorageContext, VectorStoreIndex
+from llama_index.core import Document, StorageContext, VectorStoreIndex, load_index_from_storage
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.llms import MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
@@ -100,6 +101,35 @@ def test_from_vector_store_filters_mmr_delete_insert(index: VectorStoreIndex,
     assert "pets" not in _doc_ids(again.as_retriever(similarity_top_k=3).retrieve("dog pet cat"))
     again.insert(Document(text="A dog in the garden", doc_id="dog2", metadata={"topic": "pets"}))
     assert _doc_ids(again.as_retriever(similarity_top_k=1).retrieve("dog garden")) == ["dog2"]
+
+
+def test_reopened_with_its_persisted_docstore_refresh_adds_no_duplicates(
+    index: VectorStoreIndex, store: KalosVectorStore, tmp_path: Path
+) -> None:
+    """docs/llama_index.md's reopening for refresh_ref_docs: the index persisted and loaded
+    with the store refreshes the same documents to nothing and a changed one to its new
+    text, one copy of each (the control: reopened by from_vector_store, whose docstore is
+    empty, every document is inserted again beside its old nodes). After delete_ref_doc,
+    the docstore's delete_document lets a refresh bring the document back (without it the
+    store that keeps text leaves its hash, and the refresh skips it)."""
+    embed = KeywordEmbedding()
+    index.storage_context.persist(str(tmp_path))
+    loaded = load_index_from_storage(StorageContext.from_defaults(persist_dir=str(tmp_path), vector_store=store),
+                                     embed_model=embed)  # fmt: skip
+    assert loaded.refresh_ref_docs([d.model_copy() for d in DOCS]) == [False, False, False]
+    changed = [d.model_copy() for d in DOCS]
+    changed[1] = Document(text="A dog in the garden, a pet.", doc_id="pets", metadata={"topic": "pets"})
+    assert loaded.refresh_ref_docs(changed) == [False, True, False]
+    assert store.client.count("engine") == 3
+    hits = loaded.as_retriever(similarity_top_k=3).retrieve("dog garden pet")
+    assert [n.node.get_content() for n in hits if n.node.ref_doc_id == "pets"] == ["A dog in the garden, a pet."]
+    loaded.delete_ref_doc("pets", delete_from_docstore=True)
+    assert loaded.refresh_ref_docs(changed) == [False, False, False]  # (LlamaIndex: the hash stays)
+    loaded.docstore.delete_document("pets", raise_error=False)
+    assert loaded.refresh_ref_docs(changed) == [False, True, False] and store.client.count("engine") == 3
+    bare = VectorStoreIndex.from_vector_store(store, embed_model=embed)  # the control
+    assert bare.refresh_ref_docs([d.model_copy() for d in DOCS]) == [True, True, True]
+    assert store.client.count("engine") == 6
 
 
 async def test_async_retrieve_and_query(index: VectorStoreIndex) -> None:

@@ -265,6 +265,46 @@ def test_pieces_of_node_ids_merge_best_first_and_each_id_once(start_sidecar: Any
     store.close()
 
 
+async def test_doc_ids_longer_than_a_request_are_searched_in_pieces_with_node_ids_too(
+    start_sidecar: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long ``doc_ids`` list is cut into pieces as ``node_ids`` is (it was sent whole and
+    refused as too large for the payload), and a query with both long lists searches each
+    piece of one with each of the other: the answer is the true top-k of the nodes both
+    allow (float64 reference), best first, each id once."""
+    dim, n, k = 13, 301, 7
+    sc = start_sidecar(dim=dim, payload_kb=1)
+    rng = np.random.default_rng()
+    data = rng.standard_normal((n, dim))
+    data /= np.linalg.norm(data, axis=1, keepdims=True)
+    docs = [f"document-{i:04d}-{'y' * (i % 7)}" for i in range(n)]  # (one node per document)
+    nodes = []
+    for i in range(n):
+        nodes.append(TextNode(id_=f"node-{i:04d}", text=f"t{i}", embedding=data[i].tolist()))
+        nodes[-1].relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=docs[i])
+    store = KalosVectorStore(sc.name, timeout=10)
+    store.add(nodes)
+    by_doc = sorted(rng.choice(n, size=211, replace=False).tolist())
+    by_node = sorted(rng.choice(n, size=173, replace=False).tolist())
+    q = rng.standard_normal(dim)
+    q /= np.linalg.norm(q)
+    for node_rows in (None, by_node):
+        allowed = sorted(set(by_doc) & set(node_rows if node_rows is not None else range(n)))
+        node_ids = None if node_rows is None else [f"node-{i:04d}" for i in node_rows]
+        query = VectorStoreQuery(query_embedding=q.tolist(), similarity_top_k=k, doc_ids=[docs[i] for i in by_doc],
+                                 node_ids=node_ids)  # fmt: skip
+        for res in (store.query(query), await store.aquery(query)):
+            got = [int(i.split("-")[1]) for i in res.ids or []]
+            assert len(got) == k == len(set(got)) and set(got) <= set(allowed), (node_rows is None, got)
+            assert is_top_k(data[allowed] @ q, [allowed.index(i) for i in got], k, atol=1e-6), got
+            assert res.similarities == pytest.approx(sorted(data[allowed] @ q, reverse=True)[:k], abs=1e-5)
+    assert len(_id_pieces_of(store, [docs[i] for i in by_doc])) > 2
+    monkeypatch.setattr(store, "_id_bytes", lambda: 1 << 30)  # the control: in one request
+    with pytest.raises(ValueError, match="payload"):
+        store.query(query)
+    store.close()
+
+
 def test_an_index_holding_an_image_node_searches_every_node_with_honor_node_ids_off(
     start_sidecar: Any,
 ) -> None:

@@ -82,6 +82,39 @@ def test_namespaces_k_above_rows_get_delete_count_scan(start_sidecar) -> None:
             c.delete(namespace="n1")
 
 
+def test_dates_and_numpy_numbers_in_metadata_are_stored_as_iso_strings_and_numbers(start_sidecar) -> None:
+    """A datetime, date or time is stored as its ISO 8601 string, a numpy integer, float or
+    bool as the Python number, at any depth (LangChain's TimeWeightedVectorStoreRetriever
+    writes datetimes; a pandas column gives numpy numbers); they read back as those and
+    filter as those (same-zone ISO strings compare in time order). Other objects, a NaN
+    among them, are still refused, naming the entry."""
+    import datetime
+
+    utc = datetime.UTC
+    sc = start_sidecar(dim=3)
+    with sc.client() as c:
+        when = [datetime.datetime(2026, 12, 7, 9, 30, 15, 250, tzinfo=utc), datetime.datetime(2026, 12, 8, tzinfo=utc)]
+        c.upsert(["early", "late"], [[1, 0, 0], [0, 1, 0]], metadatas=[
+            {"at": when[0], "day": datetime.date(2026, 12, 7), "n": np.int64(7),
+             "x": [np.float32(0.5), np.bool_(True)]},
+            {"at": when[1], "nested": {"t": datetime.time(4, 5), "k": [np.uint8(255)]}, "n": np.int32(-3)},
+        ])  # fmt: skip
+        got = {r.id: r.metadata for r in c.get(["early", "late"])}
+        assert got == {
+            "early": {"at": "2026-12-07T09:30:15.000250+00:00", "day": "2026-12-07", "n": 7, "x": [0.5, True]},
+            "late": {"at": "2026-12-08T00:00:00+00:00", "nested": {"t": "04:05:00", "k": [255]}, "n": -3},
+        }
+        assert type(got["early"]["n"]) is int and type(got["early"]["x"][1]) is bool
+        assert c.recall([1, 0, 0], k=5, filter={"at": {"$gte": "2026-12-07T12:00"}}).ids == ["late"]
+        assert c.count("", filter={"n": {"$gt": 0}}) == 1
+        for bad, match in [({"at": {when[0]}}, "type set"), ({"x": np.float32("nan")}, "Out of range"),
+                           ({"v": np.arange(3)}, "type ndarray"),
+                           ({"d": np.datetime64("2026-12-07")}, "datetime64")]:  # fmt: skip
+            with pytest.raises(ValueError, match=rf"^metadatas\[1\] is not JSON-serializable \(.*{match}"):
+                c.upsert(["a", "b"], [[1, 0, 0], [0, 0, 1]], metadatas=[{}, bad])
+        assert c.count() == 2
+
+
 def test_upserts_larger_than_a_slot_and_responses_larger_than_the_blob(start_sidecar) -> None:
     rng = np.random.default_rng()
     dim, n = 97, 2003
