@@ -1957,6 +1957,12 @@ _METADATA_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=Fal
                                             default=_metadata_value)  # fmt: skip
 
 
+def as_stored(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """``metadata`` as the sidecar returns it: through JSON, dates and numpy numbers converted
+    (:func:`_metadata_value`), tuples as lists. Raises what JSON encoding raises."""
+    return json.loads(_METADATA_ENCODER.encode(dict(metadata)))
+
+
 def _encode_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None, n: int) -> list[bytes]:
     if metadatas is None:
         return [b"{}"] * n

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import json
 import operator
@@ -61,7 +62,7 @@ from langgraph.store.base import (
 )
 
 from . import _aio
-from .client import KalosClient
+from .client import KalosClient, as_stored
 from .degrade import Degrader
 from .embeddings import Embedder
 from .errors import KalosError, RequestRejected, SidecarTimeout
@@ -267,8 +268,19 @@ class KalosStore(BaseStore):
             query_vecs = dict(zip(queries, qv, strict=True))
         # Searches take their deadline now: it counts the wait for a worker thread.
         deadline = time.monotonic() + self.timeout
-        run = _aio.write if any(isinstance(op, PutOp) for op in ops) else _aio.call
-        return await run(self.client, self._execute, ops, doc_vecs, query_vecs, deadline)
+        if any(isinstance(op, PutOp) for op in ops):
+            return await _aio.write(self.client, self._execute, ops, doc_vecs, query_vecs, deadline, deadline=deadline)
+        return await _aio.call(self.client, self._execute, ops, doc_vecs, query_vecs, deadline, deadline=deadline,
+                               expired=functools.partial(self._unsent, ops, deadline=deadline))  # fmt: skip
+
+    def _unsent(self, ops: list[Op], e: SidecarTimeout, deadline: float) -> list[Result]:
+        """A batch whose deadline passed before a worker thread took it (nothing was sent):
+        where it is all searches, each degraded as a search that timed out; else ``e``."""
+        if all(isinstance(op, SearchOp) for op in ops) and self.degrader.should_degrade(
+            e, started=deadline - self.timeout
+        ):
+            return [[] for _ in ops]
+        raise e
 
     # ------------------------------------------------------------------ planning
     def _validate(self, ops: list[Op]) -> None:
@@ -789,8 +801,9 @@ _MAX_VECTORS = 1 << 24  # (a count above it in an item row's bookkeeping is not 
 
 
 def _as_stored(value: Any) -> Any:
-    """``value`` as the sidecar returns it: JSON's (tuples come back as lists)."""
-    return json.loads(json.dumps(value))
+    """``value`` as the sidecar returns it: JSON's (tuples come back as lists, dates as ISO
+    strings: the client's :func:`~kalos_retrievers.client.as_stored`)."""
+    return as_stored(value)
 
 
 def _book(vectors: int, high: int) -> str:

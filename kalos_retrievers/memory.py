@@ -203,7 +203,7 @@ class KalosMemory:
         if not rows:
             return []
         vectors = await self.embedder.adocuments([r[1] for r in rows])
-        return await _aio.write(self.client, self._write_added, rows, vectors)
+        return await _aio.write(self.client, self._write_added, rows, vectors, deadline=time.monotonic() + self.timeout)
 
     @staticmethod
     def _prepare_add(
@@ -286,7 +286,8 @@ class KalosMemory:
         flt = self._scoped_filter(user_id, agent_id, run_id, filters)
         vec = await self.embedder.aquery(query)
         deadline = time.monotonic() + self.timeout  # counts the wait for a thread
-        return await _aio.call(self.client, self._recall, vec, flt, limit, threshold, deadline)
+        return await _aio.call(self.client, self._recall, vec, flt, limit, threshold, deadline, deadline=deadline,
+                               expired=functools.partial(self._failed_search, deadline=deadline))  # fmt: skip
 
     def _recall(
         self,
@@ -301,11 +302,16 @@ class KalosMemory:
             k = min(int(limit), self.client.header.max_k)
             hits = self.client.recall(vec, k, namespace=self.namespace, filter=flt, timeout=left)
         except KalosError as e:
-            if self.degrader.should_degrade(e, started=deadline - self.timeout):
-                return []
-            raise
+            return self._failed_search(e, deadline)
         self.degrader.succeeded()
         return [_item(h, h.score) for h in hits if threshold is None or h.score >= threshold]
+
+    def _failed_search(self, e: KalosError, deadline: float) -> list[dict[str, Any]]:
+        """A search that failed with ``e`` (or whose deadline passed before a worker thread
+        took it): no memories where the degrader degrades it, else ``e`` raised."""
+        if self.degrader.should_degrade(e, started=deadline - self.timeout):
+            return []
+        raise e
 
     # ------------------------------------------------------------------ read and manage
     def get(self, memory_id: str, **scope: str | None) -> dict[str, Any] | None:

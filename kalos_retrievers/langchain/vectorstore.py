@@ -297,14 +297,14 @@ class KalosVectorStore(VectorStore):
         rows = to_rows(texts, metadatas, ids)
         batches = _batches(len(rows.ids), batch_size)
         if len(batches) > 1:
-            await _aio.call(self.client, self._check_rows, rows, namespace)
+            await _aio.call(self.client, self._check_rows, rows, namespace, deadline=self._deadline(timeout))
         for lo, hi in batches:
             part = rows.texts[lo:hi]
             embedded = await self.embedding.aembed_documents(part)
             vectors = as_matrix(embedded, hi - lo, "aembed_documents")
             deadline = self._deadline(timeout)
             with _write_of(rows, lo):
-                await _aio.write(self.client, self._upsert, rows, lo, vectors, namespace, deadline)
+                await _aio.write(self.client, self._upsert, rows, lo, vectors, namespace, deadline, deadline=deadline)
         return rows.ids
 
     def delete(
@@ -354,7 +354,8 @@ class KalosVectorStore(VectorStore):
         if ids is None and not filter:
             raise ValueError("adelete() needs ids or filter=")
         flt = validate_filter(filter)
-        await _aio.write(self.client, self._delete, ids, flt, namespace, self._deadline(timeout))
+        deadline = self._deadline(timeout)
+        await _aio.write(self.client, self._delete, ids, flt, namespace, deadline, deadline=deadline)
         return True
 
     def get_by_ids(
@@ -368,7 +369,8 @@ class KalosVectorStore(VectorStore):
         self, ids: Sequence[str], /, *, namespace: str | None = None, timeout: float | None = None
     ) -> list[Document]:
         """Async :meth:`get_by_ids`."""
-        return await _aio.call(self.client, self._get, ids, namespace, self._deadline(timeout))
+        deadline = self._deadline(timeout)
+        return await _aio.call(self.client, self._get, ids, namespace, deadline, deadline=deadline)
 
     # ------------------------------------------------------------------ search
     def similarity_search(
@@ -834,7 +836,8 @@ class KalosVectorStore(VectorStore):
         deadline = self._deadline(timeout)  # counts the wait for a worker thread
         if _zero(k):
             return _NO_HITS
-        return await _aio.call(self.client, self._recall_by, vector, k, flt, namespace, deadline, with_vectors)
+        return await _aio.call(self.client, self._recall_by, vector, k, flt, namespace, deadline, with_vectors,
+                               deadline=deadline)  # fmt: skip
 
     def _check_rows(self, rows: Rows, namespace: str | None) -> None:
         """Refuse what the client would refuse of any row's id, text or metadata before the

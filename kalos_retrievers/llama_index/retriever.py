@@ -19,6 +19,7 @@ from llama_index.core.vector_stores.types import (
 
 from .. import _aio
 from ..degrade import Degrader
+from ..errors import SidecarTimeout
 from .degradation import call_degrading
 from .vector_store import KalosVectorStore
 
@@ -192,7 +193,13 @@ class KalosRetriever(BaseRetriever):
             )
         query = self._query_for(embedding, query_bundle.query_str)
         deadline = self._store._deadline(self._timeout)  # counts the wait for a worker thread
-        return await _aio.call(self._store.client, self._search, query, deadline)
+        return await _aio.call(self._store.client, self._search, query, deadline, deadline=deadline,
+                               expired=self._unsent)  # fmt: skip
+
+    def _unsent(self, e: SidecarTimeout) -> list[NodeWithScore]:
+        """A search whose deadline passed before a worker thread took it: degraded as one
+        that timed out (or ``e`` raised, with ``on_error="raise"``)."""
+        return call_degrading(self.degrader, _aio.raising(e), list)
 
 
 _BASE_RETRIEVER_KWARGS = frozenset({"object_map", "objects", "verbose"})

@@ -24,6 +24,7 @@ from llama_index.core.vector_stores.types import (
 from .. import _aio
 from ..client import KalosClient
 from ..degrade import Degrader
+from ..errors import SidecarTimeout
 from ..filters import matches, validate_filter
 from ..results import Hit, Record
 from .degradation import call_degrading, time_left
@@ -402,11 +403,15 @@ class KalosVectorStore(BasePydanticVectorStore):
     # ------------------------------------------------------------------ async twins
     # The client waits on shared memory and semaphores; a thread of the client's keeps that wait
     # (up to the deadline, when the sidecar is paused) off the event loop (kalos_retrievers._aio).
+    # Each takes a deadline when it is made: one that waits out the store's timeout for a
+    # worker thread (all held by calls of their own) is not sent (queries degrade, the others
+    # raise SidecarTimeout).
     async def async_add(self, nodes: Sequence[BaseNode], **kwargs: Any) -> list[str]:
-        return await _aio.write(self._client, functools.partial(self.add, nodes, **kwargs))
+        return await _aio.write(self._client, functools.partial(self.add, nodes, **kwargs), deadline=self._deadline())
 
     async def adelete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
-        await _aio.write(self._client, functools.partial(self.delete, ref_doc_id, **delete_kwargs))
+        await _aio.write(self._client, functools.partial(self.delete, ref_doc_id, **delete_kwargs),
+                         deadline=self._deadline())  # fmt: skip
 
     async def adelete_nodes(
         self,
@@ -414,21 +419,28 @@ class KalosVectorStore(BasePydanticVectorStore):
         filters: MetadataFilters | None = None,
         **delete_kwargs: Any,
     ) -> None:
-        await _aio.write(self._client, functools.partial(self.delete_nodes, node_ids, filters, **delete_kwargs))
+        await _aio.write(self._client, functools.partial(self.delete_nodes, node_ids, filters, **delete_kwargs),
+                         deadline=self._deadline())  # fmt: skip
 
     async def aclear(self) -> None:
-        await _aio.write(self._client, self.clear)
+        await _aio.write(self._client, self.clear, deadline=self._deadline())
 
     async def aget_nodes(
         self,
         node_ids: list[str] | None = None,
         filters: MetadataFilters | None = None,
     ) -> list[BaseNode]:
-        return await _aio.call(self._client, self.get_nodes, node_ids, filters)
+        return await _aio.call(self._client, self.get_nodes, node_ids, filters, deadline=self._deadline())
 
     async def aquery(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
         deadline = self._deadline()  # counts the wait for a worker thread
-        return await _aio.call(self._client, self._guarded_query, query, deadline, kwargs)
+        return await _aio.call(self._client, self._guarded_query, query, deadline, kwargs, deadline=deadline,
+                               expired=self._unsent_query)  # fmt: skip
+
+    def _unsent_query(self, e: SidecarTimeout) -> VectorStoreQueryResult:
+        """A query whose deadline passed before a worker thread took it: degraded as one
+        that timed out (or ``e`` raised, with ``on_error="raise"``)."""
+        return call_degrading(self._degrader, _aio.raising(e), _empty_result)
 
 
 def _id_pieces(ids: Sequence[str] | None, budget: int, what: str = "node_ids") -> list[Sequence[str] | None]:

@@ -581,11 +581,29 @@ def test_a_vector_write_that_may_have_stored_rows_leaves_the_new_values(
         assert [r.id for r in store.client.scan(namespace=vecs_ns)] == ["k\x000"]
 
 
+def test_dates_and_numpy_numbers_in_a_value_read_back_as_iso_strings_and_numbers(store: KalosStore) -> None:
+    """A value holding a datetime (or a numpy number) is stored as the client stores metadata:
+    the ISO string (the number), in the item and in each vector row; a put that shrinks such
+    an item's vectors lowers its high (a comparison of the stored value with the put's, which
+    raised TypeError on the datetime) and leaves one vector row."""
+    import numpy as np
+
+    when = datetime(2026, 12, 7, 8, 30)
+    store.put(("dated",), "k", {"text": "tea", "tags": ["rust", "rome"], "when": when, "n": np.int64(4)})
+    assert store.get(("dated",), "k").value == {  # type: ignore[union-attr]
+        "text": "tea", "tags": ["rust", "rome"], "when": "2026-12-07T08:30:00", "n": 4}  # fmt: skip
+    store.put(("dated",), "k", {"text": "tea", "when": when})
+    items_ns, vecs_ns = store._names(("dated",))
+    assert store.client.count(vecs_ns) == 1
+    assert json.loads(store.client.get(["k"], namespace=items_ns)[0].text or "") == {"vectors": 1, "high": 1}
+    assert [i.value["when"] for i in store.search(("dated",), query="tea")] == ["2026-12-07T08:30:00"]
+
+
 def test_a_batch_refused_in_a_later_namespace_writes_no_earlier_one(store: KalosStore) -> None:
     """A value too large for a slot, or not JSON, in the batch's second namespace refuses the
     batch before the first namespace is written (the client's rule: a ValueError, nothing
     written)."""
-    for bad in ({"text": "tea", "blob": "x" * (1 << 21)}, {"text": "tea", "when": datetime(2026, 12, 7)}):
+    for bad in ({"text": "tea", "blob": "x" * (1 << 21)}, {"text": "tea", "when": {datetime(2026, 12, 7)}}):
         store.put(("first",), "k", {"text": "tea"})
         with pytest.raises(ValueError, match=r"too large|JSON"):
             store.batch([PutOp(("first",), "k", {"text": "python"}), PutOp(("second",), "k", bad)])

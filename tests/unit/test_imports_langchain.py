@@ -7,6 +7,7 @@ import kalos_retrievers.langchain as lc
 EXPECTED_ALL = [
     "DEGRADED_EVENT",
     "KalosRetriever",
+    "KalosTranslator",
     "KalosVectorStore",
     "KalosVectorStoreRetriever",
 ]
@@ -26,6 +27,9 @@ def test_public_classes_are_langchain_types() -> None:
     assert issubclass(lc.KalosRetriever, BaseRetriever)
     assert issubclass(lc.KalosVectorStoreRetriever, VectorStoreRetriever)
     assert lc.DEGRADED_EVENT == "kalos_degraded"
+    from langchain_core.structured_query import Visitor
+
+    assert issubclass(lc.KalosTranslator, Visitor)
 
 
 def test_a_system_without_ofd_locks_is_told_kalos_needs_linux() -> None:
