@@ -315,6 +315,7 @@ class KalosClient:
         self.arena_retries = 0  # recalls asked again because a hit's row changed meanwhile
         self._lock = threading.Condition(threading.RLock())
         self._waiters = 0
+        self._trim: tuple[int, threading.Timer] | None = None  # (pid, timer): _arm_trim
         self._conn: _Conn | None = None
         self._closed = False
         self._pid = os.getpid()
@@ -366,6 +367,9 @@ class KalosClient:
             self._executor = None
         with self._lock:
             self._closed = True
+            if self._trim is not None:
+                self._trim[1].cancel()
+                self._trim = None
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
             self._conn = None
@@ -1401,6 +1405,8 @@ class KalosClient:
                 if len(conn.owned) < self.max_slots:
                     slot = conn.claim()
                     if slot is not None:
+                        if len(conn.owned) > 1:
+                            self._arm_trim(_TRIM_AFTER)
                         return slot
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 and len(conn.owned) >= self.max_slots and all(s.pending for s in conn.owned):
@@ -1408,6 +1414,12 @@ class KalosClient:
                         f"sidecar {self.name!r} has not answered this client's earlier requests, given up at "
                         f"their deadlines, and they hold all of its {len(conn.owned)} slots (max_slots): is "
                         "the sidecar paused or overloaded? see `kalos-sidecar stats`"
+                    )
+                if remaining <= 0 and len(conn.owned) >= self.max_slots:
+                    raise SidecarBusy(
+                        f"no free slot of this client's before the deadline: its calls to sidecar "
+                        f"{self.name!r} hold all of its max_slots={self.max_slots} slots; make "
+                        "fewer calls at once, or a client with a larger max_slots"
                     )
                 if remaining <= 0:
                     raise SidecarBusy(
@@ -1436,8 +1448,10 @@ class KalosClient:
             # been cleared by it, and the slot put on the free list twice: two threads then
             # wrote their requests into one slot).
             slot.pending = slot.seq
-            conn.recover = True  # (the next call brings it back: _recover_pending)
+            conn.recover = True  # (the next call brings it back, or _trim_idle: _recover_pending)
             self._bell = None  # (bell1 never looks at pending slots: recalls go by _recall_one)
+            with self._lock:
+                self._arm_trim(_TRIM_AFTER)
             return
         if state in _ANSWERED:  # an answer not read (a ProtocolError on it): ours to reuse
             slot.state[0] = SlotState.CLAIMED
@@ -1445,6 +1459,17 @@ class KalosClient:
         if self._waiters:
             with self._lock:
                 self._lock.notify()
+
+    def _arm_trim(self, after: float) -> None:
+        """Have :func:`_trim_idle` look at this client's slots in ``after`` s (lock held),
+        unless it is to already."""
+        pid = os.getpid()
+        if self._trim is not None and self._trim[0] == pid:
+            return
+        timer = threading.Timer(after, _trim_idle, (weakref.ref(self), after))
+        timer.daemon = True
+        self._trim = (pid, timer)
+        timer.start()
 
     def _recover_pending(self, conn: _Conn) -> None:
         """Bring back the slots whose abandoned requests the sidecar has answered since (lock
@@ -1928,6 +1953,42 @@ def _check_texts(texts: Sequence[str | None] | None, n: int) -> list[str]:
             )
         _utf8(t, f"texts[{i}]")
     return out
+
+
+#: seconds a client's extra slots (all but one) may sit idle before it gives them back
+_TRIM_AFTER: Final = 0.2
+
+
+def _trim_idle(ref: weakref.ref[KalosClient], after: float) -> None:
+    """A timer's look at a client holding more than one slot (claimed for calls made at once,
+    or left with requests a stall held up): where none is in use, every free slot but one
+    goes back to the sidecar's segment, and the held-up ones whose answers came meanwhile
+    with them. Without it a client kept every slot it ever claimed until its next call (two
+    idle clients after a burst of 8 held all 16 of a sidecar's slots: other processes, and
+    ``kalos-sidecar status``, got SidecarBusy). While slots stay in use or held up it looks
+    again, at growing intervals (up to 2 s)."""
+    client = ref()
+    if client is None:
+        return
+    with client._lock:
+        client._trim = None
+        conn = client._conn
+        if conn is None or conn.dead or conn.closing or client._pid != os.getpid():
+            return
+        if conn.recover:
+            client._recover_pending(conn)
+        held_up = sum(1 for s in conn.owned if s.pending)
+        if len(conn.owned) - held_up == len(conn.free) and not client._waiters:  # (none in use)
+            while len(conn.free) > 1:
+                try:
+                    slot = conn.free.pop(0)  # (the least recently used; atomic, as the calls' pops)
+                except IndexError:
+                    break
+                conn.give_back(slot)
+            if len(conn.owned) <= 1:
+                return
+            after = _TRIM_AFTER
+        client._arm_trim(min(2 * after, 2.0))
 
 
 def check_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None) -> None:

@@ -8,6 +8,7 @@ and shows that the ticker does see a blocked loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -206,16 +207,19 @@ async def test_cancel_leaves_client_usable(
         sc.kill(signal.SIGCONT)
 
 
+@pytest.mark.parametrize("cancels", [1, 3])
 @pytest.mark.parametrize("api", ["langchain", "memory", "llama_index"])
 async def test_a_cancelled_write_settles_before_the_cancellation_goes_on(
-    start_sidecar: Callable[..., Sidecar], api: str
+    start_sidecar: Callable[..., Sidecar], api: str, cancels: int
 ) -> None:
     """A write cannot be stopped once its thread runs it: cancelled, ``aadd_texts`` /
     ``KalosMemory.aadd`` / ``async_add`` wait for it to end (here: stored once the paused
     sidecar resumes at 0.3 s) before raising CancelledError, so that what the caller does
     next, a delete or a retry of the same ids, comes after it. (Before: CancelledError at
     once, the write still in flight; a delete of the ids was then overtaken by it in 7 of 10
-    trials, and a retry stored the rows twice.)"""
+    trials, and a retry stored the rows twice.) Cancelled again while it settles, as anyio's
+    cancel scopes (FastAPI, Starlette) do, it still waits (it returned at once, in 7 of 10
+    trials before a delete made next)."""
     from kalos_retrievers import KalosClient
 
     sc = start_sidecar(dim=DIM)
@@ -247,7 +251,9 @@ async def test_a_cancelled_write_settles_before_the_cancellation_goes_on(
         t0 = time.perf_counter()
         task = asyncio.create_task(write)
         await asyncio.sleep(0.1)
-        task.cancel()
+        for _ in range(cancels):
+            task.cancel()
+            await asyncio.sleep(0.02)
         with pytest.raises(asyncio.CancelledError):
             await task
         took = time.perf_counter() - t0
@@ -257,3 +263,90 @@ async def test_a_cancelled_write_settles_before_the_cancellation_goes_on(
     assert took >= 0.28, f"cancelled after {took:.2f} s, the write still in flight"
     assert client.count(namespace=namespace) == 20  # (stored once; nothing in flight now)
     client.close()
+
+
+_QUEUED_APIS = ["langchain", "langchain_write", "llama_retriever", "llama_query", "llama_write", "memory",
+                "langgraph"]  # fmt: skip
+
+
+@pytest.mark.parametrize("deadline", ["kept", "ignored (control)"])
+@pytest.mark.parametrize("api", _QUEUED_APIS)
+async def test_a_call_queued_behind_stalled_calls_ends_at_its_own_deadline(
+    start_sidecar: Callable[..., Sidecar], monkeypatch: pytest.MonkeyPatch, api: str, deadline: str
+) -> None:
+    """On a paused sidecar, three calls with 2 s timeouts hold all of a client's worker
+    threads (max_slots=3); a call with a 0.25 s timeout made after them is dropped from the
+    queue at its deadline, never sent: reads degrade (empty) and writes raise SidecarTimeout,
+    within ~0.25 s, and after the resume the write is not there. (The control waits for a
+    thread whatever its deadline, as before: ~2 s, and the write lands.)"""
+    from kalos_retrievers import KalosClient, SidecarTimeout
+    from kalos_retrievers import _aio as aio
+
+    if deadline != "kept":
+        async def never(*args: Any) -> bool:
+            return False
+
+        monkeypatch.setattr(aio, "_unstarted_at", never)
+    sc = start_sidecar(dim=DIM)
+    client = KalosClient(sc.name, max_slots=3)
+    store = KalosVectorStore(EMB, client=client)
+    store.add_texts(["tea"], ids=["t"])
+    q = EMB.embed_query("tea")
+    if api.startswith("langchain"):
+        retriever = KalosRetriever(vectorstore=store, k=1, timeout=0.25)
+        call = (store.aadd_texts(["late"], ids=["late"], timeout=0.25) if api == "langchain_write"
+                else retriever.ainvoke("tea"))  # fmt: skip
+    elif api.startswith("llama"):
+        from llama_index.core.schema import TextNode
+        from llama_index.core.vector_stores.types import VectorStoreQuery
+
+        from kalos_retrievers.llama_index import KalosRetriever as LlamaRetriever
+        from kalos_retrievers.llama_index import KalosVectorStore as LlamaStore
+
+        lstore = LlamaStore(client=client, timeout=0.25)
+        if api == "llama_write":
+            call = lstore.async_add([TextNode(id_="late", text="late", embedding=q)])
+        elif api == "llama_query":
+            call = lstore.aquery(VectorStoreQuery(query_embedding=q, similarity_top_k=1))
+        else:
+            call = LlamaRetriever(lstore, similarity_top_k=1).aretrieve(_bundle(q))
+    elif api == "memory":
+        from kalos_retrievers.memory import KalosMemory
+
+        call = KalosMemory(client=client, embedding=EMB, timeout=0.25).asearch("tea", user_id="u")
+    else:
+        from kalos_retrievers.langgraph import KalosStore
+
+        call = KalosStore(client=client, timeout=0.25).asearch(("ns",), query=None)
+    blockers = [asyncio.create_task(store.aget_by_ids(["t"], timeout=2)) for _ in range(3)]
+    sc.kill(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(0.05)  # (the blockers hold the three threads, waiting on the sidecar)
+        t0 = time.perf_counter()
+        try:
+            out = await call
+        except SidecarTimeout as e:
+            out = e
+        took = time.perf_counter() - t0
+    finally:
+        sc.kill(signal.SIGCONT)
+    for b in blockers:
+        with contextlib.suppress(Exception):
+            await b
+    written = bool(client.get(["late"]))
+    client.close()
+    if deadline == "kept":
+        assert took < 1.0, f"{api}: {took:.2f} s, queued behind the 2 s calls"
+        if api.endswith("write"):
+            assert isinstance(out, SidecarTimeout) and "nothing was sent" in str(out) and not written, out
+        else:
+            found = out.ids if api == "llama_query" else out
+            assert not isinstance(out, BaseException) and not found and not written, out
+    else:
+        assert took > 1.5, f"{api}: the control ended after {took:.2f} s"
+
+
+def _bundle(q: list[float]) -> Any:
+    from llama_index.core.schema import QueryBundle
+
+    return QueryBundle(query_str="tea", embedding=q)
