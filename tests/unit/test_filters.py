@@ -157,6 +157,56 @@ def test_columns_agree_with_the_reference_past_the_string_dictionarys_bound(meta
     assert np.array_equal(got, want), (flt, metas, bound)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["set", "clear", "move"]), st.integers(0, 6), st.integers(0, 6), METAS),
+                min_size=1, max_size=40), FILTERS)  # fmt: skip
+def test_a_keys_column_lives_while_a_row_holds_the_key(ops: list[tuple[str, int, int, dict]], flt: dict) -> None:
+    """Through random writes, deletes and moves of 7 rows: there is a column for exactly the
+    keys some row holds, each counting its rows, and filters still agree with the reference
+    (a key's column, gone with its last row and made again, starts empty)."""
+    norm = validate_filter(flt)
+    cols = MetadataColumns(capacity=4)
+    cols.grow(7)
+    held: dict[int, dict] = {}
+    for op, a, b, m in ops:
+        if op == "set":
+            cols.set(a, m)
+            held[a] = m
+        elif op == "clear":
+            cols.clear(a)
+            held.pop(a, None)
+        elif a != b:  # (compaction moves a live row into a free one)
+            if b in held:
+                cols.clear(b)
+                held.pop(b)
+            cols.move(a, b)
+            if a in held:
+                held[b] = held.pop(a)
+        counts: dict[str, int] = {}
+        for meta in held.values():
+            for key in meta:
+                counts[key] = counts.get(key, 0) + 1
+        assert {k: c.held for k, c in cols.cols.items()} == counts, (op, a, b)
+    rows = np.array(sorted(held), dtype=np.int64)
+    got = cols.evaluate(norm, rows)
+    assert np.array_equal(got, np.array([matches(norm, held[r]) for r in rows], bool)), (flt, held)
+
+
+def test_keys_written_once_and_deleted_leave_no_columns() -> None:
+    """A hundred keys each written to a row and deleted (an item per LangGraph key, say): no
+    column stays (each cost ~21 bytes per row of capacity, for good); an overwrite keeping a
+    key keeps its column (no new one made per write)."""
+    cols = MetadataColumns(capacity=1 << 14)
+    for i in range(100):
+        cols.set(7, {"shared": 1, f"only-{i}": i})
+        cols.clear(7)
+    assert cols.cols == {}
+    cols.set(3, {"a": 1, "b": "x"})
+    col = cols.cols["a"]
+    cols.set(3, {"a": 2})
+    assert cols.cols["a"] is col and "b" not in cols.cols and col.held == 1
+
+
 def test_string_equality_compares_codes_not_values() -> None:
     """$eq / $in on strings read the codes: values swapped behind the codes' back are not
     looked at (the negative control of the code path: comparing values would see them)."""
