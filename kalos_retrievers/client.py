@@ -389,6 +389,11 @@ class KalosClient:
         with contextlib.suppress(Exception):
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
+        with contextlib.suppress(Exception):
+            if self._process is not None and self._pid == os.getpid():
+                # the sidecar this client spawned, never close()d: its lifeline closes, and it
+                # stops on its own (it kept running, with its segment, until this process ended)
+                self._process._close_lifeline()
 
     def _forget_after_fork(self) -> None:
         # The parent's slots and locks are the parent's: drop them without writing anything,

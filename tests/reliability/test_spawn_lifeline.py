@@ -144,3 +144,33 @@ def test_starting_a_running_sidecar_again_is_refused(start_sidecar: Callable[...
     sc.start()
     with sc.client() as c:
         assert c.count() == 0 and sc.proc.pid != pid
+
+
+@pytest.mark.parametrize("dropped", ["collected", "kept (control)"])
+def test_a_spawned_sidecar_stops_when_its_client_is_dropped_unclosed(dropped: str) -> None:
+    """``KalosClient.spawn`` returns a client that owns its sidecar; dropped without
+    ``close()`` and collected, its lifeline closes and the sidecar stops cleanly (it served on,
+    with its 33 MiB segment, until the program ended). The control keeps the client: the
+    sidecar serves on."""
+    import gc
+
+    client = KalosClient.spawn(dim=5, device="cpu", startup_timeout=60)
+    name, proc, log = client.name, client._process.proc, client._process.log_path
+    try:
+        client.ping()
+        if dropped == "collected":
+            del client
+            gc.collect()
+            assert _stopped_within(name, 15)
+            assert proc.wait(10) == 0
+        else:
+            assert not _stopped_within(name, 1.5)
+            client.ping()
+    finally:
+        if dropped != "collected":
+            client.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cleanup_ipc(name)
+        log.unlink(missing_ok=True)  # (stop() removes it; a dropped client's sidecar leaves it)
