@@ -102,8 +102,9 @@ class KalosMemory:
         optional scope too: ``get(id, user_id="bob")`` is None for a memory of alice's.
 
     Async:
-        ``aadd`` and ``asearch`` embed with the model's async API and run the shared-memory
-        call in a worker thread.
+        ``aadd``, ``asearch`` and ``aupdate`` embed with the model's async API; they and
+        ``aget``, ``aget_all``, ``adelete``, ``adelete_all``, ``ahistory``, ``areset`` run
+        the shared-memory calls in a worker thread of the client's, off the event loop.
 
     Timeouts:
         ``search``/``asearch`` return ``[]`` within ``timeout`` seconds while the sidecar is
@@ -348,12 +349,22 @@ class KalosMemory:
         Raises:
             KeyError: no such memory (in the given scope).
         """
+        user = self._check_update(memory_id, data, metadata, scope)
+        return self._write_update(memory_id, data, user, scope, self.embedder.documents([data]))
+
+    def _check_update(
+        self, memory_id: str, data: str, metadata: Mapping[str, Any] | None, scope: Mapping[str, str | None]
+    ) -> dict[str, Any] | None:
+        """:meth:`update`'s checks before the embedding; the user's metadata (None: keep)."""
         if not isinstance(data, str) or not data.strip():
             raise ValueError("data must be a non-empty string")
         if self._get(memory_id, scope) is None:  # (before paying for the embedding)
             raise KeyError(f"no memory with id {memory_id!r}{_in_scope(scope)}")
-        user = _user_metadata(metadata) if metadata is not None else None
-        vec = self.embedder.documents([data])
+        return _user_metadata(metadata) if metadata is not None else None
+
+    def _write_update(
+        self, memory_id: str, data: str, user: dict[str, Any] | None, scope: Mapping[str, str | None], vec: Any
+    ) -> dict[str, Any]:
         with self._id_lock(memory_id):
             old = self._get(memory_id, scope)  # again: it may have changed or gone meanwhile
             if old is None:
@@ -444,6 +455,70 @@ class KalosMemory:
         """Delete every memory of this collection, and its history."""
         self.client.delete_namespace(self.namespace)
         self.client.delete_namespace(self.history_namespace)
+
+    # ------------------------------------------------------------------ async twins
+    # Each runs its sidecar calls in one of the client's worker threads (kalos_retrievers._aio),
+    # so a paused sidecar holds a thread of the client's, never the event loop; each takes its
+    # deadline (the client's timeout) when it is made, and one still waiting for a thread then
+    # raises SidecarTimeout unsent. aupdate embeds with the model's async API.
+    async def aget(self, memory_id: str, **scope: str | None) -> dict[str, Any] | None:
+        """Async :meth:`get`."""
+        return await _aio.call(self.client, functools.partial(self.get, memory_id, **scope), deadline=self._by())
+
+    async def aget_all(
+        self,
+        *,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        filters: Mapping[str, Any] | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        """Async :meth:`get_all`."""
+        call = functools.partial(self.get_all, user_id=user_id, agent_id=agent_id, run_id=run_id,
+                                 filters=filters, limit=limit)  # fmt: skip
+        return await _aio.call(self.client, call, deadline=self._by())
+
+    async def aupdate(
+        self,
+        memory_id: str,
+        data: str,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        **scope: str | None,
+    ) -> dict[str, Any]:
+        """Async :meth:`update` (the text embedded with the model's async API)."""
+        user = await _aio.call(self.client, self._check_update, memory_id, data, metadata, scope, deadline=self._by())
+        vec = await self.embedder.adocuments([data])
+        return await _aio.write(self.client, self._write_update, memory_id, data, user, scope, vec,
+                                deadline=self._by())  # fmt: skip
+
+    async def adelete(self, memory_id: str, **scope: str | None) -> None:
+        """Async :meth:`delete`."""
+        await _aio.write(self.client, functools.partial(self.delete, memory_id, **scope), deadline=self._by())
+
+    async def adelete_all(
+        self,
+        *,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+    ) -> int:
+        """Async :meth:`delete_all`."""
+        call = functools.partial(self.delete_all, user_id=user_id, agent_id=agent_id, run_id=run_id)
+        return await _aio.write(self.client, call, deadline=self._by())
+
+    async def ahistory(self, memory_id: str) -> list[dict[str, Any]]:
+        """Async :meth:`history`."""
+        return await _aio.call(self.client, self.history, memory_id, deadline=self._by())
+
+    async def areset(self) -> None:
+        """Async :meth:`reset`."""
+        await _aio.write(self.client, self.reset, deadline=self._by())
+
+    def _by(self) -> float:
+        """The deadline of a management call made now (the client's timeout)."""
+        return time.monotonic() + self.client.timeout
 
     # ------------------------------------------------------------------ helpers
     def _id_lock(self, memory_id: str) -> threading.Lock:

@@ -5,6 +5,7 @@ degradation, and both embedding families."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 import signal
@@ -657,3 +658,66 @@ async def test_async_add_and_search(memory: KalosMemory) -> None:
     hits = await memory.asearch("rome", user_id="alice", limit=1)
     assert texts(hits) == {"flight to rome"}
     assert await memory.asearch("rome", user_id="bob") == []
+
+
+async def _longest_loop_gap(call: Callable[[], Any]) -> float:
+    """The longest gap between a 1 ms ticker's wake-ups while ``call()`` (awaited when it
+    returns an awaitable) raises SidecarTimeout."""
+    ticks = [time.perf_counter()]
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.001)
+            ticks.append(time.perf_counter())
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
+    try:
+        out = call()
+        if asyncio.iscoroutine(out):
+            await out
+    except SidecarTimeout:
+        pass
+    else:
+        raise AssertionError("no SidecarTimeout")
+    stop.set()
+    await tick
+    return max(b - a for a, b in itertools.pairwise(ticks))
+
+
+async def test_async_management_twins_agree_with_the_sync_calls_and_keep_the_loop_free(
+    sidecar: Sidecar, memory: KalosMemory
+) -> None:
+    """aget / aget_all / aupdate / ahistory / adelete / adelete_all / areset do what their
+    sync twins do; on a paused sidecar a call keeps the event loop running (a 1 ms ticker
+    sees no gap near the call's 0.4 s wait: the sync call inside a coroutine is the control,
+    a gap of the whole wait) and raises SidecarTimeout at the client's deadline."""
+    a = memory.add("I drink tea", user_id="alice")[0]["id"]
+    memory.add("paris flight", user_id="alice", run_id="r1")
+    memory.add("bob likes coffee", user_id="bob")
+    assert await memory.aget(a) == memory.get(a) and await memory.aget(a, user_id="bob") is None
+    assert await memory.aget_all(user_id="alice") == memory.get_all(user_id="alice")
+    updated = await memory.aupdate(a, "I drink coffee now", metadata={"topic": "food"}, user_id="alice")
+    assert updated["memory"] == "I drink coffee now" and updated["metadata"] == {"topic": "food"}
+    with pytest.raises(KeyError):
+        await memory.aupdate(a, "x", user_id="bob")
+    events = [e["event"] for e in await memory.ahistory(a)]
+    assert events == ["ADD", "UPDATE"] == [e["event"] for e in memory.history(a)]
+    await memory.adelete(a)
+    assert memory.get(a) is None and await memory.adelete_all(user_id="alice") == 1
+    assert [m["memory"] for m in memory.get_all(user_id="bob")] == ["bob likes coffee"]
+    slow = KalosMemory(client=KalosClient(sidecar.name, timeout=0.4), embedding=KeywordEmbeddings(),
+                       collection=memory.collection)  # fmt: skip
+    bob = memory.get_all(user_id="bob")[0]["id"]
+    slow.get(bob)  # (connected)
+    sidecar.kill(signal.SIGSTOP)
+    try:
+        gaps = {"async": await _longest_loop_gap(lambda: slow.aget(bob)),
+                "sync (control)": await _longest_loop_gap(lambda: slow.get(bob))}  # fmt: skip
+    finally:
+        sidecar.kill(signal.SIGCONT)
+    assert gaps["async"] < 0.2 < gaps["sync (control)"], gaps
+    await memory.areset()
+    assert memory.get_all(user_id="bob") == []
+    slow.client.close()
