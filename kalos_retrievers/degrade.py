@@ -21,7 +21,7 @@ import logging
 import math
 import threading
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from .errors import KalosError, SidecarTimeout
 
@@ -76,6 +76,17 @@ class Degrader:
         self.last_error: BaseException | None = None
         self._episode_start = 0.0
         self._recovered_at = -math.inf  # when the last episode ended (time.monotonic())
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Its settings and counters, not its lock (a copy or an unpickled one makes its own):
+        a retriever or store holding one can be copied and pickled."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
         self._lock = threading.Lock()
 
     def should_degrade(self, exc: BaseException, on_error: OnError | None = None,

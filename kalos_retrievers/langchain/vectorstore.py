@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import numbers
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -210,6 +211,39 @@ class KalosVectorStore(VectorStore):
 
     def __repr__(self) -> str:
         return f"KalosVectorStore(name={self.client.name!r}, namespace={self.namespace!r})"
+
+    def __copy__(self) -> KalosVectorStore:
+        """A shallow copy on the same client, which it never stops (as :meth:`__deepcopy__`)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._owns_client = False
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KalosVectorStore:
+        """A copy (its embedding model deep-copied) on the same client: a client is a
+        connection, shared as a copied object shares a database engine. The copy never stops
+        a sidecar the original spawned."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(self.__dict__)  # (not copy.copy: it would pickle, without the client)
+        new.embedding = copy.deepcopy(self.embedding, memo)
+        new._owns_client = False
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its client (shared memory and locks do not travel): unpickled, the
+        store connects to the sidecar of the same name on its first call (a lazy client of
+        its own, with the original client's timeout), in whatever process it is loaded."""
+        state = self.__dict__.copy()
+        client = state.pop("client")
+        state["_client_of"] = (client.name, client.timeout)
+        state["_owns_client"] = True
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        name, timeout = state.pop("_client_of")
+        self.__dict__.update(state)
+        self.client = KalosClient(name, timeout=timeout, lazy=True)
 
     @property
     def embeddings(self) -> Embeddings:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import numbers
@@ -199,6 +200,13 @@ class KalosVectorStore(BasePydanticVectorStore):
     @classmethod
     def class_name(cls) -> str:
         return "KalosVectorStore"
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> KalosVectorStore:
+        """A copy with the same settings on the same client (a connection, shared as a copied
+        object shares a database engine), degradation counted anew. (Pickling, LlamaIndex's
+        own way, makes a lazy client by name when loaded.)"""
+        fields = {k: copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k != "name"}
+        return type(self)(client=self._client, **fields)
 
     @property
     def client(self) -> KalosClient:

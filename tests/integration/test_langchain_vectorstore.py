@@ -651,3 +651,27 @@ def test_retriever_k_zero_embeds_nothing(store: KalosVectorStore) -> None:
             asyncio.run(s.asimilarity_search_with_score("apple", **bad))
     assert emb.queries == 1
     assert len(s.similarity_search("apple", k=1)) == 1 and emb.queries == 2  # (control)
+
+
+def test_a_store_and_its_retrievers_deep_copy_and_pickle(store: KalosVectorStore) -> None:
+    """``copy.deepcopy`` (the copy shares the client and never stops its sidecar) and pickling
+    (unpickled, a lazy client of the same name and timeout) of the store, a KalosRetriever and
+    ``as_retriever()``: each still recalls (both raised TypeError on the client's lock)."""
+    import copy
+    import pickle
+
+    want = store.similarity_search(TEXTS[2], k=1)[0].id
+    retriever = KalosRetriever(vectorstore=store, k=1)
+    for obj in (store, retriever, store.as_retriever(search_kwargs={"k": 1})):
+        dup, loaded = copy.deepcopy(obj), pickle.loads(pickle.dumps(obj))  # noqa: S301 - our own bytes
+        for o in (dup, loaded):
+            found = o.similarity_search(TEXTS[2], k=1) if isinstance(o, KalosVectorStore) else o.invoke(TEXTS[2])
+            assert [d.id for d in found] == [want], type(o)
+        st = dup if isinstance(dup, KalosVectorStore) else dup.vectorstore
+        assert st.client is store.client and not st._owns_client
+        st = loaded if isinstance(loaded, KalosVectorStore) else loaded.vectorstore
+        assert st.client is not store.client and st.client.timeout == store.client.timeout
+        assert st.namespace == store.namespace
+        st.close()
+    copy.deepcopy(retriever).degrader.should_degrade(SidecarUnavailable("x"))  # (its own lock and counters)
+    assert retriever.degrader.degraded_calls == 0

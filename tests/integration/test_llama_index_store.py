@@ -574,3 +574,19 @@ async def test_query_errors_are_raised_not_degraded(api: Api) -> None:
     with pytest.raises(TypeError, match="namespace must be a string"):
         KalosVectorStore(api.store.name, namespace=None)  # type: ignore[arg-type]
     assert api.store.degrader.degraded_calls == 0
+
+
+def test_a_store_deep_copies_onto_its_client_and_pickles_by_name(start_sidecar: Any) -> None:
+    """``copy.deepcopy`` (pydantic's, of the client's lock, raised TypeError) gives a store
+    with the same settings on the same client; a pickled one connects by name when loaded."""
+    import copy
+    import pickle
+
+    sc = start_sidecar(dim=DIM)
+    store = KalosVectorStore(sc.name, namespace="copied", timeout=3, honor_node_ids=False)
+    store.add([node("a")])
+    for dup in (copy.deepcopy(store), pickle.loads(pickle.dumps(store))):  # noqa: S301 - our own bytes
+        assert (dup.namespace, dup.timeout, dup.honor_node_ids) == ("copied", 3, False)
+        assert dup.query(VectorStoreQuery(query_embedding=vec("a"), similarity_top_k=1)).ids == ["a"]
+    assert copy.deepcopy(store).client is store.client
+    store.close()
