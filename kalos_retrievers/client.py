@@ -24,7 +24,6 @@ After ``os.fork`` the child never touches the parent's slots: it connects again 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import math
 import numbers
@@ -63,6 +62,7 @@ from .protocol import (
     CAR_REQUEST,
     CAR_TAKEN,
     MAX_METADATA_DEPTH,
+    METADATA_ENCODER,
     OP_NAMES,
     REQUEST_OFFSET,
     REQUEST_STRUCT,
@@ -367,9 +367,9 @@ class KalosClient:
             self._executor = None
         with self._lock:
             self._closed = True
-            if self._trim is not None:
+            if self._trim is not None and self._trim[0] == os.getpid():
                 self._trim[1].cancel()
-                self._trim = None
+            self._trim = None
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
             self._conn = None
@@ -406,6 +406,7 @@ class KalosClient:
                 self._conn.seg.shm.close_fd()
         self._conn = None
         self._bell = None
+        self._trim = None  # (the parent's timer: not the child's thread, never to be touched)
         self._pid = os.getpid()
         self._process = None  # the parent's sidecar: a child's close() must not stop it
 
@@ -1423,8 +1424,9 @@ class KalosClient:
                 if remaining <= 0 and len(conn.owned) >= self.max_slots:
                     raise SidecarBusy(
                         f"no free slot of this client's before the deadline: its calls to sidecar "
-                        f"{self.name!r} hold all of its max_slots={self.max_slots} slots; make "
-                        "fewer calls at once, or a client with a larger max_slots"
+                        f"{self.name!r} (and requests of earlier calls a stall held up) hold all of "
+                        f"its max_slots={self.max_slots} slots; make fewer calls at once, or a "
+                        "client with a larger max_slots"
                     )
                 if remaining <= 0:
                     raise SidecarBusy(
@@ -1473,8 +1475,11 @@ class KalosClient:
             return
         timer = threading.Timer(after, _trim_idle, (weakref.ref(self), after))
         timer.daemon = True
+        try:
+            timer.start()
+        except RuntimeError:  # (no new thread: at interpreter exit, or at a thread limit)
+            return  # the slots stay until the next call's _recover_pending, as before
         self._trim = (pid, timer)
-        timer.start()
 
     def _recover_pending(self, conn: _Conn) -> None:
         """Bring back the slots whose abandoned requests the sidecar has answered since (lock
@@ -2004,29 +2009,11 @@ def check_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None) -> Non
         _encode_metadatas(metadatas, len(metadatas))
 
 
-def _metadata_value(o: Any) -> Any:
-    """What metadata stores for a value plain JSON has no form for, where one is plain: a
-    ``datetime``, ``date`` or ``time`` is its ISO 8601 string (``isoformat()``: what pydantic
-    and so Qdrant's client write; LangChain's ``TimeWeightedVectorStoreRetriever`` puts
-    datetimes in every document's metadata), a numpy integer, float or bool the Python
-    number (a column of a pandas frame). They read back as those strings and numbers. Any
-    other object is refused, as ``json`` refuses it."""
-    if isinstance(o, datetime.date | datetime.time):
-        return o.isoformat()
-    if isinstance(o, np.integer | np.floating | np.bool_):
-        return o.item()
-    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
-
-
-#: ``encode_json``'s encoder, with :func:`_metadata_value` for what JSON has no form for
-_METADATA_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False,
-                                            default=_metadata_value)  # fmt: skip
-
-
 def as_stored(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """``metadata`` as the sidecar returns it: through JSON, dates and numpy numbers converted
-    (:func:`_metadata_value`), tuples as lists. Raises what JSON encoding raises."""
-    return json.loads(_METADATA_ENCODER.encode(dict(metadata)))
+    (:func:`~kalos_retrievers.protocol.json_value`), tuples as lists. Raises what JSON
+    encoding raises."""
+    return json.loads(METADATA_ENCODER.encode(dict(metadata)))
 
 
 def _encode_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None, n: int) -> list[bytes]:
@@ -2050,7 +2037,7 @@ def _encode_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None, n: i
         if nests_deeper(dict(m)):  # (any Mapping: the top level is a dict once sent)
             raise ValueError(f"metadatas[{i}] nests deeper than {MAX_METADATA_DEPTH} levels of dicts and lists")
         try:
-            out.append(_METADATA_ENCODER.encode(dict(m)).encode())
+            out.append(METADATA_ENCODER.encode(dict(m)).encode())
         except (TypeError, ValueError) as e:
             raise ValueError(
                 f"metadatas[{i}] is not JSON-serializable ({e}); store strings, numbers, "

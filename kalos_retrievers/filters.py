@@ -45,10 +45,15 @@ tests:
 
 from __future__ import annotations
 
+import datetime
 import math
 import sys
 from collections.abc import Mapping
 from typing import Any, Final
+
+import numpy as np
+
+from .protocol import json_value
 
 __all__ = ["FIELD_OPERATORS", "LOGICAL_OPERATORS", "matches", "validate_filter"]
 
@@ -184,6 +189,8 @@ def _utf8(s: str, path: str) -> str:
 def _scalar(value: Any, path: str) -> Any:
     if isinstance(value, str):
         return _utf8(value, path)
+    if isinstance(value, datetime.date | datetime.time | np.integer | np.floating | np.bool_):
+        return _scalar(json_value(value), path)  # (as metadata stores them: ISO strings, numbers)
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
@@ -195,7 +202,8 @@ def _scalar(value: Any, path: str) -> Any:
             raise ValueError(f"{path} is {value}; filters take finite numbers only")
         return value
     raise ValueError(
-        f"{path} is a {type(value).__name__}; filter values must be str, int, float, bool or None"
+        f"{path} is a {type(value).__name__}; filter values must be str, int, float, bool or None "
+        "(or a datetime/date/time, compared as its ISO string, or a numpy number)"
     )
 
 

@@ -30,7 +30,8 @@ import operator
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
+from datetime import time as day_time
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -67,6 +68,7 @@ from .degrade import Degrader
 from .embeddings import Embedder
 from .errors import KalosError, RequestRejected, SidecarTimeout
 from .filters import matches, validate_filter
+from .protocol import json_value
 from .results import Record
 
 __all__ = ["KalosStore", "decode_namespace", "encode_namespace"]
@@ -849,10 +851,13 @@ def _split_filter(flt: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None,
     other than ``$eq $ne $gt $gte $lt $lte $in $nin`` is refused here, before any call
     (``InMemoryStore`` raises on the first item it compares).
 
+    A date, time or numpy number in it is compared as stored (:func:`_as_filtered`).
+
     Raises:
         ValueError: an unsupported operator.
     """
     _check_operators(flt or {})
+    flt = _as_filtered(flt) if flt else flt
     parts: list[dict[str, Any]] = []
     residual: dict[str, Any] = {}
     for key, cond in (flt or {}).items():
@@ -880,6 +885,20 @@ def _split_filter(flt: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None,
             return {"$and": parts}, residual
         sidecar.update(part)
     return sidecar, residual
+
+
+def _as_filtered(v: Any) -> Any:
+    """A filter with its dates, times and numpy numbers as values store them (ISO strings,
+    Python numbers: :func:`~kalos_retrievers.protocol.json_value`), so that ``{"at": dt}``
+    finds the item put with ``{"at": dt}`` (it matched nothing: the stored string against the
+    datetime); anything else as it is."""
+    if isinstance(v, Mapping):
+        return {k: _as_filtered(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_as_filtered(x) for x in v]
+    if isinstance(v, date | day_time | np.integer | np.floating | np.bool_):
+        return json_value(v)
+    return v
 
 
 def _sidecar_field(key: str, cond: Mapping[str, Any]) -> dict[str, Any]:

@@ -204,7 +204,7 @@ class KalosMemory:
         if not rows:
             return []
         vectors = await self.embedder.adocuments([r[1] for r in rows])
-        return await _aio.write(self.client, self._write_added, rows, vectors, deadline=time.monotonic() + self.timeout)
+        return await _aio.write(self.client, self._write_added, rows, vectors, deadline=self._by())
 
     @staticmethod
     def _prepare_add(

@@ -23,6 +23,7 @@ message that the sidecar writes back into the slot.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import json.encoder
@@ -780,6 +781,26 @@ def encode_json(obj: Any) -> bytes:
 
 _ENCODER: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
 _encode_str: Final = json.encoder.encode_basestring  # what _ENCODER.encode does with a str
+
+
+def json_value(o: Any) -> Any:
+    """What metadata (and a filter) stores for a value plain JSON has no form for, where one
+    is plain: a ``datetime``, ``date`` or ``time`` is its ISO 8601 string, Python's
+    ``isoformat()`` (LangChain's ``TimeWeightedVectorStoreRetriever`` puts datetimes in every
+    document's metadata; strings of one offset sort in time order, as ``+00:00`` does but
+    pydantic's ``Z`` for UTC does not beside fractions of a second), a numpy integer, float or
+    bool the Python number (a pandas column's). Any other object is refused, as ``json``
+    refuses it (``TypeError``)."""
+    if isinstance(o, datetime.date | datetime.time):
+        return o.isoformat()
+    if isinstance(o, np.integer | np.floating | np.bool_):
+        return o.item()
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
+#: ``encode_json``'s encoder, with :func:`json_value` for what JSON has no form for (metadata)
+METADATA_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False,
+                                           default=json_value)  # fmt: skip
 
 
 #: The argument keys each JSON-args op accepts. A closed set: a misspelled key (say

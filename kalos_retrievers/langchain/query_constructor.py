@@ -30,7 +30,8 @@ LangChain                       Kalos
 
 A date or datetime value (the query constructor writes ``{"date": "2024-01-31", "type":
 "date"}``) becomes its ISO string, which compares in time order with the ISO strings a
-``datetime`` or ``date`` in metadata is stored as. A ``like`` pattern Kalos cannot express
+``datetime`` or ``date`` in metadata is stored as (as strings: ``lte`` a date leaves out
+datetimes later that day). A ``like`` pattern Kalos cannot express
 exactly (a suffix ``"%x"``, a ``_``, a ``%`` inside) is refused with ``ValueError`` rather than
 read as something else. As everywhere in Kalos, ``ne`` and ``nin`` also match rows without the
 field, and values of different types never compare (``"2000"`` is not ``2000``).

@@ -597,6 +597,10 @@ def test_dates_and_numpy_numbers_in_a_value_read_back_as_iso_strings_and_numbers
     assert store.client.count(vecs_ns) == 1
     assert json.loads(store.client.get(["k"], namespace=items_ns)[0].text or "") == {"vectors": 1, "high": 1}
     assert [i.value["when"] for i in store.search(("dated",), query="tea")] == ["2026-12-07T08:30:00"]
+    # a filter's datetime is compared as stored (it matched nothing: the string against the datetime)
+    for flt in ({"when": when}, {"when": {"$eq": when}}, {"when": {"$gte": when}}, {"when": {"$in": [when]}}):
+        assert [i.key for i in store.search(("dated",), filter=flt)] == ["k"], flt
+    assert store.search(("dated",), filter={"when": {"$gt": when}}) == []
 
 
 def test_a_batch_refused_in_a_later_namespace_writes_no_earlier_one(store: KalosStore) -> None:

@@ -721,3 +721,22 @@ async def test_async_management_twins_agree_with_the_sync_calls_and_keep_the_loo
     await memory.areset()
     assert memory.get_all(user_id="bob") == []
     slow.client.close()
+
+
+async def test_an_async_add_waits_for_a_thread_as_long_as_the_clients_timeout(sidecar: Sidecar) -> None:
+    """A write's deadline is the client's timeout (the sync ``add``'s), not the memory's
+    search timeout: ``aadd`` queued 0.5 s behind another call on a one-thread client stores
+    its memory although searches give up after 0.25 s (it raised SidecarTimeout unsent)."""
+    from kalos_retrievers import _aio
+
+    client = KalosClient(sidecar.name, timeout=2, max_slots=1)
+    memory = KalosMemory(client=client, embedding=KeywordEmbeddings(), collection="aadd-deadline", timeout=0.25)
+    try:
+        busy = asyncio.create_task(_aio.call(client, time.sleep, 0.5))
+        await asyncio.sleep(0.02)
+        added = await memory.aadd("tea at noon", user_id="u")
+        await busy
+        assert [m["memory"] for m in memory.get_all(user_id="u")] == ["tea at noon"] == [a["memory"] for a in added]
+    finally:
+        memory.reset()
+        client.close()

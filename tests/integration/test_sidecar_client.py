@@ -107,6 +107,10 @@ def test_dates_and_numpy_numbers_in_metadata_are_stored_as_iso_strings_and_numbe
         assert type(got["early"]["n"]) is int and type(got["early"]["x"][1]) is bool
         assert c.recall([1, 0, 0], k=5, filter={"at": {"$gte": "2026-12-07T12:00"}}).ids == ["late"]
         assert c.count("", filter={"n": {"$gt": 0}}) == 1
+        # filters take the same values, compared as stored
+        assert c.recall([1, 0, 0], k=5, filter={"at": {"$gt": when[0]}}).ids == ["late"]
+        assert c.recall([1, 0, 0], k=5, filter={"at": when[0], "day": datetime.date(2026, 12, 7)}).ids == ["early"]
+        assert c.count("", filter={"n": {"$in": [np.int64(7), np.float32(2.5)]}}) == 1
         for bad, match in [({"at": {when[0]}}, "type set"), ({"x": np.float32("nan")}, "Out of range"),
                            ({"v": np.arange(3)}, "type ndarray"),
                            ({"d": np.datetime64("2026-12-07")}, "datetime64")]:  # fmt: skip

@@ -162,3 +162,23 @@ def test_a_client_out_of_its_own_slots_says_max_slots(launch: Callable[..., Side
         with KalosClient(sc.name, timeout=0.3) as third, pytest.raises(SidecarBusy, match=r"5 slots are all in use"):
             third.ping()
         other._conn.free.append(grab)  # type: ignore[union-attr]
+
+
+def test_a_call_that_claims_a_slot_when_no_thread_can_start_still_answers(
+    launch: Callable[..., Sidecar], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The idle timer is a thread; where none can start (at interpreter exit, a thread
+    limit), a call claiming a second slot answers all the same (no RuntimeError in its
+    place, no slot lost), and the client just keeps its slots."""
+    sc = launch(slots=5)
+    with KalosClient(sc.name, timeout=5) as c:
+        c.upsert(["a"], np.ones((1, 8), np.float32))
+
+        def no_thread(self: threading.Thread) -> None:
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(threading.Timer, "start", no_thread)
+        held = c._acquire(c._conn, time.monotonic() + 1)  # type: ignore[arg-type]  # (the first slot, busy)
+        assert c.recall(np.ones(8, np.float32), k=1).ids == ["a"]  # (claims a second: arms, fails, answers)
+        c._release(c._conn, held)  # type: ignore[arg-type]
+        assert c._trim is None and len(c._conn.owned) == 2  # type: ignore[union-attr]

@@ -331,3 +331,20 @@ def test_ints_beyond_float64_are_refused_in_filters_and_tolerated_in_columns() -
     rows = np.arange(3)
     assert cols.evaluate(validate_filter({"k": {"$gt": 10**300}}), rows).tolist() == [True, False, False]
     assert cols.evaluate(validate_filter({"k": {"$lt": 6}}), rows).tolist() == [False, True, True]
+
+
+def test_dates_and_numpy_numbers_in_filters_are_their_stored_forms() -> None:
+    """As metadata stores them (docs/client.md): a datetime, date or time as its ISO string, a
+    numpy number as the Python one, in any operator and inside lists; a NaN still refused."""
+    import datetime
+
+    when = datetime.datetime(2026, 12, 7, 8, 30, tzinfo=datetime.UTC)
+    assert validate_filter({"at": {"$gte": when}, "d": datetime.date(2026, 1, 2), "t": datetime.time(4, 5),
+                            "n": {"$in": [np.int64(3), np.float32(0.5), np.bool_(True)]}}) == {  # fmt: skip
+        "at": {"$gte": "2026-12-07T08:30:00+00:00"}, "d": {"$eq": "2026-01-02"}, "t": {"$eq": "04:05:00"},
+        "n": {"$in": [3, 0.5, True]}}  # fmt: skip
+    assert type(validate_filter({"n": np.int64(3)})["n"]["$eq"]) is int  # type: ignore[index]
+    with pytest.raises(ValueError, match="finite"):
+        validate_filter({"x": np.float32("nan")})
+    with pytest.raises(ValueError, match=r"filter\['x'\] is a datetime64"):
+        validate_filter({"x": np.datetime64("2026-12-07")})
