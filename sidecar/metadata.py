@@ -207,7 +207,7 @@ class MetadataColumns:
             col = self.cols.get(key)
             if col is None:
                 col = self.cols[key] = _Column(self.capacity)
-            if col.kind[row] == MISSING:  # (kinds of rows not holding the key are MISSING)
+            if old is None or col.kind[row] == MISSING:  # (kinds of rows not holding the key are MISSING)
                 col.held += 1
             k = _kind(v)
             col.obj[row] = v  # (the value, then its kind: a rebuild of the codes in code_of reads both)
