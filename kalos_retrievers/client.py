@@ -1868,6 +1868,9 @@ class _NotTaken(SidecarUnavailable):
         super().__init__(message)
         self.deadline = deadline
 
+    def __reduce__(self) -> tuple[Any, ...]:  # (copied and pickled with its deadline, as a degrader's last error)
+        return (type(self), (str(self), self.deadline), self.__dict__)
+
 
 def _gone(name: str, state: int, deadline: float) -> SidecarUnavailable:
     """The error for a sidecar found gone while a request waited in a slot in ``state``."""

@@ -79,15 +79,13 @@ class Degrader:
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        """Its settings and counters, not its lock (a copy or an unpickled one makes its own):
-        a retriever or store holding one can be copied and pickled."""
-        state = self.__dict__.copy()
-        del state["_lock"]
-        return state
+        """Its settings only: a copy, or one unpickled (perhaps in another process, whose
+        monotonic clock its episodes' times would not be on), counts degradation anew, with a
+        lock of its own. So a retriever or store holding one can be copied and pickled."""
+        return {"what": self.what, "on_error": self.on_error}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self.__init__(state["what"], state["on_error"])  # type: ignore[misc]
 
     def should_degrade(self, exc: BaseException, on_error: OnError | None = None,
                        started: float | None = None) -> bool:  # fmt: skip

@@ -793,8 +793,12 @@ def json_value(o: Any) -> Any:
     refuses it (``TypeError``)."""
     if isinstance(o, datetime.date | datetime.time):
         return o.isoformat()
-    if isinstance(o, np.integer | np.floating | np.bool_):
-        return o.item()
+    if isinstance(o, np.bool_):
+        return bool(o)
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)  # (not .item(): a longdouble's is a longdouble again)
     raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
 
 

@@ -100,3 +100,25 @@ def test_a_connection_closed_under_the_liveness_check_reads_dead(monkeypatch: py
 
     monkeypatch.setattr(conn_module._ipc, "is_locked", held_then_closed)
     assert conn_module._Conn.sidecar_alive(racing) is False  # type: ignore[arg-type]
+
+
+def test_a_degrader_whose_last_error_is_a_retryable_loss_copies_and_pickles() -> None:
+    """A degrader's last error may be the client's private ``_NotTaken`` (a call whose sidecar
+    died before it took the request), whose ``__init__`` takes a deadline: rebuilt from its
+    args alone it raised TypeError, so ``copy.deepcopy`` of a retriever, and ``pickle.loads``
+    of one, failed after such an outage. Copies count degradation anew."""
+    import copy
+    import pickle
+
+    from kalos_retrievers.client import _NotTaken
+    from kalos_retrievers.degrade import Degrader
+
+    e = _NotTaken("sidecar 'x' went away before it took the request", 12.5)
+    back = pickle.loads(pickle.dumps(e))  # noqa: S301 - our own bytes
+    assert type(back) is _NotTaken and str(back) == str(e) and back.deadline == 12.5
+    d = Degrader("KalosRetriever(name='x')", "empty")
+    assert d.should_degrade(e) and d.last_error is e and d.episodes == 1
+    for dup in (copy.deepcopy(d), pickle.loads(pickle.dumps(d))):  # noqa: S301 - our own bytes
+        fresh = (dup.what, dup.on_error, dup.degraded_calls, dup.episodes, dup.last_error)
+        assert fresh == (d.what, "empty", 0, 0, None)
+        assert dup.should_degrade(e) and dup.episodes == 1 and d.episodes == 1

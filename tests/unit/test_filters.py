@@ -344,6 +344,7 @@ def test_dates_and_numpy_numbers_in_filters_are_their_stored_forms() -> None:
         "at": {"$gte": "2026-12-07T08:30:00+00:00"}, "d": {"$eq": "2026-01-02"}, "t": {"$eq": "04:05:00"},
         "n": {"$in": [3, 0.5, True]}}  # fmt: skip
     assert type(validate_filter({"n": np.int64(3)})["n"]["$eq"]) is int  # type: ignore[index]
+    assert validate_filter({"x": np.longdouble(1.5)}) == {"x": {"$eq": 1.5}}  # (its .item() is a longdouble)
     with pytest.raises(ValueError, match="finite"):
         validate_filter({"x": np.float32("nan")})
     with pytest.raises(ValueError, match=r"filter\['x'\] is a datetime64"):
