@@ -137,8 +137,10 @@ class KalosVectorStore(BasePydanticVectorStore):
     Args:
         name: the sidecar's ``--name``.
         namespace: the partition of the sidecar this store uses ('' by default).
-        timeout: deadline of each call in seconds (default: the client's, 2 s for the client
-            the store makes).
+        timeout: deadline of each query in seconds, and of any async call's wait for a
+            worker thread (default: the client's). Writes and ``get_nodes`` take the client's
+            timeout once sent: the client the store makes has this one (2 s without it); a
+            ``client=`` keeps its own.
         on_error: ``"empty"`` (degrade queries) or ``"raise"``.
         mmr_prefetch_factor: MMR considers this many times ``similarity_top_k`` candidates.
         honor_node_ids: False: a query's ``node_ids`` are ignored (``doc_ids`` and filters
