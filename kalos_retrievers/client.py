@@ -1403,6 +1403,8 @@ class KalosClient:
         with self._lock:
             while True:
                 if conn.dead:
+                    if self._closed:  # (not an outage: an adapter must not count it as one)
+                        raise KalosError(f"this KalosClient was closed during the call to sidecar {self.name!r}")
                     raise SidecarUnavailable(f"sidecar {self.name!r} went away")
                 if not conn.free and any(s.pending for s in conn.owned):
                     self._recover_pending(conn)  # answered since they were abandoned?

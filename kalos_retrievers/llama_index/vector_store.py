@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import numbers
 import re
@@ -137,10 +136,10 @@ class KalosVectorStore(BasePydanticVectorStore):
     Args:
         name: the sidecar's ``--name``.
         namespace: the partition of the sidecar this store uses ('' by default).
-        timeout: deadline of each query in seconds, and of any async call's wait for a
-            worker thread (default: the client's). Writes and ``get_nodes`` take the client's
-            timeout once sent: the client the store makes has this one (2 s without it); a
-            ``client=`` keeps its own.
+        timeout: deadline of each call in seconds, an async call's wait for a worker thread
+            included (default: the client's, 2 s for the client the store makes; a write
+            larger than one slot sends each of its requests with what was left as it began).
+            ``get_nodes`` sends its requests (a page each) with the client's timeout each.
         on_error: ``"empty"`` (degrade queries) or ``"raise"``.
         mmr_prefetch_factor: MMR considers this many times ``similarity_top_k`` candidates.
         honor_node_ids: False: a query's ``node_ids`` are ignored (``doc_ids`` and filters
@@ -243,6 +242,9 @@ class KalosVectorStore(BasePydanticVectorStore):
             SidecarUnavailable, SidecarTimeout: the write did not happen, or (a write larger
                 than one slot) only its first chunks did; never degraded.
         """
+        return self._add(nodes, self._deadline())
+
+    def _add(self, nodes: Sequence[BaseNode], deadline: float) -> list[str]:
         rows = [node_to_row(node, f"nodes[{i}]") for i, node in enumerate(nodes)]
         if not rows:
             return []
@@ -252,14 +254,19 @@ class KalosVectorStore(BasePydanticVectorStore):
         # ids the last is kept, as when they are added one at a time.
         try:
             self._client.upsert([r[0] for r in rows], vectors, [r[2] or None for r in rows],
-                                [r[3] for r in rows], namespace=self.namespace)  # fmt: skip
+                                [r[3] for r in rows], namespace=self.namespace,
+                                timeout=time_left(deadline, self.name))  # fmt: skip
         except (ValueError, TypeError) as e:
             raise _naming_node(e, rows) from None
         return [r[0] for r in rows]
 
     def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
         """Delete every node whose ``ref_doc_id`` is ``ref_doc_id``."""
-        self._client.delete(namespace=self.namespace, filter={"ref_doc_id": {"$eq": ref_doc_id}})
+        self._delete(ref_doc_id, self._deadline())
+
+    def _delete(self, ref_doc_id: str, deadline: float) -> None:
+        self._client.delete(namespace=self.namespace, filter={"ref_doc_id": {"$eq": ref_doc_id}},
+                            timeout=time_left(deadline, self.name))  # fmt: skip
 
     def delete_nodes(
         self,
@@ -272,6 +279,9 @@ class KalosVectorStore(BasePydanticVectorStore):
         ``node_ids=[]`` deletes nothing. Raises ``ValueError`` when neither is given: use
         :meth:`clear` to empty the store.
         """
+        self._delete_nodes(node_ids, filters, self._deadline())
+
+    def _delete_nodes(self, node_ids: list[str] | None, filters: MetadataFilters | None, deadline: float) -> None:
         if node_ids is None and filters is None:
             raise ValueError("delete_nodes() needs node_ids or filters; use clear() to delete all")
         if node_ids is not None and len(node_ids) == 0:
@@ -279,11 +289,14 @@ class KalosVectorStore(BasePydanticVectorStore):
         flt = to_kalos_filter(filters)
         if node_ids is None and flt is None:
             raise ValueError("delete_nodes(filters=...) got no filter; use clear() to delete all")
-        self._client.delete(node_ids, namespace=self.namespace, filter=flt)
+        self._client.delete(node_ids, namespace=self.namespace, filter=flt, timeout=time_left(deadline, self.name))
 
     def clear(self) -> None:
         """Delete every node of this store's namespace."""
-        self._client.delete_namespace(self.namespace)
+        self._clear(self._deadline())
+
+    def _clear(self, deadline: float) -> None:
+        self._client.delete_namespace(self.namespace, timeout=time_left(deadline, self.name))
 
     # ------------------------------------------------------------------ reads
     def get_nodes(
@@ -417,11 +430,12 @@ class KalosVectorStore(BasePydanticVectorStore):
     # worker thread (all held by calls of their own) is not sent (queries degrade, the others
     # raise SidecarTimeout).
     async def async_add(self, nodes: Sequence[BaseNode], **kwargs: Any) -> list[str]:
-        return await _aio.write(self._client, functools.partial(self.add, nodes, **kwargs), deadline=self._deadline())
+        deadline = self._deadline()
+        return await _aio.write(self._client, self._add, nodes, deadline, deadline=deadline)
 
     async def adelete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
-        await _aio.write(self._client, functools.partial(self.delete, ref_doc_id, **delete_kwargs),
-                         deadline=self._deadline())  # fmt: skip
+        deadline = self._deadline()
+        await _aio.write(self._client, self._delete, ref_doc_id, deadline, deadline=deadline)
 
     async def adelete_nodes(
         self,
@@ -429,11 +443,12 @@ class KalosVectorStore(BasePydanticVectorStore):
         filters: MetadataFilters | None = None,
         **delete_kwargs: Any,
     ) -> None:
-        await _aio.write(self._client, functools.partial(self.delete_nodes, node_ids, filters, **delete_kwargs),
-                         deadline=self._deadline())  # fmt: skip
+        deadline = self._deadline()
+        await _aio.write(self._client, self._delete_nodes, node_ids, filters, deadline, deadline=deadline)
 
     async def aclear(self) -> None:
-        await _aio.write(self._client, self.clear, deadline=self._deadline())
+        deadline = self._deadline()
+        await _aio.write(self._client, self._clear, deadline, deadline=deadline)
 
     async def aget_nodes(
         self,

@@ -590,3 +590,36 @@ def test_a_store_deep_copies_onto_its_client_and_pickles_by_name(start_sidecar: 
         assert dup.query(VectorStoreQuery(query_embedding=vec("a"), similarity_top_k=1)).ids == ["a"]
     assert copy.deepcopy(store).client is store.client
     store.close()
+
+
+async def test_writes_end_at_the_stores_timeout_queued_or_not(start_sidecar: Any) -> None:
+    """A store's ``timeout`` is each call's deadline, writes' too (they took the client's once
+    sent: 2 s here), and an async write queued behind another keeps the deadline it was made
+    with (it ran its own whole timeout once a thread took it: 0.55 s for 0.3)."""
+    import asyncio
+    import signal
+    import time
+
+    from kalos_retrievers import SidecarTimeout
+
+    sc = start_sidecar(dim=DIM)
+    client = KalosClient(sc.name, timeout=2.0, max_slots=1)
+    store = KalosVectorStore(client=client, timeout=0.3)
+    store.add([node("warm")])
+    sc.kill(signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(SidecarTimeout):
+            store.add([node("sync")])
+        took_sync = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        first = asyncio.create_task(store.async_add([node("a1")]))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(store.adelete_nodes(["warm"]))
+        done = await asyncio.gather(first, second, return_exceptions=True)
+        took_async = time.perf_counter() - t0
+    finally:
+        sc.kill(signal.SIGCONT)
+    assert all(isinstance(d, SidecarTimeout) for d in done), done
+    assert took_sync < 1.0 and took_async < 0.5, (took_sync, took_async)
+    client.close()

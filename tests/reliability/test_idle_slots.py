@@ -182,3 +182,35 @@ def test_a_call_that_claims_a_slot_when_no_thread_can_start_still_answers(
         assert c.recall(np.ones(8, np.float32), k=1).ids == ["a"]  # (claims a second: arms, fails, answers)
         c._release(c._conn, held)  # type: ignore[arg-type]
         assert c._trim is None and len(c._conn.owned) == 2  # type: ignore[union-attr]
+
+
+def test_a_call_waiting_for_a_slot_when_its_client_closes_says_closed_not_gone(
+    launch: Callable[..., Sidecar],
+) -> None:
+    """A call waiting for one of its client's slots when another thread closes the client
+    ends with "closed during the call" (KalosError), not SidecarUnavailable ("went away"),
+    which adapters count as an outage of the sidecar; the sidecar is fine meanwhile."""
+    from kalos_retrievers import KalosError, SidecarUnavailable
+
+    sc = launch(slots=5)
+    c = KalosClient(sc.name, timeout=5, max_slots=1)
+    c.ping()
+    held = c._acquire(c._conn, time.monotonic() + 1)  # type: ignore[arg-type]  # (its one slot, busy)
+    got: list[BaseException] = []
+
+    def waiting() -> None:
+        try:
+            c.ping(timeout=3)
+        except KalosError as e:
+            got.append(e)
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    time.sleep(0.2)
+    c.close()
+    t.join(5)
+    assert len(got) == 1 and not isinstance(got[0], SidecarUnavailable), got
+    assert "closed during the call" in str(got[0])
+    del held
+    with KalosClient(sc.name) as other:
+        assert other.ping() > 0
