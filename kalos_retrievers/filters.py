@@ -45,15 +45,12 @@ tests:
 
 from __future__ import annotations
 
-import datetime
 import math
 import sys
 from collections.abc import Mapping
 from typing import Any, Final
 
-import numpy as np
-
-from .protocol import json_value
+from .protocol import JSON_CONVERTED, json_value
 
 __all__ = ["FIELD_OPERATORS", "LOGICAL_OPERATORS", "matches", "validate_filter"]
 
@@ -189,7 +186,7 @@ def _utf8(s: str, path: str) -> str:
 def _scalar(value: Any, path: str) -> Any:
     if isinstance(value, str):
         return _utf8(value, path)
-    if isinstance(value, datetime.date | datetime.time | np.integer | np.floating | np.bool_):
+    if isinstance(value, JSON_CONVERTED):
         return _scalar(json_value(value), path)  # (as metadata stores them: ISO strings, numbers)
     if value is None or isinstance(value, bool):
         return value

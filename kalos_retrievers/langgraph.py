@@ -30,8 +30,7 @@ import operator
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from datetime import UTC, date, datetime
-from datetime import time as day_time
+from datetime import UTC, datetime
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -68,7 +67,7 @@ from .degrade import Degrader
 from .embeddings import Embedder
 from .errors import KalosError, RequestRejected, SidecarTimeout
 from .filters import matches, validate_filter
-from .protocol import json_value
+from .protocol import JSON_CONVERTED, json_value
 from .results import Record
 
 __all__ = ["KalosStore", "decode_namespace", "encode_namespace"]
@@ -491,7 +490,7 @@ class KalosStore(BaseStore):
         if not down:
             return
         now = self.client.get(list(down), namespace=p.items_ns)
-        mine = [down[r.id] for r in now if r.text == down[r.id][2] and r.metadata == _as_stored(down[r.id][0].value)]
+        mine = [down[r.id] for r in now if r.text == down[r.id][2] and r.metadata == as_stored(down[r.id][0].value)]
         if mine:
             self.client.upsert([o.key for o, _, _ in mine], self._placeholders(len(mine)),
                                [_book(c, c) for _, c, _ in mine], [o.value for o, _, _ in mine],
@@ -802,12 +801,6 @@ class _PutPlan(NamedTuple):
 _MAX_VECTORS = 1 << 24  # (a count above it in an item row's bookkeeping is not one this store wrote)
 
 
-def _as_stored(value: Any) -> Any:
-    """``value`` as the sidecar returns it: JSON's (tuples come back as lists, dates as ISO
-    strings: the client's :func:`~kalos_retrievers.client.as_stored`)."""
-    return as_stored(value)
-
-
 def _book(vectors: int, high: int) -> str:
     """An item row's bookkeeping text: its key's vector rows, and the most it may have."""
     return json.dumps({"vectors": vectors, "high": high})
@@ -896,7 +889,7 @@ def _as_filtered(v: Any) -> Any:
         return {k: _as_filtered(x) for k, x in v.items()}
     if isinstance(v, list | tuple):
         return [_as_filtered(x) for x in v]
-    if isinstance(v, date | day_time | np.integer | np.floating | np.bool_):
+    if isinstance(v, JSON_CONVERTED):
         return json_value(v)
     return v
 

@@ -783,6 +783,10 @@ _ENCODER: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensur
 _encode_str: Final = json.encoder.encode_basestring  # what _ENCODER.encode does with a str
 
 
+#: the types :func:`json_value` converts (isinstance's tuple)
+JSON_CONVERTED: Final = (datetime.date, datetime.time, np.integer, np.floating, np.bool_)
+
+
 def json_value(o: Any) -> Any:
     """What metadata (and a filter) stores for a value plain JSON has no form for, where one
     is plain: a ``datetime``, ``date`` or ``time`` is its ISO 8601 string, Python's
