@@ -199,7 +199,7 @@ class KalosStore(BaseStore):
         client: an existing :class:`~kalos_retrievers.KalosClient` to share.
     """
 
-    __slots__ = ("_fields", "_put_lock", "client", "degrader", "embeddings", "index_config", "prefix", "timeout")
+    __slots__ = ("_fields", "_put_locks", "client", "degrader", "embeddings", "index_config", "prefix", "timeout")
 
     def __init__(
         self,
@@ -224,9 +224,11 @@ class KalosStore(BaseStore):
         self.prefix = prefix
         self.degrader = Degrader(f"KalosStore(name={client.name!r}, prefix={prefix!r})", on_error)
         # A put reads an item's vector count, then writes: the threads of one store take turns
-        # (two processes putting one key at once can still leave it extra vector rows, which
-        # searches skip, see _scored, and which stay: docs/memory.md).
-        self._put_lock = threading.Lock()
+        # per key (two processes putting one key at once can still leave it extra vector rows,
+        # which searches skip, see _scored, and which stay: docs/memory.md). Keys share 64 locks:
+        # puts of other keys go on meanwhile (one lock for all made every put wait for the one
+        # before: 24 puts on a paused sidecar ended 24 timeouts after they began).
+        self._put_locks = tuple(threading.Lock() for _ in range(64))
         self.index_config: dict[str, Any] | None = None
         self.embeddings: Embeddings | None = None
         self._fields: list[tuple[str, Any]] = []
@@ -391,7 +393,10 @@ class KalosStore(BaseStore):
         return v
 
     def _apply_puts(self, puts: Mapping[_Key, PutOp], doc_vecs: Mapping[str, Any]) -> None:
-        with self._put_lock:
+        stripes = sorted({hash(key) % len(self._put_locks) for key in puts})  # (in order: no deadlock)
+        with contextlib.ExitStack() as held:
+            for s in stripes:
+                held.enter_context(self._put_locks[s])
             try:
                 self._apply_puts_locked(puts, doc_vecs)
             except KalosError as e:  # (the ids of the rows a put writes are this store's own)
