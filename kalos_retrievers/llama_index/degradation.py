@@ -15,7 +15,7 @@ from typing import TypeVar
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events import BaseEvent
 
-from ..degrade import Degrader, time_left
+from ..degrade import Degrader, OnError, time_left
 from ..errors import KalosError
 
 __all__ = ["KalosDegradedEvent", "call_degrading", "time_left"]
@@ -42,13 +42,15 @@ class KalosDegradedEvent(BaseEvent):
         return "KalosDegradedEvent"
 
 
-def call_degrading(degrader: Degrader, fn: Callable[[], T], empty: Callable[[], T]) -> T:
-    """``fn()``, or ``empty()`` when it raised a transient error and ``degrader`` says degrade."""
+def call_degrading(degrader: Degrader, fn: Callable[[], T], empty: Callable[[], T],
+                   on_error: OnError | None = None) -> T:  # fmt: skip
+    """``fn()``, or ``empty()`` when it raised a transient error and ``degrader`` says degrade
+    (``on_error``: the caller's policy now, when it can change after ``degrader`` was made)."""
     started = time.monotonic()
     try:
         out = fn()
     except KalosError as e:
-        if not degrader.should_degrade(e, started=started):
+        if not degrader.should_degrade(e, on_error, started=started):
             raise
         _dispatcher.event(
             KalosDegradedEvent(adapter=degrader.what, error=str(e), episode=degrader.episodes)

@@ -7,11 +7,11 @@ import json
 import numbers
 import re
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import numpy as np
-from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode
 from llama_index.core.vector_stores.types import (
     BasePydanticVectorStore,
@@ -153,7 +153,7 @@ class KalosVectorStore(BasePydanticVectorStore):
 
     stores_text: bool = True
     flat_metadata: bool = False
-    name: str
+    name: str = Field(frozen=True)  # the client is made for it: a store by another name is a new store
     namespace: str = ""
     timeout: float | None = None
     on_error: Literal["empty", "raise"] = "empty"
@@ -208,6 +208,14 @@ class KalosVectorStore(BasePydanticVectorStore):
         own way, makes a lazy client by name when loaded.)"""
         fields = {k: copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k != "name"}
         return type(self)(client=self._client, **fields)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """Pydantic's copy; one whose ``update`` changes ``name`` is a new store with a client of its
+        own for that sidecar (a plain copy would keep talking to the old one)."""
+        if update and "name" in update and update["name"] != self.name:
+            fields = {k: v for k, v in self.__dict__.items() if k != "name"}
+            return type(self)(**(copy.deepcopy(fields) if deep else fields) | dict(update))
+        return super().model_copy(update=update, deep=deep)
 
     @property
     def client(self) -> KalosClient:
@@ -350,7 +358,7 @@ class KalosVectorStore(BasePydanticVectorStore):
         self, query: VectorStoreQuery, deadline: float, kwargs: dict[str, Any]
     ) -> VectorStoreQueryResult:
         return call_degrading(
-            self._degrader, lambda: self._query(query, deadline, **kwargs), _empty_result
+            self._degrader, lambda: self._query(query, deadline, **kwargs), _empty_result, self.on_error
         )
 
     def _deadline(self, timeout: float | None = None) -> float:
@@ -465,7 +473,7 @@ class KalosVectorStore(BasePydanticVectorStore):
     def _unsent_query(self, e: SidecarTimeout) -> VectorStoreQueryResult:
         """A query whose deadline passed before a worker thread took it: degraded as one
         that timed out (or ``e`` raised, with ``on_error="raise"``)."""
-        return call_degrading(self._degrader, _aio.raising(e), _empty_result)
+        return call_degrading(self._degrader, _aio.raising(e), _empty_result, self.on_error)
 
 
 def _id_pieces(ids: Sequence[str] | None, budget: int, what: str = "node_ids") -> list[Sequence[str] | None]:

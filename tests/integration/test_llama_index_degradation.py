@@ -120,6 +120,39 @@ def test_a_stores_retrievers_take_its_on_error(make_name: Callable[[], str]) -> 
     assert soft.as_retriever(emb).retrieve("where is it?") == []
 
 
+def test_on_error_changed_after_construction_is_the_one_used(make_name: Callable[[], str]) -> None:
+    """``on_error`` is a field: a store assigned, or copied with, ``"raise"`` raises; its
+    control, the same store set back to ``"empty"``, degrades."""
+    store = KalosVectorStore(make_name(), timeout=TIMEOUT)
+    assert store.query(query()).ids == []
+    strict = store.model_copy(update={"on_error": "raise"})
+    with pytest.raises(SidecarUnavailable):
+        strict.query(query())
+    with pytest.raises(SidecarUnavailable):
+        asyncio.run(strict.aquery(query()))
+    store.on_error = "raise"
+    with pytest.raises(SidecarUnavailable):
+        store.query(query())
+    store.on_error = "empty"
+    assert store.query(query()).ids == []
+
+
+def test_a_store_by_another_name_talks_to_that_sidecar(
+    start_sidecar: Callable[..., Sidecar], make_name: Callable[[], str]
+) -> None:
+    """``name`` cannot be assigned (the client was made for it); a ``model_copy`` that updates
+    it is a store on its own client for the other sidecar."""
+    sidecar = start_sidecar(dim=DIM)
+    store = KalosVectorStore(make_name(), timeout=TIMEOUT)
+    with pytest.raises(ValueError, match="frozen"):
+        store.name = sidecar.name
+    other = store.model_copy(update={"name": sidecar.name})
+    assert other.client is not store.client and other.client.name == sidecar.name
+    populate(other)
+    assert other.query(query()).ids  # answered by the running sidecar
+    assert store.query(query()).ids == []  # the original still points at the absent one
+
+
 def test_writes_are_never_degraded(make_name: Callable[[], str]) -> None:
     store, _ = make(make_name())
     with pytest.raises(SidecarUnavailable):
