@@ -37,7 +37,7 @@ import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, Self
 
 import numpy as np
 
@@ -331,7 +331,7 @@ class KalosClient:
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
-    def spawn(cls, name: str | None = None, *, dim: int, **sidecar_options: Any) -> KalosClient:
+    def spawn(cls, name: str | None = None, *, dim: int, **sidecar_options: Any) -> Self:
         """Start a sidecar process and return a client connected to it.
 
         The sidecar stops when the client is closed (``close()`` or leaving a ``with`` block).
@@ -379,7 +379,7 @@ class KalosClient:
             self._process.stop()
             self._process = None
 
-    def __enter__(self) -> KalosClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -2043,11 +2043,11 @@ def _encode_metadatas(metadatas: Sequence[Mapping[str, Any] | None] | None, n: i
             raise ValueError(f"metadatas[{i}] nests deeper than {MAX_METADATA_DEPTH} levels of dicts and lists")
         try:
             out.append(METADATA_ENCODER.encode(dict(m)).encode())
+        except UnicodeEncodeError:  # (a ValueError: caught before the clause below)
+            raise ValueError(f"metadatas[{i}] has text that is not valid UTF-8 (a lone surrogate)") from None
         except (TypeError, ValueError) as e:
             raise ValueError(
                 f"metadatas[{i}] is not JSON-serializable ({e}); store strings, numbers, "
                 "booleans, None, lists and dicts of those (dates and numpy numbers are converted)"
             ) from None
-        except UnicodeEncodeError:
-            raise ValueError(f"metadatas[{i}] has text that is not valid UTF-8") from None
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -233,9 +233,13 @@ class RecallResult(Sequence[Hit]):
             self._ids = [doc_id(d) for d in docs]
         return self._ids
 
-    def __getitem__(self, i: int) -> Hit:  # type: ignore[override]
+    @overload  # type: ignore[override]
+    def __getitem__(self, i: int) -> Hit: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Hit]: ...
+    def __getitem__(self, i: int | slice) -> Hit | list[Hit]:
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]  # type: ignore[return-value]
+            return [self[j] for j in range(*i.indices(len(self)))]
         items = self._items
         if items is None:
             items = self._items = [None] * len(self)

@@ -32,10 +32,13 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import KalosError
 from .protocol import check_name
+
+if TYPE_CHECKING:
+    from .client import KalosClient
 
 __all__ = ["Sidecar", "SidecarStartError"]
 
@@ -178,7 +181,7 @@ class Sidecar:
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
-    def client(self, **kwargs: Any) -> Any:
+    def client(self, **kwargs: Any) -> KalosClient:
         """A :class:`KalosClient` connected to this sidecar."""
         from .client import KalosClient
 

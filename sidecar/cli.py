@@ -61,7 +61,7 @@ def _log_level(text: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kalos-sidecar", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kalos-sidecar", description=(__doc__ or "The Kalos sidecar.").split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run a sidecar in the foreground")

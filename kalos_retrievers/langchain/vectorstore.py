@@ -7,7 +7,7 @@ import copy
 import numbers
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 from langchain_core.documents import Document
@@ -203,7 +203,7 @@ class KalosVectorStore(VectorStore):
         if self._owns_client:
             self.client.close()
 
-    def __enter__(self) -> KalosVectorStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -212,14 +212,14 @@ class KalosVectorStore(VectorStore):
     def __repr__(self) -> str:
         return f"KalosVectorStore(name={self.client.name!r}, namespace={self.namespace!r})"
 
-    def __copy__(self) -> KalosVectorStore:
+    def __copy__(self) -> Self:
         """A shallow copy on the same client, which it never stops (as :meth:`__deepcopy__`)."""
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new._owns_client = False
         return new
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> KalosVectorStore:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         """A copy (its embedding model deep-copied) on the same client: a client is a
         connection, shared as a copied object shares a database engine. The copy never stops
         a sidecar the original spawned."""
@@ -251,7 +251,7 @@ class KalosVectorStore(VectorStore):
 
     # ------------------------------------------------------------------ add / delete / get
     def add_documents(
-        self, documents: list[Document], ids: list[str] | None = None, **kwargs: Any
+        self, documents: list[Document], ids: Sequence[str | None] | None = None, **kwargs: Any
     ) -> list[str]:
         """Store ``documents``: :meth:`add_texts` of their texts and metadata, under ``ids``
         if given (non-empty), else each ``Document.id`` (a fresh UUID where it is None), as
@@ -260,7 +260,7 @@ class KalosVectorStore(VectorStore):
         return self.add_texts(texts, metas, ids=doc_ids, **kwargs)
 
     async def aadd_documents(
-        self, documents: list[Document], ids: list[str] | None = None, **kwargs: Any
+        self, documents: list[Document], ids: Sequence[str | None] | None = None, **kwargs: Any
     ) -> list[str]:
         """Async :meth:`add_documents`."""
         texts, metas, doc_ids = _document_rows(documents, ids)
@@ -271,7 +271,7 @@ class KalosVectorStore(VectorStore):
         texts: Iterable[str],
         metadatas: list[dict[str, Any]] | None = None,
         *,
-        ids: list[str] | None = None,
+        ids: Sequence[str | None] | None = None,
         namespace: str | None = None,
         timeout: float | None = None,
         batch_size: int | None = None,
@@ -320,7 +320,7 @@ class KalosVectorStore(VectorStore):
         texts: Iterable[str],
         metadatas: list[dict[str, Any]] | None = None,
         *,
-        ids: list[str] | None = None,
+        ids: Sequence[str | None] | None = None,
         namespace: str | None = None,
         timeout: float | None = None,
         batch_size: int | None = None,
@@ -673,14 +673,14 @@ class KalosVectorStore(VectorStore):
         embedding: Embeddings,
         metadatas: list[dict[str, Any]] | None = None,
         *,
-        ids: list[str] | None = None,
+        ids: Sequence[str | None] | None = None,
         name: str | None = None,
         client: KalosClient | None = None,
         namespace: str = "",
         timeout: float | None = None,
         batch_size: int | None = None,
         **sidecar_options: Any,
-    ) -> KalosVectorStore:
+    ) -> Self:
         """A store holding ``texts``: in a running sidecar, or in one started for it.
 
         Args:
@@ -737,7 +737,7 @@ class KalosVectorStore(VectorStore):
     def _spawned(
         cls, embedding: Embeddings, dim: int, namespace: str, timeout: float | None,
         sidecar_options: dict[str, Any],
-    ) -> KalosVectorStore:  # fmt: skip
+    ) -> Self:  # fmt: skip
         """A store owning a sidecar started for it with ``sidecar_options``."""
         spawned = KalosClient.spawn(dim=dim, **sidecar_options)
         try:
@@ -927,13 +927,13 @@ class KalosVectorStore(VectorStore):
 
 
 def _document_rows(
-    documents: list[Document], ids: list[str] | None
+    documents: list[Document], ids: Sequence[str | None] | None
 ) -> tuple[list[str], list[dict[str, Any]], list[str | None]]:
     docs = list(documents)
     for i, d in enumerate(docs):
         if not isinstance(d, Document):
             raise TypeError(f"documents[{i}] must be a langchain Document, got {type(d).__name__}")
-    chosen = ids if ids else [d.id for d in docs]
+    chosen = list(ids) if ids else [d.id for d in docs]
     return [d.page_content for d in docs], [d.metadata for d in docs], chosen
 
 

@@ -202,7 +202,7 @@ class KalosVectorStore(BasePydanticVectorStore):
     def class_name(cls) -> str:
         return "KalosVectorStore"
 
-    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> KalosVectorStore:
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Self:
         """A copy with the same settings on the same client (a connection, shared as a copied
         object shares a database engine), degradation counted anew. (Pickling, LlamaIndex's
         own way, makes a lazy client by name when loaded.)"""

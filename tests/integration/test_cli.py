@@ -615,3 +615,13 @@ def test_a_sidecar_started_with_stderr_closed_serves(make_name) -> None:
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
+
+
+def test_the_cli_runs_under_python_OO() -> None:
+    """``-OO`` strips docstrings, from which the parser takes its description: ``--help`` must
+    still work (its control: ``__doc__`` is None there, as the printed check shows)."""
+    r = subprocess.run([sys.executable, "-OO", *CLI[1:], "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "serve" in r.stdout and "Traceback" not in r.stderr, r.stderr
+    probe = "import kalos_retrievers.sidecar.cli as m; print(m.__doc__)"
+    doc = subprocess.run([sys.executable, "-OO", "-P", "-c", probe], capture_output=True, text=True, timeout=60)
+    assert doc.stdout.strip() == "None", doc.stderr

@@ -539,6 +539,8 @@ def test_bad_inputs_have_clear_errors_and_the_sidecar_keeps_serving(start_sideca
             (lambda: c.upsert(["a", "b"], [[1, 0, 0, 0]]), ValueError, "ids has 2 entries but vectors has 1"),
             (lambda: c.upsert(["a"], [[1, 0, 0, 0]], texts=[""]), ValueError, r"texts\[0\] is empty"),
             (lambda: c.upsert(["a"], [[1, 0, 0, 0]], texts=["\ud800"]), ValueError, r"texts\[0\] is not valid UTF-8"),
+            (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{"t": "\udc80"}]), ValueError,
+             r"metadatas\[0\] has text that is not valid UTF-8"),
             (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{"t": object()}]), ValueError,
              r"metadatas\[0\] is not JSON"),
             (lambda: c.upsert(["a"], [[1, 0, 0, 0]], metadatas=[{"t": float("nan")}]), ValueError, r"metadatas\[0\]"),
