@@ -10,6 +10,7 @@ client drops its connection and opens a new one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import random
@@ -291,10 +292,15 @@ class _Conn:
         # query (a reconnect after the sidecar died, or close()): its descriptor is then
         # closed (EBADF: a raw OSError reached a caller, CI session 66) or already another
         # file's. close() marks the connection dead first, so it is looked at again after.
+        # Only those errors: a signal handler's exception raised out of the fcntl (a timeout
+        # decorator's TimeoutError is an OSError too) is the caller's, not a sign the sidecar
+        # died (taken for one, the call was sent again on a new connection: a write done twice).
         try:
             alive = _ipc.is_locked(self.seg.fd, _ipc.SIDECAR_LOCK_BYTE)
-        except OSError:
-            return False
+        except OSError as e:
+            if e.errno in (errno.EBADF, errno.EINVAL):  # (closed, or another kind of file's now)
+                return False
+            raise
         return alive and not self.dead
 
     def claim(self) -> _Slot | None:

@@ -102,6 +102,26 @@ def test_a_connection_closed_under_the_liveness_check_reads_dead(monkeypatch: py
     assert conn_module._Conn.sidecar_alive(racing) is False  # type: ignore[arg-type]
 
 
+def test_a_signal_handlers_oserror_in_the_liveness_check_is_the_callers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timeout decorator's ``TimeoutError`` (an ``OSError``) raised out of the lock query by
+    its SIGALRM handler was read as "the sidecar died": the call was sent again on a new
+    connection (a write done twice) and the caller never saw its timeout. It propagates now;
+    EBADF still reads dead (the test above)."""
+    from types import SimpleNamespace
+
+    from kalos_retrievers import _conn as conn_module
+    from kalos_retrievers.protocol import SidecarState
+
+    conn = SimpleNamespace(dead=False, _hdr32=[0, 0, 0, 0, SidecarState.READY], seg=SimpleNamespace(fd=0))
+
+    def interrupted(fd: int, byte: int) -> bool:
+        raise TimeoutError("the caller's timeout")
+
+    monkeypatch.setattr(conn_module._ipc, "is_locked", interrupted)
+    with pytest.raises(TimeoutError, match="the caller's timeout"):
+        conn_module._Conn.sidecar_alive(conn)  # type: ignore[arg-type]
+
+
 def test_a_degrader_whose_last_error_is_a_retryable_loss_copies_and_pickles() -> None:
     """A degrader's last error may be the client's private ``_NotTaken`` (a call whose sidecar
     died before it took the request), whose ``__init__`` takes a deadline: rebuilt from its
