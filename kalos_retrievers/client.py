@@ -1197,16 +1197,19 @@ class KalosClient:
         timeout: float | None = None,
     ) -> list[Record]:
         """The stored records of ``ids`` in that order; ids not found are skipped. More ids
-        than one request holds are asked for in as few requests as fit."""
+        than one request holds are asked for in as few requests as fit, each with a deadline
+        of its own (as :meth:`delete`'s: ``timeout`` bounds one request, so 400k ids are not
+        cut short by a deadline sized for a few)."""
         id_list = _check_ids(ids, None)
         _check_namespace(namespace)
+        if timeout is not None:
+            _check_timeout(timeout)
         if not id_list:
             return []
-        deadline = self._deadline(timeout)
         head = b'{"namespace":' + encode_json(namespace) + b',"ids":['
         out: list[Record] = []
-        for args in self._id_requests(head, id_list):
-            out += self._records(Op.GET, args, namespace, with_vectors, deadline)
+        for args in list(self._id_requests(head, id_list)):  # (every id checked before the first is sent)
+            out += self._records(Op.GET, args, namespace, with_vectors, self._deadline(timeout))
         return out
 
     def scan(
@@ -1257,8 +1260,10 @@ class KalosClient:
             return self._call(Op.DELETE, args=args, deadline=self._deadline(timeout)).n_results
         id_list = _check_ids(ids, None)
         head = b'{"namespace":' + encode_json(namespace) + b',"filter":' + encode_json(flt) + b',"ids":['
-        return sum(self._call(Op.DELETE, args=args, deadline=self._deadline(timeout)).n_results
-                   for args in self._id_requests(head, id_list))  # fmt: skip
+        # every request built (every id checked against the payload) before the first is sent:
+        # an id that cannot fit raised after earlier requests had deleted their rows
+        requests = list(self._id_requests(head, id_list))
+        return sum(self._call(Op.DELETE, args=args, deadline=self._deadline(timeout)).n_results for args in requests)
 
     def delete_namespace(self, namespace: str, *, timeout: float | None = None) -> int:
         """Delete every record of ``namespace``; return how many."""

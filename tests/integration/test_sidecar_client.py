@@ -223,6 +223,47 @@ def test_a_delete_of_many_requests_gives_each_its_own_deadline(start_sidecar, mo
         assert c.count() == 0
 
 
+def test_a_get_of_many_requests_gives_each_its_own_deadline(start_sidecar, monkeypatch) -> None:
+    """As a delete's requests do: a get of ids over four requests that each take ~0.15 s all
+    finish under a 0.3 s timeout (one deadline for the whole get raised SidecarTimeout on the
+    third: 400k ids could not be read with the default 2 s)."""
+    dim, n = 5, 4007
+    sc = start_sidecar(dim=dim, payload_kb=16)  # ids of ~14 bytes: ~1,100 a request
+    ids = [f"row-{i:06d}-{'y' * (i % 3)}" for i in range(n)]
+    data = np.random.default_rng().standard_normal((n, dim)).astype(np.float32)
+    with sc.client() as c:
+        c.upsert(ids, data)
+        real, calls = c._call, []
+
+        def slow_call(op, **kw):  # type: ignore[no-untyped-def]
+            if op == Op.GET:
+                calls.append(kw["deadline"] - time.monotonic())
+                time.sleep(0.15)
+            return real(op, **kw)
+
+        monkeypatch.setattr(c, "_call", slow_call)
+        with pytest.raises(ValueError, match="timeout"):
+            c.get(ids, timeout=0)
+        assert calls == []
+        assert [r.id for r in c.get(ids[::-1], timeout=0.3)] == ids[::-1]
+        assert len(calls) >= 4 and min(calls) > 0.25
+
+
+def test_an_id_that_cannot_fit_a_delete_is_refused_before_any_row_is_deleted(start_sidecar) -> None:
+    """A delete by ids and a ~3 KB filter on 4 KB slots: the 21st id (512 backslashes, 1,026
+    bytes as JSON) cannot fit beside the filter. Refused before the first request: the other
+    20 rows were deleted first, and the call raised after."""
+    sc = start_sidecar(dim=3, payload_kb=4)
+    ids = [f"r{i}" for i in range(20)] + ["\\" * 512]
+    with sc.client() as c:
+        c.upsert(ids, np.eye(3, dtype=np.float32)[np.arange(21) % 3] + 0.1, metadatas=[{"i": i} for i in range(21)])
+        flt = {"i": {"$in": list(range(800))}}  # ~3.1 KB of JSON
+        with pytest.raises(ValueError, match=r"ids\[20\] does not fit"):
+            c.delete(ids, filter=flt)
+        assert c.count() == 21
+        assert c.delete(ids[:20], filter=flt) == 20 and c.count() == 1
+
+
 def test_sixteen_processes_never_get_each_others_answers(start_sidecar) -> None:
     dim = 33
     data = np.random.default_rng(0).standard_normal((4001, dim)).astype(np.float32)
