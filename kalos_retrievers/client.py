@@ -1509,6 +1509,34 @@ class KalosClient:
             else:
                 conn.recover = True
 
+    def _await_earlier_writes(self, conn: _Conn, op: int, deadline: float) -> None:
+        """Before a write is sent: wait, within its deadline, for this client's earlier writes
+        still in the sidecar's hands (given up at their deadlines, or left by an interrupt) to
+        be answered. The sidecar takes waiting slots in slot order, so a later write in another
+        slot could be done first: a delete of an id, then the upsert of it given up before,
+        and the id was back. Raises :class:`SidecarTimeout` (this write not sent) when they are
+        still unanswered at the deadline; the sidecar gone, they are done or lost, and a new
+        one cannot take them after this write."""
+        pause, rang = 0.0002, 0.0
+        while True:
+            with self._lock:
+                self._recover_pending(conn)
+                earlier = sum(1 for s in conn.owned if s.pending and _request_op(s) in _WRITES)
+            if not earlier or conn.dead or not conn.sidecar_alive():
+                return
+            now = time.monotonic()
+            if now - rang > 0.05:  # (one left by an interrupt may not have been posted for)
+                _ipc.post(conn.bell)
+                rang = now
+            if now >= deadline:
+                raise SidecarTimeout(
+                    f"{OP_NAMES.get(op, op)}: not sent: {earlier} earlier write(s) of this client, given "
+                    f"up at their deadlines, are still unanswered by sidecar {self.name!r}, and this "
+                    "write could be done before them; is the sidecar paused or overloaded?"
+                )
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, 0.005)
+
     def _call(
         self,
         op: int,
@@ -1543,6 +1571,8 @@ class KalosClient:
         if conn.recover:
             with self._lock:
                 self._recover_pending(conn)
+            if op in _WRITES and conn.recover:
+                self._await_earlier_writes(conn, op, deadline)
         vec_len = 0 if vectors is None else vectors.size * 4
         if align8(vec_len) + len(args) > conn.layout.payload_size:
             raise ValueError(
@@ -1861,6 +1891,12 @@ class KalosClient:
 
 
 _IN_FLIGHT: Final = frozenset({SlotState.REQUEST, SlotState.BUSY, SlotState.DOORBELL})
+_WRITES: Final = frozenset({Op.UPSERT, Op.DELETE})
+
+
+def _request_op(slot: _Slot) -> int:
+    """The op of the request last written into ``slot``."""
+    return int(REQUEST_STRUCT.unpack_from(slot.ctl, REQUEST_OFFSET)[1])
 _ANSWERED: Final = frozenset({SlotState.RESPONSE, SlotState.ERROR})
 
 

@@ -91,6 +91,10 @@ def test_semantics_spot_checks() -> None:
         assert not matches(validate_filter(f), m), f
 
 
+def _dense(capacity: int) -> int:  # (patched in for sparse_max: every key's column dense)
+    return 0
+
+
 BIG = [2**53, 2**53 + 1, 2**60, 2**60 + 1, 2.0**60]  # beyond float precision: ints that share a float64
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.5, 2.0, -1.5, *BIG]),
                     st.sampled_from(["", "a", "b", "ab", "B", "ba"]))  # fmt: skip
@@ -142,9 +146,13 @@ def test_columns_agree_with_the_reference(metas: list[dict], flt: dict) -> None:
 def test_columns_agree_with_the_reference_past_the_string_dictionarys_bound(metas: list[dict], flt: dict,
                                                                             bound: int) -> None:  # fmt: skip
     """A column codes only its first MAX_CODES strings (here 0-3): rows holding the others are
-    compared by value, and rows rewritten, cleared and moved keep their codes straight."""
+    compared by value, and rows rewritten, cleared and moved keep their codes straight. (Dense
+    columns: sparse ones, of few rows, have no codes.)"""
     norm = validate_filter(flt)
-    with mock.patch.object(metadata_module, "MAX_CODES", bound):
+    with (
+        mock.patch.object(metadata_module, "MAX_CODES", bound),
+        mock.patch.object(metadata_module, "sparse_max", _dense),
+    ):
         cols = MetadataColumns(capacity=4)
         cols.grow(2 * len(metas) + 3)
         for r, m in enumerate(metas):  # written once elsewhere, then moved, then rewritten
@@ -207,6 +215,7 @@ def test_keys_written_once_and_deleted_leave_no_columns() -> None:
     assert cols.cols["a"] is col and "b" not in cols.cols and col.held == 1
 
 
+@mock.patch.object(metadata_module, "sparse_max", _dense)
 def test_string_equality_compares_codes_not_values() -> None:
     """$eq / $in on strings read the codes: values swapped behind the codes' back are not
     looked at (the negative control of the code path: comparing values would see them)."""
@@ -228,7 +237,7 @@ def test_a_full_string_dictionary_is_rebuilt_from_the_rows_own_strings() -> None
     the dictionary fills, so a later string is coded again; a column of distinct live strings
     stops being rebuilt (saturated) and compares the rest by value; long strings are never
     coded. Every answer against the reference."""
-    with mock.patch.object(metadata_module, "MAX_CODES", 8):
+    with mock.patch.object(metadata_module, "MAX_CODES", 8), mock.patch.object(metadata_module, "sparse_max", _dense):
         cols = MetadataColumns(capacity=16)
         cols.set(0, {"s": "user1"})
         for i in range(100):  # churn in row 1: 100 distinct strings through 8 codes

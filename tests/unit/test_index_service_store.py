@@ -689,6 +689,7 @@ def test_a_row_table_that_cannot_grow_is_left_as_it_was(monkeypatch: pytest.Monk
     two lengths failed every later growth (ValueError, INTERNAL) until a restart."""
     import kalos_retrievers.sidecar.metadata as meta_mod
 
+    monkeypatch.setattr(meta_mod, "sparse_max", lambda capacity: 0)  # (dense columns: the arrays to grow)
     svc = svc_for(3)
     put(svc, np.ones((5, 3)), [f"r{i}" for i in range(5)], metas=[{"k": i, "s": "x"} for i in range(5)])
     cap = svc.rows.capacity
