@@ -311,21 +311,30 @@ class _Conn:
             i = (start + j) % n
             if i in owned or not _ipc.try_lock(self.seg.fd, _ipc.slot_lock_byte(i)):
                 continue
-            state = memoryview(self.seg.mm)[self.layout.slot_offset(i) :][:8].cast("I")
-            if state[0] != SlotState.FREE:
-                # a dead owner's leftovers: the sidecar reclaims it shortly
-                del state
-                _ipc.unlock(self.seg.fd, _ipc.slot_lock_byte(i))
-                continue
-            state[1] = os.getpid() & 0xFFFFFFFF
-            state[0] = SlotState.CLAIMED
-            del state
+            # from here until it is owned, anything raised (a signal handler's KeyboardInterrupt
+            # too) gives the slot back: locked and not owned, no one could use it until close()
+            claimed = False
             try:
+                state = memoryview(self.seg.mm)[self.layout.slot_offset(i) :][:8].cast("I")
+                if state[0] != SlotState.FREE:
+                    # a dead owner's leftovers: the sidecar reclaims it shortly
+                    del state
+                    _ipc.unlock(self.seg.fd, _ipc.slot_lock_byte(i))
+                    continue
+                state[1] = os.getpid() & 0xFFFFFFFF
+                state[0] = SlotState.CLAIMED
+                claimed = True
+                del state
                 slot = _Slot(self, i)
+                self.owned.append(slot)
             except BaseException:
-                self.release_slot_lock(i)
+                if any(s.index == i for s in self.owned):
+                    raise  # (owned already: it is ours; the client's _reclaim_lost brings it into use)
+                if claimed:
+                    self.release_slot_lock(i)
+                else:
+                    _ipc.unlock(self.seg.fd, _ipc.slot_lock_byte(i))
                 raise
-            self.owned.append(slot)
             return slot
         return None
 

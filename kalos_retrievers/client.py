@@ -313,6 +313,7 @@ class KalosClient:
             raise ValueError(f"arena_docs={arena_docs!r} must be None (auto), True or False")
         self.arena_docs = arena_docs
         self.arena_retries = 0  # recalls asked again because a hit's row changed meanwhile
+        self.lost_slots = 0  # slots an interrupt took out of circulation, found again (_reclaim_lost)
         self._lock = threading.Condition(threading.RLock())
         self._waiters = 0
         self._trim: tuple[int, threading.Timer] | None = None  # (pid, timer): _arm_trim
@@ -1413,6 +1414,8 @@ class KalosClient:
                     raise SidecarUnavailable(f"sidecar {self.name!r} went away")
                 if not conn.free and any(s.pending for s in conn.owned):
                     self._recover_pending(conn)  # answered since they were abandoned?
+                if not conn.free:
+                    self._reclaim_lost(conn)  # (before claiming another of the segment's)
                 if conn.free:
                     return conn.free.pop()
                 if len(conn.owned) < self.max_slots:
@@ -1444,6 +1447,14 @@ class KalosClient:
                 self._waiters += 1
                 try:
                     self._lock.wait(min(remaining, 0.002))
+                except BaseException:
+                    # an exception a signal handler raised inside Condition.wait, after it gave
+                    # the lock up and before its try: the lock is no longer ours, and leaving the
+                    # `with` raised "cannot release un-acquired lock" in place of the caller's
+                    # KeyboardInterrupt; taken back here first
+                    if not self._lock._is_owned():  # type: ignore[attr-defined]
+                        self._lock.acquire()
+                    raise
                 finally:
                     self._waiters -= 1
 
@@ -1487,6 +1498,22 @@ class KalosClient:
         except RuntimeError:  # (no new thread: at interpreter exit, or at a thread limit)
             return  # the slots stay until the next call's _recover_pending, as before
         self._trim = (pid, timer)
+
+    def _reclaim_lost(self, conn: _Conn) -> None:
+        """Give back (as :meth:`_release` would) the slots no call holds that are neither
+        free nor pending (lock held): those an exception raised by a signal handler (Ctrl-C's
+        KeyboardInterrupt, a timeout decorator's) took out of circulation by landing between
+        a slot's leaving the free list and the ``try`` that returns it, or at the entry of
+        ``_release`` itself. Python cannot close such windows; this finds what they lost.
+        A call holding a slot holds a reference to it (a frame's, or ``_fastpath``'s own), so a
+        slot that only ``conn.owned`` refers to is held by none (one that a kept traceback, an
+        interactive session's last one, still refers to waits until it goes)."""
+        free = conn.free
+        for s in conn.owned:
+            if s.pending or s in free or sys.getrefcount(s) > _LONE_REFS:
+                continue
+            self.lost_slots += 1
+            self._release(conn, s)
 
     def _recover_pending(self, conn: _Conn) -> None:
         """Bring back the slots whose abandoned requests the sidecar has answered since (lock
@@ -1890,6 +1917,16 @@ class KalosClient:
         return resp
 
 
+def _lone_refs() -> int:
+    """``sys.getrefcount`` of an object that only a list refers to, seen as
+    :meth:`KalosClient._reclaim_lost` sees a slot (the count differs between versions)."""
+    owned = [object()]
+    for s in owned:
+        return sys.getrefcount(s)
+    raise AssertionError
+
+
+_LONE_REFS: Final = _lone_refs()
 _IN_FLIGHT: Final = frozenset({SlotState.REQUEST, SlotState.BUSY, SlotState.DOORBELL})
 _WRITES: Final = frozenset({Op.UPSERT, Op.DELETE})
 
@@ -2033,6 +2070,7 @@ def _trim_idle(ref: weakref.ref[KalosClient], after: float) -> None:
             return
         if conn.recover:
             client._recover_pending(conn)
+        client._reclaim_lost(conn)
         held_up = sum(1 for s in conn.owned if s.pending)
         if len(conn.owned) - held_up == len(conn.free) and not client._waiters:  # (none in use)
             while len(conn.free) > 1:
