@@ -62,3 +62,36 @@ def test_vectors_are_unit_deterministic_and_never_zero() -> None:
         assert float(np.linalg.norm(v)) == pytest.approx(1.0) and v[0] == 1.0
     with pytest.raises(ValueError, match="dim=4"):
         HashingEmbeddings(dim=4)
+
+
+def test_async_embeds_on_the_loop_not_behind_the_default_executor() -> None:
+    """``aembed_*`` give what the sync methods give without the loop's default executor: with
+    its threads all held (sync calls an app runs there, each held by a paused sidecar for its
+    timeout), they still return at once. Control: LangChain's base ``aembed_query`` (the old
+    behaviour) waits for a thread."""
+    import asyncio
+    import concurrent.futures
+    import threading
+    import time
+
+    from langchain_core.embeddings import Embeddings
+
+    async def main() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+        release = threading.Event()
+        held = [loop.run_in_executor(None, release.wait, 5) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        assert await E.aembed_query("refund window") == E.embed_query("refund window")
+        assert await E.aembed_documents(["a b", "c d"]) == E.embed_documents(["a b", "c d"])
+        ours = time.monotonic() - t0
+        loop.call_later(0.3, release.set)
+        t0 = time.monotonic()
+        await Embeddings.aembed_query(E, "refund window")  # the base class's: the default executor
+        base = time.monotonic() - t0
+        await asyncio.gather(*held)
+        return ours, base
+
+    ours, base = asyncio.run(main())
+    assert ours < 0.1 and base > 0.2
