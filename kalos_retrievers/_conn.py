@@ -14,6 +14,7 @@ import errno
 import mmap
 import os
 import random
+import time
 from typing import Any, Final
 
 import numpy as np
@@ -26,6 +27,7 @@ from .protocol import (
     CAR_HEAD,
     CAR_KMAX,
     CTL_SIZE,
+    HEADER_OFFSETS,
     CarouselLayout,
     Flag,
     Header,
@@ -302,6 +304,12 @@ class _Conn:
                 return False
             raise
         return alive and not self.dead
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the sidecar's maintenance thread last stamped the header (it does
+        every 0.1 s while serving; CLOCK_MONOTONIC is the host's, the same in every process)."""
+        stamped = int.from_bytes(self.seg.mm[HEADER_OFFSETS["heartbeat_ns"] :][:8], "little")
+        return (time.monotonic_ns() - stamped) / 1e9
 
     def claim(self) -> _Slot | None:
         n = self.layout.n_slots

@@ -3,7 +3,7 @@
 Exit codes (stable, for supervisors and readiness probes):
 
 == ==========================================================================
-0  success (``status``: up and answering)
+0  success (``status``: up and answering; or up by its heartbeat, with clients holding every slot)
 1  error (``status``: not running)
 2  usage error (``status``: running but not answering in time)
 3  ``serve``: a live sidecar already holds this name
@@ -22,18 +22,23 @@ import faulthandler
 import itertools
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kalos_retrievers import _ipc
-from kalos_retrievers.errors import KalosError, SidecarTimeout, SidecarUnavailable
+from kalos_retrievers.errors import KalosError, SidecarBusy, SidecarTimeout, SidecarUnavailable
 from kalos_retrievers.protocol import DTYPES, METRICS, check_name, segment_name, starting_pid
 
 from .server import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ServeConfig, Server, StartError
+
+if TYPE_CHECKING:
+    from kalos_retrievers.client import KalosClient
 
 
 def _name(text: str) -> str:
@@ -284,7 +289,10 @@ def _client(name: str, timeout: float):  # type: ignore[no-untyped-def]
 def _status(args: argparse.Namespace) -> int:
     try:
         with _client(args.name, args.timeout) as c:
-            rtt = c.ping()
+            try:
+                rtt = c.ping()
+            except SidecarBusy as e:
+                return _status_without_a_slot(args, c, e)
             h = c.header
     except SidecarTimeout as e:
         if not args.quiet:
@@ -299,6 +307,28 @@ def _status(args: argparse.Namespace) -> int:
             "name": h.name, "status": "ready", "pid": h.sidecar_pid, "backend": h.backend,
             "dim": h.dim, "metric": h.metric_name, "rows": h.row_count,
             "ping_us": round(rtt * 1e6, 1),
+        }))  # fmt: skip
+    return EXIT_OK
+
+
+def _status_without_a_slot(args: argparse.Namespace, c: KalosClient, e: SidecarBusy) -> int:
+    """Every slot is held by a client (idle clients keep one each): the ping cannot be sent,
+    and that says nothing of the sidecar. Up (0) when its maintenance thread stamped the
+    header within the last second, as it does every 0.1 s while serving: a probe must not
+    report a busy sidecar as wedged (a supervisor would restart it). Else not answering (2)."""
+    conn = c._conn
+    age = conn.heartbeat_age() if conn is not None and not conn.dead else math.inf
+    if age > 1.0:
+        if not args.quiet:
+            print(f"not answering: {e}; its heartbeat is {age:.1f} s old", file=sys.stderr)
+        return EXIT_USAGE
+    if not args.quiet:
+        h = c.header
+        print(json.dumps({
+            "name": h.name, "status": "ready", "pid": h.sidecar_pid, "backend": h.backend,
+            "dim": h.dim, "metric": h.metric_name, "rows": h.row_count, "ping_us": None,
+            "note": f"not pinged: all {h.n_slots} slots are held by clients (heartbeat {age * 1e3:.0f} ms old); "
+                    "start it with more --slots if clients wait for one",
         }))  # fmt: skip
     return EXIT_OK
 

@@ -625,3 +625,31 @@ def test_the_cli_runs_under_python_OO() -> None:
     probe = "import kalos_retrievers.sidecar.cli as m; print(m.__doc__)"
     doc = subprocess.run([sys.executable, "-OO", "-P", "-c", probe], capture_output=True, text=True, timeout=60)
     assert doc.stdout.strip() == "None", doc.stderr
+
+
+def test_status_of_a_sidecar_whose_slots_clients_all_hold(start_sidecar) -> None:
+    """Two idle clients keep one slot each of a two-slot sidecar: ``status`` cannot send its
+    ping. It exited 2 ("not answering": paused or wedged, for which a supervisor restarts);
+    it exits 0 now, from the heartbeat the sidecar stamps every 0.1 s, and says why it did not
+    ping. Control: the same sidecar paused (its heartbeat stops) exits 2."""
+    sc = start_sidecar(dim=3, slots=2)
+    a, b = sc.client(), sc.client()
+    try:
+        a.upsert(["x"], np.ones((1, 3), np.float32))
+        b.count()
+        r = cli("status", sc.name, "--timeout", "0.5")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["status"] == "ready" and out["ping_us"] is None and "all 2 slots are held" in out["note"]
+        os.kill(sc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1.2)
+            r = cli("status", sc.name, "--timeout", "0.5")
+            assert r.returncode == 2 and "heartbeat is" in r.stderr, (r.returncode, r.stderr)
+        finally:
+            os.kill(sc.pid, signal.SIGCONT)
+        a.close()
+        assert cli("status", sc.name, "-q").returncode == 0  # (a slot free: pinged)
+    finally:
+        a.close()
+        b.close()
