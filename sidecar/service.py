@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import math
 import sys
 import time
 from collections import OrderedDict
@@ -61,6 +62,9 @@ _BELL_SEEN_MAX = 64
 _REFRESH_MAX = 256  # changes a kept answer follows one by one at least (Service._refreshed)
 _FLOAT_MAX = int(sys.float_info.max)  # a metadata int beyond it has no float64 column value
 
+#: Seconds between two failed commits logged with their traceback (those between are counted).
+_COMMIT_LOG_EVERY = 60.0
+
 class Service:
     def __init__(self, index: Index, store: SqliteStore | NullStore, *, dim: int, metric: int) -> None:
         self.index = index
@@ -82,6 +86,8 @@ class Service:
         # _BELL_SEEN_MAX most recent; and the scopes forget_bell_space dropped (refused)
         self._bell_seen: OrderedDict[bytes, int] = OrderedDict()
         self._bell_refused: OrderedDict[bytes, None] = OrderedDict()
+        self._commit_logged = -math.inf  # when a failed commit was last logged (_commit)
+        self._commit_quiet = 0  # failed commits not logged since
 
     # ------------------------------------------------------------------ start-up
     def load(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -241,7 +247,15 @@ class Service:
         try:
             fn()
         except Exception as e:
-            log.exception("store commit failed")
+            # with its traceback once a minute, counted between: a full disk fails every write
+            # (hundreds a second), and a traceback each filled the log too
+            now = time.monotonic()
+            if now - self._commit_logged >= _COMMIT_LOG_EVERY:
+                more = f" ({self._commit_quiet} more since the last report)" if self._commit_quiet else ""
+                log.exception("store commit failed%s", more)
+                self._commit_logged, self._commit_quiet = now, 0
+            else:
+                self._commit_quiet += 1
             raise Invalid(Status.STORE, f"the store of record failed to commit: {e}") from None
 
     # ------------------------------------------------------------------ reads

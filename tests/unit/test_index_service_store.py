@@ -347,6 +347,40 @@ def test_store_round_trip_and_rebuild(tmp_path: Path) -> None:
     st2.close()
 
 
+def test_failed_commits_are_logged_with_a_traceback_once_a_minute(monkeypatch, caplog) -> None:
+    """A full disk fails every write: each logged a traceback (~500 in 20 s in a rehearsal).
+    The first is logged, the next ones within a minute are counted and said with the next
+    report. Every write still fails with STORE. Control: with the interval at 0 each is."""
+    import logging
+
+    from kalos_retrievers.sidecar import service as service_module
+
+    caplog.set_level(logging.ERROR, "kalos_retrievers.sidecar")
+    svc = svc_for(3, store=NullStore())
+
+    def full(*a: object, **k: object) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(svc.store, "upsert", full)
+    for interval, want in ((60.0, 1), (0.0, 5)):
+        monkeypatch.setattr(service_module, "_COMMIT_LOG_EVERY", interval)
+        svc._commit_logged, svc._commit_quiet = -float("inf"), 0
+        caplog.clear()
+        for i in range(5):
+            with pytest.raises(Invalid, match="disk is full") as e:
+                put(svc, [[1, 0, 0]], [f"x{i}"])
+            assert e.value.status == Status.STORE
+        logged = [r for r in caplog.records if "store commit failed" in r.getMessage()]
+        assert len(logged) == want and logged[0].exc_info is not None
+    monkeypatch.setattr(service_module, "_COMMIT_LOG_EVERY", 60.0)
+    svc._commit_logged = time.monotonic() - 61  # a minute on: the next report counts the quiet ones
+    svc._commit_quiet = 4
+    caplog.clear()
+    with pytest.raises(Invalid):
+        put(svc, [[1, 0, 0]], ["y"])
+    assert "(4 more since the last report)" in caplog.records[-1].getMessage()
+
+
 def test_a_new_data_dir_is_fsynced_into_its_parent(tmp_path: Path, monkeypatch) -> None:
     """Every directory the store makes has its parent fsynced (else a power cut could lose the
     new data dir with the writes acknowledged in it); an existing one fsyncs nothing extra."""
