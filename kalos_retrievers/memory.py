@@ -239,6 +239,9 @@ class KalosMemory:
         except KalosError as e:  # the memories are stored (their history is not)
             e.ids, e.committed = ids, len(ids)
             raise
+        except BaseException as e:  # (Ctrl-C, a timeout decorator's exception: said in the traceback)
+            e.add_note(f"KalosMemory.add: the memories {ids} were stored; their ADD history was not")
+            raise
         return [{"id": r[0], "memory": r[1], "event": "ADD"} for r in rows]
 
     # ------------------------------------------------------------------ search

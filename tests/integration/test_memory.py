@@ -212,6 +212,19 @@ def test_an_adds_error_says_which_memories_were_stored(memory: KalosMemory, monk
     monkeypatch.undo()
     assert info.value.committed == 0 and len(info.value.ids or []) == 1 and memory.get_all(user_id="bob") == []
 
+    def interrupted_in(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("namespace") == memory.history_namespace:
+            raise KeyboardInterrupt  # (Ctrl-C between the two writes)
+        return upsert(*args, **kwargs)
+
+    monkeypatch.setattr(memory.client, "upsert", interrupted_in)
+    with pytest.raises(KeyboardInterrupt) as stop:
+        memory.add("I have a cat", user_id="carol")
+    monkeypatch.undo()
+    (cat,) = memory.get_all(user_id="carol")
+    note = f"KalosMemory.add: the memories {[cat['id']]} were stored; their ADD history was not"
+    assert stop.value.__notes__ == [note]
+
 
 def test_a_memory_whose_history_event_outgrows_a_slot_is_not_written(
     start_sidecar: Callable[..., Sidecar],
