@@ -1160,9 +1160,11 @@ class KalosClient:
                 end += 1
             if end == start:
                 raise ValueError(
-                    f"texts/metadatas[{start}] is too large: one memory must fit in a slot "
-                    f"payload of {lay.payload_size} bytes with its vector; shorten it or start "
-                    "the sidecar with a larger --payload-kb"
+                    f"texts/metadatas[{start}] is too large for one request: its id, text and metadata take "
+                    f"{len(id_enc[start])}, {len(text_enc[start])} and {len(meta_enc[start])} bytes as "
+                    f"JSON (escapes included: a control character takes 6), its vector {row_bytes}, and a "
+                    f"slot's payload holds {lay.payload_size}; shorten it or start the sidecar with a "
+                    "larger --payload-kb"
                 )
             args = b"".join([
                 b'{"namespace":', ns_json,

@@ -1118,6 +1118,13 @@ def check_vectors(vectors: Any, dim: int, argument: str) -> np.ndarray:
         arr = np.ascontiguousarray(arr)
     if not np.isfinite(arr).all():
         bad = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
+        try:  # (finite as given, infinite as float32: say so, not "NaN or infinity")
+            wide = np.asarray(vectors, dtype=np.float64).reshape(arr.shape)[bad]
+        except (TypeError, ValueError, OverflowError):
+            wide = None
+        if wide is not None and np.isfinite(wide).all():
+            raise ValueError(f"{argument}[{bad}] has a value beyond float32's range (+-3.4e38), "
+                             "which vectors are stored as")  # fmt: skip
         raise ValueError(f"{argument}[{bad}] contains NaN or infinity")
     return arr
 

@@ -135,6 +135,9 @@ def test_upserts_larger_than_a_slot_and_responses_larger_than_the_blob(start_sid
         assert all(h.text == texts[int(h.id)] for h in r)
         with pytest.raises(ValueError, match="too large"):
             c.upsert(["big"], data[:1], texts=["y" * 70_000])
+        # what takes the room is said, as JSON encodes it: 12,000 NULs are 72,002 bytes there
+        with pytest.raises(ValueError, match=r"metadata take 5, 72002 and 2 bytes as JSON \(escapes included"):
+            c.upsert(["big"], data[:1], texts=["\x00" * 12_000])
         assert c.count() == n  # refused before anything was sent
 
 
@@ -573,6 +576,7 @@ def test_bad_inputs_have_clear_errors_and_the_sidecar_keeps_serving(start_sideca
         cases = [
             (lambda: c.recall([1, 2, 3], k=1), ValueError, r"query has shape \(3,\).*dim=4"),
             (lambda: c.recall([1, 2, np.inf, 0], k=1), ValueError, "NaN or infinity"),
+            (lambda: c.recall(np.array([1, 2, 1e39, 0]), k=1), ValueError, r"query\[0\] has a value beyond float32's"),
             (lambda: c.recall([1, 0, 0, 0], k=0), ValueError, r"k=0 must be an int in \[1, 50\]"),
             (lambda: c.recall([1, 0, 0, 0], k=51), ValueError, "k=51"),
             (lambda: c.recall([1, 0, 0, 0], filter={"a": {"$bogus": 1}}), ValueError, "unknown filter operator"),
