@@ -18,7 +18,7 @@ from kalos_retrievers.sidecar.metadata import MetadataColumns
 
 
 def _column_bytes(cols: MetadataColumns) -> int:
-    return sum(getattr(c, n).nbytes for c in cols.cols.values() for n in ("kind", "num", "obj", "code"))
+    return sum(getattr(c, n).nbytes for c in cols.dense.values() for n in ("kind", "num", "obj", "code"))
 
 
 def main() -> None:

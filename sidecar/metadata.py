@@ -265,6 +265,7 @@ class MetadataColumns:
     def __init__(self, capacity: int = 1024) -> None:
         self.capacity = capacity
         self.cols: dict[str, _Column | _Sparse] = {}
+        self.dense: dict[str, _Column] = {}  # the dense ones among cols (set's way to them)
         self.row_keys: list[tuple[str, ...] | None] = [None] * capacity
 
     def grow(self, capacity: int) -> None:
@@ -273,7 +274,7 @@ class MetadataColumns:
         # every dense column's arrays first, then in place together: a MemoryError part-way
         # leaves every column as it was (not some grown and some not, or one's arrays of two
         # lengths). Sparse columns are keyed by row: nothing to grow.
-        grown = [(c, c.grown(capacity)) for c in self.cols.values() if type(c) is _Column]
+        grown = [(c, c.grown(capacity)) for c in self.dense.values()]
         pad: list[None] = [None] * (capacity - self.capacity)
         for c, arrays in grown:
             for name, a in arrays.items():
@@ -283,30 +284,38 @@ class MetadataColumns:
 
     def set(self, row: int, metadata: Mapping[str, Any]) -> None:
         old = self.row_keys[row]
+        dense = self.dense
         for key, v in metadata.items():
-            col = self.cols.get(key)
+            col = dense.get(key)
             if col is None:
-                col = self.cols[key] = _Sparse()
-            if type(col) is _Sparse:
-                col.vals[row] = v
-                if len(col.vals) > sparse_max(self.capacity):
-                    self._densify(key, col)
+                self._set_sparse(key, row, v)
                 continue
             if old is None or col.kind[row] == MISSING:  # (kinds of rows not holding the key are MISSING)
                 col.held += 1
-            col.put(row, v)
+            k = _kind(v)  # (col.put(row, v), inlined: the hot path of every write)
+            col.obj[row] = v  # (the value, then its kind: a rebuild of the codes in code_of reads both)
+            col.num[row] = _as_float(v) if k in (BOOL, NUMBER) else (len(v) if k == LIST else 0.0)
+            col.kind[row] = k
+            col.code[row] = col.code_of(v) if k == STRING else UNCODED
         if old:  # (after the new keys: a key kept keeps its column)
             for key in old:
                 if key not in metadata:
                     self._let_go(key, row)
         self.row_keys[row] = tuple(metadata)
 
-    def _densify(self, key: str, col: _Sparse) -> None:
-        """Make ``key``'s column dense: built whole, then swapped in. Without the memory for it,
-        the key stays sparse (every answer the same, only slower), tried again at its next new
-        holder."""
-        with contextlib.suppress(MemoryError):
-            self.cols[key] = col.dense(self.capacity)
+    def _set_sparse(self, key: str, row: int, v: Any) -> None:
+        """``row``'s value of ``key``, whose column is not dense (or not yet made). Past
+        sparse_max holders, the column is made dense: built whole, then swapped in. Without the
+        memory for it, the key stays sparse (every answer the same, only slower), tried again at
+        its next new holder."""
+        col = self.cols.get(key)
+        if col is None:
+            col = self.cols[key] = _Sparse()
+        assert type(col) is _Sparse
+        col.vals[row] = v
+        if len(col.vals) > sparse_max(self.capacity):
+            with contextlib.suppress(MemoryError):
+                self.cols[key] = self.dense[key] = col.dense(self.capacity)
 
     def clear(self, row: int) -> None:
         keys = self.row_keys[row]
@@ -327,7 +336,7 @@ class MetadataColumns:
         col.obj[row] = None
         col.held -= 1
         if col.held <= 0:
-            del self.cols[key]
+            del self.cols[key], self.dense[key]
 
     def move(self, src: int, dst: int) -> None:
         keys = self.row_keys[src]
