@@ -322,7 +322,7 @@ def test_check_vectors_list_fast_path_matches_numpy() -> None:
     np.testing.assert_array_equal(P.check_vectors(mixed, 5, "q")[0], [1, 1, 2.5, -3, 4.25])
     np.testing.assert_array_equal(P.check_vectors(["1.5", 2, 3], 3, "q")[0], [1.5, 2, 3])  # numpy's
     for bad in ([1.0, float("nan"), 2.0], [1.0, float("inf"), 2.0], [1.0, 1e39, 2.0], [1.0, 10**400, 2.0]):
-        with pytest.raises(ValueError, match=r"q\[0\] contains NaN or infinity|numeric|q\[0\] has a value beyond float32"):
+        with pytest.raises(ValueError, match=r"q\[0\] (contains NaN or infinity|has a value beyond float32)|numeric"):
             P.check_vectors(bad, 3, "q")
     with pytest.raises(ValueError, match=r"q\[0\] has a value beyond float32's range"):  # (finite as given)
         P.check_vectors([1.0, 1e39, 2.0], 3, "q")
