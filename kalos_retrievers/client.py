@@ -1600,8 +1600,11 @@ class KalosClient:
         if conn.recover:
             with self._lock:
                 self._recover_pending(conn)
-            if op in _WRITES and conn.recover:
-                self._await_earlier_writes(conn, op, deadline)
+        # (the slots themselves, not conn.recover: another thread's _recover_pending clears
+        # that flag before it looks at them, so read without the lock it could say no pending
+        # write while one was, and this write overtook it)
+        if op in _WRITES and any(s.pending for s in conn.owned):
+            self._await_earlier_writes(conn, op, deadline)
         vec_len = 0 if vectors is None else vectors.size * 4
         if align8(vec_len) + len(args) > conn.layout.payload_size:
             raise ValueError(
