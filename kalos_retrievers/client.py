@@ -1464,7 +1464,8 @@ class KalosClient:
         if slot.pending:
             return  # (out of circulation already: _recover_pending brings it back)
         state = slot.state[0]
-        if state in _IN_FLIGHT:
+        if state not in _SETTLED:  # (FREE too: never an owned slot's, but a sidecar before session 68 wrote
+            # its state words through struct, which zeroes them first: FREE seen mid-write)
             # a request written and its answer not read: the call ended at its deadline, or
             # was left by an exception (KeyboardInterrupt, a signal handler's) while the
             # sidecar may still answer it; back in circulation now, the next request written
@@ -1940,6 +1941,7 @@ def _request_op(slot: _Slot) -> int:
     """The op of the request last written into ``slot``."""
     return int(REQUEST_STRUCT.unpack_from(slot.ctl, REQUEST_OFFSET)[1])
 _ANSWERED: Final = frozenset({SlotState.RESPONSE, SlotState.ERROR})
+_SETTLED: Final = frozenset({SlotState.CLAIMED, *_ANSWERED})  # (an owned slot's states with no request in flight)
 
 
 class _NotTaken(SidecarUnavailable):

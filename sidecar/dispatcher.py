@@ -102,10 +102,14 @@ CAROUSEL_STALL_S: Final = 5.0
 # ops answered from host state alone: they run beside the index's resident kernel
 _HOST_ONLY: Final = frozenset({Op.PING, Op.STATS, Op.COUNT, Op.NAMESPACES, Op.CONTINUE})
 
-# The answer path writes state words and reads result rows with struct, not numpy: right after
-# a scan that evicted the caches, each numpy call's dispatch code runs cold (on a 16-core host
-# the CPU backend's whole answer phase took ~120 us p50), a struct call touches far less.
-_STATE = struct.Struct("<I")
+# The answer path reads result rows with struct, not numpy: right after a scan that evicted the
+# caches, each numpy call's dispatch code runs cold (on a 16-core host the CPU backend's whole
+# answer phase took ~120 us p50), a struct call touches far less. State words are written by one
+# aligned store (``self.states[i] = ...``, a scalar store, no ufunc), never with
+# ``struct.pack_into``: struct zeroes the field before writing it, and a client reading the word
+# then saw FREE (0) in a slot whose request was in flight (a review counted 162,149 zeros in 7.9M
+# reads of a word only ever set to REQUEST and BUSY), took the request for answered and reused
+# the slot ("response sequence ... does not match").
 _ROWS: dict[int, struct.Struct] = {}
 
 
@@ -731,7 +735,7 @@ class Dispatcher:
             self._taken.discard(i)
             if req is None:
                 req = Request._make(REQUEST_STRUCT.unpack_from(self.mm, self.slot_off[i] + REQUEST_OFFSET))
-                _STATE.pack_into(self.mm, self.slot_off[i], SlotState.BUSY)
+                self.states[i] = SlotState.BUSY  # (one store: see _ROWS)
                 try:
                     self._check(req)
                 except Invalid as e:
@@ -1539,7 +1543,7 @@ class Dispatcher:
         self.mm[b0 : b0 + len(blob)] = blob
         RESPONSE_STRUCT.pack_into(self.mm, off + RESPONSE_OFFSET, req.seq, status, n_results,
                                   len(blob), flags)  # fmt: skip
-        _STATE.pack_into(self.mm, off, SlotState.RESPONSE if status == Status.OK else SlotState.ERROR)
+        self.states[i] = SlotState.RESPONSE if status == Status.OK else SlotState.ERROR  # (one store: see _ROWS)
         self._answered(i, req, status, t0)
 
     def _answered(self, i: int, req: Request, status: int, t0: int) -> None:
