@@ -28,6 +28,7 @@ from .protocol import (
     CAR_KMAX,
     CTL_SIZE,
     HEADER_OFFSETS,
+    REQUEST_OFFSET,
     CarouselLayout,
     Flag,
     Header,
@@ -308,8 +309,22 @@ class _Conn:
     def heartbeat_age(self) -> float:
         """Seconds since the sidecar's maintenance thread last stamped the header (it does
         every 0.1 s while serving; CLOCK_MONOTONIC is the host's, the same in every process)."""
-        stamped = int.from_bytes(self.seg.mm[HEADER_OFFSETS["heartbeat_ns"] :][:8], "little")
+        at = HEADER_OFFSETS["heartbeat_ns"]
+        stamped = int.from_bytes(self.seg.mm[at : at + 8], "little")
         return (time.monotonic_ns() - stamped) / 1e9
+
+    def requests_waiting(self) -> dict[int, tuple[int, int]]:
+        """``{slot: (state, request seq)}`` of the segment's slots whose requests wait for the
+        sidecar (REQUEST, BUSY, DOORBELL), whoever owns them: read twice, a pair that stayed
+        says the sidecar took no request from that slot meanwhile."""
+        out = {}
+        mm, lay = self.seg.mm, self.layout
+        for i in range(lay.n_slots):
+            off = lay.slot_offset(i)
+            state = int.from_bytes(mm[off : off + 4], "little")
+            if state in (SlotState.REQUEST, SlotState.BUSY, SlotState.DOORBELL):
+                out[i] = (state, int.from_bytes(mm[off + REQUEST_OFFSET : off + REQUEST_OFFSET + 8], "little"))
+        return out
 
     def claim(self) -> _Slot | None:
         n = self.layout.n_slots

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from kalos_retrievers import _ipc
 from kalos_retrievers.errors import KalosError, SidecarBusy, SidecarTimeout, SidecarUnavailable
-from kalos_retrievers.protocol import DTYPES, METRICS, check_name, segment_name, starting_pid
+from kalos_retrievers.protocol import DTYPES, METRICS, SlotState, check_name, segment_name, starting_pid
 
 from .server import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ServeConfig, Server, StartError
 
@@ -289,10 +289,12 @@ def _client(name: str, timeout: float):  # type: ignore[no-untyped-def]
 def _status(args: argparse.Namespace) -> int:
     try:
         with _client(args.name, args.timeout) as c:
+            conn = c._conn
+            waiting = conn.requests_waiting() if conn is not None else {}
             try:
                 rtt = c.ping()
             except SidecarBusy as e:
-                return _status_without_a_slot(args, c, e)
+                return _status_without_a_slot(args, c, e, waiting)
             h = c.header
     except SidecarTimeout as e:
         if not args.quiet:
@@ -311,17 +313,28 @@ def _status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _status_without_a_slot(args: argparse.Namespace, c: KalosClient, e: SidecarBusy) -> int:
+def _status_without_a_slot(args: argparse.Namespace, c: KalosClient, e: SidecarBusy,
+                           waiting: dict[int, tuple[int, int]]) -> int:  # fmt: skip
     """Every slot is held by a client (idle clients keep one each): the ping cannot be sent,
-    and that says nothing of the sidecar. Up (0) when its maintenance thread stamped the
-    header within the last second, as it does every 0.1 s while serving: a probe must not
-    report a busy sidecar as wedged (a supervisor would restart it). Else not answering (2)."""
+    and that says nothing of the sidecar. Up (0) when it is alive (its lock held), its
+    maintenance thread stamped the header within the last second (every 0.1 s while serving),
+    and no request that waited when the probe began (``waiting``: slot -> state and seq) still
+    waits untaken: a probe must not report a busy sidecar as wedged (a supervisor would restart
+    it), nor a wedged one whose slots its callers' given-up requests hold as ready. Else not
+    answering (2)."""
     conn = c._conn
-    age = conn.heartbeat_age() if conn is not None and not conn.dead else math.inf
-    if age > 1.0:
+    alive = conn is not None and not conn.dead and conn.sidecar_alive()
+    age = conn.heartbeat_age() if alive and conn is not None else math.inf
+    # (REQUEST only: one being worked on, BUSY, may take long; one a client wrote and the
+    # sidecar has not taken for the probe's whole wait is the serve loop not taking requests)
+    stuck = sorted(i for i, w in (conn.requests_waiting() if alive and conn is not None else {}).items()
+                   if w[0] == SlotState.REQUEST and waiting.get(i) == w)  # fmt: skip
+    if not alive or age > 1.0 or stuck:
+        why = ("it is gone" if not alive else f"its heartbeat is {age:.1f} s old" if age > 1.0
+               else f"slot {stuck[0]}'s request has waited the probe's {args.timeout} s untaken")  # fmt: skip
         if not args.quiet:
-            print(f"not answering: {e}; its heartbeat is {age:.1f} s old", file=sys.stderr)
-        return EXIT_USAGE
+            print(f"not answering: {e}; {why}", file=sys.stderr)
+        return EXIT_USAGE if alive else EXIT_ERROR
     if not args.quiet:
         h = c.header
         print(json.dumps({
