@@ -1543,8 +1543,9 @@ class KalosClient:
         """Before a write is sent: wait, within its deadline, for this client's earlier writes
         still in the sidecar's hands (given up at their deadlines, or left by an interrupt) to
         be answered. The sidecar takes waiting slots in slot order, so a later write in another
-        slot could be done first: a delete of an id, then the upsert of it given up before,
-        and the id was back. Raises :class:`SidecarTimeout` (this write not sent) when they are
+        slot could be done first: an upsert interrupted (Ctrl-C), then a delete of its id, and
+        the id was back. (One given up before the sidecar took it is refused by the sidecar at
+        its deadline, and answered so.) Raises :class:`SidecarTimeout` (this write not sent) when they are
         still unanswered at the deadline; the sidecar gone, they are done or lost, and a new
         one cannot take them after this write."""
         pause, rang = 0.0002, 0.0
@@ -1560,9 +1561,10 @@ class KalosClient:
                 rang = now
             if now >= deadline:
                 raise SidecarTimeout(
-                    f"{OP_NAMES.get(op, op)}: not sent: {earlier} earlier write(s) of this client, given "
-                    f"up at their deadlines, are still unanswered by sidecar {self.name!r}, and this "
-                    "write could be done before them; is the sidecar paused or overloaded?"
+                    f"{OP_NAMES.get(op, op)}: not sent: {earlier} earlier write(s) of this client (left "
+                    f"by an interrupt, or given up at a deadline once taken) are still unanswered by sidecar "
+                    f"{self.name!r}, and this write could be done before them; is the sidecar paused or "
+                    "overloaded?"
                 )
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(2 * pause, 0.005)
@@ -1933,15 +1935,14 @@ def _lone_refs() -> int:
 
 
 _LONE_REFS: Final = _lone_refs()
-_IN_FLIGHT: Final = frozenset({SlotState.REQUEST, SlotState.BUSY, SlotState.DOORBELL})
+_ANSWERED: Final = frozenset({SlotState.RESPONSE, SlotState.ERROR})
+_SETTLED: Final = frozenset({SlotState.CLAIMED, *_ANSWERED})  # (an owned slot's states with no request in flight)
 _WRITES: Final = frozenset({Op.UPSERT, Op.DELETE})
 
 
 def _request_op(slot: _Slot) -> int:
     """The op of the request last written into ``slot``."""
     return int(REQUEST_STRUCT.unpack_from(slot.ctl, REQUEST_OFFSET)[1])
-_ANSWERED: Final = frozenset({SlotState.RESPONSE, SlotState.ERROR})
-_SETTLED: Final = frozenset({SlotState.CLAIMED, *_ANSWERED})  # (an owned slot's states with no request in flight)
 
 
 class _NotTaken(SidecarUnavailable):
