@@ -313,17 +313,16 @@ class _Conn:
         stamped = int.from_bytes(self.seg.mm[at : at + 8], "little")
         return (time.monotonic_ns() - stamped) / 1e9
 
-    def requests_waiting(self) -> dict[int, tuple[int, int]]:
-        """``{slot: (state, request seq)}`` of the segment's slots whose requests wait for the
-        sidecar (REQUEST, BUSY, DOORBELL), whoever owns them: read twice, a pair that stayed
-        says the sidecar took no request from that slot meanwhile."""
+    def untaken_requests(self) -> dict[int, int]:
+        """``{slot: request seq}`` of the segment's slots whose requests (REQUEST) the sidecar
+        has not taken yet, whoever owns them: read twice, a pair that stayed says it took none
+        from that slot meanwhile."""
         out = {}
         mm, lay = self.seg.mm, self.layout
         for i in range(lay.n_slots):
             off = lay.slot_offset(i)
-            state = int.from_bytes(mm[off : off + 4], "little")
-            if state in (SlotState.REQUEST, SlotState.BUSY, SlotState.DOORBELL):
-                out[i] = (state, int.from_bytes(mm[off + REQUEST_OFFSET : off + REQUEST_OFFSET + 8], "little"))
+            if int.from_bytes(mm[off : off + 4], "little") == SlotState.REQUEST:
+                out[i] = int.from_bytes(mm[off + REQUEST_OFFSET : off + REQUEST_OFFSET + 8], "little")
         return out
 
     def claim(self) -> _Slot | None:
@@ -336,7 +335,6 @@ class _Conn:
                 continue
             # from here until it is owned, anything raised (a signal handler's KeyboardInterrupt
             # too) gives the slot back: locked and not owned, no one could use it until close()
-            claimed = False
             try:
                 state = memoryview(self.seg.mm)[self.layout.slot_offset(i) :][:8].cast("I")
                 if state[0] != SlotState.FREE:
@@ -346,17 +344,13 @@ class _Conn:
                     continue
                 state[1] = os.getpid() & 0xFFFFFFFF
                 state[0] = SlotState.CLAIMED
-                claimed = True
                 del state
                 slot = _Slot(self, i)
                 self.owned.append(slot)
             except BaseException:
                 if any(s.index == i for s in self.owned):
                     raise  # (owned already: it is ours; the client's _reclaim_lost brings it into use)
-                if claimed:
-                    self.release_slot_lock(i)
-                else:
-                    _ipc.unlock(self.seg.fd, _ipc.slot_lock_byte(i))
+                self.release_slot_lock(i)  # (a CLAIMED word without its lock: the sidecar reclaims it)
                 raise
             return slot
         return None

@@ -22,7 +22,6 @@ import faulthandler
 import itertools
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -33,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from kalos_retrievers import _ipc
 from kalos_retrievers.errors import KalosError, SidecarBusy, SidecarTimeout, SidecarUnavailable
-from kalos_retrievers.protocol import DTYPES, METRICS, SlotState, check_name, segment_name, starting_pid
+from kalos_retrievers.protocol import DTYPES, METRICS, Header, check_name, segment_name, starting_pid
 
 from .server import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ServeConfig, Server, StartError
 
@@ -290,11 +289,11 @@ def _status(args: argparse.Namespace) -> int:
     try:
         with _client(args.name, args.timeout) as c:
             conn = c._conn
-            waiting = conn.requests_waiting() if conn is not None else {}
+            untaken = conn.untaken_requests() if conn is not None else {}
             try:
                 rtt = c.ping()
             except SidecarBusy as e:
-                return _status_without_a_slot(args, c, e, waiting)
+                return _status_without_a_slot(args, c, e, untaken)
             h = c.header
     except SidecarTimeout as e:
         if not args.quiet:
@@ -305,44 +304,45 @@ def _status(args: argparse.Namespace) -> int:
             print(f"down: {e}", file=sys.stderr)
         return EXIT_ERROR
     if not args.quiet:
-        print(json.dumps({
-            "name": h.name, "status": "ready", "pid": h.sidecar_pid, "backend": h.backend,
-            "dim": h.dim, "metric": h.metric_name, "rows": h.row_count,
-            "ping_us": round(rtt * 1e6, 1),
-        }))  # fmt: skip
+        _print_ready(h, round(rtt * 1e6, 1))
     return EXIT_OK
 
 
+def _print_ready(h: Header, ping_us: float | None, **more: str) -> None:
+    print(json.dumps({
+        "name": h.name, "status": "ready", "pid": h.sidecar_pid, "backend": h.backend,
+        "dim": h.dim, "metric": h.metric_name, "rows": h.row_count, "ping_us": ping_us, **more,
+    }))  # fmt: skip
+
+
 def _status_without_a_slot(args: argparse.Namespace, c: KalosClient, e: SidecarBusy,
-                           waiting: dict[int, tuple[int, int]]) -> int:  # fmt: skip
+                           untaken: dict[int, int]) -> int:  # fmt: skip
     """Every slot is held by a client (idle clients keep one each): the ping cannot be sent,
     and that says nothing of the sidecar. Up (0) when it is alive (its lock held), its
     maintenance thread stamped the header within the last second (every 0.1 s while serving),
-    and no request that waited when the probe began (``waiting``: slot -> state and seq) still
-    waits untaken: a probe must not report a busy sidecar as wedged (a supervisor would restart
-    it), nor a wedged one whose slots its callers' given-up requests hold as ready. Else not
-    answering (2)."""
+    and no request untaken when the probe began (``untaken``: slot -> seq) is still untaken: a
+    probe must not report a busy sidecar as wedged (a supervisor would restart it), nor a
+    wedged one whose slots its callers' given-up requests hold as ready. Else not answering
+    (2), or down (1) when it is gone. (Untaken requests only: one being worked on may take
+    long; one the sidecar has not taken for the probe's whole wait is the serve loop not
+    taking requests.)"""
     conn = c._conn
-    alive = conn is not None and not conn.dead and conn.sidecar_alive()
-    age = conn.heartbeat_age() if alive and conn is not None else math.inf
-    # (REQUEST only: one being worked on, BUSY, may take long; one a client wrote and the
-    # sidecar has not taken for the probe's whole wait is the serve loop not taking requests)
-    stuck = sorted(i for i, w in (conn.requests_waiting() if alive and conn is not None else {}).items()
-                   if w[0] == SlotState.REQUEST and waiting.get(i) == w)  # fmt: skip
-    if not alive or age > 1.0 or stuck:
-        why = ("it is gone" if not alive else f"its heartbeat is {age:.1f} s old" if age > 1.0
+    if conn is None or conn.dead or not conn.sidecar_alive():
+        if not args.quiet:
+            print(f"down: {e}; it is gone", file=sys.stderr)
+        return EXIT_ERROR
+    age = conn.heartbeat_age()
+    stuck = sorted(i for i, seq in conn.untaken_requests().items() if untaken.get(i) == seq)
+    if age > 1.0 or stuck:
+        why = (f"its heartbeat is {age:.1f} s old" if age > 1.0
                else f"slot {stuck[0]}'s request has waited the probe's {args.timeout} s untaken")  # fmt: skip
         if not args.quiet:
             print(f"not answering: {e}; {why}", file=sys.stderr)
-        return EXIT_USAGE if alive else EXIT_ERROR
+        return EXIT_USAGE
     if not args.quiet:
         h = c.header
-        print(json.dumps({
-            "name": h.name, "status": "ready", "pid": h.sidecar_pid, "backend": h.backend,
-            "dim": h.dim, "metric": h.metric_name, "rows": h.row_count, "ping_us": None,
-            "note": f"not pinged: all {h.n_slots} slots are held by clients (heartbeat {age * 1e3:.0f} ms old); "
-                    "start it with more --slots if clients wait for one",
-        }))  # fmt: skip
+        _print_ready(h, None, note=f"not pinged: all {h.n_slots} slots are held by clients (heartbeat "
+                                   f"{age * 1e3:.0f} ms old); start it with more --slots if clients wait for one")
     return EXIT_OK
 
 

@@ -666,20 +666,18 @@ def test_status_without_a_slot_reads_a_request_left_untaken_or_a_dead_sidecar_as
     from kalos_retrievers.sidecar import cli as cli_module
 
     from kalos_retrievers import SidecarBusy
-    from kalos_retrievers.protocol import SlotState
 
     def probe(alive: bool, before: dict, after: dict, age: float = 0.05) -> int:
         conn = SimpleNamespace(dead=False, sidecar_alive=lambda: alive, heartbeat_age=lambda: age,
-                               requests_waiting=lambda: after)  # fmt: skip
+                               untaken_requests=lambda: after)  # fmt: skip
         header = SimpleNamespace(name="x", sidecar_pid=1, backend="cpu", dim=3, metric_name="cosine",
                                  row_count=0, n_slots=2)  # fmt: skip
         c = SimpleNamespace(_conn=conn, header=header)
         args = argparse.Namespace(quiet=False, timeout=1.0)
         return cli_module._status_without_a_slot(args, c, SidecarBusy("no free slot"), before)  # type: ignore[arg-type]
 
-    req = {0: (SlotState.REQUEST, 7)}
-    assert probe(True, req, req) == 2 and "slot 0's request has waited" in capsys.readouterr().err
-    assert probe(True, req, {0: (SlotState.BUSY, 7)}) == 0  # taken meanwhile
-    assert probe(True, {0: (SlotState.BUSY, 7)}, {0: (SlotState.BUSY, 7)}) == 0  # (worked on: may take long)
+    assert probe(True, {0: 7}, {0: 7}) == 2 and "slot 0's request has waited" in capsys.readouterr().err
+    assert probe(True, {0: 7}, {}) == 0  # taken meanwhile
+    assert probe(True, {0: 7}, {0: 8}) == 0  # (taken, and another written since)
     assert probe(True, {}, {}, age=3.0) == 2 and "heartbeat is 3.0 s old" in capsys.readouterr().err
     assert probe(False, {}, {}) == 1 and "it is gone" in capsys.readouterr().err
